@@ -1,0 +1,329 @@
+//! Domain types shared by every part of kiln: what to run ([`ExecRequest`]), within which
+//! bounds ([`Limits`]), and what came of it ([`ExecResult`], [`Outcome`]).
+//!
+//! ```
+//! use kiln_core::{ExecRequest, Language, Limits};
+//!
+//! let request = ExecRequest::new(Language::Python, "print(1 + 1)");
+//! assert_eq!(request.limits, Limits::default());
+//! assert_eq!(request.limits.timeout_ms, 30_000);
+//! ```
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// A language kiln can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Language {
+    /// CPython 3.15 on WebAssembly, with numpy, pandas, scipy, scikit-learn and matplotlib.
+    Python,
+    /// QuickJS-NG on WebAssembly (ES2023, no Node.js APIs).
+    #[serde(alias = "js")]
+    JavaScript,
+}
+
+impl Language {
+    /// Every language, in a stable order.
+    pub const ALL: [Language; 2] = [Language::Python, Language::JavaScript];
+
+    /// The language's canonical name, as accepted by [`Language::from_name`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Language::Python => "python",
+            Language::JavaScript => "javascript",
+        }
+    }
+
+    /// Parses a language name: `python`, `py`, `javascript`, `js` (any case).
+    pub fn from_name(name: &str) -> Option<Language> {
+        match name.to_ascii_lowercase().as_str() {
+            "python" | "py" | "python3" => Some(Language::Python),
+            "javascript" | "js" | "node" | "quickjs" => Some(Language::JavaScript),
+            _ => None,
+        }
+    }
+
+    /// Chooses a language from a file name's extension: `.py` or `.js`/`.mjs`.
+    pub fn from_path(path: &std::path::Path) -> Option<Language> {
+        match path.extension()?.to_str()? {
+            "py" => Some(Language::Python),
+            "js" | "mjs" | "cjs" => Some(Language::JavaScript),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Language {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Bounds on one execution (or one session turn). Every execution is bounded; the defaults
+/// suit code an LLM wrote and a person waits for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Wall-clock deadline in milliseconds, including time spent blocked (`time.sleep`).
+    /// Default 30 000.
+    pub timeout_ms: u64,
+    /// Cap on the guest's linear memory in bytes. Default 512 MiB. Python sees a
+    /// `MemoryError` when it would go over; JavaScript an out-of-memory exception.
+    pub memory_bytes: u64,
+    /// Bytes of stdout kept; the rest is dropped and the result is flagged truncated.
+    /// Default 1 MiB.
+    pub stdout_bytes: u64,
+    /// Bytes of stderr kept, as for stdout. Default 1 MiB.
+    pub stderr_bytes: u64,
+    /// Bytes the guest may write to files (workspace and `/tmp`) during the execution,
+    /// counted as written (an overwrite counts again). Writes beyond it fail with `ENOSPC`.
+    /// Default 64 MiB.
+    pub fs_write_bytes: u64,
+    /// Files and directories the guest may create during the execution. Default 1 000.
+    pub fs_create_count: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            timeout_ms: 30_000,
+            memory_bytes: 512 << 20,
+            stdout_bytes: 1 << 20,
+            stderr_bytes: 1 << 20,
+            fs_write_bytes: 64 << 20,
+            fs_create_count: 1_000,
+        }
+    }
+}
+
+impl Limits {
+    /// The deadline as a [`Duration`].
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+
+    /// Checks the limits are usable: nothing zero, memory within what a 32-bit guest can
+    /// address (4 GiB).
+    pub fn validate(&self) -> Result<(), LimitsError> {
+        if self.timeout_ms == 0 {
+            return Err(LimitsError::ZeroTimeout);
+        }
+        if self.timeout_ms > 24 * 3600 * 1000 {
+            return Err(LimitsError::TimeoutTooLong {
+                timeout_ms: self.timeout_ms,
+            });
+        }
+        if self.memory_bytes < 16 << 20 || self.memory_bytes > 4 << 30 {
+            return Err(LimitsError::MemoryOutOfRange {
+                memory_bytes: self.memory_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Limits that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitsError {
+    /// the timeout must be greater than zero
+    #[error("the timeout must be greater than zero")]
+    ZeroTimeout,
+    /// the timeout may be at most 24 hours
+    #[error("the timeout of {timeout_ms} ms is longer than the maximum of 24 hours")]
+    TimeoutTooLong { timeout_ms: u64 },
+    /// memory must lie between 16 MiB and 4 GiB
+    #[error("a memory limit of {memory_bytes} bytes is outside 16 MiB..=4 GiB")]
+    MemoryOutOfRange { memory_bytes: u64 },
+}
+
+/// A host directory granted to the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mount {
+    /// The directory on the host.
+    pub host: PathBuf,
+    /// Where the guest sees it: an absolute path such as `/data`.
+    pub guest: String,
+    /// Whether the guest may create, change and delete files in it (within the file quota).
+    pub writable: bool,
+}
+
+/// One execution: code, its input, and what it may touch.
+///
+/// Deny by default: with only `language` and `code` set, the guest sees no host files but a
+/// private empty `/tmp`, no environment variables but the runtime's own, no network.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// Which runtime runs the code.
+    pub language: Language,
+    /// Source code to run.
+    pub code: String,
+    /// Bytes the guest reads on stdin (then end of file).
+    #[serde(default)]
+    pub stdin: Vec<u8>,
+    /// Environment variables the guest sees, besides the runtime's own (`HOME`, `TMPDIR`).
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// A host directory the guest sees read-write at `/workspace`, which is also its
+    /// working directory.
+    #[serde(default)]
+    pub workspace: Option<PathBuf>,
+    /// Further host directories granted to the guest.
+    #[serde(default)]
+    pub mounts: Vec<Mount>,
+    /// Bounds on time, memory, output and files.
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+impl ExecRequest {
+    /// A request with no input, no grants and default limits.
+    pub fn new(language: Language, code: impl Into<String>) -> ExecRequest {
+        ExecRequest {
+            language,
+            code: code.into(),
+            stdin: Vec::new(),
+            env: Vec::new(),
+            workspace: None,
+            mounts: Vec::new(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// How an execution ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Outcome {
+    /// The guest ran to its end; see the exit code.
+    Completed,
+    /// The guest ran to its end but wrote more output than the caps allow; the rest was
+    /// dropped.
+    OutputTruncated,
+    /// The deadline passed; the guest was stopped.
+    TimedOut,
+    /// The guest needed more memory than its cap.
+    MemoryLimit,
+    /// The guest trapped (a WebAssembly fault such as a stack overflow); `trap` names it.
+    Crashed { trap: String },
+}
+
+impl Outcome {
+    /// Whether the guest ran to its own end (completed, possibly with truncated output).
+    pub fn ran_to_end(&self) -> bool {
+        matches!(self, Outcome::Completed | Outcome::OutputTruncated)
+    }
+
+    /// A one-line reason for the outcomes that are not a normal end.
+    pub fn reason(&self, limits: &Limits) -> Option<String> {
+        match self {
+            Outcome::Completed => None,
+            Outcome::OutputTruncated => Some(format!(
+                "output truncated (limits: stdout {} bytes, stderr {} bytes)",
+                limits.stdout_bytes, limits.stderr_bytes
+            )),
+            Outcome::TimedOut => Some(format!("timed out after {} ms", limits.timeout_ms)),
+            Outcome::MemoryLimit => Some(format!(
+                "memory limit of {} MiB exceeded",
+                limits.memory_bytes >> 20
+            )),
+            Outcome::Crashed { trap } => Some(format!("sandbox crashed: {trap}")),
+        }
+    }
+}
+
+/// What an execution produced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecResult {
+    /// Captured stdout, at most `limits.stdout_bytes`.
+    pub stdout: Vec<u8>,
+    /// Captured stderr, at most `limits.stderr_bytes`.
+    pub stderr: Vec<u8>,
+    /// The guest's exit code; meaningful when the outcome ran to its end, else -1.
+    pub exit_code: i32,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Whether stdout lost bytes to its cap.
+    pub stdout_truncated: bool,
+    /// Whether stderr lost bytes to its cap.
+    pub stderr_truncated: bool,
+    /// Wall-clock time of the execution in microseconds.
+    pub duration_us: u64,
+    /// The guest's largest linear memory in bytes.
+    pub peak_memory_bytes: u64,
+    /// Bytes the guest wrote to files.
+    pub fs_written_bytes: u64,
+}
+
+impl ExecResult {
+    /// stdout as text (invalid UTF-8 replaced).
+    pub fn stdout_text(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+
+    /// stderr as text (invalid UTF-8 replaced).
+    pub fn stderr_text(&self) -> String {
+        String::from_utf8_lossy(&self.stderr).into_owned()
+    }
+
+    /// Whether the guest ran to its end with exit code 0.
+    pub fn success(&self) -> bool {
+        self.outcome.ran_to_end() && self.exit_code == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn language_names_round_trip() {
+        for language in Language::ALL {
+            assert_eq!(Language::from_name(language.name()), Some(language));
+        }
+        assert_eq!(Language::from_name("JS"), Some(Language::JavaScript));
+        assert_eq!(Language::from_name("ruby"), None);
+        assert_eq!(
+            Language::from_path(std::path::Path::new("a/b.py")),
+            Some(Language::Python)
+        );
+        assert_eq!(Language::from_path(std::path::Path::new("b.txt")), None);
+        assert_eq!(Language::from_path(std::path::Path::new("Makefile")), None);
+    }
+
+    #[test]
+    fn limits_validate() {
+        assert_eq!(Limits::default().validate(), Ok(()));
+        let zero = Limits {
+            timeout_ms: 0,
+            ..Limits::default()
+        };
+        assert_eq!(zero.validate(), Err(LimitsError::ZeroTimeout));
+        let huge = Limits {
+            memory_bytes: 8 << 30,
+            ..Limits::default()
+        };
+        assert_eq!(
+            huge.validate(),
+            Err(LimitsError::MemoryOutOfRange {
+                memory_bytes: 8 << 30
+            })
+        );
+    }
+
+    #[test]
+    fn outcome_serializes_with_a_kind_tag() {
+        let json = serde_json::to_string(&Outcome::Crashed {
+            trap: "stack overflow".into(),
+        })
+        .unwrap();
+        assert_eq!(json, r#"{"kind":"crashed","trap":"stack overflow"}"#);
+        let limits: Limits = serde_json::from_str(r#"{"timeout_ms": 5}"#).unwrap();
+        assert_eq!(limits.timeout_ms, 5);
+        assert_eq!(limits.memory_bytes, Limits::default().memory_bytes);
+        let err = serde_json::from_str::<Limits>(r#"{"timeout": 5}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+}

@@ -1,0 +1,377 @@
+//! The parent side: a pool of worker processes.
+//!
+//! Each request goes to the worker with the fewest requests in flight; a session stays on the
+//! worker that opened it. A worker that dies (crash, abort, `kill -9`) fails exactly the
+//! requests and sessions it held, and the next request that lands on its slot starts a fresh
+//! one.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kiln_core::{ExecRequest, ExecResult, Language, Limits};
+use tokio::process::{Child, Command};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::protocol::{Op, RemoteError, Reply, Request, Response, read_frame, write_frame};
+
+/// How to start workers.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Number of worker processes. Default: the number of CPUs.
+    pub workers: usize,
+    /// The program to run (normally the `kiln` binary itself).
+    pub program: PathBuf,
+    /// Its arguments (normally `["__worker"]`).
+    pub args: Vec<OsString>,
+    /// The only environment variables a worker gets.
+    pub env: Vec<(OsString, OsString)>,
+}
+
+impl PoolConfig {
+    /// Workers that run this very binary with `__worker`, one per CPU, with only
+    /// `KILN_CACHE_DIR`, `PATH`, `HOME` and `RUST_LOG` passed through.
+    pub fn current_exe() -> std::io::Result<PoolConfig> {
+        let env = ["KILN_CACHE_DIR", "PATH", "HOME", "RUST_LOG", "TMPDIR"]
+            .iter()
+            .filter_map(|name| std::env::var_os(name).map(|v| (OsString::from(name), v)))
+            .collect();
+        Ok(PoolConfig {
+            workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            program: std::env::current_exe()?,
+            args: vec!["__worker".into()],
+            env,
+        })
+    }
+}
+
+/// A pool request failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    /// The worker could not be started.
+    #[error("could not start an executor worker: {0}")]
+    Spawn(String),
+    /// The worker died while holding the request; it has been replaced.
+    #[error("the executor worker died during the execution ({0}); it has been replaced")]
+    WorkerLost(String),
+    /// The worker refused or failed the request.
+    #[error("{}", .0.message)]
+    Remote(RemoteError),
+    /// The session is unknown (closed, or lost with its worker).
+    #[error("no such session: {0}")]
+    NoSuchSession(u64),
+}
+
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Reply, PoolError>>>>>;
+
+struct Worker {
+    generation: u64,
+    tx: mpsc::UnboundedSender<Request>,
+    pending: Pending,
+    alive: Arc<AtomicBool>,
+    in_flight: Arc<AtomicUsize>,
+    pid: Option<u32>,
+}
+
+struct Slot {
+    worker: Mutex<Option<Arc<Worker>>>,
+}
+
+/// Where a session lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionHandle {
+    pub id: u64,
+    pub language: Language,
+    slot: usize,
+    generation: u64,
+}
+
+/// A pool of executor worker processes.
+pub struct ExecutorPool {
+    config: PoolConfig,
+    slots: Vec<Slot>,
+    next_id: AtomicU64,
+    generations: AtomicU64,
+}
+
+impl std::fmt::Debug for ExecutorPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutorPool")
+            .field("workers", &self.config.workers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExecutorPool {
+    /// A pool; workers start on first use.
+    pub fn new(config: PoolConfig) -> ExecutorPool {
+        let slots = (0..config.workers.max(1))
+            .map(|_| Slot {
+                worker: Mutex::new(None),
+            })
+            .collect();
+        ExecutorPool {
+            config,
+            slots,
+            next_id: AtomicU64::new(1),
+            generations: AtomicU64::new(1),
+        }
+    }
+
+    /// Starts every worker now rather than on first use.
+    pub fn start_all(&self) -> Result<(), PoolError> {
+        for slot in 0..self.slots.len() {
+            self.worker(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Process ids of the live workers.
+    pub fn worker_pids(&self) -> Vec<u32> {
+        self.slots
+            .iter()
+            .filter_map(|s| {
+                let guard = s.worker.lock().unwrap_or_else(|e| e.into_inner());
+                guard
+                    .as_ref()
+                    .filter(|w| w.alive.load(Ordering::Relaxed))
+                    .and_then(|w| w.pid)
+            })
+            .collect()
+    }
+
+    fn worker(&self, slot: usize) -> Result<Arc<Worker>, PoolError> {
+        let mut guard = self.slots[slot]
+            .worker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(worker) = guard.as_ref()
+            && worker.alive.load(Ordering::Relaxed)
+        {
+            return Ok(worker.clone());
+        }
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        let worker = Arc::new(self.spawn(generation)?);
+        *guard = Some(worker.clone());
+        Ok(worker)
+    }
+
+    fn spawn(&self, generation: u64) -> Result<Worker, PoolError> {
+        let mut command = Command::new(&self.config.program);
+        command
+            .args(&self.config.args)
+            .env_clear()
+            .envs(self.config.env.iter().cloned())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        // SAFETY: prctl is async-signal-safe; it asks the kernel to kill the worker when the
+        // parent dies, so no orphaned worker outlives the pool.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child: Child = command
+            .spawn()
+            .map_err(|e| PoolError::Spawn(format!("{}: {e}", self.config.program.display())))?;
+        let pid = child.id();
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        let mut stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, mut rx) = mpsc::unbounded_channel::<Request>();
+        let pending: Pending = Arc::default();
+        let alive = Arc::new(AtomicBool::new(true));
+        tokio::spawn(async move {
+            while let Some(request) = rx.recv().await {
+                if write_frame(&mut stdin, &request).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let reader_pending = pending.clone();
+        let reader_alive = alive.clone();
+        tokio::spawn(async move {
+            loop {
+                match read_frame::<_, Response>(&mut stdout).await {
+                    Ok(response) => {
+                        let waiter = reader_pending
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(&response.id);
+                        if let Some(waiter) = waiter {
+                            let _ = waiter.send(Ok(response.reply));
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            reader_alive.store(false, Ordering::Relaxed);
+            let status = match child.wait().await {
+                Ok(status) => status.to_string(),
+                Err(e) => e.to_string(),
+            };
+            let waiters: Vec<_> = reader_pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .drain()
+                .collect();
+            for (_, waiter) in waiters {
+                let _ = waiter.send(Err(PoolError::WorkerLost(status.clone())));
+            }
+        });
+        Ok(Worker {
+            generation,
+            tx,
+            pending,
+            alive,
+            in_flight: Arc::default(),
+            pid,
+        })
+    }
+
+    fn least_loaded(&self) -> usize {
+        let mut best = 0;
+        let mut best_load = usize::MAX;
+        for (i, slot) in self.slots.iter().enumerate() {
+            let guard = slot.worker.lock().unwrap_or_else(|e| e.into_inner());
+            let load = guard
+                .as_ref()
+                .filter(|w| w.alive.load(Ordering::Relaxed))
+                .map_or(0, |w| w.in_flight.load(Ordering::Relaxed));
+            if load < best_load {
+                best = i;
+                best_load = load;
+            }
+        }
+        best
+    }
+
+    async fn call(&self, worker: &Worker, op: Op) -> Result<Reply, PoolError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        worker
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tx);
+        if !worker.alive.load(Ordering::Relaxed) || worker.tx.send(Request { id, op }).is_err() {
+            worker
+                .pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+            return Err(PoolError::WorkerLost("the worker had already exited".into()));
+        }
+        worker.in_flight.fetch_add(1, Ordering::Relaxed);
+        let reply = rx
+            .await
+            .unwrap_or_else(|_| Err(PoolError::WorkerLost("the worker channel closed".into())));
+        worker.in_flight.fetch_sub(1, Ordering::Relaxed);
+        reply
+    }
+
+    /// Runs a one-shot execution on the least loaded worker.
+    pub async fn execute(&self, request: ExecRequest) -> Result<ExecResult, PoolError> {
+        let worker = self.worker(self.least_loaded())?;
+        match self.call(&worker, Op::Exec(request)).await? {
+            Reply::Done(result) => Ok(result),
+            Reply::Failed(error) => Err(PoolError::Remote(error)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Opens a session on the least loaded worker. `request.code` is ignored.
+    pub async fn open_session(&self, request: ExecRequest) -> Result<SessionHandle, PoolError> {
+        let slot = self.least_loaded();
+        let worker = self.worker(slot)?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let language = request.language;
+        match self
+            .call(&worker, Op::OpenSession { session: id, request })
+            .await?
+        {
+            Reply::Opened => Ok(SessionHandle {
+                id,
+                language,
+                slot,
+                generation: worker.generation,
+            }),
+            Reply::Failed(error) => Err(PoolError::Remote(error)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    fn session_worker(&self, session: &SessionHandle) -> Result<Arc<Worker>, PoolError> {
+        let guard = self
+            .slots
+            .get(session.slot)
+            .ok_or(PoolError::NoSuchSession(session.id))?
+            .worker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match guard.as_ref() {
+            Some(worker)
+                if worker.generation == session.generation
+                    && worker.alive.load(Ordering::Relaxed) =>
+            {
+                Ok(worker.clone())
+            }
+            _ => Err(PoolError::WorkerLost(format!(
+                "session {} was lost with its worker",
+                session.id
+            ))),
+        }
+    }
+
+    /// Runs a turn in a session.
+    pub async fn run(
+        &self,
+        session: &SessionHandle,
+        code: String,
+        limits: Limits,
+    ) -> Result<ExecResult, PoolError> {
+        let worker = self.session_worker(session)?;
+        let op = Op::Turn {
+            session: session.id,
+            code,
+            limits,
+        };
+        match self.call(&worker, op).await? {
+            Reply::Done(result) => Ok(result),
+            Reply::Failed(error) if error.kind == "no_such_session" => {
+                Err(PoolError::NoSuchSession(session.id))
+            }
+            Reply::Failed(error) => Err(PoolError::Remote(error)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Closes a session (a session lost with its worker is already closed).
+    pub async fn close_session(&self, session: &SessionHandle) -> Result<(), PoolError> {
+        let Ok(worker) = self.session_worker(session) else {
+            return Ok(());
+        };
+        match self
+            .call(&worker, Op::CloseSession {
+                session: session.id,
+            })
+            .await?
+        {
+            Reply::Closed => Ok(()),
+            Reply::Failed(error) => Err(PoolError::Remote(error)),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+fn unexpected(reply: &Reply) -> PoolError {
+    PoolError::Remote(RemoteError {
+        kind: "internal".into(),
+        message: format!("the worker answered out of turn: {reply:?}"),
+    })
+}

@@ -1,0 +1,150 @@
+//! The wire between the pool and a worker: length-prefixed JSON frames over the worker's
+//! stdin and stdout (u32 little-endian length, then that many bytes of JSON).
+
+use kiln_core::{ExecRequest, ExecResult, Limits};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The largest frame either side accepts: 64 MiB (code is capped at 16 MiB, output at what
+/// the limits allow).
+pub const MAX_FRAME_BYTES: u32 = 64 << 20;
+
+/// What the pool asks of a worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Op {
+    /// Run a one-shot execution.
+    Exec(ExecRequest),
+    /// Open a session with the grants and limits of the request (its code is ignored).
+    OpenSession { session: u64, request: ExecRequest },
+    /// Run a turn in an open session.
+    Turn {
+        session: u64,
+        code: String,
+        limits: Limits,
+    },
+    /// Close a session.
+    CloseSession { session: u64 },
+}
+
+/// A request frame.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Request {
+    pub id: u64,
+    pub op: Op,
+}
+
+/// A failure the worker reports for one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteError {
+    /// A stable name: `setup`, `limits`, `grant`, `code_too_large`, `session_ended`,
+    /// `no_such_session`, `instantiate`, `internal`.
+    pub kind: String,
+    /// The message, one line.
+    pub message: String,
+}
+
+/// What a worker answers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Reply {
+    Done(ExecResult),
+    Opened,
+    Closed,
+    Failed(RemoteError),
+}
+
+/// A response frame.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Response {
+    pub id: u64,
+    pub reply: Reply,
+}
+
+/// A frame could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The other side closed the stream.
+    #[error("the stream closed")]
+    Closed,
+    /// The frame is larger than [`MAX_FRAME_BYTES`].
+    #[error("a frame of {0} bytes is larger than the limit of {MAX_FRAME_BYTES}")]
+    TooLarge(u32),
+    /// The frame is not valid JSON for the expected type.
+    #[error("malformed frame: {0}")]
+    Malformed(#[source] serde_json::Error),
+    /// Reading or writing failed.
+    #[error("frame I/O failed: {0}")]
+    Io(#[source] std::io::Error),
+}
+
+/// Writes one frame.
+pub async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
+    out: &mut W,
+    value: &T,
+) -> Result<(), FrameError> {
+    let bytes = serde_json::to_vec(value).map_err(FrameError::Malformed)?;
+    let len = u32::try_from(bytes.len()).map_err(|_| FrameError::TooLarge(u32::MAX))?;
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge(len));
+    }
+    out.write_all(&len.to_le_bytes())
+        .await
+        .map_err(FrameError::Io)?;
+    out.write_all(&bytes).await.map_err(FrameError::Io)?;
+    out.flush().await.map_err(FrameError::Io)
+}
+
+/// Reads one frame.
+pub async fn read_frame<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(
+    input: &mut R,
+) -> Result<T, FrameError> {
+    let mut len = [0u8; 4];
+    match input.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
+        Err(e) => return Err(FrameError::Io(e)),
+    }
+    let len = u32::from_le_bytes(len);
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge(len));
+    }
+    let mut bytes = vec![0u8; len as usize];
+    input
+        .read_exact(&mut bytes)
+        .await
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => FrameError::Closed,
+            _ => FrameError::Io(e),
+        })?;
+    serde_json::from_slice(&bytes).map_err(FrameError::Malformed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip_and_bad_frames_are_refused() {
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let request = Request {
+            id: 7,
+            op: Op::CloseSession { session: 3 },
+        };
+        write_frame(&mut a, &request).await.unwrap();
+        let back: Request = read_frame(&mut b).await.unwrap();
+        assert_eq!(back.id, 7);
+        assert!(matches!(back.op, Op::CloseSession { session: 3 }));
+
+        a.write_all(&(MAX_FRAME_BYTES + 1).to_le_bytes()).await.unwrap();
+        let err = read_frame::<_, Request>(&mut b).await.unwrap_err();
+        assert!(matches!(err, FrameError::TooLarge(n) if n == MAX_FRAME_BYTES + 1));
+
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        a.write_all(&3u32.to_le_bytes()).await.unwrap();
+        a.write_all(b"{x}").await.unwrap();
+        let err = read_frame::<_, Request>(&mut b).await.unwrap_err();
+        assert!(matches!(err, FrameError::Malformed(_)));
+        drop(a);
+        let err = read_frame::<_, Request>(&mut b).await.unwrap_err();
+        assert!(matches!(err, FrameError::Closed));
+    }
+}

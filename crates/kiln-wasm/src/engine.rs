@@ -1,0 +1,301 @@
+//! The engine: one wasmtime `Engine` per process, the compiled runtimes, and the clock that
+//! bounds every guest.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kiln_core::{ExecRequest, ExecResult, Language, LimitsError};
+use wasmtime::{Config, Engine, InstancePre, Linker, OptLevel};
+
+use crate::cache::{ModuleError, load_or_compile};
+use crate::guest::{GrantError, GuestState, add_door, add_to_linker};
+use crate::setup::{CacheDir, JAVASCRIPT, PYTHON, Progress, Quiet, RuntimeSpec, SetupError};
+use crate::{javascript, python};
+
+/// How often the epoch clock ticks. The deadline is checked at every tick, so a guest
+/// overruns its deadline by at most about this much.
+pub const EPOCH_TICK: Duration = Duration::from_millis(5);
+/// The deepest wasm stack a guest may use. 8 MiB gives Python a clean `RecursionError`
+/// instead of a trap for deep recursion.
+pub const MAX_WASM_STACK: usize = 8 << 20;
+
+/// The engine could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// wasmtime refused the configuration (a bug in kiln).
+    #[error("wasmtime refused kiln's engine configuration: {0}")]
+    Config(String),
+    /// Fetching or unpacking a runtime failed.
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    /// Compiling or loading a module failed.
+    #[error(transparent)]
+    Module(#[from] ModuleError),
+    /// The module does not match what kiln expects of the runtime.
+    #[error("the {language} runtime does not fit kiln ({detail}); delete the cache folder {cache} and run `kiln setup`")]
+    Link {
+        language: Language,
+        detail: String,
+        cache: PathBuf,
+    },
+}
+
+/// An execution could not be carried out (as opposed to a guest that failed, which is a
+/// normal [`ExecResult`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The runtime is not available.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The limits are unusable.
+    #[error("invalid limits: {0}")]
+    Limits(#[from] LimitsError),
+    /// A grant (directory, environment variable) is unusable.
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+    /// The code is larger than kiln accepts.
+    #[error("the code is {bytes} bytes; the most kiln accepts is {max} bytes")]
+    CodeTooLarge { bytes: usize, max: usize },
+    /// A private temporary folder could not be made.
+    #[error("could not create the guest's private /tmp: {0}")]
+    Tmp(#[source] std::io::Error),
+    /// The session can no longer run code.
+    #[error("the session has ended: {reason}; open a new session")]
+    SessionEnded { reason: String },
+    /// The guest could not be started.
+    #[error("could not start the {language} guest: {detail}")]
+    Instantiate { language: Language, detail: String },
+}
+
+/// The most source code one execution accepts: 16 MiB.
+pub const MAX_CODE_BYTES: usize = 16 << 20;
+
+pub(crate) struct PythonRuntime {
+    pub pre: InstancePre<GuestState>,
+    pub lib_dir: PathBuf,
+    pub mpl_data_dir: PathBuf,
+}
+
+pub(crate) struct JsRuntime {
+    pub pre: InstancePre<GuestState>,
+}
+
+struct Ticker {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Ticker {
+    fn start(engine: Engine) -> Ticker {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("kiln-epoch".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    engine.increment_epoch();
+                }
+            })
+            .expect("spawning the epoch thread");
+        Ticker {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct Inner {
+    engine: Engine,
+    cache: CacheDir,
+    python: Mutex<Option<Arc<PythonRuntime>>>,
+    javascript: Mutex<Option<Arc<JsRuntime>>>,
+    _ticker: Ticker,
+}
+
+/// kiln's WebAssembly engine. Cheap to clone; share one per process.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use kiln_core::{ExecRequest, Language};
+/// use kiln_wasm::{CacheDir, WasmEngine};
+///
+/// let engine = WasmEngine::new(CacheDir::from_env())?;
+/// let result = engine.execute(&ExecRequest::new(Language::Python, "print(1 + 1)")).await?;
+/// assert_eq!(result.stdout, b"2\n");
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct WasmEngine {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for WasmEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmEngine")
+            .field("cache", &self.inner.cache)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The wasmtime configuration kiln uses (see DESIGN.md for why each setting is there).
+pub fn engine_config() -> Config {
+    let mut config = Config::new();
+    config
+        .wasm_exceptions(true)
+        .max_wasm_stack(MAX_WASM_STACK)
+        .async_stack_size(MAX_WASM_STACK + (1 << 20))
+        .epoch_interruption(true)
+        .cranelift_opt_level(OptLevel::Speed);
+    config
+}
+
+impl WasmEngine {
+    /// An engine using the runtimes in `cache`. Nothing is loaded until first use (or
+    /// [`WasmEngine::prepare`]).
+    pub fn new(cache: CacheDir) -> Result<WasmEngine, EngineError> {
+        let engine =
+            Engine::new(&engine_config()).map_err(|e| EngineError::Config(format!("{e:#}")))?;
+        Ok(WasmEngine {
+            inner: Arc::new(Inner {
+                _ticker: Ticker::start(engine.clone()),
+                engine,
+                cache,
+                python: Mutex::new(None),
+                javascript: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The cache this engine uses.
+    pub fn cache(&self) -> &CacheDir {
+        &self.inner.cache
+    }
+
+    pub(crate) fn wasmtime(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    /// Makes `language` ready: fetches and unpacks its runtime if missing, compiles it if
+    /// needed, and loads it. Reports long steps to `progress`.
+    pub fn prepare(&self, language: Language, progress: &dyn Progress) -> Result<(), EngineError> {
+        match language {
+            Language::Python => self.python(progress).map(drop),
+            Language::JavaScript => self.javascript(progress).map(drop),
+        }
+    }
+
+    fn linker(&self, language: Language) -> Result<Linker<GuestState>, EngineError> {
+        let mut linker = Linker::new(&self.inner.engine);
+        add_to_linker(&mut linker).map_err(|e| self.link_error(language, e))?;
+        if language == Language::Python {
+            add_door(&mut linker).map_err(|e| self.link_error(language, e))?;
+        }
+        Ok(linker)
+    }
+
+    fn link_error(&self, language: Language, error: wasmtime::Error) -> EngineError {
+        EngineError::Link {
+            language,
+            detail: format!("{error:#}"),
+            cache: self.inner.cache.root().to_path_buf(),
+        }
+    }
+
+    fn module(
+        &self,
+        spec: &RuntimeSpec,
+        name: &str,
+        estimate: Duration,
+        progress: &dyn Progress,
+    ) -> Result<wasmtime::Module, EngineError> {
+        let cache = &self.inner.cache;
+        cache.ensure_runtime(spec, progress)?;
+        Ok(load_or_compile(
+            &self.inner.engine,
+            cache,
+            name,
+            &cache.wasm_path(spec),
+            spec.files[0].sha256,
+            estimate,
+            progress,
+        )?)
+    }
+
+    pub(crate) fn python(&self, progress: &dyn Progress) -> Result<Arc<PythonRuntime>, EngineError> {
+        let mut slot = self.inner.python.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(runtime) = slot.as_ref() {
+            return Ok(runtime.clone());
+        }
+        let module = self.module(&PYTHON, "python", Duration::from_secs(60), progress)?;
+        let linker = self.linker(Language::Python)?;
+        let pre = linker
+            .instantiate_pre(&module)
+            .map_err(|e| self.link_error(Language::Python, e))?;
+        let runtime = Arc::new(PythonRuntime {
+            pre,
+            lib_dir: self.inner.cache.python_lib_dir(),
+            mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
+        });
+        *slot = Some(runtime.clone());
+        Ok(runtime)
+    }
+
+    pub(crate) fn javascript(&self, progress: &dyn Progress) -> Result<Arc<JsRuntime>, EngineError> {
+        let mut slot = self.inner.javascript.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(runtime) = slot.as_ref() {
+            return Ok(runtime.clone());
+        }
+        let module = self.module(&JAVASCRIPT, "javascript", Duration::from_secs(2), progress)?;
+        let linker = self.linker(Language::JavaScript)?;
+        let pre = linker
+            .instantiate_pre(&module)
+            .map_err(|e| self.link_error(Language::JavaScript, e))?;
+        let runtime = Arc::new(JsRuntime { pre });
+        *slot = Some(runtime.clone());
+        Ok(runtime)
+    }
+
+    /// Runs one request in a fresh sandbox and returns what it produced. A guest that fails,
+    /// times out or runs out of memory is a normal result; an error means kiln could not run
+    /// it at all.
+    pub async fn execute(&self, request: &ExecRequest) -> Result<ExecResult, ExecError> {
+        check_request(request)?;
+        let started = Instant::now();
+        let mut result = match request.language {
+            Language::Python => {
+                let runtime = self.python(&Quiet)?;
+                let mut guest = python::PythonGuest::open(self, &runtime, request).await?;
+                guest.turn(&request.code, &request.limits, None).await?
+            }
+            Language::JavaScript => {
+                let runtime = self.javascript(&Quiet)?;
+                javascript::run_once(self, &runtime, request).await?
+            }
+        };
+        result.duration_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        Ok(result)
+    }
+}
+
+pub(crate) fn check_request(request: &ExecRequest) -> Result<(), ExecError> {
+    request.limits.validate()?;
+    if request.code.len() > MAX_CODE_BYTES {
+        return Err(ExecError::CodeTooLarge {
+            bytes: request.code.len(),
+            max: MAX_CODE_BYTES,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,34 @@
+//! kiln's default sandbox backend: WebAssembly guests on wasmtime.
+//!
+//! Python (CPython 3.15 with numpy, pandas, scipy, scikit-learn, matplotlib) and JavaScript
+//! (QuickJS-NG) run as WebAssembly with no network, only the directories they are granted,
+//! and hard limits on time, memory, output and files.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use kiln_core::{ExecRequest, Language};
+//! use kiln_wasm::{CacheDir, WasmEngine};
+//!
+//! let engine = WasmEngine::new(CacheDir::from_env())?;
+//! let mut session = engine.open_session(Language::Python, &Default::default()).await?;
+//! session.run("x = 41", &Default::default()).await?;
+//! let result = session.run("print(x + 1)", &Default::default()).await?;
+//! assert_eq!(result.stdout, b"42\n");
+//! # Ok(()) }
+//! ```
+
+mod cache;
+mod engine;
+mod guest;
+mod javascript;
+mod output;
+mod python;
+mod session;
+pub mod setup;
+
+pub use cache::{ModuleError, WASMTIME_VERSION, cwasm_path};
+pub use engine::{EPOCH_TICK, EngineError, ExecError, MAX_CODE_BYTES, WasmEngine, engine_config};
+pub use guest::GrantError;
+pub use output::{OutputChunk, StreamKind};
+pub use session::{Session, SessionOptions};
+pub use setup::{CacheDir, Progress, Quiet, SetupError};

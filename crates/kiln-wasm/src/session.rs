@@ -1,0 +1,121 @@
+//! Stateful sessions: one live guest that keeps its state from turn to turn.
+
+use std::path::PathBuf;
+
+use kiln_core::{ExecRequest, ExecResult, Language, Limits, Mount};
+use tokio::sync::mpsc;
+
+use crate::engine::{ExecError, WasmEngine, check_request};
+use crate::javascript::JsSession;
+use crate::output::OutputChunk;
+use crate::python::PythonGuest;
+use crate::setup::Quiet;
+
+/// What a session may touch. The memory cap in `limits` holds for the session's whole life;
+/// the other limits are defaults for turns that do not name their own.
+#[derive(Debug, Clone, Default)]
+pub struct SessionOptions {
+    /// Environment variables the guest sees.
+    pub env: Vec<(String, String)>,
+    /// A host directory seen read-write at `/workspace`, the working directory.
+    pub workspace: Option<PathBuf>,
+    /// Further host directories granted.
+    pub mounts: Vec<Mount>,
+    /// Limits (see above).
+    pub limits: Limits,
+}
+
+enum Guest {
+    Python(PythonGuest),
+    JavaScript(JsSession),
+}
+
+/// A live guest. Python keeps globals, imports and files between turns; JavaScript keeps
+/// globals declared with `var` or `function` (not `let`/`const`, which are scoped to their
+/// turn). A session whose guest trapped, timed out or called `exit()` has ended: every
+/// further turn answers [`ExecError::SessionEnded`].
+pub struct Session {
+    language: Language,
+    guest: Guest,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("language", &self.language)
+            .field("ended", &self.ended())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Session {
+    pub fn language(&self) -> Language {
+        self.language
+    }
+
+    /// Why the session can no longer run code, if it cannot.
+    pub fn ended(&self) -> Option<&str> {
+        match &self.guest {
+            Guest::Python(guest) => guest.ended.as_deref(),
+            Guest::JavaScript(guest) => guest.ended.as_deref(),
+        }
+    }
+
+    /// Runs one turn.
+    pub async fn run(&mut self, code: &str, limits: &Limits) -> Result<ExecResult, ExecError> {
+        self.run_streaming(code, limits, None).await
+    }
+
+    /// Runs one turn, sending output chunks to `listener` as the guest writes them.
+    pub async fn run_streaming(
+        &mut self,
+        code: &str,
+        limits: &Limits,
+        listener: Option<mpsc::UnboundedSender<OutputChunk>>,
+    ) -> Result<ExecResult, ExecError> {
+        let mut request = ExecRequest::new(self.language, "");
+        request.limits = limits.clone();
+        check_request(&request)?;
+        if code.len() > crate::engine::MAX_CODE_BYTES {
+            return Err(ExecError::CodeTooLarge {
+                bytes: code.len(),
+                max: crate::engine::MAX_CODE_BYTES,
+            });
+        }
+        match &mut self.guest {
+            Guest::Python(guest) => guest.turn(code, limits, listener).await,
+            Guest::JavaScript(guest) => guest.turn(code, limits, listener).await,
+        }
+    }
+}
+
+impl WasmEngine {
+    /// Opens a session: a live guest waiting for its first turn.
+    pub async fn open_session(
+        &self,
+        language: Language,
+        options: &SessionOptions,
+    ) -> Result<Session, ExecError> {
+        let request = ExecRequest {
+            language,
+            code: String::new(),
+            stdin: Vec::new(),
+            env: options.env.clone(),
+            workspace: options.workspace.clone(),
+            mounts: options.mounts.clone(),
+            limits: options.limits.clone(),
+        };
+        check_request(&request)?;
+        let guest = match language {
+            Language::Python => {
+                let runtime = self.python(&Quiet)?;
+                Guest::Python(PythonGuest::open(self, &runtime, &request).await?)
+            }
+            Language::JavaScript => {
+                let runtime = self.javascript(&Quiet)?;
+                Guest::JavaScript(JsSession::open(self, &runtime, &request).await?)
+            }
+        };
+        Ok(Session { language, guest })
+    }
+}

@@ -1,0 +1,200 @@
+//! `kiln bench`: the figures kiln promises, measured on this machine, printed as JSON.
+
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use kiln_core::{ExecRequest, Language, Limits};
+use kiln_executor::{ExecutorPool, PoolConfig};
+use kiln_wasm::{CacheDir, SessionOptions, WasmEngine};
+use serde_json::json;
+
+use crate::cli::BenchArgs;
+
+fn summary(mut samples_us: Vec<f64>) -> serde_json::Value {
+    samples_us.sort_by(|a, b| a.total_cmp(b));
+    let pick = |q: f64| {
+        let at = ((samples_us.len() as f64 - 1.0) * q).round() as usize;
+        samples_us[at] / 1000.0
+    };
+    json!({
+        "n": samples_us.len(),
+        "median_ms": round3(pick(0.5)),
+        "p90_ms": round3(pick(0.9)),
+        "min_ms": round3(pick(0.0)),
+    })
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn private_memory_bytes() -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string("/proc/self/smaps_rollup").context("reading smaps_rollup")?;
+    let mut kib = 0u64;
+    for line in text.lines() {
+        if line.starts_with("Private_Clean:") || line.starts_with("Private_Dirty:") {
+            kib += line
+                .split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Ok(kib * 1024)
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let cache = CacheDir::from_env();
+    let engine = WasmEngine::new(cache.clone())?;
+    let progress = crate::progress::Bar::new();
+    for language in Language::ALL {
+        engine.prepare(language, &progress)?;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let n = args.iterations.max(5);
+    let mut report = serde_json::Map::new();
+    report.insert("machine_cpus".into(), json!(std::thread::available_parallelism().map_or(0, |n| n.get())));
+
+    rt.block_on(async {
+        // Fresh-sandbox Python through the engine API.
+        let request = ExecRequest::new(Language::Python, "print(1+1)");
+        for _ in 0..10 {
+            engine.execute(&request).await?;
+        }
+        let mut samples = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            let result = engine.execute(&request).await?;
+            samples.push(micros(t.elapsed()));
+            anyhow::ensure!(result.stdout == b"2\n", "unexpected output {:?}", result.stdout_text());
+        }
+        report.insert("python_oneshot_engine".into(), summary(samples));
+
+        // JavaScript one-shot.
+        let js = ExecRequest::new(Language::JavaScript, "console.log(1+1)");
+        for _ in 0..10 {
+            engine.execute(&js).await?;
+        }
+        let mut samples = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            let result = engine.execute(&js).await?;
+            samples.push(micros(t.elapsed()));
+            anyhow::ensure!(result.stdout == b"2\n", "unexpected output {:?}", result.stdout_text());
+        }
+        report.insert("javascript_oneshot_engine".into(), summary(samples));
+
+        // Python session turn.
+        let mut session = engine.open_session(Language::Python, &SessionOptions::default()).await?;
+        session.run("x = 0", &Limits::default()).await?;
+        let limits = Limits::default();
+        let mut samples = Vec::with_capacity(n * 10);
+        for _ in 0..n * 10 {
+            let t = Instant::now();
+            session.run("x += 1", &limits).await?;
+            samples.push(micros(t.elapsed()));
+        }
+        report.insert("python_session_turn".into(), summary(samples));
+
+        // JavaScript session turn.
+        let mut session = engine.open_session(Language::JavaScript, &SessionOptions::default()).await?;
+        session.run("var x = 0", &Limits::default()).await?;
+        let mut samples = Vec::with_capacity(n * 10);
+        for _ in 0..n * 10 {
+            let t = Instant::now();
+            session.run("x += 1", &limits).await?;
+            samples.push(micros(t.elapsed()));
+        }
+        report.insert("javascript_session_turn".into(), summary(samples));
+
+        // Idle Python sessions: private memory each.
+        let before = private_memory_bytes()?;
+        let mut sessions = Vec::with_capacity(args.sessions);
+        for i in 0..args.sessions {
+            let mut s = engine.open_session(Language::Python, &SessionOptions::default()).await?;
+            s.run(&format!("x = {i}"), &limits).await?;
+            sessions.push(s);
+        }
+        let after = private_memory_bytes()?;
+        let each = (after.saturating_sub(before)) as f64 / args.sessions.max(1) as f64;
+        report.insert(
+            "python_idle_session_private_mib".into(),
+            json!({"sessions": args.sessions, "each_mib": round3(each / (1 << 20) as f64)}),
+        );
+        drop(sessions);
+
+        // Through executor workers.
+        let config = PoolConfig::current_exe()?;
+        let workers = config.workers;
+        let pool = Arc::new(ExecutorPool::new(config));
+        pool.start_all()?;
+        for _ in 0..20 {
+            pool.execute(request.clone()).await?;
+        }
+        let mut samples = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            let result = pool.execute(request.clone()).await?;
+            samples.push(micros(t.elapsed()));
+            anyhow::ensure!(result.stdout == b"2\n", "unexpected output");
+        }
+        report.insert("python_oneshot_worker".into(), summary(samples));
+
+        // Throughput: one-shots through the pool, several in flight per worker.
+        let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+        let mut tasks = Vec::new();
+        for _ in 0..workers * 4 {
+            let pool = pool.clone();
+            let request = request.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut done = 0u64;
+                while Instant::now() < deadline {
+                    if pool.execute(request.clone()).await.is_ok() {
+                        done += 1;
+                    }
+                }
+                done
+            }));
+        }
+        let started = Instant::now();
+        let mut total = 0;
+        for task in tasks {
+            total += task.await?;
+        }
+        let per_second = total as f64 / started.elapsed().as_secs_f64();
+        report.insert(
+            "python_oneshot_throughput".into(),
+            json!({"workers": workers, "per_second": per_second.round()}),
+        );
+        anyhow::Ok(())
+    })?;
+
+    // The CLI as a whole process, warm cache.
+    let exe = std::env::current_exe()?;
+    let mut samples = Vec::new();
+    for i in 0..(n / 10).max(10) + 2 {
+        let t = Instant::now();
+        let status = Command::new(&exe)
+            .args(["exec", "--lang", "python", "-c", "print(1)"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .status()?;
+        anyhow::ensure!(status.success(), "kiln exec failed: {status}");
+        if i >= 2 {
+            samples.push(micros(t.elapsed()));
+        }
+    }
+    report.insert("cli_exec_python_process".into(), summary(samples));
+
+    println!("{}", serde_json::to_string_pretty(&serde_json::Value::Object(report))?);
+    Ok(ExitCode::SUCCESS)
+}

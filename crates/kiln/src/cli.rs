@@ -1,0 +1,214 @@
+//! Every command-line flag, in one place.
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use clap::{Args, Parser, Subcommand};
+use kiln_core::{Language, Limits, Mount};
+
+/// Exit codes kiln uses besides the guest's own.
+pub mod exit_codes {
+    /// kiln itself failed (setup, bad arguments it could not run with).
+    pub const KILN_ERROR: u8 = 120;
+    /// The guest ran past its deadline.
+    pub const TIMED_OUT: u8 = 124;
+    /// The guest needed more memory than its cap.
+    pub const MEMORY_LIMIT: u8 = 125;
+    /// The guest trapped (the sandbox crashed).
+    pub const CRASHED: u8 = 126;
+}
+
+/// kiln runs untrusted code — Python and JavaScript — in WebAssembly sandboxes, fast.
+#[derive(Debug, Parser)]
+#[command(name = "kiln", version, about, max_term_width = 100)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run code given on the command line: `kiln exec --lang python -c 'print(1)'`.
+    Exec(ExecArgs),
+    /// Run a file; the language comes from its extension (.py, .js).
+    Run {
+        /// The script to run.
+        file: PathBuf,
+        #[command(flatten)]
+        exec: ExecArgs,
+    },
+    /// Fetch, check and compile the runtimes now (otherwise done on first use).
+    Setup {
+        /// Only this language.
+        #[arg(long, value_parser = parse_language)]
+        lang: Option<Language>,
+    },
+    /// Measure kiln's latencies and throughput; prints JSON.
+    Bench(BenchArgs),
+    /// Internal: serve as an executor worker on stdin/stdout.
+    #[command(name = "__worker", hide = true)]
+    Worker,
+}
+
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// Language: python or javascript (js). Default for `exec`: python.
+    #[arg(long, short = 'l', value_parser = parse_language)]
+    pub lang: Option<Language>,
+    /// The code to run (exec only).
+    #[arg(short = 'c', long = "code", visible_short_alias = 'e')]
+    pub code: Option<String>,
+    /// Wall-clock limit, e.g. 500ms, 10s, 2m. Default 30s.
+    #[arg(long, value_parser = parse_duration_ms)]
+    pub timeout: Option<u64>,
+    /// Memory limit, e.g. 256m, 1g. Default 512m.
+    #[arg(long, value_parser = parse_bytes)]
+    pub memory: Option<u64>,
+    /// Bytes of stdout and of stderr kept, e.g. 1m. Default 1m.
+    #[arg(long, value_parser = parse_bytes)]
+    pub max_output: Option<u64>,
+    /// An environment variable for the guest, NAME=VALUE (repeatable).
+    #[arg(long = "env", short = 'E')]
+    pub env: Vec<String>,
+    /// A host directory the guest sees read-write at /workspace (its working directory).
+    #[arg(long, short = 'w')]
+    pub workspace: Option<PathBuf>,
+    /// A host directory for the guest, HOST:GUEST[:rw] (read-only unless :rw; repeatable).
+    #[arg(long = "mount")]
+    pub mounts: Vec<String>,
+    /// Print the whole result as JSON instead of the guest's output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl ExecArgs {
+    pub fn limits(&self) -> anyhow::Result<Limits> {
+        let mut limits = Limits::default();
+        if let Some(ms) = self.timeout {
+            limits.timeout_ms = ms;
+        }
+        if let Some(bytes) = self.memory {
+            limits.memory_bytes = bytes;
+        }
+        if let Some(bytes) = self.max_output {
+            limits.stdout_bytes = bytes;
+            limits.stderr_bytes = bytes;
+        }
+        limits.validate()?;
+        Ok(limits)
+    }
+
+    pub fn env_pairs(&self) -> anyhow::Result<Vec<(String, String)>> {
+        self.env
+            .iter()
+            .map(|pair| match pair.split_once('=') {
+                Some((name, value)) if !name.is_empty() => Ok((name.to_owned(), value.to_owned())),
+                _ => bail!("--env takes NAME=VALUE, got {pair:?}"),
+            })
+            .collect()
+    }
+
+    pub fn mounts(&self) -> anyhow::Result<Vec<Mount>> {
+        self.mounts
+            .iter()
+            .map(|spec| {
+                let parts: Vec<&str> = spec.split(':').collect();
+                let (host, guest, writable) = match parts.as_slice() {
+                    [host, guest] => (host, guest, false),
+                    [host, guest, "rw"] => (host, guest, true),
+                    [host, guest, "ro"] => (host, guest, false),
+                    _ => bail!("--mount takes HOST:GUEST[:rw], got {spec:?}"),
+                };
+                Ok(Mount {
+                    host: PathBuf::from(host),
+                    guest: (*guest).to_owned(),
+                    writable,
+                })
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Iterations of each latency measurement.
+    #[arg(long, default_value_t = 200)]
+    pub iterations: usize,
+    /// Seconds of the throughput measurement.
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Sessions opened for the idle-memory measurement.
+    #[arg(long, default_value_t = 100)]
+    pub sessions: usize,
+}
+
+fn parse_language(text: &str) -> Result<Language, String> {
+    Language::from_name(text).ok_or_else(|| format!("unknown language {text:?}; use python or javascript"))
+}
+
+/// `500ms`, `10s`, `2m`, or a bare number of seconds.
+pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (number, unit) = split_unit(text);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 500ms, 10s or 2m"))?;
+    let factor = match unit {
+        "ms" => 1.0,
+        "" | "s" => 1_000.0,
+        "m" => 60_000.0,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use ms, s or m)")),
+    };
+    let ms = value * factor;
+    if !ms.is_finite() || ms < 1.0 || ms > 86_400_000.0 {
+        return Err(format!("{text:?} is out of range (1ms to 24h)"));
+    }
+    Ok(ms as u64)
+}
+
+/// `512m`, `1g`, `64k`, or a bare number of bytes.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (number, unit) = split_unit(text);
+    let value: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size like 64k, 512m or 1g"))?;
+    let factor: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use k, m or g)")),
+    };
+    value
+        .checked_mul(factor)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+fn split_unit(text: &str) -> (&str, &str) {
+    let at = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    (&text[..at], &text[at..])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_sizes_parse() {
+        assert_eq!(parse_duration_ms("500ms"), Ok(500));
+        assert_eq!(parse_duration_ms("2"), Ok(2000));
+        assert_eq!(parse_duration_ms("1.5s"), Ok(1500));
+        assert_eq!(parse_duration_ms("2m"), Ok(120_000));
+        assert!(parse_duration_ms("0").is_err());
+        assert!(parse_duration_ms("10h").is_err());
+        assert!(parse_duration_ms("abc").is_err());
+        assert_eq!(parse_bytes("512m"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1G"), Ok(1 << 30));
+        assert_eq!(parse_bytes("100"), Ok(100));
+        assert!(parse_bytes("1t").is_err());
+        assert!(parse_bytes("99999999999999999999g").is_err());
+    }
+}

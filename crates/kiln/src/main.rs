@@ -1,0 +1,152 @@
+//! The `kiln` binary: glue between the command line and the engine.
+
+mod bench;
+mod cli;
+mod progress;
+
+use std::io::{IsTerminal, Read, Write};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use kiln_core::{ExecRequest, ExecResult, Language, Outcome};
+use kiln_wasm::{CacheDir, WasmEngine};
+
+use crate::cli::{Cli, Command, ExecArgs, exit_codes};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("kiln: {error:#}");
+            ExitCode::from(exit_codes::KILN_ERROR)
+        }
+    }
+}
+
+fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut builder = if threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(threads);
+        b
+    };
+    builder.enable_all().build().context("starting the async runtime")
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Exec(args) => {
+            let code = args
+                .code
+                .clone()
+                .context("nothing to run: pass code with -c")?;
+            let language = args.lang.unwrap_or(Language::Python);
+            exec(language, code, &args)
+        }
+        Command::Run { file, exec: args } => {
+            let language = match args.lang {
+                Some(language) => language,
+                None => Language::from_path(&file).with_context(|| {
+                    format!(
+                        "cannot tell the language of {} from its extension (.py or .js); pass --lang",
+                        file.display()
+                    )
+                })?,
+            };
+            let code = std::fs::read(&file)
+                .with_context(|| format!("cannot read {}", file.display()))?;
+            let code = String::from_utf8(code)
+                .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", file.display()))?;
+            exec(language, code, &args)
+        }
+        Command::Setup { lang } => {
+            let cache = CacheDir::from_env();
+            let progress = progress::Bar::new();
+            let engine = WasmEngine::new(cache.clone())?;
+            let languages = match lang {
+                Some(language) => vec![language],
+                None => Language::ALL.to_vec(),
+            };
+            for language in languages {
+                engine.prepare(language, &progress)?;
+            }
+            eprintln!("kiln: runtimes ready in {}", cache.root().display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(args) => bench::run(args),
+        Command::Worker => {
+            let engine = WasmEngine::new(CacheDir::from_env())?;
+            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+            runtime(threads)?.block_on(kiln_executor::worker::serve(
+                engine,
+                tokio::io::stdin(),
+                tokio::io::stdout(),
+            ));
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn exec(language: Language, code: String, args: &ExecArgs) -> anyhow::Result<ExitCode> {
+    let mut request = ExecRequest::new(language, code);
+    request.limits = args.limits()?;
+    request.env = args.env_pairs()?;
+    request.workspace = args.workspace.clone();
+    request.mounts = args.mounts()?;
+    if !std::io::stdin().is_terminal() {
+        std::io::stdin()
+            .read_to_end(&mut request.stdin)
+            .context("reading stdin")?;
+    }
+    let engine = WasmEngine::new(CacheDir::from_env())?;
+    engine.prepare(language, &progress::Bar::new())?;
+    let result = runtime(1)?.block_on(engine.execute(&request))?;
+    if args.json {
+        println!("{}", serde_json::to_string(&json_result(&result))?);
+    } else {
+        std::io::stdout().write_all(&result.stdout)?;
+        std::io::stdout().flush()?;
+        std::io::stderr().write_all(&result.stderr)?;
+        if let Some(reason) = result.outcome.reason(&request.limits) {
+            if !result.stderr.is_empty() && !result.stderr.ends_with(b"\n") {
+                eprintln!();
+            }
+            eprintln!("kiln: {reason}");
+        }
+    }
+    Ok(ExitCode::from(exit_code(&result)))
+}
+
+/// kiln's exit code for a result: the guest's own when it ran to its end, else a distinct
+/// code per outcome.
+pub fn exit_code(result: &ExecResult) -> u8 {
+    match &result.outcome {
+        Outcome::Completed | Outcome::OutputTruncated => (result.exit_code & 0xff) as u8,
+        Outcome::TimedOut => exit_codes::TIMED_OUT,
+        Outcome::MemoryLimit => exit_codes::MEMORY_LIMIT,
+        Outcome::Crashed { .. } => exit_codes::CRASHED,
+    }
+}
+
+fn json_result(result: &ExecResult) -> serde_json::Value {
+    serde_json::json!({
+        "stdout": result.stdout_text(),
+        "stderr": result.stderr_text(),
+        "exit_code": result.exit_code,
+        "outcome": result.outcome,
+        "stdout_truncated": result.stdout_truncated,
+        "stderr_truncated": result.stderr_truncated,
+        "duration_us": result.duration_us,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "fs_written_bytes": result.fs_written_bytes,
+    })
+}
