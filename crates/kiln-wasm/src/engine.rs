@@ -276,7 +276,7 @@ impl WasmEngine {
         let mut result = match request.language {
             Language::Python => {
                 let runtime = self.python(&Quiet)?;
-                let mut guest = python::PythonGuest::open(self, &runtime, request).await?;
+                let mut guest = python::PythonGuest::open(self, &runtime, request, false).await?;
                 guest.turn(&request.code, &request.limits, None).await?
             }
             Language::JavaScript => {

@@ -288,10 +288,13 @@ pub(crate) fn add_to_linker(linker: &mut Linker<GuestState>) -> wasmtime::Result
 /// Runs `body` with the guest's memory and WASI context, as the generated bindings do.
 macro_rules! with_memory {
     ($caller:ident, |$mem:ident, $state:ident| $body:expr) => {{
+        use p1::WasiSnapshotPreview1 as _;
         let Some(wasmtime::Extern::Memory(memory)) = $caller.get_export("memory") else {
             return Err(wasmtime::format_err!("the guest exports no memory"));
         };
+        let fuel = wasmtime::AsContextMut::as_context_mut(&mut $caller).hostcall_fuel();
         let (bytes, $state) = memory.data_and_store_mut(&mut $caller);
+        $state.wasi.set_hostcall_fuel(fuel);
         let mut $mem = GuestMemory::Unshared(bytes);
         $body
     }};

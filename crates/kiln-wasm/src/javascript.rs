@@ -119,14 +119,17 @@ async fn run_qjs(store: &mut Store<GuestState>, instance: Instance, args: &[&str
     init_argv.call_async(&mut *store, (argc, i32::try_from(argv)?)).await
 }
 
-/// Prefix that puts the guest in its workspace, on the code's first line so line numbers
-/// stay true.
-fn workspace_prefix(request: &ExecRequest) -> &'static str {
+/// Browser-style timer globals (QuickJS keeps them in `os`).
+const TIMERS: &str = "globalThis.setTimeout=os.setTimeout;globalThis.clearTimeout=os.clearTimeout;";
+
+/// Prefix run before the code on its first line, so line numbers stay true: timer globals,
+/// and the workspace as the working directory.
+fn prelude(request: &ExecRequest) -> String {
+    let mut prelude = String::from(TIMERS);
     if request.workspace.is_some() {
-        "os.chdir(\"/workspace\");"
-    } else {
-        ""
+        prelude.push_str("os.chdir(\"/workspace\");");
     }
+    prelude
 }
 
 /// Runs a request in a fresh instance.
@@ -143,7 +146,7 @@ pub(crate) async fn run_once(
         stdio,
         tmp: _tmp,
     } = prepare(engine, runtime, request, stdin).await?;
-    let code = format!("{}{}", workspace_prefix(request), request.code);
+    let code = format!("{}{}", prelude(request), request.code);
     let args = ["qjs", "--std", "-m", "-e", code.as_str()];
     let deadline = store.data().deadline_ns.clone();
     let clock_base = store.data().clock_base;
@@ -249,7 +252,7 @@ impl JsSession {
         let stats = store.data().memory.stats.clone();
         // Idle sessions have no deadline; each turn arms one.
         deadline_ns.store(u64::MAX, Ordering::Relaxed);
-        let code = format!("{}{}", workspace_prefix(request), SESSION_LOOP.replace("NONCE", &nonce));
+        let code = format!("{}{}", prelude(request), SESSION_LOOP.replace("NONCE", &nonce));
         let (end_tx, task_end) = oneshot::channel();
         let task = tokio::spawn(async move {
             // One call for the session's life: the epoch callback interrupts wasm past a

@@ -49,11 +49,14 @@ pub(crate) struct PythonGuest {
 }
 
 impl PythonGuest {
-    /// Instantiates the snapshot with the request's grants (its code is not run).
+    /// Instantiates the snapshot with the request's grants (its code is not run). With
+    /// `echo`, a final expression's value is printed as in a REPL (sessions); without, as in
+    /// `python -c` (one-shots).
     pub async fn open(
         engine: &WasmEngine,
         runtime: &PythonRuntime,
         request: &ExecRequest,
+        echo: bool,
     ) -> Result<PythonGuest, ExecError> {
         let tmp = private_tmp().map_err(ExecError::Tmp)?;
         let stdio = Stdio::new(&request.limits);
@@ -114,12 +117,18 @@ impl PythonGuest {
             _tmp: tmp,
             ended: None,
         };
+        let mut setup = String::new();
+        if !echo {
+            setup.push_str("import sys as _k; _k.displayhook = lambda _v: None; del _k\n");
+        }
         if request.workspace.is_some() {
-            let setup = format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k");
+            setup.push_str(&format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k\n"));
+        }
+        if !setup.is_empty() {
             let result = guest.turn(&setup, &request.limits, None).await?;
             if !result.success() {
                 return Err(instantiate_error(format!(
-                    "entering {WORKSPACE_GUEST} failed: {}",
+                    "preparing the guest failed: {}",
                     result.stderr_text().trim()
                 )));
             }

@@ -109,7 +109,7 @@ impl WasmEngine {
         let guest = match language {
             Language::Python => {
                 let runtime = self.python(&Quiet)?;
-                Guest::Python(PythonGuest::open(self, &runtime, &request).await?)
+                Guest::Python(PythonGuest::open(self, &runtime, &request, true).await?)
             }
             Language::JavaScript => {
                 let runtime = self.javascript(&Quiet)?;

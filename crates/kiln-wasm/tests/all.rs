@@ -1,0 +1,520 @@
+//! Engine tests against the real runtimes: behaviour, sessions and attacks. Each attack test
+//! asserts the exact outcome; the test process itself must stay healthy throughout.
+//!
+//! The runtimes come from kiln's cache (`KILN_CACHE_DIR` or `~/.cache/kiln`), set up on first
+//! use like any kiln command does.
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kiln_core::{ExecRequest, ExecResult, Language, Limits, Mount, Outcome};
+use kiln_wasm::{CacheDir, ExecError, Quiet, SessionOptions, WasmEngine};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn engine() -> &'static WasmEngine {
+    static ENGINE: OnceLock<WasmEngine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let engine = WasmEngine::new(CacheDir::from_env()).expect("engine");
+        for language in Language::ALL {
+            engine.prepare(language, &Quiet).expect("runtime setup");
+        }
+        engine
+    })
+}
+
+fn py(code: &str) -> ExecRequest {
+    ExecRequest::new(Language::Python, code)
+}
+
+fn js(code: &str) -> ExecRequest {
+    ExecRequest::new(Language::JavaScript, code)
+}
+
+fn with_timeout(mut request: ExecRequest, ms: u64) -> ExecRequest {
+    request.limits.timeout_ms = ms;
+    request
+}
+
+async fn run(request: ExecRequest) -> ExecResult {
+    engine().execute(&request).await.expect("execute")
+}
+
+// ---------------------------------------------------------------- behaviour
+
+#[tokio::test]
+async fn python_prints_and_exits() -> TestResult {
+    let result = run(py("print(1 + 1)")).await;
+    assert_eq!(result.stdout_text(), "2\n");
+    assert_eq!(result.stderr_text(), "");
+    assert_eq!(result.exit_code, 0);
+    assert_eq!(result.outcome, Outcome::Completed);
+    assert!(result.peak_memory_bytes > 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn python_keeps_stdout_and_stderr_apart_and_reports_exit_codes() -> TestResult {
+    let result = run(py("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)")).await;
+    assert_eq!(result.stdout_text(), "out\n");
+    assert_eq!(result.stderr_text(), "err\n");
+    assert_eq!(result.exit_code, 3);
+    assert_eq!(result.outcome, Outcome::Completed);
+
+    let result = run(py("raise ValueError('bad')")).await;
+    assert_eq!(result.exit_code, 1);
+    assert!(result.stderr_text().contains("ValueError: bad"), "{}", result.stderr_text());
+    Ok(())
+}
+
+#[tokio::test]
+async fn python_reads_stdin() -> TestResult {
+    let mut request = py("import sys\nprint(sys.stdin.read().upper())");
+    request.stdin = b"hello".to_vec();
+    assert_eq!(run(request).await.stdout_text(), "HELLO\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn python_scientific_stack_works() -> TestResult {
+    let code = "import numpy as np, pandas as pd\n\
+                print(int(np.arange(10).sum()))\n\
+                print(pd.DataFrame({'a': [1, 2]})['a'].sum())";
+    let result = run(py(code)).await;
+    assert_eq!(result.stdout_text(), "45\n3\n", "{}", result.stderr_text());
+    Ok(())
+}
+
+#[tokio::test]
+async fn python_matplotlib_renders_into_the_workspace() -> TestResult {
+    let workspace = tempfile::tempdir()?;
+    let mut request = py("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n\
+                          plt.plot([1, 2, 3])\nplt.savefig('plot.png')\nprint('saved')");
+    request.workspace = Some(workspace.path().to_path_buf());
+    request.limits.timeout_ms = 120_000;
+    let result = run(request).await;
+    assert_eq!(result.stdout_text(), "saved\n", "{}", result.stderr_text());
+    let png = std::fs::read(workspace.path().join("plot.png"))?;
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn workspace_is_the_working_directory_and_sees_its_files() -> TestResult {
+    let workspace = tempfile::tempdir()?;
+    std::fs::create_dir(workspace.path().join("data"))?;
+    std::fs::write(workspace.path().join("data/input.txt"), "21")?;
+    let mut request = py("import os\nprint(os.getcwd())\nn = int(open('data/input.txt').read())\n\
+                          open('out.txt', 'w').write(str(n * 2))");
+    request.workspace = Some(workspace.path().to_path_buf());
+    let result = run(request).await;
+    assert_eq!(result.stdout_text(), "/workspace\n", "{}", result.stderr_text());
+    assert_eq!(std::fs::read_to_string(workspace.path().join("out.txt"))?, "42");
+    assert_eq!(result.fs_written_bytes, 2);
+
+    let mut request = js("console.log(os.getcwd()[0]); std.writeFile('js.txt', std.loadFile('data/input.txt') + '!')");
+    request.workspace = Some(workspace.path().to_path_buf());
+    let result = run(request).await;
+    assert_eq!(result.stdout_text(), "/workspace\n", "{}", result.stderr_text());
+    assert_eq!(std::fs::read_to_string(workspace.path().join("js.txt"))?, "21!");
+    Ok(())
+}
+
+#[tokio::test]
+async fn read_only_mounts_can_be_read_but_not_written() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("in.csv"), "a,b\n1,2\n")?;
+    let mut request = py("print(open('/data/in.csv').read().splitlines()[1])\n\
+                          try:\n    open('/data/new.txt', 'w')\nexcept OSError as e:\n    print(type(e).__name__)");
+    request.mounts.push(Mount {
+        host: dir.path().to_path_buf(),
+        guest: "/data".into(),
+        writable: false,
+    });
+    let result = run(request).await;
+    assert_eq!(result.stdout_text(), "1,2\nPermissionError\n", "{}", result.stderr_text());
+    assert!(!dir.path().join("new.txt").exists());
+    Ok(())
+}
+
+#[tokio::test]
+async fn javascript_runs_and_reports_errors() -> TestResult {
+    let result = run(js("console.log(1 + 1)")).await;
+    assert_eq!(result.stdout_text(), "2\n");
+    assert_eq!(result.outcome, Outcome::Completed);
+
+    let result = run(js("throw new TypeError('nope')")).await;
+    assert_eq!(result.exit_code, 1);
+    assert!(result.stderr_text().contains("TypeError: nope"), "{}", result.stderr_text());
+
+    let result = run(js("std.exit(7)")).await;
+    assert_eq!(result.exit_code, 7);
+
+    let result = run(js("setTimeout(() => console.log('timer'), 5); await null; console.log('first')")).await;
+    assert_eq!(result.stdout_text(), "first\ntimer\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn javascript_reads_stdin() -> TestResult {
+    let mut request = js("console.log(std.in.readAsString().trim().length)");
+    request.stdin = b"12345\n".to_vec();
+    assert_eq!(run(request).await.stdout_text(), "5\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn python_sessions_keep_state_and_end_on_exit() -> TestResult {
+    let mut session = engine()
+        .open_session(Language::Python, &SessionOptions::default())
+        .await?;
+    let limits = Limits::default();
+    let first = session.run("x = 40\nimport math", &limits).await?;
+    assert_eq!(first.outcome, Outcome::Completed);
+    let second = session.run("x += 2\nprint(x, math.pi > 3)", &limits).await?;
+    assert_eq!(second.stdout_text(), "42 True\n");
+    let echoed = session.run("x * 2", &limits).await?;
+    assert_eq!(echoed.stdout_text(), "84\n");
+    let failed = session.run("1/0", &limits).await?;
+    assert_eq!(failed.exit_code, 1);
+    assert!(failed.stderr_text().contains("ZeroDivisionError"));
+    let still = session.run("print(x)", &limits).await?;
+    assert_eq!(still.stdout_text(), "42\n");
+    let exit = session.run("exit(5)", &limits).await?;
+    assert_eq!(exit.exit_code, 5);
+    let after = session.run("print(x)", &limits).await.unwrap_err();
+    assert!(matches!(after, ExecError::SessionEnded { .. }), "{after}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn javascript_sessions_keep_state() -> TestResult {
+    let mut session = engine()
+        .open_session(Language::JavaScript, &SessionOptions::default())
+        .await?;
+    let limits = Limits::default();
+    session.run("var x = 40; function add(a) { return x + a }", &limits).await?;
+    let result = session.run("console.log(add(2))", &limits).await?;
+    assert_eq!(result.stdout_text(), "42\n");
+    assert_eq!(result.exit_code, 0);
+    let failed = session.run("null.boom", &limits).await?;
+    assert_eq!(failed.exit_code, 1);
+    assert!(failed.stderr_text().contains("TypeError"), "{}", failed.stderr_text());
+    let marker_lookalike = session
+        .run("console.log('\\u0001kiln-turn-end-0000:0'); console.log(x)", &limits)
+        .await?;
+    assert_eq!(marker_lookalike.stdout_text(), "\u{1}kiln-turn-end-0000:0\n40\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn session_turns_have_their_own_deadline_and_a_timed_out_session_ends() -> TestResult {
+    for language in Language::ALL {
+        let mut session = engine()
+            .open_session(language, &SessionOptions::default())
+            .await?;
+        let short = Limits {
+            timeout_ms: 500,
+            ..Limits::default()
+        };
+        let spin = match language {
+            Language::Python => "while True: pass",
+            Language::JavaScript => "for (;;) {}",
+        };
+        let result = session.run(spin, &short).await?;
+        assert_eq!(result.outcome, Outcome::TimedOut, "{language}");
+        assert!(session.ended().is_some());
+        let err = session.run("1", &short).await.unwrap_err();
+        assert!(matches!(err, ExecError::SessionEnded { .. }), "{err}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_with_clear_errors() -> TestResult {
+    let mut request = py("print(1)");
+    request.limits.timeout_ms = 0;
+    let err = engine().execute(&request).await.unwrap_err();
+    assert_eq!(err.to_string(), "invalid limits: the timeout must be greater than zero");
+
+    let request = py(&"#".repeat(kiln_wasm::MAX_CODE_BYTES + 1));
+    let err = engine().execute(&request).await.unwrap_err();
+    assert!(matches!(err, ExecError::CodeTooLarge { .. }), "{err}");
+
+    let mut request = py("print(1)");
+    request.mounts.push(Mount {
+        host: "/nonexistent-kiln-dir".into(),
+        guest: "/data".into(),
+        writable: false,
+    });
+    let err = engine().execute(&request).await.unwrap_err();
+    assert!(err.to_string().starts_with("cannot grant /nonexistent-kiln-dir"), "{err}");
+
+    let mut request = py("print(1)");
+    request.mounts.push(Mount {
+        host: "/tmp".into(),
+        guest: "/a/../b".into(),
+        writable: false,
+    });
+    let err = engine().execute(&request).await.unwrap_err();
+    assert!(matches!(err, ExecError::Grant(_)), "{err}");
+
+    let mut request = py("print(1)");
+    request.env.push(("A=B".into(), "c".into()));
+    let err = engine().execute(&request).await.unwrap_err();
+    assert!(matches!(err, ExecError::Grant(_)), "{err}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------- attacks
+
+#[tokio::test]
+async fn attack_infinite_loop_times_out() -> TestResult {
+    for request in [py("while True: pass"), js("for (;;) {}")] {
+        let started = Instant::now();
+        let result = run(with_timeout(request, 1000)).await;
+        assert_eq!(result.outcome, Outcome::TimedOut);
+        assert_eq!(result.exit_code, -1);
+        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_blocking_sleep_is_cut_at_the_deadline() -> TestResult {
+    for request in [py("import time\ntime.sleep(100)"), js("os.sleep(100000)")] {
+        let started = Instant::now();
+        let result = run(with_timeout(request, 1000)).await;
+        assert_eq!(result.outcome, Outcome::TimedOut);
+        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_memory_blow_up_hits_the_cap() -> TestResult {
+    let cases = [
+        py("a = []\nwhile True:\n    a.append(bytearray(10**6))"),
+        py("x = bytearray(200 * 1024**2)"),
+        js("let a = []; for (;;) a.push(new Array(1e6).fill(1.5))"),
+    ];
+    for mut request in cases {
+        request.limits.memory_bytes = 64 << 20;
+        let result = run(request).await;
+        assert_eq!(result.outcome, Outcome::MemoryLimit, "{}", result.stderr_text());
+        assert!(result.peak_memory_bytes <= 64 << 20);
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_deep_recursion_is_a_clean_error() -> TestResult {
+    let result = run(py("def f(n): return f(n + 1)\nf(0)")).await;
+    assert_eq!(result.outcome, Outcome::Completed);
+    assert_eq!(result.exit_code, 1);
+    assert!(result.stderr_text().contains("RecursionError"), "{}", result.stderr_text());
+
+    let result = run(py("import json\njson.loads('[' * 100000)")).await;
+    assert_eq!(result.exit_code, 1);
+    assert!(result.stderr_text().contains("RecursionError"), "{}", result.stderr_text());
+
+    let result = run(js("function f(n) { return f(n + 1) + 1 } f(0)")).await;
+    assert_eq!(result.exit_code, 1);
+    assert!(result.stderr_text().contains("RangeError: Maximum call stack size exceeded"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_hundred_megabytes_of_output_is_truncated() -> TestResult {
+    let cases = [
+        py("import sys\nsys.stdout.write('x' * 100_000_000)\nsys.stderr.write('y' * 100_000_000)"),
+        js("std.out.puts('x'.repeat(1e8)); std.err.puts('y'.repeat(1e8))"),
+    ];
+    for request in cases {
+        let result = run(request).await;
+        assert_eq!(result.outcome, Outcome::OutputTruncated);
+        assert_eq!(result.exit_code, 0);
+        assert_eq!(result.stdout.len(), 1 << 20);
+        assert_eq!(result.stderr.len(), 1 << 20);
+        assert!(result.stdout_truncated && result.stderr_truncated);
+        assert!(result.stdout.iter().all(|&b| b == b'x'));
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_reading_host_files_fails() -> TestResult {
+    let code = "for p in ['/etc/passwd', '/proc/self/environ', '/root', '/../etc/passwd']:\n\
+                \x20   try:\n        open(p).read()\n        print('READ', p)\n\
+                \x20   except OSError as e:\n        print(type(e).__name__)";
+    let result = run(py(code)).await;
+    assert_eq!(
+        result.stdout_text(),
+        "FileNotFoundError\nFileNotFoundError\nFileNotFoundError\nFileNotFoundError\n",
+        "{}",
+        result.stderr_text()
+    );
+    let result = run(js("console.log(std.loadFile('/etc/passwd'), std.open('/etc/passwd', 'r'))")).await;
+    assert_eq!(result.stdout_text(), "null null\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_dotdot_and_symlink_escapes_from_the_workspace_fail() -> TestResult {
+    let outer = tempfile::tempdir()?;
+    std::fs::write(outer.path().join("secret.txt"), "SECRET")?;
+    let workspace = outer.path().join("ws");
+    std::fs::create_dir(&workspace)?;
+    std::os::unix::fs::symlink(outer.path().join("secret.txt"), workspace.join("link"))?;
+    std::os::unix::fs::symlink("/etc", workspace.join("etc"))?;
+    let code = "import os\n\
+                def attempt(label, fn):\n\
+                \x20   try:\n        fn()\n        print(label, 'ESCAPED')\n\
+                \x20   except OSError as e:\n        print(label, 'blocked')\n\
+                attempt('dotdot', lambda: open('../secret.txt').read())\n\
+                attempt('abs-dotdot', lambda: open('/workspace/../ws/../secret.txt').read())\n\
+                attempt('host-link', lambda: open('link').read())\n\
+                attempt('dir-link', lambda: open('etc/passwd').read())\n\
+                attempt('own-abs-link', lambda: os.symlink('/etc/passwd', 'mine'))\n\
+                attempt('own-rel-link', lambda: os.symlink('../secret.txt', 'rel') or open('rel').read())\n\
+                attempt('write-out', lambda: open('../evil.txt', 'w').write('x'))";
+    let mut request = py(code);
+    request.workspace = Some(workspace.clone());
+    let result = run(request).await;
+    assert_eq!(
+        result.stdout_text(),
+        "dotdot blocked\nabs-dotdot blocked\nhost-link blocked\ndir-link blocked\n\
+         own-abs-link blocked\nown-rel-link blocked\nwrite-out blocked\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert!(!outer.path().join("evil.txt").exists());
+
+    let mut request = js("console.log(std.loadFile('../secret.txt'), std.loadFile('link'), std.loadFile('etc/passwd'))");
+    request.workspace = Some(workspace);
+    let result = run(request).await;
+    assert_eq!(result.stdout_text(), "null null null\n", "{}", result.stderr_text());
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_writing_outside_the_grants_fails() -> TestResult {
+    let code = "for p in ['/usr/local/lib/x.py', '/etc/x', '/x', '/usr/local/lib/python315.zip/matplotlib/mpl-data/x']:\n\
+                \x20   try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n\
+                \x20   except OSError as e:\n        print(type(e).__name__)";
+    let result = run(py(code)).await;
+    let lines: Vec<String> = result.stdout_text().lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 4, "{}", result.stderr_text());
+    assert!(lines.iter().all(|l| !l.starts_with("WROTE")), "{lines:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_file_quota_holds() -> TestResult {
+    let mut request = py("f = open('/tmp/big', 'wb')\n\
+                          try:\n    for _ in range(100):\n        f.write(b'x' * 1_000_000)\n        f.flush()\n\
+                          except OSError as e:\n    print(e.errno)");
+    request.limits.fs_write_bytes = 10 << 20;
+    let result = run(request).await;
+    assert_eq!(result.stdout_text(), "51\n", "{}", result.stderr_text());
+    assert!(result.fs_written_bytes <= 10 << 20);
+
+    let mut request = py("import os\nn = 0\ntry:\n    while True:\n        open(f'/tmp/f{n}', 'w').close()\n        n += 1\n\
+                          except OSError as e:\n    print(n, e.errno)\n\
+                          open('/tmp/f0', 'w').write('reopen is fine')\nprint('ok')");
+    request.limits.fs_create_count = 50;
+    let result = run(request).await;
+    assert_eq!(result.stdout_text(), "50 51\nok\n", "{}", result.stderr_text());
+
+    let mut request = py("import os\nfd = os.open('/tmp/sparse', os.O_CREAT | os.O_WRONLY)\n\
+                          try:\n    os.ftruncate(fd, 10**12)\nexcept OSError as e:\n    print(e.errno)");
+    request.limits.fs_write_bytes = 1 << 20;
+    let result = run(request).await;
+    assert_eq!(result.stdout_text(), "51\n", "{}", result.stderr_text());
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_sockets_and_subprocesses_fail() -> TestResult {
+    let code = "import socket, subprocess, os\n\
+                def attempt(label, fn):\n\
+                \x20   try:\n        fn()\n        print(label, 'ALLOWED')\n\
+                \x20   except Exception as e:\n        print(label, 'blocked')\n\
+                attempt('connect', lambda: socket.create_connection(('127.0.0.1', 22), timeout=1))\n\
+                attempt('dns', lambda: socket.getaddrinfo('example.com', 80))\n\
+                attempt('listen', lambda: socket.socket().bind(('0.0.0.0', 8080)))\n\
+                attempt('subprocess', lambda: subprocess.run(['ls']))\n\
+                attempt('system', lambda: os.system('ls') == 0 or 1 / 0)\n\
+                attempt('fork', lambda: os.fork())";
+    let result = run(py(code)).await;
+    assert_eq!(
+        result.stdout_text(),
+        "connect blocked\ndns blocked\nlisten blocked\nsubprocess blocked\nsystem blocked\nfork blocked\n",
+        "{}",
+        result.stderr_text()
+    );
+    let result = run(js("console.log(typeof fetch, typeof os.exec, typeof os.socket, typeof require)")).await;
+    assert_eq!(result.stdout_text(), "undefined undefined undefined undefined\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_threads_cannot_start() -> TestResult {
+    let code = "import threading\ntry:\n    threading.Thread(target=print).start()\n    print('STARTED')\n\
+                except RuntimeError as e:\n    print('blocked')";
+    let result = run(py(code)).await;
+    assert_eq!(result.stdout_text(), "blocked\n", "{}", result.stderr_text());
+    let result = run(js("console.log(typeof os.Worker)")).await;
+    assert_eq!(result.stdout_text(), "undefined\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_environment_is_only_what_was_granted() -> TestResult {
+    // SAFETY: set once before any guest reads it; tests only read the host environment here.
+    unsafe { std::env::set_var("KILN_TEST_HOST_SECRET", "hunter2") };
+    let mut request = py("import os\nprint(sorted(os.environ.items()))");
+    request.env.push(("GRANTED".into(), "yes".into()));
+    let result = run(request).await;
+    assert_eq!(
+        result.stdout_text(),
+        "[('GRANTED', 'yes'), ('HOME', '/tmp'), ('MPLBACKEND', 'Agg'), ('PYTHONTZPATH', ''), ('TMPDIR', '/tmp')]\n"
+    );
+    let mut request = js("console.log(JSON.stringify(std.getenviron()))");
+    request.env.push(("GRANTED".into(), "yes".into()));
+    let result = run(request).await;
+    assert_eq!(
+        result.stdout_text(),
+        "{\"TMPDIR\":\"/tmp\",\"HOME\":\"/tmp\",\"GRANTED\":\"yes\"}\n"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_one_execution_cannot_see_another_s_tmp() -> TestResult {
+    let first = run(py("open('/tmp/left-behind', 'w').write('x')\nprint('ok')")).await;
+    assert_eq!(first.stdout_text(), "ok\n");
+    let second = run(py("import os\nprint(os.listdir('/tmp'))")).await;
+    assert_eq!(second.stdout_text(), "[]\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn many_concurrent_executions_stay_isolated() -> TestResult {
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        tasks.push(tokio::spawn(async move {
+            let request = if i % 2 == 0 {
+                py(&format!("x = {i}\nprint(x * 2)"))
+            } else {
+                js(&format!("var x = {i}; console.log(x * 2)"))
+            };
+            (i, engine().execute(&request).await)
+        }));
+    }
+    for task in tasks {
+        let (i, result) = task.await?;
+        assert_eq!(result?.stdout_text(), format!("{}\n", i * 2));
+    }
+    Ok(())
+}
