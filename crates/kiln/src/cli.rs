@@ -143,7 +143,8 @@ pub struct BenchArgs {
 }
 
 fn parse_language(text: &str) -> Result<Language, String> {
-    Language::from_name(text).ok_or_else(|| format!("unknown language {text:?}; use python or javascript"))
+    Language::from_name(text)
+        .ok_or_else(|| format!("unknown language {text:?}; use python or javascript"))
 }
 
 /// `500ms`, `10s`, `2m`, or a bare number of seconds.
@@ -160,7 +161,7 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
         _ => return Err(format!("{text:?}: unknown unit {unit:?} (use ms, s or m)")),
     };
     let ms = value * factor;
-    if !ms.is_finite() || ms < 1.0 || ms > 86_400_000.0 {
+    if !ms.is_finite() || !(1.0..=86_400_000.0).contains(&ms) {
         return Err(format!("{text:?} is out of range (1ms to 24h)"));
     }
     Ok(ms as u64)

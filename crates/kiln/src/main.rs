@@ -39,7 +39,10 @@ fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
         b.worker_threads(threads);
         b
     };
-    builder.enable_all().build().context("starting the async runtime")
+    builder
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -62,8 +65,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     )
                 })?,
             };
-            let code = std::fs::read(&file)
-                .with_context(|| format!("cannot read {}", file.display()))?;
+            let code =
+                std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
             let code = String::from_utf8(code)
                 .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", file.display()))?;
             exec(language, code, &args)

