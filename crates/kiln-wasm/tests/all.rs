@@ -635,3 +635,66 @@ async fn many_concurrent_executions_stay_isolated() -> TestResult {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn a_session_whose_guest_trapped_says_so_and_is_never_reused() -> TestResult {
+    let mut session = engine()
+        .open_session(Language::Python, &SessionOptions::default())
+        .await?;
+    let limits = Limits::default();
+    session.run("x = 1", &limits).await?;
+    let crashed = session.run("import os\nos.abort()", &limits).await?;
+    assert_eq!(
+        crashed.outcome,
+        Outcome::Crashed {
+            trap: "unreachable code reached".into()
+        }
+    );
+    assert_eq!(
+        session.ended(),
+        Some("the session crashed (unreachable code reached)")
+    );
+    let err = session.run("print(x)", &limits).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the session has ended: the session crashed (unreachable code reached); open a new session"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn session_output_streams_as_it_is_written() -> TestResult {
+    for (language, code) in [
+        (
+            Language::Python,
+            "import sys\nprint('a', flush=True)\nprint('b', file=sys.stderr)",
+        ),
+        (
+            Language::JavaScript,
+            "console.log('a'); std.out.flush(); std.err.puts('b\\n')",
+        ),
+    ] {
+        let mut session = engine()
+            .open_session(language, &SessionOptions::default())
+            .await?;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let result = session
+            .run_streaming(code, &Limits::default(), Some(tx))
+            .await?;
+        assert_eq!(result.stdout_text(), "a\n", "{language}");
+        assert_eq!(result.stderr_text(), "b\n", "{language}");
+        let mut chunks = Vec::new();
+        while let Ok(chunk) = rx.try_recv() {
+            chunks.push((chunk.stream, chunk.data.to_vec()));
+        }
+        assert_eq!(
+            chunks,
+            vec![
+                (kiln_wasm::StreamKind::Stdout, b"a\n".to_vec()),
+                (kiln_wasm::StreamKind::Stderr, b"b\n".to_vec())
+            ],
+            "{language}"
+        );
+    }
+    Ok(())
+}
