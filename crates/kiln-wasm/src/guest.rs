@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
-use kiln_core::{ExecRequest, Limits, Outcome};
+use kiln_core::{ExecRequest, ExecResult, Limits, Outcome};
 use wasmtime::{Caller, Linker, ResourceLimiter, Store, Trap, UpdateDeadline};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p1::wasi_snapshot_preview1 as p1;
@@ -13,6 +13,9 @@ use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 use wiggle::{GuestMemory, GuestPtr};
 
 use crate::output::{CappedPipe, StreamKind};
+
+/// The guest's working directory when a workspace is granted.
+pub const WORKSPACE_GUEST: &str = "/workspace";
 
 /// WASI errno values kiln answers with itself.
 const ERRNO_BADF: i32 = 8;
@@ -634,7 +637,7 @@ fn trap_name(trap: Trap) -> String {
 }
 
 /// Turns a call's end and the store's state into the outcome and exit code kiln reports.
-pub(crate) fn judge(end: &CallEnd<i32>, memory_hit: bool, truncated: bool) -> (Outcome, i32) {
+fn judge(end: &CallEnd<i32>, memory_hit: bool, truncated: bool) -> (Outcome, i32) {
     let (outcome, exit_code) = match end {
         CallEnd::Returned(code) | CallEnd::Exited(code) => {
             // A guest that hit its cap and then failed ran out of memory; one that caught
@@ -668,6 +671,47 @@ pub(crate) fn add_door(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> 
          -> i32 { -1 },
     )?;
     Ok(())
+}
+
+/// Appends the request's own grants: its workspace at `/workspace`, then its mounts.
+pub(crate) fn push_grants<'a>(request: &'a ExecRequest, preopens: &mut Vec<Preopen<'a>>) {
+    if let Some(workspace) = &request.workspace {
+        preopens.push(Preopen {
+            host: workspace,
+            guest: WORKSPACE_GUEST,
+            writable: true,
+        });
+    }
+    for mount in &request.mounts {
+        preopens.push(Preopen {
+            host: &mount.host,
+            guest: &mount.guest,
+            writable: mount.writable,
+        });
+    }
+}
+
+/// Collects a call's output and statistics into the result kiln reports.
+pub(crate) fn finish(
+    end: &CallEnd<i32>,
+    stats: &Stats,
+    stdio: &Stdio,
+    started: Instant,
+) -> ExecResult {
+    let (stdout, stdout_truncated) = stdio.stdout.take();
+    let (stderr, stderr_truncated) = stdio.stderr.take();
+    let (outcome, exit_code) = judge(end, stats.hit(), stdout_truncated || stderr_truncated);
+    ExecResult {
+        stdout,
+        stderr,
+        exit_code,
+        outcome,
+        stdout_truncated,
+        stderr_truncated,
+        duration_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+        peak_memory_bytes: stats.peak(),
+        fs_written_bytes: stats.written(),
+    }
 }
 
 /// A private, empty host folder for the guest's `/tmp`, removed on drop.

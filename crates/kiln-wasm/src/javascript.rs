@@ -19,11 +19,10 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, JsRuntime, WasmEngine};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, Stats, Stdio, arm_deadline, bounded_call, classify_error, judge,
-    new_store, private_tmp, wasi_context,
+    CallEnd, GuestState, Preopen, Stats, Stdio, arm_deadline, bounded_call, classify_error, finish,
+    new_store, private_tmp, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
-use crate::python::WORKSPACE_GUEST;
 
 const BASE_ENV: &[(&str, &str)] = &[("TMPDIR", "/tmp"), ("HOME", "/tmp")];
 
@@ -54,20 +53,7 @@ async fn prepare(
         guest: "/tmp",
         writable: true,
     }];
-    if let Some(workspace) = &request.workspace {
-        preopens.push(Preopen {
-            host: workspace,
-            guest: WORKSPACE_GUEST,
-            writable: true,
-        });
-    }
-    for mount in &request.mounts {
-        preopens.push(Preopen {
-            host: &mount.host,
-            guest: &mount.guest,
-            writable: mount.writable,
-        });
-    }
+    push_grants(request, &mut preopens);
     let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["qjs"])?;
     let mut store = new_store(engine.wasmtime(), wasi, &request.limits);
     let instance = runtime
@@ -163,30 +149,7 @@ pub(crate) async fn run_once(
         CallEnd::Returned(v) if v != 0 => CallEnd::Returned(1),
         other => other,
     };
-    Ok(collect(&end, &store, &stdio, started))
-}
-
-fn collect(
-    end: &CallEnd<i32>,
-    store: &Store<GuestState>,
-    stdio: &Stdio,
-    started: Instant,
-) -> ExecResult {
-    let (stdout, stdout_truncated) = stdio.stdout.take();
-    let (stderr, stderr_truncated) = stdio.stderr.take();
-    let stats = &store.data().memory.stats;
-    let (outcome, exit_code) = judge(end, stats.hit(), stdout_truncated || stderr_truncated);
-    ExecResult {
-        stdout,
-        stderr,
-        exit_code,
-        outcome,
-        stdout_truncated,
-        stderr_truncated,
-        duration_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-        peak_memory_bytes: stats.peak(),
-        fs_written_bytes: stats.written(),
-    }
+    Ok(finish(&end, &store.data().memory.stats, &stdio, started))
 }
 
 /// The read-eval loop a JavaScript session runs. `NONCE` is replaced per session.
@@ -348,20 +311,6 @@ impl JsSession {
                 CallEnd::TimedOut
             }
         };
-        let (stdout, stdout_truncated) = self.stdio.stdout.take();
-        let (stderr, stderr_truncated) = self.stdio.stderr.take();
-        let (outcome, exit_code) =
-            judge(&end, self.stats.hit(), stdout_truncated || stderr_truncated);
-        Ok(ExecResult {
-            stdout,
-            stderr,
-            exit_code,
-            outcome,
-            stdout_truncated,
-            stderr_truncated,
-            duration_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            peak_memory_bytes: self.stats.peak(),
-            fs_written_bytes: self.stats.written(),
-        })
+        Ok(finish(&end, &self.stats, &self.stdio, started))
     }
 }

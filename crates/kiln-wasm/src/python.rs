@@ -14,8 +14,8 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, PythonRuntime, WasmEngine};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, Stdio, arm_deadline, bounded_call, judge, new_store, private_tmp,
-    wasi_context,
+    CallEnd, GuestState, Preopen, Stdio, WORKSPACE_GUEST, arm_deadline, bounded_call, finish,
+    new_store, private_tmp, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
 
@@ -23,8 +23,6 @@ use crate::output::OutputChunk;
 const LIB_GUEST: &str = "/usr/local/lib";
 /// Where matplotlib looks for its data: beside its module inside the zip.
 const MPL_DATA_GUEST: &str = "/usr/local/lib/python315.zip/matplotlib/mpl-data";
-/// The guest's working directory when a workspace is granted.
-pub const WORKSPACE_GUEST: &str = "/workspace";
 const BASE_ENV: &[(&str, &str)] = &[
     ("TMPDIR", "/tmp"),
     ("HOME", "/tmp"),
@@ -77,20 +75,7 @@ impl PythonGuest {
                 writable: true,
             },
         ];
-        if let Some(workspace) = &request.workspace {
-            preopens.push(Preopen {
-                host: workspace,
-                guest: WORKSPACE_GUEST,
-                writable: true,
-            });
-        }
-        for mount in &request.mounts {
-            preopens.push(Preopen {
-                host: &mount.host,
-                guest: &mount.guest,
-                writable: mount.writable,
-            });
-        }
+        push_grants(request, &mut preopens);
         let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
         let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["python"])?;
         let mut store = new_store(engine.wasmtime(), wasi, &request.limits);
@@ -199,21 +184,12 @@ impl PythonGuest {
                 _ => "the session ended".into(),
             });
         }
-        let (stdout, stdout_truncated) = self.stdio.stdout.take();
-        let (stderr, stderr_truncated) = self.stdio.stderr.take();
-        let stats = &self.store.data().memory.stats;
-        let (outcome, exit_code) = judge(&end, stats.hit(), stdout_truncated || stderr_truncated);
-        Ok(ExecResult {
-            stdout,
-            stderr,
-            exit_code,
-            outcome,
-            stdout_truncated,
-            stderr_truncated,
-            duration_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            peak_memory_bytes: stats.peak(),
-            fs_written_bytes: stats.written(),
-        })
+        Ok(finish(
+            &end,
+            &self.store.data().memory.stats,
+            &self.stdio,
+            started,
+        ))
     }
 }
 
