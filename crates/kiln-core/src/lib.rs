@@ -160,8 +160,8 @@ pub struct ExecRequest {
     pub language: Language,
     /// Source code to run.
     pub code: String,
-    /// Bytes the guest reads on stdin (then end of file).
-    #[serde(default)]
+    /// Bytes the guest reads on stdin (then end of file). Base64 in JSON.
+    #[serde(default, with = "base64_bytes")]
     pub stdin: Vec<u8>,
     /// Environment variables the guest sees, besides the runtime's own (`HOME`, `TMPDIR`).
     #[serde(default)]
@@ -237,9 +237,11 @@ impl Outcome {
 /// What an execution produced.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExecResult {
-    /// Captured stdout, at most `limits.stdout_bytes`.
+    /// Captured stdout, at most `limits.stdout_bytes`. Base64 in JSON.
+    #[serde(with = "base64_bytes")]
     pub stdout: Vec<u8>,
-    /// Captured stderr, at most `limits.stderr_bytes`.
+    /// Captured stderr, at most `limits.stderr_bytes`. Base64 in JSON.
+    #[serde(with = "base64_bytes")]
     pub stderr: Vec<u8>,
     /// The guest's exit code; meaningful when the outcome ran to its end, else -1.
     pub exit_code: i32,
@@ -271,6 +273,24 @@ impl ExecResult {
     /// Whether the guest ran to its end with exit code 0.
     pub fn success(&self) -> bool {
         self.outcome.ran_to_end() && self.exit_code == 0
+    }
+}
+
+/// Byte buffers as base64 strings: compact and exact for any bytes, unlike a JSON array.
+mod base64_bytes {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::STANDARD;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+        STANDARD
+            .decode(text.as_bytes())
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -311,6 +331,21 @@ mod tests {
                 memory_bytes: 8 << 30
             })
         );
+    }
+
+    #[test]
+    fn byte_fields_travel_as_base64() {
+        let mut request = ExecRequest::new(Language::Python, "x");
+        request.stdin = vec![0, 255, b'a'];
+        let json = serde_json::to_value(&request).unwrap();
+        assert_eq!(json["stdin"], "AP9h");
+        let back: ExecRequest = serde_json::from_value(json).unwrap();
+        assert_eq!(back, request);
+        let err = serde_json::from_str::<ExecRequest>(
+            r#"{"language":"python","code":"","stdin":"not base64!"}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("Invalid"), "{err}");
     }
 
     #[test]
