@@ -22,6 +22,7 @@ pub fn remote_error(error: &ExecError) -> RemoteError {
         ExecError::Grant(_) => "grant",
         ExecError::CodeTooLarge { .. } => "code_too_large",
         ExecError::SessionEnded { .. } => "session_ended",
+        ExecError::Busy { .. } => "busy",
         ExecError::Tmp(_) | ExecError::Instantiate { .. } => "instantiate",
     };
     RemoteError {

@@ -10,7 +10,7 @@ use kiln_core::{ExecRequest, ExecResult, Language, LimitsError};
 use wasmtime::{Config, Engine, InstancePre, Linker, OptLevel};
 
 use crate::cache::{ModuleError, load_or_compile};
-use crate::guest::{GrantError, GuestState, add_door, add_to_linker};
+use crate::guest::{GrantError, GuestState, PrivateTmp, TmpRoot, add_door, add_to_linker};
 use crate::setup::{CacheDir, JAVASCRIPT, PYTHON, Progress, Quiet, RuntimeSpec, SetupError};
 use crate::{javascript, python};
 
@@ -27,6 +27,9 @@ pub enum EngineError {
     /// wasmtime refused the configuration (a bug in kiln).
     #[error("wasmtime refused kiln's engine configuration: {0}")]
     Config(String),
+    /// The folder for guests' private `/tmp` could not be made.
+    #[error("could not create a temporary folder for guests (check TMPDIR): {0}")]
+    Tmp(String),
     /// Fetching or unpacking a runtime failed.
     #[error(transparent)]
     Setup(#[from] SetupError),
@@ -66,6 +69,9 @@ pub enum ExecError {
     /// The session can no longer run code.
     #[error("the session has ended: {reason}; open a new session")]
     SessionEnded { reason: String },
+    /// Every guest slot of this process is in use.
+    #[error("too many sandboxes at once: all {limit} slots are in use; retry when some finish")]
+    Busy { limit: u32 },
     /// The guest could not be started.
     #[error("could not start the {language} guest: {detail}")]
     Instantiate { language: Language, detail: String },
@@ -120,6 +126,8 @@ impl Drop for Ticker {
 
 struct Inner {
     engine: Engine,
+    tmp_root: TmpRoot,
+    max_instances: u32,
     cache: CacheDir,
     python: Mutex<Option<Arc<PythonRuntime>>>,
     javascript: Mutex<Option<Arc<JsRuntime>>>,
@@ -151,8 +159,31 @@ impl std::fmt::Debug for WasmEngine {
     }
 }
 
-/// The wasmtime configuration kiln uses (see DESIGN.md for why each setting is there).
-pub fn engine_config() -> Config {
+/// Engine settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// The most guests alive at once in this process, one-shots and sessions together.
+    /// Each reserves (but does not use) about 12 GiB of address space. Default 1 000.
+    pub max_instances: u32,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            max_instances: 1_000,
+        }
+    }
+}
+
+/// Bytes of a guest's memory kept resident when its slot is reused: pages the last guest
+/// wrote are copied back from the image instead of unmapped, so the next guest does not
+/// fault them in again (page faults dominate start-up on virtualised hosts).
+const KEEP_RESIDENT_BYTES: usize = 8 << 20;
+
+/// The wasmtime configuration kiln uses (see docs/engine.md for why each setting is there).
+/// The allocator settings do not change compiled code, so every configuration shares the
+/// same `.cwasm` files.
+pub fn engine_config(options: &EngineOptions) -> Config {
     let mut config = Config::new();
     config
         .wasm_exceptions(true)
@@ -160,18 +191,43 @@ pub fn engine_config() -> Config {
         .async_stack_size(MAX_WASM_STACK + (1 << 20))
         .epoch_interruption(true)
         .cranelift_opt_level(OptLevel::Speed);
+    let slots = options.max_instances.max(1);
+    let mut pool = wasmtime::PoolingAllocationConfig::new();
+    pool.total_core_instances(slots)
+        .total_memories(slots)
+        .total_tables(slots)
+        .total_stacks(slots)
+        .total_gc_heaps(slots)
+        // The Python module's function table has 47 157 entries.
+        .table_elements(100_000)
+        .max_core_instance_size(16 << 20)
+        .max_memory_size(4 << 30)
+        .linear_memory_keep_resident(KEEP_RESIDENT_BYTES)
+        .table_keep_resident(1 << 20)
+        .pagemap_scan(wasmtime::Enabled::Auto);
+    config.allocation_strategy(wasmtime::InstanceAllocationStrategy::Pooling(pool));
     config
 }
 
 impl WasmEngine {
-    /// An engine using the runtimes in `cache`. Nothing is loaded until first use (or
-    /// [`WasmEngine::prepare`]).
+    /// An engine using the runtimes in `cache`, with default options. Nothing is loaded until
+    /// first use (or [`WasmEngine::prepare`]).
     pub fn new(cache: CacheDir) -> Result<WasmEngine, EngineError> {
-        let engine =
-            Engine::new(&engine_config()).map_err(|e| EngineError::Config(format!("{e:#}")))?;
+        WasmEngine::with_options(cache, &EngineOptions::default())
+    }
+
+    /// An engine with explicit options.
+    pub fn with_options(
+        cache: CacheDir,
+        options: &EngineOptions,
+    ) -> Result<WasmEngine, EngineError> {
+        let engine = Engine::new(&engine_config(options))
+            .map_err(|e| EngineError::Config(format!("{e:#}")))?;
         Ok(WasmEngine {
             inner: Arc::new(Inner {
                 _ticker: Ticker::start(engine.clone()),
+                max_instances: options.max_instances.max(1),
+                tmp_root: TmpRoot::new().map_err(|e| EngineError::Tmp(e.to_string()))?,
                 engine,
                 cache,
                 python: Mutex::new(None),
@@ -183,6 +239,15 @@ impl WasmEngine {
     /// The cache this engine uses.
     pub fn cache(&self) -> &CacheDir {
         &self.inner.cache
+    }
+
+    /// The most guests this engine runs at once.
+    pub fn max_instances(&self) -> u32 {
+        self.inner.max_instances
+    }
+
+    pub(crate) fn private_tmp(&self) -> std::io::Result<PrivateTmp> {
+        self.inner.tmp_root.private()
     }
 
     pub(crate) fn wasmtime(&self) -> &Engine {

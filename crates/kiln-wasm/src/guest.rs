@@ -714,9 +714,50 @@ pub(crate) fn finish(
     }
 }
 
-/// A private, empty host folder for the guest's `/tmp`, removed on drop.
-pub(crate) fn private_tmp() -> std::io::Result<tempfile::TempDir> {
-    tempfile::Builder::new().prefix("kiln-tmp-").tempdir()
+/// The folder under which an engine makes each guest's private `/tmp` (one `mkdir` per
+/// guest, no random names), removed with the engine.
+#[derive(Debug)]
+pub(crate) struct TmpRoot {
+    root: tempfile::TempDir,
+    next: AtomicU64,
+}
+
+impl TmpRoot {
+    pub fn new() -> std::io::Result<TmpRoot> {
+        Ok(TmpRoot {
+            root: tempfile::Builder::new().prefix("kiln-tmp-").tempdir()?,
+            next: AtomicU64::new(0),
+        })
+    }
+
+    /// A new, empty folder only this guest sees, removed on drop.
+    pub fn private(&self) -> std::io::Result<PrivateTmp> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let path = self.root.path().join(n.to_string());
+        std::fs::create_dir(&path)?;
+        Ok(PrivateTmp { path })
+    }
+}
+
+/// A guest's private `/tmp` on the host.
+#[derive(Debug)]
+pub(crate) struct PrivateTmp {
+    path: std::path::PathBuf,
+}
+
+impl PrivateTmp {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for PrivateTmp {
+    fn drop(&mut self) {
+        // Most guests leave /tmp empty: one rmdir; otherwise remove what they left.
+        if std::fs::remove_dir(&self.path).is_err() {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
 }
 
 #[cfg(test)]

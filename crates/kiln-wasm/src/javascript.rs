@@ -19,8 +19,8 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, JsRuntime, WasmEngine};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, Stats, Stdio, arm_deadline, bounded_call, classify_error, finish,
-    new_store, private_tmp, push_grants, wasi_context,
+    CallEnd, GuestState, Preopen, PrivateTmp, Stats, Stdio, arm_deadline, bounded_call,
+    classify_error, finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
 
@@ -37,7 +37,7 @@ struct Prepared {
     store: Store<GuestState>,
     instance: Instance,
     stdio: Stdio,
-    tmp: tempfile::TempDir,
+    tmp: PrivateTmp,
 }
 
 async fn prepare(
@@ -46,7 +46,7 @@ async fn prepare(
     request: &ExecRequest,
     stdin: Box<dyn wasmtime_wasi::cli::StdinStream>,
 ) -> Result<Prepared, ExecError> {
-    let tmp = private_tmp().map_err(ExecError::Tmp)?;
+    let tmp = engine.private_tmp().map_err(ExecError::Tmp)?;
     let stdio = Stdio::new(&request.limits);
     let mut preopens = vec![Preopen {
         host: tmp.path(),
@@ -60,7 +60,15 @@ async fn prepare(
         .pre
         .instantiate_async(&mut store)
         .await
-        .map_err(|e| instantiate_error(&e))?;
+        .map_err(|e| {
+            if e.is::<wasmtime::PoolConcurrencyLimitError>() {
+                ExecError::Busy {
+                    limit: engine.max_instances(),
+                }
+            } else {
+                instantiate_error(&e)
+            }
+        })?;
     Ok(Prepared {
         store,
         instance,
@@ -184,7 +192,7 @@ pub(crate) struct JsSession {
     task_end: Option<oneshot::Receiver<CallEnd<i32>>>,
     stats: Arc<Stats>,
     pub ended: Option<String>,
-    _tmp: tempfile::TempDir,
+    _tmp: PrivateTmp,
 }
 
 impl Drop for JsSession {

@@ -27,7 +27,9 @@ mod session;
 pub mod setup;
 
 pub use cache::{ModuleError, WASMTIME_VERSION, cwasm_path};
-pub use engine::{EPOCH_TICK, EngineError, ExecError, MAX_CODE_BYTES, WasmEngine, engine_config};
+pub use engine::{
+    EPOCH_TICK, EngineError, EngineOptions, ExecError, MAX_CODE_BYTES, WasmEngine, engine_config,
+};
 pub use guest::GrantError;
 pub use output::{OutputChunk, StreamKind};
 pub use session::{Session, SessionOptions};

@@ -14,8 +14,8 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, PythonRuntime, WasmEngine};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, Stdio, WORKSPACE_GUEST, arm_deadline, bounded_call, finish,
-    new_store, private_tmp, push_grants, wasi_context,
+    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, WORKSPACE_GUEST, arm_deadline, bounded_call,
+    finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
 
@@ -41,9 +41,11 @@ pub(crate) struct PythonGuest {
     store: Store<GuestState>,
     exports: Exports,
     stdio: Stdio,
-    _tmp: tempfile::TempDir,
+    _tmp: PrivateTmp,
     /// Why the instance can no longer be used, if it cannot.
     pub ended: Option<String>,
+    /// Whether a final expression's value is printed.
+    echo: bool,
 }
 
 impl PythonGuest {
@@ -56,7 +58,7 @@ impl PythonGuest {
         request: &ExecRequest,
         echo: bool,
     ) -> Result<PythonGuest, ExecError> {
-        let tmp = private_tmp().map_err(ExecError::Tmp)?;
+        let tmp = engine.private_tmp().map_err(ExecError::Tmp)?;
         let stdio = Stdio::new(&request.limits);
         let mut preopens = vec![
             Preopen {
@@ -83,7 +85,7 @@ impl PythonGuest {
             .pre
             .instantiate_async(&mut store)
             .await
-            .map_err(|e| instantiate_error(&e))?;
+            .map_err(|e| instantiate_error_from(engine, e))?;
         let exports = Exports {
             memory: instance
                 .get_memory(&mut store, "memory")
@@ -101,21 +103,15 @@ impl PythonGuest {
             stdio,
             _tmp: tmp,
             ended: None,
+            echo: true,
         };
-        let mut setup = String::new();
-        if !echo {
-            setup.push_str("import sys as _k; _k.displayhook = lambda _v: None; del _k\n");
-        }
+        guest.echo = echo;
         if request.workspace.is_some() {
-            setup.push_str(&format!(
-                "import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k\n"
-            ));
-        }
-        if !setup.is_empty() {
+            let setup = format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k");
             let result = guest.turn(&setup, &request.limits, None).await?;
             if !result.success() {
                 return Err(instantiate_error(format!(
-                    "preparing the guest failed: {}",
+                    "entering {WORKSPACE_GUEST} failed: {}",
                     result.stderr_text().trim()
                 )));
             }
@@ -148,6 +144,13 @@ impl PythonGuest {
         let clock_base = state.clock_base;
         arm_deadline(&deadline, clock_base, limits);
 
+        // `turn` echoes a final expression; a trailing `pass` is a final statement that
+        // echoes nothing, costs nothing and leaves line numbers as they were.
+        let code: std::borrow::Cow<'_, str> = if self.echo {
+            code.into()
+        } else {
+            format!("{code}\npass").into()
+        };
         let len = i32::try_from(code.len()).map_err(|_| ExecError::CodeTooLarge {
             bytes: code.len(),
             max: crate::engine::MAX_CODE_BYTES,
@@ -191,6 +194,15 @@ impl PythonGuest {
             started,
         ))
     }
+}
+
+fn instantiate_error_from(engine: &WasmEngine, error: wasmtime::Error) -> ExecError {
+    if error.is::<wasmtime::PoolConcurrencyLimitError>() {
+        return ExecError::Busy {
+            limit: engine.max_instances(),
+        };
+    }
+    instantiate_error(&error)
 }
 
 fn instantiate_error(error: impl std::fmt::Display) -> ExecError {

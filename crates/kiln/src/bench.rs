@@ -57,10 +57,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     for language in Language::ALL {
         engine.prepare(language, &progress)?;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let want = |name: &str| {
+        args.only
+            .as_deref()
+            .is_none_or(|only| only.split(',').any(|o| name.starts_with(o)))
+    };
     let n = args.iterations.max(5);
     let mut report = serde_json::Map::new();
     report.insert(
@@ -70,148 +74,174 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
 
     rt.block_on(async {
         // Fresh-sandbox Python through the engine API.
-        let request = ExecRequest::new(Language::Python, "print(1+1)");
-        for _ in 0..10 {
-            engine.execute(&request).await?;
-        }
-        let mut samples = Vec::with_capacity(n);
-        for _ in 0..n {
-            let t = Instant::now();
-            let result = engine.execute(&request).await?;
-            samples.push(micros(t.elapsed()));
-            anyhow::ensure!(
-                result.stdout == b"2\n",
-                "unexpected output {:?}",
-                result.stdout_text()
+        if want("python_oneshot_engine") {
+            let request = ExecRequest::new(Language::Python, "print(1+1)");
+            for _ in 0..10 {
+                engine.execute(&request).await?;
+            }
+            let mut samples = Vec::with_capacity(n);
+            for _ in 0..n {
+                let t = Instant::now();
+                let result = engine.execute(&request).await?;
+                samples.push(micros(t.elapsed()));
+                anyhow::ensure!(
+                    result.stdout == b"2\n",
+                    "unexpected output {:?}",
+                    result.stdout_text()
+                );
+            }
+            report.insert("python_oneshot_engine".into(), summary(samples));
+            // Page faults per one-shot: on virtualised hosts each costs microseconds.
+            let faults = || {
+                // SAFETY: getrusage fills the struct we pass; all-zero is a valid rusage.
+                let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+                // SAFETY: as above; RUSAGE_SELF needs no other argument.
+                unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+                usage.ru_minflt
+            };
+            let before = faults();
+            for _ in 0..50 {
+                engine.execute(&request).await?;
+            }
+            report.insert(
+                "python_oneshot_minor_faults".into(),
+                json!({"each": (faults() - before) / 50}),
             );
         }
-        report.insert("python_oneshot_engine".into(), summary(samples));
-
         // JavaScript one-shot.
-        let js = ExecRequest::new(Language::JavaScript, "console.log(1+1)");
-        for _ in 0..10 {
-            engine.execute(&js).await?;
+        if want("javascript_oneshot") {
+            let js = ExecRequest::new(Language::JavaScript, "console.log(1+1)");
+            for _ in 0..10 {
+                engine.execute(&js).await?;
+            }
+            let mut samples = Vec::with_capacity(n);
+            for _ in 0..n {
+                let t = Instant::now();
+                let result = engine.execute(&js).await?;
+                samples.push(micros(t.elapsed()));
+                anyhow::ensure!(
+                    result.stdout == b"2\n",
+                    "unexpected output {:?}",
+                    result.stdout_text()
+                );
+            }
+            report.insert("javascript_oneshot_engine".into(), summary(samples));
         }
-        let mut samples = Vec::with_capacity(n);
-        for _ in 0..n {
-            let t = Instant::now();
-            let result = engine.execute(&js).await?;
-            samples.push(micros(t.elapsed()));
-            anyhow::ensure!(
-                result.stdout == b"2\n",
-                "unexpected output {:?}",
-                result.stdout_text()
-            );
-        }
-        report.insert("javascript_oneshot_engine".into(), summary(samples));
-
         // Python session turn.
-        let mut session = engine
-            .open_session(Language::Python, &SessionOptions::default())
-            .await?;
-        session.run("x = 0", &Limits::default()).await?;
-        let limits = Limits::default();
-        let mut samples = Vec::with_capacity(n * 10);
-        for _ in 0..n * 10 {
-            let t = Instant::now();
-            session.run("x += 1", &limits).await?;
-            samples.push(micros(t.elapsed()));
-        }
-        report.insert("python_session_turn".into(), summary(samples));
-
-        // JavaScript session turn.
-        let mut session = engine
-            .open_session(Language::JavaScript, &SessionOptions::default())
-            .await?;
-        session.run("var x = 0", &Limits::default()).await?;
-        let mut samples = Vec::with_capacity(n * 10);
-        for _ in 0..n * 10 {
-            let t = Instant::now();
-            session.run("x += 1", &limits).await?;
-            samples.push(micros(t.elapsed()));
-        }
-        report.insert("javascript_session_turn".into(), summary(samples));
-
-        // Idle Python sessions: private memory each.
-        let before = private_memory_bytes()?;
-        let mut sessions = Vec::with_capacity(args.sessions);
-        for i in 0..args.sessions {
-            let mut s = engine
+        if want("python_session") {
+            let mut session = engine
                 .open_session(Language::Python, &SessionOptions::default())
                 .await?;
-            s.run(&format!("x = {i}"), &limits).await?;
-            sessions.push(s);
+            let limits = Limits::default();
+            session.run("x = 0", &limits).await?;
+            let mut samples = Vec::with_capacity(n * 10);
+            for _ in 0..n * 10 {
+                let t = Instant::now();
+                session.run("x += 1", &limits).await?;
+                samples.push(micros(t.elapsed()));
+            }
+            report.insert("python_session_turn".into(), summary(samples));
         }
-        let after = private_memory_bytes()?;
-        let each = (after.saturating_sub(before)) as f64 / args.sessions.max(1) as f64;
-        report.insert(
-            "python_idle_session_private_mib".into(),
-            json!({"sessions": args.sessions, "each_mib": round3(each / (1 << 20) as f64)}),
-        );
-        drop(sessions);
-
+        // JavaScript session turn.
+        if want("javascript_session") {
+            let mut session = engine
+                .open_session(Language::JavaScript, &SessionOptions::default())
+                .await?;
+            session.run("var x = 0", &Limits::default()).await?;
+            let mut samples = Vec::with_capacity(n * 10);
+            for _ in 0..n * 10 {
+                let t = Instant::now();
+                session.run("x += 1", &Limits::default()).await?;
+                samples.push(micros(t.elapsed()));
+            }
+            report.insert("javascript_session_turn".into(), summary(samples));
+        }
+        // Idle Python sessions: private memory each.
+        if want("python_idle") {
+            let before = private_memory_bytes()?;
+            let mut sessions = Vec::with_capacity(args.sessions);
+            for i in 0..args.sessions {
+                let mut s = engine
+                    .open_session(Language::Python, &SessionOptions::default())
+                    .await?;
+                s.run(&format!("x = {i}"), &Limits::default()).await?;
+                sessions.push(s);
+            }
+            let after = private_memory_bytes()?;
+            let each = (after.saturating_sub(before)) as f64 / args.sessions.max(1) as f64;
+            report.insert(
+                "python_idle_session_private_mib".into(),
+                json!({"sessions": args.sessions, "each_mib": round3(each / (1 << 20) as f64)}),
+            );
+            drop(sessions);
+        }
         // Through executor workers.
-        let config = PoolConfig::current_exe()?;
-        let workers = config.workers;
-        let pool = Arc::new(ExecutorPool::new(config));
-        pool.start_all()?;
-        for _ in 0..20 {
-            pool.execute(request.clone()).await?;
-        }
-        let mut samples = Vec::with_capacity(n);
-        for _ in 0..n {
-            let t = Instant::now();
-            let result = pool.execute(request.clone()).await?;
-            samples.push(micros(t.elapsed()));
-            anyhow::ensure!(result.stdout == b"2\n", "unexpected output");
-        }
-        report.insert("python_oneshot_worker".into(), summary(samples));
+        let request = ExecRequest::new(Language::Python, "print(1+1)");
+        if want("python_oneshot_worker") || want("python_oneshot_throughput") {
+            let config = PoolConfig::current_exe()?;
+            let workers = config.workers;
+            let pool = Arc::new(ExecutorPool::new(config));
+            pool.start_all()?;
+            for _ in 0..20 {
+                pool.execute(request.clone()).await?;
+            }
+            let mut samples = Vec::with_capacity(n);
+            for _ in 0..n {
+                let t = Instant::now();
+                let result = pool.execute(request.clone()).await?;
+                samples.push(micros(t.elapsed()));
+                anyhow::ensure!(result.stdout == b"2\n", "unexpected output");
+            }
+            report.insert("python_oneshot_worker".into(), summary(samples));
 
-        // Throughput: one-shots through the pool, several in flight per worker.
-        let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
-        let mut tasks = Vec::new();
-        for _ in 0..workers * 4 {
-            let pool = pool.clone();
-            let request = request.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut done = 0u64;
-                while Instant::now() < deadline {
-                    if pool.execute(request.clone()).await.is_ok() {
-                        done += 1;
+            // Throughput: one-shots through the pool, several in flight per worker.
+            let deadline = Instant::now() + Duration::from_secs_f64(args.seconds);
+            let mut tasks = Vec::new();
+            for _ in 0..workers * 4 {
+                let pool = pool.clone();
+                let request = request.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut done = 0u64;
+                    while Instant::now() < deadline {
+                        if pool.execute(request.clone()).await.is_ok() {
+                            done += 1;
+                        }
                     }
-                }
-                done
-            }));
+                    done
+                }));
+            }
+            let started = Instant::now();
+            let mut total = 0;
+            for task in tasks {
+                total += task.await?;
+            }
+            let per_second = total as f64 / started.elapsed().as_secs_f64();
+            report.insert(
+                "python_oneshot_throughput".into(),
+                json!({"workers": workers, "per_second": per_second.round()}),
+            );
         }
-        let started = Instant::now();
-        let mut total = 0;
-        for task in tasks {
-            total += task.await?;
-        }
-        let per_second = total as f64 / started.elapsed().as_secs_f64();
-        report.insert(
-            "python_oneshot_throughput".into(),
-            json!({"workers": workers, "per_second": per_second.round()}),
-        );
         anyhow::Ok(())
     })?;
 
     // The CLI as a whole process, warm cache.
-    let exe = std::env::current_exe()?;
-    let mut samples = Vec::new();
-    for i in 0..(n / 10).max(10) + 2 {
-        let t = Instant::now();
-        let status = Command::new(&exe)
-            .args(["exec", "--lang", "python", "-c", "print(1)"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .status()?;
-        anyhow::ensure!(status.success(), "kiln exec failed: {status}");
-        if i >= 2 {
-            samples.push(micros(t.elapsed()));
+    if want("cli") {
+        let exe = std::env::current_exe()?;
+        let mut samples = Vec::new();
+        for i in 0..(n / 10).max(10) + 2 {
+            let t = Instant::now();
+            let status = Command::new(&exe)
+                .args(["exec", "--lang", "python", "-c", "print(1)"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .status()?;
+            anyhow::ensure!(status.success(), "kiln exec failed: {status}");
+            if i >= 2 {
+                samples.push(micros(t.elapsed()));
+            }
         }
+        report.insert("cli_exec_python_process".into(), summary(samples));
     }
-    report.insert("cli_exec_python_process".into(), summary(samples));
 
     println!(
         "{}",

@@ -140,6 +140,10 @@ pub struct BenchArgs {
     /// Sessions opened for the idle-memory measurement.
     #[arg(long, default_value_t = 100)]
     pub sessions: usize,
+    /// Only the measurements whose names start with these (comma-separated), e.g.
+    /// `python_oneshot,cli`.
+    #[arg(long)]
+    pub only: Option<String>,
 }
 
 fn parse_language(text: &str) -> Result<Language, String> {

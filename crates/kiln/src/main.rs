@@ -110,7 +110,9 @@ fn exec(language: Language, code: String, args: &ExecArgs) -> anyhow::Result<Exi
             .read_to_end(&mut request.stdin)
             .context("reading stdin")?;
     }
-    let engine = WasmEngine::new(CacheDir::from_env())?;
+    // One execution: a small slot pool starts faster than the server-sized default.
+    let options = kiln_wasm::EngineOptions { max_instances: 4 };
+    let engine = WasmEngine::with_options(CacheDir::from_env(), &options)?;
     engine.prepare(language, &progress::Bar::new())?;
     let result = runtime(1)?.block_on(engine.execute(&request))?;
     if args.json {
