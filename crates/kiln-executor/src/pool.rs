@@ -35,10 +35,17 @@ impl PoolConfig {
     /// Workers that run this very binary with `__worker`, one per CPU, with only
     /// `KILN_CACHE_DIR`, `PATH`, `HOME` and `RUST_LOG` passed through.
     pub fn current_exe() -> std::io::Result<PoolConfig> {
-        let env = ["KILN_CACHE_DIR", "PATH", "HOME", "RUST_LOG", "TMPDIR"]
-            .iter()
-            .filter_map(|name| std::env::var_os(name).map(|v| (OsString::from(name), v)))
-            .collect();
+        let env = [
+            "KILN_CACHE_DIR",
+            "PATH",
+            "HOME",
+            "RUST_LOG",
+            "TMPDIR",
+            "KILN_WORKER_THREADS",
+        ]
+        .iter()
+        .filter_map(|name| std::env::var_os(name).map(|v| (OsString::from(name), v)))
+        .collect();
         Ok(PoolConfig {
             workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
             program: std::env::current_exe()?,

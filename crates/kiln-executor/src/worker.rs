@@ -31,6 +31,22 @@ pub fn remote_error(error: &ExecError) -> RemoteError {
     }
 }
 
+/// The worker's stdin and stdout as non-blocking pipes driven by the reactor (tokio's own
+/// `stdin()`/`stdout()` go through a blocking thread per read, which costs latency).
+pub fn stdio_pipes() -> std::io::Result<(
+    tokio::net::unix::pipe::Receiver,
+    tokio::net::unix::pipe::Sender,
+)> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: fds 0 and 1 are open for the life of the worker and nothing else in the
+    // process uses them once they are handed over here.
+    let (stdin, stdout) = unsafe { (OwnedFd::from_raw_fd(0), OwnedFd::from_raw_fd(1)) };
+    Ok((
+        tokio::net::unix::pipe::Receiver::from_owned_fd(stdin)?,
+        tokio::net::unix::pipe::Sender::from_owned_fd(stdout)?,
+    ))
+}
+
 /// Serves requests read from `input`, writing responses to `output`, until `input` closes.
 pub async fn serve<R, W>(engine: WasmEngine, mut input: R, mut output: W)
 where

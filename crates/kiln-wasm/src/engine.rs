@@ -194,7 +194,8 @@ pub fn engine_config(options: &EngineOptions) -> Config {
     let slots = options.max_instances.max(1);
     let mut pool = wasmtime::PoolingAllocationConfig::new();
     pool.total_core_instances(slots)
-        .total_memories(slots)
+        // A store's GC heap (wasm exceptions) takes a memory slot besides its linear memory.
+        .total_memories(slots.saturating_mul(2))
         .total_tables(slots)
         .total_stacks(slots)
         .total_gc_heaps(slots)

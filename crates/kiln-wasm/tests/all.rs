@@ -698,3 +698,44 @@ async fn session_output_streams_as_it_is_written() -> TestResult {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn one_shots_do_not_echo_a_final_expression_but_sessions_do() -> TestResult {
+    let result = run(py("1 + 1")).await;
+    assert_eq!(result.stdout_text(), "");
+    let result = run(py("for i in range(2):\n    print(i)")).await;
+    assert_eq!(result.stdout_text(), "0\n1\n");
+    let result = run(py("x = 1\nraise KeyError(x)")).await;
+    assert!(
+        result.stderr_text().contains("line 2"),
+        "{}",
+        result.stderr_text()
+    );
+    let mut session = engine()
+        .open_session(Language::Python, &SessionOptions::default())
+        .await?;
+    let echoed = session.run("1 + 1", &Limits::default()).await?;
+    assert_eq!(echoed.stdout_text(), "2\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_full_engine_says_it_is_busy() -> TestResult {
+    let small = WasmEngine::with_options(
+        CacheDir::from_env(),
+        &kiln_wasm::EngineOptions { max_instances: 2 },
+    )?;
+    small.prepare(Language::Python, &Quiet)?;
+    let options = SessionOptions::default();
+    let _a = small.open_session(Language::Python, &options).await?;
+    let _b = small.open_session(Language::Python, &options).await?;
+    let err = small.execute(&py("print(1)")).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "too many sandboxes at once: all 2 slots are in use; retry when some finish"
+    );
+    drop(_a);
+    let result = small.execute(&py("print(1)")).await?;
+    assert_eq!(result.stdout_text(), "1\n");
+    Ok(())
+}

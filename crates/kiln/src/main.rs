@@ -88,12 +88,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(args) => bench::run(args),
         Command::Worker => {
             let engine = WasmEngine::new(CacheDir::from_env())?;
-            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-            runtime(threads)?.block_on(kiln_executor::worker::serve(
-                engine,
-                tokio::io::stdin(),
-                tokio::io::stdout(),
-            ));
+            let threads = std::env::var("KILN_WORKER_THREADS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1);
+            runtime(threads)?.block_on(async {
+                let (input, output) = kiln_executor::worker::stdio_pipes()?;
+                kiln_executor::worker::serve(engine, input, output).await;
+                anyhow::Ok(())
+            })?;
             Ok(ExitCode::SUCCESS)
         }
     }
