@@ -121,9 +121,24 @@ impl Limits {
                 memory_bytes: self.memory_bytes,
             });
         }
+        for (stream, bytes) in [("stdout", self.stdout_bytes), ("stderr", self.stderr_bytes)] {
+            if bytes > MAX_OUTPUT_BYTES {
+                return Err(LimitsError::OutputTooLarge { stream, bytes });
+            }
+        }
         Ok(())
     }
 }
+
+/// The largest output cap a request may ask for, per stream: 16 MiB.
+pub const MAX_OUTPUT_BYTES: u64 = 16 << 20;
+/// The largest stdin a request may carry: 16 MiB.
+pub const MAX_STDIN_BYTES: usize = 16 << 20;
+/// The most environment variables a request may grant, and their total size in bytes.
+pub const MAX_ENV_VARS: usize = 1_000;
+pub const MAX_ENV_BYTES: usize = 1 << 20;
+/// The most directories a request may grant.
+pub const MAX_MOUNTS: usize = 64;
 
 /// Limits that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -137,6 +152,9 @@ pub enum LimitsError {
     /// memory must lie between 16 MiB and 4 GiB
     #[error("a memory limit of {memory_bytes} bytes is outside 16 MiB..=4 GiB")]
     MemoryOutOfRange { memory_bytes: u64 },
+    /// an output cap above the maximum
+    #[error("a {stream} cap of {bytes} bytes is above the maximum of 16 MiB")]
+    OutputTooLarge { stream: &'static str, bytes: u64 },
 }
 
 /// A host directory granted to the guest.

@@ -16,7 +16,9 @@ use kiln_core::{ExecRequest, ExecResult, Language, Limits};
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::protocol::{Op, RemoteError, Reply, Request, Response, read_frame, write_frame};
+use crate::protocol::{
+    Op, RemoteError, Reply, Request, Response, encode, read_frame, write_encoded,
+};
 
 /// How to start workers.
 #[derive(Debug, Clone)]
@@ -67,6 +69,9 @@ pub enum PoolError {
     /// The worker refused or failed the request.
     #[error("{}", .0.message)]
     Remote(RemoteError),
+    /// The request cannot be sent to a worker: it is too large.
+    #[error("the request is too large to send to a worker: {0}")]
+    TooLarge(String),
     /// The session is unknown (closed, or lost with its worker).
     #[error("no such session: {0}")]
     NoSuchSession(u64),
@@ -76,7 +81,7 @@ type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Reply, PoolError>>>
 
 struct Worker {
     generation: u64,
-    tx: mpsc::UnboundedSender<Request>,
+    tx: mpsc::UnboundedSender<Vec<u8>>,
     pending: Pending,
     alive: Arc<AtomicBool>,
     in_flight: Arc<AtomicUsize>,
@@ -190,12 +195,12 @@ impl ExecutorPool {
         let pid = child.id();
         let mut stdin = child.stdin.take().expect("stdin is piped");
         let mut stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, mut rx) = mpsc::unbounded_channel::<Request>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         let pending: Pending = Arc::default();
         let alive = Arc::new(AtomicBool::new(true));
         tokio::spawn(async move {
-            while let Some(request) = rx.recv().await {
-                if write_frame(&mut stdin, &request).await.is_err() {
+            while let Some(body) = rx.recv().await {
+                if write_encoded(&mut stdin, &body).await.is_err() {
                     break;
                 }
             }
@@ -255,13 +260,14 @@ impl ExecutorPool {
 
     async fn call(&self, worker: &Worker, op: Op) -> Result<Reply, PoolError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let body = encode(&Request { id, op }).map_err(|e| PoolError::TooLarge(e.to_string()))?;
         let (tx, rx) = oneshot::channel();
         worker
             .pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id, tx);
-        if !worker.alive.load(Ordering::Relaxed) || worker.tx.send(Request { id, op }).is_err() {
+        if !worker.alive.load(Ordering::Relaxed) || worker.tx.send(body).is_err() {
             worker
                 .pending
                 .lock()

@@ -36,8 +36,8 @@ pub struct Request {
 /// A failure the worker reports for one request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteError {
-    /// A stable name: `setup`, `limits`, `grant`, `code_too_large`, `session_ended`,
-    /// `no_such_session`, `instantiate`, `internal`.
+    /// A stable name: `setup`, `limits`, `grant`, `too_large`, `session_ended`,
+    /// `no_such_session`, `busy`, `instantiate`, `internal`.
     pub kind: String,
     /// The message, one line.
     pub message: String,
@@ -76,21 +76,36 @@ pub enum FrameError {
     Io(#[source] std::io::Error),
 }
 
+/// Serializes a frame's body, refusing one larger than [`MAX_FRAME_BYTES`] (so an oversized
+/// message fails alone instead of breaking the stream).
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, FrameError> {
+    let bytes = serde_json::to_vec(value).map_err(FrameError::Malformed)?;
+    let len = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge(len));
+    }
+    Ok(bytes)
+}
+
+/// Writes one encoded frame body with its length prefix.
+pub async fn write_encoded<W: AsyncWrite + Unpin>(
+    out: &mut W,
+    body: &[u8],
+) -> Result<(), FrameError> {
+    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge(u32::MAX))?;
+    out.write_all(&len.to_le_bytes())
+        .await
+        .map_err(FrameError::Io)?;
+    out.write_all(body).await.map_err(FrameError::Io)?;
+    out.flush().await.map_err(FrameError::Io)
+}
+
 /// Writes one frame.
 pub async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
     out: &mut W,
     value: &T,
 ) -> Result<(), FrameError> {
-    let bytes = serde_json::to_vec(value).map_err(FrameError::Malformed)?;
-    let len = u32::try_from(bytes.len()).map_err(|_| FrameError::TooLarge(u32::MAX))?;
-    if len > MAX_FRAME_BYTES {
-        return Err(FrameError::TooLarge(len));
-    }
-    out.write_all(&len.to_le_bytes())
-        .await
-        .map_err(FrameError::Io)?;
-    out.write_all(&bytes).await.map_err(FrameError::Io)?;
-    out.flush().await.map_err(FrameError::Io)
+    write_encoded(out, &encode(value)?).await
 }
 
 /// Reads one frame.

@@ -10,7 +10,9 @@ use kiln_wasm::{ExecError, Session, SessionOptions, WasmEngine};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{Mutex, mpsc};
 
-use crate::protocol::{Op, RemoteError, Reply, Request, Response, read_frame, write_frame};
+use crate::protocol::{
+    Op, RemoteError, Reply, Request, Response, encode, read_frame, write_encoded,
+};
 
 type Sessions = Arc<std::sync::Mutex<HashMap<u64, Arc<Mutex<Session>>>>>;
 
@@ -18,9 +20,9 @@ type Sessions = Arc<std::sync::Mutex<HashMap<u64, Arc<Mutex<Session>>>>>;
 pub fn remote_error(error: &ExecError) -> RemoteError {
     let kind = match error {
         ExecError::Engine(_) => "setup",
-        ExecError::Limits(_) => "limits",
+        ExecError::Limits(_) | ExecError::MemoryTooSmall { .. } => "limits",
         ExecError::Grant(_) => "grant",
-        ExecError::CodeTooLarge { .. } => "code_too_large",
+        ExecError::CodeTooLarge { .. } | ExecError::RequestTooLarge { .. } => "too_large",
         ExecError::SessionEnded { .. } => "session_ended",
         ExecError::Busy { .. } => "busy",
         ExecError::Tmp(_) | ExecError::Instantiate { .. } => "instantiate",
@@ -56,7 +58,24 @@ where
     let (tx, mut rx) = mpsc::unbounded_channel::<Response>();
     let writer = tokio::spawn(async move {
         while let Some(response) = rx.recv().await {
-            if write_frame(&mut output, &response).await.is_err() {
+            let body = match encode(&response) {
+                Ok(body) => body,
+                // A reply too large for a frame fails alone, as a reply.
+                Err(error) => {
+                    let failed = Response {
+                        id: response.id,
+                        reply: Reply::Failed(RemoteError {
+                            kind: "too_large".into(),
+                            message: format!("the result could not be sent: {error}"),
+                        }),
+                    };
+                    match encode(&failed) {
+                        Ok(body) => body,
+                        Err(_) => continue,
+                    }
+                }
+            };
+            if write_encoded(&mut output, &body).await.is_err() {
                 break;
             }
         }

@@ -60,6 +60,12 @@ pub enum ExecError {
     /// A grant (directory, environment variable) is unusable.
     #[error(transparent)]
     Grant(#[from] GrantError),
+    /// The memory limit is below what the runtime needs to start.
+    #[error("the {language} runtime needs a memory limit of at least {min_mib} MiB")]
+    MemoryTooSmall { language: Language, min_mib: u64 },
+    /// A part of the request is larger than kiln accepts.
+    #[error("the request's {what} is too large: {detail}")]
+    RequestTooLarge { what: &'static str, detail: String },
     /// The code is larger than kiln accepts.
     #[error("the code is {bytes} bytes; the most kiln accepts is {max} bytes")]
     CodeTooLarge { bytes: usize, max: usize },
@@ -367,8 +373,55 @@ impl WasmEngine {
     }
 }
 
+/// The smallest memory limit each runtime starts with (Python's snapshot alone is 40 MiB).
+pub fn min_memory_bytes(language: Language) -> u64 {
+    match language {
+        Language::Python => 64 << 20,
+        Language::JavaScript => 16 << 20,
+    }
+}
+
 pub(crate) fn check_request(request: &ExecRequest) -> Result<(), ExecError> {
     request.limits.validate()?;
+    let min = min_memory_bytes(request.language);
+    if request.limits.memory_bytes < min {
+        return Err(ExecError::MemoryTooSmall {
+            language: request.language,
+            min_mib: min >> 20,
+        });
+    }
+    if request.stdin.len() > kiln_core::MAX_STDIN_BYTES {
+        return Err(ExecError::RequestTooLarge {
+            what: "stdin",
+            detail: format!(
+                "{} bytes, the most is {}",
+                request.stdin.len(),
+                kiln_core::MAX_STDIN_BYTES
+            ),
+        });
+    }
+    let env_bytes: usize = request.env.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+    if request.env.len() > kiln_core::MAX_ENV_VARS || env_bytes > kiln_core::MAX_ENV_BYTES {
+        return Err(ExecError::RequestTooLarge {
+            what: "environment",
+            detail: format!(
+                "{} variables in {env_bytes} bytes, the most is {} variables in {} bytes",
+                request.env.len(),
+                kiln_core::MAX_ENV_VARS,
+                kiln_core::MAX_ENV_BYTES
+            ),
+        });
+    }
+    if request.mounts.len() > kiln_core::MAX_MOUNTS {
+        return Err(ExecError::RequestTooLarge {
+            what: "mount list",
+            detail: format!(
+                "{} mounts, the most is {}",
+                request.mounts.len(),
+                kiln_core::MAX_MOUNTS
+            ),
+        });
+    }
     if request.code.len() > MAX_CODE_BYTES {
         return Err(ExecError::CodeTooLarge {
             bytes: request.code.len(),

@@ -295,6 +295,64 @@ async fn bad_requests_are_refused_with_clear_errors() -> TestResult {
         "invalid limits: the timeout must be greater than zero"
     );
 
+    let mut request = py("print(1)");
+    request.limits.memory_bytes = 20 << 20;
+    let err = engine().execute(&request).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the python runtime needs a memory limit of at least 64 MiB"
+    );
+
+    let mut request = py("print(1)");
+    request.stdin = vec![b'x'; kiln_core::MAX_STDIN_BYTES + 1];
+    let err = engine().execute(&request).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the request's stdin is too large: 16777217 bytes, the most is 16777216"
+    );
+
+    let mut request = py("print(1)");
+    request.env = (0..1001).map(|i| (format!("V{i}"), "x".into())).collect();
+    let err = engine().execute(&request).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ExecError::RequestTooLarge {
+                what: "environment",
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    let mut request = py("print(1)");
+    request.mounts = (0..65)
+        .map(|i| Mount {
+            host: "/tmp".into(),
+            guest: format!("/m{i}"),
+            writable: false,
+        })
+        .collect();
+    let err = engine().execute(&request).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ExecError::RequestTooLarge {
+                what: "mount list",
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    let mut request = py("print(1)");
+    request.limits.stdout_bytes = 1 << 30;
+    let err = engine().execute(&request).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid limits: a stdout cap of 1073741824 bytes is above the maximum of 16 MiB"
+    );
+
     let request = py(&"#".repeat(kiln_wasm::MAX_CODE_BYTES + 1));
     let err = engine().execute(&request).await.unwrap_err();
     assert!(matches!(err, ExecError::CodeTooLarge { .. }), "{err}");

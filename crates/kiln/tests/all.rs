@@ -560,6 +560,34 @@ async fn attack_a_worker_killed_mid_execution_fails_only_its_work_and_is_replace
     Ok(())
 }
 
+#[tokio::test]
+async fn attack_an_oversized_request_fails_alone_and_the_worker_lives_on() -> TestResult {
+    let pool = pool(1);
+    pool.start_all()?;
+    let pids = pool.worker_pids();
+    // 16 MiB of control characters: within the code cap, but six times larger as JSON.
+    let hostile = ExecRequest::new(Language::Python, "\u{1}".repeat(16 << 20));
+    let err = pool.execute(hostile).await.unwrap_err();
+    assert!(matches!(err, PoolError::TooLarge(_)), "{err}");
+    let result = pool
+        .execute(ExecRequest::new(Language::Python, "print('alive')"))
+        .await?;
+    assert_eq!(result.stdout, b"alive\n");
+    assert_eq!(pool.worker_pids(), pids);
+
+    let mut big_output = ExecRequest::new(
+        Language::Python,
+        "import sys\nsys.stdout.write('x' * 20_000_000)\nsys.stderr.write('y' * 20_000_000)",
+    );
+    big_output.limits.stdout_bytes = kiln_core::MAX_OUTPUT_BYTES;
+    big_output.limits.stderr_bytes = kiln_core::MAX_OUTPUT_BYTES;
+    let result = pool.execute(big_output).await?;
+    assert_eq!(result.stdout.len() as u64, kiln_core::MAX_OUTPUT_BYTES);
+    assert_eq!(result.stderr.len() as u64, kiln_core::MAX_OUTPUT_BYTES);
+    assert_eq!(result.outcome, Outcome::OutputTruncated);
+    Ok(())
+}
+
 unsafe extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, signal: i32) -> i32;
