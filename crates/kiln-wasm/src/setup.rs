@@ -232,10 +232,15 @@ impl CacheDir {
         self.root.join("modules")
     }
 
-    /// Whether a runtime is unpacked and whole.
+    /// Whether a runtime is unpacked and whole: its marker lists every pinned file with the
+    /// size it had when unpacked, and each is still there at that size (a cheap check on
+    /// every start; `kiln setup` re-checks digests only when it reinstalls).
     pub fn is_installed(&self, spec: &RuntimeSpec) -> bool {
         let dir = self.runtime_dir(spec);
-        dir.join(COMPLETE_MARKER).is_file() && spec.files.iter().all(|f| dir.join(f.dest).is_file())
+        let Ok(marker) = fs::read_to_string(dir.join(COMPLETE_MARKER)) else {
+            return false;
+        };
+        marker == complete_marker(spec, &dir)
     }
 
     /// Path of the Python stdlib folder (holds `python315.zip`).
@@ -328,7 +333,7 @@ impl CacheDir {
         }
         write_file_synced(
             &staging.join(COMPLETE_MARKER),
-            spec.requirement().as_bytes(),
+            complete_marker(spec, &staging).as_bytes(),
         )?;
         let dest = self.runtime_dir(spec);
         if dest.exists() {
@@ -345,6 +350,18 @@ impl CacheDir {
 #[derive(Debug)]
 pub struct SetupLock {
     _file: fs::File,
+}
+
+/// The marker's text: the requirement, then each pinned file with its size (or `missing`).
+fn complete_marker(spec: &RuntimeSpec, dir: &Path) -> String {
+    let mut text = format!("{}\n", spec.requirement());
+    for file in spec.files {
+        match fs::metadata(dir.join(file.dest)) {
+            Ok(meta) if meta.is_file() => text.push_str(&format!("{} {}\n", file.dest, meta.len())),
+            _ => text.push_str(&format!("{} missing\n", file.dest)),
+        }
+    }
+    text
 }
 
 fn file_name(path: &Path) -> String {
