@@ -23,6 +23,7 @@ mod guest;
 mod javascript;
 mod output;
 mod python;
+mod quota;
 mod session;
 pub mod setup;
 
