@@ -425,28 +425,45 @@ pub(crate) fn finish(
     }
 }
 
-/// The folder under which an engine makes each guest's private `/tmp` (one `mkdir` per
-/// guest, no random names), removed with the engine.
+/// The folder under which an engine makes each guest's private `/tmp`, removed with the
+/// engine. Creating and removing a folder costs ~170 µs on a journaling file system, so a
+/// folder the guest left empty is kept for the next guest instead (an empty folder carries
+/// nothing from one guest to the next).
 #[derive(Debug)]
 pub(crate) struct TmpRoot {
     root: tempfile::TempDir,
     next: AtomicU64,
+    free: Arc<std::sync::Mutex<Vec<std::path::PathBuf>>>,
 }
+
+/// Empty folders kept for reuse, at most.
+const FREE_TMP_DIRS: usize = 64;
 
 impl TmpRoot {
     pub fn new() -> std::io::Result<TmpRoot> {
         Ok(TmpRoot {
             root: tempfile::Builder::new().prefix("kiln-tmp-").tempdir()?,
             next: AtomicU64::new(0),
+            free: Arc::default(),
         })
     }
 
-    /// A new, empty folder only this guest sees, removed on drop.
+    /// An empty folder only this guest sees, emptied or removed on drop.
     pub fn private(&self) -> std::io::Result<PrivateTmp> {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let path = self.root.path().join(n.to_string());
-        std::fs::create_dir(&path)?;
-        Ok(PrivateTmp { path })
+        let reused = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let path = match reused {
+            Some(path) => path,
+            None => {
+                let n = self.next.fetch_add(1, Ordering::Relaxed);
+                let path = self.root.path().join(n.to_string());
+                std::fs::create_dir(&path)?;
+                path
+            }
+        };
+        Ok(PrivateTmp {
+            path,
+            free: self.free.clone(),
+        })
     }
 }
 
@@ -454,6 +471,7 @@ impl TmpRoot {
 #[derive(Debug)]
 pub(crate) struct PrivateTmp {
     path: std::path::PathBuf,
+    free: Arc<std::sync::Mutex<Vec<std::path::PathBuf>>>,
 }
 
 impl PrivateTmp {
@@ -464,10 +482,15 @@ impl PrivateTmp {
 
 impl Drop for PrivateTmp {
     fn drop(&mut self) {
-        // Most guests leave /tmp empty: one rmdir; otherwise remove what they left.
-        if std::fs::remove_dir(&self.path).is_err() {
-            let _ = std::fs::remove_dir_all(&self.path);
+        let empty = std::fs::read_dir(&self.path).is_ok_and(|mut entries| entries.next().is_none());
+        if empty {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            if free.len() < FREE_TMP_DIRS {
+                free.push(std::mem::take(&mut self.path));
+                return;
+            }
         }
+        let _ = std::fs::remove_dir_all(&self.path);
     }
 }
 
