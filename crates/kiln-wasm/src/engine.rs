@@ -88,6 +88,7 @@ pub const MAX_CODE_BYTES: usize = 16 << 20;
 
 pub(crate) struct PythonRuntime {
     pub pre: InstancePre<GuestState>,
+    pub hot_pages: crate::prefault::HotPages,
     pub lib_dir: PathBuf,
     pub mpl_data_dir: PathBuf,
 }
@@ -322,6 +323,7 @@ impl WasmEngine {
             .map_err(|e| self.link_error(Language::Python, e))?;
         let runtime = Arc::new(PythonRuntime {
             pre,
+            hot_pages: Default::default(),
             lib_dir: self.inner.cache.python_lib_dir(),
             mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
         });
@@ -361,7 +363,9 @@ impl WasmEngine {
             Language::Python => {
                 let runtime = self.python(&Quiet)?;
                 let mut guest = python::PythonGuest::open(self, &runtime, request, false).await?;
-                guest.turn(&request.code, &request.limits, None).await?
+                let result = guest.turn(&request.code, &request.limits, None).await?;
+                guest.learn_hot_pages(&runtime);
+                result
             }
             Language::JavaScript => {
                 let runtime = self.javascript(&Quiet)?;

@@ -22,6 +22,7 @@ mod engine;
 mod guest;
 mod javascript;
 mod output;
+mod prefault;
 mod python;
 mod quota;
 mod session;

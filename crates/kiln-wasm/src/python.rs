@@ -50,8 +50,8 @@ pub(crate) struct PythonGuest {
 
 impl PythonGuest {
     /// Instantiates the snapshot with the request's grants (its code is not run). With
-    /// `echo`, a final expression's value is printed as in a REPL (sessions); without, as in
-    /// `python -c` (one-shots).
+    /// `echo` (sessions), a final expression's value is printed as in a REPL; without
+    /// (one-shots), as in `python -c`, and the instance's hot pages are populated up front.
     pub async fn open(
         engine: &WasmEngine,
         runtime: &PythonRuntime,
@@ -97,6 +97,13 @@ impl PythonGuest {
                 .get_typed_func(&mut store, "turn")
                 .map_err(|e| instantiate_error(&e))?,
         };
+        if !echo {
+            // One-shots start hot; sessions stay lean (populating costs private memory).
+            runtime.hot_pages.populate(
+                exports.memory.data_ptr(&store),
+                exports.memory.data_size(&store),
+            );
+        }
         let mut guest = PythonGuest {
             store,
             exports,
@@ -117,6 +124,16 @@ impl PythonGuest {
             }
         }
         Ok(guest)
+    }
+
+    /// Lets the runtime learn which pages a first turn touches, if it has not yet.
+    pub fn learn_hot_pages(&self, runtime: &PythonRuntime) {
+        if self.ended.is_none() && !runtime.hot_pages.learned() {
+            runtime.hot_pages.learn(
+                self.exports.memory.data_ptr(&self.store),
+                self.exports.memory.data_size(&self.store),
+            );
+        }
     }
 
     /// Runs `code` as one turn under `limits` (memory stays as the instance was opened with).
