@@ -561,6 +561,12 @@ async fn attack_writing_outside_the_grants_fails() -> TestResult {
     let lines: Vec<String> = result.stdout_text().lines().map(str::to_owned).collect();
     assert_eq!(lines.len(), 4, "{}", result.stderr_text());
     assert!(lines.iter().all(|l| !l.starts_with("WROTE")), "{lines:?}");
+
+    let result = run(js(
+        "console.log(['/etc/x', '/x', '/usr/x'].map(p => std.open(p, 'w')).join(','))",
+    ))
+    .await;
+    assert_eq!(result.stdout_text(), ",,\n", "{}", result.stderr_text());
     Ok(())
 }
 
