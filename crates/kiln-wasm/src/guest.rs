@@ -134,6 +134,26 @@ impl Stdio {
             stderr: CappedPipe::new(StreamKind::Stderr, limits.stderr_bytes),
         }
     }
+
+    /// Empties both pipes for a new turn with its caps and listener.
+    pub fn start_turn(
+        &self,
+        limits: &Limits,
+        listener: Option<tokio::sync::mpsc::UnboundedSender<crate::output::OutputChunk>>,
+    ) {
+        self.stdout.reset(limits.stdout_bytes, listener.clone());
+        self.stderr.reset(limits.stderr_bytes, listener);
+    }
+}
+
+/// Refuses a turn on a guest that has ended.
+pub(crate) fn ensure_alive(ended: &Option<String>) -> Result<(), crate::engine::ExecError> {
+    match ended {
+        Some(reason) => Err(crate::engine::ExecError::SessionEnded {
+            reason: reason.clone(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Where a preopen comes from and how the guest may use it.

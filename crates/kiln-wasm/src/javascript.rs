@@ -20,7 +20,7 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 use crate::engine::{ExecError, JsRuntime, WasmEngine};
 use crate::guest::{
     CallEnd, GuestState, Preopen, PrivateTmp, Stats, Stdio, arm_deadline, bounded_call,
-    classify_error, finish, new_store, push_grants, wasi_context,
+    classify_error, ensure_alive, finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
 
@@ -272,15 +272,8 @@ impl JsSession {
         listener: Option<mpsc::UnboundedSender<OutputChunk>>,
     ) -> Result<ExecResult, ExecError> {
         let started = Instant::now();
-        if let Some(reason) = &self.ended {
-            return Err(ExecError::SessionEnded {
-                reason: reason.clone(),
-            });
-        }
-        self.stdio
-            .stdout
-            .reset(limits.stdout_bytes, listener.clone());
-        self.stdio.stderr.reset(limits.stderr_bytes, listener);
+        ensure_alive(&self.ended)?;
+        self.stdio.start_turn(limits, listener);
         let mut line = serde_json::to_string(code).expect("a string serializes");
         line.push('\n');
         self.stats.start_turn();

@@ -15,7 +15,7 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 use crate::engine::{ExecError, PythonRuntime, WasmEngine};
 use crate::guest::{
     CallEnd, GuestState, Preopen, PrivateTmp, Stdio, WORKSPACE_GUEST, arm_deadline, bounded_call,
-    finish, new_store, push_grants, wasi_context,
+    ensure_alive, finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
 
@@ -145,15 +145,8 @@ impl PythonGuest {
         listener: Option<mpsc::UnboundedSender<OutputChunk>>,
     ) -> Result<ExecResult, ExecError> {
         let started = Instant::now();
-        if let Some(reason) = &self.ended {
-            return Err(ExecError::SessionEnded {
-                reason: reason.clone(),
-            });
-        }
-        self.stdio
-            .stdout
-            .reset(limits.stdout_bytes, listener.clone());
-        self.stdio.stderr.reset(limits.stderr_bytes, listener);
+        ensure_alive(&self.ended)?;
+        self.stdio.start_turn(limits, listener);
         let state = self.store.data_mut();
         state.fs.reset(limits);
         state.memory.stats.start_turn();

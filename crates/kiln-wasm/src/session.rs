@@ -61,7 +61,7 @@ impl Session {
         }
     }
 
-    /// Runs one turn.
+    /// Runs one turn. `limits.memory_bytes` is ignored: memory is capped per session.
     pub async fn run(&mut self, code: &str, limits: &Limits) -> Result<ExecResult, ExecError> {
         self.run_streaming(code, limits, None).await
     }
@@ -73,9 +73,8 @@ impl Session {
         limits: &Limits,
         listener: Option<mpsc::UnboundedSender<OutputChunk>>,
     ) -> Result<ExecResult, ExecError> {
-        let mut request = ExecRequest::new(self.language, "");
-        request.limits = limits.clone();
-        check_request(&request)?;
+        // The memory cap was fixed when the session opened; the rest applies per turn.
+        limits.validate()?;
         if code.len() > crate::engine::MAX_CODE_BYTES {
             return Err(ExecError::CodeTooLarge {
                 bytes: code.len(),
