@@ -357,19 +357,29 @@ impl WasmEngine {
     /// times out or runs out of memory is a normal result; an error means kiln could not run
     /// it at all.
     pub async fn execute(&self, request: &ExecRequest) -> Result<ExecResult, ExecError> {
+        self.execute_streaming(request, None).await
+    }
+
+    /// Like [`WasmEngine::execute`], also sending output chunks to `listener` as the guest
+    /// writes them (the result still holds all kept output).
+    pub async fn execute_streaming(
+        &self,
+        request: &ExecRequest,
+        listener: Option<tokio::sync::mpsc::UnboundedSender<crate::output::OutputChunk>>,
+    ) -> Result<ExecResult, ExecError> {
         check_request(request)?;
         let started = Instant::now();
         let mut result = match request.language {
             Language::Python => {
                 let runtime = self.python(&Quiet)?;
                 let mut guest = python::PythonGuest::open(self, &runtime, request, false).await?;
-                let result = guest.turn(&request.code, &request.limits, None).await?;
+                let result = guest.turn(&request.code, &request.limits, listener).await?;
                 guest.learn_hot_pages(&runtime);
                 result
             }
             Language::JavaScript => {
                 let runtime = self.javascript(&Quiet)?;
-                javascript::run_once(self, &runtime, request).await?
+                javascript::run_once(self, &runtime, request, listener).await?
             }
         };
         result.duration_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);

@@ -138,6 +138,7 @@ pub(crate) async fn run_once(
     engine: &WasmEngine,
     runtime: &JsRuntime,
     request: &ExecRequest,
+    listener: Option<mpsc::UnboundedSender<OutputChunk>>,
 ) -> Result<ExecResult, ExecError> {
     let started = Instant::now();
     let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
@@ -147,6 +148,7 @@ pub(crate) async fn run_once(
         stdio,
         tmp: _tmp,
     } = prepare(engine, runtime, request, stdin).await?;
+    stdio.start_turn(&request.limits, listener);
     let code = format!("{}{}", prelude(request), request.code);
     let args = ["qjs", "--std", "-m", "-e", code.as_str()];
     let deadline = store.data().deadline_ns.clone();

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use kiln_core::{ExecRequest, ExecResult, Language, Outcome};
-use kiln_wasm::{CacheDir, WasmEngine};
+use kiln_wasm::{CacheDir, OutputChunk, StreamKind, WasmEngine};
 
 use crate::cli::{Cli, Command, ExecArgs, exit_codes};
 
@@ -117,19 +117,40 @@ fn exec(language: Language, code: String, args: &ExecArgs) -> anyhow::Result<Exi
     let options = kiln_wasm::EngineOptions { max_instances: 4 };
     let engine = WasmEngine::with_options(CacheDir::from_env(), &options)?;
     engine.prepare(language, &progress::Bar::new())?;
-    let result = runtime(1)?.block_on(engine.execute(&request))?;
-    if args.json {
+    let result = if args.json {
+        let result = runtime(1)?.block_on(engine.execute(&request))?;
         println!("{}", serde_json::to_string(&json_result(&result))?);
+        result
     } else {
-        std::io::stdout().write_all(&result.stdout)?;
-        std::io::stdout().flush()?;
-        std::io::stderr().write_all(&result.stderr)?;
-        if let Some(reason) = result.outcome.reason(&request.limits) {
-            if !result.stderr.is_empty() && !result.stderr.ends_with(b"\n") {
-                eprintln!();
-            }
-            eprintln!("kiln: {reason}");
+        // Output reaches the terminal as the guest writes it.
+        runtime(1)?.block_on(async {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<OutputChunk>();
+            let printer = tokio::spawn(async move {
+                while let Some(chunk) = rx.recv().await {
+                    let written = match chunk.stream {
+                        StreamKind::Stdout => {
+                            let mut out = std::io::stdout().lock();
+                            out.write_all(&chunk.data).and_then(|()| out.flush())
+                        }
+                        StreamKind::Stderr => std::io::stderr().write_all(&chunk.data),
+                    };
+                    if written.is_err() {
+                        break;
+                    }
+                }
+            });
+            let result = engine.execute_streaming(&request, Some(tx)).await;
+            let _ = printer.await;
+            result
+        })?
+    };
+    if !args.json
+        && let Some(reason) = result.outcome.reason(&request.limits)
+    {
+        if !result.stderr.is_empty() && !result.stderr.ends_with(b"\n") {
+            eprintln!();
         }
+        eprintln!("kiln: {reason}");
     }
     Ok(ExitCode::from(exit_code(&result)))
 }

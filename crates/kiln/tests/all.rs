@@ -157,6 +157,28 @@ fn limits_give_distinct_exit_codes_and_one_line_reasons() -> TestResult {
 }
 
 #[test]
+fn output_reaches_the_terminal_as_the_guest_writes_it() -> TestResult {
+    use std::io::BufRead;
+    let mut child = kiln()
+        .args([
+            "exec",
+            "-c",
+            "import time\nprint('first', flush=True)\ntime.sleep(3)\nprint('second')",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().expect("piped")).lines();
+    assert_eq!(lines.next().transpose()?.as_deref(), Some("first"));
+    assert!(
+        child.try_wait()?.is_none(),
+        "the first line came only at the end"
+    );
+    assert_eq!(lines.next().transpose()?.as_deref(), Some("second"));
+    assert_eq!(child.wait()?.code(), Some(0));
+    Ok(())
+}
+
+#[test]
 fn json_output_describes_the_result() -> TestResult {
     let out = kiln().args(["exec", "-c", "print(7)", "--json"]).output()?;
     let value: serde_json::Value = serde_json::from_slice(&out.stdout)?;
