@@ -82,14 +82,37 @@ impl ResourceLimiter for MemoryLimiter {
 /// File-system budget of one execution (or one session turn).
 #[derive(Debug, Default)]
 pub(crate) struct FsBudget {
-    pub write_bytes_left: u64,
-    pub creates_left: u64,
+    write_bytes_left: AtomicU64,
+    creates_left: AtomicU64,
 }
 
 impl FsBudget {
-    pub fn reset(&mut self, limits: &Limits) {
-        self.write_bytes_left = limits.fs_write_bytes;
-        self.creates_left = limits.fs_create_count;
+    /// A fresh budget for a turn. Shared so a host task can reset it while a JavaScript
+    /// session's one long call runs; only the store's own thread spends it.
+    pub fn reset(&self, limits: &Limits) {
+        self.write_bytes_left
+            .store(limits.fs_write_bytes, Ordering::Relaxed);
+        self.creates_left
+            .store(limits.fs_create_count, Ordering::Relaxed);
+    }
+
+    pub fn write_bytes_left(&self) -> u64 {
+        self.write_bytes_left.load(Ordering::Relaxed)
+    }
+
+    pub fn spend_write_bytes(&self, bytes: u64) {
+        let left = self.write_bytes_left().saturating_sub(bytes);
+        self.write_bytes_left.store(left, Ordering::Relaxed);
+    }
+
+    /// Takes one creation from the budget; false when none is left.
+    pub fn take_create(&self) -> bool {
+        let left = self.creates_left.load(Ordering::Relaxed);
+        if left == 0 {
+            return false;
+        }
+        self.creates_left.store(left - 1, Ordering::Relaxed);
+        true
     }
 }
 
@@ -97,7 +120,7 @@ impl FsBudget {
 pub(crate) struct GuestState {
     pub wasi: WasiP1Ctx,
     pub memory: MemoryLimiter,
-    pub fs: FsBudget,
+    pub fs: Arc<FsBudget>,
     /// Deadline as nanoseconds since `clock_base`; `u64::MAX` means none. Shared so a host
     /// task can move it while the guest runs (JavaScript sessions).
     pub deadline_ns: Arc<AtomicU64>,
@@ -264,7 +287,7 @@ pub(crate) fn new_store(
     let clock_base = Instant::now();
     let deadline_ns = Arc::new(AtomicU64::new(u64::MAX));
     arm_deadline(&deadline_ns, clock_base, limits);
-    let mut fs = FsBudget::default();
+    let fs = Arc::new(FsBudget::default());
     fs.reset(limits);
     let state = GuestState {
         wasi,

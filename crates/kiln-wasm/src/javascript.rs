@@ -19,7 +19,7 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, JsRuntime, WasmEngine};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, PrivateTmp, Stats, Stdio, arm_deadline, bounded_call,
+    CallEnd, FsBudget, GuestState, Preopen, PrivateTmp, Stats, Stdio, arm_deadline, bounded_call,
     classify_error, ensure_alive, finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
@@ -193,6 +193,7 @@ pub(crate) struct JsSession {
     task: Option<tokio::task::JoinHandle<()>>,
     task_end: Option<oneshot::Receiver<CallEnd<i32>>>,
     stats: Arc<Stats>,
+    fs: Arc<FsBudget>,
     pub ended: Option<String>,
     _tmp: PrivateTmp,
 }
@@ -234,6 +235,7 @@ impl JsSession {
         let deadline_ns = store.data().deadline_ns.clone();
         let clock_base = store.data().clock_base;
         let stats = store.data().memory.stats.clone();
+        let fs = store.data().fs.clone();
         // Idle sessions have no deadline; each turn arms one.
         deadline_ns.store(u64::MAX, Ordering::Relaxed);
         let code = format!(
@@ -262,6 +264,7 @@ impl JsSession {
             task: Some(task),
             task_end: Some(task_end),
             stats,
+            fs,
             ended: None,
             _tmp: tmp,
         })
@@ -279,6 +282,7 @@ impl JsSession {
         let mut line = serde_json::to_string(code).expect("a string serializes");
         line.push('\n');
         self.stats.start_turn();
+        self.fs.reset(limits);
         arm_deadline(&self.deadline_ns, self.clock_base, limits);
         let deadline = self.clock_base
             + std::time::Duration::from_nanos(self.deadline_ns.load(Ordering::Relaxed));

@@ -70,7 +70,7 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
                 with_memory!(caller, |mem, state| {
                     if !is_stdio(fd) {
                         let want = iovec_total(raw(&mem), iovs, count).unwrap_or(0);
-                        if want > state.fs.write_bytes_left {
+                        if want > state.fs.write_bytes_left() {
                             return Ok(ERRNO_NOSPC);
                         }
                     }
@@ -78,7 +78,7 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
                         p1::fd_write(&mut state.wasi, &mut mem, fd, iovs, count, nwritten).await?;
                     if errno == 0 && !is_stdio(fd) {
                         let n = u64::from(read_u32(raw(&mem), nwritten).unwrap_or(0));
-                        state.fs.write_bytes_left = state.fs.write_bytes_left.saturating_sub(n);
+                        state.fs.spend_write_bytes(n);
                         state
                             .memory
                             .stats
@@ -98,7 +98,7 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
                     let want = iovec_total(raw(&mem), iovs, count).unwrap_or(0);
-                    if want > state.fs.write_bytes_left {
+                    if want > state.fs.write_bytes_left() {
                         return Ok(ERRNO_NOSPC);
                     }
                     let errno =
@@ -106,7 +106,7 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
                             .await?;
                     if errno == 0 {
                         let n = u64::from(read_u32(raw(&mem), nwritten).unwrap_or(0));
-                        state.fs.write_bytes_left = state.fs.write_bytes_left.saturating_sub(n);
+                        state.fs.spend_write_bytes(n);
                         state
                             .memory
                             .stats
@@ -126,7 +126,7 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
                 with_memory!(caller, |mem, state| {
                     // Growing a file by truncation costs no bytes written but may cost disk:
                     // a size beyond what is left to write is refused.
-                    if u64::try_from(size).unwrap_or(u64::MAX) > state.fs.write_bytes_left {
+                    if u64::try_from(size).unwrap_or(u64::MAX) > state.fs.write_bytes_left() {
                         return Ok(ERRNO_NOSPC);
                     }
                     p1::fd_filestat_set_size(&mut state.wasi, &mut mem, fd, size).await
@@ -152,14 +152,6 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
     Ok(())
 }
 
-fn take_create(state: &mut GuestState) -> bool {
-    if state.fs.creates_left == 0 {
-        return false;
-    }
-    state.fs.creates_left -= 1;
-    true
-}
-
 pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
     linker.func_wrap_async(
         "wasi_snapshot_preview1",
@@ -180,7 +172,7 @@ pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Resul
                 with_memory!(caller, |mem, state| {
                     if oflags & OFLAGS_CREAT != 0 {
                         let exists = path_exists(state, &mut mem, dirfd, path, path_len).await;
-                        if !exists && !take_create(state) {
+                        if !exists && !state.fs.take_create() {
                             return Ok(ERRNO_NOSPC);
                         }
                     }
@@ -208,7 +200,7 @@ pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Resul
         |mut caller: Caller<'_, GuestState>, (dirfd, path, path_len): (i32, i32, i32)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
-                    if !take_create(state) {
+                    if !state.fs.take_create() {
                         return Ok(ERRNO_NOSPC);
                     }
                     p1::path_create_directory(&mut state.wasi, &mut mem, dirfd, path, path_len)
@@ -224,7 +216,7 @@ pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Resul
          (old, old_len, dirfd, new, new_len): (i32, i32, i32, i32, i32)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
-                    if !take_create(state) {
+                    if !state.fs.take_create() {
                         return Ok(ERRNO_NOSPC);
                     }
                     p1::path_symlink(&mut state.wasi, &mut mem, old, old_len, dirfd, new, new_len)
@@ -248,7 +240,7 @@ pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Resul
         )| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
-                    if !take_create(state) {
+                    if !state.fs.take_create() {
                         return Ok(ERRNO_NOSPC);
                     }
                     p1::path_link(

@@ -263,6 +263,39 @@ async fn javascript_sessions_keep_state() -> TestResult {
 }
 
 #[tokio::test]
+async fn session_turns_each_get_a_fresh_file_budget() -> TestResult {
+    for (language, code) in [
+        (
+            Language::Python,
+            "open('/tmp/f', 'ab').write(b'x' * 600_000)",
+        ),
+        (
+            Language::JavaScript,
+            "var f = std.open('/tmp/f', 'a'); f.puts('x'.repeat(600000)); f.close()",
+        ),
+    ] {
+        let mut session = engine()
+            .open_session(language, &SessionOptions::default())
+            .await?;
+        let limits = Limits {
+            fs_write_bytes: 1_000_000,
+            ..Limits::default()
+        };
+        for turn in 0..3 {
+            let result = session.run(code, &limits).await?;
+            assert_eq!(
+                result.exit_code,
+                0,
+                "{language} turn {turn}: {}",
+                result.stderr_text()
+            );
+            assert_eq!(result.fs_written_bytes, 600_000, "{language} turn {turn}");
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test]
 async fn session_turns_have_their_own_deadline_and_a_timed_out_session_ends() -> TestResult {
     for language in Language::ALL {
         let mut session = engine()
