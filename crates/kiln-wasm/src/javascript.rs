@@ -286,23 +286,33 @@ impl JsSession {
         arm_deadline(&self.deadline_ns, self.clock_base, limits);
         let deadline = self.clock_base
             + std::time::Duration::from_nanos(self.deadline_ns.load(Ordering::Relaxed));
+        let died = || CallEnd::Trapped("the session task died".into());
+        // The turn ends with the loop's marker, or with the guest itself (exit, trap).
         let wait = async {
-            self.stdin.write_all(line.as_bytes()).await.ok()?;
-            self.turns.recv().await
+            if self.stdin.write_all(line.as_bytes()).await.is_err() {
+                return None;
+            }
+            let task_end = self.task_end.as_mut()?;
+            tokio::select! {
+                status = self.turns.recv() => status.map(Ok),
+                end = task_end => Some(Err(end.unwrap_or_else(|_| died()))),
+            }
         };
         let status = tokio::time::timeout_at(deadline.into(), wait).await;
         self.deadline_ns.store(u64::MAX, Ordering::Relaxed);
         let end = match status {
-            Ok(Some(status)) => {
+            Ok(Some(Ok(status))) => {
                 CallEnd::Returned(if status.first() == Some(&b'0') { 0 } else { 1 })
             }
-            Ok(None) => {
-                // The loop ended: the guest exited, trapped or ran out of memory.
-                let died = || CallEnd::Trapped("the session task died".into());
-                let end = match self.task_end.take() {
-                    Some(rx) => rx.await.unwrap_or_else(|_| died()),
-                    None => died(),
+            Ok(other) => {
+                let end = match other {
+                    Some(Err(end)) => end,
+                    _ => match self.task_end.take() {
+                        Some(rx) => rx.await.unwrap_or_else(|_| died()),
+                        None => died(),
+                    },
                 };
+                self.task_end = None;
                 self.ended = Some(match &end {
                     CallEnd::Exited(_) | CallEnd::Returned(_) => "the session exited".into(),
                     CallEnd::TimedOut => "the session timed out and was stopped".into(),
