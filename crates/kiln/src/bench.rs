@@ -91,7 +91,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 );
             }
             report.insert("python_oneshot_engine".into(), summary(samples));
-            // Page faults per one-shot: on virtualised hosts each costs microseconds.
+            // Page-fault traps per one-shot (each costs microseconds on a virtualised host;
+            // pages populated in bulk with madvise are not counted here).
             let faults = || {
                 // SAFETY: getrusage fills the struct we pass; all-zero is a valid rusage.
                 let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -104,7 +105,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 engine.execute(&request).await?;
             }
             report.insert(
-                "python_oneshot_minor_faults".into(),
+                "python_oneshot_fault_traps".into(),
                 json!({"each": (faults() - before) / 50}),
             );
         }
