@@ -46,6 +46,14 @@ impl Language {
         }
     }
 
+    /// The smallest memory limit the runtime starts with (Python's snapshot alone is 40 MiB).
+    pub fn min_memory_bytes(self) -> u64 {
+        match self {
+            Language::Python => 64 << 20,
+            Language::JavaScript => 16 << 20,
+        }
+    }
+
     /// Chooses a language from a file name's extension: `.py` or `.js`/`.mjs`.
     pub fn from_path(path: &std::path::Path) -> Option<Language> {
         match path.extension()?.to_str()? {

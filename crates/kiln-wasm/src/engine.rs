@@ -387,17 +387,9 @@ impl WasmEngine {
     }
 }
 
-/// The smallest memory limit each runtime starts with (Python's snapshot alone is 40 MiB).
-pub fn min_memory_bytes(language: Language) -> u64 {
-    match language {
-        Language::Python => 64 << 20,
-        Language::JavaScript => 16 << 20,
-    }
-}
-
 pub(crate) fn check_request(request: &ExecRequest) -> Result<(), ExecError> {
     request.limits.validate()?;
-    let min = min_memory_bytes(request.language);
+    let min = request.language.min_memory_bytes();
     if request.limits.memory_bytes < min {
         return Err(ExecError::MemoryTooSmall {
             language: request.language,

@@ -31,7 +31,6 @@ pub mod setup;
 pub use cache::{ModuleError, WASMTIME_VERSION, cwasm_path};
 pub use engine::{
     EPOCH_TICK, EngineError, EngineOptions, ExecError, MAX_CODE_BYTES, WasmEngine, engine_config,
-    min_memory_bytes,
 };
 pub use guest::GrantError;
 pub use output::{OutputChunk, StreamKind};

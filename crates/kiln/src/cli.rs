@@ -43,6 +43,18 @@ pub enum Command {
         #[arg(long, value_parser = parse_language)]
         lang: Option<Language>,
     },
+    /// Serve the platform HTTP API (sandboxes, exec).
+    Serve {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8080", env = "KILN_LISTEN")]
+        listen: std::net::SocketAddr,
+        /// Folder for workspaces and state (default: ~/.local/share/kiln).
+        #[arg(long, env = "KILN_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+        /// Executor worker processes (default: one per CPU).
+        #[arg(long)]
+        workers: Option<usize>,
+    },
     /// Measure kiln's latencies and throughput; prints JSON.
     Bench(BenchArgs),
     /// Internal: serve as an executor worker on stdin/stdout.

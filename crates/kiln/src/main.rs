@@ -86,6 +86,36 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => bench::run(args),
+        Command::Serve {
+            listen,
+            data_dir,
+            workers,
+        } => {
+            // Fetch and compile the runtimes here, once, before any worker needs them.
+            let setup = WasmEngine::with_options(
+                CacheDir::from_env(),
+                &kiln_wasm::EngineOptions { max_instances: 1 },
+            )?;
+            for language in Language::ALL {
+                setup.prepare(language, &progress::Bar::new())?;
+            }
+            drop(setup);
+            let data_dir = match data_dir {
+                Some(dir) => dir,
+                None => dirs_data_dir().context("no data directory; pass --data-dir")?,
+            };
+            let mut config = kiln_executor::PoolConfig::current_exe()?;
+            if let Some(workers) = workers {
+                config.workers = workers.max(1);
+            }
+            let pool = kiln_executor::ExecutorPool::new(config);
+            runtime(2)?.block_on(async {
+                pool.start_all()?;
+                kiln_server::serve(kiln_server::ServerConfig { listen, data_dir }, pool).await?;
+                anyhow::Ok(())
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Worker => {
             let engine = WasmEngine::new(CacheDir::from_env())?;
             let threads = std::env::var("KILN_WORKER_THREADS")
@@ -100,6 +130,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+fn dirs_data_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("XDG_DATA_HOME")
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".local/share"))
+        })
+        .map(|d| d.join("kiln"))
 }
 
 fn exec(language: Language, code: String, args: &ExecArgs) -> anyhow::Result<ExitCode> {

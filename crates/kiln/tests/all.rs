@@ -614,3 +614,312 @@ unsafe extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, signal: i32) -> i32;
 }
+
+// ---------------------------------------------------------------- kiln serve (first part)
+
+/// A `kiln serve` started on a free port with its own data folder, killed on drop.
+struct Server {
+    child: Child,
+    base: String,
+    _data: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_server() -> Result<Server, Box<dyn std::error::Error>> {
+    let data = tempfile::tempdir()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let child = kiln()
+        .args([
+            "serve",
+            "--workers",
+            "2",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
+        .arg(data.path())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ureq::get(&format!("{base}/healthz")).call().is_err() {
+        if Instant::now() > deadline {
+            return Err("kiln serve did not come up".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(Server {
+        child,
+        base,
+        _data: data,
+    })
+}
+
+/// Sends a request; returns the status and the JSON body, whatever the status.
+fn call(
+    method: &str,
+    url: &str,
+    body: Option<&str>,
+) -> Result<(u16, serde_json::Value), Box<dyn std::error::Error>> {
+    let request = ureq::request(method, url).set("content-type", "application/json");
+    let response = match body {
+        Some(body) => request.send_string(body),
+        None => request.call(),
+    };
+    let response = match response {
+        Ok(response) => response,
+        Err(ureq::Error::Status(_, response)) => response,
+        Err(e) => return Err(e.into()),
+    };
+    let status = response.status();
+    let text = response.into_string()?;
+    Ok((status, serde_json::from_str(&text)?))
+}
+
+#[test]
+fn serve_runs_the_published_sandbox_contract() -> TestResult {
+    let server = start_server()?;
+    let base = &server.base;
+    let (status, created) = call(
+        "POST",
+        &format!("{base}/api/sandbox"),
+        Some(
+            r#"{"image": "@ai-sandbox/python", "options": {"timeout": 60000, "memoryLimit": "256m", "cpuLimit": "0.5"}}"#,
+        ),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["status"], "created");
+    let id = created["containerId"].as_str().ok_or("no id")?.to_owned();
+
+    let exec = |body: serde_json::Value| {
+        call(
+            "POST",
+            &format!("{base}/api/sandbox/exec"),
+            Some(&body.to_string()),
+        )
+    };
+    let (status, ran) = exec(serde_json::json!({
+        "containerId": id,
+        "files": {"main.py": "print(open('data/input.txt').read().upper())", "data/input.txt": "hello"},
+        "command": ["python", "main.py"],
+    }))?;
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(ran["status"], "success");
+    assert_eq!(ran["stdout"], "HELLO\n");
+    assert_eq!(ran["exitCode"], 0);
+    assert!(
+        ran["id"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("python_run_"))
+    );
+
+    // Files stay between execs; an exec without files reruns on what is there.
+    let (_, again) =
+        exec(serde_json::json!({"containerId": id, "command": ["python", "main.py"]}))?;
+    assert_eq!(again["stdout"], "HELLO\n");
+    let (_, inline) = exec(
+        serde_json::json!({"containerId": id, "command": ["python", "-c", "import sys; sys.exit(3)"]}),
+    )?;
+    assert_eq!(
+        (inline["status"].as_str(), inline["exitCode"].as_i64()),
+        (Some("error"), Some(3))
+    );
+
+    let (status, info) = call("GET", &format!("{base}/api/sandbox/{id}"), None)?;
+    assert_eq!(status, 200);
+    assert_eq!(info["resourceUsage"]["executions"], 3);
+
+    let (status, deleted) = call("DELETE", &format!("{base}/api/sandbox/{id}"), None)?;
+    assert_eq!((status, deleted["status"].as_str()), (200, Some("deleted")));
+    let (status, gone) = call("GET", &format!("{base}/api/sandbox/{id}"), None)?;
+    assert_eq!(
+        (status, gone["error"]["code"].as_str()),
+        (404, Some("SANDBOX_NOT_FOUND"))
+    );
+
+    // JavaScript images.
+    let (_, js) = call(
+        "POST",
+        &format!("{base}/api/sandbox"),
+        Some(r#"{"image": "node:18-alpine"}"#),
+    )?;
+    let js_id = js["containerId"].as_str().ok_or("no id")?.to_owned();
+    let (_, ran) = exec(
+        serde_json::json!({"containerId": js_id, "command": ["node", "-e", "console.log(6*7)"]}),
+    )?;
+    assert_eq!(ran["stdout"], "42\n", "{ran}");
+    Ok(())
+}
+
+#[test]
+fn serve_answers_bad_input_with_clear_errors() -> TestResult {
+    let server = start_server()?;
+    let base = &server.base;
+    let (_, created) = call(
+        "POST",
+        &format!("{base}/api/sandbox"),
+        Some(r#"{"image": "python"}"#),
+    )?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_owned();
+    let cases: Vec<(&str, String, String, u16, &str)> = vec![
+        (
+            "POST",
+            "/api/sandbox".into(),
+            r#"{"image": "ruby:3"}"#.into(),
+            400,
+            "UNKNOWN_IMAGE",
+        ),
+        (
+            "POST",
+            "/api/sandbox".into(),
+            r#"{"image": 5}"#.into(),
+            400,
+            "INVALID_REQUEST",
+        ),
+        (
+            "POST",
+            "/api/sandbox".into(),
+            "{not json".into(),
+            400,
+            "MALFORMED_JSON",
+        ),
+        (
+            "POST",
+            "/api/sandbox".into(),
+            r#"{"image": "python", "options": {"memoryLimit": "1t"}}"#.into(),
+            400,
+            "INVALID_OPTION",
+        ),
+        (
+            "POST",
+            "/api/sandbox/exec".into(),
+            format!(r#"{{"containerId": "{id}", "command": ["ruby", "x.rb"]}}"#),
+            400,
+            "UNSUPPORTED_COMMAND",
+        ),
+        (
+            "POST",
+            "/api/sandbox/exec".into(),
+            format!(r#"{{"containerId": "{id}", "command": ["node", "x.js"]}}"#),
+            400,
+            "UNSUPPORTED_COMMAND",
+        ),
+        (
+            "POST",
+            "/api/sandbox/exec".into(),
+            format!(r#"{{"containerId": "{id}", "command": ["python", "missing.py"]}}"#),
+            400,
+            "FILE_NOT_FOUND",
+        ),
+        (
+            "POST",
+            "/api/sandbox/exec".into(),
+            format!(
+                r#"{{"containerId": "{id}", "files": {{"../escape.py": "x"}}, "command": ["python", "-c", "1"]}}"#
+            ),
+            400,
+            "INVALID_PATH",
+        ),
+        (
+            "POST",
+            "/api/sandbox/exec".into(),
+            format!(
+                r#"{{"containerId": "{id}", "files": {{"/etc/x": "x"}}, "command": ["python", "-c", "1"]}}"#
+            ),
+            400,
+            "INVALID_PATH",
+        ),
+        (
+            "POST",
+            "/api/sandbox/exec".into(),
+            r#"{"containerId": "sb_nope", "command": ["python", "-c", "1"]}"#.into(),
+            404,
+            "SANDBOX_NOT_FOUND",
+        ),
+        (
+            "DELETE",
+            "/api/sandbox/sb_nope".into(),
+            String::new(),
+            404,
+            "SANDBOX_NOT_FOUND",
+        ),
+        (
+            "GET",
+            "/api/nothing".into(),
+            String::new(),
+            404,
+            "ROUTE_NOT_FOUND",
+        ),
+    ];
+    for (method, path, body, status, code) in cases {
+        let body = (!body.is_empty()).then_some(body.as_str());
+        let (got, value) = call(method, &format!("{base}{path}"), body)?;
+        assert_eq!(got, status, "{method} {path}: {value}");
+        if !code.is_empty() {
+            assert_eq!(value["error"]["code"], code, "{method} {path}: {value}");
+            assert!(
+                value["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty())
+            );
+        }
+    }
+    // A huge body is refused with 413 (the server may answer before reading it all).
+    let addr = base.trim_start_matches("http://").to_owned();
+    let mut stream = std::net::TcpStream::connect(&addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(20)))?;
+    let size = 40usize << 20;
+    stream.write_all(
+        format!(
+            "POST /api/sandbox HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n"
+        )
+        .as_bytes(),
+    )?;
+    let mut writer = stream.try_clone()?;
+    let sender = std::thread::spawn(move || {
+        let chunk = vec![b' '; 1 << 20];
+        for _ in 0..40 {
+            if writer.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+    });
+    let mut response = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut stream, &mut response);
+    let _ = sender.join();
+    let response = String::from_utf8_lossy(&response);
+    assert!(response.starts_with("HTTP/1.1 413"), "{response}");
+    assert!(response.contains("BODY_TOO_LARGE"), "{response}");
+
+    // Concurrent execs on one sandbox: the second is a 409 and the first is unharmed.
+    let slow = {
+        let url = format!("{base}/api/sandbox/exec");
+        let body = format!(
+            r#"{{"containerId": "{id}", "command": ["python", "-c", "import time; time.sleep(2); print('done')"]}}"#
+        );
+        std::thread::spawn(move || call("POST", &url, Some(&body)).map_err(|e| e.to_string()))
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let (got, value) = call(
+        "POST",
+        &format!("{base}/api/sandbox/exec"),
+        Some(&format!(
+            r#"{{"containerId": "{id}", "command": ["python", "-c", "1"]}}"#
+        )),
+    )?;
+    assert_eq!(
+        (got, value["error"]["code"].as_str()),
+        (409, Some("SANDBOX_BUSY"))
+    );
+    let (got, value) = slow.join().map_err(|_| "thread panicked")??;
+    assert_eq!((got, value["stdout"].as_str()), (200, Some("done\n")));
+    Ok(())
+}

@@ -1,0 +1,76 @@
+//! The one error shape every route answers with:
+//! `{"error": {"code": "SANDBOX_NOT_FOUND", "message": "...", "details": {...}}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+/// An API error with a stable code.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub details: Value,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            details: json!({}),
+        }
+    }
+
+    pub fn with_details(mut self, details: Value) -> ApiError {
+        self.details = details;
+        self
+    }
+
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, code, message)
+    }
+
+    pub fn sandbox_not_found(id: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "SANDBOX_NOT_FOUND",
+            format!("no sandbox {id:?}: it never existed, was deleted, or expired"),
+        )
+        .with_details(json!({ "containerId": id }))
+    }
+
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "error": {
+                "code": self.code,
+                "message": self.message,
+                "details": self.details,
+            }
+        });
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+impl From<axum::extract::rejection::JsonRejection> for ApiError {
+    fn from(rejection: axum::extract::rejection::JsonRejection) -> ApiError {
+        use axum::extract::rejection::JsonRejection as R;
+        let (status, code) = match &rejection {
+            R::MissingJsonContentType(_) => {
+                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "UNSUPPORTED_MEDIA_TYPE")
+            }
+            R::BytesRejection(_) => (StatusCode::PAYLOAD_TOO_LARGE, "BODY_TOO_LARGE"),
+            R::JsonSyntaxError(_) => (StatusCode::BAD_REQUEST, "MALFORMED_JSON"),
+            _ => (StatusCode::BAD_REQUEST, "INVALID_REQUEST"),
+        };
+        ApiError::new(status, code, rejection.body_text())
+    }
+}
