@@ -165,6 +165,29 @@ pub enum LimitsError {
     OutputTooLarge { stream: &'static str, bytes: u64 },
 }
 
+/// Parses a size such as `512m`, `1g`, `64k`, `100` (bytes); units are binary and
+/// case-insensitive (`k`/`kb`/`kib`, `m`…, `g`…). The error says what was wrong.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let at = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = (&text[..at], &text[at..]);
+    let value: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size like 64k, 512m or 1g"))?;
+    let factor: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use k, m or g)")),
+    };
+    value
+        .checked_mul(factor)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
 /// A host directory granted to the guest.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mount {

@@ -51,22 +51,6 @@ pub struct CreateOptions {
     pub cpu_limit: Option<Value>,
 }
 
-fn parse_memory(text: &str) -> Option<u64> {
-    let text = text.trim().to_ascii_lowercase();
-    let at = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let number: u64 = text[..at].parse().ok()?;
-    let factor: u64 = match text[at..].trim_end_matches('b').trim_end_matches('i') {
-        "" => 1,
-        "k" => 1 << 10,
-        "m" => 1 << 20,
-        "g" => 1 << 30,
-        _ => return None,
-    };
-    number.checked_mul(factor)
-}
-
 pub async fn create(
     State(state): Shared,
     body: Result<Json<CreateBody>, JsonRejection>,
@@ -93,7 +77,8 @@ pub async fn create(
     }
     let memory_bytes = match &body.options.memory_limit {
         None => Limits::default().memory_bytes,
-        Some(text) => parse_memory(text)
+        Some(text) => kiln_core::parse_size(text)
+            .ok()
             .filter(|b| (language.min_memory_bytes()..=4 << 30).contains(b))
             .ok_or_else(|| {
                 ApiError::bad_request(

@@ -185,21 +185,7 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
 
 /// `512m`, `1g`, `64k`, or a bare number of bytes.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let (number, unit) = split_unit(text);
-    let value: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size like 64k, 512m or 1g"))?;
-    let factor: u64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use k, m or g)")),
-    };
-    value
-        .checked_mul(factor)
-        .ok_or_else(|| format!("{text:?} is too large"))
+    kiln_core::parse_size(text)
 }
 
 fn split_unit(text: &str) -> (&str, &str) {
