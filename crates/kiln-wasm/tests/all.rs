@@ -259,6 +259,34 @@ async fn javascript_sessions_keep_state() -> TestResult {
         marker_lookalike.stdout_text(),
         "\u{1}kiln-turn-end-0000:0\n40\n"
     );
+    // A guest that exits mid-turn ends the turn at once, not at the deadline.
+    let exited = session
+        .run("console.log('bye'); std.exit(3)", &limits)
+        .await?;
+    assert_eq!(exited.exit_code, 3);
+    assert_eq!(exited.stdout_text(), "bye\n");
+    assert_eq!(session.ended(), Some("the session exited"));
+    assert!(exited.duration_us < 5_000_000, "waited for the deadline");
+
+    // Running out of memory is reported as such.
+    let small = Limits {
+        memory_bytes: 32 << 20,
+        ..Limits::default()
+    };
+    let options = SessionOptions {
+        limits: small.clone(),
+        ..SessionOptions::default()
+    };
+    let mut session = engine()
+        .open_session(Language::JavaScript, &options)
+        .await?;
+    let oom = session
+        .run(
+            "var a = []; for (;;) a.push(new Array(1e6).fill(1.5))",
+            &small,
+        )
+        .await?;
+    assert_eq!(oom.outcome, Outcome::MemoryLimit, "{}", oom.stderr_text());
     Ok(())
 }
 
