@@ -61,6 +61,22 @@ fn is_stdio(fd: i32) -> bool {
     (0..=2).contains(&fd)
 }
 
+/// Whether a write of the iovecs at `iovs` would go over the file budget.
+fn over_budget(state: &GuestState, mem: &GuestMemory<'_>, iovs: i32, count: i32) -> bool {
+    iovec_total(raw(mem), iovs, count).unwrap_or(0) > state.fs.write_bytes_left()
+}
+
+/// Charges a successful write (its byte count is at `nwritten`) to the budget and the stats.
+fn charge_write(state: &GuestState, mem: &GuestMemory<'_>, nwritten: i32) {
+    let n = u64::from(read_u32(raw(mem), nwritten).unwrap_or(0));
+    state.fs.spend_write_bytes(n);
+    state
+        .memory
+        .stats
+        .fs_written_bytes
+        .fetch_add(n, Ordering::Relaxed);
+}
+
 pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
     linker.func_wrap_async(
         "wasi_snapshot_preview1",
@@ -68,22 +84,13 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
         |mut caller: Caller<'_, GuestState>, (fd, iovs, count, nwritten): (i32, i32, i32, i32)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
-                    if !is_stdio(fd) {
-                        let want = iovec_total(raw(&mem), iovs, count).unwrap_or(0);
-                        if want > state.fs.write_bytes_left() {
-                            return Ok(ERRNO_NOSPC);
-                        }
+                    if !is_stdio(fd) && over_budget(state, &mem, iovs, count) {
+                        return Ok(ERRNO_NOSPC);
                     }
                     let errno =
                         p1::fd_write(&mut state.wasi, &mut mem, fd, iovs, count, nwritten).await?;
                     if errno == 0 && !is_stdio(fd) {
-                        let n = u64::from(read_u32(raw(&mem), nwritten).unwrap_or(0));
-                        state.fs.spend_write_bytes(n);
-                        state
-                            .memory
-                            .stats
-                            .fs_written_bytes
-                            .fetch_add(n, Ordering::Relaxed);
+                        charge_write(state, &mem, nwritten);
                     }
                     Ok(errno)
                 })
@@ -97,21 +104,14 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
          (fd, iovs, count, offset, nwritten): (i32, i32, i32, i64, i32)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
-                    let want = iovec_total(raw(&mem), iovs, count).unwrap_or(0);
-                    if want > state.fs.write_bytes_left() {
+                    if over_budget(state, &mem, iovs, count) {
                         return Ok(ERRNO_NOSPC);
                     }
                     let errno =
                         p1::fd_pwrite(&mut state.wasi, &mut mem, fd, iovs, count, offset, nwritten)
                             .await?;
                     if errno == 0 {
-                        let n = u64::from(read_u32(raw(&mem), nwritten).unwrap_or(0));
-                        state.fs.spend_write_bytes(n);
-                        state
-                            .memory
-                            .stats
-                            .fs_written_bytes
-                            .fetch_add(n, Ordering::Relaxed);
+                        charge_write(state, &mem, nwritten);
                     }
                     Ok(errno)
                 })
