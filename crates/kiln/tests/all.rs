@@ -923,3 +923,81 @@ fn serve_answers_bad_input_with_clear_errors() -> TestResult {
     assert_eq!((got, value["stdout"].as_str()), (200, Some("done\n")));
     Ok(())
 }
+
+/// Child processes of `pid` (the server's executor workers).
+fn children(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for task in tasks.flatten() {
+            if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
+                found.extend(
+                    text.split_whitespace()
+                        .filter_map(|p| p.parse::<u32>().ok()),
+                );
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn attack_serve_survives_a_worker_killed_mid_exec() -> TestResult {
+    let server = start_server()?;
+    let base = server.base.clone();
+    let (_, created) = call(
+        "POST",
+        &format!("{base}/api/sandbox"),
+        Some(r#"{"image": "python"}"#),
+    )?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_owned();
+    let exec_body = |code: &str| {
+        serde_json::json!({"containerId": id, "command": ["python", "-c", code]}).to_string()
+    };
+    // Warm both workers so their pids are known.
+    let (status, _) = call(
+        "POST",
+        &format!("{base}/api/sandbox/exec"),
+        Some(&exec_body("print(1)")),
+    )?;
+    assert_eq!(status, 200);
+    let workers = children(server.child.id());
+    assert_eq!(workers.len(), 2, "{workers:?}");
+
+    let slow = {
+        let url = format!("{base}/api/sandbox/exec");
+        let body = exec_body("while True: pass");
+        std::thread::spawn(move || call("POST", &url, Some(&body)).map_err(|e| e.to_string()))
+    };
+    std::thread::sleep(Duration::from_millis(700));
+    // The spinning worker is the one using CPU; kill both to be sure to hit it.
+    for pid in &workers {
+        // SAFETY: sending a signal to a process this test's server started.
+        unsafe { libc_kill(*pid as i32, 9) };
+    }
+    let (status, value) = slow.join().map_err(|_| "thread panicked")??;
+    assert_eq!(
+        (status, value["error"]["code"].as_str()),
+        (503, Some("EXECUTOR_LOST")),
+        "{value}"
+    );
+    assert!(
+        value["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("signal: 9")),
+        "{value}"
+    );
+
+    let (status, value) = call(
+        "POST",
+        &format!("{base}/api/sandbox/exec"),
+        Some(&exec_body("print('next')")),
+    )?;
+    assert_eq!(
+        (status, value["stdout"].as_str()),
+        (200, Some("next\n")),
+        "{value}"
+    );
+    let (status, _) = call("GET", &format!("{base}/healthz"), None)?;
+    assert_eq!(status, 200);
+    Ok(())
+}
