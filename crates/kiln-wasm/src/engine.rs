@@ -387,6 +387,28 @@ impl WasmEngine {
     }
 }
 
+/// A guest of `language` could not be started because of `error`.
+pub(crate) fn instantiate_error(language: Language, error: impl std::fmt::Display) -> ExecError {
+    ExecError::Instantiate {
+        language,
+        detail: format!("{error:#}"),
+    }
+}
+
+/// Maps a failed `instantiate_async`: `Busy` when every pool slot is taken.
+pub(crate) fn instantiation_error(
+    engine: &WasmEngine,
+    language: Language,
+    error: wasmtime::Error,
+) -> ExecError {
+    if error.is::<wasmtime::PoolConcurrencyLimitError>() {
+        return ExecError::Busy {
+            limit: engine.max_instances(),
+        };
+    }
+    instantiate_error(language, error)
+}
+
 pub(crate) fn check_request(request: &ExecRequest) -> Result<(), ExecError> {
     request.limits.validate()?;
     let min = request.language.min_memory_bytes();
@@ -428,9 +450,14 @@ pub(crate) fn check_request(request: &ExecRequest) -> Result<(), ExecError> {
             ),
         });
     }
-    if request.code.len() > MAX_CODE_BYTES {
+    check_code(&request.code)
+}
+
+/// Refuses code over [`MAX_CODE_BYTES`].
+pub(crate) fn check_code(code: &str) -> Result<(), ExecError> {
+    if code.len() > MAX_CODE_BYTES {
         return Err(ExecError::CodeTooLarge {
-            bytes: request.code.len(),
+            bytes: code.len(),
             max: MAX_CODE_BYTES,
         });
     }

@@ -17,7 +17,7 @@ use wasmtime::{Instance, Store, TypedFunc};
 use wasmtime_wasi::cli::AsyncStdinStream;
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
-use crate::engine::{ExecError, JsRuntime, WasmEngine};
+use crate::engine::{ExecError, JsRuntime, WasmEngine, instantiation_error};
 use crate::guest::{
     CallEnd, FsBudget, GuestState, Preopen, PrivateTmp, Stats, Stdio, arm_deadline, bounded_call,
     classify_error, ensure_alive, finish, new_store, push_grants, wasi_context,
@@ -25,13 +25,6 @@ use crate::guest::{
 use crate::output::OutputChunk;
 
 const BASE_ENV: &[(&str, &str)] = &[("TMPDIR", "/tmp"), ("HOME", "/tmp")];
-
-fn instantiate_error(error: impl std::fmt::Display) -> ExecError {
-    ExecError::Instantiate {
-        language: Language::JavaScript,
-        detail: format!("{error:#}"),
-    }
-}
 
 struct Prepared {
     store: Store<GuestState>,
@@ -60,15 +53,7 @@ async fn prepare(
         .pre
         .instantiate_async(&mut store)
         .await
-        .map_err(|e| {
-            if e.is::<wasmtime::PoolConcurrencyLimitError>() {
-                ExecError::Busy {
-                    limit: engine.max_instances(),
-                }
-            } else {
-                instantiate_error(&e)
-            }
-        })?;
+        .map_err(|e| instantiation_error(engine, Language::JavaScript, e))?;
     Ok(Prepared {
         store,
         instance,

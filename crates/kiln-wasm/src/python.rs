@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use wasmtime::{Memory, Store, TypedFunc};
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
-use crate::engine::{ExecError, PythonRuntime, WasmEngine};
+use crate::engine::{ExecError, PythonRuntime, WasmEngine, instantiate_error, instantiation_error};
 use crate::guest::{
     CallEnd, GuestState, Preopen, PrivateTmp, Stdio, WORKSPACE_GUEST, arm_deadline, bounded_call,
     ensure_alive, finish, new_store, push_grants, wasi_context,
@@ -85,17 +85,17 @@ impl PythonGuest {
             .pre
             .instantiate_async(&mut store)
             .await
-            .map_err(|e| instantiate_error_from(engine, e))?;
+            .map_err(|e| instantiation_error(engine, Language::Python, e))?;
         let exports = Exports {
-            memory: instance
-                .get_memory(&mut store, "memory")
-                .ok_or_else(|| instantiate_error("the module exports no memory"))?,
+            memory: instance.get_memory(&mut store, "memory").ok_or_else(|| {
+                instantiate_error(Language::Python, "the module exports no memory")
+            })?,
             host_alloc: instance
                 .get_typed_func(&mut store, "host_alloc")
-                .map_err(|e| instantiate_error(&e))?,
+                .map_err(|e| instantiate_error(Language::Python, &e))?,
             turn: instance
                 .get_typed_func(&mut store, "turn")
-                .map_err(|e| instantiate_error(&e))?,
+                .map_err(|e| instantiate_error(Language::Python, &e))?,
         };
         if !echo {
             // One-shots start hot; sessions stay lean (populating costs private memory).
@@ -117,10 +117,13 @@ impl PythonGuest {
             let setup = format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k");
             let result = guest.turn(&setup, &request.limits, None).await?;
             if !result.success() {
-                return Err(instantiate_error(format!(
-                    "entering {WORKSPACE_GUEST} failed: {}",
-                    result.stderr_text().trim()
-                )));
+                return Err(instantiate_error(
+                    Language::Python,
+                    format!(
+                        "entering {WORKSPACE_GUEST} failed: {}",
+                        result.stderr_text().trim()
+                    ),
+                ));
             }
         }
         Ok(guest)
@@ -203,21 +206,5 @@ impl PythonGuest {
             &self.stdio,
             started,
         ))
-    }
-}
-
-fn instantiate_error_from(engine: &WasmEngine, error: wasmtime::Error) -> ExecError {
-    if error.is::<wasmtime::PoolConcurrencyLimitError>() {
-        return ExecError::Busy {
-            limit: engine.max_instances(),
-        };
-    }
-    instantiate_error(&error)
-}
-
-fn instantiate_error(error: impl std::fmt::Display) -> ExecError {
-    ExecError::Instantiate {
-        language: Language::Python,
-        detail: format!("{error:#}"),
     }
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Mount};
 use tokio::sync::mpsc;
 
-use crate::engine::{ExecError, WasmEngine, check_request};
+use crate::engine::{ExecError, WasmEngine, check_code, check_request};
 use crate::javascript::JsSession;
 use crate::output::OutputChunk;
 use crate::python::PythonGuest;
@@ -75,12 +75,7 @@ impl Session {
     ) -> Result<ExecResult, ExecError> {
         // The memory cap was fixed when the session opened; the rest applies per turn.
         limits.validate()?;
-        if code.len() > crate::engine::MAX_CODE_BYTES {
-            return Err(ExecError::CodeTooLarge {
-                bytes: code.len(),
-                max: crate::engine::MAX_CODE_BYTES,
-            });
-        }
+        check_code(code)?;
         match &mut self.guest {
             Guest::Python(guest) => guest.turn(code, limits, listener).await,
             Guest::JavaScript(guest) => guest.turn(code, limits, listener).await,
