@@ -102,7 +102,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             drop(setup);
             let data_dir = match data_dir {
                 Some(dir) => dir,
-                None => dirs_data_dir().context("no data directory; pass --data-dir")?,
+                None => dirs::data_dir()
+                    .map(|d| d.join("kiln"))
+                    .context("no data directory; pass --data-dir")?,
             };
             let mut config = kiln_executor::PoolConfig::current_exe()?;
             if let Some(workers) = workers {
@@ -130,16 +132,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
-}
-
-fn dirs_data_dir() -> Option<std::path::PathBuf> {
-    std::env::var_os("XDG_DATA_HOME")
-        .filter(|v| !v.is_empty())
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".local/share"))
-        })
-        .map(|d| d.join("kiln"))
 }
 
 fn exec(language: Language, code: String, args: &ExecArgs) -> anyhow::Result<ExitCode> {

@@ -303,18 +303,21 @@ fn setup_with_a_failing_download_says_what_to_do() -> TestResult {
     Ok(())
 }
 
-/// A package index on localhost serving a wheel with the right name and the wrong bytes.
-struct FakeIndex {
-    server: Child,
-    url: String,
-    _root: tempfile::TempDir,
+/// A child process killed (and reaped) when the test lets go of it.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
-impl Drop for FakeIndex {
-    fn drop(&mut self) {
-        let _ = self.server.kill();
-        let _ = self.server.wait();
-    }
+/// A package index on localhost serving a wheel with the right name and the wrong bytes.
+struct FakeIndex {
+    _server: KillOnDrop,
+    url: String,
+    _root: tempfile::TempDir,
 }
 
 fn tampered_index() -> Result<FakeIndex, Box<dyn std::error::Error>> {
@@ -366,7 +369,7 @@ fn tampered_index() -> Result<FakeIndex, Box<dyn std::error::Error>> {
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(FakeIndex {
-        server,
+        _server: KillOnDrop(server),
         url,
         _root: root,
     })
@@ -619,16 +622,9 @@ unsafe extern "C" {
 
 /// A `kiln serve` started on a free port with its own data folder, killed on drop.
 struct Server {
-    child: Child,
+    child: KillOnDrop,
     base: String,
     _data: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn start_server() -> Result<Server, Box<dyn std::error::Error>> {
@@ -657,7 +653,7 @@ fn start_server() -> Result<Server, Box<dyn std::error::Error>> {
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(Server {
-        child,
+        child: KillOnDrop(child),
         base,
         _data: data,
     })
@@ -960,7 +956,7 @@ fn attack_serve_survives_a_worker_killed_mid_exec() -> TestResult {
         Some(&exec_body("print(1)")),
     )?;
     assert_eq!(status, 200);
-    let workers = children(server.child.id());
+    let workers = children(server.child.0.id());
     assert_eq!(workers.len(), 2, "{workers:?}");
 
     let slow = {
