@@ -215,6 +215,7 @@ async fn run_exec(
     request.workspace = Some(sandbox.workspace.clone());
     request.limits.memory_bytes = sandbox.memory_bytes;
     request.limits.timeout_ms = remaining_ms.min(MAX_EXEC_MS);
+    let limits = request.limits.clone();
     let result = pool.execute(request).await.map_err(pool_error)?;
     let status = match result.outcome {
         Outcome::TimedOut => "timeout",
@@ -223,11 +224,8 @@ async fn run_exec(
     };
     let duration_ms = result.duration_us / 1000;
     let mut stderr = result.stderr_text();
-    if let Some(reason) = result.outcome.reason(&Limits {
-        memory_bytes: sandbox.memory_bytes,
-        ..Limits::default()
-    }) && !matches!(result.outcome, Outcome::Completed)
-    {
+    // `reason` is None for a normal end; the message names the limits this exec really had.
+    if let Some(reason) = result.outcome.reason(&limits) {
         stderr.push_str(&format!("kiln: {reason}\n"));
     }
     let prefix = match language {
