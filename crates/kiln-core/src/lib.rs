@@ -326,7 +326,8 @@ impl ExecResult {
 }
 
 /// Byte buffers as base64 strings: compact and exact for any bytes, unlike a JSON array.
-mod base64_bytes {
+/// Use with `#[serde(with = "kiln_core::base64_bytes")]`.
+pub mod base64_bytes {
     use base64::Engine as _;
     use base64::engine::general_purpose::STANDARD;
     use serde::{Deserialize, Deserializer, Serializer};

@@ -17,5 +17,5 @@ pub mod pool;
 pub mod protocol;
 pub mod worker;
 
-pub use pool::{ExecutorPool, PoolConfig, PoolError, SessionHandle};
+pub use pool::{CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle};
 pub use protocol::RemoteError;

@@ -77,7 +77,27 @@ pub enum PoolError {
     NoSuchSession(u64),
 }
 
-type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Reply, PoolError>>>>>;
+/// A piece of output streamed from a running execution.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    pub stderr: bool,
+    pub data: Vec<u8>,
+}
+
+/// Extras for one call: a listener for output as it is written, and a cancel signal (send
+/// `()` to stop the execution; it then fails with `Remote` kind `cancelled`).
+#[derive(Debug, Default)]
+pub struct CallOptions {
+    pub chunks: Option<mpsc::UnboundedSender<Chunk>>,
+    pub cancel: Option<oneshot::Receiver<()>>,
+}
+
+struct Waiter {
+    done: oneshot::Sender<Result<Reply, PoolError>>,
+    chunks: Option<mpsc::UnboundedSender<Chunk>>,
+}
+
+type Pending = Arc<Mutex<HashMap<u64, Waiter>>>;
 
 struct Worker {
     generation: u64,
@@ -209,12 +229,15 @@ impl ExecutorPool {
         let reader_alive = alive.clone();
         tokio::spawn(async move {
             while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
-                let waiter = reader_pending
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&response.id);
-                if let Some(waiter) = waiter {
-                    let _ = waiter.send(Ok(response.reply));
+                let mut pending = reader_pending.lock().unwrap_or_else(|e| e.into_inner());
+                if let Reply::Chunk { stderr, data } = response.reply {
+                    if let Some(listener) = pending.get(&response.id).and_then(|w| w.chunks.as_ref()) {
+                        let _ = listener.send(Chunk { stderr, data });
+                    }
+                    continue;
+                }
+                if let Some(waiter) = pending.remove(&response.id) {
+                    let _ = waiter.done.send(Ok(response.reply));
                 }
             }
             reader_alive.store(false, Ordering::Relaxed);
@@ -228,7 +251,7 @@ impl ExecutorPool {
                 .drain()
                 .collect();
             for (_, waiter) in waiters {
-                let _ = waiter.send(Err(PoolError::WorkerLost(status.clone())));
+                let _ = waiter.done.send(Err(PoolError::WorkerLost(status.clone())));
             }
         });
         Ok(Worker {
@@ -259,14 +282,31 @@ impl ExecutorPool {
     }
 
     async fn call(&self, worker: &Worker, op: Op) -> Result<Reply, PoolError> {
+        self.call_with(worker, op, CallOptions::default()).await
+    }
+
+    async fn call_with(
+        &self,
+        worker: &Worker,
+        op: Op,
+        options: CallOptions,
+    ) -> Result<Reply, PoolError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let body = encode(&Request { id, op }).map_err(|e| PoolError::TooLarge(e.to_string()))?;
-        let (tx, rx) = oneshot::channel();
+        let stream = options.chunks.is_some();
+        let body = encode(&Request { id, op, stream })
+            .map_err(|e| PoolError::TooLarge(e.to_string()))?;
+        let (tx, mut rx) = oneshot::channel();
         worker
             .pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(id, tx);
+            .insert(
+                id,
+                Waiter {
+                    done: tx,
+                    chunks: options.chunks,
+                },
+            );
         if !worker.alive.load(Ordering::Relaxed) || worker.tx.send(body).is_err() {
             worker
                 .pending
@@ -278,17 +318,38 @@ impl ExecutorPool {
             ));
         }
         worker.in_flight.fetch_add(1, Ordering::Relaxed);
-        let reply = rx
-            .await
-            .unwrap_or_else(|_| Err(PoolError::WorkerLost("the worker channel closed".into())));
+        let closed = || Err(PoolError::WorkerLost("the worker channel closed".into()));
+        let reply = match options.cancel {
+            None => rx.await.unwrap_or_else(|_| closed()),
+            Some(mut cancel) => {
+                tokio::select! {
+                    reply = &mut rx => reply.unwrap_or_else(|_| closed()),
+                    Ok(()) = &mut cancel => {
+                        if let Ok(frame) = encode(&Request { id: 0, op: Op::Cancel { target: id }, stream: false }) {
+                            let _ = worker.tx.send(frame);
+                        }
+                        rx.await.unwrap_or_else(|_| closed())
+                    }
+                }
+            }
+        };
         worker.in_flight.fetch_sub(1, Ordering::Relaxed);
         reply
     }
 
     /// Runs a one-shot execution on the least loaded worker.
     pub async fn execute(&self, request: ExecRequest) -> Result<ExecResult, PoolError> {
+        self.execute_with(request, CallOptions::default()).await
+    }
+
+    /// Like [`ExecutorPool::execute`], with streamed output and/or a cancel signal.
+    pub async fn execute_with(
+        &self,
+        request: ExecRequest,
+        options: CallOptions,
+    ) -> Result<ExecResult, PoolError> {
         let worker = self.worker(self.least_loaded())?;
-        match self.call(&worker, Op::Exec(request)).await? {
+        match self.call_with(&worker, Op::Exec(request), options).await? {
             Reply::Done(result) => Ok(result),
             Reply::Failed(error) => Err(PoolError::Remote(error)),
             other => Err(unexpected(&other)),
@@ -351,13 +412,26 @@ impl ExecutorPool {
         code: String,
         limits: Limits,
     ) -> Result<ExecResult, PoolError> {
+        self.run_with(session, code, limits, CallOptions::default())
+            .await
+    }
+
+    /// Like [`ExecutorPool::run`], with streamed output and/or a cancel signal. A cancelled
+    /// turn ends its session.
+    pub async fn run_with(
+        &self,
+        session: &SessionHandle,
+        code: String,
+        limits: Limits,
+        options: CallOptions,
+    ) -> Result<ExecResult, PoolError> {
         let worker = self.session_worker(session)?;
         let op = Op::Turn {
             session: session.id,
             code,
             limits,
         };
-        match self.call(&worker, op).await? {
+        match self.call_with(&worker, op, options).await? {
             Reply::Done(result) => Ok(result),
             Reply::Failed(error) if error.kind == "no_such_session" => {
                 Err(PoolError::NoSuchSession(session.id))

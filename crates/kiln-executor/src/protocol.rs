@@ -24,6 +24,9 @@ pub enum Op {
     },
     /// Close a session.
     CloseSession { session: u64 },
+    /// Stop the request `target` (an `Exec` or a `Turn`). It answers `Failed` with kind
+    /// `cancelled`; a cancelled turn ends its session. Cancel itself gets no reply.
+    Cancel { target: u64 },
 }
 
 /// A request frame.
@@ -31,13 +34,16 @@ pub enum Op {
 pub struct Request {
     pub id: u64,
     pub op: Op,
+    /// Send output as `Chunk` replies while it runs (for `Exec` and `Turn`).
+    #[serde(default)]
+    pub stream: bool,
 }
 
 /// A failure the worker reports for one request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteError {
     /// A stable name: `setup`, `limits`, `grant`, `too_large`, `session_ended`,
-    /// `no_such_session`, `busy`, `instantiate`, `internal`.
+    /// `no_such_session`, `busy`, `instantiate`, `cancelled`, `internal`.
     pub kind: String,
     /// The message, one line.
     pub message: String,
@@ -46,6 +52,12 @@ pub struct RemoteError {
 /// What a worker answers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Reply {
+    /// Output as the guest wrote it; more replies follow for the same request.
+    Chunk {
+        stderr: bool,
+        #[serde(with = "kiln_core::base64_bytes")]
+        data: Vec<u8>,
+    },
     Done(ExecResult),
     Opened,
     Closed,
@@ -143,6 +155,7 @@ mod tests {
         let request = Request {
             id: 7,
             op: Op::CloseSession { session: 3 },
+            stream: false,
         };
         write_frame(&mut a, &request).await.unwrap();
         let back: Request = read_frame(&mut b).await.unwrap();

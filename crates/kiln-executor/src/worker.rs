@@ -6,15 +6,16 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kiln_wasm::{ExecError, Session, SessionOptions, WasmEngine};
+use kiln_wasm::{ExecError, OutputChunk, Session, SessionOptions, StreamKind, WasmEngine};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{Mutex, mpsc};
+use tokio::sync::{Mutex, mpsc, oneshot};
 
 use crate::protocol::{
     Op, RemoteError, Reply, Request, Response, encode, read_frame, write_encoded,
 };
 
 type Sessions = Arc<std::sync::Mutex<HashMap<u64, Arc<Mutex<Session>>>>>;
+type Running = Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<()>>>>;
 
 /// Maps an engine error to what crosses the wire.
 pub fn remote_error(error: &ExecError) -> RemoteError {
@@ -81,29 +82,99 @@ where
         }
     });
     let sessions: Sessions = Arc::default();
+    let running: Running = Arc::default();
     loop {
         let request: Request = match read_frame(&mut input).await {
             Ok(request) => request,
             Err(_) => break,
         };
+        if let Op::Cancel { target } = request.op {
+            let stop = running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&target);
+            if let Some(stop) = stop {
+                let _ = stop.send(());
+            }
+            continue;
+        }
+        let (stop_tx, stop_rx) = oneshot::channel();
+        running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(request.id, stop_tx);
         let engine = engine.clone();
         let sessions = sessions.clone();
+        let running = running.clone();
         let tx = tx.clone();
         tokio::spawn(async move {
-            let reply = handle(&engine, &sessions, request.op).await;
-            let _ = tx.send(Response {
-                id: request.id,
-                reply,
-            });
+            let id = request.id;
+            let (listener, mut chunks) = if request.stream {
+                let (chunk_tx, chunk_rx) = mpsc::unbounded_channel::<OutputChunk>();
+                (Some(chunk_tx), Some(chunk_rx))
+            } else {
+                (None, None)
+            };
+            let turn_session = match &request.op {
+                Op::Turn { session, .. } => Some(*session),
+                _ => None,
+            };
+            let mut stop_rx = stop_rx;
+            let work = handle(&engine, &sessions, request.op, listener);
+            tokio::pin!(work);
+            let send_chunk = |chunk: OutputChunk| {
+                let reply = Reply::Chunk {
+                    stderr: chunk.stream == StreamKind::Stderr,
+                    data: chunk.data.to_vec(),
+                };
+                let _ = tx.send(Response { id, reply });
+            };
+            let reply = loop {
+                tokio::select! {
+                    reply = &mut work => break reply,
+                    Some(chunk) = next_chunk(&mut chunks) => send_chunk(chunk),
+                    _ = &mut stop_rx => {
+                        // The guest future is dropped: the execution stops where it is. A
+                        // session stopped mid-turn is in no known state, so it ends.
+                        if let Some(session) = turn_session {
+                            sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&session);
+                        }
+                        break Reply::Failed(RemoteError {
+                            kind: "cancelled".into(),
+                            message: "the execution was cancelled".into(),
+                        });
+                    }
+                }
+            };
+            // Every chunk written before the end goes out before the reply.
+            if let Some(rx) = chunks.as_mut() {
+                while let Ok(chunk) = rx.try_recv() {
+                    send_chunk(chunk);
+                }
+            }
+            running.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            let _ = tx.send(Response { id, reply });
         });
     }
     drop(tx);
     let _ = writer.await;
 }
 
-async fn handle(engine: &WasmEngine, sessions: &Sessions, op: Op) -> Reply {
+async fn next_chunk(chunks: &mut Option<mpsc::UnboundedReceiver<OutputChunk>>) -> Option<OutputChunk> {
+    match chunks {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn handle(
+    engine: &WasmEngine,
+    sessions: &Sessions,
+    op: Op,
+    listener: Option<mpsc::UnboundedSender<OutputChunk>>,
+) -> Reply {
     match op {
-        Op::Exec(request) => match engine.execute(&request).await {
+        Op::Exec(request) => match engine.execute_streaming(&request, listener).await {
             Ok(result) => Reply::Done(result),
             Err(error) => Reply::Failed(remote_error(&error)),
         },
@@ -142,7 +213,7 @@ async fn handle(engine: &WasmEngine, sessions: &Sessions, op: Op) -> Reply {
                 });
             };
             let mut guard = found.lock().await;
-            match guard.run(&code, &limits).await {
+            match guard.run_streaming(&code, &limits, listener).await {
                 Ok(result) => Reply::Done(result),
                 Err(error) => Reply::Failed(remote_error(&error)),
             }
@@ -154,5 +225,6 @@ async fn handle(engine: &WasmEngine, sessions: &Sessions, op: Op) -> Reply {
                 .remove(&session);
             Reply::Closed
         }
+        Op::Cancel { .. } => Reply::Closed,
     }
 }

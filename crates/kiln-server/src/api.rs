@@ -1,25 +1,25 @@
-//! The published sandbox contract: `/api/sandbox` create, exec, get, delete. Handlers parse,
-//! call the registry and the executor pool, and map the result.
+//! The published sandbox contract: `/api/sandbox` create, exec, get, delete, and the
+//! workspace history (history, diff, rollback). Handlers parse, call the registry and the
+//! executor, and map the result.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
-use kiln_core::{ExecRequest, Language, Limits, Outcome};
-use kiln_executor::{ExecutorPool, PoolError};
-use serde::Deserialize;
+use kiln_core::{Language, Limits};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use utoipa::ToSchema;
 
-use crate::error::ApiError;
-use crate::sandbox::{IMAGES, Registry, image_language, new_id, now_ms, rfc3339, workspace_path};
-
-/// Shared state of the server.
-pub struct AppState {
-    pub registry: Registry,
-    pub pool: ExecutorPool,
-}
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::exec::{self, RunSpec};
+use crate::history::{HistoryEntry, MAX_HISTORY};
+use crate::sandbox::{IMAGES, Sandbox, SandboxView, history_error, image_language, new_id, rfc3339, workspace_path};
 
 type Shared = State<Arc<AppState>>;
 
@@ -27,55 +27,76 @@ type Shared = State<Arc<AppState>>;
 pub const DEFAULT_LIFETIME_MS: u64 = 30 * 60 * 1000;
 /// Longest sandbox lifetime: 24 hours.
 pub const MAX_LIFETIME_MS: u64 = 24 * 3600 * 1000;
-/// Longest single execution: 5 minutes (bounded by the sandbox's remaining lifetime).
-pub const MAX_EXEC_MS: u64 = 5 * 60 * 1000;
 /// Most bytes of files one exec may upload.
 pub const MAX_FILES_BYTES: usize = 16 << 20;
 
-#[derive(Debug, Deserialize)]
+/// Create a sandbox.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"image": "python", "options": {"timeout": 600000, "memoryLimit": "512m"}}))]
 pub struct CreateBody {
+    /// A runtime: `python`, `javascript`, or an image-like name mapped onto one
+    /// (`@ai-sandbox/python`, `python:3.12`, `node:18-alpine`).
     pub image: String,
     #[serde(default)]
     pub options: CreateOptions,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// Sandbox options.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct CreateOptions {
-    /// Lifetime in milliseconds.
+    /// Lifetime in milliseconds (default 30 minutes, at most 24 hours).
+    #[schema(example = 600000, minimum = 1, maximum = 86400000)]
     pub timeout: Option<u64>,
-    /// Memory cap, e.g. "512m".
+    /// Memory cap for each execution, e.g. "512m" (default 512 MiB, at most 4 GiB).
+    #[schema(example = "512m")]
     pub memory_limit: Option<String>,
-    /// Accepted for compatibility; not enforced yet.
+    /// Accepted for compatibility with container sandboxes; not enforced (each execution
+    /// runs on one core).
+    #[schema(value_type = Option<Object>, example = "0.5")]
     pub cpu_limit: Option<Value>,
 }
 
-pub async fn create(
-    State(state): Shared,
-    body: Result<Json<CreateBody>, JsonRejection>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let Json(body) = body?;
-    let Some(language) = image_language(&body.image) else {
+/// A created sandbox.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Created {
+    #[schema(example = "sb_3f2a9c1b7d4e5f60718293a4")]
+    pub container_id: String,
+    #[schema(example = "created")]
+    pub status: String,
+    #[schema(example = "2026-11-22T14:03:32.120Z")]
+    pub created_at: String,
+    #[schema(example = "2026-11-22T14:33:32.120Z")]
+    pub expires_at: String,
+}
+
+/// Parses create options into (language, lifetime, memory).
+pub fn parse_create(
+    image: &str,
+    lifetime_ms: Option<u64>,
+    memory_limit: Option<&str>,
+) -> Result<(Language, u64, u64), ApiError> {
+    let Some(language) = image_language(image) else {
         let available: Vec<&str> = IMAGES.iter().map(|(name, _)| *name).collect();
         return Err(ApiError::bad_request(
             "UNKNOWN_IMAGE",
             format!(
-                "unknown image {:?}; available: {} (and python:TAG, node:TAG)",
-                body.image,
+                "unknown image {image:?}; available: {} (and python:TAG, node:TAG)",
                 available.join(", ")
             ),
         )
-        .with_details(json!({ "image": body.image, "available": available })));
+        .with_details(json!({ "image": image, "available": available })));
     };
-    let lifetime_ms = body.options.timeout.unwrap_or(DEFAULT_LIFETIME_MS);
+    let lifetime_ms = lifetime_ms.unwrap_or(DEFAULT_LIFETIME_MS);
     if lifetime_ms == 0 || lifetime_ms > MAX_LIFETIME_MS {
         return Err(ApiError::bad_request(
             "INVALID_OPTION",
-            format!("options.timeout must be 1..={MAX_LIFETIME_MS} ms, got {lifetime_ms}"),
+            format!("the lifetime must be 1..={MAX_LIFETIME_MS} ms, got {lifetime_ms}"),
         ));
     }
-    let memory_bytes = match &body.options.memory_limit {
+    let memory_bytes = match memory_limit {
         None => Limits::default().memory_bytes,
         Some(text) => kiln_core::parse_size(text)
             .ok()
@@ -84,34 +105,86 @@ pub async fn create(
                 ApiError::bad_request(
                     "INVALID_OPTION",
                     format!(
-                        "options.memoryLimit {text:?} is not a size between {} MiB and 4 GiB (e.g. \"512m\")",
+                        "memoryLimit {text:?} is not a size between {} MiB and 4 GiB (e.g. \"512m\")",
                         language.min_memory_bytes() >> 20
                     ),
                 )
             })?,
     };
-    let _ = body.options.cpu_limit;
-    let sandbox = state
-        .registry
-        .create(&body.image, language, lifetime_ms, memory_bytes)?;
+    Ok((language, lifetime_ms, memory_bytes))
+}
+
+/// Create a sandbox with an empty, git-versioned workspace.
+#[utoipa::path(post, path = "/api/sandbox", tag = "sandbox", request_body = CreateBody,
+    responses(
+        (status = 201, description = "Created", body = Created),
+        (status = 400, description = "Unknown image or bad option", body = ErrorBody),
+        (status = 401, description = "No or bad API key", body = ErrorBody),
+    ))]
+pub async fn create(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    body: Result<Json<CreateBody>, JsonRejection>,
+) -> Result<(StatusCode, Json<Created>), ApiError> {
+    let Json(body) = body?;
+    let (language, lifetime_ms, memory_bytes) = parse_create(
+        &body.image,
+        body.options.timeout,
+        body.options.memory_limit.as_deref(),
+    )?;
+    let registry = state.clone();
+    let image = body.image.clone();
+    let sandbox = tokio::task::spawn_blocking(move || {
+        registry
+            .registry
+            .create(&caller.tenant, &image, language, lifetime_ms, memory_bytes)
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
     Ok((
         StatusCode::CREATED,
-        Json(json!({
-            "containerId": sandbox.id,
-            "status": "created",
-            "createdAt": rfc3339(sandbox.created_ms),
-            "expiresAt": rfc3339(sandbox.expires_ms),
-        })),
+        Json(Created {
+            container_id: sandbox.id,
+            status: "created".into(),
+            created_at: rfc3339(sandbox.created_ms),
+            expires_at: rfc3339(sandbox.expires_ms),
+        }),
     ))
 }
 
-#[derive(Debug, Deserialize)]
+/// Run a command in a sandbox.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(example = json!({"containerId": "sb_3f2a9c1b7d4e5f60718293a4", "files": {"main.py": "print(open('data/input.txt').read())", "data/input.txt": "hello"}, "command": ["python", "main.py"]}))]
 pub struct ExecBody {
     pub container_id: String,
+    /// Files to write into the workspace first (name → text). They stay between execs.
     #[serde(default)]
-    pub files: std::collections::BTreeMap<String, String>,
+    pub files: BTreeMap<String, String>,
+    /// `["python", FILE]`, `["python", "-c", CODE]`, `["node", FILE]` or
+    /// `["node", "-e", CODE]`.
     pub command: Vec<String>,
+}
+
+/// What an exec produced.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExecReply {
+    /// The execution id; also its id in the workspace history.
+    #[schema(example = "python_run_3f2a9c1b7d4e5f60718293a4")]
+    pub id: String,
+    /// `success`, `error` or `timeout`.
+    #[schema(example = "success")]
+    pub status: String,
+    /// Milliseconds.
+    #[schema(example = 2)]
+    pub duration: u64,
+    #[schema(example = "hello\n")]
+    pub stdout: String,
+    #[schema(example = "")]
+    pub stderr: String,
+    #[schema(example = 0)]
+    pub exit_code: i32,
 }
 
 /// What a command asks to run.
@@ -146,13 +219,55 @@ fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
     }
 }
 
+/// The execution id prefix of a language.
+pub fn exec_prefix(language: Language) -> &'static str {
+    match language {
+        Language::Python => "python_run_",
+        Language::JavaScript => "node_run_",
+    }
+}
+
+/// Checks uploaded files: total size and every name.
+pub fn check_files<'a>(
+    sandbox: &Sandbox,
+    files: impl Iterator<Item = (&'a String, &'a [u8])>,
+) -> Result<Vec<(std::path::PathBuf, Vec<u8>)>, ApiError> {
+    let mut total = 0usize;
+    let mut out = Vec::new();
+    for (name, content) in files {
+        total += name.len() + content.len();
+        if total > MAX_FILES_BYTES {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "FILES_TOO_LARGE",
+                format!("the files total more than {MAX_FILES_BYTES} bytes"),
+            ));
+        }
+        out.push((workspace_path(&sandbox.workspace(), name)?, content.to_vec()));
+    }
+    Ok(out)
+}
+
+/// Run a command in a sandbox's workspace. Files sent stay there; a change to the files is
+/// recorded in the sandbox's history under the execution id.
+#[utoipa::path(post, path = "/api/sandbox/exec", tag = "sandbox", request_body = ExecBody,
+    responses(
+        (status = 200, description = "The execution ran (see `status`)", body = ExecReply),
+        (status = 400, description = "Bad command, file name or body", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is running another execution, or was deleted meanwhile", body = ErrorBody),
+        (status = 413, description = "Files too large", body = ErrorBody),
+        (status = 503, description = "The executor died or is saturated; retry", body = ErrorBody),
+    ))]
 pub async fn exec(
     State(state): Shared,
+    Extension(caller): Extension<Caller>,
     body: Result<Json<ExecBody>, JsonRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<ExecReply>, ApiError> {
     let Json(body) = body?;
     let (language, program) = parse_command(&body.command)?;
-    let sandbox = state.registry.get(&body.container_id)?;
+    let view = state.registry.get(&caller.tenant, &body.container_id)?;
+    let sandbox = &view.meta;
     if language != sandbox.language {
         return Err(ApiError::bad_request(
             "UNSUPPORTED_COMMAND",
@@ -162,136 +277,367 @@ pub async fn exec(
             ),
         ));
     }
-    let total: usize = body.files.iter().map(|(k, v)| k.len() + v.len()).sum();
-    if total > MAX_FILES_BYTES {
+    let files = check_files(
+        sandbox,
+        body.files.iter().map(|(k, v)| (k, v.as_bytes())),
+    )?;
+    let (code, code_file) = match program {
+        Program::Inline(code) => (code, None),
+        Program::File(name) => {
+            let path = workspace_path(&sandbox.workspace(), &name)?;
+            (String::new(), Some((name, path)))
+        }
+    };
+    let spec = RunSpec {
+        exec_id: new_id(exec_prefix(language)),
+        language,
+        code,
+        stdin: Vec::new(),
+        env: Vec::new(),
+        timeout_ms: None,
+        files,
+        code_file,
+        session: None,
+        summary: body.command.join(" "),
+    };
+    let outcome = exec::run(&state, &caller, &body.container_id, spec, None).await?;
+    Ok(Json(ExecReply {
+        id: outcome.exec_id.clone(),
+        status: outcome.status().into(),
+        duration: outcome.result.duration_us / 1000,
+        stdout: outcome.result.stdout_text(),
+        stderr: outcome.stderr_with_reason(),
+        exit_code: outcome.result.exit_code,
+    }))
+}
+
+/// A sandbox's state.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxInfo {
+    #[schema(example = "sb_3f2a9c1b7d4e5f60718293a4")]
+    pub container_id: String,
+    #[schema(example = "python")]
+    pub image: String,
+    /// `python` or `javascript`.
+    #[schema(example = "python")]
+    pub language: String,
+    /// `idle` or `running`.
+    #[schema(example = "idle")]
+    pub status: String,
+    /// The execution running now, if any.
+    pub current_execution: Option<String>,
+    pub created_at: String,
+    pub expires_at: String,
+    pub resource_usage: ResourceUsage,
+    /// Session ids, with whether each still holds live state.
+    pub sessions: Vec<SessionInfo>,
+}
+
+/// What a sandbox has used.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourceUsage {
+    pub executions: u64,
+    pub execution_time_ms: u64,
+    pub memory_limit_bytes: u64,
+}
+
+/// A session of a sandbox.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionInfo {
+    #[schema(example = "ses_3f2a9c1b7d4e5f60718293a4")]
+    pub session_id: String,
+    #[schema(example = "python")]
+    pub language: String,
+    /// `ready`, or `ended` (timed out, crashed, cancelled or lost to a restart: restart it).
+    #[schema(example = "ready")]
+    pub status: String,
+    pub turns: u64,
+    pub created_at: String,
+}
+
+impl SandboxInfo {
+    pub fn from_view(view: &SandboxView) -> SandboxInfo {
+        let sandbox = &view.meta;
+        SandboxInfo {
+            container_id: sandbox.id.clone(),
+            image: sandbox.image.clone(),
+            language: sandbox.language.name().into(),
+            status: if view.running.is_some() { "running" } else { "idle" }.into(),
+            current_execution: view.running.clone(),
+            created_at: rfc3339(sandbox.created_ms),
+            expires_at: rfc3339(sandbox.expires_ms),
+            resource_usage: ResourceUsage {
+                executions: sandbox.executions,
+                execution_time_ms: sandbox.cpu_time_ms,
+                memory_limit_bytes: sandbox.memory_bytes,
+            },
+            sessions: sandbox
+                .sessions
+                .values()
+                .map(|s| SessionInfo {
+                    session_id: s.id.clone(),
+                    language: s.language.name().into(),
+                    status: if view.live_sessions.contains(&s.id) { "ready" } else { "ended" }.into(),
+                    turns: s.turns,
+                    created_at: rfc3339(s.created_ms),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A sandbox's state, lifetime and resource use.
+#[utoipa::path(get, path = "/api/sandbox/{id}", tag = "sandbox",
+    params(("id" = String, Path, description = "The container id")),
+    responses(
+        (status = 200, description = "The sandbox", body = SandboxInfo),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn get(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    let view = state.registry.get(&caller.tenant, &id)?;
+    Ok(Json(SandboxInfo::from_view(&view)))
+}
+
+/// A deleted sandbox.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Deleted {
+    #[schema(example = "deleted")]
+    pub status: String,
+    #[schema(example = "sb_3f2a9c1b7d4e5f60718293a4")]
+    pub container_id: String,
+}
+
+/// Shared by both API versions: delete a sandbox and stop what it holds.
+pub async fn delete_sandbox(state: &AppState, caller: &Caller, id: &str) -> Result<(), ApiError> {
+    let removed = state.registry.delete(&caller.tenant, id)?;
+    for handle in removed.handles {
+        let _ = state.pool.close_session(&handle).await;
+    }
+    Ok(())
+}
+
+/// Delete a sandbox, its workspace and history. A running execution is cancelled.
+#[utoipa::path(delete, path = "/api/sandbox/{id}", tag = "sandbox",
+    params(("id" = String, Path, description = "The container id")),
+    responses(
+        (status = 200, description = "Deleted", body = Deleted),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn delete(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Json<Deleted>, ApiError> {
+    delete_sandbox(&state, &caller, &id).await?;
+    Ok(Json(Deleted {
+        status: "deleted".into(),
+        container_id: id,
+    }))
+}
+
+/// A sandbox's history.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HistoryReply {
+    /// Newest first, ending with the initial commit.
+    pub history: Vec<HistoryEntry>,
+}
+
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
+}
+
+/// The workspace's history: every change, newest first (at most 1000).
+#[utoipa::path(get, path = "/api/sandbox/{id}/history", tag = "history",
+    params(("id" = String, Path, description = "The container id")),
+    responses(
+        (status = 200, description = "The history", body = HistoryReply),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn history(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Json<HistoryReply>, ApiError> {
+    let sandbox = state.registry.get(&caller.tenant, &id)?.meta;
+    let history = blocking(move || {
+        sandbox
+            .history()?
+            .entries(MAX_HISTORY)
+            .map_err(history_error)
+    })
+    .await?;
+    Ok(Json(HistoryReply { history }))
+}
+
+/// Compare two points of the history.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(example = json!({"fromExecId": "initial", "toExecId": "python_run_3f2a9c1b7d4e5f60718293a4"}))]
+pub struct DiffBody {
+    /// A history id (`initial`, an execution id, ...).
+    pub from_exec_id: String,
+    /// A history id; default the newest.
+    pub to_exec_id: Option<String>,
+}
+
+/// Unified diffs, one per changed file.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DiffReply {
+    #[schema(example = json!({"out.txt": "diff --git a/out.txt b/out.txt\nnew file mode 100644\n--- /dev/null\n+++ b/out.txt\n@@ -0,0 +1 @@\n+42\n"}))]
+    pub diff: BTreeMap<String, String>,
+}
+
+/// What changed in the workspace between two points of its history.
+#[utoipa::path(post, path = "/api/sandbox/{id}/diff", tag = "history", request_body = DiffBody,
+    params(("id" = String, Path, description = "The container id")),
+    responses(
+        (status = 200, description = "The diff", body = DiffReply),
+        (status = 404, description = "No such sandbox or history id", body = ErrorBody),
+    ))]
+pub async fn diff(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    body: Result<Json<DiffBody>, JsonRejection>,
+) -> Result<Json<DiffReply>, ApiError> {
+    let Json(body) = body?;
+    let sandbox = state.registry.get(&caller.tenant, &id)?.meta;
+    let diff = blocking(move || {
+        let history = sandbox.history()?;
+        let to = match body.to_exec_id {
+            Some(to) => to,
+            None => history
+                .entries(1)
+                .map_err(history_error)?
+                .pop()
+                .map(|e| e.id)
+                .unwrap_or_default(),
+        };
+        history.diff(&body.from_exec_id, &to).map_err(history_error)
+    })
+    .await?;
+    Ok(Json(DiffReply { diff }))
+}
+
+/// Restore the workspace.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(example = json!({"executionId": "python_run_3f2a9c1b7d4e5f60718293a4"}))]
+pub struct RollbackBody {
+    /// The history id whose state to restore (`initial` empties the workspace).
+    pub execution_id: String,
+}
+
+/// A rollback, itself a history entry.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RollbackReply {
+    #[schema(example = "rolled_back")]
+    pub status: String,
+    /// The rollback's own history id.
+    #[schema(example = "rollback_3f2a9c1b7d4e5f60718293a4")]
+    pub id: String,
+    pub commit_id: String,
+    pub restored_execution_id: String,
+}
+
+/// Restore the workspace to its state after an execution. The rollback is recorded as a new
+/// history entry; the sandbox must be idle.
+#[utoipa::path(post, path = "/api/sandbox/{id}/rollback", tag = "history", request_body = RollbackBody,
+    params(("id" = String, Path, description = "The container id")),
+    responses(
+        (status = 200, description = "Restored", body = RollbackReply),
+        (status = 404, description = "No such sandbox or history id", body = ErrorBody),
+        (status = 409, description = "The sandbox is busy", body = ErrorBody),
+    ))]
+pub async fn rollback(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    body: Result<Json<RollbackBody>, JsonRejection>,
+) -> Result<Json<RollbackReply>, ApiError> {
+    let Json(body) = body?;
+    let rollback_id = new_id("rollback_");
+    let (sandbox, _cancel) = state.registry.begin(&caller.tenant, &id, &rollback_id)?;
+    let target = body.execution_id.clone();
+    let new_id = rollback_id.clone();
+    let done = blocking(move || {
+        sandbox
+            .history()?
+            .rollback(&target, &new_id)
+            .map_err(history_error)
+    })
+    .await;
+    state.registry.finish(&id, None)?;
+    Ok(Json(RollbackReply {
+        status: "rolled_back".into(),
+        id: rollback_id,
+        commit_id: done?,
+        restored_execution_id: body.execution_id,
+    }))
+}
+
+/// Health.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    #[schema(example = "ok")]
+    pub status: String,
+}
+
+/// Liveness: the server answers.
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "Alive", body = Health)))]
+pub async fn healthz() -> Json<Health> {
+    Json(Health {
+        status: "ok".into(),
+    })
+}
+
+/// Readiness: workers are running and the data folder takes writes.
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses(
+        (status = 200, description = "Ready", body = Health),
+        (status = 503, description = "Not ready", body = ErrorBody),
+    ))]
+pub async fn readyz(State(state): Shared) -> Result<Json<Health>, ApiError> {
+    let workers = state.pool.start_all().is_ok();
+    let writable = state.registry.writable();
+    if !workers || !writable {
         return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "FILES_TOO_LARGE",
-            format!("the files total {total} bytes; the most is {MAX_FILES_BYTES}"),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "NOT_READY",
+            format!("not ready: executor workers {}, data folder {}",
+                if workers { "up" } else { "cannot start" },
+                if writable { "writable" } else { "not writable" }),
         ));
     }
-    let targets = body
-        .files
-        .keys()
-        .map(|name| workspace_path(&sandbox.workspace, name))
-        .collect::<Result<Vec<_>, _>>()?;
-
-    let sandbox = state.registry.begin_exec(&sandbox.id)?;
-    let outcome = run_exec(&state.pool, &sandbox, &body, &targets, language, program).await;
-    let duration_ms = outcome.as_ref().map_or(0, |(_, ms)| *ms);
-    state.registry.end_exec(&sandbox.id, duration_ms);
-    outcome.map(|(value, _)| Json(value))
+    Ok(Json(Health {
+        status: "ready".into(),
+    }))
 }
 
-async fn run_exec(
-    pool: &ExecutorPool,
-    sandbox: &crate::sandbox::Sandbox,
-    body: &ExecBody,
-    targets: &[std::path::PathBuf],
-    language: Language,
-    program: Program,
-) -> Result<(Value, u64), ApiError> {
-    for ((_, content), target) in body.files.iter().zip(targets) {
-        if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| write_error(target, &e))?;
-        }
-        std::fs::write(target, content).map_err(|e| write_error(target, &e))?;
-    }
-    let code = match program {
-        Program::Inline(code) => code,
-        Program::File(name) => {
-            let path = workspace_path(&sandbox.workspace, &name)?;
-            std::fs::read_to_string(&path).map_err(|e| {
-                ApiError::bad_request(
-                    "FILE_NOT_FOUND",
-                    format!("cannot run {name:?}: {e} (send it in `files` first)"),
-                )
-                .with_details(json!({ "path": name }))
-            })?
-        }
-    };
-    let remaining_ms = sandbox.expires_ms.saturating_sub(now_ms()).max(1);
-    let mut request = ExecRequest::new(language, code);
-    request.workspace = Some(sandbox.workspace.clone());
-    request.limits.memory_bytes = sandbox.memory_bytes;
-    request.limits.timeout_ms = remaining_ms.min(MAX_EXEC_MS);
-    let limits = request.limits.clone();
-    let result = pool.execute(request).await.map_err(pool_error)?;
-    let status = match result.outcome {
-        Outcome::TimedOut => "timeout",
-        _ if result.success() => "success",
-        _ => "error",
-    };
-    let duration_ms = result.duration_us / 1000;
-    let mut stderr = result.stderr_text();
-    // `reason` is None for a normal end; the message names the limits this exec really had.
-    if let Some(reason) = result.outcome.reason(&limits) {
-        stderr.push_str(&format!("kiln: {reason}\n"));
-    }
-    let prefix = match language {
-        Language::Python => "python_run_",
-        Language::JavaScript => "node_run_",
-    };
-    Ok((
-        json!({
-            "id": new_id(prefix),
-            "status": status,
-            "duration": duration_ms,
-            "stdout": result.stdout_text(),
-            "stderr": stderr,
-            "exitCode": result.exit_code,
-        }),
-        duration_ms,
-    ))
-}
-
-fn write_error(path: &std::path::Path, error: &std::io::Error) -> ApiError {
-    ApiError::bad_request(
-        "FILE_WRITE_FAILED",
-        format!("could not write {}: {error}", path.display()),
+/// Prometheus metrics (text exposition format).
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Metrics", body = String, content_type = "text/plain")))]
+pub async fn metrics(State(state): Shared) -> ([(axum::http::header::HeaderName, &'static str); 1], String) {
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state
+            .metrics
+            .render(state.registry.count(), state.pool.worker_pids().len()),
     )
-}
-
-fn pool_error(error: PoolError) -> ApiError {
-    match error {
-        PoolError::WorkerLost(detail) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "EXECUTOR_LOST",
-            format!("the executor running this code died ({detail}); it has been replaced, retry"),
-        ),
-        PoolError::Remote(remote) if remote.kind == "busy" => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "BUSY", remote.message)
-        }
-        PoolError::Remote(remote) if remote.kind == "limits" || remote.kind == "too_large" => {
-            ApiError::bad_request("INVALID_REQUEST", remote.message)
-        }
-        other => ApiError::internal(other.to_string()),
-    }
-}
-
-pub async fn get(State(state): Shared, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let sandbox = state.registry.get(&id)?;
-    Ok(Json(json!({
-        "containerId": sandbox.id,
-        "image": sandbox.image,
-        "status": if sandbox.busy { "running" } else { "idle" },
-        "createdAt": rfc3339(sandbox.created_ms),
-        "expiresAt": rfc3339(sandbox.expires_ms),
-        "resourceUsage": {
-            "executions": sandbox.executions,
-            "executionTimeMs": sandbox.cpu_time_ms,
-            "memoryLimitBytes": sandbox.memory_bytes,
-        },
-    })))
-}
-
-pub async fn delete(State(state): Shared, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    state.registry.delete(&id)?;
-    Ok(Json(json!({ "status": "deleted", "containerId": id })))
-}
-
-pub async fn healthz() -> Json<Value> {
-    Json(json!({ "status": "ok" }))
 }
 
 pub async fn not_found() -> ApiError {

@@ -56,8 +56,31 @@ impl IntoResponse for ApiError {
                 "details": self.details,
             }
         });
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        response.extensions_mut().insert(ErrorCode(self.code));
+        response
     }
+}
+
+/// The code of an error response, for the metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorCode(pub &'static str);
+
+/// The error body, for the API description.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// One error: a stable code, a message for people, and details for programs.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    #[schema(example = "SANDBOX_NOT_FOUND")]
+    pub code: String,
+    #[schema(example = "no sandbox \"sb_0123\": it never existed, was deleted, or expired")]
+    pub message: String,
+    #[schema(value_type = Object)]
+    pub details: Value,
 }
 
 impl From<axum::extract::rejection::JsonRejection> for ApiError {

@@ -1,13 +1,24 @@
 //! `kiln serve`: the platform HTTP API. Untrusted code runs in executor worker processes
 //! (`kiln_executor::ExecutorPool`), never in this process.
 //!
-//! This is the first part of the serve issue: the published `/api/sandbox` contract
-//! (create, exec, get, delete), its error shape, per-sandbox workspaces and expiry. Auth,
-//! sessions, streaming, git history, OpenAPI and durable state come next.
+//! - `api`: the published `/api/sandbox` contract and the workspace history routes.
+//! - `v1`: `/api/v1`: sandboxes, executions (SSE, WebSocket, cancel), sessions, files.
+//! - `exec`: the one execution path under both.
+//! - `sandbox`, `history`, `store`: durable state under the data directory.
+//! - `auth`, `gate`, `metrics`: keys and tenants, the per-request middleware, Prometheus.
+//! - `openapi`: the generated description and the docs pages.
 
 pub mod api;
+pub mod auth;
 pub mod error;
+pub mod exec;
+pub mod gate;
+pub mod history;
+pub mod metrics;
+pub mod openapi;
 pub mod sandbox;
+pub mod store;
+pub mod v1;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -19,53 +30,148 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use kiln_executor::ExecutorPool;
 
-pub use api::AppState;
 pub use error::ApiError;
 
 /// Largest request body: 32 MiB.
 pub const MAX_BODY_BYTES: usize = 32 << 20;
+
+/// Shared state of the server.
+pub struct AppState {
+    pub registry: sandbox::Registry,
+    pub pool: ExecutorPool,
+    pub auth: auth::Auth,
+    pub limiter: gate::RateLimiter,
+    pub metrics: metrics::Metrics,
+    pub request_timeout: Duration,
+}
 
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Address to listen on. Default `127.0.0.1:8080`.
     pub listen: SocketAddr,
-    /// Folder for workspaces and state. Default `~/.local/share/kiln`.
+    /// Folder for sandboxes, workspaces, history and keys.
     pub data_dir: PathBuf,
+    /// Require API keys (default). Off: every caller is the `local` tenant.
+    pub auth: bool,
+    /// Requests a second per key (bursts of twice that); 0 = no limit.
+    pub rate_limit: u32,
+    /// How long a request may take before it is answered with 408.
+    pub request_timeout: Duration,
+}
+
+impl AppState {
+    /// State over the data directory of `config`.
+    pub fn open(config: &ServerConfig, pool: ExecutorPool) -> std::io::Result<AppState> {
+        Ok(AppState {
+            registry: sandbox::Registry::open(config.data_dir.clone())?,
+            pool,
+            auth: if config.auth {
+                auth::Auth::Keys(auth::KeyStore::new(&config.data_dir))
+            } else {
+                auth::Auth::Off
+            },
+            limiter: gate::RateLimiter::new(config.rate_limit),
+            metrics: metrics::Metrics::default(),
+            request_timeout: config.request_timeout,
+        })
+    }
 }
 
 /// The routes, over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/sandboxes", get(v1::list).post(v1::create))
+        .route("/sandboxes/{id}", get(v1::get).delete(v1::delete))
+        .route("/sandboxes/{id}/renew", post(v1::renew))
+        .route("/sandboxes/{id}/exec", post(v1::execute))
+        .route("/sandboxes/{id}/exec/stream", post(v1::execute_stream))
+        .route("/sandboxes/{id}/ws", get(v1::websocket))
+        .route(
+            "/sandboxes/{id}/executions/{execution_id}/cancel",
+            post(v1::cancel),
+        )
+        .route(
+            "/sandboxes/{id}/sessions",
+            get(v1::list_sessions).post(v1::create_session),
+        )
+        .route(
+            "/sandboxes/{id}/sessions/{session_id}",
+            axum::routing::delete(v1::close_session),
+        )
+        .route(
+            "/sandboxes/{id}/sessions/{session_id}/restart",
+            post(v1::restart_session),
+        )
+        .route("/sandboxes/{id}/files", get(v1::list_files))
+        .route(
+            "/sandboxes/{id}/files/{*path}",
+            get(v1::read_file)
+                .put(v1::write_file)
+                .delete(v1::delete_file),
+        )
+        .route("/sandboxes/{id}/history", get(api::history))
+        .route("/sandboxes/{id}/diff", post(api::diff))
+        .route("/sandboxes/{id}/rollback", post(api::rollback));
     Router::new()
         .route("/api/sandbox", post(api::create))
         .route("/api/sandbox/exec", post(api::exec))
         .route("/api/sandbox/{id}", get(api::get).delete(api::delete))
+        .route("/api/sandbox/{id}/history", get(api::history))
+        .route("/api/sandbox/{id}/diff", post(api::diff))
+        .route("/api/sandbox/{id}/rollback", post(api::rollback))
+        .nest("/api/v1", v1)
         .route("/healthz", get(api::healthz))
+        .route("/readyz", get(api::readyz))
+        .route("/metrics", get(api::metrics))
+        .route("/openapi.json", get(openapi::openapi_json))
+        .route("/docs", get(openapi::swagger_page))
+        .route("/docs/swagger-ui-bundle.js", get(openapi::swagger_js))
+        .route("/docs/swagger-ui.css", get(openapi::swagger_css))
+        .route("/redoc", get(openapi::redoc_page))
+        .route("/redoc/redoc.standalone.js", get(openapi::redoc_js))
         .fallback(api::not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            gate::gate,
+        ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
-/// Runs the server until ctrl-c or SIGTERM.
+/// Runs the server until ctrl-c or SIGTERM; running requests finish first.
 pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<()> {
-    let registry = sandbox::Registry::new(config.data_dir.clone())?;
-    let state = Arc::new(AppState { registry, pool });
+    let state = Arc::new(AppState::open(&config, pool)?);
     let reaper = state.clone();
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            reaper.registry.reap_expired();
+            let removed = reaper.registry.reap_expired();
+            for handle in removed.handles {
+                let _ = reaper.pool.close_session(&handle).await;
+            }
         }
     });
     let listener = tokio::net::TcpListener::bind(config.listen).await?;
-    eprintln!(
-        "kiln: serving on http://{} (data in {})",
-        listener.local_addr()?,
+    let address = listener.local_addr()?;
+    tracing::info!(
+        target: "kiln::serve",
+        "serving on http://{address} (data in {}; API docs at http://{address}/docs)",
         config.data_dir.display()
     );
-    eprintln!(
-        "kiln: WARNING: authentication is not implemented yet: anyone who can reach this address can run code"
-    );
+    match &state.auth {
+        auth::Auth::Off => {
+            let banner = "WARNING: authentication is OFF (--no-auth): anyone who can reach this address can run code and read every sandbox";
+            eprintln!("kiln: {banner}");
+            tracing::warn!(target: "kiln::serve", "{banner}");
+        }
+        auth::Auth::Keys(keys) if keys.count() == 0 => {
+            let note = "no API keys yet: every request will get 401 until you create one with `kiln keys create`";
+            eprintln!("kiln: {note}");
+            tracing::warn!(target: "kiln::serve", "{note}");
+        }
+        auth::Auth::Keys(_) => {}
+    }
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown_signal())
         .await
@@ -87,4 +193,5 @@ async fn shutdown_signal() {
         () = ctrl_c => {},
         () = term => {},
     }
+    tracing::info!(target: "kiln::serve", "shutting down: finishing running requests");
 }

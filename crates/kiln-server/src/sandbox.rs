@@ -1,16 +1,27 @@
-//! The sandbox registry: what a container id stands for, its workspace folder, its lifetime.
-//! (In memory for now; durable state is a later step of the serve issue.)
+//! The sandbox registry: what a container id stands for, whose it is, its workspace and
+//! history, its sessions and lifetime. Every sandbox is a folder under the data directory:
+//!
+//! ```text
+//! sandboxes/<id>/meta.json      the record (written atomically, fsynced, before any ack)
+//! sandboxes/<id>/workspace/     the files code sees as /workspace
+//! sandboxes/<id>/history.git/   a bare git repository of the workspace's changes
+//! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::http::StatusCode;
 use kiln_core::Language;
+use kiln_executor::SessionHandle;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
+use tokio::sync::oneshot;
 
 use crate::error::ApiError;
+use crate::history::{History, HistoryError};
+use crate::store;
 
 /// The images a sandbox can be created from, and the runtime each names.
 pub const IMAGES: &[(&str, Language)] = &[
@@ -70,34 +81,107 @@ pub fn rfc3339(ms: u64) -> String {
     )
 }
 
-/// One sandbox.
-#[derive(Debug, Clone)]
+/// A stateful session (code context) of a sandbox, as recorded on disk.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionMeta {
+    pub id: String,
+    pub language: Language,
+    pub created_ms: u64,
+    pub turns: u64,
+}
+
+/// One sandbox, as recorded in its `meta.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Sandbox {
     pub id: String,
+    pub tenant: String,
     pub image: String,
     pub language: Language,
     pub created_ms: u64,
     pub expires_ms: u64,
     pub memory_bytes: u64,
-    pub workspace: PathBuf,
-    pub busy: bool,
     pub executions: u64,
     pub cpu_time_ms: u64,
+    #[serde(default)]
+    pub sessions: BTreeMap<String, SessionMeta>,
+    /// Runtime only: the folder the sandbox lives in.
+    #[serde(skip)]
+    pub dir: PathBuf,
 }
 
-/// Every live sandbox.
+impl Sandbox {
+    /// The folder the code sees as `/workspace`.
+    pub fn workspace(&self) -> PathBuf {
+        self.dir.join("workspace")
+    }
+
+    /// The git repository recording the workspace's history.
+    pub fn git_dir(&self) -> PathBuf {
+        self.dir.join("history.git")
+    }
+
+    fn meta_path(&self) -> PathBuf {
+        self.dir.join("meta.json")
+    }
+
+    /// Opens the workspace's history.
+    pub fn history(&self) -> Result<History, ApiError> {
+        History::open(&self.git_dir(), &self.workspace()).map_err(history_error)
+    }
+}
+
+/// Maps a history failure onto the API.
+pub fn history_error(error: HistoryError) -> ApiError {
+    match error {
+        HistoryError::UnknownId(id) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            "EXECUTION_NOT_FOUND",
+            format!("no change {id:?} in this sandbox's history"),
+        )
+        .with_details(json!({ "executionId": id })),
+        HistoryError::Git(e) => ApiError::internal(format!("workspace history: {}", e.message())),
+    }
+}
+
+/// What a sandbox is doing now.
+#[derive(Debug)]
+struct Running {
+    id: String,
+    cancel: Option<oneshot::Sender<()>>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    meta: Sandbox,
+    running: Option<Running>,
+    deleted: bool,
+    handles: HashMap<String, SessionHandle>,
+}
+
+/// A snapshot of a sandbox and what it is running.
+#[derive(Debug, Clone)]
+pub struct SandboxView {
+    pub meta: Sandbox,
+    pub running: Option<String>,
+    /// Sessions whose live state is held by a worker (others were lost to a restart).
+    pub live_sessions: Vec<String>,
+}
+
+/// Every sandbox, durable under `root/sandboxes/<id>/`.
 #[derive(Debug)]
 pub struct Registry {
     root: PathBuf,
-    sandboxes: Mutex<HashMap<String, Sandbox>>,
+    sandboxes: Mutex<HashMap<String, Entry>>,
 }
 
-fn random_hex(bytes: usize) -> String {
+/// Random bytes as hex, from the kernel.
+pub fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = std::io::Read::read_exact(&mut f, &mut buf);
-    }
-    buf.iter().map(|b| format!("{b:02x}")).collect()
+    let mut f = std::fs::File::open("/dev/urandom").expect("/dev/urandom is readable");
+    std::io::Read::read_exact(&mut f, &mut buf).expect("/dev/urandom gives bytes");
+    hex::encode(buf)
 }
 
 /// A fresh random id with a prefix.
@@ -105,123 +189,389 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}{}", random_hex(12))
 }
 
+fn busy_error(id: &str, running: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        "SANDBOX_BUSY",
+        format!("sandbox {id} is running {running}; retry when it finishes (or cancel it)"),
+    )
+    .with_details(json!({ "containerId": id, "executionId": running }))
+}
+
+fn io_error(what: &str, error: &std::io::Error) -> ApiError {
+    ApiError::internal(format!("{what}: {error}"))
+}
+
+/// Sessions and running work a removed sandbox leaves for the caller to stop.
+#[derive(Debug, Default)]
+pub struct Removed {
+    pub handles: Vec<SessionHandle>,
+}
+
 impl Registry {
-    /// A registry keeping workspaces under `root/sandboxes`.
-    pub fn new(root: PathBuf) -> std::io::Result<Registry> {
-        std::fs::create_dir_all(root.join("sandboxes"))?;
+    /// Opens the registry under `root`, loading every sandbox recorded there. Folders left
+    /// half-made by a crash (no `meta.json`) are removed. Sessions come back as lost: their
+    /// variables lived in a worker process.
+    pub fn open(root: PathBuf) -> std::io::Result<Registry> {
+        let dir = root.join("sandboxes");
+        std::fs::create_dir_all(&dir)?;
+        let mut sandboxes = HashMap::new();
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            let meta_path = path.join("meta.json");
+            if !meta_path.exists() {
+                tracing::warn!("removing {}: a sandbox folder with no meta.json (a create or delete cut short)", path.display());
+                let _ = std::fs::remove_dir_all(&path);
+                continue;
+            }
+            match store::read_json::<Sandbox>(&meta_path) {
+                Ok(mut meta) => {
+                    meta.dir = path;
+                    sandboxes.insert(
+                        meta.id.clone(),
+                        Entry {
+                            meta,
+                            running: None,
+                            deleted: false,
+                            handles: HashMap::new(),
+                        },
+                    );
+                }
+                Err(e) => tracing::error!("skipping a sandbox whose meta.json cannot be read: {e}"),
+            }
+        }
         Ok(Registry {
             root,
-            sandboxes: Mutex::new(HashMap::new()),
+            sandboxes: Mutex::new(sandboxes),
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Sandbox>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
         self.sandboxes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Creates a sandbox with an empty workspace.
+    /// Creates a sandbox with an empty, versioned workspace; durable when it returns.
     pub fn create(
         &self,
+        tenant: &str,
         image: &str,
         language: Language,
         lifetime_ms: u64,
         memory_bytes: u64,
     ) -> Result<Sandbox, ApiError> {
         let id = new_id("sb_");
-        let workspace = self.root.join("sandboxes").join(&id).join("workspace");
-        std::fs::create_dir_all(&workspace)
-            .map_err(|e| ApiError::internal(format!("could not create the workspace: {e}")))?;
         let created_ms = now_ms();
-        let sandbox = Sandbox {
+        let meta = Sandbox {
             id: id.clone(),
+            tenant: tenant.to_owned(),
             image: image.to_owned(),
             language,
             created_ms,
             expires_ms: created_ms.saturating_add(lifetime_ms),
             memory_bytes,
-            workspace,
-            busy: false,
             executions: 0,
             cpu_time_ms: 0,
+            sessions: BTreeMap::new(),
+            dir: self.root.join("sandboxes").join(&id),
         };
-        self.lock().insert(id, sandbox.clone());
-        Ok(sandbox)
+        let made = (|| {
+            std::fs::create_dir_all(meta.workspace())?;
+            History::init(&meta.git_dir(), &meta.workspace()).map_err(std::io::Error::other)?;
+            store::write_json(&meta.meta_path(), &meta)
+        })();
+        if let Err(e) = made {
+            let _ = std::fs::remove_dir_all(&meta.dir);
+            return Err(io_error("could not create the sandbox", &e));
+        }
+        self.lock().insert(
+            id,
+            Entry {
+                meta: meta.clone(),
+                running: None,
+                deleted: false,
+                handles: HashMap::new(),
+            },
+        );
+        Ok(meta)
     }
 
-    /// A live sandbox.
-    pub fn get(&self, id: &str) -> Result<Sandbox, ApiError> {
+    fn find<'a>(
+        sandboxes: &'a mut HashMap<String, Entry>,
+        tenant: &str,
+        id: &str,
+    ) -> Result<&'a mut Entry, ApiError> {
         let now = now_ms();
-        match self.lock().get(id) {
-            Some(sandbox) if sandbox.expires_ms > now => Ok(sandbox.clone()),
+        match sandboxes.get_mut(id) {
+            Some(entry)
+                if entry.meta.tenant == tenant && entry.meta.expires_ms > now && !entry.deleted =>
+            {
+                Ok(entry)
+            }
             _ => Err(ApiError::sandbox_not_found(id)),
         }
     }
 
-    /// Marks a sandbox busy for one execution; a second concurrent one is refused with 409.
-    pub fn begin_exec(&self, id: &str) -> Result<Sandbox, ApiError> {
-        let now = now_ms();
+    fn view(entry: &Entry) -> SandboxView {
+        SandboxView {
+            meta: entry.meta.clone(),
+            running: entry.running.as_ref().map(|r| r.id.clone()),
+            live_sessions: entry.handles.keys().cloned().collect(),
+        }
+    }
+
+    /// A live sandbox of `tenant` (another tenant's is "not found").
+    pub fn get(&self, tenant: &str, id: &str) -> Result<SandboxView, ApiError> {
         let mut sandboxes = self.lock();
-        let Some(sandbox) = sandboxes.get_mut(id).filter(|s| s.expires_ms > now) else {
-            return Err(ApiError::sandbox_not_found(id));
+        Registry::find(&mut sandboxes, tenant, id).map(|e| Registry::view(e))
+    }
+
+    /// A tenant's sandboxes, oldest first, `limit` after the one with id `after`.
+    pub fn list(
+        &self,
+        tenant: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> (Vec<SandboxView>, Option<String>) {
+        let now = now_ms();
+        let sandboxes = self.lock();
+        let mut mine: Vec<&Entry> = sandboxes
+            .values()
+            .filter(|e| e.meta.tenant == tenant && e.meta.expires_ms > now && !e.deleted)
+            .collect();
+        mine.sort_by(|a, b| (a.meta.created_ms, &a.meta.id).cmp(&(b.meta.created_ms, &b.meta.id)));
+        let start = match after.and_then(|a| sandboxes.get(a)) {
+            Some(cursor) => mine
+                .iter()
+                .position(|e| (e.meta.created_ms, &e.meta.id) > (cursor.meta.created_ms, &cursor.meta.id))
+                .unwrap_or(mine.len()),
+            None => 0,
         };
-        if sandbox.busy {
+        let page: Vec<SandboxView> = mine[start..]
+            .iter()
+            .take(limit)
+            .map(|e| Registry::view(e))
+            .collect();
+        let next = (start + page.len() < mine.len())
+            .then(|| page.last().map(|v| v.meta.id.clone()))
+            .flatten();
+        (page, next)
+    }
+
+    /// Marks a sandbox busy with work `work_id` (an execution, an upload); a second one is
+    /// refused with 409 until it ends. The receiver fires if the work is cancelled.
+    pub fn begin(
+        &self,
+        tenant: &str,
+        id: &str,
+        work_id: &str,
+    ) -> Result<(Sandbox, oneshot::Receiver<()>), ApiError> {
+        let mut sandboxes = self.lock();
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        if let Some(running) = &entry.running {
+            return Err(busy_error(id, &running.id));
+        }
+        let (tx, rx) = oneshot::channel();
+        entry.running = Some(Running {
+            id: work_id.to_owned(),
+            cancel: Some(tx),
+        });
+        Ok((entry.meta.clone(), rx))
+    }
+
+    /// Ends work started with [`Registry::begin`], counting an execution of `duration_ms`
+    /// when `executed`. Fails with 409 `SANDBOX_DELETED` when the sandbox was deleted
+    /// meanwhile (its folder goes now).
+    pub fn finish(&self, id: &str, executed: Option<u64>) -> Result<(), ApiError> {
+        let mut sandboxes = self.lock();
+        let Some(entry) = sandboxes.get_mut(id) else {
+            return Ok(());
+        };
+        entry.running = None;
+        if entry.deleted {
+            let entry = sandboxes.remove(id).expect("present");
+            drop(sandboxes);
+            let _ = std::fs::remove_dir_all(&entry.meta.dir);
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
-                "SANDBOX_BUSY",
-                format!("sandbox {id} is already running an execution; retry when it finishes"),
+                "SANDBOX_DELETED",
+                format!("sandbox {id} was deleted while this ran; its result is gone"),
             )
             .with_details(json!({ "containerId": id })));
         }
-        sandbox.busy = true;
-        Ok(sandbox.clone())
-    }
-
-    /// Ends an execution started with [`Registry::begin_exec`].
-    pub fn end_exec(&self, id: &str, duration_ms: u64) {
-        if let Some(sandbox) = self.lock().get_mut(id) {
-            sandbox.busy = false;
-            sandbox.executions += 1;
-            sandbox.cpu_time_ms += duration_ms;
+        if let Some(duration_ms) = executed {
+            entry.meta.executions += 1;
+            entry.meta.cpu_time_ms += duration_ms;
+            let meta = entry.meta.clone();
+            drop(sandboxes);
+            store::write_json(&meta.meta_path(), &meta)
+                .map_err(|e| io_error("could not record the execution", &e))?;
         }
+        Ok(())
     }
 
-    /// Removes a sandbox and its workspace.
-    pub fn delete(&self, id: &str) -> Result<(), ApiError> {
-        let removed = self.lock().remove(id);
-        match removed {
-            Some(sandbox) => {
-                if let Some(dir) = sandbox.workspace.parent() {
-                    let _ = std::fs::remove_dir_all(dir);
-                }
-                Ok(())
+    /// Cancels the running work `work_id` (any, when `None`); false when nothing matched.
+    pub fn cancel(&self, tenant: &str, id: &str, work_id: Option<&str>) -> Result<bool, ApiError> {
+        let mut sandboxes = self.lock();
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        match &mut entry.running {
+            Some(running) if work_id.is_none_or(|w| w == running.id) => {
+                Ok(running.cancel.take().is_some_and(|tx| tx.send(()).is_ok()))
             }
-            None => Err(ApiError::sandbox_not_found(id)),
+            _ => Ok(false),
         }
     }
 
-    /// Removes every sandbox whose lifetime is over; returns how many.
-    pub fn reap_expired(&self) -> usize {
+    fn persist(meta: &Sandbox) -> Result<(), ApiError> {
+        store::write_json(&meta.meta_path(), meta).map_err(|e| io_error("could not save the sandbox", &e))
+    }
+
+    /// Extends a sandbox's life to `lifetime_ms` from now.
+    pub fn renew(&self, tenant: &str, id: &str, lifetime_ms: u64) -> Result<Sandbox, ApiError> {
+        let mut sandboxes = self.lock();
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        entry.meta.expires_ms = now_ms().saturating_add(lifetime_ms);
+        let meta = entry.meta.clone();
+        drop(sandboxes);
+        Registry::persist(&meta)?;
+        Ok(meta)
+    }
+
+    /// Records a new session and the worker holding it.
+    pub fn add_session(
+        &self,
+        id: &str,
+        session: SessionMeta,
+        handle: SessionHandle,
+    ) -> Result<(), ApiError> {
+        let mut sandboxes = self.lock();
+        let Some(entry) = sandboxes.get_mut(id).filter(|e| !e.deleted) else {
+            return Err(ApiError::sandbox_not_found(id));
+        };
+        entry.handles.insert(session.id.clone(), handle);
+        entry.meta.sessions.insert(session.id.clone(), session);
+        let meta = entry.meta.clone();
+        drop(sandboxes);
+        Registry::persist(&meta)
+    }
+
+    /// The worker handle of a session: `Ok(None)` when it is recorded but its state was lost
+    /// (a restart, a dead worker, a cancelled turn).
+    pub fn session(
+        &self,
+        tenant: &str,
+        id: &str,
+        session: &str,
+    ) -> Result<(SessionMeta, Option<SessionHandle>), ApiError> {
+        let mut sandboxes = self.lock();
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        let Some(meta) = entry.meta.sessions.get(session) else {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "SESSION_NOT_FOUND",
+                format!("sandbox {id} has no session {session:?}"),
+            )
+            .with_details(json!({ "containerId": id, "sessionId": session })));
+        };
+        Ok((meta.clone(), entry.handles.get(session).copied()))
+    }
+
+    /// Forgets a session's live state (it ended); its record stays until it is closed.
+    pub fn drop_session_state(&self, id: &str, session: &str) -> Option<SessionHandle> {
+        self.lock()
+            .get_mut(id)
+            .and_then(|e| e.handles.remove(session))
+    }
+
+    /// Counts a session turn.
+    pub fn count_turn(&self, id: &str, session: &str) {
+        if let Some(entry) = self.lock().get_mut(id)
+            && let Some(s) = entry.meta.sessions.get_mut(session)
+        {
+            s.turns += 1;
+        }
+    }
+
+    /// Removes a session's record; returns its live handle to close.
+    pub fn remove_session(
+        &self,
+        tenant: &str,
+        id: &str,
+        session: &str,
+    ) -> Result<Option<SessionHandle>, ApiError> {
+        let mut sandboxes = self.lock();
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        if entry.meta.sessions.remove(session).is_none() {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "SESSION_NOT_FOUND",
+                format!("sandbox {id} has no session {session:?}"),
+            ));
+        }
+        let handle = entry.handles.remove(session);
+        let meta = entry.meta.clone();
+        drop(sandboxes);
+        Registry::persist(&meta)?;
+        Ok(handle)
+    }
+
+    /// Deletes a sandbox: gone for every request from now on (durably). Running work is
+    /// cancelled; its folder goes when that work ends.
+    pub fn delete(&self, tenant: &str, id: &str) -> Result<Removed, ApiError> {
+        let mut sandboxes = self.lock();
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        // Removing meta.json first makes the deletion durable; a crash before the folder is
+        // gone leaves a folder with no meta.json, which the next start removes.
+        std::fs::remove_file(entry.meta.meta_path())
+            .map_err(|e| io_error("could not delete the sandbox", &e))?;
+        let _ = store::sync_dir(&entry.meta.dir);
+        let removed = Removed {
+            handles: entry.handles.drain().map(|(_, h)| h).collect(),
+        };
+        if let Some(running) = &mut entry.running {
+            entry.deleted = true;
+            if let Some(cancel) = running.cancel.take() {
+                let _ = cancel.send(());
+            }
+        } else {
+            let entry = sandboxes.remove(id).expect("present");
+            drop(sandboxes);
+            let _ = std::fs::remove_dir_all(&entry.meta.dir);
+        }
+        Ok(removed)
+    }
+
+    /// Removes every sandbox whose lifetime is over and that runs nothing.
+    pub fn reap_expired(&self) -> Removed {
         let now = now_ms();
-        let expired: Vec<Sandbox> = {
+        let mut removed = Removed::default();
+        let expired: Vec<Entry> = {
             let mut sandboxes = self.lock();
             let ids: Vec<String> = sandboxes
                 .values()
-                .filter(|s| s.expires_ms <= now && !s.busy)
-                .map(|s| s.id.clone())
+                .filter(|e| e.meta.expires_ms <= now && e.running.is_none())
+                .map(|e| e.meta.id.clone())
                 .collect();
             ids.iter().filter_map(|id| sandboxes.remove(id)).collect()
         };
-        for sandbox in &expired {
-            if let Some(dir) = sandbox.workspace.parent() {
-                let _ = std::fs::remove_dir_all(dir);
-            }
+        for mut entry in expired {
+            let _ = std::fs::remove_file(entry.meta.meta_path());
+            let _ = std::fs::remove_dir_all(&entry.meta.dir);
+            removed.handles.extend(entry.handles.drain().map(|(_, h)| h));
         }
-        expired.len()
+        removed
     }
 
-    /// Live sandboxes.
+    /// Live sandboxes (all tenants).
     pub fn count(&self) -> usize {
-        self.lock().len()
+        self.lock().values().filter(|e| !e.deleted).count()
+    }
+
+    /// Whether the data folder accepts writes.
+    pub fn writable(&self) -> bool {
+        let probe = self.root.join(".ready-probe");
+        let ok = std::fs::write(&probe, b"ok").is_ok();
+        let _ = std::fs::remove_file(&probe);
+        ok
     }
 }
 
@@ -252,6 +602,32 @@ pub fn workspace_path(workspace: &Path, name: &str) -> Result<PathBuf, ApiError>
         }
     }
     Ok(workspace.join(path))
+}
+
+/// Checks that no part of `path` below `workspace` is a symbolic link (code in the sandbox
+/// can plant links; following one would reach host files). Parts that do not exist yet are
+/// fine. Call it while the sandbox is busy with this request, so no code runs meanwhile.
+pub fn check_no_links(workspace: &Path, path: &Path) -> Result<(), ApiError> {
+    let relative = path.strip_prefix(workspace).map_err(|_| {
+        ApiError::bad_request("INVALID_PATH", "the path is outside the workspace")
+    })?;
+    let mut at = workspace.to_path_buf();
+    for part in relative.components() {
+        at.push(part);
+        match std::fs::symlink_metadata(&at) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let shown = at.strip_prefix(workspace).unwrap_or(&at).display().to_string();
+                return Err(ApiError::bad_request(
+                    "INVALID_PATH",
+                    format!("{shown} is a symbolic link; kiln does not follow links in a workspace"),
+                )
+                .with_details(json!({ "path": shown })));
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -43,23 +43,72 @@ pub enum Command {
         #[arg(long, value_parser = parse_language)]
         lang: Option<Language>,
     },
-    /// Serve the platform HTTP API (sandboxes, exec).
-    Serve {
-        /// Address to listen on.
-        #[arg(long, default_value = "127.0.0.1:8080", env = "KILN_LISTEN")]
-        listen: std::net::SocketAddr,
+    /// Serve the platform HTTP API (sandboxes, exec, sessions, files, history; docs at /docs).
+    Serve(ServeArgs),
+    /// Manage API keys for `kiln serve` (stored hashed in the data folder).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
         /// Folder for workspaces and state (default: ~/.local/share/kiln).
-        #[arg(long, env = "KILN_DATA_DIR")]
+        #[arg(long, env = "KILN_DATA_DIR", global = true)]
         data_dir: Option<PathBuf>,
-        /// Executor worker processes (default: one per CPU).
-        #[arg(long)]
-        workers: Option<usize>,
     },
     /// Measure kiln's latencies and throughput; prints JSON.
     Bench(BenchArgs),
     /// Internal: serve as an executor worker on stdin/stdout.
     #[command(name = "__worker", hide = true)]
     Worker,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080", env = "KILN_LISTEN")]
+    pub listen: std::net::SocketAddr,
+    /// Folder for sandboxes, workspaces, history and keys (default: ~/.local/share/kiln).
+    #[arg(long, env = "KILN_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Executor worker processes (default: one per CPU).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Serve without API keys: every caller is one tenant, `local`. For a machine of your
+    /// own only; the server says so loudly at start.
+    #[arg(long, env = "KILN_NO_AUTH")]
+    pub no_auth: bool,
+    /// Requests a second allowed per API key (bursts of twice that); 0 turns it off.
+    #[arg(long, default_value_t = 200, env = "KILN_RATE_LIMIT")]
+    pub rate_limit: u32,
+    /// Seconds a request may take before it is answered with 408.
+    #[arg(long, default_value_t = 600, env = "KILN_REQUEST_TIMEOUT")]
+    pub request_timeout: u64,
+    /// Log format: json (one object per line) or text. Default: json unless stderr is a
+    /// terminal.
+    #[arg(long, env = "KILN_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Create a key; it is printed once and only its hash is kept.
+    Create {
+        /// A label for people.
+        #[arg(long, default_value = "")]
+        name: String,
+        /// The tenant the key acts for (keys of one tenant see the same sandboxes). Default:
+        /// a new tenant of its own.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// List keys (ids, names, tenants; never the keys).
+    List,
+    /// Revoke a key by its id (`key_...`); it stops working at once.
+    Revoke { id: String },
 }
 
 #[derive(Debug, Args)]

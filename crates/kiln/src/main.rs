@@ -16,18 +16,47 @@ use crate::cli::{Cli, Command, ExecArgs, exit_codes};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(&cli);
     match run(cli) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("kiln: {error:#}");
             ExitCode::from(exit_codes::KILN_ERROR)
         }
+    }
+}
+
+/// Logs go to stderr. The server logs a line per request (JSON unless stderr is a terminal);
+/// everything else only warnings. `KILN_LOG` overrides the filter (e.g. `debug`).
+fn init_logging(cli: &Cli) {
+    let (default, json) = match &cli.command {
+        Command::Serve(args) => (
+            "info",
+            match args.log_format {
+                Some(format) => format == cli::LogFormat::Json,
+                None => !std::io::stderr().is_terminal(),
+            },
+        ),
+        _ => ("warn", false),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().flatten_event(true).with_current_span(false).init();
+    } else {
+        builder.init();
+    }
+}
+
+fn data_dir(given: Option<std::path::PathBuf>) -> anyhow::Result<std::path::PathBuf> {
+    match given {
+        Some(dir) => Ok(dir),
+        None => dirs::data_dir()
+            .map(|d| d.join("kiln"))
+            .context("no data directory; pass --data-dir"),
     }
 }
 
@@ -86,11 +115,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => bench::run(args),
-        Command::Serve {
-            listen,
-            data_dir,
-            workers,
-        } => {
+        Command::Serve(args) => {
             // Fetch and compile the runtimes here, once, before any worker needs them.
             let setup = WasmEngine::with_options(
                 CacheDir::from_env(),
@@ -100,22 +125,56 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 setup.prepare(language, &progress::Bar::new())?;
             }
             drop(setup);
-            let data_dir = match data_dir {
-                Some(dir) => dir,
-                None => dirs::data_dir()
-                    .map(|d| d.join("kiln"))
-                    .context("no data directory; pass --data-dir")?,
-            };
+            let data_dir = data_dir(args.data_dir)?;
             let mut config = kiln_executor::PoolConfig::current_exe()?;
-            if let Some(workers) = workers {
+            if let Some(workers) = args.workers {
                 config.workers = workers.max(1);
             }
             let pool = kiln_executor::ExecutorPool::new(config);
+            let server = kiln_server::ServerConfig {
+                listen: args.listen,
+                data_dir,
+                auth: !args.no_auth,
+                rate_limit: args.rate_limit,
+                request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
+            };
             runtime(2)?.block_on(async {
                 pool.start_all()?;
-                kiln_server::serve(kiln_server::ServerConfig { listen, data_dir }, pool).await?;
+                kiln_server::serve(server, pool).await?;
                 anyhow::Ok(())
             })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Keys { command, data_dir: dir } => {
+            let dir = data_dir(dir)?;
+            match command {
+                cli::KeysCommand::Create { name, tenant } => {
+                    let (record, key) = kiln_server::auth::create_key(&dir, &name, tenant.as_deref())
+                        .with_context(|| format!("cannot create a key in {}", dir.display()))?;
+                    println!("{key}");
+                    eprintln!(
+                        "kiln: created key {} for tenant {}; it is shown once, only its hash is kept ({})",
+                        record.id,
+                        record.tenant,
+                        dir.join("keys.json").display()
+                    );
+                }
+                cli::KeysCommand::List => {
+                    let keys = kiln_server::auth::list_keys(&dir)?;
+                    if keys.is_empty() {
+                        eprintln!("kiln: no keys in {}; create one with `kiln keys create`", dir.display());
+                    }
+                    for key in keys {
+                        println!("{}\t{}\t{}\t{}", key.id, key.tenant, key.created_at, key.name);
+                    }
+                }
+                cli::KeysCommand::Revoke { id } => {
+                    if !kiln_server::auth::revoke_key(&dir, &id)? {
+                        anyhow::bail!("no key {id:?} in {}", dir.join("keys.json").display());
+                    }
+                    eprintln!("kiln: revoked {id}");
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Worker => {

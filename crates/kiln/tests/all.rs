@@ -635,6 +635,7 @@ fn start_server() -> Result<Server, Box<dyn std::error::Error>> {
     let child = kiln()
         .args([
             "serve",
+            "--no-auth",
             "--workers",
             "2",
             "--listen",

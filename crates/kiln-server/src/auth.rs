@@ -1,0 +1,232 @@
+//! API keys. A key is `kiln_` and 48 hex digits (192 random bits). Only its SHA-256 is
+//! stored (`keys.json` in the data directory): a key with that much entropy needs no slow
+//! password hash, and a stolen `keys.json` gives no key back. A key belongs to a tenant;
+//! a tenant sees only its own sandboxes. Keys are managed with `kiln keys`; the server
+//! picks up changes to `keys.json` on the next request (a revoked key stops at once).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::sandbox::{new_id, now_ms, rfc3339};
+use crate::store;
+
+/// The tenant every request belongs to when authentication is off.
+pub const LOCAL_TENANT: &str = "local";
+
+/// One stored key (never the key itself).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KeyRecord {
+    /// Public id, e.g. `key_1a2b3c…`; used to list and revoke.
+    pub id: String,
+    /// A label for people.
+    pub name: String,
+    /// The tenant the key acts for.
+    pub tenant: String,
+    /// SHA-256 of the key, hex.
+    pub sha256: String,
+    /// When it was created (RFC 3339).
+    pub created_at: String,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct KeyFile {
+    keys: Vec<KeyRecord>,
+}
+
+/// Who made a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The tenant whose sandboxes it may touch.
+    pub tenant: String,
+    /// The key's public id (`local` without auth); rate limits count per key.
+    pub key_id: String,
+}
+
+fn hash(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+fn keys_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("keys.json")
+}
+
+fn load(path: &Path) -> std::io::Result<KeyFile> {
+    match store::read_json(path) {
+        Ok(file) => Ok(file),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(KeyFile::default()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates a key for `tenant` (a fresh tenant named after the key when `None`); returns the
+/// record and the key, which is shown once and never stored.
+pub fn create_key(
+    data_dir: &Path,
+    name: &str,
+    tenant: Option<&str>,
+) -> std::io::Result<(KeyRecord, String)> {
+    if let Some(tenant) = tenant
+        && (tenant.is_empty()
+            || tenant.len() > 64
+            || !tenant
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+    {
+        return Err(std::io::Error::other(
+            "a tenant name is 1 to 64 characters of A-Z, a-z, 0-9, - and _",
+        ));
+    }
+    std::fs::create_dir_all(data_dir)?;
+    let path = keys_path(data_dir);
+    let _lock = FileLock::acquire(&data_dir.join(".keys.lock"))?;
+    let mut file = load(&path)?;
+    let id = new_id("key_");
+    let key = format!("kiln_{}", crate::sandbox::random_hex(24));
+    let record = KeyRecord {
+        id: id.clone(),
+        name: name.to_owned(),
+        tenant: tenant.map_or_else(|| id.clone(), str::to_owned),
+        sha256: hash(&key),
+        created_at: rfc3339(now_ms()),
+    };
+    file.keys.push(record.clone());
+    store::write_json(&path, &file)?;
+    Ok((record, key))
+}
+
+/// Every stored key record.
+pub fn list_keys(data_dir: &Path) -> std::io::Result<Vec<KeyRecord>> {
+    Ok(load(&keys_path(data_dir))?.keys)
+}
+
+/// Removes the key with public id `id`; false when there is none.
+pub fn revoke_key(data_dir: &Path, id: &str) -> std::io::Result<bool> {
+    let path = keys_path(data_dir);
+    let _lock = FileLock::acquire(&data_dir.join(".keys.lock"))?;
+    let mut file = load(&path)?;
+    let before = file.keys.len();
+    file.keys.retain(|k| k.id != id);
+    if file.keys.len() == before {
+        return Ok(false);
+    }
+    store::write_json(&path, &file)?;
+    Ok(true)
+}
+
+struct FileLock(std::fs::File);
+
+impl FileLock {
+    fn acquire(path: &Path) -> std::io::Result<FileLock> {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::File::create(path)?;
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(FileLock(file))
+    }
+}
+
+impl Drop for FileLock {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: unlocking the descriptor we locked.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// How requests are authenticated.
+pub enum Auth {
+    /// Anyone is the local tenant.
+    Off,
+    /// Bearer keys from `keys.json`, reloaded when the file changes.
+    Keys(KeyStore),
+}
+
+/// The server's view of `keys.json`.
+pub struct KeyStore {
+    path: PathBuf,
+    cache: Mutex<(Option<(SystemTime, u64)>, HashMap<String, Caller>)>,
+}
+
+impl KeyStore {
+    pub fn new(data_dir: &Path) -> KeyStore {
+        KeyStore {
+            path: keys_path(data_dir),
+            cache: Mutex::new((None, HashMap::new())),
+        }
+    }
+
+    /// Number of keys on file.
+    pub fn count(&self) -> usize {
+        self.refresh();
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).1.len()
+    }
+
+    fn refresh(&self) {
+        // Every write renames a new file into place, so the inode changes with each one.
+        let modified = std::fs::metadata(&self.path)
+            .and_then(|m| Ok((m.modified()?, std::os::unix::fs::MetadataExt::ino(&m))))
+            .ok();
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.0 == modified && modified.is_some() {
+            return;
+        }
+        let keys = load(&self.path).map(|f| f.keys).unwrap_or_else(|e| {
+            tracing::error!("cannot read {}: {e}; refusing every key", self.path.display());
+            Vec::new()
+        });
+        cache.1 = keys
+            .into_iter()
+            .map(|k| {
+                (
+                    k.sha256,
+                    Caller {
+                        tenant: k.tenant,
+                        key_id: k.id,
+                    },
+                )
+            })
+            .collect();
+        cache.0 = modified;
+    }
+
+    /// The caller a presented key stands for.
+    pub fn check(&self, key: &str) -> Option<Caller> {
+        self.refresh();
+        let digest = hash(key);
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .get(&digest)
+            .cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_stored_hashed_checked_and_revoked() {
+        let dir = tempfile::tempdir().unwrap();
+        let (record, key) = create_key(dir.path(), "ci", None).unwrap();
+        assert!(key.starts_with("kiln_") && key.len() == 53);
+        let text = std::fs::read_to_string(dir.path().join("keys.json")).unwrap();
+        assert!(!text.contains(&key), "the key itself must never be stored");
+        let store = KeyStore::new(dir.path());
+        let caller = store.check(&key).unwrap();
+        assert_eq!(caller.tenant, record.id);
+        assert_eq!(store.check("kiln_wrong"), None);
+        assert!(revoke_key(dir.path(), &record.id).unwrap());
+        assert_eq!(store.check(&key), None);
+        assert!(create_key(dir.path(), "x", Some("../evil")).is_err());
+    }
+}

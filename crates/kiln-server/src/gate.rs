@@ -1,0 +1,201 @@
+//! What every request passes through: a request id, authentication, the per-key rate limit,
+//! the request timeout, one JSON log line and the metrics. Logs carry the method, the route
+//! pattern, the status, the latency, the key id and the request id; never headers, bodies,
+//! query strings or keys.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::AppState;
+use crate::auth::{Auth, Caller, LOCAL_TENANT};
+use crate::error::{ApiError, ErrorCode};
+
+/// Paths anyone may read without a key.
+const PUBLIC: &[&str] = &["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"];
+
+/// The request id of a request (also sent back as `x-request-id`).
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+/// A token bucket per key: `rate` requests a second, bursts up to twice that.
+#[derive(Debug)]
+pub struct RateLimiter {
+    rate: f64,
+    buckets: Mutex<HashMap<String, (f64, Instant)>>,
+}
+
+impl RateLimiter {
+    /// A limiter allowing `rate` requests a second per key; 0 means no limit.
+    pub fn new(rate: u32) -> RateLimiter {
+        RateLimiter {
+            rate: f64::from(rate),
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes a token for `key`; `Err(seconds to wait)` when there is none.
+    pub fn take(&self, key: &str) -> Result<(), f64> {
+        if self.rate <= 0.0 {
+            return Ok(());
+        }
+        let burst = self.rate * 2.0;
+        let now = Instant::now();
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let (tokens, last) = buckets.entry(key.to_owned()).or_insert((burst, now));
+        *tokens = (*tokens + now.duration_since(*last).as_secs_f64() * self.rate).min(burst);
+        *last = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            Ok(())
+        } else {
+            Err((1.0 - *tokens) / self.rate)
+        }
+    }
+}
+
+fn request_id(request: &Request) -> String {
+    request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= 64
+                && v.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        })
+        .map_or_else(|| crate::sandbox::new_id("req_"), str::to_owned)
+}
+
+fn presented_key(request: &Request) -> Option<&str> {
+    let headers = request.headers();
+    if let Some(value) = headers.get("authorization").and_then(|v| v.to_str().ok()) {
+        let value = value.trim();
+        return value
+            .strip_prefix("Bearer ")
+            .or_else(|| value.strip_prefix("bearer "))
+            .map(str::trim);
+    }
+    headers.get("x-api-key").and_then(|v| v.to_str().ok())
+}
+
+fn authenticate(state: &AppState, request: &Request) -> Result<Caller, ApiError> {
+    match &state.auth {
+        Auth::Off => Ok(Caller {
+            tenant: LOCAL_TENANT.into(),
+            key_id: LOCAL_TENANT.into(),
+        }),
+        Auth::Keys(store) => {
+            let Some(key) = presented_key(request) else {
+                return Err(ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "UNAUTHORIZED",
+                    "this server needs an API key: send `Authorization: Bearer <key>` (create one with `kiln keys create`)",
+                ));
+            };
+            store.check(key).ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "UNAUTHORIZED",
+                    "the API key is not valid (unknown or revoked)",
+                )
+            })
+        }
+    }
+}
+
+/// The middleware.
+pub async fn gate(State(state): State<Arc<AppState>>, mut request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let id = request_id(&request);
+    let method = request.method().to_string();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let path = request.uri().path();
+    let public = PUBLIC.contains(&path) || path.starts_with("/docs/") || path.starts_with("/redoc/");
+    request.extensions_mut().insert(RequestId(id.clone()));
+
+    let mut key_id = String::from("-");
+    let mut response = match if public { Ok(None) } else { authenticate(&state, &request).map(Some) } {
+        Err(error) => {
+            let mut response = error.into_response();
+            response
+                .headers_mut()
+                .insert("www-authenticate", HeaderValue::from_static("Bearer"));
+            response
+        }
+        Ok(caller) => {
+            let limited = caller.as_ref().map(|c| state.limiter.take(&c.key_id));
+            if let Some(caller) = caller {
+                key_id = caller.key_id.clone();
+                request.extensions_mut().insert(caller);
+            }
+            match limited {
+                Some(Err(wait)) => {
+                    let seconds = wait.ceil().max(1.0) as u64;
+                    let mut response = ApiError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "RATE_LIMITED",
+                        format!("too many requests for this key; retry in {seconds} s"),
+                    )
+                    .with_details(json!({ "retryAfterSeconds": seconds }))
+                    .into_response();
+                    if let Ok(value) = HeaderValue::from_str(&seconds.to_string()) {
+                        response.headers_mut().insert("retry-after", value);
+                    }
+                    response
+                }
+                _ => match tokio::time::timeout(state.request_timeout, next.run(request)).await {
+                    Ok(response) => response,
+                    Err(_) => ApiError::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "REQUEST_TIMEOUT",
+                        format!(
+                            "the request took longer than {} s",
+                            state.request_timeout.as_secs()
+                        ),
+                    )
+                    .into_response(),
+                },
+            }
+        }
+    };
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    let status = response.status().as_u16();
+    let elapsed = started.elapsed();
+    state
+        .metrics
+        .request(&method, &route, status, elapsed.as_secs_f64());
+    let code = response.extensions().get::<ErrorCode>().map(|c| c.0);
+    if let Some(code) = code {
+        state.metrics.error(code);
+    }
+    tracing::info!(
+        target: "kiln::http",
+        request_id = %id,
+        method = %method,
+        route = %route,
+        status,
+        ms = elapsed.as_secs_f64() * 1000.0,
+        key = %key_id,
+        error = code.unwrap_or(""),
+        "request"
+    );
+    response
+}
+
+/// Default time a request may take before it is answered with 408: 10 minutes (an
+/// execution may run 5).
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(600);

@@ -1,0 +1,157 @@
+//! Prometheus metrics, in the text exposition format at `/metrics`: requests by route and
+//! status, request latency, executions by language and status, execution latency, errors by
+//! code, and live sandboxes.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+
+use kiln_core::{ExecResult, Language, Outcome};
+
+/// Histogram bucket bounds in seconds.
+const BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
+];
+
+#[derive(Debug, Default, Clone)]
+struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    sum: f64,
+    total: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, seconds: f64) {
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            if seconds <= *bound {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += seconds;
+        self.total += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {}",
+                self.counts[i]
+            );
+        }
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}", self.total);
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum);
+        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.total);
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    requests: BTreeMap<(String, String, u16), u64>,
+    request_seconds: BTreeMap<String, Histogram>,
+    executions: BTreeMap<(&'static str, &'static str), u64>,
+    execution_seconds: BTreeMap<&'static str, Histogram>,
+    errors: BTreeMap<String, u64>,
+}
+
+/// The server's counters.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+impl Metrics {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts an HTTP request (`route` is the matched pattern, never the raw path).
+    pub fn request(&self, method: &str, route: &str, status: u16, seconds: f64) {
+        let mut inner = self.lock();
+        *inner
+            .requests
+            .entry((method.to_owned(), route.to_owned(), status))
+            .or_default() += 1;
+        inner
+            .request_seconds
+            .entry(route.to_owned())
+            .or_default()
+            .observe(seconds);
+    }
+
+    /// Counts an API error by its code.
+    pub fn error(&self, code: &str) {
+        *self.lock().errors.entry(code.to_owned()).or_default() += 1;
+    }
+
+    /// Counts an execution.
+    pub fn execution(&self, language: Language, result: &ExecResult) {
+        let status = match result.outcome {
+            Outcome::TimedOut => "timeout",
+            Outcome::MemoryLimit => "memory_limit",
+            Outcome::Crashed { .. } => "crashed",
+            _ if result.success() => "success",
+            _ => "error",
+        };
+        let mut inner = self.lock();
+        *inner
+            .executions
+            .entry((language.name(), status))
+            .or_default() += 1;
+        inner
+            .execution_seconds
+            .entry(language.name())
+            .or_default()
+            .observe(result.duration_us as f64 / 1e6);
+    }
+
+    /// The exposition text.
+    pub fn render(&self, sandboxes: usize, workers: usize) -> String {
+        let inner = self.lock();
+        let mut out = String::new();
+        out.push_str("# HELP kiln_http_requests_total HTTP requests by method, route and status.\n# TYPE kiln_http_requests_total counter\n");
+        for ((method, route, status), n) in &inner.requests {
+            let _ = writeln!(
+                out,
+                "kiln_http_requests_total{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} {n}"
+            );
+        }
+        out.push_str("# HELP kiln_http_request_duration_seconds HTTP request latency by route.\n# TYPE kiln_http_request_duration_seconds histogram\n");
+        for (route, histogram) in &inner.request_seconds {
+            histogram.render(
+                &mut out,
+                "kiln_http_request_duration_seconds",
+                &format!("route=\"{route}\""),
+            );
+        }
+        out.push_str("# HELP kiln_executions_total Executions by language and status.\n# TYPE kiln_executions_total counter\n");
+        for ((language, status), n) in &inner.executions {
+            let _ = writeln!(
+                out,
+                "kiln_executions_total{{language=\"{language}\",status=\"{status}\"}} {n}"
+            );
+        }
+        out.push_str("# HELP kiln_execution_duration_seconds Time inside the sandbox by language.\n# TYPE kiln_execution_duration_seconds histogram\n");
+        for (language, histogram) in &inner.execution_seconds {
+            histogram.render(
+                &mut out,
+                "kiln_execution_duration_seconds",
+                &format!("language=\"{language}\""),
+            );
+        }
+        out.push_str("# HELP kiln_errors_total API errors by code.\n# TYPE kiln_errors_total counter\n");
+        for (code, n) in &inner.errors {
+            let _ = writeln!(out, "kiln_errors_total{{code=\"{code}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kiln_sandboxes_active Live sandboxes.\n# TYPE kiln_sandboxes_active gauge\nkiln_sandboxes_active {sandboxes}"
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kiln_workers_alive Live executor worker processes.\n# TYPE kiln_workers_alive gauge\nkiln_workers_alive {workers}"
+        );
+        out
+    }
+}

@@ -1,0 +1,75 @@
+//! Durable writes under the data directory. A change is acknowledged only after it is on
+//! disk: written to a temporary file, flushed with fsync, renamed over the old one, and the
+//! folder fsynced, so a crash (even `kill -9` or power loss) leaves the old or the new file,
+//! never half of one.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+/// Writes `bytes` to `path` atomically and durably.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| std::io::Error::other("a file to write needs a parent folder"))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::other("a file to write needs a name"))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = dir.join(tmp_name);
+    let result = (|| {
+        let mut file = File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        sync_dir(dir)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Makes a folder's entries (creations, renames, removals) durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Writes JSON atomically and durably.
+pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
+    write_atomic(path, &bytes)
+}
+
+/// Reads JSON written by [`write_json`].
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> std::io::Result<T> {
+    let bytes = std::fs::read(path)?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: {e}", path.display()),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_writes_replace_and_leave_no_temp_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.json");
+        write_json(&path, &serde_json::json!({"a": 1})).unwrap();
+        write_json(&path, &serde_json::json!({"a": 2})).unwrap();
+        let back: serde_json::Value = read_json(&path).unwrap();
+        assert_eq!(back["a"], 2);
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("meta.json")]);
+    }
+}

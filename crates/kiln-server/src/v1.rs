@@ -1,0 +1,1023 @@
+//! `/api/v1`: the versioned API for apps and agents. Sandboxes (list with paging, create,
+//! get, renew, delete), executions (plain, streamed as Server-Sent Events or over a
+//! WebSocket, cancellable), stateful sessions, and binary-safe files.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Extension, Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use kiln_core::{ExecRequest, Language, Limits};
+use kiln_executor::Chunk;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokio::sync::mpsc;
+use utoipa::{IntoParams, ToSchema};
+
+use crate::AppState;
+use crate::api::{self, SandboxInfo, check_files, exec_prefix};
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::exec::{self, RunOutcome, RunSpec, pool_error};
+use crate::sandbox::{SessionMeta, check_no_links, history_error, new_id, now_ms, rfc3339, workspace_path};
+
+type Shared = State<Arc<AppState>>;
+
+/// Most sandboxes one page lists.
+pub const MAX_PAGE: usize = 500;
+/// Most entries a file listing returns.
+pub const MAX_LISTING: usize = 10_000;
+/// Largest file one upload may carry: 32 MiB (the body limit).
+pub const MAX_FILE_BYTES: usize = crate::MAX_BODY_BYTES;
+
+fn path_error(rejection: PathRejection) -> ApiError {
+    ApiError::bad_request("INVALID_PATH", format!("bad path in the URL: {}", rejection.body_text()))
+}
+
+fn query_error(rejection: QueryRejection) -> ApiError {
+    ApiError::bad_request("INVALID_QUERY", rejection.body_text())
+}
+
+// ---------------------------------------------------------------- sandboxes
+
+/// Create a sandbox.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(example = json!({"language": "python", "timeoutMs": 600000, "memoryLimit": "512m"}))]
+pub struct NewSandbox {
+    /// `python` or `javascript` (or an image name as in `/api/sandbox`). Default `python`.
+    #[serde(alias = "image")]
+    pub language: Option<String>,
+    /// Lifetime in milliseconds (default 30 minutes, at most 24 hours).
+    pub timeout_ms: Option<u64>,
+    /// Memory cap per execution, e.g. "512m".
+    pub memory_limit: Option<String>,
+}
+
+/// Create a sandbox.
+#[utoipa::path(post, path = "/api/v1/sandboxes", tag = "v1 sandboxes", request_body = NewSandbox,
+    responses(
+        (status = 201, description = "Created", body = SandboxInfo),
+        (status = 400, description = "Bad option", body = ErrorBody),
+        (status = 401, description = "No or bad API key", body = ErrorBody),
+    ))]
+pub async fn create(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    body: Result<Json<NewSandbox>, JsonRejection>,
+) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
+    let Json(body) = body?;
+    let image = body.language.unwrap_or_else(|| "python".into());
+    let (language, lifetime_ms, memory_bytes) =
+        api::parse_create(&image, body.timeout_ms, body.memory_limit.as_deref())?;
+    let registry = state.clone();
+    let tenant = caller.tenant.clone();
+    let id = tokio::task::spawn_blocking(move || {
+        registry
+            .registry
+            .create(&tenant, &image, language, lifetime_ms, memory_bytes)
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??
+    .id;
+    let view = state.registry.get(&caller.tenant, &id)?;
+    Ok((StatusCode::CREATED, Json(SandboxInfo::from_view(&view))))
+}
+
+/// Paging.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct Page {
+    /// Most sandboxes to return (1..=500, default 50).
+    pub limit: Option<usize>,
+    /// `nextCursor` from the previous page.
+    pub cursor: Option<String>,
+}
+
+/// One page of sandboxes.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxPage {
+    pub sandboxes: Vec<SandboxInfo>,
+    /// Pass as `cursor` for the next page; absent on the last.
+    pub next_cursor: Option<String>,
+}
+
+/// The caller's sandboxes, oldest first, a page at a time.
+#[utoipa::path(get, path = "/api/v1/sandboxes", tag = "v1 sandboxes", params(Page),
+    responses(
+        (status = 200, description = "A page", body = SandboxPage),
+        (status = 400, description = "Bad paging", body = ErrorBody),
+    ))]
+pub async fn list(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    page: Result<Query<Page>, QueryRejection>,
+) -> Result<Json<SandboxPage>, ApiError> {
+    let Query(page) = page.map_err(query_error)?;
+    let limit = page.limit.unwrap_or(50);
+    if limit == 0 || limit > MAX_PAGE {
+        return Err(ApiError::bad_request(
+            "INVALID_QUERY",
+            format!("limit must be 1..={MAX_PAGE}"),
+        ));
+    }
+    let (views, next) = state
+        .registry
+        .list(&caller.tenant, page.cursor.as_deref(), limit);
+    Ok(Json(SandboxPage {
+        sandboxes: views.iter().map(SandboxInfo::from_view).collect(),
+        next_cursor: next,
+    }))
+}
+
+/// A sandbox.
+#[utoipa::path(get, path = "/api/v1/sandboxes/{id}", tag = "v1 sandboxes",
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 200, description = "The sandbox", body = SandboxInfo),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn get(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    Ok(Json(SandboxInfo::from_view(&state.registry.get(&caller.tenant, &id)?)))
+}
+
+/// Delete a sandbox (a running execution is cancelled).
+#[utoipa::path(delete, path = "/api/v1/sandboxes/{id}", tag = "v1 sandboxes",
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn delete(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<StatusCode, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    api::delete_sandbox(&state, &caller, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Extend a sandbox's life.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(example = json!({"timeoutMs": 1800000}))]
+pub struct Renew {
+    /// The new lifetime, from now, in milliseconds (at most 24 hours).
+    pub timeout_ms: u64,
+}
+
+/// Renew a sandbox's lifetime (TTL), counted from now.
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/renew", tag = "v1 sandboxes", request_body = Renew,
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 200, description = "Renewed", body = SandboxInfo),
+        (status = 400, description = "Bad lifetime", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn renew(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    body: Result<Json<Renew>, JsonRejection>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let Json(body) = body?;
+    if body.timeout_ms == 0 || body.timeout_ms > api::MAX_LIFETIME_MS {
+        return Err(ApiError::bad_request(
+            "INVALID_OPTION",
+            format!("timeoutMs must be 1..={}", api::MAX_LIFETIME_MS),
+        ));
+    }
+    state.registry.renew(&caller.tenant, &id, body.timeout_ms)?;
+    Ok(Json(SandboxInfo::from_view(&state.registry.get(&caller.tenant, &id)?)))
+}
+
+// ---------------------------------------------------------------- executions
+
+/// Run code.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(example = json!({"code": "import sys\nprint(sys.version)", "timeoutMs": 10000}))]
+pub struct Execute {
+    /// The program text.
+    pub code: String,
+    /// `python` or `javascript`; default the sandbox's.
+    pub language: Option<String>,
+    /// Standard input, as text.
+    #[serde(default)]
+    pub stdin: String,
+    /// Environment variables the code sees (nothing else of the host's).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Time limit in milliseconds (default and most: 5 minutes, or what is left of the
+    /// sandbox's life).
+    pub timeout_ms: Option<u64>,
+    /// Files to write into the workspace first (name → text).
+    #[serde(default)]
+    pub files: BTreeMap<String, String>,
+    /// Run as a turn of this session (variables persist) instead of a fresh process.
+    pub session_id: Option<String>,
+}
+
+/// What an execution produced.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Execution {
+    #[schema(example = "python_run_3f2a9c1b7d4e5f60718293a4")]
+    pub execution_id: String,
+    /// `success`, `error` or `timeout`.
+    #[schema(example = "success")]
+    pub status: String,
+    /// How it ended: `completed`, `output_truncated`, `timed_out`, `memory_limit`, `crashed`.
+    #[schema(example = "completed")]
+    pub outcome: String,
+    #[schema(example = 0)]
+    pub exit_code: i32,
+    #[schema(example = "3.15.0\n")]
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    #[schema(example = 1.2)]
+    pub duration_ms: f64,
+    pub peak_memory_bytes: u64,
+    /// The history commit recording the files it changed, if it changed any.
+    pub commit_id: Option<String>,
+}
+
+impl Execution {
+    fn from_outcome(outcome: &RunOutcome) -> Execution {
+        let kind = serde_json::to_value(&outcome.result.outcome)
+            .ok()
+            .and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(str::to_owned))
+            .unwrap_or_default();
+        Execution {
+            execution_id: outcome.exec_id.clone(),
+            status: outcome.status().into(),
+            outcome: kind,
+            exit_code: outcome.result.exit_code,
+            stdout: outcome.result.stdout_text(),
+            stderr: outcome.stderr_with_reason(),
+            stdout_truncated: outcome.result.stdout_truncated,
+            stderr_truncated: outcome.result.stderr_truncated,
+            duration_ms: outcome.result.duration_us as f64 / 1000.0,
+            peak_memory_bytes: outcome.result.peak_memory_bytes,
+            commit_id: outcome.commit_id.clone(),
+        }
+    }
+}
+
+fn spec(state: &AppState, caller: &Caller, id: &str, body: Execute) -> Result<RunSpec, ApiError> {
+    let view = state.registry.get(&caller.tenant, id)?;
+    let language = match body.language.as_deref() {
+        None => view.meta.language,
+        Some(name) => Language::from_name(name).ok_or_else(|| {
+            ApiError::bad_request(
+                "UNSUPPORTED_LANGUAGE",
+                format!("unknown language {name:?}; use python or javascript"),
+            )
+        })?,
+    };
+    if let Some(timeout) = body.timeout_ms
+        && (timeout == 0 || timeout > exec::MAX_EXEC_MS)
+    {
+        return Err(ApiError::bad_request(
+            "INVALID_OPTION",
+            format!("timeoutMs must be 1..={}", exec::MAX_EXEC_MS),
+        ));
+    }
+    if let Some(session) = &body.session_id {
+        let (meta, _) = state.registry.session(&caller.tenant, id, session)?;
+        if meta.language != language {
+            return Err(ApiError::bad_request(
+                "UNSUPPORTED_LANGUAGE",
+                format!("session {session} runs {}", meta.language),
+            ));
+        }
+    }
+    let files = check_files(&view.meta, body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
+    let summary = format!(
+        "{} {}",
+        language.name(),
+        body.code.lines().next().unwrap_or_default()
+    );
+    Ok(RunSpec {
+        exec_id: new_id(exec_prefix(language)),
+        language,
+        code: body.code,
+        stdin: body.stdin.into_bytes(),
+        env: body.env.into_iter().collect(),
+        timeout_ms: body.timeout_ms,
+        files,
+        code_file: None,
+        session: body.session_id,
+        summary,
+    })
+}
+
+/// Run code in a sandbox and wait for the result.
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/exec", tag = "v1 executions", request_body = Execute,
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 200, description = "It ran (see `status`)", body = Execution),
+        (status = 400, description = "Bad request", body = ErrorBody),
+        (status = 404, description = "No such sandbox or session", body = ErrorBody),
+        (status = 409, description = "Busy, cancelled, deleted meanwhile, or session ended", body = ErrorBody),
+        (status = 503, description = "Executor lost or saturated; retry", body = ErrorBody),
+    ))]
+pub async fn execute(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    body: Result<Json<Execute>, JsonRejection>,
+) -> Result<Json<Execution>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let Json(body) = body?;
+    let spec = spec(&state, &caller, &id, body)?;
+    let outcome = exec::run(&state, &caller, &id, spec, None).await?;
+    Ok(Json(Execution::from_outcome(&outcome)))
+}
+
+/// Decodes chunks to text without splitting a UTF-8 sequence across two events.
+#[derive(Default)]
+struct Utf8Carry {
+    pending: Vec<u8>,
+}
+
+impl Utf8Carry {
+    fn push(&mut self, data: &[u8]) -> String {
+        self.pending.extend_from_slice(data);
+        let cut = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            Err(_) => self.pending.len(),
+        };
+        let rest = self.pending.split_off(cut);
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending = rest;
+        text
+    }
+}
+
+/// Events of a streamed execution, in order: `start`, any number of `stdout`/`stderr`, then
+/// `result` (an [`Execution`]) or `error` (an error body).
+enum StreamEvent {
+    Start(String),
+    Output { stderr: bool, text: String },
+    Result(Box<Execution>),
+    Error(ApiError),
+}
+
+impl StreamEvent {
+    fn name(&self) -> &'static str {
+        match self {
+            StreamEvent::Start(_) => "start",
+            StreamEvent::Output { stderr: false, .. } => "stdout",
+            StreamEvent::Output { stderr: true, .. } => "stderr",
+            StreamEvent::Result(_) => "result",
+            StreamEvent::Error(_) => "error",
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        match self {
+            StreamEvent::Start(id) => json!({ "executionId": id }),
+            StreamEvent::Output { text, .. } => json!({ "data": text }),
+            StreamEvent::Result(execution) => serde_json::to_value(execution).unwrap_or_default(),
+            StreamEvent::Error(error) => json!({
+                "error": { "code": error.code, "message": error.message, "details": error.details }
+            }),
+        }
+    }
+}
+
+/// Starts an execution whose events arrive on the returned channel.
+fn start_streaming(
+    state: Arc<AppState>,
+    caller: Caller,
+    id: String,
+    spec: RunSpec,
+) -> mpsc::UnboundedReceiver<StreamEvent> {
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let (chunks_tx, mut chunks_rx) = mpsc::unbounded_channel::<Chunk>();
+    let _ = events_tx.send(StreamEvent::Start(spec.exec_id.clone()));
+    let forward = events_tx.clone();
+    let relay = tokio::spawn(async move {
+        let (mut out, mut err) = (Utf8Carry::default(), Utf8Carry::default());
+        while let Some(chunk) = chunks_rx.recv().await {
+            let carry = if chunk.stderr { &mut err } else { &mut out };
+            let text = carry.push(&chunk.data);
+            if !text.is_empty() {
+                let _ = forward.send(StreamEvent::Output { stderr: chunk.stderr, text });
+            }
+        }
+    });
+    tokio::spawn(async move {
+        let ran = exec::run(&state, &caller, &id, spec, Some(chunks_tx)).await;
+        // Every chunk is relayed before the result.
+        let _ = relay.await;
+        let _ = events_tx.send(match ran {
+            Ok(outcome) => StreamEvent::Result(Box::new(Execution::from_outcome(&outcome))),
+            Err(error) => StreamEvent::Error(error),
+        });
+    });
+    events_rx
+}
+
+/// Run code and stream its output as Server-Sent Events: `start` (`{"executionId"}`),
+/// `stdout` / `stderr` (`{"data": text}`) as the code writes, then `result` (an Execution)
+/// or `error`. Disconnecting does not stop the run; cancel it explicitly.
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/exec/stream", tag = "v1 executions", request_body = Execute,
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 200, description = "An event stream", content_type = "text/event-stream", body = String),
+        (status = 400, description = "Bad request", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn execute_stream(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    body: Result<Json<Execute>, JsonRejection>,
+) -> Result<Sse<impl futures::Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let Json(body) = body?;
+    let spec = spec(&state, &caller, &id, body)?;
+    // Refuse a busy sandbox before the stream starts, with a proper status.
+    if let Some(running) = state.registry.get(&caller.tenant, &id)?.running {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "SANDBOX_BUSY",
+            format!("sandbox {id} is running {running}; retry when it finishes (or cancel it)"),
+        ));
+    }
+    let events = start_streaming(state, caller, id, spec);
+    let stream = futures::stream::unfold(events, |mut events| async move {
+        let event = events.recv().await?;
+        let sse = Event::default()
+            .event(event.name())
+            .data(event.json().to_string());
+        Some((Ok(sse), events))
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+/// A WebSocket for interactive use: send `{"type": "exec", ...Execute fields}`, receive
+/// `{"type": "start" | "stdout" | "stderr" | "result" | "error", ...}`; send
+/// `{"type": "cancel"}` to stop the running execution.
+#[utoipa::path(get, path = "/api/v1/sandboxes/{id}/ws", tag = "v1 executions",
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 101, description = "Switching to the WebSocket protocol"),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn websocket(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    upgrade: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    state.registry.get(&caller.tenant, &id)?;
+    Ok(upgrade
+        .max_message_size(crate::MAX_BODY_BYTES)
+        .on_upgrade(move |socket| serve_socket(socket, state, caller, id)))
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+enum ClientMessage {
+    Exec(Execute),
+    Cancel,
+}
+
+fn ws_json(kind: &str, mut value: serde_json::Value) -> Message {
+    if let Some(object) = value.as_object_mut() {
+        object.insert("type".into(), json!(kind));
+    }
+    Message::Text(value.to_string().into())
+}
+
+async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Caller, id: String) {
+    let mut events: Option<mpsc::UnboundedReceiver<StreamEvent>> = None;
+    loop {
+        tokio::select! {
+            message = socket.recv() => {
+                let Some(Ok(message)) = message else { break };
+                let text = match message {
+                    Message::Text(text) => text.to_string(),
+                    Message::Close(_) => break,
+                    _ => continue,
+                };
+                match serde_json::from_str::<ClientMessage>(&text) {
+                    Ok(ClientMessage::Exec(body)) => {
+                        if events.is_some() {
+                            let error = ApiError::new(StatusCode::CONFLICT, "SANDBOX_BUSY", "an execution is already running on this socket");
+                            let _ = socket.send(ws_json("error", StreamEvent::Error(error).json())).await;
+                            continue;
+                        }
+                        match spec(&state, &caller, &id, body) {
+                            Ok(spec) => events = Some(start_streaming(state.clone(), caller.clone(), id.clone(), spec)),
+                            Err(error) => {
+                                let _ = socket.send(ws_json("error", StreamEvent::Error(error).json())).await;
+                            }
+                        }
+                    }
+                    Ok(ClientMessage::Cancel) => {
+                        let _ = state.registry.cancel(&caller.tenant, &id, None);
+                    }
+                    Err(e) => {
+                        let error = ApiError::bad_request("MALFORMED_MESSAGE", format!("send {{\"type\": \"exec\", \"code\": ...}} or {{\"type\": \"cancel\"}}: {e}"));
+                        let _ = socket.send(ws_json("error", StreamEvent::Error(error).json())).await;
+                    }
+                }
+            }
+            event = next_event(&mut events) => {
+                let Some(event) = event else {
+                    events = None;
+                    continue;
+                };
+                let last = matches!(event, StreamEvent::Result(_) | StreamEvent::Error(_));
+                if socket.send(ws_json(event.name(), event.json())).await.is_err() {
+                    break;
+                }
+                if last {
+                    events = None;
+                }
+            }
+        }
+    }
+}
+
+async fn next_event(events: &mut Option<mpsc::UnboundedReceiver<StreamEvent>>) -> Option<StreamEvent> {
+    match events {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A cancellation.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Cancelled {
+    pub execution_id: String,
+    /// Whether a running execution was stopped (false: it had already ended).
+    pub cancelled: bool,
+}
+
+/// Cancel a running execution. Its request ends with 409 `EXECUTION_CANCELLED` (a stream
+/// with an `error` event); a cancelled session turn ends the session.
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/executions/{execution_id}/cancel", tag = "v1 executions",
+    params(("id" = String, Path, description = "The sandbox id"), ("execution_id" = String, Path, description = "The execution id")),
+    responses(
+        (status = 200, description = "Done", body = Cancelled),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn cancel(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<Cancelled>, ApiError> {
+    let Path((id, execution_id)) = ids.map_err(path_error)?;
+    let cancelled = state
+        .registry
+        .cancel(&caller.tenant, &id, Some(&execution_id))?;
+    Ok(Json(Cancelled {
+        execution_id,
+        cancelled,
+    }))
+}
+
+// ---------------------------------------------------------------- sessions
+
+/// Open a session.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(example = json!({"language": "python"}))]
+pub struct NewSession {
+    /// `python` or `javascript`; default the sandbox's.
+    pub language: Option<String>,
+}
+
+async fn open_session(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+    language: Language,
+    session_id: String,
+) -> Result<api::SessionInfo, ApiError> {
+    let view = state.registry.get(&caller.tenant, id)?;
+    let mut request = ExecRequest::new(language, "");
+    request.workspace = Some(view.meta.workspace());
+    request.limits = Limits {
+        memory_bytes: view.meta.memory_bytes,
+        ..Limits::default()
+    };
+    let handle = state.pool.open_session(request).await.map_err(pool_error)?;
+    let meta = SessionMeta {
+        id: session_id.clone(),
+        language,
+        created_ms: now_ms(),
+        turns: 0,
+    };
+    if let Err(error) = state.registry.add_session(id, meta.clone(), handle) {
+        let _ = state.pool.close_session(&handle).await;
+        return Err(error);
+    }
+    Ok(api::SessionInfo {
+        session_id,
+        language: language.name().into(),
+        status: "ready".into(),
+        turns: 0,
+        created_at: rfc3339(meta.created_ms),
+    })
+}
+
+/// Open a stateful session (a code context): variables, imports and definitions persist
+/// between executions that name it in `sessionId`.
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/sessions", tag = "v1 sessions", request_body = NewSession,
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 201, description = "Opened", body = api::SessionInfo),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn create_session(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    body: Result<Json<NewSession>, JsonRejection>,
+) -> Result<(StatusCode, Json<api::SessionInfo>), ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let Json(body) = body?;
+    let view = state.registry.get(&caller.tenant, &id)?;
+    let language = match body.language.as_deref() {
+        None => view.meta.language,
+        Some(name) => Language::from_name(name).ok_or_else(|| {
+            ApiError::bad_request("UNSUPPORTED_LANGUAGE", format!("unknown language {name:?}"))
+        })?,
+    };
+    if view.meta.sessions.len() >= 16 {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "TOO_MANY_SESSIONS",
+            "a sandbox holds at most 16 sessions; close one first",
+        ));
+    }
+    let info = open_session(&state, &caller, &id, language, new_id("ses_")).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// A sandbox's sessions.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionList {
+    pub sessions: Vec<api::SessionInfo>,
+}
+
+/// The sandbox's sessions and whether each holds live state.
+#[utoipa::path(get, path = "/api/v1/sandboxes/{id}/sessions", tag = "v1 sessions",
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 200, description = "Sessions", body = SessionList),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn list_sessions(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<SessionList>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let view = state.registry.get(&caller.tenant, &id)?;
+    Ok(Json(SessionList {
+        sessions: SandboxInfo::from_view(&view).sessions,
+    }))
+}
+
+/// Restart a session: its state is dropped and a fresh one takes its id.
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/sessions/{session_id}/restart", tag = "v1 sessions",
+    params(("id" = String, Path, description = "The sandbox id"), ("session_id" = String, Path, description = "The session id")),
+    responses(
+        (status = 200, description = "Restarted", body = api::SessionInfo),
+        (status = 404, description = "No such sandbox or session", body = ErrorBody),
+        (status = 409, description = "The sandbox is busy", body = ErrorBody),
+    ))]
+pub async fn restart_session(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<api::SessionInfo>, ApiError> {
+    let Path((id, session)) = ids.map_err(path_error)?;
+    let work = new_id("restart_");
+    let (_, _cancel) = state.registry.begin(&caller.tenant, &id, &work)?;
+    let done = async {
+        let (meta, handle) = state.registry.session(&caller.tenant, &id, &session)?;
+        if let Some(handle) = handle {
+            state.registry.drop_session_state(&id, &session);
+            let _ = state.pool.close_session(&handle).await;
+        }
+        open_session(&state, &caller, &id, meta.language, session.clone()).await
+    }
+    .await;
+    state.registry.finish(&id, None)?;
+    Ok(Json(done?))
+}
+
+/// Close a session and forget it.
+#[utoipa::path(delete, path = "/api/v1/sandboxes/{id}/sessions/{session_id}", tag = "v1 sessions",
+    params(("id" = String, Path, description = "The sandbox id"), ("session_id" = String, Path, description = "The session id")),
+    responses(
+        (status = 204, description = "Closed"),
+        (status = 404, description = "No such sandbox or session", body = ErrorBody),
+    ))]
+pub async fn close_session(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<StatusCode, ApiError> {
+    let Path((id, session)) = ids.map_err(path_error)?;
+    if let Some(handle) = state.registry.remove_session(&caller.tenant, &id, &session)? {
+        let _ = state.pool.close_session(&handle).await;
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---------------------------------------------------------------- files
+
+/// A listing query.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    /// A folder in the workspace; default the whole workspace.
+    pub path: Option<String>,
+}
+
+/// A file or folder in a workspace.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FileEntry {
+    #[schema(example = "data/input.csv")]
+    pub path: String,
+    /// `file`, `dir` or `symlink`.
+    #[schema(example = "file")]
+    pub kind: String,
+    pub size: u64,
+    pub modified_at: String,
+}
+
+/// A listing.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FileList {
+    pub files: Vec<FileEntry>,
+    /// Whether the listing stopped at 10 000 entries.
+    pub truncated: bool,
+}
+
+/// Runs file work while the sandbox is busy with it (so no code runs meanwhile and links
+/// cannot be swapped under the check).
+async fn with_sandbox<T: Send + 'static>(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+    work_id: &str,
+    work: impl FnOnce(crate::sandbox::Sandbox) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let (sandbox, _cancel) = state.registry.begin(&caller.tenant, id, work_id)?;
+    let done = tokio::task::spawn_blocking(move || work(sandbox))
+        .await
+        .map_err(|e| ApiError::internal(format!("a background task failed: {e}")));
+    state.registry.finish(id, None)?;
+    done?
+}
+
+/// List the workspace's files (recursive, at most 10 000 entries).
+#[utoipa::path(get, path = "/api/v1/sandboxes/{id}/files", tag = "v1 files", params(("id" = String, Path, description = "The sandbox id"), ListQuery),
+    responses(
+        (status = 200, description = "The listing", body = FileList),
+        (status = 400, description = "Bad path", body = ErrorBody),
+        (status = 404, description = "No such sandbox or folder", body = ErrorBody),
+    ))]
+pub async fn list_files(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    query: Result<Query<ListQuery>, QueryRejection>,
+) -> Result<Json<FileList>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let Query(query) = query.map_err(query_error)?;
+    let work = new_id("list_");
+    let listing = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
+        let workspace = sandbox.workspace();
+        let start = match &query.path {
+            Some(path) if !path.is_empty() => {
+                let start = workspace_path(&workspace, path)?;
+                check_no_links(&workspace, &start)?;
+                start
+            }
+            _ => workspace.clone(),
+        };
+        if !start.is_dir() {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "FILE_NOT_FOUND",
+                "no such folder in the workspace",
+            ));
+        }
+        let mut files = Vec::new();
+        let mut stack = vec![start];
+        let mut truncated = false;
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            for entry in entries.flatten() {
+                if files.len() >= MAX_LISTING {
+                    truncated = true;
+                    break;
+                }
+                let Ok(meta) = entry.path().symlink_metadata() else { continue };
+                let kind = if meta.file_type().is_symlink() {
+                    "symlink"
+                } else if meta.is_dir() {
+                    stack.push(entry.path());
+                    "dir"
+                } else {
+                    "file"
+                };
+                let modified = meta
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0));
+                files.push(FileEntry {
+                    path: entry
+                        .path()
+                        .strip_prefix(&workspace)
+                        .unwrap_or(&entry.path())
+                        .to_string_lossy()
+                        .into_owned(),
+                    kind: kind.into(),
+                    size: if kind == "file" { meta.len() } else { 0 },
+                    modified_at: rfc3339(modified),
+                });
+            }
+        }
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(FileList { files, truncated })
+    })
+    .await?;
+    Ok(Json(listing))
+}
+
+/// Download a file, byte for byte.
+#[utoipa::path(get, path = "/api/v1/sandboxes/{id}/files/{path}", tag = "v1 files",
+    params(("id" = String, Path, description = "The sandbox id"), ("path" = String, Path, description = "The file's path in the workspace")),
+    responses(
+        (status = 200, description = "The file", content_type = "application/octet-stream", body = Vec<u8>),
+        (status = 400, description = "Bad path", body = ErrorBody),
+        (status = 404, description = "No such sandbox or file", body = ErrorBody),
+    ))]
+pub async fn read_file(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Path((id, name)) = ids.map_err(path_error)?;
+    let work = new_id("read_");
+    let bytes = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
+        let workspace = sandbox.workspace();
+        let path = workspace_path(&workspace, &name)?;
+        check_no_links(&workspace, &path)?;
+        if path.is_dir() {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "PATH_IS_A_DIRECTORY",
+                format!("{name} is a folder; list it with GET .../files?path={name}"),
+            ));
+        }
+        std::fs::read(&path).map_err(|e| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "FILE_NOT_FOUND",
+                format!("cannot read {name:?}: {e}"),
+            )
+            .with_details(json!({ "path": name }))
+        })
+    })
+    .await?;
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+}
+
+/// A written or deleted file.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FileChange {
+    #[schema(example = "data/input.csv")]
+    pub path: String,
+    pub size: u64,
+    /// The history entry recording the change (absent when nothing changed).
+    pub history_id: Option<String>,
+    pub commit_id: Option<String>,
+}
+
+/// Upload a file (the raw request body, any bytes, at most 32 MiB). Folders are made as
+/// needed; the change is recorded in the history.
+#[utoipa::path(put, path = "/api/v1/sandboxes/{id}/files/{path}", tag = "v1 files",
+    params(("id" = String, Path, description = "The sandbox id"), ("path" = String, Path, description = "The file's path in the workspace")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses(
+        (status = 201, description = "Written", body = FileChange),
+        (status = 400, description = "Bad path", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is busy, or the path is a folder", body = ErrorBody),
+        (status = 413, description = "Too large", body = ErrorBody),
+    ))]
+pub async fn write_file(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<FileChange>), ApiError> {
+    let Path((id, name)) = ids.map_err(path_error)?;
+    let history_id = new_id("upload_");
+    let work = history_id.clone();
+    let change = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
+        let workspace = sandbox.workspace();
+        let path = workspace_path(&workspace, &name)?;
+        let size = body.len() as u64;
+        exec::write_files(&workspace, &[(path, body.to_vec())])?;
+        let commit_id = sandbox
+            .history()?
+            .commit_if_changed(&format!("upload {name}"), &history_id)
+            .map_err(history_error)?;
+        Ok(FileChange {
+            path: name,
+            size,
+            history_id: commit_id.as_ref().map(|_| history_id),
+            commit_id,
+        })
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(change)))
+}
+
+/// Delete a file or folder (recursively); the change is recorded in the history.
+#[utoipa::path(delete, path = "/api/v1/sandboxes/{id}/files/{path}", tag = "v1 files",
+    params(("id" = String, Path, description = "The sandbox id"), ("path" = String, Path, description = "The file's path in the workspace")),
+    responses(
+        (status = 200, description = "Deleted", body = FileChange),
+        (status = 400, description = "Bad path", body = ErrorBody),
+        (status = 404, description = "No such sandbox or file", body = ErrorBody),
+    ))]
+pub async fn delete_file(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<FileChange>, ApiError> {
+    let Path((id, name)) = ids.map_err(path_error)?;
+    let history_id = new_id("delete_");
+    let work = history_id.clone();
+    let change = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
+        let workspace = sandbox.workspace();
+        let path = workspace_path(&workspace, &name)?;
+        check_no_links(&workspace, path.parent().unwrap_or(&workspace))?;
+        let meta = path.symlink_metadata().map_err(|_| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "FILE_NOT_FOUND",
+                format!("no file {name:?} in the workspace"),
+            )
+            .with_details(json!({ "path": name }))
+        })?;
+        let removed = if meta.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        removed.map_err(|e| ApiError::internal(format!("could not delete {name}: {e}")))?;
+        let _ = crate::store::sync_dir(path.parent().unwrap_or(&workspace));
+        let commit_id = sandbox
+            .history()?
+            .commit_if_changed(&format!("delete {name}"), &history_id)
+            .map_err(history_error)?;
+        Ok(FileChange {
+            path: name,
+            size: 0,
+            history_id: commit_id.as_ref().map(|_| history_id),
+            commit_id,
+        })
+    })
+    .await?;
+    Ok(Json(change))
+}
+
