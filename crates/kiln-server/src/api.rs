@@ -11,7 +11,7 @@ use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use kiln_core::{Language, Limits};
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::AppState;
@@ -25,6 +25,8 @@ type Shared = State<Arc<AppState>>;
 
 /// Default sandbox lifetime: 30 minutes.
 pub const DEFAULT_LIFETIME_MS: u64 = 30 * 60 * 1000;
+/// Shortest sandbox lifetime: 1 second.
+pub const MIN_LIFETIME_MS: u64 = 1000;
 /// Longest sandbox lifetime: 24 hours.
 pub const MAX_LIFETIME_MS: u64 = 24 * 3600 * 1000;
 /// Most bytes of files one exec may upload.
@@ -46,16 +48,24 @@ pub struct CreateBody {
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct CreateOptions {
-    /// Lifetime in milliseconds (default 30 minutes, at most 24 hours).
-    #[schema(example = 600000, minimum = 1, maximum = 86400000)]
+    /// Lifetime in milliseconds (default 30 minutes, at least 1 second, at most 24 hours).
+    #[schema(example = 600000, minimum = 1000, maximum = 86400000)]
     pub timeout: Option<u64>,
     /// Memory cap for each execution, e.g. "512m" (default 512 MiB, at most 4 GiB).
     #[schema(example = "512m")]
     pub memory_limit: Option<String>,
     /// Accepted for compatibility with container sandboxes; not enforced (each execution
     /// runs on one core).
-    #[schema(value_type = Option<Object>, example = "0.5")]
-    pub cpu_limit: Option<Value>,
+    #[schema(example = "0.5")]
+    pub cpu_limit: Option<CpuLimit>,
+}
+
+/// A CPU share, as a number or text (`0.5`, `"0.5"`).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum CpuLimit {
+    Number(f64),
+    Text(String),
 }
 
 /// A created sandbox.
@@ -90,10 +100,10 @@ pub fn parse_create(
         .with_details(json!({ "image": image, "available": available })));
     };
     let lifetime_ms = lifetime_ms.unwrap_or(DEFAULT_LIFETIME_MS);
-    if lifetime_ms == 0 || lifetime_ms > MAX_LIFETIME_MS {
+    if !(MIN_LIFETIME_MS..=MAX_LIFETIME_MS).contains(&lifetime_ms) {
         return Err(ApiError::bad_request(
             "INVALID_OPTION",
-            format!("the lifetime must be 1..={MAX_LIFETIME_MS} ms, got {lifetime_ms}"),
+            format!("the lifetime must be {MIN_LIFETIME_MS}..={MAX_LIFETIME_MS} ms, got {lifetime_ms}"),
         ));
     }
     let memory_bytes = match memory_limit {

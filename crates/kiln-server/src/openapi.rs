@@ -41,31 +41,114 @@ pub struct ApiDoc;
 
 struct BearerAuth;
 
+/// Errors any operation may answer besides its own (auth, limits, body problems, overload).
+const COMMON_ERRORS: &[(&str, &str)] = &[
+    ("400", "Malformed JSON, wrong types, or a bad value"),
+    ("401", "No API key, or one that is unknown or revoked"),
+    ("404", "No such sandbox (or it belongs to another tenant)"),
+    ("408", "The request took longer than the server's request timeout"),
+    ("413", "The body is larger than 32 MiB"),
+    ("415", "The body is not `application/json`"),
+    ("429", "Too many requests for this key; see `Retry-After`"),
+    ("503", "Executor lost or saturated; retry"),
+];
+
+fn error_response(description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::Response> {
+    use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+    ResponseBuilder::new()
+        .description(description)
+        .content(
+            "application/json",
+            ContentBuilder::new()
+                .schema(Some(Ref::from_schema_name("ErrorBody")))
+                .build(),
+        )
+        .build()
+        .into()
+}
+
+/// A stable, unique operation id from the method and path: `post_api_v1_sandboxes_id_exec`.
+fn operation_id(method: &str, path: &str) -> String {
+    let mut id = method.to_owned();
+    for part in path.split('/').filter(|p| !p.is_empty()) {
+        id.push('_');
+        id.push_str(&part.replace(['{', '}'], "").replace(['.', '-'], "_"));
+    }
+    id
+}
+
 impl Modify for BearerAuth {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::link::LinkBuilder;
         let components = openapi.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
             "bearer",
             SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
         );
         let public = ["/healthz", "/readyz", "/metrics"];
+        // Operations that take a sandbox id, for links from the creating operations.
+        let mut takes_id = Vec::new();
         for (path, item) in openapi.paths.paths.iter_mut() {
-            if public.contains(&path.as_str()) {
-                continue;
+            for (method, operation) in [
+                ("get", &mut item.get),
+                ("post", &mut item.post),
+                ("put", &mut item.put),
+                ("delete", &mut item.delete),
+            ] {
+                let Some(operation) = operation else { continue };
+                let id = operation_id(method, path);
+                operation.operation_id = Some(id.clone());
+                if path.contains("{id}") && !path.contains("{execution_id}") && !path.contains("{session_id}") && !path.ends_with("/ws") && !path.contains("{path}") {
+                    takes_id.push(id);
+                }
+                if public.contains(&path.as_str()) {
+                    continue;
+                }
+                operation.security = Some(vec![
+                    utoipa::openapi::security::SecurityRequirement::new(
+                        "bearer",
+                        Vec::<String>::new(),
+                    ),
+                ]);
+                for (status, description) in COMMON_ERRORS {
+                    operation
+                        .responses
+                        .responses
+                        .entry((*status).to_owned())
+                        .or_insert_with(|| error_response(description));
+                }
             }
-            for operation in [
-                &mut item.get,
-                &mut item.post,
-                &mut item.put,
-                &mut item.delete,
-            ]
-            .into_iter()
-            .flatten()
-            {
-                operation.security = Some(vec![utoipa::openapi::security::SecurityRequirement::new(
-                    "bearer",
-                    Vec::<String>::new(),
-                )]);
+        }
+        // Links let clients (and schemathesis' stateful tests) follow a created sandbox's id
+        // into the operations that take it.
+        for (path, field) in [("/api/v1/sandboxes", "containerId"), ("/api/sandbox", "containerId")] {
+            let Some(item) = openapi.paths.paths.get_mut(path) else { continue };
+            let Some(operation) = item.post.as_mut() else { continue };
+            let Some(utoipa::openapi::RefOr::T(created)) = operation.responses.responses.get_mut("201") else { continue };
+            for target in &takes_id {
+                let link = LinkBuilder::new()
+                    .operation_id(target.clone())
+                    .parameter("id", format!("$response.body#/{field}"))
+                    .build();
+                created.links.insert(target.clone(), link.into());
+            }
+        }
+        // A session's id leads to its restart and close; an execution's to its cancel.
+        let nested = [
+            ("/api/v1/sandboxes/{id}/sessions", "201", "session_id", "sessionId", &["post_api_v1_sandboxes_id_sessions_session_id_restart", "delete_api_v1_sandboxes_id_sessions_session_id"][..]),
+            ("/api/v1/sandboxes/{id}/exec", "200", "execution_id", "executionId", &["post_api_v1_sandboxes_id_executions_execution_id_cancel"][..]),
+        ];
+        for (path, status, param, field, targets) in nested {
+            let Some(item) = openapi.paths.paths.get_mut(path) else { continue };
+            let Some(operation) = item.post.as_mut() else { continue };
+            let Some(utoipa::openapi::RefOr::T(response)) = operation.responses.responses.get_mut(status) else { continue };
+            for target in targets {
+                let link = LinkBuilder::new()
+                    .operation_id(*target)
+                    .parameter("id", "$request.path.id")
+                    .parameter(param, format!("$response.body#/{field}"))
+                    .build();
+                response.links.insert((*target).to_owned(), link.into());
             }
         }
     }
@@ -75,10 +158,33 @@ impl Modify for BearerAuth {
 pub fn spec_json() -> &'static str {
     static SPEC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SPEC.get_or_init(|| {
-        ApiDoc::openapi()
-            .to_pretty_json()
-            .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+        let mut value = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+        fix_link_names(&mut value);
+        serde_json::to_string_pretty(&value).unwrap_or_default()
     })
+}
+
+/// utoipa 5.5 writes a link's `operationId` as `operation_id`; OpenAPI spells it in camel
+/// case.
+fn fix_link_names(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            if let Some(links) = map.get_mut("links").and_then(|l| l.as_object_mut()) {
+                for link in links.values_mut() {
+                    if let Some(link) = link.as_object_mut()
+                        && let Some(id) = link.remove("operation_id")
+                    {
+                        link.insert("operationId".into(), id);
+                    }
+                }
+            }
+            for child in map.values_mut() {
+                fix_link_names(child);
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(fix_link_names),
+        _ => {}
+    }
 }
 
 pub async fn openapi_json() -> Response {

@@ -135,8 +135,9 @@ impl Sandbox {
 /// Maps a history failure onto the API.
 pub fn history_error(error: HistoryError) -> ApiError {
     match error {
+        // History ids come in request bodies: the URL's sandbox exists, the body is wrong.
         HistoryError::UnknownId(id) => ApiError::new(
-            StatusCode::NOT_FOUND,
+            StatusCode::BAD_REQUEST,
             "EXECUTION_NOT_FOUND",
             format!("no change {id:?} in this sandbox's history"),
         )

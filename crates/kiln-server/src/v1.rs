@@ -55,7 +55,8 @@ pub struct NewSandbox {
     /// `python` or `javascript` (or an image name as in `/api/sandbox`). Default `python`.
     #[serde(alias = "image")]
     pub language: Option<String>,
-    /// Lifetime in milliseconds (default 30 minutes, at most 24 hours).
+    /// Lifetime in milliseconds (default 30 minutes, at least 1 second, at most 24 hours).
+    #[schema(minimum = 1000, maximum = 86400000)]
     pub timeout_ms: Option<u64>,
     /// Memory cap per execution, e.g. "512m".
     pub memory_limit: Option<String>,
@@ -94,8 +95,10 @@ pub async fn create(
 /// Paging.
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct Page {
     /// Most sandboxes to return (1..=500, default 50).
+    #[param(minimum = 1, maximum = 500)]
     pub limit: Option<usize>,
     /// `nextCursor` from the previous page.
     pub cursor: Option<String>,
@@ -176,7 +179,8 @@ pub async fn delete(
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schema(example = json!({"timeoutMs": 1800000}))]
 pub struct Renew {
-    /// The new lifetime, from now, in milliseconds (at most 24 hours).
+    /// The new lifetime, from now, in milliseconds (at least 1 second, at most 24 hours).
+    #[schema(minimum = 1000, maximum = 86400000)]
     pub timeout_ms: u64,
 }
 
@@ -196,10 +200,10 @@ pub async fn renew(
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let Json(body) = body?;
-    if body.timeout_ms == 0 || body.timeout_ms > api::MAX_LIFETIME_MS {
+    if !(api::MIN_LIFETIME_MS..=api::MAX_LIFETIME_MS).contains(&body.timeout_ms) {
         return Err(ApiError::bad_request(
             "INVALID_OPTION",
-            format!("timeoutMs must be 1..={}", api::MAX_LIFETIME_MS),
+            format!("timeoutMs must be {}..={}", api::MIN_LIFETIME_MS, api::MAX_LIFETIME_MS),
         ));
     }
     state.registry.renew(&caller.tenant, &id, body.timeout_ms)?;
@@ -225,6 +229,7 @@ pub struct Execute {
     pub env: BTreeMap<String, String>,
     /// Time limit in milliseconds (default and most: 5 minutes, or what is left of the
     /// sandbox's life).
+    #[schema(minimum = 1, maximum = 300000)]
     pub timeout_ms: Option<u64>,
     /// Files to write into the workspace first (name → text).
     #[serde(default)]
@@ -301,7 +306,16 @@ fn spec(state: &AppState, caller: &Caller, id: &str, body: Execute) -> Result<Ru
         ));
     }
     if let Some(session) = &body.session_id {
-        let (meta, _) = state.registry.session(&caller.tenant, id, session)?;
+        // Named in the body: a bad request, not a missing URL.
+        let (meta, _) = state
+            .registry
+            .session(&caller.tenant, id, session)
+            .map_err(|mut e| {
+                if e.code == "SESSION_NOT_FOUND" {
+                    e.status = StatusCode::BAD_REQUEST;
+                }
+                e
+            })?;
         if meta.language != language {
             return Err(ApiError::bad_request(
                 "UNSUPPORTED_LANGUAGE",
@@ -350,6 +364,18 @@ pub async fn execute(
     let spec = spec(&state, &caller, &id, body)?;
     let outcome = exec::run(&state, &caller, &id, spec, None).await?;
     Ok(Json(Execution::from_outcome(&outcome)))
+}
+
+/// One Server-Sent Event of a streamed execution.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SseEvent {
+    /// `start`, `stdout`, `stderr`, `result` or `error`.
+    #[schema(example = "stdout")]
+    pub event: String,
+    /// JSON text: `{"executionId"}` for start, `{"data": text}` for output, an Execution for
+    /// result, an error body for error.
+    #[schema(example = "{\"data\": \"hello\\n\"}")]
+    pub data: String,
 }
 
 /// Decodes chunks to text without splitting a UTF-8 sequence across two events.
@@ -444,7 +470,7 @@ fn start_streaming(
 #[utoipa::path(post, path = "/api/v1/sandboxes/{id}/exec/stream", tag = "v1 executions", request_body = Execute,
     params(("id" = String, Path, description = "The sandbox id")),
     responses(
-        (status = 200, description = "An event stream", content_type = "text/event-stream", body = String),
+        (status = 200, description = "An event stream", content_type = "text/event-stream", body = SseEvent),
         (status = 400, description = "Bad request", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
     ))]
@@ -759,6 +785,7 @@ pub async fn close_session(
 /// A listing query.
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// A folder in the workspace; default the whole workspace.
     pub path: Option<String>,
