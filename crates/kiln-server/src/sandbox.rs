@@ -592,6 +592,15 @@ pub fn workspace_path(workspace: &Path, name: &str) -> Result<PathBuf, ApiError>
     if name.contains('\0') {
         return bad("it contains a NUL byte");
     }
+    for part in name.split('/') {
+        match part {
+            "" if name.starts_with('/') => return bad("it must be relative"),
+            "" => return bad("it has an empty part (`//` or a trailing `/`)"),
+            "." => return bad("it contains `.`"),
+            ".." => return bad("it contains `..`"),
+            _ => {}
+        }
+    }
     let path = Path::new(name);
     for component in path.components() {
         match component {
@@ -658,7 +667,7 @@ mod tests {
             workspace_path(ws, "data/in.txt").unwrap(),
             Path::new("/w/data/in.txt")
         );
-        for bad in ["../x", "/etc/passwd", "a/../../x", "", "a\0b", "./a"] {
+        for bad in ["../x", "/etc/passwd", "a/../../x", "", "a\0b", "./a", "a/./b", "a//b", "a/"] {
             let err = workspace_path(ws, bad).unwrap_err();
             assert_eq!(err.code, "INVALID_PATH", "{bad:?}");
         }
