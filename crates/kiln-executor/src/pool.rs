@@ -231,7 +231,9 @@ impl ExecutorPool {
             while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
                 let mut pending = reader_pending.lock().unwrap_or_else(|e| e.into_inner());
                 if let Reply::Chunk { stderr, data } = response.reply {
-                    if let Some(listener) = pending.get(&response.id).and_then(|w| w.chunks.as_ref()) {
+                    if let Some(listener) =
+                        pending.get(&response.id).and_then(|w| w.chunks.as_ref())
+                    {
                         let _ = listener.send(Chunk { stderr, data });
                     }
                     continue;
@@ -293,8 +295,8 @@ impl ExecutorPool {
     ) -> Result<Reply, PoolError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let stream = options.chunks.is_some();
-        let body = encode(&Request { id, op, stream })
-            .map_err(|e| PoolError::TooLarge(e.to_string()))?;
+        let body =
+            encode(&Request { id, op, stream }).map_err(|e| PoolError::TooLarge(e.to_string()))?;
         let (tx, mut rx) = oneshot::channel();
         worker
             .pending

@@ -152,7 +152,10 @@ where
                     send_chunk(chunk);
                 }
             }
-            running.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
             let _ = tx.send(Response { id, reply });
         });
     }
@@ -160,7 +163,9 @@ where
     let _ = writer.await;
 }
 
-async fn next_chunk(chunks: &mut Option<mpsc::UnboundedReceiver<OutputChunk>>) -> Option<OutputChunk> {
+async fn next_chunk(
+    chunks: &mut Option<mpsc::UnboundedReceiver<OutputChunk>>,
+) -> Option<OutputChunk> {
     match chunks {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,

@@ -19,7 +19,9 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunSpec};
 use crate::history::{HistoryEntry, MAX_HISTORY};
-use crate::sandbox::{IMAGES, Sandbox, SandboxView, history_error, image_language, new_id, rfc3339, workspace_path};
+use crate::sandbox::{
+    IMAGES, Sandbox, SandboxView, history_error, image_language, new_id, rfc3339, workspace_path,
+};
 
 type Shared = State<Arc<AppState>>;
 
@@ -103,7 +105,9 @@ pub fn parse_create(
     if !(MIN_LIFETIME_MS..=MAX_LIFETIME_MS).contains(&lifetime_ms) {
         return Err(ApiError::bad_request(
             "INVALID_OPTION",
-            format!("the lifetime must be {MIN_LIFETIME_MS}..={MAX_LIFETIME_MS} ms, got {lifetime_ms}"),
+            format!(
+                "the lifetime must be {MIN_LIFETIME_MS}..={MAX_LIFETIME_MS} ms, got {lifetime_ms}"
+            ),
         ));
     }
     let memory_bytes = match memory_limit {
@@ -253,7 +257,10 @@ pub fn check_files<'a>(
                 format!("the files total more than {MAX_FILES_BYTES} bytes"),
             ));
         }
-        out.push((workspace_path(&sandbox.workspace(), name)?, content.to_vec()));
+        out.push((
+            workspace_path(&sandbox.workspace(), name)?,
+            content.to_vec(),
+        ));
     }
     Ok(out)
 }
@@ -287,10 +294,7 @@ pub async fn exec(
             ),
         ));
     }
-    let files = check_files(
-        sandbox,
-        body.files.iter().map(|(k, v)| (k, v.as_bytes())),
-    )?;
+    let files = check_files(sandbox, body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
     let (code, code_file) = match program {
         Program::Inline(code) => (code, None),
         Program::File(name) => {
@@ -375,7 +379,12 @@ impl SandboxInfo {
             container_id: sandbox.id.clone(),
             image: sandbox.image.clone(),
             language: sandbox.language.name().into(),
-            status: if view.running.is_some() { "running" } else { "idle" }.into(),
+            status: if view.running.is_some() {
+                "running"
+            } else {
+                "idle"
+            }
+            .into(),
             current_execution: view.running.clone(),
             created_at: rfc3339(sandbox.created_ms),
             expires_at: rfc3339(sandbox.expires_ms),
@@ -390,7 +399,12 @@ impl SandboxInfo {
                 .map(|s| SessionInfo {
                     session_id: s.id.clone(),
                     language: s.language.name().into(),
-                    status: if view.live_sessions.contains(&s.id) { "ready" } else { "ended" }.into(),
+                    status: if view.live_sessions.contains(&s.id) {
+                        "ready"
+                    } else {
+                        "ended"
+                    }
+                    .into(),
                     turns: s.turns,
                     created_at: rfc3339(s.created_ms),
                 })
@@ -628,9 +642,11 @@ pub async fn readyz(State(state): Shared) -> Result<Json<Health>, ApiError> {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "NOT_READY",
-            format!("not ready: executor workers {}, data folder {}",
+            format!(
+                "not ready: executor workers {}, data folder {}",
                 if workers { "up" } else { "cannot start" },
-                if writable { "writable" } else { "not writable" }),
+                if writable { "writable" } else { "not writable" }
+            ),
         ));
     }
     Ok(Json(Health {
@@ -641,9 +657,14 @@ pub async fn readyz(State(state): Shared) -> Result<Json<Health>, ApiError> {
 /// Prometheus metrics (text exposition format).
 #[utoipa::path(get, path = "/metrics", tag = "operations",
     responses((status = 200, description = "Metrics", body = String, content_type = "text/plain")))]
-pub async fn metrics(State(state): Shared) -> ([(axum::http::header::HeaderName, &'static str); 1], String) {
+pub async fn metrics(
+    State(state): Shared,
+) -> ([(axum::http::header::HeaderName, &'static str); 1], String) {
     (
-        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
         state
             .metrics
             .render(state.registry.count(), state.pool.worker_pids().len()),

@@ -149,10 +149,13 @@ pub enum Auth {
     Keys(KeyStore),
 }
 
+/// When `keys.json` last changed: (modified time, inode).
+type FileStamp = (SystemTime, u64);
+
 /// The server's view of `keys.json`.
 pub struct KeyStore {
     path: PathBuf,
-    cache: Mutex<(Option<(SystemTime, u64)>, HashMap<String, Caller>)>,
+    cache: Mutex<(Option<FileStamp>, HashMap<String, Caller>)>,
 }
 
 impl KeyStore {
@@ -179,7 +182,10 @@ impl KeyStore {
             return;
         }
         let keys = load(&self.path).map(|f| f.keys).unwrap_or_else(|e| {
-            tracing::error!("cannot read {}: {e}; refusing every key", self.path.display());
+            tracing::error!(
+                "cannot read {}: {e}; refusing every key",
+                self.path.display()
+            );
             Vec::new()
         });
         cache.1 = keys

@@ -81,7 +81,10 @@ fn write_error(path: &std::path::Path, error: &std::io::Error) -> ApiError {
 }
 
 /// Writes files into a workspace, durably.
-pub fn write_files(workspace: &std::path::Path, files: &[(PathBuf, Vec<u8>)]) -> Result<(), ApiError> {
+pub fn write_files(
+    workspace: &std::path::Path,
+    files: &[(PathBuf, Vec<u8>)],
+) -> Result<(), ApiError> {
     for (target, content) in files {
         crate::sandbox::check_no_links(workspace, target)?;
         if let Some(parent) = target.parent() {
@@ -208,7 +211,9 @@ async fn run_in(
             state.pool.execute_with(request, options).await
         }
         Some(session) => {
-            let (_, handle) = state.registry.session(&sandbox.tenant, &sandbox.id, session)?;
+            let (_, handle) = state
+                .registry
+                .session(&sandbox.tenant, &sandbox.id, session)?;
             let Some(handle) = handle else {
                 return Err(session_lost(&sandbox.id, session));
             };

@@ -19,7 +19,14 @@ use crate::auth::{Auth, Caller, LOCAL_TENANT};
 use crate::error::{ApiError, ErrorCode};
 
 /// Paths anyone may read without a key.
-const PUBLIC: &[&str] = &["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"];
+const PUBLIC: &[&str] = &[
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/redoc",
+];
 
 /// The request id of a request (also sent back as `x-request-id`).
 #[derive(Debug, Clone)]
@@ -113,7 +120,11 @@ fn authenticate(state: &AppState, request: &Request) -> Result<Caller, ApiError>
 }
 
 /// The middleware.
-pub async fn gate(State(state): State<Arc<AppState>>, mut request: Request, next: Next) -> Response {
+pub async fn gate(
+    State(state): State<Arc<AppState>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let started = Instant::now();
     let id = request_id(&request);
     let method = request.method().to_string();
@@ -122,11 +133,16 @@ pub async fn gate(State(state): State<Arc<AppState>>, mut request: Request, next
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
     let path = request.uri().path();
-    let public = PUBLIC.contains(&path) || path.starts_with("/docs/") || path.starts_with("/redoc/");
+    let public =
+        PUBLIC.contains(&path) || path.starts_with("/docs/") || path.starts_with("/redoc/");
     request.extensions_mut().insert(RequestId(id.clone()));
 
     let mut key_id = String::from("-");
-    let mut response = match if public { Ok(None) } else { authenticate(&state, &request).map(Some) } {
+    let mut response = match if public {
+        Ok(None)
+    } else {
+        authenticate(&state, &request).map(Some)
+    } {
         Err(error) => {
             let mut response = error.into_response();
             response

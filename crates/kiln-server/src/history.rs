@@ -146,9 +146,14 @@ impl History {
         }
         let tree = self.repo.find_tree(tree)?;
         let sig = signature()?;
-        let oid = self
-            .repo
-            .commit(Some("HEAD"), &sig, &sig, &message(summary, id), &tree, &[&head])?;
+        let oid = self.repo.commit(
+            Some("HEAD"),
+            &sig,
+            &sig,
+            &message(summary, id),
+            &tree,
+            &[&head],
+        )?;
         Ok(Some(oid.to_string()))
     }
 
@@ -279,11 +284,21 @@ mod tests {
         assert_eq!(history.commit_if_changed("noop", "e0").unwrap(), None);
 
         std::fs::write(ws.join("a.txt"), "one\n").unwrap();
-        assert!(history.commit_if_changed("write a", "e1").unwrap().is_some());
+        assert!(
+            history
+                .commit_if_changed("write a", "e1")
+                .unwrap()
+                .is_some()
+        );
         std::fs::write(ws.join("a.txt"), "two\n").unwrap();
         std::fs::create_dir(ws.join("sub")).unwrap();
         std::fs::write(ws.join("sub/b.bin"), [0u8, 1, 2]).unwrap();
-        assert!(history.commit_if_changed("change a, add b", "e2").unwrap().is_some());
+        assert!(
+            history
+                .commit_if_changed("change a, add b", "e2")
+                .unwrap()
+                .is_some()
+        );
 
         let entries = history.entries(100).unwrap();
         let ids: Vec<_> = entries.iter().map(|e| e.id.as_str()).collect();

@@ -40,7 +40,11 @@ impl Histogram {
                 self.counts[i]
             );
         }
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}", self.total);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}",
+            self.total
+        );
         let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum);
         let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.total);
     }
@@ -140,7 +144,9 @@ impl Metrics {
                 &format!("language=\"{language}\""),
             );
         }
-        out.push_str("# HELP kiln_errors_total API errors by code.\n# TYPE kiln_errors_total counter\n");
+        out.push_str(
+            "# HELP kiln_errors_total API errors by code.\n# TYPE kiln_errors_total counter\n",
+        );
         for (code, n) in &inner.errors {
             let _ = writeln!(out, "kiln_errors_total{{code=\"{code}\"}} {n}");
         }

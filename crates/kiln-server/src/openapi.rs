@@ -46,7 +46,10 @@ const COMMON_ERRORS: &[(&str, &str)] = &[
     ("400", "Malformed JSON, wrong types, or a bad value"),
     ("401", "No API key, or one that is unknown or revoked"),
     ("404", "No such sandbox (or it belongs to another tenant)"),
-    ("408", "The request took longer than the server's request timeout"),
+    (
+        "408",
+        "The request took longer than the server's request timeout",
+    ),
     ("413", "The body is larger than 32 MiB"),
     ("415", "The body is not `application/json`"),
     ("429", "Too many requests for this key; see `Retry-After`"),
@@ -98,18 +101,22 @@ impl Modify for BearerAuth {
                 let Some(operation) = operation else { continue };
                 let id = operation_id(method, path);
                 operation.operation_id = Some(id.clone());
-                if path.contains("{id}") && !path.contains("{execution_id}") && !path.contains("{session_id}") && !path.ends_with("/ws") && !path.contains("{path}") {
+                if path.contains("{id}")
+                    && !path.contains("{execution_id}")
+                    && !path.contains("{session_id}")
+                    && !path.ends_with("/ws")
+                    && !path.contains("{path}")
+                {
                     takes_id.push(id);
                 }
                 if public.contains(&path.as_str()) {
                     continue;
                 }
-                operation.security = Some(vec![
-                    utoipa::openapi::security::SecurityRequirement::new(
+                operation.security =
+                    Some(vec![utoipa::openapi::security::SecurityRequirement::new(
                         "bearer",
                         Vec::<String>::new(),
-                    ),
-                ]);
+                    )]);
                 for (status, description) in COMMON_ERRORS {
                     operation
                         .responses
@@ -121,10 +128,21 @@ impl Modify for BearerAuth {
         }
         // Links let clients (and schemathesis' stateful tests) follow a created sandbox's id
         // into the operations that take it.
-        for (path, field) in [("/api/v1/sandboxes", "containerId"), ("/api/sandbox", "containerId")] {
-            let Some(item) = openapi.paths.paths.get_mut(path) else { continue };
-            let Some(operation) = item.post.as_mut() else { continue };
-            let Some(utoipa::openapi::RefOr::T(created)) = operation.responses.responses.get_mut("201") else { continue };
+        for (path, field) in [
+            ("/api/v1/sandboxes", "containerId"),
+            ("/api/sandbox", "containerId"),
+        ] {
+            let Some(item) = openapi.paths.paths.get_mut(path) else {
+                continue;
+            };
+            let Some(operation) = item.post.as_mut() else {
+                continue;
+            };
+            let Some(utoipa::openapi::RefOr::T(created)) =
+                operation.responses.responses.get_mut("201")
+            else {
+                continue;
+            };
             for target in &takes_id {
                 let link = LinkBuilder::new()
                     .operation_id(target.clone())
@@ -135,13 +153,36 @@ impl Modify for BearerAuth {
         }
         // A session's id leads to its restart and close; an execution's to its cancel.
         let nested = [
-            ("/api/v1/sandboxes/{id}/sessions", "201", "session_id", "sessionId", &["post_api_v1_sandboxes_id_sessions_session_id_restart", "delete_api_v1_sandboxes_id_sessions_session_id"][..]),
-            ("/api/v1/sandboxes/{id}/exec", "200", "execution_id", "executionId", &["post_api_v1_sandboxes_id_executions_execution_id_cancel"][..]),
+            (
+                "/api/v1/sandboxes/{id}/sessions",
+                "201",
+                "session_id",
+                "sessionId",
+                &[
+                    "post_api_v1_sandboxes_id_sessions_session_id_restart",
+                    "delete_api_v1_sandboxes_id_sessions_session_id",
+                ][..],
+            ),
+            (
+                "/api/v1/sandboxes/{id}/exec",
+                "200",
+                "execution_id",
+                "executionId",
+                &["post_api_v1_sandboxes_id_executions_execution_id_cancel"][..],
+            ),
         ];
         for (path, status, param, field, targets) in nested {
-            let Some(item) = openapi.paths.paths.get_mut(path) else { continue };
-            let Some(operation) = item.post.as_mut() else { continue };
-            let Some(utoipa::openapi::RefOr::T(response)) = operation.responses.responses.get_mut(status) else { continue };
+            let Some(item) = openapi.paths.paths.get_mut(path) else {
+                continue;
+            };
+            let Some(operation) = item.post.as_mut() else {
+                continue;
+            };
+            let Some(utoipa::openapi::RefOr::T(response)) =
+                operation.responses.responses.get_mut(status)
+            else {
+                continue;
+            };
             for target in targets {
                 let link = LinkBuilder::new()
                     .operation_id(*target)

@@ -221,7 +221,10 @@ impl Registry {
             let path = entry?.path();
             let meta_path = path.join("meta.json");
             if !meta_path.exists() {
-                tracing::warn!("removing {}: a sandbox folder with no meta.json (a create or delete cut short)", path.display());
+                tracing::warn!(
+                    "removing {}: a sandbox folder with no meta.json (a create or delete cut short)",
+                    path.display()
+                );
                 let _ = std::fs::remove_dir_all(&path);
                 continue;
             }
@@ -343,7 +346,9 @@ impl Registry {
         let start = match after.and_then(|a| sandboxes.get(a)) {
             Some(cursor) => mine
                 .iter()
-                .position(|e| (e.meta.created_ms, &e.meta.id) > (cursor.meta.created_ms, &cursor.meta.id))
+                .position(|e| {
+                    (e.meta.created_ms, &e.meta.id) > (cursor.meta.created_ms, &cursor.meta.id)
+                })
                 .unwrap_or(mine.len()),
             None => 0,
         };
@@ -423,7 +428,8 @@ impl Registry {
     }
 
     fn persist(meta: &Sandbox) -> Result<(), ApiError> {
-        store::write_json(&meta.meta_path(), meta).map_err(|e| io_error("could not save the sandbox", &e))
+        store::write_json(&meta.meta_path(), meta)
+            .map_err(|e| io_error("could not save the sandbox", &e))
     }
 
     /// Extends a sandbox's life to `lifetime_ms` from now.
@@ -557,7 +563,9 @@ impl Registry {
         for mut entry in expired {
             let _ = std::fs::remove_file(entry.meta.meta_path());
             let _ = std::fs::remove_dir_all(&entry.meta.dir);
-            removed.handles.extend(entry.handles.drain().map(|(_, h)| h));
+            removed
+                .handles
+                .extend(entry.handles.drain().map(|(_, h)| h));
         }
         removed
     }
@@ -618,18 +626,24 @@ pub fn workspace_path(workspace: &Path, name: &str) -> Result<PathBuf, ApiError>
 /// can plant links; following one would reach host files). Parts that do not exist yet are
 /// fine. Call it while the sandbox is busy with this request, so no code runs meanwhile.
 pub fn check_no_links(workspace: &Path, path: &Path) -> Result<(), ApiError> {
-    let relative = path.strip_prefix(workspace).map_err(|_| {
-        ApiError::bad_request("INVALID_PATH", "the path is outside the workspace")
-    })?;
+    let relative = path
+        .strip_prefix(workspace)
+        .map_err(|_| ApiError::bad_request("INVALID_PATH", "the path is outside the workspace"))?;
     let mut at = workspace.to_path_buf();
     for part in relative.components() {
         at.push(part);
         match std::fs::symlink_metadata(&at) {
             Ok(meta) if meta.file_type().is_symlink() => {
-                let shown = at.strip_prefix(workspace).unwrap_or(&at).display().to_string();
+                let shown = at
+                    .strip_prefix(workspace)
+                    .unwrap_or(&at)
+                    .display()
+                    .to_string();
                 return Err(ApiError::bad_request(
                     "INVALID_PATH",
-                    format!("{shown} is a symbolic link; kiln does not follow links in a workspace"),
+                    format!(
+                        "{shown} is a symbolic link; kiln does not follow links in a workspace"
+                    ),
                 )
                 .with_details(json!({ "path": shown })));
             }
@@ -667,7 +681,17 @@ mod tests {
             workspace_path(ws, "data/in.txt").unwrap(),
             Path::new("/w/data/in.txt")
         );
-        for bad in ["../x", "/etc/passwd", "a/../../x", "", "a\0b", "./a", "a/./b", "a//b", "a/"] {
+        for bad in [
+            "../x",
+            "/etc/passwd",
+            "a/../../x",
+            "",
+            "a\0b",
+            "./a",
+            "a/./b",
+            "a//b",
+            "a/",
+        ] {
             let err = workspace_path(ws, bad).unwrap_err();
             assert_eq!(err.code, "INVALID_PATH", "{bad:?}");
         }

@@ -26,7 +26,9 @@ use crate::api::{self, SandboxInfo, check_files, exec_prefix};
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunOutcome, RunSpec, pool_error};
-use crate::sandbox::{SessionMeta, check_no_links, history_error, new_id, now_ms, rfc3339, workspace_path};
+use crate::sandbox::{
+    SessionMeta, check_no_links, history_error, new_id, now_ms, rfc3339, workspace_path,
+};
 
 type Shared = State<Arc<AppState>>;
 
@@ -38,7 +40,10 @@ pub const MAX_LISTING: usize = 10_000;
 pub const MAX_FILE_BYTES: usize = crate::MAX_BODY_BYTES;
 
 fn path_error(rejection: PathRejection) -> ApiError {
-    ApiError::bad_request("INVALID_PATH", format!("bad path in the URL: {}", rejection.body_text()))
+    ApiError::bad_request(
+        "INVALID_PATH",
+        format!("bad path in the URL: {}", rejection.body_text()),
+    )
 }
 
 fn query_error(rejection: QueryRejection) -> ApiError {
@@ -154,7 +159,9 @@ pub async fn get(
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    Ok(Json(SandboxInfo::from_view(&state.registry.get(&caller.tenant, &id)?)))
+    Ok(Json(SandboxInfo::from_view(
+        &state.registry.get(&caller.tenant, &id)?,
+    )))
 }
 
 /// Delete a sandbox (a running execution is cancelled).
@@ -203,11 +210,17 @@ pub async fn renew(
     if !(api::MIN_LIFETIME_MS..=api::MAX_LIFETIME_MS).contains(&body.timeout_ms) {
         return Err(ApiError::bad_request(
             "INVALID_OPTION",
-            format!("timeoutMs must be {}..={}", api::MIN_LIFETIME_MS, api::MAX_LIFETIME_MS),
+            format!(
+                "timeoutMs must be {}..={}",
+                api::MIN_LIFETIME_MS,
+                api::MAX_LIFETIME_MS
+            ),
         ));
     }
     state.registry.renew(&caller.tenant, &id, body.timeout_ms)?;
-    Ok(Json(SandboxInfo::from_view(&state.registry.get(&caller.tenant, &id)?)))
+    Ok(Json(SandboxInfo::from_view(
+        &state.registry.get(&caller.tenant, &id)?,
+    )))
 }
 
 // ---------------------------------------------------------------- executions
@@ -323,7 +336,10 @@ fn spec(state: &AppState, caller: &Caller, id: &str, body: Execute) -> Result<Ru
             ));
         }
     }
-    let files = check_files(&view.meta, body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
+    let files = check_files(
+        &view.meta,
+        body.files.iter().map(|(k, v)| (k, v.as_bytes())),
+    )?;
     let summary = format!(
         "{} {}",
         language.name(),
@@ -448,7 +464,10 @@ fn start_streaming(
             let carry = if chunk.stderr { &mut err } else { &mut out };
             let text = carry.push(&chunk.data);
             if !text.is_empty() {
-                let _ = forward.send(StreamEvent::Output { stderr: chunk.stderr, text });
+                let _ = forward.send(StreamEvent::Output {
+                    stderr: chunk.stderr,
+                    text,
+                });
             }
         }
     });
@@ -589,7 +608,9 @@ async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Calle
     }
 }
 
-async fn next_event(events: &mut Option<mpsc::UnboundedReceiver<StreamEvent>>) -> Option<StreamEvent> {
+async fn next_event(
+    events: &mut Option<mpsc::UnboundedReceiver<StreamEvent>>,
+) -> Option<StreamEvent> {
     match events {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
@@ -774,7 +795,10 @@ pub async fn close_session(
     ids: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<StatusCode, ApiError> {
     let Path((id, session)) = ids.map_err(path_error)?;
-    if let Some(handle) = state.registry.remove_session(&caller.tenant, &id, &session)? {
+    if let Some(handle) = state
+        .registry
+        .remove_session(&caller.tenant, &id, &session)?
+    {
         let _ = state.pool.close_session(&handle).await;
     }
     Ok(StatusCode::NO_CONTENT)
@@ -866,13 +890,17 @@ pub async fn list_files(
         let mut stack = vec![start];
         let mut truncated = false;
         while let Some(dir) = stack.pop() {
-            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
             for entry in entries.flatten() {
                 if files.len() >= MAX_LISTING {
                     truncated = true;
                     break;
                 }
-                let Ok(meta) = entry.path().symlink_metadata() else { continue };
+                let Ok(meta) = entry.path().symlink_metadata() else {
+                    continue;
+                };
                 let kind = if meta.file_type().is_symlink() {
                     "symlink"
                 } else if meta.is_dir() {
@@ -1047,4 +1075,3 @@ pub async fn delete_file(
     .await?;
     Ok(Json(change))
 }
-

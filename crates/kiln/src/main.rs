@@ -45,7 +45,11 @@ fn init_logging(cli: &Cli) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
     if json {
-        builder.json().flatten_event(true).with_current_span(false).init();
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .init();
     } else {
         builder.init();
     }
@@ -145,12 +149,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Keys { command, data_dir: dir } => {
+        Command::Keys {
+            command,
+            data_dir: dir,
+        } => {
             let dir = data_dir(dir)?;
             match command {
                 cli::KeysCommand::Create { name, tenant } => {
-                    let (record, key) = kiln_server::auth::create_key(&dir, &name, tenant.as_deref())
-                        .with_context(|| format!("cannot create a key in {}", dir.display()))?;
+                    let (record, key) =
+                        kiln_server::auth::create_key(&dir, &name, tenant.as_deref())
+                            .with_context(|| format!("cannot create a key in {}", dir.display()))?;
                     println!("{key}");
                     eprintln!(
                         "kiln: created key {} for tenant {}; it is shown once, only its hash is kept ({})",
@@ -162,10 +170,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 cli::KeysCommand::List => {
                     let keys = kiln_server::auth::list_keys(&dir)?;
                     if keys.is_empty() {
-                        eprintln!("kiln: no keys in {}; create one with `kiln keys create`", dir.display());
+                        eprintln!(
+                            "kiln: no keys in {}; create one with `kiln keys create`",
+                            dir.display()
+                        );
                     }
                     for key in keys {
-                        println!("{}\t{}\t{}\t{}", key.id, key.tenant, key.created_at, key.name);
+                        println!(
+                            "{}\t{}\t{}\t{}",
+                            key.id, key.tenant, key.created_at, key.name
+                        );
                     }
                 }
                 cli::KeysCommand::Revoke { id } => {

@@ -47,12 +47,18 @@ fn kiln() -> Command {
 
 fn create_key(data: &Path, tenant: Option<&str>) -> Res<String> {
     let mut command = kiln();
-    command.args(["keys", "create", "--name", "test", "--data-dir"]).arg(data);
+    command
+        .args(["keys", "create", "--name", "test", "--data-dir"])
+        .arg(data);
     if let Some(tenant) = tenant {
         command.args(["--tenant", tenant]);
     }
     let output = command.output()?;
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     Ok(String::from_utf8(output.stdout)?.trim().to_owned())
 }
 
@@ -77,7 +83,14 @@ fn start(options: Options<'_>) -> Res<Server> {
     let log = data.join(format!("serve-{port}.log"));
     let mut command = kiln();
     command
-        .args(["serve", "--workers", "2", "--log-format", "json", "--listen"])
+        .args([
+            "serve",
+            "--workers",
+            "2",
+            "--log-format",
+            "json",
+            "--listen",
+        ])
         .arg(format!("127.0.0.1:{port}"))
         .arg("--data-dir")
         .arg(&data)
@@ -91,7 +104,11 @@ fn start(options: Options<'_>) -> Res<Server> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while ureq::get(&format!("{base}/healthz")).call().is_err() {
         if Instant::now() > deadline {
-            return Err(format!("kiln serve did not come up: {}", std::fs::read_to_string(&log)?).into());
+            return Err(format!(
+                "kiln serve did not come up: {}",
+                std::fs::read_to_string(&log)?
+            )
+            .into());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -151,7 +168,13 @@ impl Server {
         format!("{}{path}", self.base)
     }
 
-    fn call_as(&self, key: Option<&str>, method: &str, path: &str, body: Option<Value>) -> Res<(u16, Value)> {
+    fn call_as(
+        &self,
+        key: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> Res<(u16, Value)> {
         let text = body.map(|b| b.to_string());
         let reply = send(
             method,
@@ -167,7 +190,11 @@ impl Server {
     }
 
     fn new_sandbox(&self, language: &str) -> Res<String> {
-        let (status, body) = self.call("POST", "/api/v1/sandboxes", Some(json!({"language": language})))?;
+        let (status, body) = self.call(
+            "POST",
+            "/api/v1/sandboxes",
+            Some(json!({"language": language})),
+        )?;
         assert_eq!(status, 201, "{body}");
         Ok(body["containerId"].as_str().ok_or("no id")?.to_owned())
     }
@@ -185,26 +212,48 @@ impl Server {
 
 #[test]
 fn keys_are_required_and_tenants_never_see_each_other() -> TestResult {
-    let server = start(Options { auth: true, ..Options::default() })?;
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
     let alice = server.key.clone().ok_or("no key")?;
     let bob = create_key(&server.data, None)?;
     let stored = std::fs::read_to_string(server.data.join("keys.json"))?;
-    assert!(!stored.contains(&alice) && !stored.contains(&bob), "keys must be stored hashed");
+    assert!(
+        !stored.contains(&alice) && !stored.contains(&bob),
+        "keys must be stored hashed"
+    );
 
     // No key, a wrong key, a malformed header: 401 with the error shape.
-    for key in [None, Some("kiln_000000000000000000000000000000000000000000000000"), Some("")] {
+    for key in [
+        None,
+        Some("kiln_000000000000000000000000000000000000000000000000"),
+        Some(""),
+    ] {
         let (status, body) = server.call_as(key, "GET", "/api/v1/sandboxes", None)?;
         assert_eq!(status, 401, "{body}");
         assert_eq!(body["error"]["code"], "UNAUTHORIZED");
     }
     // Health, readiness, metrics and docs need no key.
-    for path in ["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"] {
+    for path in [
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/openapi.json",
+        "/docs",
+        "/redoc",
+    ] {
         let reply = send("GET", &server.url(path), None, None)?;
         assert_eq!(reply.status, 200, "{path}");
     }
 
     let id = {
-        let (status, body) = server.call_as(Some(&alice), "POST", "/api/sandbox", Some(json!({"image": "python"})))?;
+        let (status, body) = server.call_as(
+            Some(&alice),
+            "POST",
+            "/api/sandbox",
+            Some(json!({"image": "python"})),
+        )?;
         assert_eq!(status, 201, "{body}");
         body["containerId"].as_str().ok_or("no id")?.to_owned()
     };
@@ -215,8 +264,16 @@ fn keys_are_required_and_tenants_never_see_each_other() -> TestResult {
         ("GET", format!("/api/v1/sandboxes/{id}"), None),
         ("GET", format!("/api/sandbox/{id}/history"), None),
         ("GET", format!("/api/v1/sandboxes/{id}/files"), None),
-        ("POST", "/api/sandbox/exec".to_owned(), Some(json!({"containerId": id, "command": ["python", "-c", "print(1)"]}))),
-        ("POST", format!("/api/v1/sandboxes/{id}/exec"), Some(json!({"code": "print(1)"}))),
+        (
+            "POST",
+            "/api/sandbox/exec".to_owned(),
+            Some(json!({"containerId": id, "command": ["python", "-c", "print(1)"]})),
+        ),
+        (
+            "POST",
+            format!("/api/v1/sandboxes/{id}/exec"),
+            Some(json!({"code": "print(1)"})),
+        ),
         ("DELETE", format!("/api/sandbox/{id}"), None),
     ] {
         let (status, reply) = server.call_as(bob_key, method, &path, body)?;
@@ -230,30 +287,60 @@ fn keys_are_required_and_tenants_never_see_each_other() -> TestResult {
 
     // Keys of one tenant share its sandboxes.
     let record: Value = serde_json::from_str(&stored)?;
-    let alice_tenant = record["keys"][0]["tenant"].as_str().ok_or("tenant")?.to_owned();
+    let alice_tenant = record["keys"][0]["tenant"]
+        .as_str()
+        .ok_or("tenant")?
+        .to_owned();
     let alice2 = create_key(&server.data, Some(&alice_tenant))?;
     let (status, _) = server.call_as(Some(&alice2), "GET", &format!("/api/sandbox/{id}"), None)?;
     assert_eq!(status, 200);
 
     // Revoking a key stops it at once.
-    let keys = kiln().args(["keys", "list", "--data-dir"]).arg(&server.data).output()?;
+    let keys = kiln()
+        .args(["keys", "list", "--data-dir"])
+        .arg(&server.data)
+        .output()?;
     let listing = String::from_utf8(keys.stdout)?;
     assert!(!listing.contains(&alice), "list must not show keys");
-    let bob_id = listing.lines().nth(1).and_then(|l| l.split('\t').next()).ok_or("no bob")?;
-    let revoke = kiln().args(["keys", "revoke", bob_id, "--data-dir"]).arg(&server.data).output()?;
+    let bob_id = listing
+        .lines()
+        .nth(1)
+        .and_then(|l| l.split('\t').next())
+        .ok_or("no bob")?;
+    let revoke = kiln()
+        .args(["keys", "revoke", bob_id, "--data-dir"])
+        .arg(&server.data)
+        .output()?;
     assert!(revoke.status.success());
     let (status, _) = server.call_as(bob_key, "GET", "/api/v1/sandboxes", None)?;
     assert_eq!(status, 401);
-    let revoke = kiln().args(["keys", "revoke", "key_nope", "--data-dir"]).arg(&server.data).output()?;
+    let revoke = kiln()
+        .args(["keys", "revoke", "key_nope", "--data-dir"])
+        .arg(&server.data)
+        .output()?;
     assert_eq!(revoke.status.code(), Some(120));
 
     // Keys never reach the log; requests carry an id.
-    let reply = send("GET", &format!("{}?token=hunter2", server.url(&format!("/api/v1/sandboxes/{id}"))), Some(&alice), None)?;
+    let reply = send(
+        "GET",
+        &format!(
+            "{}?token=hunter2",
+            server.url(&format!("/api/v1/sandboxes/{id}"))
+        ),
+        Some(&alice),
+        None,
+    )?;
     let request_id = reply.request_id.ok_or("no x-request-id")?;
     let log = server.log_text();
     assert!(log.contains(&request_id), "the log names the request id");
-    assert!(!log.contains(&alice) && !log.contains(&bob) && !log.contains("hunter2"), "secrets in the log:\n{log}");
-    let line = log.lines().find(|l| l.contains(&request_id)).ok_or("no line")?;
+    assert!(
+        !log.contains(&alice) && !log.contains(&bob) && !log.contains("hunter2"),
+        "secrets in the log:\n{log}"
+    );
+    let line = log
+        .lines()
+        .find(|l| l.contains(&request_id))
+        .ok_or("no line")?;
     let line: Value = serde_json::from_str(line)?;
     assert_eq!(line["status"], 200);
     assert_eq!(line["route"], "/api/v1/sandboxes/{id}");
@@ -271,11 +358,20 @@ fn auth_off_is_announced_loudly() -> TestResult {
 
 #[test]
 fn attack_a_flood_from_one_key_is_rate_limited() -> TestResult {
-    let server = start(Options { auth: true, extra: &["--rate-limit", "5"], ..Options::default() })?;
+    let server = start(Options {
+        auth: true,
+        extra: &["--rate-limit", "5"],
+        ..Options::default()
+    })?;
     let key = server.key.clone();
     let mut limited = None;
     for _ in 0..40 {
-        let reply = send("GET", &server.url("/api/v1/sandboxes"), key.as_deref(), None)?;
+        let reply = send(
+            "GET",
+            &server.url("/api/v1/sandboxes"),
+            key.as_deref(),
+            None,
+        )?;
         if reply.status == 429 {
             limited = Some(reply);
             break;
@@ -296,58 +392,127 @@ fn attack_a_flood_from_one_key_is_rate_limited() -> TestResult {
 #[test]
 fn every_exec_that_changes_files_is_a_commit_with_diff_and_rollback() -> TestResult {
     let server = start(Options::default())?;
-    let (status, created) = server.call("POST", "/api/sandbox", Some(json!({"image": "python"})))?;
+    let (status, created) =
+        server.call("POST", "/api/sandbox", Some(json!({"image": "python"})))?;
     assert_eq!(status, 201);
     let id = created["containerId"].as_str().ok_or("id")?.to_owned();
     let exec = |files: Value, command: Value| -> Res<Value> {
-        let (status, body) = server.call("POST", "/api/sandbox/exec", Some(json!({"containerId": id, "files": files, "command": command})))?;
+        let (status, body) = server.call(
+            "POST",
+            "/api/sandbox/exec",
+            Some(json!({"containerId": id, "files": files, "command": command})),
+        )?;
         assert_eq!(status, 200, "{body}");
         Ok(body)
     };
-    let first = exec(json!({"main.py": "open('out.txt', 'w').write('one\\n')"}), json!(["python", "main.py"]))?;
-    let second = exec(json!({}), json!(["python", "-c", "open('out.txt', 'w').write('two\\n')"]))?;
-    let unchanged = exec(json!({}), json!(["python", "-c", "print('no files touched')"]))?;
-    let (first, second) = (first["id"].as_str().ok_or("id")?, second["id"].as_str().ok_or("id")?);
+    let first = exec(
+        json!({"main.py": "open('out.txt', 'w').write('one\\n')"}),
+        json!(["python", "main.py"]),
+    )?;
+    let second = exec(
+        json!({}),
+        json!(["python", "-c", "open('out.txt', 'w').write('two\\n')"]),
+    )?;
+    let unchanged = exec(
+        json!({}),
+        json!(["python", "-c", "print('no files touched')"]),
+    )?;
+    let (first, second) = (
+        first["id"].as_str().ok_or("id")?,
+        second["id"].as_str().ok_or("id")?,
+    );
 
     let (_, history) = server.call("GET", &format!("/api/sandbox/{id}/history"), None)?;
     let entries = history["history"].as_array().ok_or("history")?;
     let ids: Vec<&str> = entries.iter().filter_map(|e| e["id"].as_str()).collect();
-    assert_eq!(ids, [second, first, "initial"], "newest first; an exec that changed nothing is no commit");
+    assert_eq!(
+        ids,
+        [second, first, "initial"],
+        "newest first; an exec that changed nothing is no commit"
+    );
     assert!(!ids.contains(&unchanged["id"].as_str().unwrap_or_default()));
     assert_eq!(entries[1]["files"], json!(["main.py", "out.txt"]));
-    assert_eq!(entries[0]["message"], "python -c open('out.txt', 'w').write('two\\n')");
+    assert_eq!(
+        entries[0]["message"],
+        "python -c open('out.txt', 'w').write('two\\n')"
+    );
     for entry in entries {
         assert!(entry["commitId"].as_str().is_some_and(|c| c.len() == 40));
-        assert!(entry["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')));
+        assert!(
+            entry["timestamp"]
+                .as_str()
+                .is_some_and(|t| t.ends_with('Z'))
+        );
     }
 
-    let (status, diff) = server.call("POST", &format!("/api/sandbox/{id}/diff"), Some(json!({"fromExecId": first, "toExecId": second})))?;
+    let (status, diff) = server.call(
+        "POST",
+        &format!("/api/sandbox/{id}/diff"),
+        Some(json!({"fromExecId": first, "toExecId": second})),
+    )?;
     assert_eq!(status, 200);
     let patch = diff["diff"]["out.txt"].as_str().ok_or("no diff")?;
     assert!(patch.contains("-one\n+two\n"), "{patch}");
 
-    let (status, rolled) = server.call("POST", &format!("/api/sandbox/{id}/rollback"), Some(json!({"executionId": first})))?;
+    let (status, rolled) = server.call(
+        "POST",
+        &format!("/api/sandbox/{id}/rollback"),
+        Some(json!({"executionId": first})),
+    )?;
     assert_eq!(status, 200, "{rolled}");
-    let back = exec(json!({}), json!(["python", "-c", "print(open('out.txt').read(), end='')"]))?;
+    let back = exec(
+        json!({}),
+        json!(["python", "-c", "print(open('out.txt').read(), end='')"]),
+    )?;
     assert_eq!(back["stdout"], "one\n");
     let (_, history) = server.call("GET", &format!("/api/sandbox/{id}/history"), None)?;
-    assert_eq!(history["history"][0]["id"], rolled["id"], "the rollback is recorded");
+    assert_eq!(
+        history["history"][0]["id"], rolled["id"],
+        "the rollback is recorded"
+    );
 
     // Bad history ids and bodies.
-    let (status, body) = server.call("POST", &format!("/api/sandbox/{id}/diff"), Some(json!({"fromExecId": "python_run_nope"})))?;
-    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("EXECUTION_NOT_FOUND")));
-    let (status, _) = server.call("POST", &format!("/api/sandbox/{id}/rollback"), Some(json!({"executionId": 7})))?;
+    let (status, body) = server.call(
+        "POST",
+        &format!("/api/sandbox/{id}/diff"),
+        Some(json!({"fromExecId": "python_run_nope"})),
+    )?;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("EXECUTION_NOT_FOUND"))
+    );
+    let (status, _) = server.call(
+        "POST",
+        &format!("/api/sandbox/{id}/rollback"),
+        Some(json!({"executionId": 7})),
+    )?;
     assert_eq!(status, 400);
 
     // It is a real git repository: clone it and read the same history.
     let git_dir = server.data.join("sandboxes").join(&id).join("history.git");
     let clone = tempfile::tempdir()?;
-    let cloned = Command::new("git").arg("clone").arg("-q").arg(&git_dir).arg(clone.path().join("c")).output()?;
-    assert!(cloned.status.success(), "{}", String::from_utf8_lossy(&cloned.stderr));
-    let log = Command::new("git").arg("-C").arg(clone.path().join("c")).args(["log", "--format=%B"]).output()?;
+    let cloned = Command::new("git")
+        .arg("clone")
+        .arg("-q")
+        .arg(&git_dir)
+        .arg(clone.path().join("c"))
+        .output()?;
+    assert!(
+        cloned.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cloned.stderr)
+    );
+    let log = Command::new("git")
+        .arg("-C")
+        .arg(clone.path().join("c"))
+        .args(["log", "--format=%B"])
+        .output()?;
     let log = String::from_utf8(log.stdout)?;
     assert!(log.contains(&format!("Kiln-Exec-Id: {first}")), "{log}");
-    assert_eq!(std::fs::read_to_string(clone.path().join("c/out.txt"))?, "one\n");
+    assert_eq!(
+        std::fs::read_to_string(clone.path().join("c/out.txt"))?,
+        "one\n"
+    );
     Ok(())
 }
 
@@ -357,7 +522,11 @@ fn every_exec_that_changes_files_is_a_commit_with_diff_and_rollback() -> TestRes
 fn sessions_keep_state_restart_and_close() -> TestResult {
     let server = start(Options::default())?;
     let id = server.new_sandbox("python")?;
-    let (status, session) = server.call("POST", &format!("/api/v1/sandboxes/{id}/sessions"), Some(json!({})))?;
+    let (status, session) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({})),
+    )?;
     assert_eq!(status, 201, "{session}");
     let sid = session["sessionId"].as_str().ok_or("sid")?.to_owned();
     let (_, r) = server.exec(&id, json!({"code": "x = 20", "sessionId": sid}))?;
@@ -365,36 +534,77 @@ fn sessions_keep_state_restart_and_close() -> TestResult {
     let (_, r) = server.exec(&id, json!({"code": "print(x * 2 + 2)", "sessionId": sid}))?;
     assert_eq!(r["stdout"], "42\n");
     // Sessions share the workspace with one-shots.
-    let (_, r) = server.exec(&id, json!({"code": "open('s.txt','w').write(str(x))", "sessionId": sid}))?;
+    let (_, r) = server.exec(
+        &id,
+        json!({"code": "open('s.txt','w').write(str(x))", "sessionId": sid}),
+    )?;
     assert_eq!(r["status"], "success");
     let (_, r) = server.exec(&id, json!({"code": "print(open('s.txt').read())"}))?;
     assert_eq!(r["stdout"], "20\n");
 
-    let (status, _) = server.call("POST", &format!("/api/v1/sandboxes/{id}/sessions/{sid}/restart"), None)?;
+    let (status, _) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions/{sid}/restart"),
+        None,
+    )?;
     assert_eq!(status, 200);
     let (_, r) = server.exec(&id, json!({"code": "print(x)", "sessionId": sid}))?;
-    assert!(r["stderr"].as_str().unwrap_or_default().contains("NameError"), "{r}");
+    assert!(
+        r["stderr"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("NameError"),
+        "{r}"
+    );
 
     // A turn that times out ends the session's state; restart brings it back.
-    let (_, r) = server.exec(&id, json!({"code": "while True: pass", "sessionId": sid, "timeoutMs": 300}))?;
+    let (_, r) = server.exec(
+        &id,
+        json!({"code": "while True: pass", "sessionId": sid, "timeoutMs": 300}),
+    )?;
     assert_eq!(r["status"], "timeout");
     let (status, r) = server.exec(&id, json!({"code": "print(1)", "sessionId": sid}))?;
-    assert_eq!((status, r["error"]["code"].as_str()), (409, Some("SESSION_ENDED")), "{r}");
+    assert_eq!(
+        (status, r["error"]["code"].as_str()),
+        (409, Some("SESSION_ENDED")),
+        "{r}"
+    );
     let (_, list) = server.call("GET", &format!("/api/v1/sandboxes/{id}/sessions"), None)?;
     assert_eq!(list["sessions"][0]["status"], "ended");
 
     // JavaScript sessions too.
-    let (_, js) = server.call("POST", &format!("/api/v1/sandboxes/{id}/sessions"), Some(json!({"language": "javascript"})))?;
+    let (_, js) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({"language": "javascript"})),
+    )?;
     let jsid = js["sessionId"].as_str().ok_or("sid")?.to_owned();
-    server.exec(&id, json!({"code": "globalThis.n = 41", "language": "javascript", "sessionId": jsid}))?;
-    let (_, r) = server.exec(&id, json!({"code": "console.log(n + 1)", "language": "javascript", "sessionId": jsid}))?;
+    server.exec(
+        &id,
+        json!({"code": "globalThis.n = 41", "language": "javascript", "sessionId": jsid}),
+    )?;
+    let (_, r) = server.exec(
+        &id,
+        json!({"code": "console.log(n + 1)", "language": "javascript", "sessionId": jsid}),
+    )?;
     assert_eq!(r["stdout"], "42\n");
 
-    let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{id}/sessions/{sid}"), None)?;
+    let (status, _) = server.call(
+        "DELETE",
+        &format!("/api/v1/sandboxes/{id}/sessions/{sid}"),
+        None,
+    )?;
     assert_eq!(status, 204);
     let (status, r) = server.exec(&id, json!({"code": "1", "sessionId": sid}))?;
-    assert_eq!((status, r["error"]["code"].as_str()), (400, Some("SESSION_NOT_FOUND")));
-    let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{id}/sessions/{sid}"), None)?;
+    assert_eq!(
+        (status, r["error"]["code"].as_str()),
+        (400, Some("SESSION_NOT_FOUND"))
+    );
+    let (status, _) = server.call(
+        "DELETE",
+        &format!("/api/v1/sandboxes/{id}/sessions/{sid}"),
+        None,
+    )?;
     assert_eq!(status, 404);
     Ok(())
 }
@@ -405,7 +615,12 @@ fn files_are_binary_safe_listed_deleted_and_traversal_proof() -> TestResult {
     let id = server.new_sandbox("python")?;
     let every_byte: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
     let url = |path: &str| server.url(&format!("/api/v1/sandboxes/{id}/files/{path}"));
-    let put = send("PUT", &url("data/blob.bin"), None, Some(("application/octet-stream", &every_byte)))?;
+    let put = send(
+        "PUT",
+        &url("data/blob.bin"),
+        None,
+        Some(("application/octet-stream", &every_byte)),
+    )?;
     assert_eq!(put.status, 201, "{}", String::from_utf8_lossy(&put.body));
     assert!(put.json()["commitId"].is_string());
     let got = send("GET", &url("data/blob.bin"), None, None)?;
@@ -415,18 +630,44 @@ fn files_are_binary_safe_listed_deleted_and_traversal_proof() -> TestResult {
     let (_, r) = server.exec(&id, json!({"code": "d = open('data/blob.bin','rb').read()\nopen('out.bin','wb').write(bytes(reversed(d)))\nprint(len(d))"}))?;
     assert_eq!(r["stdout"], "70000\n");
     let got = send("GET", &url("out.bin"), None, None)?;
-    assert_eq!(got.body, every_byte.iter().rev().copied().collect::<Vec<_>>());
+    assert_eq!(
+        got.body,
+        every_byte.iter().rev().copied().collect::<Vec<_>>()
+    );
     // Names with spaces and non-ASCII letters, percent-encoded.
-    let put = send("PUT", &url("my%20dir/%C3%A9t%C3%A9.txt"), None, Some(("text/plain", "été".as_bytes())))?;
+    let put = send(
+        "PUT",
+        &url("my%20dir/%C3%A9t%C3%A9.txt"),
+        None,
+        Some(("text/plain", "été".as_bytes())),
+    )?;
     assert_eq!(put.status, 201);
     let (_, r) = server.exec(&id, json!({"code": "print(open('my dir/été.txt').read())"}))?;
     assert_eq!(r["stdout"], "été\n");
 
     let (status, list) = server.call("GET", &format!("/api/v1/sandboxes/{id}/files"), None)?;
     assert_eq!(status, 200);
-    let paths: Vec<&str> = list["files"].as_array().ok_or("files")?.iter().filter_map(|f| f["path"].as_str()).collect();
-    assert_eq!(paths, ["data", "data/blob.bin", "my dir", "my dir/été.txt", "out.bin"]);
-    let (_, sub) = server.call("GET", &format!("/api/v1/sandboxes/{id}/files?path=data"), None)?;
+    let paths: Vec<&str> = list["files"]
+        .as_array()
+        .ok_or("files")?
+        .iter()
+        .filter_map(|f| f["path"].as_str())
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            "data",
+            "data/blob.bin",
+            "my dir",
+            "my dir/été.txt",
+            "out.bin"
+        ]
+    );
+    let (_, sub) = server.call(
+        "GET",
+        &format!("/api/v1/sandboxes/{id}/files?path=data"),
+        None,
+    )?;
     assert_eq!(sub["files"][0]["size"], 70_000);
 
     let deleted = send("DELETE", &url("data"), None, None)?;
@@ -436,32 +677,75 @@ fn files_are_binary_safe_listed_deleted_and_traversal_proof() -> TestResult {
 
     // Hostile names: traversal, absolute, encoded traversal, invalid UTF-8, NUL.
     // (Written percent-encoded: an HTTP client folds literal `..` segments before sending.)
-    for bad in ["..%2F..%2Fetc%2Fpasswd", "a%2F..%2F..%2Fx", "%2Fetc%2Fpasswd", "%FF%FE", "a%00b", "a%2F.%2Fb"] {
+    for bad in [
+        "..%2F..%2Fetc%2Fpasswd",
+        "a%2F..%2F..%2Fx",
+        "%2Fetc%2Fpasswd",
+        "%FF%FE",
+        "a%00b",
+        "a%2F.%2Fb",
+    ] {
         for method in ["GET", "PUT", "DELETE"] {
             let body = (method == "PUT").then_some(("text/plain", &b"x"[..]));
             let reply = send(method, &url(bad), None, body)?;
-            assert_eq!(reply.status, 400, "{method} {bad}: {}", String::from_utf8_lossy(&reply.body));
-            assert_eq!(reply.json()["error"]["code"], "INVALID_PATH", "{method} {bad}");
+            assert_eq!(
+                reply.status,
+                400,
+                "{method} {bad}: {}",
+                String::from_utf8_lossy(&reply.body)
+            );
+            assert_eq!(
+                reply.json()["error"]["code"],
+                "INVALID_PATH",
+                "{method} {bad}"
+            );
         }
     }
     // A link planted by code is never followed by the files API, wherever it points.
     let (_, r) = server.exec(&id, json!({"code": "import os\nos.makedirs('real', exist_ok=True)\nopen('real/f.txt','w').write('inside')\nmade = []\nfor target, name in [('/etc/passwd', 'pw'), ('../../../../../../etc', 'up'), ('real', 'inside')]:\n    try:\n        os.symlink(target, name)\n        made.append(name)\n    except OSError:\n        pass\nprint(' '.join(made))"}))?;
-    let made: Vec<String> = r["stdout"].as_str().unwrap_or_default().split_whitespace().map(str::to_owned).collect();
+    let made: Vec<String> = r["stdout"]
+        .as_str()
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
     eprintln!("links the code could make: {made:?}");
-    assert!(made.contains(&"inside".to_owned()), "code could not make even an inside link: {r}");
+    assert!(
+        made.contains(&"inside".to_owned()),
+        "code could not make even an inside link: {r}"
+    );
     for link in &made {
-        for path in [link.clone(), format!("{link}/f.txt"), format!("{link}/passwd")] {
+        for path in [
+            link.clone(),
+            format!("{link}/f.txt"),
+            format!("{link}/passwd"),
+        ] {
             let reply = send("GET", &url(&path), None, None)?;
-            assert_eq!(reply.status, 400, "GET {path}: {}", String::from_utf8_lossy(&reply.body));
+            assert_eq!(
+                reply.status,
+                400,
+                "GET {path}: {}",
+                String::from_utf8_lossy(&reply.body)
+            );
             assert!(!String::from_utf8_lossy(&reply.body).contains("root:"));
         }
-        let reply = send("PUT", &url(&format!("{link}/evil")), None, Some(("text/plain", b"x")))?;
+        let reply = send(
+            "PUT",
+            &url(&format!("{link}/evil")),
+            None,
+            Some(("text/plain", b"x")),
+        )?;
         assert_eq!(reply.status, 400, "PUT through {link}");
     }
     assert!(!Path::new("/etc/evil").exists());
     // Over the body limit: 413, nothing written.
     let huge = vec![b'x'; 33 << 20];
-    let reply = send("PUT", &url("huge.bin"), None, Some(("application/octet-stream", &huge)))?;
+    let reply = send(
+        "PUT",
+        &url("huge.bin"),
+        None,
+        Some(("application/octet-stream", &huge)),
+    )?;
     assert_eq!(reply.status, 413);
     assert_eq!(send("GET", &url("huge.bin"), None, None)?.status, 404);
     Ok(())
@@ -506,10 +790,16 @@ fn exec_streams_over_sse_and_websocket_and_can_be_cancelled() -> TestResult {
         lines.push(line);
     }
     let first_tick = first_tick.ok_or("no tick")?;
-    assert!(first_tick < Duration::from_millis(500), "output was not streamed: first tick after {first_tick:?}");
+    assert!(
+        first_tick < Duration::from_millis(500),
+        "output was not streamed: first tick after {first_tick:?}"
+    );
     let events = read_events(lines.concat().as_bytes())?;
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(names, ["start", "stdout", "stdout", "stdout", "stderr", "result"]);
+    assert_eq!(
+        names,
+        ["start", "stdout", "stdout", "stdout", "stderr", "result"]
+    );
     let exec_id = events[0].1["executionId"].as_str().ok_or("id")?;
     assert_eq!(events[5].1["executionId"], exec_id);
     assert_eq!(events[5].1["stdout"], "tick 0\ntick 1\ntick 2\n");
@@ -519,11 +809,25 @@ fn exec_streams_over_sse_and_websocket_and_can_be_cancelled() -> TestResult {
     let base = server.url(&format!("/api/v1/sandboxes/{id}"));
     let runner = std::thread::spawn({
         let url = format!("{base}/exec");
-        move || send("POST", &url, None, Some(("application/json", br#"{"code": "while True: pass"}"#)))
+        move || {
+            send(
+                "POST",
+                &url,
+                None,
+                Some(("application/json", br#"{"code": "while True: pass"}"#)),
+            )
+        }
     });
     let running = wait_running(&server, &id)?;
-    let (status, cancelled) = server.call("POST", &format!("/api/v1/sandboxes/{id}/executions/{running}/cancel"), None)?;
-    assert_eq!((status, cancelled["cancelled"].as_bool()), (200, Some(true)));
+    let (status, cancelled) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/executions/{running}/cancel"),
+        None,
+    )?;
+    assert_eq!(
+        (status, cancelled["cancelled"].as_bool()),
+        (200, Some(true))
+    );
     let reply = runner.join().map_err(|_| "runner panicked")??;
     assert_eq!(reply.status, 409);
     assert_eq!(reply.json()["error"]["code"], "EXECUTION_CANCELLED");
@@ -531,7 +835,10 @@ fn exec_streams_over_sse_and_websocket_and_can_be_cancelled() -> TestResult {
     assert_eq!(r["stdout"], "next\n", "the sandbox serves the next exec");
 
     // WebSocket: exec, streamed events, cancel, bad messages.
-    let ws_url = format!("ws://{}/api/v1/sandboxes/{id}/ws", server.base.trim_start_matches("http://"));
+    let ws_url = format!(
+        "ws://{}/api/v1/sandboxes/{id}/ws",
+        server.base.trim_start_matches("http://")
+    );
     let (mut socket, _) = tungstenite::connect(ws_url.as_str())?;
     let recv = |socket: &mut tungstenite::WebSocket<_>| -> Res<Value> {
         loop {
@@ -540,7 +847,11 @@ fn exec_streams_over_sse_and_websocket_and_can_be_cancelled() -> TestResult {
             }
         }
     };
-    socket.send(tungstenite::Message::Text(json!({"type": "exec", "code": "print(6 * 7)"}).to_string().into()))?;
+    socket.send(tungstenite::Message::Text(
+        json!({"type": "exec", "code": "print(6 * 7)"})
+            .to_string()
+            .into(),
+    ))?;
     let mut kinds = Vec::new();
     loop {
         let message = recv(&mut socket)?;
@@ -553,9 +864,15 @@ fn exec_streams_over_sse_and_websocket_and_can_be_cancelled() -> TestResult {
     assert_eq!(kinds, ["start", "stdout", "result"]);
     socket.send(tungstenite::Message::Text("{not json".into()))?;
     assert_eq!(recv(&mut socket)?["error"]["code"], "MALFORMED_MESSAGE");
-    socket.send(tungstenite::Message::Text(json!({"type": "exec", "code": "while True: pass"}).to_string().into()))?;
+    socket.send(tungstenite::Message::Text(
+        json!({"type": "exec", "code": "while True: pass"})
+            .to_string()
+            .into(),
+    ))?;
     assert_eq!(recv(&mut socket)?["type"], "start");
-    socket.send(tungstenite::Message::Text(json!({"type": "cancel"}).to_string().into()))?;
+    socket.send(tungstenite::Message::Text(
+        json!({"type": "cancel"}).to_string().into(),
+    ))?;
     let end = recv(&mut socket)?;
     assert_eq!(end["error"]["code"], "EXECUTION_CANCELLED", "{end}");
     Ok(())
@@ -583,37 +900,92 @@ fn busy_deleted_and_renewed_sandboxes_answer_defined_codes() -> TestResult {
     let url = server.url(&format!("/api/v1/sandboxes/{id}/exec"));
     let runner = std::thread::spawn({
         let url = url.clone();
-        move || send("POST", &url, None, Some(("application/json", br#"{"code": "import time\ntime.sleep(30)"}"#)))
+        move || {
+            send(
+                "POST",
+                &url,
+                None,
+                Some((
+                    "application/json",
+                    br#"{"code": "import time\ntime.sleep(30)"}"#,
+                )),
+            )
+        }
     });
     wait_running(&server, &id)?;
     // A second exec, an upload and a rollback on the busy sandbox: 409, nothing changed.
     let (status, body) = server.exec(&id, json!({"code": "open('x','w')"}))?;
-    assert_eq!((status, body["error"]["code"].as_str()), (409, Some("SANDBOX_BUSY")));
-    let put = send("PUT", &server.url(&format!("/api/v1/sandboxes/{id}/files/f.txt")), None, Some(("text/plain", b"x")))?;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (409, Some("SANDBOX_BUSY"))
+    );
+    let put = send(
+        "PUT",
+        &server.url(&format!("/api/v1/sandboxes/{id}/files/f.txt")),
+        None,
+        Some(("text/plain", b"x")),
+    )?;
     assert_eq!(put.status, 409);
     // Deleting it cancels the running exec, which answers 409 SANDBOX_DELETED.
     let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{id}"), None)?;
     assert_eq!(status, 204);
     let reply = runner.join().map_err(|_| "runner panicked")??;
-    assert_eq!(reply.status, 409, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        409,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     assert_eq!(reply.json()["error"]["code"], "SANDBOX_DELETED");
     let (status, _) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
     assert_eq!(status, 404);
-    assert!(!server.data.join("sandboxes").join(&id).exists(), "its folder is gone");
+    assert!(
+        !server.data.join("sandboxes").join(&id).exists(),
+        "its folder is gone"
+    );
 
     // Renew moves the expiry; a sandbox past its lifetime is gone.
-    let (_, created) = server.call("POST", "/api/v1/sandboxes", Some(json!({"timeoutMs": 1500})))?;
+    let (_, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"timeoutMs": 1500})),
+    )?;
     let short = created["containerId"].as_str().ok_or("id")?.to_owned();
-    let (status, renewed) = server.call("POST", &format!("/api/v1/sandboxes/{short}/renew"), Some(json!({"timeoutMs": 600000})))?;
+    let (status, renewed) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{short}/renew"),
+        Some(json!({"timeoutMs": 600000})),
+    )?;
     assert_eq!(status, 200);
     assert!(renewed["expiresAt"].as_str() > created["expiresAt"].as_str());
-    let (_, gone) = server.call("POST", "/api/v1/sandboxes", Some(json!({"timeoutMs": 1000})))?;
+    let (_, gone) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"timeoutMs": 1000})),
+    )?;
     let gone = gone["containerId"].as_str().ok_or("id")?.to_owned();
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(server.call("GET", &format!("/api/v1/sandboxes/{gone}"), None)?.0, 404);
-    assert_eq!(server.call("GET", &format!("/api/v1/sandboxes/{short}"), None)?.0, 200);
-    let (status, body) = server.call("POST", &format!("/api/v1/sandboxes/{short}/renew"), Some(json!({"timeoutMs": 0})))?;
-    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("INVALID_OPTION")));
+    assert_eq!(
+        server
+            .call("GET", &format!("/api/v1/sandboxes/{gone}"), None)?
+            .0,
+        404
+    );
+    assert_eq!(
+        server
+            .call("GET", &format!("/api/v1/sandboxes/{short}"), None)?
+            .0,
+        200
+    );
+    let (status, body) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{short}/renew"),
+        Some(json!({"timeoutMs": 0})),
+    )?;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("INVALID_OPTION"))
+    );
 
     // Paging walks every sandbox once.
     for _ in 0..4 {
@@ -644,12 +1016,23 @@ fn busy_deleted_and_renewed_sandboxes_answer_defined_codes() -> TestResult {
         assert_eq!(status, 400, "{bad}");
     }
     // Malformed bodies on v1 routes.
-    let reply = send("POST", &server.url("/api/v1/sandboxes"), None, Some(("application/json", b"{\"language\":")))?;
-    assert_eq!((reply.status, reply.json()["error"]["code"].clone()), (400, json!("MALFORMED_JSON")));
+    let reply = send(
+        "POST",
+        &server.url("/api/v1/sandboxes"),
+        None,
+        Some(("application/json", b"{\"language\":")),
+    )?;
+    assert_eq!(
+        (reply.status, reply.json()["error"]["code"].clone()),
+        (400, json!("MALFORMED_JSON"))
+    );
     let (status, _) = server.exec(&short, json!({"code": 5}))?;
     assert_eq!(status, 400);
     let (status, body) = server.exec(&short, json!({"code": "1", "language": "cobol"}))?;
-    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("UNSUPPORTED_LANGUAGE")));
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("UNSUPPORTED_LANGUAGE"))
+    );
     Ok(())
 }
 
@@ -691,7 +1074,15 @@ fn shutdown_lets_running_executions_finish() -> TestResult {
     let id = server.new_sandbox("python")?;
     let url = server.url(&format!("/api/v1/sandboxes/{id}/exec"));
     let runner = std::thread::spawn(move || {
-        send("POST", &url, None, Some(("application/json", br#"{"code": "import time\ntime.sleep(1)\nprint('finished')"}"#)))
+        send(
+            "POST",
+            &url,
+            None,
+            Some((
+                "application/json",
+                br#"{"code": "import time\ntime.sleep(1)\nprint('finished')"}"#,
+            )),
+        )
     });
     wait_running(&server, &id)?;
     let pid = server.child.0.id();
@@ -711,10 +1102,18 @@ unsafe extern "C" {
 fn attack_kill_9_mid_burst_loses_no_acknowledged_change() -> TestResult {
     let dir = tempfile::tempdir()?;
     let data = dir.path().join("data");
-    let server = start(Options { auth: true, data: Some(&data), ..Options::default() })?;
+    let server = start(Options {
+        auth: true,
+        data: Some(&data),
+        ..Options::default()
+    })?;
     let key = server.key.clone().ok_or("key")?;
     let id = {
-        let (status, body) = server.call("POST", "/api/v1/sandboxes", Some(json!({"language": "python"})))?;
+        let (status, body) = server.call(
+            "POST",
+            "/api/v1/sandboxes",
+            Some(json!({"language": "python"})),
+        )?;
         assert_eq!(status, 201);
         body["containerId"].as_str().ok_or("id")?.to_owned()
     };
@@ -755,23 +1154,50 @@ fn attack_kill_9_mid_burst_loses_no_acknowledged_change() -> TestResult {
     let pid = server.child.0.id();
     assert_eq!(unsafe { libc_kill(pid as i32, 9) }, 0);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let acked: Vec<_> = clients.into_iter().flat_map(|c| c.join().unwrap_or_default()).collect();
+    let acked: Vec<_> = clients
+        .into_iter()
+        .flat_map(|c| c.join().unwrap_or_default())
+        .collect();
     drop(server);
     eprintln!("{} acknowledged changes before kill -9", acked.len());
-    assert!(acked.len() >= 4, "too few acknowledged writes to prove anything: {}", acked.len());
+    assert!(
+        acked.len() >= 4,
+        "too few acknowledged writes to prove anything: {}",
+        acked.len()
+    );
 
-    let server = start(Options { auth: true, data: Some(&data), ..Options::default() })?;
-    let server = Server { key: Some(key), ..server };
+    let server = start(Options {
+        auth: true,
+        data: Some(&data),
+        ..Options::default()
+    })?;
+    let server = Server {
+        key: Some(key),
+        ..server
+    };
     let (status, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
     assert_eq!(status, 200, "the sandbox survived: {info}");
     let (_, history) = server.call("GET", &format!("/api/v1/sandboxes/{id}/history"), None)?;
-    let ids: Vec<&str> = history["history"].as_array().ok_or("history")?.iter().filter_map(|e| e["id"].as_str()).collect();
+    let ids: Vec<&str> = history["history"]
+        .as_array()
+        .ok_or("history")?
+        .iter()
+        .filter_map(|e| e["id"].as_str())
+        .collect();
     for (name, content, history_id) in &acked {
-        let got = send("GET", &server.url(&format!("/api/v1/sandboxes/{id}/files/{name}")), server.key.as_deref(), None)?;
+        let got = send(
+            "GET",
+            &server.url(&format!("/api/v1/sandboxes/{id}/files/{name}")),
+            server.key.as_deref(),
+            None,
+        )?;
         assert_eq!(got.status, 200, "{name} was acknowledged but is gone");
         assert_eq!(String::from_utf8(got.body)?, *content);
         if let Some(history_id) = history_id {
-            assert!(ids.contains(&history_id.as_str()), "{history_id} was acknowledged but is not in the history");
+            assert!(
+                ids.contains(&history_id.as_str()),
+                "{history_id} was acknowledged but is not in the history"
+            );
         }
     }
     Ok(())
