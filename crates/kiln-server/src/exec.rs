@@ -141,6 +141,7 @@ pub async fn run(
     let (sandbox, cancel) = state.registry.begin(&caller.tenant, id, &spec.exec_id)?;
     let started = Instant::now();
     let ran = run_in(state, &sandbox, &spec, chunks, cancel).await;
+    let ran_at = started.elapsed();
     // Record what the code did to the workspace, whatever the outcome (a timed-out run may
     // still have written files).
     let workspace = sandbox.clone();
@@ -154,9 +155,19 @@ pub async fn run(
     })
     .await
     .unwrap_or_else(|e| Err(ApiError::internal(format!("history task failed: {e}"))));
+    let committed_at = started.elapsed();
     let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let executed = ran.as_ref().ok().map(|_| duration_ms);
     state.registry.finish(&sandbox.id, executed)?;
+    tracing::debug!(
+        target: "kiln::timing",
+        exec_id = %spec.exec_id,
+        run_ms = ran_at.as_secs_f64() * 1000.0,
+        guest_ms = ran.as_ref().map_or(0.0, |(r, _)| r.duration_us as f64 / 1000.0),
+        commit_ms = (committed_at - ran_at).as_secs_f64() * 1000.0,
+        finish_ms = (started.elapsed() - committed_at).as_secs_f64() * 1000.0,
+        "execution phases"
+    );
     let (result, limits) = ran?;
     state.metrics.execution(sandbox.language, &result);
     Ok(RunOutcome {

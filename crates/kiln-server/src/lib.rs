@@ -146,6 +146,8 @@ pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
+            let flusher = reaper.clone();
+            let _ = tokio::task::spawn_blocking(move || flusher.registry.flush_usage()).await;
             let removed = reaper.registry.reap_expired();
             for handle in removed.handles {
                 let _ = reaper.pool.close_session(&handle).await;
@@ -172,9 +174,11 @@ pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<
         }
         auth::Auth::Keys(_) => {}
     }
-    axum::serve(listener, router(state))
+    axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown_signal())
-        .await
+        .await?;
+    state.registry.flush_usage();
+    Ok(())
 }
 
 async fn shutdown_signal() {

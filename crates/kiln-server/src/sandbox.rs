@@ -175,6 +175,8 @@ pub struct SandboxView {
 pub struct Registry {
     root: PathBuf,
     sandboxes: Mutex<HashMap<String, Entry>>,
+    /// Sandboxes whose usage counters changed since they were last written.
+    dirty: Mutex<std::collections::HashSet<String>>,
 }
 
 /// Random bytes as hex, from the kernel.
@@ -247,6 +249,7 @@ impl Registry {
         Ok(Registry {
             root,
             sandboxes: Mutex::new(sandboxes),
+            dirty: Mutex::default(),
         })
     }
 
@@ -405,14 +408,36 @@ impl Registry {
             .with_details(json!({ "containerId": id })));
         }
         if let Some(duration_ms) = executed {
+            // Usage counters are statistics, not user data: they are written by
+            // `flush_usage` (every second and at shutdown), not before each reply.
             entry.meta.executions += 1;
             entry.meta.cpu_time_ms += duration_ms;
-            let meta = entry.meta.clone();
             drop(sandboxes);
-            store::write_json(&meta.meta_path(), &meta)
-                .map_err(|e| io_error("could not record the execution", &e))?;
+            self.dirty
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id.to_owned());
         }
         Ok(())
+    }
+
+    /// Writes the usage counters that changed since the last call.
+    pub fn flush_usage(&self) {
+        let ids: Vec<String> = self
+            .dirty
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
+        for id in ids {
+            let meta = match self.lock().get(&id) {
+                Some(entry) if !entry.deleted => entry.meta.clone(),
+                _ => continue,
+            };
+            if let Err(e) = store::write_json(&meta.meta_path(), &meta) {
+                tracing::warn!("could not save the usage of {id}: {e}");
+            }
+        }
     }
 
     /// Cancels the running work `work_id` (any, when `None`); false when nothing matched.

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::cli::BenchArgs;
 
-fn summary(mut samples_us: Vec<f64>) -> serde_json::Value {
+pub(crate) fn summary(mut samples_us: Vec<f64>) -> serde_json::Value {
     samples_us.sort_by(|a, b| a.total_cmp(b));
     let pick = |q: f64| {
         let at = ((samples_us.len() as f64 - 1.0) * q).round() as usize;
@@ -30,7 +30,7 @@ fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-fn micros(d: Duration) -> f64 {
+pub(crate) fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
@@ -73,6 +73,23 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     );
 
     rt.block_on(async {
+        // Fresh-sandbox Python with a workspace folder (what `kiln serve` runs).
+        if want("python_oneshot_workspace") {
+            let workspace = tempfile::tempdir()?;
+            let mut request = ExecRequest::new(Language::Python, "print(1+1)");
+            request.workspace = Some(workspace.path().to_path_buf());
+            for _ in 0..10 {
+                engine.execute(&request).await?;
+            }
+            let mut samples = Vec::with_capacity(n);
+            for _ in 0..n {
+                let t = Instant::now();
+                let result = engine.execute(&request).await?;
+                samples.push(micros(t.elapsed()));
+                anyhow::ensure!(result.stdout == b"2\n", "unexpected output");
+            }
+            report.insert("python_oneshot_workspace".into(), summary(samples));
+        }
         // Fresh-sandbox Python through the engine API.
         if want("python_oneshot_engine") {
             let request = ExecRequest::new(Language::Python, "print(1+1)");
@@ -242,6 +259,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             }
         }
         report.insert("cli_exec_python_process".into(), summary(samples));
+    }
+
+    // The HTTP server, as a separate process.
+    let explicit = |name: &str| {
+        args.only
+            .as_deref()
+            .is_some_and(|only| only.split(',').any(|o| name.starts_with(o)))
+    };
+    let http = args.only.as_deref().is_none_or(|only| {
+        only.split(',')
+            .any(|o| o.starts_with("http") || "http".starts_with(o))
+    });
+    if http {
+        crate::bench_http::run(&want, &explicit, n, args.seconds, &mut report)?;
     }
 
     println!(
