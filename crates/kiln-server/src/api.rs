@@ -597,18 +597,18 @@ pub async fn rollback(
     let (sandbox, _cancel) = state.registry.begin(&caller.tenant, &id, &rollback_id)?;
     let target = body.execution_id.clone();
     let new_id = rollback_id.clone();
+    // Blocking work runs to its end (and the sandbox is released) even if the client leaves.
     let done = blocking(move || {
-        sandbox
-            .history()?
-            .rollback(&target, &new_id)
-            .map_err(history_error)
+        let done = sandbox
+            .history()
+            .and_then(|h| h.rollback(&target, &new_id).map_err(history_error));
+        state.registry.finish(&sandbox.id, None).and(done)
     })
-    .await;
-    state.registry.finish(&id, None)?;
+    .await?;
     Ok(Json(RollbackReply {
         status: "rolled_back".into(),
         id: rollback_id,
-        commit_id: done?,
+        commit_id: done,
         restored_execution_id: body.execution_id,
     }))
 }

@@ -4,6 +4,7 @@
 //! git commit, and counts the execution.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::http::StatusCode;
@@ -130,8 +131,31 @@ pub fn pool_error(error: PoolError) -> ApiError {
     }
 }
 
-/// Runs `spec` in sandbox `id` of `caller`, streaming output to `chunks` if given.
+/// Runs `work` to its end even if the request that started it goes away: a client that
+/// disconnects or a request timeout must not leave a sandbox marked busy or a change
+/// unrecorded.
+pub async fn detached<T: Send + 'static>(
+    work: impl Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::spawn(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
+}
+
+/// Runs `spec` in sandbox `id` of `caller`, streaming output to `chunks` if given. The run
+/// goes on to its end (and is recorded) even if the caller stops waiting.
 pub async fn run(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    id: &str,
+    spec: RunSpec,
+    chunks: Option<mpsc::UnboundedSender<Chunk>>,
+) -> Result<RunOutcome, ApiError> {
+    let (state, caller, id) = (state.clone(), caller.clone(), id.to_owned());
+    detached(async move { run_attached(&state, &caller, &id, spec, chunks).await }).await
+}
+
+async fn run_attached(
     state: &AppState,
     caller: &Caller,
     id: &str,

@@ -769,17 +769,20 @@ pub async fn restart_session(
     let Path((id, session)) = ids.map_err(path_error)?;
     let work = new_id("restart_");
     let (_, _cancel) = state.registry.begin(&caller.tenant, &id, &work)?;
-    let done = async {
-        let (meta, handle) = state.registry.session(&caller.tenant, &id, &session)?;
-        if let Some(handle) = handle {
-            state.registry.drop_session_state(&id, &session);
-            let _ = state.pool.close_session(&handle).await;
+    let info = exec::detached(async move {
+        let done = async {
+            let (meta, handle) = state.registry.session(&caller.tenant, &id, &session)?;
+            if let Some(handle) = handle {
+                state.registry.drop_session_state(&id, &session);
+                let _ = state.pool.close_session(&handle).await;
+            }
+            open_session(&state, &caller, &id, meta.language, session.clone()).await
         }
-        open_session(&state, &caller, &id, meta.language, session.clone()).await
-    }
-    .await;
-    state.registry.finish(&id, None)?;
-    Ok(Json(done?))
+        .await;
+        state.registry.finish(&id, None).and(done)
+    })
+    .await?;
+    Ok(Json(info))
 }
 
 /// Close a session and forget it.
@@ -839,18 +842,22 @@ pub struct FileList {
 /// Runs file work while the sandbox is busy with it (so no code runs meanwhile and links
 /// cannot be swapped under the check).
 async fn with_sandbox<T: Send + 'static>(
-    state: &AppState,
+    state: &Arc<AppState>,
     caller: &Caller,
     id: &str,
     work_id: &str,
     work: impl FnOnce(crate::sandbox::Sandbox) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let (sandbox, _cancel) = state.registry.begin(&caller.tenant, id, work_id)?;
-    let done = tokio::task::spawn_blocking(move || work(sandbox))
-        .await
-        .map_err(|e| ApiError::internal(format!("a background task failed: {e}")));
-    state.registry.finish(id, None)?;
-    done?
+    let state = state.clone();
+    // Runs to its end (and releases the sandbox) even if the client leaves.
+    tokio::task::spawn_blocking(move || {
+        let id = sandbox.id.clone();
+        let done = work(sandbox);
+        state.registry.finish(&id, None).and(done)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
 }
 
 /// List the workspace's files (recursive, at most 10 000 entries).

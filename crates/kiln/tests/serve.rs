@@ -793,7 +793,10 @@ fn exec_streams_over_sse_and_websocket_and_can_be_cancelled() -> TestResult {
         lines.push(line);
     }
     let gap = result_at.ok_or("no result")? - first_tick.ok_or("no tick")?;
-    assert!(gap >= Duration::from_millis(300), "output was not streamed: the first tick came {gap:?} before the result");
+    assert!(
+        gap >= Duration::from_millis(300),
+        "output was not streamed: the first tick came {gap:?} before the result"
+    );
     let events = read_events(lines.concat().as_bytes())?;
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(
@@ -1068,10 +1071,75 @@ fn metrics_readiness_and_docs_are_served() -> TestResult {
     Ok(())
 }
 
+/// Waits until the sandbox runs nothing.
+fn wait_idle(server: &Server, id: &str) -> Res<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+        if info["currentExecution"].is_null() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the sandbox stayed busy: {info}").into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn attack_timed_out_and_abandoned_requests_leave_no_stuck_sandbox() -> TestResult {
+    let server = start(Options {
+        extra: &["--request-timeout", "1"],
+        ..Options::default()
+    })?;
+    let id = server.new_sandbox("python")?;
+    // The request times out; the execution still ends and its change is recorded.
+    let (status, body) = server.exec(
+        &id,
+        json!({"code": "import time\ntime.sleep(2)\nopen('late.txt', 'w').write('x')"}),
+    )?;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (408, Some("REQUEST_TIMEOUT")),
+        "{body}"
+    );
+    wait_idle(&server, &id)?;
+    let (_, history) = server.call("GET", &format!("/api/v1/sandboxes/{id}/history"), None)?;
+    assert_eq!(
+        history["history"][0]["files"],
+        json!(["late.txt"]),
+        "{history}"
+    );
+
+    // A client that sends an exec and hangs up at once.
+    use std::io::Write;
+    let body = json!({"code": "import time\ntime.sleep(0.5)\nopen('gone.txt', 'w').write('x')"})
+        .to_string();
+    let mut stream = std::net::TcpStream::connect(server.base.trim_start_matches("http://"))?;
+    write!(
+        stream,
+        "POST /api/v1/sandboxes/{id}/exec HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()?;
+    wait_running(&server, &id)?;
+    drop(stream);
+    wait_idle(&server, &id)?;
+    let (_, r) = server.exec(&id, json!({"code": "print(open('gone.txt').read())"}))?;
+    assert_eq!(r["stdout"], "x\n", "{r}");
+    Ok(())
+}
+
 /// A headless browser, as `scripts/ensure-deps` installs it.
 fn chromium() -> Res<&'static str> {
     for name in ["chromium", "chromium-browser", "google-chrome"] {
-        if Command::new(name).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success()) {
+        if Command::new(name)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+        {
             return Ok(name);
         }
     }
@@ -1082,7 +1150,13 @@ fn chromium() -> Res<&'static str> {
 fn rendered(url: &str) -> Res<String> {
     let profile = tempfile::tempdir()?;
     let output = Command::new(chromium()?)
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--virtual-time-budget=15000"])
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--virtual-time-budget=15000",
+        ])
         .arg(format!("--user-data-dir={}", profile.path().display()))
         .args(["--dump-dom", url])
         .stdin(Stdio::null())
@@ -1093,14 +1167,33 @@ fn rendered(url: &str) -> Res<String> {
 
 #[test]
 fn the_docs_pages_render_every_route_in_a_browser() -> TestResult {
-    let server = start(Options { auth: true, ..Options::default() })?;
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
     let swagger = rendered(&server.url("/docs"))?;
-    for needle in ["opblock", "/api/sandbox/exec", "/api/v1/sandboxes/{id}/exec/stream", "/api/sandbox/{id}/rollback"] {
-        assert!(swagger.contains(needle), "Swagger UI did not render {needle}:\n{}", &swagger[..swagger.len().min(2000)]);
+    for needle in [
+        "opblock",
+        "/api/sandbox/exec",
+        "/api/v1/sandboxes/{id}/exec/stream",
+        "/api/sandbox/{id}/rollback",
+    ] {
+        assert!(
+            swagger.contains(needle),
+            "Swagger UI did not render {needle}:\n{}",
+            &swagger[..swagger.len().min(2000)]
+        );
     }
     let redoc = rendered(&server.url("/redoc"))?;
-    for needle in ["Run a command in a sandbox", "Restore the workspace to its state after an execution"] {
-        assert!(redoc.contains(needle), "ReDoc did not render {needle:?}:\n{}", &redoc[..redoc.len().min(2000)]);
+    for needle in [
+        "Run a command in a sandbox",
+        "Restore the workspace to its state after an execution",
+    ] {
+        assert!(
+            redoc.contains(needle),
+            "ReDoc did not render {needle:?}:\n{}",
+            &redoc[..redoc.len().min(2000)]
+        );
     }
     Ok(())
 }
