@@ -14,6 +14,7 @@ pub mod error;
 pub mod exec;
 pub mod gate;
 pub mod history;
+pub mod mcp;
 pub mod metrics;
 pub mod openapi;
 pub mod sandbox;
@@ -43,6 +44,8 @@ pub struct AppState {
     pub limiter: gate::RateLimiter,
     pub metrics: metrics::Metrics,
     pub request_timeout: Duration,
+    /// Host names `/mcp` accepts in `Host` (DNS-rebinding protection).
+    pub mcp_hosts: Vec<String>,
 }
 
 /// Server settings.
@@ -58,6 +61,9 @@ pub struct ServerConfig {
     pub rate_limit: u32,
     /// How long a request may take before it is answered with 408.
     pub request_timeout: Duration,
+    /// Extra host names clients use to reach this server (for `/mcp`'s `Host` check;
+    /// loopback names and the listen address are always accepted).
+    pub public_hosts: Vec<String>,
 }
 
 impl AppState {
@@ -74,6 +80,15 @@ impl AppState {
             limiter: gate::RateLimiter::new(config.rate_limit),
             metrics: metrics::Metrics::default(),
             request_timeout: config.request_timeout,
+            mcp_hosts: {
+                let mut hosts: Vec<String> = ["localhost", "127.0.0.1", "::1"]
+                    .iter()
+                    .map(|h| (*h).to_owned())
+                    .collect();
+                hosts.push(config.listen.ip().to_string());
+                hosts.extend(config.public_hosts.iter().cloned());
+                hosts
+            },
         })
     }
 }
@@ -130,6 +145,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/docs/swagger-ui.css", get(openapi::swagger_css))
         .route("/redoc", get(openapi::redoc_page))
         .route("/redoc/redoc.standalone.js", get(openapi::redoc_js))
+        .nest_service(
+            "/mcp",
+            mcp::http_service(state.clone(), state.mcp_hosts.clone()),
+        )
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

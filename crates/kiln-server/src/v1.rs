@@ -299,7 +299,13 @@ impl Execution {
     }
 }
 
-fn spec(state: &AppState, caller: &Caller, id: &str, body: Execute) -> Result<RunSpec, ApiError> {
+/// Checks an execution request against its sandbox and turns it into a run.
+pub fn spec(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+    body: Execute,
+) -> Result<RunSpec, ApiError> {
     let view = state.registry.get(&caller.tenant, id)?;
     let language = match body.language.as_deref() {
         None => view.meta.language,
@@ -660,7 +666,8 @@ pub struct NewSession {
     pub language: Option<String>,
 }
 
-async fn open_session(
+/// Opens a session in sandbox `id` under the given id.
+pub async fn open_session(
     state: &AppState,
     caller: &Caller,
     id: &str,
@@ -875,10 +882,20 @@ pub async fn list_files(
 ) -> Result<Json<FileList>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let Query(query) = query.map_err(query_error)?;
+    Ok(Json(list_files_in(&state, &caller, &id, query.path).await?))
+}
+
+/// Lists a workspace folder (recursive, at most [`MAX_LISTING`] entries).
+pub async fn list_files_in(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    id: &str,
+    folder: Option<String>,
+) -> Result<FileList, ApiError> {
     let work = new_id("list_");
-    let listing = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
+    with_sandbox(state, caller, id, &work, move |sandbox| {
         let workspace = sandbox.workspace();
-        let start = match &query.path {
+        let start = match &folder {
             Some(path) if !path.is_empty() => {
                 let start = workspace_path(&workspace, path)?;
                 check_no_links(&workspace, &start)?;
@@ -937,8 +954,7 @@ pub async fn list_files(
         files.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(FileList { files, truncated })
     })
-    .await?;
-    Ok(Json(listing))
+    .await
 }
 
 /// Download a file, byte for byte.
@@ -955,8 +971,19 @@ pub async fn read_file(
     ids: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path((id, name)) = ids.map_err(path_error)?;
+    let bytes = read_file_in(&state, &caller, &id, name).await?;
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+}
+
+/// A workspace file's bytes.
+pub async fn read_file_in(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    id: &str,
+    name: String,
+) -> Result<Vec<u8>, ApiError> {
     let work = new_id("read_");
-    let bytes = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
+    with_sandbox(state, caller, id, &work, move |sandbox| {
         let workspace = sandbox.workspace();
         let path = workspace_path(&workspace, &name)?;
         check_no_links(&workspace, &path)?;
@@ -976,8 +1003,7 @@ pub async fn read_file(
             .with_details(json!({ "path": name }))
         })
     })
-    .await?;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+    .await
 }
 
 /// A written or deleted file.
@@ -1011,13 +1037,25 @@ pub async fn write_file(
     body: Bytes,
 ) -> Result<(StatusCode, Json<FileChange>), ApiError> {
     let Path((id, name)) = ids.map_err(path_error)?;
+    let change = write_file_in(&state, &caller, &id, name, body.to_vec()).await?;
+    Ok((StatusCode::CREATED, Json(change)))
+}
+
+/// Writes a workspace file and records the change.
+pub async fn write_file_in(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    id: &str,
+    name: String,
+    body: Vec<u8>,
+) -> Result<FileChange, ApiError> {
     let history_id = new_id("upload_");
     let work = history_id.clone();
-    let change = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
+    with_sandbox(state, caller, id, &work, move |sandbox| {
         let workspace = sandbox.workspace();
         let path = workspace_path(&workspace, &name)?;
         let size = body.len() as u64;
-        exec::write_files(&workspace, &[(path, body.to_vec())])?;
+        exec::write_files(&workspace, &[(path, body)])?;
         let commit_id = sandbox
             .history()?
             .commit_if_changed(&format!("upload {name}"), &history_id)
@@ -1029,8 +1067,7 @@ pub async fn write_file(
             commit_id,
         })
     })
-    .await?;
-    Ok((StatusCode::CREATED, Json(change)))
+    .await
 }
 
 /// Delete a file or folder (recursively); the change is recorded in the history.

@@ -45,6 +45,16 @@ pub enum Command {
     },
     /// Serve the platform HTTP API (sandboxes, exec, sessions, files, history; docs at /docs).
     Serve(ServeArgs),
+    /// Serve MCP (Model Context Protocol) over stdin/stdout: run_python, run_javascript,
+    /// sessions and file tools for any MCP client. Needs no LLM.
+    Mcp {
+        /// Folder for sandboxes, workspaces and history (default: ~/.local/share/kiln).
+        #[arg(long, env = "KILN_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+        /// Executor worker processes.
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
+    },
     /// Manage API keys for `kiln serve` (stored hashed in the data folder).
     Keys {
         #[command(subcommand)]
@@ -85,6 +95,10 @@ pub struct ServeArgs {
     /// terminal.
     #[arg(long, env = "KILN_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
+    /// A host name clients use to reach this server (repeatable), for `/mcp`'s `Host` check
+    /// against DNS rebinding; loopback names and the listen address are always accepted.
+    #[arg(long = "public-host", value_name = "HOST")]
+    pub public_hosts: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

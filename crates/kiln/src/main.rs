@@ -142,10 +142,41 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 auth: !args.no_auth,
                 rate_limit: args.rate_limit,
                 request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
+                public_hosts: args.public_hosts,
             };
             runtime(2)?.block_on(async {
                 pool.start_all()?;
                 kiln_server::serve(server, pool).await?;
+                anyhow::Ok(())
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Mcp {
+            data_dir: dir,
+            workers,
+        } => {
+            let setup = WasmEngine::with_options(
+                CacheDir::from_env(),
+                &kiln_wasm::EngineOptions { max_instances: 1 },
+            )?;
+            for language in Language::ALL {
+                setup.prepare(language, &progress::Bar::new())?;
+            }
+            drop(setup);
+            let mut config = kiln_executor::PoolConfig::current_exe()?;
+            config.workers = workers.max(1);
+            let pool = kiln_executor::ExecutorPool::new(config);
+            let server = kiln_server::ServerConfig {
+                listen: ([127, 0, 0, 1], 0).into(),
+                data_dir: data_dir(dir)?,
+                auth: false,
+                rate_limit: 0,
+                request_timeout: std::time::Duration::from_secs(600),
+                public_hosts: Vec::new(),
+            };
+            runtime(2)?.block_on(async {
+                let state = std::sync::Arc::new(kiln_server::AppState::open(&server, pool)?);
+                kiln_server::mcp::serve_stdio(state).await?;
                 anyhow::Ok(())
             })?;
             Ok(ExitCode::SUCCESS)

@@ -1,0 +1,512 @@
+//! The MCP server (official `rmcp` crate): kiln's sandboxes as tools for any MCP client.
+//! Served over stdio by `kiln mcp` and over streamable HTTP at `/mcp` by `kiln serve` (where
+//! the bearer key's tenant applies, as on every route). Needs no LLM.
+//!
+//! Tools: `run_python`, `run_javascript` (a fresh sandbox, or a sandbox's workspace),
+//! `sandbox_create`, `session_create` / `session_run` / `session_close` (state persists between
+//! runs), `write_file`, `read_file`, `list_files`. Input schemas are derived from the Rust
+//! types below.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kiln_core::{ExecRequest, Language, Limits};
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{CallToolResult, ContentBlock, ServerCapabilities, ServerConfig};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer, ServerHandler, schemars, tool, tool_handler, tool_router};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::AppState;
+use crate::auth::{Caller, LOCAL_TENANT};
+use crate::error::ApiError;
+use crate::exec::{self, pool_error};
+use crate::sandbox::new_id;
+use crate::v1;
+
+/// Most seconds a tool's code may run.
+pub const MAX_TIMEOUT_SECONDS: f64 = 300.0;
+
+/// Run code.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct RunCode {
+    /// The program.
+    pub code: String,
+    /// Time limit in seconds (default 30, at most 300).
+    #[serde(default)]
+    pub timeout_seconds: Option<f64>,
+    /// Standard input, as text.
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// Run in this sandbox's workspace (files persist; changes are recorded in its history).
+    /// Without it the code runs in a fresh, empty sandbox that is gone afterwards.
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+}
+
+/// Create a sandbox.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SandboxCreate {
+    /// `python` (default) or `javascript`.
+    #[serde(default)]
+    pub language: Option<String>,
+}
+
+/// Open a session.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SessionCreate {
+    /// `python` (default) or `javascript`.
+    #[serde(default)]
+    pub language: Option<String>,
+    /// The sandbox to open it in; a new one when absent.
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+}
+
+/// Run code in a session.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SessionRun {
+    pub sandbox_id: String,
+    pub session_id: String,
+    /// The code; variables, imports and definitions persist between runs.
+    pub code: String,
+    /// Time limit in seconds (default 30, at most 300). A run that times out ends the session.
+    #[serde(default)]
+    pub timeout_seconds: Option<f64>,
+}
+
+/// Close a session.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SessionClose {
+    pub sandbox_id: String,
+    pub session_id: String,
+}
+
+/// Write a file.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct WriteFile {
+    pub sandbox_id: String,
+    /// Path in the workspace, e.g. `data/input.csv`.
+    pub path: String,
+    /// The text to write.
+    pub content: String,
+}
+
+/// Read a file.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ReadFile {
+    pub sandbox_id: String,
+    pub path: String,
+}
+
+/// List files.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ListFiles {
+    pub sandbox_id: String,
+    /// A folder; default the whole workspace.
+    #[serde(default)]
+    pub path: Option<String>,
+}
+
+/// The MCP server over one kiln.
+#[derive(Clone)]
+pub struct KilnMcp {
+    state: Arc<AppState>,
+}
+
+impl std::fmt::Debug for KilnMcp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KilnMcp")
+    }
+}
+
+fn language(name: Option<&str>) -> Result<Language, ApiError> {
+    match name {
+        None => Ok(Language::Python),
+        Some(name) => Language::from_name(name).ok_or_else(|| {
+            ApiError::bad_request(
+                "UNSUPPORTED_LANGUAGE",
+                format!("unknown language {name:?}; use python or javascript"),
+            )
+        }),
+    }
+}
+
+fn timeout_ms(seconds: Option<f64>) -> Result<Option<u64>, ApiError> {
+    match seconds {
+        None => Ok(None),
+        Some(s) if s > 0.0 && s <= MAX_TIMEOUT_SECONDS => Ok(Some((s * 1000.0).ceil() as u64)),
+        Some(s) => Err(ApiError::bad_request(
+            "INVALID_OPTION",
+            format!(
+                "timeout_seconds must be more than 0 and at most {MAX_TIMEOUT_SECONDS}, got {s}"
+            ),
+        )),
+    }
+}
+
+/// A tool answer: JSON text, flagged as an error when the code did not succeed.
+fn answer(value: Value, failed: bool) -> CallToolResult {
+    let text = serde_json::to_string_pretty(&value).unwrap_or_default();
+    if failed {
+        CallToolResult::error(vec![ContentBlock::text(text)])
+    } else {
+        CallToolResult::success(vec![ContentBlock::text(text)])
+    }
+}
+
+/// A kiln error as a tool error the model can read and act on.
+fn refused(error: ApiError) -> CallToolResult {
+    answer(
+        json!({ "error": { "code": error.code, "message": error.message, "details": error.details } }),
+        true,
+    )
+}
+
+fn reply<T>(result: Result<T, ApiError>, ok: impl FnOnce(T) -> CallToolResult) -> CallToolResult {
+    match result {
+        Ok(value) => ok(value),
+        Err(error) => refused(error),
+    }
+}
+
+#[tool_router]
+impl KilnMcp {
+    /// A server over `state`.
+    pub fn new(state: Arc<AppState>) -> KilnMcp {
+        KilnMcp { state }
+    }
+
+    /// Who is calling: the bearer key's tenant over HTTP, the local tenant over stdio.
+    fn caller(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
+        match context.extensions.get::<axum::http::request::Parts>() {
+            Some(parts) => parts.extensions.get::<Caller>().cloned().ok_or_else(|| {
+                ErrorData::invalid_request("no authenticated caller on this request", None)
+            }),
+            None => Ok(Caller {
+                tenant: LOCAL_TENANT.into(),
+                key_id: LOCAL_TENANT.into(),
+            }),
+        }
+    }
+
+    async fn run_code(
+        &self,
+        caller: &Caller,
+        language: Language,
+        input: RunCode,
+    ) -> CallToolResult {
+        let timeout = match timeout_ms(input.timeout_seconds) {
+            Ok(t) => t,
+            Err(e) => return refused(e),
+        };
+        match input.sandbox_id {
+            None => {
+                // A fresh sandbox with no workspace: the fastest path, nothing kept.
+                let mut request = ExecRequest::new(language, input.code);
+                request.stdin = input.stdin.unwrap_or_default().into_bytes();
+                request.limits = Limits {
+                    timeout_ms: timeout.unwrap_or(Limits::default().timeout_ms),
+                    ..Limits::default()
+                };
+                let limits = request.limits.clone();
+                match self.state.pool.execute(request).await {
+                    Ok(result) => {
+                        let mut stderr = result.stderr_text();
+                        if let Some(reason) = result.outcome.reason(&limits) {
+                            stderr.push_str(&format!("kiln: {reason}\n"));
+                        }
+                        self.state.metrics.execution(language, &result);
+                        answer(
+                            json!({
+                                "status": if result.success() { "success" } else if matches!(result.outcome, kiln_core::Outcome::TimedOut) { "timeout" } else { "error" },
+                                "exit_code": result.exit_code,
+                                "stdout": result.stdout_text(),
+                                "stderr": stderr,
+                                "duration_ms": result.duration_us as f64 / 1000.0,
+                            }),
+                            !result.success(),
+                        )
+                    }
+                    Err(error) => refused(pool_error(error)),
+                }
+            }
+            Some(id) => {
+                let body = v1::Execute {
+                    code: input.code,
+                    language: Some(language.name().into()),
+                    stdin: input.stdin.unwrap_or_default(),
+                    env: BTreeMap::new(),
+                    timeout_ms: timeout,
+                    files: BTreeMap::new(),
+                    session_id: None,
+                };
+                self.execute(caller, &id, body).await
+            }
+        }
+    }
+
+    async fn execute(&self, caller: &Caller, id: &str, body: v1::Execute) -> CallToolResult {
+        let spec = match v1::spec(&self.state, caller, id, body) {
+            Ok(spec) => spec,
+            Err(e) => return refused(e),
+        };
+        reply(
+            exec::run(&self.state, caller, id, spec, None).await,
+            |outcome| {
+                answer(
+                    json!({
+                        "status": outcome.status(),
+                        "execution_id": outcome.exec_id,
+                        "exit_code": outcome.result.exit_code,
+                        "stdout": outcome.result.stdout_text(),
+                        "stderr": outcome.stderr_with_reason(),
+                        "duration_ms": outcome.result.duration_us as f64 / 1000.0,
+                        "commit_id": outcome.commit_id,
+                    }),
+                    outcome.status() != "success",
+                )
+            },
+        )
+    }
+
+    async fn new_sandbox(&self, caller: &Caller, language: Language) -> Result<String, ApiError> {
+        let state = self.state.clone();
+        let tenant = caller.tenant.clone();
+        exec::detached(async move {
+            tokio::task::spawn_blocking(move || {
+                state.registry.create(
+                    &tenant,
+                    language.name(),
+                    language,
+                    crate::api::DEFAULT_LIFETIME_MS,
+                    Limits::default().memory_bytes,
+                )
+            })
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+        })
+        .await
+        .map(|sandbox| sandbox.id)
+    }
+
+    #[tool(
+        description = "Run Python 3.15 code (numpy, pandas, scipy, scikit-learn, matplotlib available) in a WebAssembly sandbox with no network. Returns stdout, stderr and exit code. Pass sandbox_id to run in a sandbox's persistent workspace."
+    )]
+    async fn run_python(
+        &self,
+        Parameters(input): Parameters<RunCode>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        Ok(self.run_code(&caller, Language::Python, input).await)
+    }
+
+    #[tool(
+        description = "Run JavaScript (QuickJS, ES2023, no Node.js APIs; print with console.log) in a WebAssembly sandbox with no network. Pass sandbox_id to run in a sandbox's persistent workspace."
+    )]
+    async fn run_javascript(
+        &self,
+        Parameters(input): Parameters<RunCode>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        Ok(self.run_code(&caller, Language::JavaScript, input).await)
+    }
+
+    #[tool(
+        description = "Create a sandbox with a persistent, git-versioned workspace (lives 30 minutes). Returns its sandbox_id for the other tools."
+    )]
+    async fn sandbox_create(
+        &self,
+        Parameters(input): Parameters<SandboxCreate>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let created = match language(input.language.as_deref()) {
+            Ok(language) => self.new_sandbox(&caller, language).await,
+            Err(e) => Err(e),
+        };
+        Ok(reply(created, |id| {
+            answer(json!({ "sandbox_id": id }), false)
+        }))
+    }
+
+    #[tool(
+        description = "Open a stateful session: variables, imports and definitions persist between session_run calls. Creates a sandbox when sandbox_id is absent. Returns sandbox_id and session_id."
+    )]
+    async fn session_create(
+        &self,
+        Parameters(input): Parameters<SessionCreate>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let opened = async {
+            let language = language(input.language.as_deref())?;
+            let id = match input.sandbox_id {
+                Some(id) => id,
+                None => self.new_sandbox(&caller, language).await?,
+            };
+            let info =
+                v1::open_session(&self.state, &caller, &id, language, new_id("ses_")).await?;
+            Ok::<_, ApiError>((id, info))
+        }
+        .await;
+        Ok(reply(opened, |(id, info)| {
+            answer(
+                json!({ "sandbox_id": id, "session_id": info.session_id, "language": info.language }),
+                false,
+            )
+        }))
+    }
+
+    #[tool(
+        description = "Run code in an open session (state persists). Returns stdout, stderr and exit code."
+    )]
+    async fn session_run(
+        &self,
+        Parameters(input): Parameters<SessionRun>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let timeout = match timeout_ms(input.timeout_seconds) {
+            Ok(t) => t,
+            Err(e) => return Ok(refused(e)),
+        };
+        let session =
+            match self
+                .state
+                .registry
+                .session(&caller.tenant, &input.sandbox_id, &input.session_id)
+            {
+                Ok((meta, _)) => meta,
+                Err(e) => return Ok(refused(e)),
+            };
+        let body = v1::Execute {
+            code: input.code,
+            language: Some(session.language.name().into()),
+            stdin: String::new(),
+            env: BTreeMap::new(),
+            timeout_ms: timeout,
+            files: BTreeMap::new(),
+            session_id: Some(input.session_id),
+        };
+        Ok(self.execute(&caller, &input.sandbox_id, body).await)
+    }
+
+    #[tool(description = "Close a session and free its state.")]
+    async fn session_close(
+        &self,
+        Parameters(input): Parameters<SessionClose>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let closed = self.state.registry.remove_session(
+            &caller.tenant,
+            &input.sandbox_id,
+            &input.session_id,
+        );
+        Ok(match closed {
+            Ok(handle) => {
+                if let Some(handle) = handle {
+                    let _ = self.state.pool.close_session(&handle).await;
+                }
+                answer(json!({ "closed": input.session_id }), false)
+            }
+            Err(e) => refused(e),
+        })
+    }
+
+    #[tool(
+        description = "Write a text file into a sandbox's workspace (folders are made as needed)."
+    )]
+    async fn write_file(
+        &self,
+        Parameters(input): Parameters<WriteFile>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let written = v1::write_file_in(
+            &self.state,
+            &caller,
+            &input.sandbox_id,
+            input.path,
+            input.content.into_bytes(),
+        )
+        .await;
+        Ok(reply(written, |change| {
+            answer(json!({ "path": change.path, "size": change.size }), false)
+        }))
+    }
+
+    #[tool(
+        description = "Read a file from a sandbox's workspace (as text; bytes that are not UTF-8 are replaced)."
+    )]
+    async fn read_file(
+        &self,
+        Parameters(input): Parameters<ReadFile>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let read = v1::read_file_in(&self.state, &caller, &input.sandbox_id, input.path).await;
+        Ok(reply(read, |bytes| {
+            CallToolResult::success(vec![ContentBlock::text(
+                String::from_utf8_lossy(&bytes).into_owned(),
+            )])
+        }))
+    }
+
+    #[tool(description = "List the files in a sandbox's workspace (recursive).")]
+    async fn list_files(
+        &self,
+        Parameters(input): Parameters<ListFiles>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let listed = v1::list_files_in(&self.state, &caller, &input.sandbox_id, input.path).await;
+        Ok(reply(listed, |list| {
+            answer(serde_json::to_value(&list).unwrap_or_default(), false)
+        }))
+    }
+}
+
+#[tool_handler]
+impl ServerHandler for KilnMcp {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
+            "kiln runs code in WebAssembly sandboxes with no network: run_python / run_javascript for one-off code; sandbox_create plus the file tools for a persistent workspace; session_create / session_run for state that persists between runs.",
+        )
+    }
+}
+
+/// The streamable-HTTP service for `/mcp` on `kiln serve`.
+pub fn http_service(
+    state: Arc<AppState>,
+    allowed_hosts: Vec<String>,
+) -> rmcp::transport::streamable_http_server::StreamableHttpService<
+    KilnMcp,
+    rmcp::transport::streamable_http_server::session::local::LocalSessionManager,
+> {
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+    };
+    let mut config = StreamableHttpServerConfig::default();
+    config.allowed_hosts = allowed_hosts;
+    StreamableHttpService::new(
+        move || Ok(KilnMcp::new(state.clone())),
+        Arc::new(LocalSessionManager::default()),
+        config,
+    )
+}
+
+/// Serves MCP over stdin/stdout until the client closes them.
+pub async fn serve_stdio(state: Arc<AppState>) -> std::io::Result<()> {
+    use rmcp::ServiceExt;
+    let service = KilnMcp::new(state)
+        .serve(rmcp::transport::stdio())
+        .await
+        .map_err(std::io::Error::other)?;
+    service.waiting().await.map_err(std::io::Error::other)?;
+    Ok(())
+}

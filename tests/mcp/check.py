@@ -1,0 +1,164 @@
+"""kiln's MCP server, driven by the official Python MCP client (PyPI `mcp`) over both
+transports: stdio (`kiln mcp`) and streamable HTTP (`/mcp` on `kiln serve`).
+
+Usage: python check.py KILN_BINARY   (run by scripts/mcp-check, which starts nothing else)
+"""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+KILN = os.path.abspath(sys.argv[1])
+EXPECTED_TOOLS = {
+    "run_python", "run_javascript", "sandbox_create", "session_create", "session_run",
+    "session_close", "write_file", "read_file", "list_files",
+}
+
+
+def text(result):
+    return "".join(block.text for block in result.content if getattr(block, "text", None) is not None)
+
+
+def data(result):
+    return json.loads(text(result))
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+async def exercise(client, name):
+    tools = await client.list_tools()
+    names = {tool.name for tool in tools.tools}
+    check(EXPECTED_TOOLS <= names, f"{name}: tools {sorted(names)}")
+    run_python = next(t for t in tools.tools if t.name == "run_python")
+    schema = run_python.input_schema if hasattr(run_python, "input_schema") else run_python.inputSchema
+    check("code" in schema["properties"] and "code" in schema.get("required", []), f"{name}: schema {schema}")
+
+    # One-shot code in both languages.
+    result = await client.call_tool("run_python", {"code": "print(6 * 7)"})
+    check(not result.is_error and data(result)["stdout"] == "42\n", f"{name}: run_python {text(result)}")
+    result = await client.call_tool("run_javascript", {"code": "console.log([1, 2, 3].map(x => x * 2).join(','))"})
+    check(data(result)["stdout"] == "2,4,6\n", f"{name}: run_javascript {text(result)}")
+
+    # Failing code and limits are tool errors the model can read, not protocol errors.
+    result = await client.call_tool("run_python", {"code": "1/0"})
+    check(result.is_error and "ZeroDivisionError" in data(result)["stderr"], f"{name}: error {text(result)}")
+    result = await client.call_tool("run_python", {"code": "while True: pass", "timeout_seconds": 0.5})
+    check(result.is_error and data(result)["status"] == "timeout", f"{name}: timeout {text(result)}")
+    result = await client.call_tool("run_python", {"code": "1", "timeout_seconds": 9999})
+    check(result.is_error and data(result)["error"]["code"] == "INVALID_OPTION", f"{name}: bad timeout {text(result)}")
+
+    # Sessions keep state; files persist in the sandbox's workspace.
+    opened = data(await client.call_tool("session_create", {"language": "python"}))
+    sandbox, session = opened["sandbox_id"], opened["session_id"]
+    await client.call_tool("session_run", {"sandbox_id": sandbox, "session_id": session, "code": "import math\nx = math.factorial(5)"})
+    result = await client.call_tool("session_run", {"sandbox_id": sandbox, "session_id": session, "code": "print(x)"})
+    check(data(result)["stdout"] == "120\n", f"{name}: session {text(result)}")
+    result = await client.call_tool("write_file", {"sandbox_id": sandbox, "path": "data/in.txt", "content": "héllo"})
+    check(not result.is_error, f"{name}: write_file {text(result)}")
+    result = await client.call_tool("run_python", {"sandbox_id": sandbox, "code": "open('out.txt', 'w').write(open('data/in.txt').read().upper())"})
+    check(not result.is_error, f"{name}: run in sandbox {text(result)}")
+    result = await client.call_tool("read_file", {"sandbox_id": sandbox, "path": "out.txt"})
+    check(text(result) == "HÉLLO", f"{name}: read_file {text(result)}")
+    listing = data(await client.call_tool("list_files", {"sandbox_id": sandbox}))
+    check([f["path"] for f in listing["files"]] == ["data", "data/in.txt", "out.txt"], f"{name}: list_files {listing}")
+    result = await client.call_tool("session_close", {"sandbox_id": sandbox, "session_id": session})
+    check(not result.is_error, f"{name}: session_close {text(result)}")
+    result = await client.call_tool("session_run", {"sandbox_id": sandbox, "session_id": session, "code": "print(x)"})
+    check(result.is_error and data(result)["error"]["code"] == "SESSION_NOT_FOUND", f"{name}: closed session {text(result)}")
+
+    # Hostile input: traversal, unknown sandbox, malformed arguments.
+    result = await client.call_tool("read_file", {"sandbox_id": sandbox, "path": "../../etc/passwd"})
+    check(result.is_error and data(result)["error"]["code"] == "INVALID_PATH", f"{name}: traversal {text(result)}")
+    result = await client.call_tool("read_file", {"sandbox_id": "sb_nope", "path": "x"})
+    check(result.is_error and data(result)["error"]["code"] == "SANDBOX_NOT_FOUND", f"{name}: unknown {text(result)}")
+    try:
+        result = await client.call_tool("run_python", {"code": 5})
+        check(result.is_error, f"{name}: wrong type accepted {text(result)}")
+    except Exception:
+        pass  # a protocol error is as good
+    return sandbox
+
+
+async def over_stdio():
+    with tempfile.TemporaryDirectory() as data_dir:
+        params = StdioServerParameters(command=KILN, args=["mcp", "--data-dir", data_dir])
+        async with Client(params) as client:
+            await exercise(client, "stdio")
+    print("mcp-check: stdio ok")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def create_key(data_dir):
+    return subprocess.run([KILN, "keys", "create", "--data-dir", data_dir], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+async def over_http():
+    with tempfile.TemporaryDirectory() as data_dir:
+        alice, bob = create_key(data_dir), create_key(data_dir)
+        port = free_port()
+        server = subprocess.Popen([KILN, "serve", "--workers", "2", "--listen", f"127.0.0.1:{port}",
+                                   "--data-dir", data_dir, "--log-format", "json"],
+                                  stderr=open(os.path.join(data_dir, "serve.log"), "w"))
+        try:
+            deadline = time.time() + 300
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2)
+                    break
+                except Exception:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.1)
+            url = f"http://127.0.0.1:{port}/mcp"
+            http = create_mcp_http_client(headers={"Authorization": f"Bearer {alice}"})
+            async with Client(streamable_http_client(url, http_client=http)) as client:
+                sandbox = await exercise(client, "http")
+            # The key's tenant applies: Bob cannot see Alice's sandbox, over MCP or REST.
+            http = create_mcp_http_client(headers={"Authorization": f"Bearer {bob}"})
+            async with Client(streamable_http_client(url, http_client=http)) as client:
+                result = await client.call_tool("list_files", {"sandbox_id": sandbox})
+                check(result.is_error and data(result)["error"]["code"] == "SANDBOX_NOT_FOUND", f"tenant leak: {text(result)}")
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1/sandboxes/{sandbox}",
+                                             headers={"Authorization": f"Bearer {alice}"})
+            check(json.load(urllib.request.urlopen(request))["containerId"] == sandbox, "REST sees the MCP sandbox")
+            # No key: refused before MCP.
+            try:
+                async with Client(url) as client:
+                    await client.list_tools()
+                raise AssertionError("an MCP client without a key was served")
+            except AssertionError:
+                raise
+            except BaseException:
+                pass
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    print("mcp-check: streamable HTTP ok")
+
+
+async def main():
+    await over_stdio()
+    await over_http()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
