@@ -23,7 +23,9 @@ pub struct GenaiModel {
 
 impl std::fmt::Debug for GenaiModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GenaiModel").field("name", &self.name).finish()
+        f.debug_struct("GenaiModel")
+            .field("name", &self.name)
+            .finish()
     }
 }
 

@@ -17,6 +17,8 @@
 //! | `KILN_LLM_API_KEY` | the key for `openai-compatible` (optional) |
 //! | `KILN_LLM_TIMEOUT` | seconds one model call may take (default 120) |
 
+#[cfg(feature = "fake-provider")]
+pub mod fake;
 mod genai_model;
 
 use std::time::Duration;
@@ -139,8 +141,14 @@ pub enum ModelEvent {
     /// The first byte of the answer arrived.
     FirstToken,
     TextDelta(String),
-    ToolCallStart { id: String, name: String },
-    ToolCallArguments { id: String, delta: String },
+    ToolCallStart {
+        id: String,
+        name: String,
+    },
+    ToolCallArguments {
+        id: String,
+        delta: String,
+    },
 }
 
 /// A model call failed.
@@ -150,7 +158,9 @@ pub enum LlmError {
     NotConfigured(String),
     #[error("the provider refused the key (HTTP {status}): check the API key variable")]
     Auth { status: u16 },
-    #[error("the provider is rate limiting (HTTP 429) and did not recover after {attempts} attempts")]
+    #[error(
+        "the provider is rate limiting (HTTP 429) and did not recover after {attempts} attempts"
+    )]
     RateLimited { attempts: u32 },
     #[error("the provider failed (HTTP {status}) after {attempts} attempts: {message}")]
     Server {
@@ -212,9 +222,7 @@ impl Provider {
             "anthropic" => Provider::Anthropic,
             "gemini" => Provider::Gemini,
             "ollama" => Provider::Ollama,
-            "openai-compatible" | "openai_compatible" | "compatible" => {
-                Provider::OpenAiCompatible
-            }
+            "openai-compatible" | "openai_compatible" | "compatible" => Provider::OpenAiCompatible,
             _ => return None,
         })
     }
@@ -386,17 +394,30 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        ModelConfig::from_lookup(|name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+        ModelConfig::from_lookup(|name| {
+            vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+        })
     }
 
     #[test]
     fn configuration_comes_from_the_environment_with_clear_errors() {
-        let c = config(&[("KILN_LLM_MODEL", "openai:gpt-4o"), ("OPENAI_API_KEY", "sk-secret")]).unwrap();
+        let c = config(&[
+            ("KILN_LLM_MODEL", "openai:gpt-4o"),
+            ("OPENAI_API_KEY", "sk-secret"),
+        ])
+        .unwrap();
         assert_eq!((c.provider, c.model.as_str()), (Provider::OpenAi, "gpt-4o"));
-        assert!(!format!("{c:?}").contains("sk-secret"), "Debug must hide the key");
+        assert!(
+            !format!("{c:?}").contains("sk-secret"),
+            "Debug must hide the key"
+        );
         let c = config(&[("KILN_LLM_MODEL", "ollama:llama3.2")]).unwrap();
         assert_eq!(c.provider, Provider::Ollama);
-        let c = config(&[("KILN_LLM_MODEL", "openai-compatible:qwen"), ("KILN_LLM_BASE_URL", "http://127.0.0.1:9/v1")]).unwrap();
+        let c = config(&[
+            ("KILN_LLM_MODEL", "openai-compatible:qwen"),
+            ("KILN_LLM_BASE_URL", "http://127.0.0.1:9/v1"),
+        ])
+        .unwrap();
         assert_eq!(c.base_url.as_deref(), Some("http://127.0.0.1:9/v1"));
 
         for (vars, needle) in [
@@ -404,8 +425,14 @@ mod tests {
             (vec![("KILN_LLM_MODEL", "gpt-4o")], "no provider"),
             (vec![("KILN_LLM_MODEL", "acme:x")], "unknown provider"),
             (vec![("KILN_LLM_MODEL", "openai:")], "names no model"),
-            (vec![("KILN_LLM_MODEL", "anthropic:claude")], "ANTHROPIC_API_KEY"),
-            (vec![("KILN_LLM_MODEL", "openai-compatible:m")], "KILN_LLM_BASE_URL"),
+            (
+                vec![("KILN_LLM_MODEL", "anthropic:claude")],
+                "ANTHROPIC_API_KEY",
+            ),
+            (
+                vec![("KILN_LLM_MODEL", "openai-compatible:m")],
+                "KILN_LLM_BASE_URL",
+            ),
         ] {
             let error = config(&vars).unwrap_err().to_string();
             assert!(error.contains(needle), "{vars:?}: {error}");
