@@ -16,6 +16,7 @@
 //! | `OPENAI_API_KEY`, `ANTHROPIC_API_KEY`, `GEMINI_API_KEY` | keys, read from the environment, never logged or returned |
 //! | `KILN_LLM_API_KEY` | the key for `openai-compatible` (optional) |
 //! | `KILN_LLM_TIMEOUT` | seconds one model call may take (default 120) |
+//! | `KILN_LLM_RETRIES`, `KILN_LLM_RETRY_DELAY_MS` | attempts per call (default 3) and the first backoff (default 500 ms, doubling) |
 
 #[cfg(feature = "fake-provider")]
 pub mod fake;
@@ -333,13 +334,20 @@ impl ModelConfig {
             .and_then(|v| v.parse::<f64>().ok())
             .filter(|s| *s > 0.0)
             .map_or(Duration::from_secs(120), Duration::from_secs_f64);
+        let mut retry = RetryPolicy::default();
+        if let Some(attempts) = get("KILN_LLM_RETRIES").and_then(|v| v.parse::<u32>().ok()) {
+            retry.attempts = attempts.clamp(1, 10);
+        }
+        if let Some(ms) = get("KILN_LLM_RETRY_DELAY_MS").and_then(|v| v.parse::<u64>().ok()) {
+            retry.base_delay = Duration::from_millis(ms.min(60_000));
+        }
         Ok(ModelConfig {
             provider,
             model,
             base_url,
             api_key,
             timeout,
-            retry: RetryPolicy::default(),
+            retry,
         })
     }
 }

@@ -8,8 +8,10 @@
 //! - `auth`, `gate`, `metrics`: keys and tenants, the per-request middleware, Prometheus.
 //! - `openapi`: the generated description and the docs pages.
 
+pub mod agent;
 pub mod api;
 pub mod auth;
+pub mod chat;
 pub mod error;
 pub mod exec;
 pub mod gate;
@@ -46,6 +48,10 @@ pub struct AppState {
     pub request_timeout: Duration,
     /// Host names `/mcp` accepts in `Host` (DNS-rebinding protection).
     pub mcp_hosts: Vec<String>,
+    /// The model for `/api/v1/chat` (`Err`: how to configure one).
+    pub llm: Result<Arc<dyn kiln_llm::ChatModel>, String>,
+    /// Budgets of one agent run.
+    pub agent_limits: agent::AgentLimits,
 }
 
 /// Server settings.
@@ -89,6 +95,15 @@ impl AppState {
                 hosts.extend(config.public_hosts.iter().cloned());
                 hosts
             },
+            llm: chat::configured_model(),
+            agent_limits: agent::AgentLimits {
+                retry: kiln_llm::ModelConfig::from_env()
+                    .map(|c| c.retry)
+                    .unwrap_or_default(),
+                model_timeout: kiln_llm::ModelConfig::from_env()
+                    .map_or(Duration::from_secs(120), |c| c.timeout),
+                ..agent::AgentLimits::default()
+            },
         })
     }
 }
@@ -96,6 +111,7 @@ impl AppState {
 /// The routes, over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
+        .route("/chat", post(chat::chat))
         .route("/sandboxes", get(v1::list).post(v1::create))
         .route("/sandboxes/{id}", get(v1::get).delete(v1::delete))
         .route("/sandboxes/{id}/renew", post(v1::renew))
@@ -192,6 +208,12 @@ pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<
             tracing::warn!(target: "kiln::serve", "{note}");
         }
         auth::Auth::Keys(_) => {}
+    }
+    match &state.llm {
+        Ok(model) => tracing::info!(target: "kiln::serve", "chat model: {}", model.name()),
+        Err(why) => {
+            tracing::info!(target: "kiln::serve", "no chat model (POST /api/v1/chat answers 503): {why}")
+        }
     }
     axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown_signal())

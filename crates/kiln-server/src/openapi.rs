@@ -23,6 +23,7 @@ use crate::{api, error, history, v1};
         v1::execute, v1::execute_stream, v1::websocket, v1::cancel,
         v1::create_session, v1::list_sessions, v1::restart_session, v1::close_session,
         v1::list_files, v1::read_file, v1::write_file, v1::delete_file,
+        crate::chat::chat,
         api::healthz, api::readyz, api::metrics,
     ),
     components(schemas(error::ErrorBody, error::ErrorDetail, history::HistoryEntry)),
@@ -34,6 +35,7 @@ use crate::{api, error, history, v1};
         (name = "v1 executions", description = "Run code: plain, streamed (SSE, WebSocket), cancel."),
         (name = "v1 sessions", description = "Stateful code contexts."),
         (name = "v1 files", description = "Workspace files, binary-safe."),
+        (name = "v1 chat", description = "A model that runs code: tool calls, live output, artifacts, structured answers."),
         (name = "operations", description = "Health, readiness, metrics (no key needed)."),
     )
 )]

@@ -1,0 +1,644 @@
+//! The tool-calling agent: a model (any [`ChatModel`]) gets `execute_code` (run in a kiln
+//! sandbox; one session per language per sandbox, so state persists between calls) and the
+//! workspace file tools. Tool results go back truncated to a stated budget; turn, tool-call
+//! and repeat budgets end runaway loops; an optional final answer is validated against the
+//! caller's JSON schema (one retry with the validation error, then a clear error).
+//!
+//! The conversation is the caller's: messages in, messages out. The sandbox is named in the
+//! reply so the next request can continue in it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use kiln_core::Language;
+use kiln_executor::Chunk;
+use kiln_llm::{
+    ChatModel, Message, ModelEvent, ModelRequest, RetryPolicy, Role, ToolCall, ToolSpec, Usage,
+    complete_with_retries,
+};
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc::{self, UnboundedSender};
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::exec;
+use crate::sandbox::new_id;
+use crate::v1;
+
+/// Limits of one agent run.
+#[derive(Debug, Clone)]
+pub struct AgentLimits {
+    /// Model calls in one run.
+    pub max_turns: usize,
+    /// Tool calls in one run.
+    pub max_tool_calls: usize,
+    /// The same call (name and arguments) at most this many times.
+    pub max_repeats: usize,
+    /// Characters of one tool result sent back to the model.
+    pub tool_result_chars: usize,
+    /// One model call's time limit.
+    pub model_timeout: Duration,
+    pub retry: RetryPolicy,
+}
+
+impl Default for AgentLimits {
+    fn default() -> AgentLimits {
+        AgentLimits {
+            max_turns: 12,
+            max_tool_calls: 24,
+            max_repeats: 3,
+            tool_result_chars: 8_000,
+            model_timeout: Duration::from_secs(120),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// What an agent run reports as it goes (sent to clients as Server-Sent Events).
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AgentEvent {
+    Sandbox {
+        sandbox_id: String,
+    },
+    TextDelta {
+        text: String,
+    },
+    ToolCallStart {
+        id: String,
+        name: String,
+    },
+    ToolCallArguments {
+        id: String,
+        delta: String,
+    },
+    Stdout {
+        id: String,
+        data: String,
+    },
+    Stderr {
+        id: String,
+        data: String,
+    },
+    ToolResult {
+        id: String,
+        name: String,
+        result: String,
+        truncated: bool,
+        is_error: bool,
+    },
+    Artifact {
+        path: String,
+        size: u64,
+        download: String,
+    },
+    Final {
+        message: Message,
+        structured: Option<Value>,
+        messages: Vec<Message>,
+        sandbox_id: String,
+        usage: Usage,
+    },
+    Error {
+        code: String,
+        message: String,
+    },
+}
+
+impl AgentEvent {
+    pub fn name(&self) -> &'static str {
+        match self {
+            AgentEvent::Sandbox { .. } => "sandbox",
+            AgentEvent::TextDelta { .. } => "text_delta",
+            AgentEvent::ToolCallStart { .. } => "tool_call_start",
+            AgentEvent::ToolCallArguments { .. } => "tool_call_arguments",
+            AgentEvent::Stdout { .. } => "stdout",
+            AgentEvent::Stderr { .. } => "stderr",
+            AgentEvent::ToolResult { .. } => "tool_result",
+            AgentEvent::Artifact { .. } => "artifact",
+            AgentEvent::Final { .. } => "final",
+            AgentEvent::Error { .. } => "error",
+        }
+    }
+}
+
+/// One agent run's input.
+#[derive(Debug, Clone)]
+pub struct AgentInput {
+    pub messages: Vec<Message>,
+    pub output_schema: Option<Value>,
+    /// Continue in this sandbox; a new one otherwise.
+    pub sandbox: Option<String>,
+}
+
+/// The tools offered to the model.
+pub fn tools() -> Vec<ToolSpec> {
+    vec![
+        ToolSpec {
+            name: "execute_code".into(),
+            description: "Run code in a sandbox with no network. Python 3.15 (numpy, pandas, scipy, scikit-learn, matplotlib) or JavaScript (QuickJS). State persists between calls of one language: variables, imports, files in the working directory. Files you write (plots, CSVs) are returned as artifacts. Print what you need to see.".into(),
+            parameters: json!({
+                "type": "object",
+                "properties": {
+                    "language": {"type": "string", "enum": ["python", "javascript"]},
+                    "code": {"type": "string"},
+                    "timeout_seconds": {"type": "number", "minimum": 1, "maximum": 300}
+                },
+                "required": ["language", "code"]
+            }),
+        },
+        ToolSpec {
+            name: "write_file".into(),
+            description: "Write a text file into the sandbox's workspace (the code's working directory).".into(),
+            parameters: json!({"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}, "required": ["path", "content"]}),
+        },
+        ToolSpec {
+            name: "read_file".into(),
+            description: "Read a text file from the sandbox's workspace.".into(),
+            parameters: json!({"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}),
+        },
+        ToolSpec {
+            name: "list_files".into(),
+            description: "List the files in the sandbox's workspace.".into(),
+            parameters: json!({"type": "object", "properties": {"path": {"type": "string"}}}),
+        },
+    ]
+}
+
+/// Cuts `text` to `budget` characters, saying how much was left out.
+pub fn truncate(text: &str, budget: usize) -> (String, bool) {
+    let count = text.chars().count();
+    if count <= budget {
+        return (text.to_owned(), false);
+    }
+    let head: String = text.chars().take(budget).collect();
+    (
+        format!(
+            "{head}\n[... {} more characters not shown; print less, or summarise]",
+            count - budget
+        ),
+        true,
+    )
+}
+
+struct Run<'a> {
+    state: &'a Arc<AppState>,
+    caller: &'a Caller,
+    sandbox: String,
+    sessions: BTreeMap<&'static str, String>,
+    events: &'a UnboundedSender<AgentEvent>,
+}
+
+fn tool_error(message: impl Into<String>) -> (String, bool) {
+    (format!("error: {}", message.into()), true)
+}
+
+fn api_error_text(error: &ApiError) -> String {
+    format!("{} ({})", error.message, error.code)
+}
+
+impl Run<'_> {
+    async fn session(&mut self, language: Language) -> Result<String, ApiError> {
+        if let Some(id) = self.sessions.get(language.name()) {
+            let (_, handle) =
+                self.state
+                    .registry
+                    .session(&self.caller.tenant, &self.sandbox, id)?;
+            if handle.is_some() {
+                return Ok(id.clone());
+            }
+            // Its state ended (a timeout, a crash): start over in a fresh one.
+            let _ = self
+                .state
+                .registry
+                .remove_session(&self.caller.tenant, &self.sandbox, id);
+        }
+        let info = v1::open_session(
+            self.state,
+            self.caller,
+            &self.sandbox,
+            language,
+            new_id("ses_"),
+        )
+        .await?;
+        self.sessions
+            .insert(language.name(), info.session_id.clone());
+        Ok(info.session_id)
+    }
+
+    async fn execute_code(&mut self, call: &ToolCall) -> (String, bool) {
+        let args = &call.arguments;
+        let Some(code) = args.get("code").and_then(Value::as_str) else {
+            return tool_error(
+                "execute_code needs {\"language\": \"python\"|\"javascript\", \"code\": \"...\"}; `code` is missing or not a string",
+            );
+        };
+        let language = match args
+            .get("language")
+            .and_then(Value::as_str)
+            .map(Language::from_name)
+        {
+            None => Language::Python,
+            Some(Some(language)) => language,
+            Some(None) => return tool_error("language must be \"python\" or \"javascript\""),
+        };
+        let timeout_ms = match args.get("timeout_seconds") {
+            None | Some(Value::Null) => Some(30_000),
+            Some(v) => match v.as_f64() {
+                Some(s) if s > 0.0 && s <= 300.0 => Some((s * 1000.0).ceil() as u64),
+                _ => return tool_error("timeout_seconds must be a number from 1 to 300"),
+            },
+        };
+        let session = match self.session(language).await {
+            Ok(session) => session,
+            Err(e) => return tool_error(api_error_text(&e)),
+        };
+        let body = v1::Execute {
+            code: code.to_owned(),
+            language: Some(language.name().into()),
+            stdin: String::new(),
+            env: BTreeMap::new(),
+            timeout_ms,
+            files: BTreeMap::new(),
+            session_id: Some(session),
+        };
+        let spec = match v1::spec(self.state, self.caller, &self.sandbox, body) {
+            Ok(spec) => spec,
+            Err(e) => return tool_error(api_error_text(&e)),
+        };
+        let exec_id = spec.exec_id.clone();
+        let (chunks_tx, mut chunks_rx) = mpsc::unbounded_channel::<Chunk>();
+        let events = self.events.clone();
+        let id = call.id.clone();
+        let relay = tokio::spawn(async move {
+            while let Some(chunk) = chunks_rx.recv().await {
+                let data = String::from_utf8_lossy(&chunk.data).into_owned();
+                let _ = events.send(if chunk.stderr {
+                    AgentEvent::Stderr {
+                        id: id.clone(),
+                        data,
+                    }
+                } else {
+                    AgentEvent::Stdout {
+                        id: id.clone(),
+                        data,
+                    }
+                });
+            }
+        });
+        let ran = exec::run(
+            self.state,
+            self.caller,
+            &self.sandbox,
+            spec,
+            Some(chunks_tx),
+        )
+        .await;
+        let _ = relay.await;
+        let outcome = match ran {
+            Ok(outcome) => outcome,
+            Err(e) => return tool_error(api_error_text(&e)),
+        };
+        if outcome.commit_id.is_some() {
+            self.report_artifacts(&exec_id).await;
+        }
+        let mut text = format!(
+            "status: {}\nexit_code: {}\n",
+            outcome.status(),
+            outcome.result.exit_code
+        );
+        let stdout = outcome.result.stdout_text();
+        let stderr = outcome.stderr_with_reason();
+        if !stdout.is_empty() {
+            text.push_str(&format!("stdout:\n{stdout}"));
+        }
+        if !stderr.is_empty() {
+            text.push_str(&format!("stderr:\n{stderr}"));
+        }
+        (text, outcome.status() != "success")
+    }
+
+    /// Files an execution wrote, reported as artifacts the client can download.
+    async fn report_artifacts(&self, exec_id: &str) {
+        let Ok(view) = self.state.registry.get(&self.caller.tenant, &self.sandbox) else {
+            return;
+        };
+        let sandbox = view.meta;
+        let exec_id = exec_id.to_owned();
+        let changed = tokio::task::spawn_blocking(move || {
+            let history = sandbox.history().ok()?;
+            let entry = history.entries(1).ok()?.pop()?;
+            (entry.id == exec_id).then(|| {
+                entry
+                    .files
+                    .into_iter()
+                    .filter_map(|path| {
+                        let size =
+                            std::fs::symlink_metadata(sandbox.workspace().join(&path)).ok()?;
+                        size.is_file().then_some((path, size.len()))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+        for (path, size) in changed {
+            let download = format!("/api/v1/sandboxes/{}/files/{path}", self.sandbox);
+            let _ = self.events.send(AgentEvent::Artifact {
+                path,
+                size,
+                download,
+            });
+        }
+    }
+
+    async fn file_tool(&mut self, call: &ToolCall) -> (String, bool) {
+        let args = &call.arguments;
+        let path = args.get("path").and_then(Value::as_str).map(str::to_owned);
+        match call.name.as_str() {
+            "write_file" => {
+                let (Some(path), Some(content)) =
+                    (path, args.get("content").and_then(Value::as_str))
+                else {
+                    return tool_error(
+                        "write_file needs {\"path\": \"...\", \"content\": \"...\"}",
+                    );
+                };
+                match v1::write_file_in(
+                    self.state,
+                    self.caller,
+                    &self.sandbox,
+                    path.clone(),
+                    content.as_bytes().to_vec(),
+                )
+                .await
+                {
+                    Ok(change) => (
+                        format!("wrote {} ({} bytes)", change.path, change.size),
+                        false,
+                    ),
+                    Err(e) => tool_error(api_error_text(&e)),
+                }
+            }
+            "read_file" => {
+                let Some(path) = path else {
+                    return tool_error("read_file needs {\"path\": \"...\"}");
+                };
+                match v1::read_file_in(self.state, self.caller, &self.sandbox, path).await {
+                    Ok(bytes) => (String::from_utf8_lossy(&bytes).into_owned(), false),
+                    Err(e) => tool_error(api_error_text(&e)),
+                }
+            }
+            _ => match v1::list_files_in(self.state, self.caller, &self.sandbox, path).await {
+                Ok(list) => (
+                    list.files
+                        .iter()
+                        .map(|f| format!("{} {} {}", f.kind, f.size, f.path))
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                    false,
+                ),
+                Err(e) => tool_error(api_error_text(&e)),
+            },
+        }
+    }
+
+    async fn call_tool(&mut self, call: &ToolCall) -> (String, bool) {
+        if !call.arguments.is_object() {
+            return tool_error(format!(
+                "the arguments of {} must be a JSON object; got {}",
+                call.name,
+                truncate(&call.arguments.to_string(), 200).0
+            ));
+        }
+        match call.name.as_str() {
+            "execute_code" => self.execute_code(call).await,
+            "write_file" | "read_file" | "list_files" => self.file_tool(call).await,
+            other => tool_error(format!(
+                "there is no tool {other:?}; the tools are execute_code, write_file, read_file, list_files"
+            )),
+        }
+    }
+}
+
+fn agent_error(code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::BAD_GATEWAY, code, message)
+}
+
+/// Runs the agent to its final answer, reporting events as it goes. The final event (or an
+/// error event) is always the last one sent.
+pub async fn run(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    model: &dyn ChatModel,
+    input: AgentInput,
+    limits: &AgentLimits,
+    events: &UnboundedSender<AgentEvent>,
+) -> Result<(), ApiError> {
+    let sandbox = match input.sandbox {
+        Some(id) => {
+            state.registry.get(&caller.tenant, &id)?;
+            id
+        }
+        None => {
+            let registry = state.clone();
+            let tenant = caller.tenant.clone();
+            exec::detached(async move {
+                tokio::task::spawn_blocking(move || {
+                    registry.registry.create(
+                        &tenant,
+                        "python",
+                        Language::Python,
+                        crate::api::DEFAULT_LIFETIME_MS,
+                        kiln_core::Limits::default().memory_bytes,
+                    )
+                })
+                .await
+                .map_err(|e| ApiError::internal(e.to_string()))?
+            })
+            .await?
+            .id
+        }
+    };
+    let _ = events.send(AgentEvent::Sandbox {
+        sandbox_id: sandbox.clone(),
+    });
+    // Reuse the sandbox's live sessions (a continued conversation keeps its variables).
+    let mut sessions = BTreeMap::new();
+    if let Ok(view) = state.registry.get(&caller.tenant, &sandbox) {
+        for session in view.meta.sessions.values() {
+            if view.live_sessions.contains(&session.id) {
+                sessions.insert(session.language.name(), session.id.clone());
+            }
+        }
+    }
+    let mut run = Run {
+        state,
+        caller,
+        sandbox: sandbox.clone(),
+        sessions,
+        events,
+    };
+    let mut messages = input.messages;
+    if !messages.iter().any(|m| m.role == Role::System) {
+        messages.insert(0, Message::system("You can run code with the execute_code tool (Python or JavaScript, no network). Use it for anything you would otherwise compute in your head. Keep printed output short."));
+    }
+    let mut usage = Usage::default();
+    let mut tool_calls = 0usize;
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut schema_retry_used = false;
+    for _turn in 0..limits.max_turns {
+        let request = ModelRequest {
+            messages: messages.clone(),
+            tools: tools(),
+            output_schema: input.output_schema.clone(),
+        };
+        let (model_tx, mut model_rx) = mpsc::unbounded_channel::<ModelEvent>();
+        let forward = events.clone();
+        let relay = tokio::spawn(async move {
+            while let Some(event) = model_rx.recv().await {
+                let event = match event {
+                    ModelEvent::FirstToken => continue,
+                    ModelEvent::TextDelta(text) => AgentEvent::TextDelta { text },
+                    ModelEvent::ToolCallStart { id, name } => {
+                        AgentEvent::ToolCallStart { id, name }
+                    }
+                    ModelEvent::ToolCallArguments { id, delta } => {
+                        AgentEvent::ToolCallArguments { id, delta }
+                    }
+                };
+                let _ = forward.send(event);
+            }
+        });
+        let reply = complete_with_retries(
+            model,
+            &request,
+            Some(&model_tx),
+            limits.model_timeout,
+            limits.retry,
+        )
+        .await;
+        drop(model_tx);
+        let _ = relay.await;
+        let reply = reply.map_err(|e| match e {
+            kiln_llm::LlmError::NotConfigured(m) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "LLM_NOT_CONFIGURED", m)
+            }
+            kiln_llm::LlmError::Timeout(_) => {
+                ApiError::new(StatusCode::GATEWAY_TIMEOUT, "LLM_TIMEOUT", e.to_string())
+            }
+            kiln_llm::LlmError::RateLimited { .. } => {
+                agent_error("LLM_RATE_LIMITED", e.to_string())
+            }
+            other => agent_error("LLM_FAILED", other.to_string()),
+        })?;
+        usage += reply.usage;
+        if reply.tool_calls.is_empty() {
+            let message = Message::assistant(reply.text.clone());
+            messages.push(message.clone());
+            let structured = match &input.output_schema {
+                None => None,
+                Some(schema) => match check_structured(schema, &reply.text) {
+                    Ok(value) => Some(value),
+                    Err(problem) if !schema_retry_used => {
+                        schema_retry_used = true;
+                        messages.push(Message::user(format!(
+                            "Your answer does not match the required JSON schema: {problem}. Answer again with only a JSON value that matches the schema."
+                        )));
+                        continue;
+                    }
+                    Err(problem) => {
+                        return Err(agent_error(
+                            "STRUCTURED_OUTPUT_INVALID",
+                            format!(
+                                "the model's answer did not match the output schema twice: {problem}"
+                            ),
+                        ));
+                    }
+                },
+            };
+            let _ = events.send(AgentEvent::Final {
+                message,
+                structured,
+                messages,
+                sandbox_id: sandbox,
+                usage,
+            });
+            return Ok(());
+        }
+        messages.push(Message {
+            role: Role::Assistant,
+            content: reply.text.clone(),
+            tool_calls: reply.tool_calls.clone(),
+            tool_call_id: None,
+        });
+        for call in &reply.tool_calls {
+            tool_calls += 1;
+            if tool_calls > limits.max_tool_calls {
+                return Err(agent_error(
+                    "AGENT_BUDGET_EXCEEDED",
+                    format!(
+                        "the model made more than {} tool calls in one request",
+                        limits.max_tool_calls
+                    ),
+                ));
+            }
+            let key = format!("{}:{}", call.name, call.arguments);
+            let repeats = seen.entry(key).or_default();
+            *repeats += 1;
+            if *repeats > limits.max_repeats {
+                return Err(agent_error(
+                    "AGENT_LOOP",
+                    format!(
+                        "the model repeated the same {} call {} times; stopped",
+                        call.name, *repeats
+                    ),
+                ));
+            }
+            let (result, is_error) = run.call_tool(call).await;
+            let (result, truncated) = truncate(&result, limits.tool_result_chars);
+            let _ = events.send(AgentEvent::ToolResult {
+                id: call.id.clone(),
+                name: call.name.clone(),
+                result: result.clone(),
+                truncated,
+                is_error,
+            });
+            messages.push(Message::tool(call.id.clone(), result));
+        }
+    }
+    Err(agent_error(
+        "AGENT_BUDGET_EXCEEDED",
+        format!("no final answer after {} model calls", limits.max_turns),
+    ))
+}
+
+/// Parses and validates a structured answer (a JSON value, possibly in a ```json fence).
+pub fn check_structured(schema: &Value, text: &str) -> Result<Value, String> {
+    let trimmed = text.trim();
+    let body = trimmed
+        .strip_prefix("```json")
+        .or_else(|| trimmed.strip_prefix("```"))
+        .and_then(|t| t.strip_suffix("```"))
+        .unwrap_or(trimmed)
+        .trim();
+    let value: Value = serde_json::from_str(body).map_err(|e| format!("it is not JSON ({e})"))?;
+    let validator = jsonschema::validator_for(schema)
+        .map_err(|e| format!("the schema itself is invalid: {e}"))?;
+    let problems: Vec<String> = validator
+        .iter_errors(&value)
+        .map(|e| format!("{} at {}", e, e.instance_path()))
+        .take(5)
+        .collect();
+    if problems.is_empty() {
+        Ok(value)
+    } else {
+        Err(problems.join("; "))
+    }
+}
