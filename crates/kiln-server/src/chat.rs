@@ -74,6 +74,14 @@ pub async fn chat(
         ));
     }
     if let Some(schema) = &body.output_schema
+        && !schema.is_object()
+    {
+        return Err(ApiError::bad_request(
+            "INVALID_SCHEMA",
+            "output_schema must be a JSON schema object",
+        ));
+    }
+    if let Some(schema) = &body.output_schema
         && let Err(e) = jsonschema::validator_for(schema)
     {
         return Err(ApiError::bad_request(
@@ -91,8 +99,14 @@ pub async fn chat(
                     std::env::var(name).ok().filter(|v| !v.is_empty())
                 }
             })
-            .map_err(|e| not_configured(&e.to_string()))?;
-            Arc::new(GenaiModel::new(&config).map_err(|e| not_configured(&e.to_string()))?)
+            .map_err(|e| {
+                // The caller named a model kiln cannot use: their request is wrong.
+                ApiError::bad_request("INVALID_MODEL", format!("model {spec:?}: {e}"))
+            })?;
+            Arc::new(
+                GenaiModel::new(&config)
+                    .map_err(|e| ApiError::bad_request("INVALID_MODEL", e.to_string()))?,
+            )
         }
     };
     if let Some(sandbox) = &body.sandbox {
