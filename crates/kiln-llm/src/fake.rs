@@ -41,6 +41,8 @@ struct Inner {
     requests: Vec<Value>,
     /// Answer every request without a scripted step with this one.
     repeat: Option<Step>,
+    /// When the last answer was sent.
+    answered: Option<std::time::Instant>,
 }
 
 /// The running server.
@@ -89,6 +91,14 @@ impl FakeProvider {
         self.inner.lock().unwrap_or_else(|e| e.into_inner()).repeat = Some(step);
     }
 
+    /// When the last answer left the server (for latency measurements).
+    pub fn last_answer_at(&self) -> Option<std::time::Instant> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .answered
+    }
+
     /// Every request body received so far.
     pub fn requests(&self) -> Vec<Value> {
         self.inner
@@ -102,6 +112,7 @@ impl FakeProvider {
 fn next(inner: &Mutex<Inner>, body: Value) -> Step {
     let mut inner = inner.lock().unwrap_or_else(|e| e.into_inner());
     inner.requests.push(body);
+    inner.answered = Some(std::time::Instant::now());
     match inner.script.pop_front() {
         Some(step) => step,
         None => inner

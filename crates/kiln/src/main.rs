@@ -1,6 +1,7 @@
 //! The `kiln` binary: glue between the command line and the engine.
 
 mod bench;
+mod bench_agent;
 mod bench_http;
 mod cli;
 mod progress;

@@ -1,0 +1,219 @@
+//! `kiln bench --only agent`: the agent's own cost, measured two ways.
+//!
+//! - `agent_tool_round_trip`: the agent runs in this process against a model that answers at
+//!   once (no network), asking for `print(1)` N times; the time per tool round trip is
+//!   everything but the model: the tool call, the session turn in a worker, the history check,
+//!   the events.
+//! - `chat_first_event_after_first_token`: a real `kiln serve` process talks to the provider
+//!   test server (in this process, OpenAI protocol, streaming); the figure is the time from
+//!   the provider sending its answer to the client reading the first `text_delta` event.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kiln_llm::fake::{FakeProvider, Step};
+use kiln_llm::{ChatModel, LlmError, ModelEvent, ModelReply, ModelRequest, ToolCall};
+use serde_json::{Value, json};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::bench::{micros, summary};
+
+/// A model that asks for `print(1)` `calls` times, then answers; it takes no time.
+struct Instant1 {
+    calls: usize,
+    made: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl ChatModel for Instant1 {
+    fn name(&self) -> String {
+        "bench:instant".into()
+    }
+
+    async fn complete(
+        &self,
+        _request: &ModelRequest,
+        _events: Option<&UnboundedSender<ModelEvent>>,
+    ) -> Result<ModelReply, LlmError> {
+        let n = self.made.fetch_add(1, Ordering::Relaxed);
+        if n < self.calls {
+            Ok(ModelReply {
+                tool_calls: vec![ToolCall {
+                    id: format!("call_{n}"),
+                    name: "execute_code".into(),
+                    // Different code each time, so the repeat guard does not stop it.
+                    arguments: json!({"language": "python", "code": format!("print({n})")}),
+                }],
+                ..ModelReply::default()
+            })
+        } else {
+            Ok(ModelReply {
+                text: "done".into(),
+                ..ModelReply::default()
+            })
+        }
+    }
+}
+
+struct Server {
+    child: Child,
+    base: String,
+    _data: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve_with_model(fake: &FakeProvider) -> anyhow::Result<Server> {
+    let data = tempfile::tempdir()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let child = Command::new(std::env::current_exe()?)
+        .args([
+            "serve",
+            "--no-auth",
+            "--rate-limit",
+            "0",
+            "--log-format",
+            "json",
+            "--listen",
+        ])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--data-dir")
+        .arg(data.path())
+        .env("KILN_LLM_MODEL", "openai-compatible:fake")
+        .env("KILN_LLM_BASE_URL", &fake.base_url)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let server = Server {
+        child,
+        base: format!("http://127.0.0.1:{port}"),
+        _data: data,
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while ureq::get(&format!("{}/readyz", server.base))
+        .call()
+        .is_err()
+    {
+        if Instant::now() > deadline {
+            bail!("kiln serve did not become ready");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(server)
+}
+
+/// Runs the agent measurements `want` selects into `report`.
+pub fn run(
+    want: &dyn Fn(&str) -> bool,
+    iterations: usize,
+    report: &mut serde_json::Map<String, Value>,
+) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    if want("agent_tool_round_trip") {
+        let data = tempfile::tempdir()?;
+        let config = kiln_server::ServerConfig {
+            listen: ([127, 0, 0, 1], 0).into(),
+            data_dir: data.path().to_path_buf(),
+            auth: false,
+            rate_limit: 0,
+            request_timeout: Duration::from_secs(600),
+            public_hosts: Vec::new(),
+        };
+        let samples = rt.block_on(async {
+            let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);
+            pool.start_all()?;
+            let state = Arc::new(kiln_server::AppState::open(&config, pool)?);
+            let caller = kiln_server::auth::Caller {
+                tenant: "bench".into(),
+                key_id: "bench".into(),
+            };
+            let calls = 10;
+            let limits = kiln_server::agent::AgentLimits {
+                max_tool_calls: calls + 1,
+                max_turns: calls + 2,
+                ..Default::default()
+            };
+            let mut samples = Vec::new();
+            for round in 0..(iterations / calls).max(5) + 1 {
+                let model = Instant1 {
+                    calls,
+                    made: AtomicUsize::new(0),
+                };
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                let input = kiln_server::agent::AgentInput {
+                    messages: vec![kiln_llm::Message::user("bench")],
+                    output_schema: None,
+                    sandbox: None,
+                };
+                let started = Instant::now();
+                kiln_server::agent::run(&state, &caller, &model, input, &limits, &tx)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("agent: {}", e.message))?;
+                let elapsed = started.elapsed();
+                drop(tx);
+                let mut results = 0;
+                while let Some(event) = rx.recv().await {
+                    if let kiln_server::agent::AgentEvent::ToolResult {
+                        is_error, result, ..
+                    } = event
+                    {
+                        anyhow::ensure!(!is_error, "a tool call failed: {result}");
+                        results += 1;
+                    }
+                }
+                anyhow::ensure!(results == calls, "{results} tool results");
+                // The first run opens the session and creates the sandbox: warm-up.
+                if round > 0 {
+                    samples.push(micros(elapsed) / calls as f64);
+                }
+            }
+            anyhow::Ok(samples)
+        })?;
+        report.insert("agent_tool_round_trip".into(), summary(samples));
+    }
+
+    if want("chat_first_event") {
+        let fake = rt.block_on(FakeProvider::start(vec![]))?;
+        fake.repeat(Step::Text("The answer is 42.".into()));
+        let server = serve_with_model(&fake)?;
+        let mut samples = Vec::new();
+        for i in 0..(iterations / 10).max(20) + 3 {
+            let response = ureq::post(&format!("{}/api/v1/chat", server.base))
+                .send_json(json!({"messages": [{"role": "user", "content": "hi"}]}))
+                .context("POST /api/v1/chat")?;
+            let mut first = None;
+            for line in BufReader::new(response.into_reader()).lines() {
+                let line = line?;
+                if first.is_none() && line.starts_with("event: text_delta") {
+                    first = Some(Instant::now());
+                }
+            }
+            let first = first.context("no text_delta event")?;
+            let sent = fake
+                .last_answer_at()
+                .context("the provider never answered")?;
+            if i >= 3 {
+                samples.push(micros(first.saturating_duration_since(sent)));
+            }
+        }
+        report.insert(
+            "chat_first_event_after_first_token".into(),
+            summary(samples),
+        );
+    }
+    Ok(())
+}
