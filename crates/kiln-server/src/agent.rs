@@ -447,23 +447,9 @@ pub async fn run(
             id
         }
         None => {
-            let registry = state.clone();
-            let tenant = caller.tenant.clone();
-            exec::detached(async move {
-                tokio::task::spawn_blocking(move || {
-                    registry.registry.create(
-                        &tenant,
-                        "python",
-                        Language::Python,
-                        crate::api::DEFAULT_LIFETIME_MS,
-                        kiln_core::Limits::default().memory_bytes,
-                    )
-                })
-                .await
-                .map_err(|e| ApiError::internal(e.to_string()))?
-            })
-            .await?
-            .id
+            exec::create_default_sandbox(state, &caller.tenant, Language::Python)
+                .await?
+                .id
         }
     };
     let _ = events.send(AgentEvent::Sandbox {

@@ -146,15 +146,15 @@ pub async fn create(
         body.options.timeout,
         body.options.memory_limit.as_deref(),
     )?;
-    let registry = state.clone();
-    let image = body.image.clone();
-    let sandbox = tokio::task::spawn_blocking(move || {
-        registry
-            .registry
-            .create(&caller.tenant, &image, language, lifetime_ms, memory_bytes)
-    })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))??;
+    let sandbox = exec::create_sandbox(
+        &state,
+        &caller.tenant,
+        &body.image,
+        language,
+        lifetime_ms,
+        memory_bytes,
+    )
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(Created {

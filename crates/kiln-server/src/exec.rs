@@ -142,6 +142,46 @@ pub async fn detached<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
 }
 
+/// Creates a sandbox off the async threads (git init and fsyncs block), to its end even if
+/// the request goes away.
+pub async fn create_sandbox(
+    state: &Arc<AppState>,
+    tenant: &str,
+    image: &str,
+    language: kiln_core::Language,
+    lifetime_ms: u64,
+    memory_bytes: u64,
+) -> Result<crate::sandbox::Sandbox, ApiError> {
+    let (state, tenant, image) = (state.clone(), tenant.to_owned(), image.to_owned());
+    detached(async move {
+        tokio::task::spawn_blocking(move || {
+            state
+                .registry
+                .create(&tenant, &image, language, lifetime_ms, memory_bytes)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
+    })
+    .await
+}
+
+/// Creates a sandbox with the default lifetime and memory.
+pub async fn create_default_sandbox(
+    state: &Arc<AppState>,
+    tenant: &str,
+    language: kiln_core::Language,
+) -> Result<crate::sandbox::Sandbox, ApiError> {
+    create_sandbox(
+        state,
+        tenant,
+        language.name(),
+        language,
+        crate::api::DEFAULT_LIFETIME_MS,
+        Limits::default().memory_bytes,
+    )
+    .await
+}
+
 /// Runs `spec` in sandbox `id` of `caller`, streaming output to `chunks` if given. The run
 /// goes on to its end (and is recorded) even if the caller stops waiting.
 pub async fn run(

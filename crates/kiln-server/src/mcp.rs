@@ -272,23 +272,9 @@ impl KilnMcp {
     }
 
     async fn new_sandbox(&self, caller: &Caller, language: Language) -> Result<String, ApiError> {
-        let state = self.state.clone();
-        let tenant = caller.tenant.clone();
-        exec::detached(async move {
-            tokio::task::spawn_blocking(move || {
-                state.registry.create(
-                    &tenant,
-                    language.name(),
-                    language,
-                    crate::api::DEFAULT_LIFETIME_MS,
-                    Limits::default().memory_bytes,
-                )
-            })
+        exec::create_default_sandbox(&self.state, &caller.tenant, language)
             .await
-            .map_err(|e| ApiError::internal(e.to_string()))?
-        })
-        .await
-        .map(|sandbox| sandbox.id)
+            .map(|sandbox| sandbox.id)
     }
 
     #[tool(

@@ -83,15 +83,15 @@ pub async fn create(
     let image = body.language.unwrap_or_else(|| "python".into());
     let (language, lifetime_ms, memory_bytes) =
         api::parse_create(&image, body.timeout_ms, body.memory_limit.as_deref())?;
-    let registry = state.clone();
-    let tenant = caller.tenant.clone();
-    let id = tokio::task::spawn_blocking(move || {
-        registry
-            .registry
-            .create(&tenant, &image, language, lifetime_ms, memory_bytes)
-    })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))??
+    let id = exec::create_sandbox(
+        &state,
+        &caller.tenant,
+        &image,
+        language,
+        lifetime_ms,
+        memory_bytes,
+    )
+    .await?
     .id;
     let view = state.registry.get(&caller.tenant, &id)?;
     Ok((StatusCode::CREATED, Json(SandboxInfo::from_view(&view))))
