@@ -124,7 +124,9 @@ pub fn pool_error(error: PoolError) -> ApiError {
             "SESSION_ENDED",
             format!("{}; restart the session", remote.message),
         ),
-        PoolError::Remote(remote) if remote.kind == "limits" || remote.kind == "too_large" => {
+        PoolError::Remote(remote)
+            if remote.kind == "limits" || remote.kind == "too_large" || remote.kind == "grant" =>
+        {
             ApiError::bad_request("INVALID_REQUEST", remote.message)
         }
         other => ApiError::internal(other.to_string()),

@@ -324,6 +324,24 @@ pub fn spec(
             format!("timeoutMs must be 1..={}", exec::MAX_EXEC_MS),
         ));
     }
+    if let Some((name, _)) = body
+        .env
+        .iter()
+        .find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0'))
+    {
+        return Err(ApiError::bad_request(
+            "INVALID_ENV",
+            format!(
+                "the environment variable {name:?} is not allowed: names are non-empty and hold no `=` or NUL; values hold no NUL"
+            ),
+        ));
+    }
+    if body.session_id.is_some() && !body.env.is_empty() {
+        return Err(ApiError::bad_request(
+            "INVALID_ENV",
+            "env applies to one-shot executions; a session keeps the environment it was opened with",
+        ));
+    }
     if let Some(session) = &body.session_id {
         // Named in the body: a bad request, not a missing URL.
         let (meta, _) = state

@@ -1031,6 +1031,23 @@ fn busy_deleted_and_renewed_sandboxes_answer_defined_codes() -> TestResult {
     );
     let (status, _) = server.exec(&short, json!({"code": 5}))?;
     assert_eq!(status, 400);
+    for env in [
+        json!({"": "x"}),
+        json!({"A=B": "x"}),
+        json!({"A": "x\u{0}y"}),
+    ] {
+        let (status, body) = server.exec(&short, json!({"code": "1", "env": env}))?;
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (400, Some("INVALID_ENV")),
+            "{env}"
+        );
+    }
+    let (status, r) = server.exec(
+        &short,
+        json!({"code": "import os; print(os.environ['GREETING'])", "env": {"GREETING": "hi"}}),
+    )?;
+    assert_eq!((status, r["stdout"].as_str()), (200, Some("hi\n")), "{r}");
     let (status, body) = server.exec(&short, json!({"code": "1", "language": "cobol"}))?;
     assert_eq!(
         (status, body["error"]["code"].as_str()),
