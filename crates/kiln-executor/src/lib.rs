@@ -18,4 +18,5 @@ pub mod protocol;
 pub mod worker;
 
 pub use pool::{CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle};
+pub use kiln_wasm::{Door, DoorFuture};
 pub use protocol::RemoteError;

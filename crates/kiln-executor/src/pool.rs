@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kiln_core::{ExecRequest, ExecResult, Language, Limits};
+use kiln_wasm::Door;
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 
@@ -84,17 +85,30 @@ pub struct Chunk {
     pub data: Vec<u8>,
 }
 
-/// Extras for one call: a listener for output as it is written, and a cancel signal (send
-/// `()` to stop the execution; it then fails with `Remote` kind `cancelled`).
-#[derive(Debug, Default)]
+/// Extras for one call: a listener for output as it is written, a cancel signal (send
+/// `()` to stop the execution; it then fails with `Remote` kind `cancelled`), and a door
+/// granted to a session turn for that turn alone (see [`kiln_wasm::Door`]).
+#[derive(Default)]
 pub struct CallOptions {
     pub chunks: Option<mpsc::UnboundedSender<Chunk>>,
     pub cancel: Option<oneshot::Receiver<()>>,
+    pub door: Option<Door>,
+}
+
+impl std::fmt::Debug for CallOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallOptions")
+            .field("chunks", &self.chunks.is_some())
+            .field("cancel", &self.cancel.is_some())
+            .field("door", &self.door.is_some())
+            .finish()
+    }
 }
 
 struct Waiter {
     done: oneshot::Sender<Result<Reply, PoolError>>,
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
+    door: Option<Door>,
 }
 
 type Pending = Arc<Mutex<HashMap<u64, Waiter>>>;
@@ -227,9 +241,15 @@ impl ExecutorPool {
         });
         let reader_pending = pending.clone();
         let reader_alive = alive.clone();
+        let answers = tx.clone();
         tokio::spawn(async move {
             while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
                 let mut pending = reader_pending.lock().unwrap_or_else(|e| e.into_inner());
+                if let Reply::Door { call, data } = response.reply {
+                    let door = pending.get(&response.id).and_then(|w| w.door.clone());
+                    answer_door(door, response.id, call, data, answers.clone());
+                    continue;
+                }
                 if let Reply::Chunk { stderr, data } = response.reply {
                     if let Some(listener) =
                         pending.get(&response.id).and_then(|w| w.chunks.as_ref())
@@ -307,6 +327,7 @@ impl ExecutorPool {
                 Waiter {
                     done: tx,
                     chunks: options.chunks,
+                    door: options.door,
                 },
             );
         if !worker.alive.load(Ordering::Relaxed) || worker.tx.send(body).is_err() {
@@ -432,6 +453,7 @@ impl ExecutorPool {
             session: session.id,
             code,
             limits,
+            door: options.door.is_some(),
         };
         match self.call_with(&worker, op, options).await? {
             Reply::Done(result) => Ok(result),
@@ -462,6 +484,40 @@ impl ExecutorPool {
             other => Err(unexpected(&other)),
         }
     }
+}
+
+/// Answers one door call of request `target` off the reader task: with the granted door,
+/// or, when the call has none, with a fault.
+fn answer_door(
+    door: Option<Door>,
+    target: u64,
+    call: u64,
+    frame: Vec<u8>,
+    out: mpsc::UnboundedSender<Vec<u8>>,
+) {
+    tokio::spawn(async move {
+        let answer = match door {
+            Some(door) => door(frame).await,
+            None => Err("no capability is granted to this call".to_string()),
+        };
+        let (ok, data) = match answer {
+            Ok(data) => (true, data),
+            Err(message) => (false, message.into_bytes()),
+        };
+        let op = Op::DoorAnswer {
+            target,
+            call,
+            ok,
+            data,
+        };
+        if let Ok(body) = encode(&Request {
+            id: 0,
+            op,
+            stream: false,
+        }) {
+            let _ = out.send(body);
+        }
+    });
 }
 
 fn unexpected(reply: &Reply) -> PoolError {

@@ -21,12 +21,25 @@ pub enum Op {
         session: u64,
         code: String,
         limits: Limits,
+        /// Grant the door for this turn: the guest's `_host.call` frames come up as
+        /// `Reply::Door` and are answered with `Op::DoorAnswer`.
+        #[serde(default)]
+        door: bool,
     },
     /// Close a session.
     CloseSession { session: u64 },
     /// Stop the request `target` (an `Exec` or a `Turn`). It answers `Failed` with kind
     /// `cancelled`; a cancelled turn ends its session. Cancel itself gets no reply.
     Cancel { target: u64 },
+    /// The host's answer to door call `call` of the request `target`: the reply frame
+    /// (`ok`), or a fault message. Gets no reply.
+    DoorAnswer {
+        target: u64,
+        call: u64,
+        ok: bool,
+        #[serde(with = "kiln_core::base64_bytes")]
+        data: Vec<u8>,
+    },
 }
 
 /// A request frame.
@@ -55,6 +68,12 @@ pub enum Reply {
     /// Output as the guest wrote it; more replies follow for the same request.
     Chunk {
         stderr: bool,
+        #[serde(with = "kiln_core::base64_bytes")]
+        data: Vec<u8>,
+    },
+    /// A frame the guest sent through its granted door; answer with `Op::DoorAnswer`.
+    Door {
+        call: u64,
         #[serde(with = "kiln_core::base64_bytes")]
         data: Vec<u8>,
     },

@@ -5,8 +5,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use kiln_wasm::{ExecError, OutputChunk, Session, SessionOptions, StreamKind, WasmEngine};
+use kiln_wasm::{Door, ExecError, OutputChunk, Session, SessionOptions, StreamKind, WasmEngine};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
@@ -16,6 +17,8 @@ use crate::protocol::{
 
 type Sessions = Arc<std::sync::Mutex<HashMap<u64, Arc<Mutex<Session>>>>>;
 type Running = Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<()>>>>;
+/// Door calls waiting for the host's answer, by (request id, call number).
+type DoorCalls = Arc<std::sync::Mutex<HashMap<(u64, u64), oneshot::Sender<Result<Vec<u8>, String>>>>>;
 
 /// Maps an engine error to what crosses the wire.
 pub fn remote_error(error: &ExecError) -> RemoteError {
@@ -83,6 +86,7 @@ where
     });
     let sessions: Sessions = Arc::default();
     let running: Running = Arc::default();
+    let door_calls: DoorCalls = Arc::default();
     loop {
         let request: Request = match read_frame(&mut input).await {
             Ok(request) => request,
@@ -98,6 +102,27 @@ where
             }
             continue;
         }
+        if let Op::DoorAnswer {
+            target,
+            call,
+            ok,
+            data,
+        } = request.op
+        {
+            let waiting = door_calls
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(target, call));
+            if let Some(waiting) = waiting {
+                let answer = if ok {
+                    Ok(data)
+                } else {
+                    Err(String::from_utf8_lossy(&data).into_owned())
+                };
+                let _ = waiting.send(answer);
+            }
+            continue;
+        }
         let (stop_tx, stop_rx) = oneshot::channel();
         running
             .lock()
@@ -107,6 +132,7 @@ where
         let sessions = sessions.clone();
         let running = running.clone();
         let tx = tx.clone();
+        let door_calls = door_calls.clone();
         tokio::spawn(async move {
             let id = request.id;
             let (listener, mut chunks) = if request.stream {
@@ -120,7 +146,11 @@ where
                 _ => None,
             };
             let mut stop_rx = stop_rx;
-            let work = handle(&engine, &sessions, request.op, listener);
+            let door = match &request.op {
+                Op::Turn { door: true, .. } => Some(open_door(id, tx.clone(), door_calls.clone())),
+                _ => None,
+            };
+            let work = handle(&engine, &sessions, request.op, listener, door);
             tokio::pin!(work);
             let send_chunk = |chunk: OutputChunk| {
                 let reply = Reply::Chunk {
@@ -156,6 +186,10 @@ where
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&id);
+            door_calls
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(target, _), _| *target != id);
             let _ = tx.send(Response { id, reply });
         });
     }
@@ -172,11 +206,38 @@ async fn next_chunk(
     }
 }
 
+/// The door of request `id`: each guest frame goes up to the pool as a `Door` reply and
+/// waits for the matching `DoorAnswer`.
+fn open_door(id: u64, tx: mpsc::UnboundedSender<Response>, calls: DoorCalls) -> Door {
+    let next = Arc::new(AtomicU64::new(0));
+    Arc::new(move |frame: Vec<u8>| {
+        let call = next.fetch_add(1, Ordering::Relaxed);
+        let (answer_tx, answer_rx) = oneshot::channel();
+        calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((id, call), answer_tx);
+        let sent = tx.send(Response {
+            id,
+            reply: Reply::Door { call, data: frame },
+        });
+        Box::pin(async move {
+            if sent.is_err() {
+                return Err("the pool went away".to_string());
+            }
+            answer_rx
+                .await
+                .unwrap_or_else(|_| Err("the door call was dropped".to_string()))
+        })
+    })
+}
+
 async fn handle(
     engine: &WasmEngine,
     sessions: &Sessions,
     op: Op,
     listener: Option<mpsc::UnboundedSender<OutputChunk>>,
+    door: Option<Door>,
 ) -> Reply {
     match op {
         Op::Exec(request) => match engine.execute_streaming(&request, listener).await {
@@ -205,6 +266,7 @@ async fn handle(
             session,
             code,
             limits,
+            door: _,
         } => {
             let found = sessions
                 .lock()
@@ -218,7 +280,7 @@ async fn handle(
                 });
             };
             let mut guard = found.lock().await;
-            match guard.run_streaming(&code, &limits, listener).await {
+            match guard.run_with_door(&code, &limits, listener, door).await {
                 Ok(result) => Reply::Done(result),
                 Err(error) => Reply::Failed(remote_error(&error)),
             }
@@ -230,6 +292,6 @@ async fn handle(
                 .remove(&session);
             Reply::Closed
         }
-        Op::Cancel { .. } => Reply::Closed,
+        Op::Cancel { .. } | Op::DoorAnswer { .. } => Reply::Closed,
     }
 }

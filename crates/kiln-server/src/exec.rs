@@ -277,6 +277,7 @@ async fn run_in(
     let options = CallOptions {
         chunks,
         cancel: Some(cancel),
+        door: None,
     };
     let result = match &spec.session {
         None => {

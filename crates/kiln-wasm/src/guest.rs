@@ -1,6 +1,8 @@
 //! What every guest store holds and how one call into a guest is bounded and judged.
 
+use std::future::Future;
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
@@ -125,6 +127,8 @@ pub(crate) struct GuestState {
     /// task can move it while the guest runs (JavaScript sessions).
     pub deadline_ns: Arc<AtomicU64>,
     pub clock_base: Instant,
+    /// The capability granted for the current turn, if any: what `host::call` reaches.
+    pub door: Option<Door>,
 }
 
 impl GuestState {
@@ -298,6 +302,7 @@ pub(crate) fn new_store(
         fs,
         deadline_ns,
         clock_base,
+        door: None,
     };
     let mut store = Store::new(engine, state);
     store.limiter(|state| &mut state.memory);
@@ -411,20 +416,77 @@ fn judge(end: &CallEnd<i32>, memory_hit: bool, truncated: bool) -> (Outcome, i32
     (outcome, exit_code)
 }
 
+/// What a door answers: the reply frame, or a fault (the guest sees `OSError`).
+pub type DoorFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, String>> + Send>>;
+
+/// A capability the host grants a guest for one session turn. The guest reaches it with
+/// `_host.call(frame) -> bytes`; frames are opaque bytes, checked by whoever grants the door.
+/// A turn without a grant finds the door shut (`ConnectionRefusedError`).
+pub type Door = Arc<dyn Fn(Vec<u8>) -> DoorFuture + Send + Sync>;
+
+/// The largest frame through the door either way: 4 MiB. A larger one is a fault.
+pub const MAX_DOOR_FRAME_BYTES: usize = 4 << 20;
+
 /// Defines `host::call`, the door through which a guest asks the host for a granted
-/// capability. No capability is granted yet: every call answers -1 ("no host").
+/// capability: -1 when nothing is granted, -2 when the host faults, 0 with the reply written
+/// into guest memory (allocated with the guest's `host_alloc`) otherwise.
 pub(crate) fn add_door(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
-    linker.func_wrap(
+    linker.func_wrap_async(
         "host",
         "call",
-        |_caller: Caller<'_, GuestState>,
-         _ptr: i32,
-         _len: i32,
-         _out_ptr: i32,
-         _out_len: i32|
-         -> i32 { -1 },
+        |mut caller: Caller<'_, GuestState>, (ptr, len, out_ptr, out_len): (i32, i32, i32, i32)| {
+            Box::new(async move {
+                let Some(door) = caller.data().door.clone() else {
+                    return Ok(-1);
+                };
+                Ok(door_call(&mut caller, &door, ptr, len, out_ptr, out_len)
+                    .await
+                    .unwrap_or(-2))
+            })
+        },
     )?;
     Ok(())
+}
+
+/// One call through an open door; `None` is a fault.
+async fn door_call(
+    caller: &mut Caller<'_, GuestState>,
+    door: &Door,
+    ptr: i32,
+    len: i32,
+    out_ptr: i32,
+    out_len: i32,
+) -> Option<i32> {
+    let memory = caller.get_export("memory")?.into_memory()?;
+    let ptr = usize::try_from(ptr).ok()?;
+    let len = usize::try_from(len).ok()?;
+    if len > MAX_DOOR_FRAME_BYTES {
+        return None;
+    }
+    let mut frame = vec![0u8; len];
+    memory.read(&*caller, ptr, &mut frame).ok()?;
+    let reply = door(frame).await.ok()?;
+    if reply.len() > MAX_DOOR_FRAME_BYTES {
+        return None;
+    }
+    let alloc = caller
+        .get_export("host_alloc")?
+        .into_func()?
+        .typed::<i32, i32>(&*caller)
+        .ok()?;
+    let reply_len = i32::try_from(reply.len()).ok()?;
+    let at = alloc.call_async(&mut *caller, reply_len).await.ok()?;
+    let at_usize = usize::try_from(at).ok()?;
+    memory.write(&mut *caller, at_usize, &reply).ok()?;
+    let out_ptr = usize::try_from(out_ptr).ok()?;
+    let out_len = usize::try_from(out_len).ok()?;
+    memory
+        .write(&mut *caller, out_ptr, &u32::try_from(at).ok()?.to_le_bytes())
+        .ok()?;
+    memory
+        .write(&mut *caller, out_len, &u32::try_from(reply_len).ok()?.to_le_bytes())
+        .ok()?;
+    Some(0)
 }
 
 /// Appends the request's own grants: its workspace at `/workspace`, then its mounts.

@@ -32,7 +32,7 @@ pub use cache::{ModuleError, WASMTIME_VERSION, cwasm_path};
 pub use engine::{
     EPOCH_TICK, EngineError, EngineOptions, ExecError, MAX_CODE_BYTES, WasmEngine, engine_config,
 };
-pub use guest::GrantError;
+pub use guest::{Door, DoorFuture, GrantError, MAX_DOOR_FRAME_BYTES};
 pub use output::{OutputChunk, StreamKind};
 pub use session::{Session, SessionOptions};
 pub use setup::{CacheDir, Progress, Quiet, SetupError};

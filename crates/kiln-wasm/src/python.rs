@@ -139,6 +139,11 @@ impl PythonGuest {
         }
     }
 
+    /// Grants (or withdraws, with `None`) the door for the next turns.
+    pub fn set_door(&mut self, door: Option<crate::guest::Door>) {
+        self.store.data_mut().door = door;
+    }
+
     /// Runs `code` as one turn under `limits` (memory stays as the instance was opened with).
     /// Output chunks go to `listener` as they are written.
     pub async fn turn(

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Mount};
 use tokio::sync::mpsc;
 
+use crate::guest::Door;
 use crate::engine::{ExecError, WasmEngine, check_code, check_request};
 use crate::javascript::JsSession;
 use crate::output::OutputChunk;
@@ -73,11 +74,28 @@ impl Session {
         limits: &Limits,
         listener: Option<mpsc::UnboundedSender<OutputChunk>>,
     ) -> Result<ExecResult, ExecError> {
+        self.run_with_door(code, limits, listener, None).await
+    }
+
+    /// Runs one turn with `door` granted for this turn alone (Python; JavaScript has no
+    /// door). Every turn sets the door anew, so a grant never outlives its turn.
+    pub async fn run_with_door(
+        &mut self,
+        code: &str,
+        limits: &Limits,
+        listener: Option<mpsc::UnboundedSender<OutputChunk>>,
+        door: Option<Door>,
+    ) -> Result<ExecResult, ExecError> {
         // The memory cap was fixed when the session opened; the rest applies per turn.
         limits.validate()?;
         check_code(code)?;
         match &mut self.guest {
-            Guest::Python(guest) => guest.turn(code, limits, listener).await,
+            Guest::Python(guest) => {
+                guest.set_door(door);
+                let result = guest.turn(code, limits, listener).await;
+                guest.set_door(None);
+                result
+            }
             Guest::JavaScript(guest) => guest.turn(code, limits, listener).await,
         }
     }

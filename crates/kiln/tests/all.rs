@@ -541,6 +541,89 @@ async fn the_pool_runs_one_shots_and_sessions_in_workers() -> TestResult {
 }
 
 #[tokio::test]
+async fn the_door_is_open_for_a_granted_turn_alone() -> TestResult {
+    use kiln_executor::{CallOptions, Door};
+    let pool = pool(1);
+    let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Vec<u8>>::new()));
+    let seen = calls.clone();
+    let door: Door = std::sync::Arc::new(move |frame: Vec<u8>| {
+        seen.lock().unwrap().push(frame.clone());
+        Box::pin(async move {
+            if frame == b"fault" {
+                return Err("no".to_string());
+            }
+            let mut reply = b"host:".to_vec();
+            reply.extend(frame.iter().rev());
+            Ok(reply)
+        })
+    });
+    let session = pool
+        .open_session(ExecRequest::new(Language::Python, ""))
+        .await?;
+    let granted = || CallOptions {
+        door: Some(door.clone()),
+        ..CallOptions::default()
+    };
+    let code = "import _host\nprint(_host.call(b'abc'), _host.call(bytes(range(256)))[:8])\n\
+                try:\n    _host.call(b'fault')\nexcept OSError as e:\n    print(type(e).__name__)";
+    let result = pool
+        .run_with(&session, code.into(), Limits::default(), granted())
+        .await?;
+    assert_eq!(
+        result.stdout_text(),
+        "b'host:cba' b'host:\\xff\\xfe\\xfd'\nOSError\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(calls.lock().unwrap().len(), 3);
+
+    // The next turn has no grant: the door is shut, and the host is not reached.
+    let probe = "try:\n    _host.call(b'again')\nexcept ConnectionRefusedError as e:\n    print('shut:', e)";
+    let result = pool
+        .run(&session, probe.into(), Limits::default())
+        .await?;
+    assert_eq!(result.stdout_text(), "shut: no host is bound to the door\n");
+    assert_eq!(calls.lock().unwrap().len(), 3);
+
+    // A frame over the limit is a fault, never delivered.
+    let big = "try:\n    _host.call(b'x' * (5 << 20))\nexcept OSError as e:\n    print('refused')";
+    let result = pool
+        .run_with(&session, big.into(), Limits::default(), granted())
+        .await?;
+    assert_eq!(result.stdout_text(), "refused\n");
+    assert_eq!(calls.lock().unwrap().len(), 3);
+
+    // A door that never answers is bounded by the turn's deadline.
+    let hang: Door = std::sync::Arc::new(|_frame| Box::pin(std::future::pending()));
+    let limits = Limits {
+        timeout_ms: 300,
+        ..Limits::default()
+    };
+    let result = pool
+        .run_with(
+            &session,
+            "_host.call(b'hang')".into(),
+            limits,
+            CallOptions {
+                door: Some(hang),
+                ..CallOptions::default()
+            },
+        )
+        .await?;
+    assert_eq!(result.outcome, kiln_core::Outcome::TimedOut);
+
+    // One-shots never have a door.
+    let result = pool
+        .execute(ExecRequest::new(
+            Language::Python,
+            "import _host\ntry:\n    _host.call(b'x')\nexcept ConnectionRefusedError:\n    print('shut')",
+        ))
+        .await?;
+    assert_eq!(result.stdout_text(), "shut\n");
+    Ok(())
+}
+
+#[tokio::test]
 async fn attack_a_worker_killed_mid_execution_fails_only_its_work_and_is_replaced() -> TestResult {
     let pool = std::sync::Arc::new(pool(1));
     pool.start_all()?;
