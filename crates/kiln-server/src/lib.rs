@@ -222,7 +222,8 @@ pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

@@ -63,6 +63,10 @@ pub enum Command {
         #[arg(long, env = "KILN_DATA_DIR", global = true)]
         data_dir: Option<PathBuf>,
     },
+    /// Serve the dynamic REST metaservice: no fixed endpoints; a planner (an LLM, or the
+    /// offline conventions planner) writes the code for each request, which runs in the
+    /// tenant's sandbox over its JSON collections. `kiln rest plans` shows the plan cache.
+    Rest(crate::rest_cmd::RestArgs),
     /// Measure kiln's latencies and throughput; prints JSON.
     Bench(BenchArgs),
     /// Internal: serve as an executor worker on stdin/stdout.

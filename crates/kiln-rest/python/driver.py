@@ -1,0 +1,218 @@
+"""The driver kiln loads into each tenant's session: one call per request step.
+
+- handle(ctx, "conventions"): plan with the conventions planner and run the plan, one turn.
+- plan(ctx): ask the LLM through the host's door (granted to this turn alone) for a plan,
+  check it, and report it; the host then calls execute() in a turn with the door shut.
+- execute(ctx, code, pattern): check and run a plan's code (a fresh plan, or one from the
+  plan cache) and report the REPLY it assigned.
+
+Each call prints one line, MARK + JSON, which the host reads; whatever the plan's code prints
+is captured and never mixed into it.
+"""
+
+import contextlib
+import io
+import json
+import re
+import sys
+import traceback
+
+from kiln_rest import http_response, router, safety, store as store_mod
+
+MARK = "\x1ekiln-rest:"
+MAX_PLAN_CHARS = 64_000
+REQUIRED = ("action", "resource", "id", "criteria", "payload", "response_hints", "code")
+FENCE = re.compile(r"```[ \t]*(?:python|py)[ \t]*\r?\n(.*?)```", re.DOTALL)
+
+STORE = None
+TENANT = None
+
+
+def init(root, tenant):
+    global STORE, TENANT
+    STORE = store_mod.ResourceStore(root)
+    TENANT = tenant
+
+
+class PlanError(Exception):
+    def __init__(self, code, message, status=502):
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+def _emit(answer):
+    sys.stdout.write(MARK + json.dumps(answer, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+
+def _fail(status, code, message, **extra):
+    answer = {"ok": False, "status": status, "code": code, "message": message}
+    answer.update(extra)
+    _emit(answer)
+
+
+def parse_plan(text):
+    """The plan and its code, checked; raises PlanError saying what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise PlanError("PLAN_INVALID", "the planner gave an empty answer")
+    if len(text) > MAX_PLAN_CHARS:
+        raise PlanError("PLAN_INVALID", f"the plan is longer than {MAX_PLAN_CHARS} characters")
+    text = text.strip()
+    fenced = re.fullmatch(r"```(?:json)?[ \t]*\r?\n(.*)\r?\n```", text, re.DOTALL)
+    if fenced:
+        text = fenced.group(1)
+    try:
+        plan = json.loads(text)
+    except ValueError as e:
+        raise PlanError("PLAN_INVALID", f"the plan is not valid JSON: {e}") from None
+    if not isinstance(plan, dict):
+        raise PlanError("PLAN_INVALID", "the plan must be a JSON object")
+    missing = [k for k in REQUIRED if k not in plan]
+    if missing:
+        raise PlanError("PLAN_INVALID", f"the plan lacks {', '.join(missing)}")
+    if plan["action"] not in router.ACTIONS:
+        raise PlanError("PLAN_INVALID", f"the plan's action {plan['action']!r} is not one of {', '.join(router.ACTIONS)}")
+    if plan["resource"] is not None and not isinstance(plan["resource"], str):
+        raise PlanError("PLAN_INVALID", "the plan's resource must be text or null")
+    if not isinstance(plan["criteria"], dict) or not isinstance(plan["response_hints"], dict):
+        raise PlanError("PLAN_INVALID", "the plan's criteria and response_hints must be objects")
+    code = plan["code"]
+    if not isinstance(code, dict) or code.get("language") != "python" or not isinstance(code.get("block"), str):
+        raise PlanError("PLAN_INVALID", 'the plan\'s code must be {"language": "python", "block": "```python ... ```"}')
+    blocks = FENCE.findall(code["block"])
+    if len(blocks) != 1 or code["block"].count("```") != 2:
+        raise PlanError("PLAN_INVALID", f"the plan's code must hold exactly one fenced python block (found {len(blocks)})")
+    cache = plan.get("cache") or {}
+    if not isinstance(cache, dict):
+        raise PlanError("PLAN_INVALID", "the plan's cache must be an object")
+    generic = cache.get("generic") is True
+    pattern = cache.get("pattern")
+    if generic and not isinstance(pattern, str):
+        raise PlanError("PLAN_INVALID", "a generic plan must give its cache pattern")
+    return plan, blocks[0], (pattern if generic else None)
+
+
+def bind(pattern, segments):
+    """The values a pattern's {params} take in this path ({} when it does not fit)."""
+    if not pattern:
+        return {}
+    parts = pattern.split(" ", 1)
+    if len(parts) != 2:
+        return {}
+    shape = [p for p in parts[1].split("/") if p]
+    if len(shape) != len(segments):
+        return {}
+    params = {}
+    for want, got in zip(shape, segments):
+        if want.startswith("{") and want.endswith("}"):
+            params[want[1:-1]] = got
+        elif want != got:
+            return {}
+    return params
+
+
+def _quote(text):
+    out = []
+    for byte in str(text).encode():
+        ch = chr(byte)
+        if ch.isascii() and (ch.isalnum() or ch in "-._~"):
+            out.append(ch)
+        else:
+            out.append("%%%02X" % byte)
+    return "".join(out)
+
+
+def _where(error):
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename == "<plan>":
+            return f" (line {frame.lineno} of the plan's code)"
+    return ""
+
+
+def _run(ctx, code, pattern):
+    """Checks and runs the code; the answer to emit."""
+    ctx["params"] = bind(pattern, ctx["segments"])
+    try:
+        compiled = safety.prepare(code)
+    except safety.Unsafe as e:
+        return {"ok": False, "status": 502, "code": "PLAN_UNSAFE", "message": f"the plan's code was refused, nothing ran: {e}"}
+    names = {
+        "store": STORE,
+        "ctx": ctx,
+        "BadRequest": store_mod.BadRequest,
+        "NotFound": store_mod.NotFound,
+        "Conflict": store_mod.Conflict,
+        "quote": _quote,
+    }
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            scope = safety.run(compiled, names)
+    except store_mod.HttpError as e:
+        return {"ok": True, "reply": http_response.error(e.status, e.code, e.message, e.details)}
+    except store_mod.PolicyError as e:
+        return {"ok": False, "status": 403, "code": "POLICY_VIOLATION", "message": str(e)}
+    except Exception as e:
+        return {"ok": False, "status": 500, "code": "CODE_FAILED", "message": f"{type(e).__name__}: {e}{_where(e)}"}
+    except BaseException as e:
+        return {"ok": False, "status": 500, "code": "CODE_FAILED", "message": f"the code stopped: {type(e).__name__}"}
+    if "REPLY" not in scope:
+        return {"ok": False, "status": 500, "code": "NO_REPLY", "message": "the plan's code did not assign REPLY"}
+    try:
+        reply = http_response.normalize(scope["REPLY"])
+    except http_response.BadReply as e:
+        return {"ok": False, "status": 500, "code": "BAD_REPLY", "message": str(e)}
+    return {"ok": True, "reply": reply}
+
+
+def handle(ctx_text, planner):
+    """Plans with the conventions planner and runs the plan."""
+    ctx = json.loads(ctx_text)
+    try:
+        plan, code, pattern = parse_plan(router.conventions_plan(ctx))
+        safety.prepare(code)
+    except (PlanError, safety.Unsafe) as e:
+        return _fail(502, getattr(e, "code", "PLAN_UNSAFE"), str(e))
+    answer = _run(ctx, code, pattern)
+    answer["plan"] = {"action": plan["action"], "resource": plan["resource"], "pattern": pattern, "code": code}
+    _emit(answer)
+
+
+def plan(ctx_text):
+    """Asks the LLM for a plan through the door and checks it; nothing of it runs here."""
+    ctx = json.loads(ctx_text)
+    usage = None
+    try:
+        text, usage = _ask_llm(ctx)
+        plan, code, pattern = parse_plan(text)
+        try:
+            safety.prepare(code)
+        except safety.Unsafe as e:
+            raise PlanError("PLAN_UNSAFE", f"the plan's code was refused, nothing ran: {e}") from None
+    except PlanError as e:
+        return _fail(e.status, e.code, str(e), usage=usage)
+    _emit({"ok": True, "plan": {"action": plan["action"], "resource": plan["resource"], "pattern": pattern, "code": code}, "usage": usage})
+
+
+def execute(ctx_text, code, pattern):
+    """Runs a plan's code (checked again: a cached plan is checked every time it runs)."""
+    _emit(_run(json.loads(ctx_text), code, pattern))
+
+
+def _ask_llm(ctx):
+    import _host
+
+    frame = json.dumps({"op": "llm.complete", "system": router.PROMPT, "user": router.llm_request(ctx, STORE)})
+    try:
+        raw = _host.call(frame.encode())
+    except ConnectionRefusedError:
+        raise PlanError("PLANNER_UNAVAILABLE", "the LLM capability is not granted to this step", 500) from None
+    except OSError as e:
+        raise PlanError("LLM_FAILED", f"the host could not reach the LLM: {e}") from None
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        raise PlanError("LLM_FAILED", "the host's answer is not JSON") from None
+    if not answer.get("ok"):
+        raise PlanError("LLM_FAILED", f"the LLM failed: {answer.get('error')}")
+    return answer.get("text", ""), answer.get("usage")

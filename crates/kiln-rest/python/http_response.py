@@ -1,0 +1,58 @@
+"""Turns the REPLY a plan's code assigned into the response kiln sends, checking its shape."""
+
+import json
+import re
+
+TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
+# Headers kiln sets itself; a plan cannot set them.
+RESERVED = frozenset({
+    "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te",
+    "trailer", "proxy-authenticate", "proxy-authorization", "set-cookie", "x-request-id",
+    "x-kiln-planner", "x-kiln-plan-cache", "date", "server",
+})
+
+
+class BadReply(Exception):
+    pass
+
+
+def normalize(reply):
+    """{status, headers, body} as kiln sends it; raises BadReply saying what is wrong."""
+    if not isinstance(reply, dict):
+        raise BadReply("the code must assign REPLY = {'status': ..., 'headers': {...}, 'body': ...}")
+    unknown = set(reply) - {"status", "headers", "body"}
+    if unknown:
+        raise BadReply(f"REPLY has unknown keys: {', '.join(sorted(map(str, unknown)))}")
+    status = reply.get("status", 200)
+    if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+        raise BadReply(f"REPLY status must be an integer from 100 to 599, not {status!r}")
+    headers = reply.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise BadReply("REPLY headers must be an object of names to text")
+    clean = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not TOKEN.match(name):
+            raise BadReply(f"REPLY header name {name!r} is not valid")
+        if name.lower() in RESERVED:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise BadReply(f"REPLY header {name} must be text")
+        value = str(value)
+        if any(c in value for c in "\r\n\0") or len(value) > 8192:
+            raise BadReply(f"REPLY header {name} holds a line break or is too long")
+        clean[name] = value
+    body = reply.get("body")
+    if isinstance(body, (bytes, bytearray)):
+        raise BadReply("REPLY body must be JSON data or text, not bytes")
+    try:
+        json.dumps(body)
+    except (TypeError, ValueError) as e:
+        raise BadReply(f"REPLY body is not JSON data: {e}") from None
+    return {"status": status, "headers": clean, "body": body}
+
+
+def error(status, code, message, details=None):
+    body = {"error": {"code": code, "message": message}}
+    if details is not None:
+        body["error"]["details"] = details
+    return {"status": status, "headers": {}, "body": body}

@@ -1,0 +1,312 @@
+//! The plan cache: code a planner marked as generic for a route shape (`GET /members/{id}`),
+//! reused for every request of that shape without asking the planner again. Per tenant, kept
+//! in `<data>/plans/<tenant>.json`, inspectable and clearable with `kiln rest plans`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+/// A path segment a `{param}` never stands for: `GET /members/{id}` does not answer
+/// `GET /members/search`.
+pub const RESERVED_SEGMENTS: &[&str] = &["search"];
+
+/// One cached plan.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PlanEntry {
+    /// `METHOD /literal/{param}`.
+    pub pattern: String,
+    /// The plan's Python code (checked again each time a session first runs it).
+    pub code: String,
+    /// Who wrote it: `conventions` or the model's name.
+    pub planner: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Requests it answered from the cache.
+    pub hits: u64,
+}
+
+/// A tenant's cache, as stored.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TenantPlans {
+    pub entries: Vec<PlanEntry>,
+    /// Requests answered from the cache, and those that needed the planner.
+    pub hits: u64,
+    pub misses: u64,
+}
+
+impl TenantPlans {
+    pub fn hit_rate(&self) -> f64 {
+        let total = self.hits + self.misses;
+        if total == 0 {
+            0.0
+        } else {
+            self.hits as f64 / total as f64
+        }
+    }
+}
+
+/// A parsed pattern.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pattern {
+    pub method: String,
+    /// `None` for a `{param}`.
+    pub segments: Vec<Option<String>>,
+}
+
+impl Pattern {
+    /// Parses `METHOD /a/{b}`; `None` when malformed.
+    pub fn parse(text: &str) -> Option<Pattern> {
+        let (method, path) = text.trim().split_once(' ')?;
+        if method.is_empty() || !method.bytes().all(|b| b.is_ascii_uppercase()) {
+            return None;
+        }
+        let path = path.trim();
+        if !path.starts_with('/') || path.len() > 512 {
+            return None;
+        }
+        let mut segments = Vec::new();
+        for part in path.split('/').filter(|p| !p.is_empty()) {
+            if let Some(name) = part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
+                let ok = !name.is_empty()
+                    && name.len() <= 64
+                    && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+                if !ok {
+                    return None;
+                }
+                segments.push(None);
+            } else if part.contains(['{', '}']) {
+                return None;
+            } else {
+                segments.push(Some(part.to_string()));
+            }
+        }
+        Some(Pattern {
+            method: method.to_string(),
+            segments,
+        })
+    }
+
+    pub fn matches(&self, method: &str, segments: &[String]) -> bool {
+        self.method == method
+            && self.segments.len() == segments.len()
+            && self.segments.iter().zip(segments).all(|(want, got)| match want {
+                Some(literal) => literal == got,
+                None => !RESERVED_SEGMENTS.contains(&got.as_str()),
+            })
+    }
+
+    fn literals(&self) -> usize {
+        self.segments.iter().filter(|s| s.is_some()).count()
+    }
+}
+
+struct Loaded {
+    plans: TenantPlans,
+    patterns: Vec<Option<Pattern>>,
+    /// The file's (modified, length) when last read or written: a change made by someone
+    /// else (`kiln rest plans --clear`) is seen at the next lookup.
+    stamp: Option<(SystemTime, u64)>,
+    dirty: bool,
+}
+
+/// Every tenant's plan cache.
+pub struct PlanCache {
+    dir: PathBuf,
+    tenants: Mutex<HashMap<String, Loaded>>,
+}
+
+impl std::fmt::Debug for PlanCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlanCache").field("dir", &self.dir).finish()
+    }
+}
+
+fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok()?, meta.len()))
+}
+
+/// Reads a tenant's stored cache (empty when there is none).
+pub fn read_tenant(path: &Path) -> std::io::Result<TenantPlans> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: {e}", path.display()),
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(TenantPlans::default()),
+        Err(e) => Err(e),
+    }
+}
+
+impl PlanCache {
+    pub fn new(dir: PathBuf) -> std::io::Result<PlanCache> {
+        std::fs::create_dir_all(&dir)?;
+        Ok(PlanCache {
+            dir,
+            tenants: Mutex::default(),
+        })
+    }
+
+    pub fn path(&self, tenant: &str) -> PathBuf {
+        self.dir.join(format!("{tenant}.json"))
+    }
+
+    fn with_tenant<T>(&self, tenant: &str, f: impl FnOnce(&mut Loaded) -> T) -> T {
+        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let path = self.path(tenant);
+        let now = stamp(&path);
+        let stale = tenants.get(tenant).is_none_or(|l| l.stamp != now);
+        if stale {
+            // A file that cannot be read is treated as empty (and overwritten on the next
+            // insert): a cache is only a cache.
+            let plans = read_tenant(&path).unwrap_or_default();
+            let patterns = plans
+                .entries
+                .iter()
+                .map(|e| Pattern::parse(&e.pattern))
+                .collect();
+            tenants.insert(
+                tenant.to_string(),
+                Loaded {
+                    plans,
+                    patterns,
+                    stamp: now,
+                    dirty: false,
+                },
+            );
+        }
+        let loaded = tenants.get_mut(tenant).expect("inserted above");
+        f(loaded)
+    }
+
+    /// The cached plan for this request, if any: (pattern, code). Counts a hit or a miss.
+    pub fn lookup(&self, tenant: &str, method: &str, segments: &[String]) -> Option<(String, String)> {
+        self.with_tenant(tenant, |loaded| {
+            let best = loaded
+                .patterns
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| p.as_ref().map(|p| (i, p)))
+                .filter(|(_, p)| p.matches(method, segments))
+                .max_by_key(|(_, p)| p.literals())
+                .map(|(i, _)| i);
+            loaded.dirty = true;
+            match best {
+                Some(i) => {
+                    loaded.plans.hits += 1;
+                    let entry = &mut loaded.plans.entries[i];
+                    entry.hits += 1;
+                    Some((entry.pattern.clone(), entry.code.clone()))
+                }
+                None => {
+                    loaded.plans.misses += 1;
+                    None
+                }
+            }
+        })
+    }
+
+    /// Keeps a generic plan (replacing one with the same pattern) and writes the cache now.
+    pub fn insert(&self, tenant: &str, pattern: &str, code: &str, planner: &str) -> std::io::Result<()> {
+        let path = self.path(tenant);
+        self.with_tenant(tenant, |loaded| {
+            let created = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let entry = PlanEntry {
+                pattern: pattern.to_string(),
+                code: code.to_string(),
+                planner: planner.to_string(),
+                created,
+                hits: 0,
+            };
+            match loaded.plans.entries.iter().position(|e| e.pattern == pattern) {
+                Some(i) => {
+                    loaded.plans.entries[i] = entry;
+                    loaded.patterns[i] = Pattern::parse(pattern);
+                }
+                None => {
+                    loaded.plans.entries.push(entry);
+                    loaded.patterns.push(Pattern::parse(pattern));
+                }
+            }
+            write(&path, loaded)
+        })
+    }
+
+    /// Writes every cache whose counters moved (once a second, and at shutdown).
+    pub fn flush(&self) {
+        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        for (tenant, loaded) in tenants.iter_mut() {
+            if !loaded.dirty {
+                continue;
+            }
+            let path = self.path(tenant);
+            if stamp(&path) != loaded.stamp {
+                // Changed by someone else: theirs wins; reread at the next lookup.
+                loaded.dirty = false;
+                continue;
+            }
+            let _ = write(&path, loaded);
+        }
+    }
+
+    /// Hits and misses over every tenant seen since start.
+    pub fn totals(&self) -> (u64, u64) {
+        let tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        tenants.values().fold((0, 0), |(h, m), l| {
+            (h + l.plans.hits, m + l.plans.misses)
+        })
+    }
+}
+
+fn write(path: &Path, loaded: &mut Loaded) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec_pretty(&loaded.plans).map_err(std::io::Error::other)?;
+    kiln_server::store::write_atomic(path, &bytes)?;
+    loaded.stamp = stamp(path);
+    loaded.dirty = false;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segs(path: &str) -> Vec<String> {
+        path.split('/').filter(|s| !s.is_empty()).map(String::from).collect()
+    }
+
+    #[test]
+    fn patterns_parse_and_match_the_most_specific() {
+        let p = Pattern::parse("GET /members/{id}").unwrap();
+        assert!(p.matches("GET", &segs("/members/7")));
+        assert!(!p.matches("GET", &segs("/members/search")));
+        assert!(!p.matches("PUT", &segs("/members/7")));
+        assert!(!p.matches("GET", &segs("/members")));
+        for bad in ["get /x", "GET x", "GET /{}", "GET /{a-b}", "GET /a{b}", "/x", ""] {
+            assert_eq!(Pattern::parse(bad), None, "{bad}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let cache = PlanCache::new(dir.path().to_path_buf()).unwrap();
+        assert_eq!(cache.lookup("t", "GET", &segs("/a/b")), None);
+        cache.insert("t", "GET /a/{x}", "generic", "conventions").unwrap();
+        cache.insert("t", "GET /a/b", "literal", "conventions").unwrap();
+        assert_eq!(cache.lookup("t", "GET", &segs("/a/b")).unwrap().1, "literal");
+        assert_eq!(cache.lookup("t", "GET", &segs("/a/c")).unwrap().1, "generic");
+        assert_eq!(cache.lookup("u", "GET", &segs("/a/c")), None, "per tenant");
+        assert_eq!(cache.totals(), (2, 2));
+        cache.flush();
+        let stored = read_tenant(&cache.path("t")).unwrap();
+        assert_eq!((stored.hits, stored.misses, stored.entries.len()), (2, 1, 2));
+
+        // Cleared from outside: the next lookup sees it.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(cache.path("t"), b"{\"entries\": []}").unwrap();
+        assert_eq!(cache.lookup("t", "GET", &segs("/a/c")), None);
+    }
+}

@@ -1,0 +1,193 @@
+//! `kiln rest`: flags and start-up of the dynamic REST metaservice.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use kiln_core::Language;
+use kiln_rest::{Planner, RestConfig};
+use kiln_wasm::{CacheDir, WasmEngine};
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct RestArgs {
+    #[command(subcommand)]
+    pub command: Option<RestCommand>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8090", env = "KILN_REST_LISTEN")]
+    pub listen: std::net::SocketAddr,
+    /// Folder for tenant data and plan caches (default: ~/.local/share/kiln/rest).
+    #[arg(long, env = "KILN_REST_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Who plans requests: `conventions` (offline, no LLM), `llm` (the model in
+    /// KILN_LLM_MODEL), or `auto` (llm when KILN_LLM_MODEL is set, else conventions).
+    #[arg(long, value_enum, default_value_t = PlannerChoice::Auto, env = "KILN_REST_PLANNER")]
+    pub planner: PlannerChoice,
+    /// Require `Authorization: Bearer <token>` on every request but /healthz and the docs.
+    #[arg(long, env = "AUTH_TOKEN", hide_env_values = true)]
+    pub auth_token: Option<String>,
+    /// Seconds a request's code may run.
+    #[arg(long, default_value_t = 10, env = "KILN_REST_DEADLINE")]
+    pub deadline: u64,
+    /// Largest request body, e.g. 1m.
+    #[arg(long, default_value = "1m", value_parser = crate::cli::parse_bytes)]
+    pub max_body: u64,
+    /// Largest response a plan may produce, e.g. 4m.
+    #[arg(long, default_value = "4m", value_parser = crate::cli::parse_bytes)]
+    pub max_result: u64,
+    /// Memory cap of each tenant's sandbox, e.g. 256m.
+    #[arg(long, default_value = "256m", value_parser = crate::cli::parse_bytes)]
+    pub memory: u64,
+    /// Executor worker processes (default: one per CPU).
+    #[arg(long)]
+    pub workers: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlannerChoice {
+    Auto,
+    Conventions,
+    Llm,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RestCommand {
+    /// Show the plan cache (per tenant: patterns, planner, hits, hit rate), or clear it.
+    Plans {
+        /// Only this tenant.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Remove the cached plans (of --tenant, or of every tenant).
+        #[arg(long)]
+        clear: bool,
+        /// Print each plan's code too.
+        #[arg(long)]
+        code: bool,
+    },
+}
+
+fn data_dir(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    match given {
+        Some(dir) => Ok(dir),
+        None => dirs::data_dir()
+            .map(|d| d.join("kiln").join("rest"))
+            .context("no data directory; pass --data-dir"),
+    }
+}
+
+fn planner(choice: PlannerChoice) -> anyhow::Result<Planner> {
+    let configured = std::env::var("KILN_LLM_MODEL").is_ok_and(|v| !v.is_empty());
+    if choice == PlannerChoice::Conventions || (choice == PlannerChoice::Auto && !configured) {
+        return Ok(Planner::Conventions);
+    }
+    let config = kiln_llm::ModelConfig::from_env().context("the LLM planner")?;
+    let model = kiln_llm::GenaiModel::new(&config).context("the LLM planner")?;
+    Ok(Planner::Llm {
+        model: Arc::new(model),
+        timeout: config.timeout,
+        retry: config.retry,
+    })
+}
+
+pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
+    let dir = data_dir(args.data_dir)?;
+    if let Some(RestCommand::Plans { tenant, clear, code }) = args.command {
+        return plans(&dir, tenant.as_deref(), clear, code);
+    }
+    let planner = planner(args.planner)?;
+    let setup = WasmEngine::with_options(
+        CacheDir::from_env(),
+        &kiln_wasm::EngineOptions { max_instances: 1 },
+    )?;
+    setup.prepare(Language::Python, &crate::progress::Bar::new())?;
+    drop(setup);
+    let mut pool_config = kiln_executor::PoolConfig::current_exe()?;
+    if let Some(workers) = args.workers {
+        pool_config.workers = workers.max(1);
+    }
+    let pool = Arc::new(kiln_executor::ExecutorPool::new(pool_config));
+    let mut config = RestConfig::new(args.listen, dir, planner);
+    config.auth_token = args.auth_token.filter(|t| !t.is_empty());
+    config.deadline = Duration::from_secs(args.deadline.max(1));
+    config.max_body_bytes = usize::try_from(args.max_body).unwrap_or(usize::MAX);
+    config.max_result_bytes = args.max_result;
+    config.memory_bytes = args.memory;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        pool.start_all()?;
+        kiln_rest::serve(config, pool).await?;
+        anyhow::Ok(())
+    })?;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+fn plans(
+    dir: &std::path::Path,
+    tenant: Option<&str>,
+    clear: bool,
+    code: bool,
+) -> anyhow::Result<std::process::ExitCode> {
+    let plans_dir = dir.join("plans");
+    let mut files: Vec<PathBuf> = match tenant {
+        Some(t) => {
+            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b)) {
+                bail!("--tenant takes letters, digits, '_' or '-'");
+            }
+            vec![plans_dir.join(format!("{t}.json"))]
+        }
+        None => match std::fs::read_dir(&plans_dir) {
+            Ok(entries) => entries
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|e| e == "json"))
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e).context(format!("reading {}", plans_dir.display())),
+        },
+    };
+    files.sort();
+    let mut report = Vec::new();
+    for path in files {
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let stored = kiln_rest::plans::read_tenant(&path)?;
+        if clear {
+            if path.exists() {
+                let empty = kiln_rest::TenantPlans::default();
+                kiln_server::store::write_json(&path, &empty)?;
+            }
+            report.push(serde_json::json!({"tenant": name, "cleared": stored.entries.len()}));
+            continue;
+        }
+        let entries: Vec<_> = stored
+            .entries
+            .iter()
+            .map(|e| {
+                let mut v = serde_json::json!({
+                    "pattern": e.pattern, "planner": e.planner, "hits": e.hits, "created": e.created,
+                });
+                if code {
+                    v["code"] = e.code.clone().into();
+                }
+                v
+            })
+            .collect();
+        report.push(serde_json::json!({
+            "tenant": name,
+            "hits": stored.hits,
+            "misses": stored.misses,
+            "hit_rate": (stored.hit_rate() * 1000.0).round() / 1000.0,
+            "plans": entries,
+        }));
+    }
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(std::process::ExitCode::SUCCESS)
+}
