@@ -17,6 +17,6 @@ pub mod pool;
 pub mod protocol;
 pub mod worker;
 
-pub use pool::{CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle};
 pub use kiln_wasm::{Door, DoorFuture};
+pub use pool::{CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle};
 pub use protocol::RemoteError;

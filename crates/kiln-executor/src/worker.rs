@@ -18,7 +18,8 @@ use crate::protocol::{
 type Sessions = Arc<std::sync::Mutex<HashMap<u64, Arc<Mutex<Session>>>>>;
 type Running = Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<()>>>>;
 /// Door calls waiting for the host's answer, by (request id, call number).
-type DoorCalls = Arc<std::sync::Mutex<HashMap<(u64, u64), oneshot::Sender<Result<Vec<u8>, String>>>>>;
+type DoorCalls =
+    Arc<std::sync::Mutex<HashMap<(u64, u64), oneshot::Sender<Result<Vec<u8>, String>>>>>;
 
 /// Maps an engine error to what crosses the wire.
 pub fn remote_error(error: &ExecError) -> RemoteError {

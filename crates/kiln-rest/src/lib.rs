@@ -219,6 +219,8 @@ struct Trace {
     cache: &'static str,
     outcome: String,
     usage: Option<Usage>,
+    /// The plan pattern that answered (cached or stored).
+    pattern: Option<String>,
 }
 
 const METHODS: [Method; 7] = [
@@ -301,6 +303,9 @@ async fn handle(
         "cache": trace.cache,
         "outcome": trace.outcome,
     });
+    if let Some(pattern) = &trace.pattern {
+        line["pattern"] = json!(pattern);
+    }
     if let Some(usage) = trace.usage {
         line["llm_tokens"] = json!({"input": usage.input_tokens, "output": usage.output_tokens});
     }
@@ -309,7 +314,8 @@ async fn handle(
 }
 
 fn error_response(error: &RestError, request_id: &str) -> Response {
-    let body = json!({"error": {"code": error.code, "message": error.message, "request_id": request_id}});
+    let body =
+        json!({"error": {"code": error.code, "message": error.message, "request_id": request_id}});
     let mut response = (error.status, axum::Json(body)).into_response();
     if error.status == StatusCode::UNAUTHORIZED {
         response.headers_mut().insert(
@@ -331,7 +337,10 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 /// Compares without stopping at the first difference.
 fn same_secret(a: &str, b: &str) -> bool {
     let (a, b) = (Sha256::digest(a.as_bytes()), Sha256::digest(b.as_bytes()));
-    a.iter().zip(b.iter()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
 }
 
 fn tenant_of(app: &App, headers: &HeaderMap) -> Result<String, RestError> {
@@ -339,7 +348,8 @@ fn tenant_of(app: &App, headers: &HeaderMap) -> Result<String, RestError> {
         let ok = value.to_str().ok().filter(|v| {
             !v.is_empty()
                 && v.len() <= 64
-                && v.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b))
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b))
         });
         return ok.map(str::to_string).ok_or_else(|| {
             RestError::new(
@@ -371,7 +381,9 @@ fn segments(path: &str) -> Result<Vec<String>, RestError> {
             .decode_utf8()
             .map_err(|_| bad("a path segment is not UTF-8 once decoded"))?;
         if decoded.contains(['\0', '/']) || decoded.chars().any(char::is_control) {
-            return Err(bad("a path segment holds a control character or an encoded '/'"));
+            return Err(bad(
+                "a path segment holds a control character or an encoded '/'",
+            ));
         }
         if decoded == "." || decoded == ".." {
             return Err(bad("'.' and '..' are not path segments here"));
@@ -386,7 +398,12 @@ fn segments(path: &str) -> Result<Vec<String>, RestError> {
 
 fn is_json_type(content_type: Option<&str>) -> bool {
     content_type.is_some_and(|ct| {
-        let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        let essence = ct
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
         essence == "application/json" || essence.ends_with("+json")
     })
 }
@@ -524,10 +541,11 @@ async fn one(
     let mut guard = slot.lock().await;
     let session = app.session(&tenant, &mut guard).await?;
     let answer = match cached {
-        Some((pattern, code)) => {
+        Some(entry) => {
             trace.cache = "hit";
-            trace.planner = format!("cache ({pattern})");
-            let turn = python::execute(&ctx, &code, Some(&pattern));
+            trace.planner = entry.planner;
+            trace.pattern = Some(entry.pattern.clone());
+            let turn = python::execute(&ctx, &entry.code, Some(&entry.pattern));
             app.turn(&mut guard, &session, turn, None, app.config.deadline)
                 .await?
         }
@@ -601,6 +619,7 @@ async fn one(
                     };
                     if matches!(stored, Ok(Ok(()))) {
                         trace.cache = "stored";
+                        trace.pattern = Some(pattern.to_string());
                     }
                 }
             }
@@ -711,7 +730,9 @@ fn llm_door(
             }
             let (Some(system), Some(user)) = (request["system"].as_str(), request["user"].as_str())
             else {
-                return answer(json!({"ok": false, "error": "llm.complete needs system and user text"}));
+                return answer(
+                    json!({"ok": false, "error": "llm.complete needs system and user text"}),
+                );
             };
             if system.len() + user.len() > 256 << 10 {
                 return answer(json!({"ok": false, "error": "the prompt is larger than 256 KiB"}));
@@ -750,7 +771,9 @@ impl App {
 
     fn limits(&self, timeout: Duration) -> Limits {
         Limits {
-            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1),
+            timeout_ms: u64::try_from(timeout.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
             memory_bytes: self.config.memory_bytes,
             stdout_bytes: self.config.max_result_bytes + (64 << 10),
             stderr_bytes: 64 << 10,
@@ -994,7 +1017,11 @@ mod tests {
 
     #[test]
     fn answers_are_read_from_the_last_marked_line() {
-        let out = format!("noise\n{}{{\"ok\": false}}\n{}{{\"ok\": true}}\n", python::MARK, python::MARK);
+        let out = format!(
+            "noise\n{}{{\"ok\": false}}\n{}{{\"ok\": true}}\n",
+            python::MARK,
+            python::MARK
+        );
         assert_eq!(python::answer(&out).unwrap()["ok"], true);
         assert_eq!(python::answer("no mark"), None);
     }

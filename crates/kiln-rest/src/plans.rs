@@ -92,10 +92,14 @@ impl Pattern {
     pub fn matches(&self, method: &str, segments: &[String]) -> bool {
         self.method == method
             && self.segments.len() == segments.len()
-            && self.segments.iter().zip(segments).all(|(want, got)| match want {
-                Some(literal) => literal == got,
-                None => !RESERVED_SEGMENTS.contains(&got.as_str()),
-            })
+            && self
+                .segments
+                .iter()
+                .zip(segments)
+                .all(|(want, got)| match want {
+                    Some(literal) => literal == got,
+                    None => !RESERVED_SEGMENTS.contains(&got.as_str()),
+                })
     }
 
     fn literals(&self) -> usize {
@@ -184,8 +188,8 @@ impl PlanCache {
         f(loaded)
     }
 
-    /// The cached plan for this request, if any: (pattern, code). Counts a hit or a miss.
-    pub fn lookup(&self, tenant: &str, method: &str, segments: &[String]) -> Option<(String, String)> {
+    /// The cached plan for this request, if any. Counts a hit or a miss.
+    pub fn lookup(&self, tenant: &str, method: &str, segments: &[String]) -> Option<PlanEntry> {
         self.with_tenant(tenant, |loaded| {
             let best = loaded
                 .patterns
@@ -201,7 +205,7 @@ impl PlanCache {
                     loaded.plans.hits += 1;
                     let entry = &mut loaded.plans.entries[i];
                     entry.hits += 1;
-                    Some((entry.pattern.clone(), entry.code.clone()))
+                    Some(entry.clone())
                 }
                 None => {
                     loaded.plans.misses += 1;
@@ -212,7 +216,13 @@ impl PlanCache {
     }
 
     /// Keeps a generic plan (replacing one with the same pattern) and writes the cache now.
-    pub fn insert(&self, tenant: &str, pattern: &str, code: &str, planner: &str) -> std::io::Result<()> {
+    pub fn insert(
+        &self,
+        tenant: &str,
+        pattern: &str,
+        code: &str,
+        planner: &str,
+    ) -> std::io::Result<()> {
         let path = self.path(tenant);
         self.with_tenant(tenant, |loaded| {
             let created = SystemTime::now()
@@ -225,7 +235,12 @@ impl PlanCache {
                 created,
                 hits: 0,
             };
-            match loaded.plans.entries.iter().position(|e| e.pattern == pattern) {
+            match loaded
+                .plans
+                .entries
+                .iter()
+                .position(|e| e.pattern == pattern)
+            {
                 Some(i) => {
                     loaded.plans.entries[i] = entry;
                     loaded.patterns[i] = Pattern::parse(pattern);
@@ -259,9 +274,9 @@ impl PlanCache {
     /// Hits and misses over every tenant seen since start.
     pub fn totals(&self) -> (u64, u64) {
         let tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-        tenants.values().fold((0, 0), |(h, m), l| {
-            (h + l.plans.hits, m + l.plans.misses)
-        })
+        tenants
+            .values()
+            .fold((0, 0), |(h, m), l| (h + l.plans.hits, m + l.plans.misses))
     }
 }
 
@@ -278,7 +293,10 @@ mod tests {
     use super::*;
 
     fn segs(path: &str) -> Vec<String> {
-        path.split('/').filter(|s| !s.is_empty()).map(String::from).collect()
+        path.split('/')
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()
     }
 
     #[test]
@@ -288,25 +306,49 @@ mod tests {
         assert!(!p.matches("GET", &segs("/members/search")));
         assert!(!p.matches("PUT", &segs("/members/7")));
         assert!(!p.matches("GET", &segs("/members")));
-        for bad in ["get /x", "GET x", "GET /{}", "GET /{a-b}", "GET /a{b}", "/x", ""] {
+        for bad in [
+            "get /x",
+            "GET x",
+            "GET /{}",
+            "GET /{a-b}",
+            "GET /a{b}",
+            "/x",
+            "",
+        ] {
             assert_eq!(Pattern::parse(bad), None, "{bad}");
         }
         let dir = tempfile::tempdir().unwrap();
         let cache = PlanCache::new(dir.path().to_path_buf()).unwrap();
-        assert_eq!(cache.lookup("t", "GET", &segs("/a/b")), None);
-        cache.insert("t", "GET /a/{x}", "generic", "conventions").unwrap();
-        cache.insert("t", "GET /a/b", "literal", "conventions").unwrap();
-        assert_eq!(cache.lookup("t", "GET", &segs("/a/b")).unwrap().1, "literal");
-        assert_eq!(cache.lookup("t", "GET", &segs("/a/c")).unwrap().1, "generic");
-        assert_eq!(cache.lookup("u", "GET", &segs("/a/c")), None, "per tenant");
+        assert!(cache.lookup("t", "GET", &segs("/a/b")).is_none());
+        cache
+            .insert("t", "GET /a/{x}", "generic", "conventions")
+            .unwrap();
+        cache
+            .insert("t", "GET /a/b", "literal", "conventions")
+            .unwrap();
+        assert_eq!(
+            cache.lookup("t", "GET", &segs("/a/b")).unwrap().code,
+            "literal"
+        );
+        assert_eq!(
+            cache.lookup("t", "GET", &segs("/a/c")).unwrap().code,
+            "generic"
+        );
+        assert!(
+            cache.lookup("u", "GET", &segs("/a/c")).is_none(),
+            "per tenant"
+        );
         assert_eq!(cache.totals(), (2, 2));
         cache.flush();
         let stored = read_tenant(&cache.path("t")).unwrap();
-        assert_eq!((stored.hits, stored.misses, stored.entries.len()), (2, 1, 2));
+        assert_eq!(
+            (stored.hits, stored.misses, stored.entries.len()),
+            (2, 1, 2)
+        );
 
         // Cleared from outside: the next lookup sees it.
         std::thread::sleep(std::time::Duration::from_millis(20));
         std::fs::write(cache.path("t"), b"{\"entries\": []}").unwrap();
-        assert_eq!(cache.lookup("t", "GET", &segs("/a/c")), None);
+        assert!(cache.lookup("t", "GET", &segs("/a/c")).is_none());
     }
 }

@@ -481,10 +481,18 @@ async fn door_call(
     let out_ptr = usize::try_from(out_ptr).ok()?;
     let out_len = usize::try_from(out_len).ok()?;
     memory
-        .write(&mut *caller, out_ptr, &u32::try_from(at).ok()?.to_le_bytes())
+        .write(
+            &mut *caller,
+            out_ptr,
+            &u32::try_from(at).ok()?.to_le_bytes(),
+        )
         .ok()?;
     memory
-        .write(&mut *caller, out_len, &u32::try_from(reply_len).ok()?.to_le_bytes())
+        .write(
+            &mut *caller,
+            out_len,
+            &u32::try_from(reply_len).ok()?.to_le_bytes(),
+        )
         .ok()?;
     Some(0)
 }

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Mount};
 use tokio::sync::mpsc;
 
-use crate::guest::Door;
 use crate::engine::{ExecError, WasmEngine, check_code, check_request};
+use crate::guest::Door;
 use crate::javascript::JsSession;
 use crate::output::OutputChunk;
 use crate::python::PythonGuest;

@@ -65,6 +65,9 @@ pub enum RestCommand {
         /// Print each plan's code too.
         #[arg(long)]
         code: bool,
+        /// The folder `kiln rest` keeps its data in (default: ~/.local/share/kiln/rest).
+        #[arg(long, env = "KILN_REST_DATA_DIR")]
+        data_dir: Option<PathBuf>,
     },
 }
 
@@ -92,10 +95,16 @@ fn planner(choice: PlannerChoice) -> anyhow::Result<Planner> {
 }
 
 pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
-    let dir = data_dir(args.data_dir)?;
-    if let Some(RestCommand::Plans { tenant, clear, code }) = args.command {
-        return plans(&dir, tenant.as_deref(), clear, code);
+    if let Some(RestCommand::Plans {
+        tenant,
+        clear,
+        code,
+        data_dir: dir,
+    }) = args.command
+    {
+        return plans(&data_dir(dir)?, tenant.as_deref(), clear, code);
     }
+    let dir = data_dir(args.data_dir)?;
     let planner = planner(args.planner)?;
     let setup = WasmEngine::with_options(
         CacheDir::from_env(),
@@ -136,7 +145,11 @@ fn plans(
     let plans_dir = dir.join("plans");
     let mut files: Vec<PathBuf> = match tenant {
         Some(t) => {
-            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b)) {
+            if t.is_empty()
+                || !t
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b))
+            {
                 bail!("--tenant takes letters, digits, '_' or '-'");
             }
             vec![plans_dir.join(format!("{t}.json"))]

@@ -579,9 +579,7 @@ async fn the_door_is_open_for_a_granted_turn_alone() -> TestResult {
 
     // The next turn has no grant: the door is shut, and the host is not reached.
     let probe = "try:\n    _host.call(b'again')\nexcept ConnectionRefusedError as e:\n    print('shut:', e)";
-    let result = pool
-        .run(&session, probe.into(), Limits::default())
-        .await?;
+    let result = pool.run(&session, probe.into(), Limits::default()).await?;
     assert_eq!(result.stdout_text(), "shut: no host is bound to the door\n");
     assert_eq!(calls.lock().unwrap().len(), 3);
 
