@@ -77,6 +77,8 @@ pub struct RestConfig {
     pub max_result_bytes: u64,
     /// Memory cap of each tenant's sandbox.
     pub memory_bytes: u64,
+    /// Reuse plans marked generic (on by default; off to watch the planner at work).
+    pub plan_cache: bool,
 }
 
 impl RestConfig {
@@ -90,6 +92,7 @@ impl RestConfig {
             max_body_bytes: 1 << 20,
             max_result_bytes: 4 << 20,
             memory_bytes: 256 << 20,
+            plan_cache: true,
         }
     }
 }
@@ -536,7 +539,11 @@ async fn one(
     let ctx = context(&parts, &body, &segments, peer, &tenant, request_id)?;
     let method = parts.method.as_str();
 
-    let cached = app.plans.lookup(&tenant, method, &segments);
+    let cached = if app.config.plan_cache {
+        app.plans.lookup(&tenant, method, &segments)
+    } else {
+        None
+    };
     let slot = app.slot(&tenant);
     let mut guard = slot.lock().await;
     let session = app.session(&tenant, &mut guard).await?;
@@ -601,7 +608,8 @@ async fn one(
                     }
                 }
             };
-            if answer["ok"] == Value::Bool(true)
+            if app.config.plan_cache
+                && answer["ok"] == Value::Bool(true)
                 && let Some(pattern) = answer["plan"]["pattern"].as_str()
                 && let Some(code) = answer["plan"]["code"].as_str()
             {

@@ -274,6 +274,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if http {
         crate::bench_http::run(&want, &explicit, n, args.seconds, &mut report)?;
     }
+    if want("rest_") || explicit("rest") {
+        let rest = |name: &str| want(name) || explicit("rest");
+        crate::bench_rest::run(&rest, n, args.seconds, &mut report)?;
+    }
     if want("agent_tool_round_trip") || want("chat_first_event") {
         crate::bench_agent::run(&want, n, &mut report)?;
     }

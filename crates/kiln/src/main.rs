@@ -3,6 +3,7 @@
 mod bench;
 mod bench_agent;
 mod bench_http;
+mod bench_rest;
 mod cli;
 mod progress;
 mod rest_cmd;

@@ -43,6 +43,9 @@ pub struct RestArgs {
     /// Executor worker processes (default: one per CPU).
     #[arg(long)]
     pub workers: Option<usize>,
+    /// Plan every request anew (no plan cache).
+    #[arg(long)]
+    pub no_plan_cache: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -123,6 +126,7 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     config.max_body_bytes = usize::try_from(args.max_body).unwrap_or(usize::MAX);
     config.max_result_bytes = args.max_result;
     config.memory_bytes = args.memory;
+    config.plan_cache = !args.no_plan_cache;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -1,0 +1,187 @@
+//! `kiln bench --only rest`: `kiln rest`'s figures against a real `kiln rest` process (this
+//! binary, JSON logs to a file, one tenant) with keep-alive HTTP clients.
+//!
+//! - `rest_cached_get`: GET /members/{id} answered from the plan cache, one client.
+//! - `rest_cached_get_throughput`: the same from 8 clients at once, requests per second.
+//! - `rest_uncached_conventions`: the plan cache off; each request planned by the
+//!   conventions planner and run (one sandbox turn).
+//! - `rest_uncached_llm_path`: the plan cache off; each request planned through the door by
+//!   the LLM planner, whose provider is a local test server answering at once: what kiln
+//!   adds around a model (prompt, door, two turns, checks), the provider's own time included.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kiln_llm::fake::{FakeProvider, Step};
+use serde_json::{Value, json};
+
+use crate::bench::{micros, summary};
+
+struct Rest {
+    child: Child,
+    base: String,
+    _data: tempfile::TempDir,
+}
+
+impl Drop for Rest {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Rest> {
+    let exe = std::env::current_exe()?;
+    let data = tempfile::tempdir()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let mut command = Command::new(&exe);
+    command
+        .args(["rest", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .arg(data.path().join("data"))
+        .args(args)
+        .env_remove("KILN_LLM_MODEL")
+        .env_remove("AUTH_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(data.path().join("rest.log"))?);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let rest = Rest {
+        child: command.spawn()?,
+        base: format!("http://127.0.0.1:{port}"),
+        _data: data,
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while ureq::get(&format!("{}/healthz", rest.base)).call().is_err() {
+        if Instant::now() > deadline {
+            bail!("kiln rest did not come up");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(rest)
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(60))
+        .max_idle_connections_per_host(64)
+        .build()
+}
+
+fn get(agent: &ureq::Agent, url: &str) -> anyhow::Result<Value> {
+    let response = agent.get(url).call().with_context(|| format!("GET {url}"))?;
+    Ok(response.into_json()?)
+}
+
+/// Fills /members with `n` objects.
+fn seed(rest: &Rest, agent: &ureq::Agent, n: usize) -> anyhow::Result<()> {
+    for i in 0..n {
+        agent
+            .post(&format!("{}/members/", rest.base))
+            .send_json(json!({"name": format!("member {i}"), "n": i}))
+            .context("seeding")?;
+    }
+    Ok(())
+}
+
+/// Median latency of GET /members/{id} over `n` requests.
+fn latency(rest: &Rest, agent: &ureq::Agent, n: usize) -> anyhow::Result<Value> {
+    for i in 0..10 {
+        get(agent, &format!("{}/members/{}", rest.base, i % 20 + 1))?;
+    }
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n {
+        let url = format!("{}/members/{}", rest.base, i % 20 + 1);
+        let t = Instant::now();
+        let body = get(agent, &url)?;
+        samples.push(micros(t.elapsed()));
+        anyhow::ensure!(body["n"] == json!(i % 20), "unexpected body {body}");
+    }
+    Ok(summary(samples))
+}
+
+pub fn run(
+    want: &dyn Fn(&str) -> bool,
+    n: usize,
+    seconds: f64,
+    report: &mut serde_json::Map<String, Value>,
+) -> anyhow::Result<()> {
+    let agent = agent();
+    if want("rest_cached_get") {
+        let rest = start(&["--planner", "conventions"], &[])?;
+        seed(&rest, &agent, 20)?;
+        report.insert("rest_cached_get".into(), latency(&rest, &agent, n)?);
+        if want("rest_cached_get_throughput") {
+            let clients = 8;
+            let stop = Arc::new(AtomicBool::new(false));
+            let done = Arc::new(AtomicU64::new(0));
+            let window = Duration::from_secs_f64(seconds.clamp(2.0, 60.0));
+            let handles: Vec<_> = (0..clients)
+                .map(|c| {
+                    let (stop, done, base) = (stop.clone(), done.clone(), rest.base.clone());
+                    std::thread::spawn(move || -> anyhow::Result<()> {
+                        let agent = self::agent();
+                        let mut i = c;
+                        while !stop.load(Ordering::Relaxed) {
+                            get(&agent, &format!("{base}/members/{}", i % 20 + 1))?;
+                            done.fetch_add(1, Ordering::Relaxed);
+                            i += clients;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(500));
+            let (start, t) = (done.load(Ordering::Relaxed), Instant::now());
+            std::thread::sleep(window);
+            let count = done.load(Ordering::Relaxed) - start;
+            let elapsed = t.elapsed().as_secs_f64();
+            stop.store(true, Ordering::Relaxed);
+            for h in handles {
+                h.join().map_err(|_| anyhow::anyhow!("a client panicked"))??;
+            }
+            report.insert(
+                "rest_cached_get_throughput".into(),
+                json!({"clients": clients, "seconds": elapsed, "requests": count, "per_second": (count as f64 / elapsed).round()}),
+            );
+        }
+    }
+    if want("rest_uncached_conventions") {
+        let rest = start(&["--planner", "conventions", "--no-plan-cache"], &[])?;
+        seed(&rest, &agent, 20)?;
+        report.insert("rest_uncached_conventions".into(), latency(&rest, &agent, n)?);
+    }
+    if want("rest_uncached_llm_path") {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let fake = rt.block_on(FakeProvider::start(vec![]))?;
+        let create = "body = ctx['body']\nnew_id = store.collection('members').insert(body)\nREPLY = {'status': 201, 'headers': {}, 'body': store.collection('members').get(new_id)}";
+        let read = "item = store.collection('members').get(ctx['segments'][1])\nREPLY = {'status': 200 if item else 404, 'headers': {}, 'body': item}";
+        let plan = |code: &str| {
+            json!({"action": "read", "resource": "members", "id": null, "criteria": {}, "payload": null,
+                   "response_hints": {}, "cache": {"generic": false, "pattern": null},
+                   "code": {"language": "python", "block": format!("```python\n{code}\n```")}})
+            .to_string()
+        };
+        let env = [
+            ("KILN_LLM_MODEL", "openai-compatible:bench".to_string()),
+            ("KILN_LLM_BASE_URL", fake.base_url.clone()),
+        ];
+        let rest = start(&["--planner", "llm", "--no-plan-cache"], &env)?;
+        fake.repeat(Step::Text(plan(create)));
+        seed(&rest, &agent, 20)?;
+        fake.repeat(Step::Text(plan(read)));
+        report.insert("rest_uncached_llm_path".into(), latency(&rest, &agent, n)?);
+        drop(rest);
+        drop(rt);
+    }
+    Ok(())
+}
