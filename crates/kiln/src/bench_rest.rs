@@ -41,7 +41,12 @@ fn start(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Rest> {
         .port();
     let mut command = Command::new(&exe);
     command
-        .args(["rest", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .args([
+            "rest",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
         .arg(data.path().join("data"))
         .args(args)
         .env_remove("KILN_LLM_MODEL")
@@ -75,7 +80,10 @@ fn agent() -> ureq::Agent {
 }
 
 fn get(agent: &ureq::Agent, url: &str) -> anyhow::Result<Value> {
-    let response = agent.get(url).call().with_context(|| format!("GET {url}"))?;
+    let response = agent
+        .get(url)
+        .call()
+        .with_context(|| format!("GET {url}"))?;
     Ok(response.into_json()?)
 }
 
@@ -144,7 +152,8 @@ pub fn run(
             let elapsed = t.elapsed().as_secs_f64();
             stop.store(true, Ordering::Relaxed);
             for h in handles {
-                h.join().map_err(|_| anyhow::anyhow!("a client panicked"))??;
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("a client panicked"))??;
             }
             report.insert(
                 "rest_cached_get_throughput".into(),
@@ -155,7 +164,10 @@ pub fn run(
     if want("rest_uncached_conventions") {
         let rest = start(&["--planner", "conventions", "--no-plan-cache"], &[])?;
         seed(&rest, &agent, 20)?;
-        report.insert("rest_uncached_conventions".into(), latency(&rest, &agent, n)?);
+        report.insert(
+            "rest_uncached_conventions".into(),
+            latency(&rest, &agent, n)?,
+        );
     }
     if want("rest_uncached_llm_path") {
         let rt = tokio::runtime::Builder::new_multi_thread()
