@@ -79,6 +79,8 @@ pub struct RestConfig {
     pub memory_bytes: u64,
     /// Reuse plans marked generic (on by default; off to watch the planner at work).
     pub plan_cache: bool,
+    /// A tenant's session idle this long is closed (its data stays).
+    pub idle_timeout: Duration,
 }
 
 impl RestConfig {
@@ -93,11 +95,20 @@ impl RestConfig {
             max_result_bytes: 4 << 20,
             memory_bytes: 256 << 20,
             plan_cache: true,
+            idle_timeout: Duration::from_secs(300),
         }
     }
 }
 
-type Slot = Arc<tokio::sync::Mutex<Option<SessionHandle>>>;
+/// A tenant's session (one request at a time holds it) and when it was last used.
+#[derive(Default)]
+struct TenantSlot {
+    session: tokio::sync::Mutex<Option<SessionHandle>>,
+    /// Milliseconds since the server started.
+    last_used_ms: AtomicU64,
+}
+
+type Slot = Arc<TenantSlot>;
 
 struct App {
     config: RestConfig,
@@ -106,6 +117,7 @@ struct App {
     tenants: Mutex<HashMap<String, Slot>>,
     next_request: AtomicU64,
     open_sessions: AtomicU32,
+    started: Instant,
 }
 
 /// Serves until SIGTERM or Ctrl-C; running requests finish first.
@@ -120,6 +132,7 @@ pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Resu
         tenants: Mutex::default(),
         next_request: AtomicU64::new(1),
         open_sessions: AtomicU32::new(0),
+        started: Instant::now(),
     });
     eprintln!(
         "kiln rest: listening on http://{} (planner: {}; auth: {}; data: {})",
@@ -137,7 +150,12 @@ pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Resu
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
             let app = flusher.clone();
-            let _ = tokio::task::spawn_blocking(move || app.plans.flush()).await;
+            let _ = tokio::task::spawn_blocking({
+                let app = app.clone();
+                move || app.plans.flush()
+            })
+            .await;
+            app.close_idle().await;
         }
     });
     axum::serve(
@@ -545,7 +563,8 @@ async fn one(
         None
     };
     let slot = app.slot(&tenant);
-    let mut guard = slot.lock().await;
+    let mut guard = slot.session.lock().await;
+    app.touch(&slot);
     let session = app.session(&tenant, &mut guard).await?;
     let answer = match cached {
         Some(entry) => {
@@ -634,6 +653,7 @@ async fn one(
             answer
         }
     };
+    app.touch(&slot);
     drop(guard);
     reply(&answer)
 }
@@ -775,6 +795,45 @@ impl App {
             .entry(tenant.to_string())
             .or_default()
             .clone()
+    }
+
+    fn touch(&self, slot: &TenantSlot) {
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        slot.last_used_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// Closes the sessions of tenants idle longer than `idle_timeout` (their data stays on
+    /// disk; the next request opens a fresh session).
+    async fn close_idle(&self) {
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let idle_ms = u64::try_from(self.config.idle_timeout.as_millis()).unwrap_or(u64::MAX);
+        let slots: Vec<(String, Slot)> = self
+            .tenants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(t, s)| (t.clone(), s.clone()))
+            .collect();
+        for (tenant, slot) in slots {
+            if now.saturating_sub(slot.last_used_ms.load(Ordering::Relaxed)) < idle_ms {
+                continue;
+            }
+            // A busy tenant is not idle; it is looked at again next time.
+            if let Ok(mut guard) = slot.session.try_lock() {
+                if guard.is_some() {
+                    self.drop_session(&mut guard).await;
+                }
+                drop(guard);
+                let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+                // Forget the slot unless a request took it meanwhile.
+                if tenants
+                    .get(&tenant)
+                    .is_some_and(|s| Arc::strong_count(s) <= 2)
+                {
+                    tenants.remove(&tenant);
+                }
+            }
+        }
     }
 
     fn limits(&self, timeout: Duration) -> Limits {

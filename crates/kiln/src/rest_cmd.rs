@@ -46,6 +46,9 @@ pub struct RestArgs {
     /// Plan every request anew (no plan cache).
     #[arg(long)]
     pub no_plan_cache: bool,
+    /// Seconds after which an idle tenant's sandbox is closed (its data stays on disk).
+    #[arg(long, default_value_t = 300)]
+    pub idle_timeout: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -127,6 +130,7 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     config.max_result_bytes = args.max_result;
     config.memory_bytes = args.memory;
     config.plan_cache = !args.no_plan_cache;
+    config.idle_timeout = Duration::from_secs(args.idle_timeout.max(1));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -369,7 +369,11 @@ fn tenants_are_apart_and_everything_survives_a_restart() {
     rest.stop();
 
     // A restart finds every tenant's data and plans.
-    let rest = Rest::start(&data, &["--planner", "conventions"], &[]);
+    let rest = Rest::start(
+        &data,
+        &["--planner", "conventions", "--idle-timeout", "1"],
+        &[],
+    );
     let alice = rest.call("GET", "/notes/", None, &as_tenant("alice"));
     assert_eq!(alice.json["page"]["total"], 2, "{alice:?}");
     assert_eq!(
@@ -384,6 +388,13 @@ fn tenants_are_apart_and_everything_survives_a_restart() {
         &as_tenant("bob"),
     );
     assert_eq!(b.json["id"], 2);
+    assert_eq!(rest.get("/healthz").json["tenant_sessions"], 2);
+
+    // Idle tenants' sandboxes are closed; their data stays.
+    std::thread::sleep(Duration::from_millis(3500));
+    assert_eq!(rest.get("/healthz").json["tenant_sessions"], 0);
+    let b = rest.call("GET", "/notes/2", None, &as_tenant("bob"));
+    assert_eq!((b.status, b.json["name"].as_str()), (200, Some("B2")));
 }
 
 #[test]
