@@ -63,6 +63,8 @@ pub enum Command {
         #[arg(long, env = "KILN_DATA_DIR", global = true)]
         data_dir: Option<PathBuf>,
     },
+    /// Serve the UHLP sandbox runner protocol (POST /execute) for a core framework.
+    Runner(crate::runner_cmd::RunnerArgs),
     /// Measure kiln's latencies and throughput; prints JSON.
     Bench(BenchArgs),
     /// Internal: serve as an executor worker on stdin/stdout.

@@ -5,6 +5,7 @@ mod bench_agent;
 mod bench_http;
 mod cli;
 mod progress;
+mod runner_cmd;
 
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
@@ -121,6 +122,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => bench::run(args),
+        Command::Runner(args) => runner_cmd::run(args),
         Command::Serve(args) => {
             // Fetch and compile the runtimes here, once, before any worker needs them.
             let setup = WasmEngine::with_options(
