@@ -22,6 +22,8 @@ use crate::runner::{Call, Failure, InternalError, Produced, RunError, Runner};
 pub const GUEST_ROOT: &str = "/app";
 /// The function called when a task names none.
 pub const DEFAULT_FUNCTION: &str = "handler";
+/// Bytes of stdout a script may write, its result included.
+const STDOUT_BYTES: u64 = 8 << 20;
 /// Bytes of stderr kept in a failure's details.
 const STDERR_TAIL_BYTES: usize = 2_000;
 
@@ -169,6 +171,7 @@ pub async fn run_function(
             .unwrap_or(runner.config.timeout_ms)
             .clamp(1, runner.config.timeout_ms),
         memory_bytes: runner.config.memory_bytes,
+        stdout_bytes: STDOUT_BYTES,
         ..Limits::default()
     };
     let limits = request.limits.clone();

@@ -342,9 +342,10 @@ pub fn parse_request(body: Value) -> Result<ExecuteRequest, FieldError> {
         match body.pointer(&pointer) {
             None => return Err(field_error(path, format!("{path} is missing"))),
             Some(value) if json_type(value) != *wanted => {
+                let article = if wanted.starts_with('o') { "an" } else { "a" };
                 return Err(field_error(
                     path,
-                    format!("{path} must be a {wanted}, not {}", json_type(value)),
+                    format!("{path} must be {article} {wanted}, not {}", json_type(value)),
                 ));
             }
             Some(_) => {}
