@@ -126,7 +126,8 @@ fn is_json_type(value: &str) -> bool {
         .unwrap_or_default()
         .trim()
         .to_ascii_lowercase();
-    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 /// Whether an `Accept` header admits a JSON answer (a range with `q=0` does not).
@@ -140,7 +141,11 @@ fn accepts_json(accept: &str) -> bool {
                 .and_then(|q| q.trim().parse::<f32>().ok())
                 .is_some_and(|q| q <= 0.0)
         });
-        !refused && matches!(media.as_str(), "*/*" | "application/*" | "application/json" | "")
+        !refused
+            && matches!(
+                media.as_str(),
+                "*/*" | "application/*" | "application/json" | ""
+            )
     })
 }
 
@@ -265,6 +270,55 @@ fn internal(error: &InternalError, request_id: Option<String>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::RunnerConfig;
+    use tower::ServiceExt;
+
+    fn test_router(max_body_bytes: usize) -> Router {
+        let config = RunnerConfig {
+            max_body_bytes,
+            ..RunnerConfig::default()
+        };
+        // The pool starts workers on first use only; these requests never get that far.
+        let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig {
+            workers: 1,
+            program: "/nonexistent".into(),
+            args: Vec::new(),
+            env: Vec::new(),
+        });
+        router(Arc::new(Runner::new(config, pool).unwrap()))
+    }
+
+    async fn answer(router: Router, request: Request<Body>) -> (StatusCode, Value) {
+        let response = router.oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_streamed_body_over_the_limit_is_413() {
+        let chunks = (0..64).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b' '; 1024])));
+        let request = Request::post("/execute")
+            .header("content-type", "application/json")
+            .body(Body::from_stream(futures::stream::iter(chunks)))
+            .unwrap();
+        let (status, body) = answer(test_router(16 << 10), request).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(body["error"]["code"], "BODY_TOO_LARGE");
+    }
+
+    #[tokio::test]
+    async fn healthz_is_503_until_warm() {
+        let request = Request::get("/healthz").body(Body::empty()).unwrap();
+        let (status, body) = answer(test_router(1024), request).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["error"]["code"], "NOT_READY");
+    }
 
     #[test]
     fn media_types() {

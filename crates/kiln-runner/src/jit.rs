@@ -96,7 +96,12 @@ const JAVASCRIPT_WRAPPER: &str = r#"
 
 /// Serves a JIT request: the script is `taskDetails.script`, else `componentId`.
 pub async fn run_task(runner: &Runner, call: &Call) -> Result<Produced, RunError> {
-    let details = call.request.context.task_details.clone().unwrap_or_default();
+    let details = call
+        .request
+        .context
+        .task_details
+        .clone()
+        .unwrap_or_default();
     let script = details
         .script
         .or_else(|| call.request.context.component_id.clone())
@@ -258,7 +263,9 @@ fn read_result(
             "BAD_OUTPUT",
             format!(
                 "{script}: the result could not be read ({})",
-                parsed.err().map_or("bad marker".to_owned(), |e| e.to_string())
+                parsed
+                    .err()
+                    .map_or("bad marker".to_owned(), |e| e.to_string())
             ),
             details(json!({"output": tail(text, STDERR_TAIL_BYTES)})),
         )),
@@ -299,7 +306,9 @@ pub fn resolve_script(root: &Path, name: &str) -> Result<(String, Language), Fai
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '/' | '_' | '-' | '.'))
     {
-        return Err(refuse("only letters, digits, '/', '_', '-' and '.' are allowed"));
+        return Err(refuse(
+            "only letters, digits, '/', '_', '-' and '.' are allowed",
+        ));
     }
     let path = Path::new(name);
     if !path.components().all(|c| matches!(c, Component::Normal(_))) || name.ends_with('/') {
@@ -372,7 +381,11 @@ mod tests {
             "",
             "x\0y",
         ] {
-            assert_eq!(resolve(hostile).unwrap_err().code, "INVALID_SCRIPT_NAME", "{hostile}");
+            assert_eq!(
+                resolve(hostile).unwrap_err().code,
+                "INVALID_SCRIPT_NAME",
+                "{hostile}"
+            );
         }
         assert_eq!(resolve("missing").unwrap_err().code, "SCRIPT_NOT_FOUND");
         assert_eq!(resolve("orders").unwrap_err().code, "SCRIPT_NOT_FOUND");

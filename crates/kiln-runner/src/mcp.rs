@@ -194,7 +194,10 @@ impl McpClient {
             (error, false)
         };
         let parsed: Option<Value> = serde_json::from_str(&text).ok();
-        if let Some(error) = parsed.as_ref().and_then(|v| v.get("error")).filter(|e| !e.is_null())
+        if let Some(error) = parsed
+            .as_ref()
+            .and_then(|v| v.get("error"))
+            .filter(|e| !e.is_null())
         {
             let (code, message) = match error {
                 Value::Object(fields) => (

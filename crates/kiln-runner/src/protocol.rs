@@ -345,7 +345,10 @@ pub fn parse_request(body: Value) -> Result<ExecuteRequest, FieldError> {
                 let article = if wanted.starts_with('o') { "an" } else { "a" };
                 return Err(field_error(
                     path,
-                    format!("{path} must be {article} {wanted}, not {}", json_type(value)),
+                    format!(
+                        "{path} must be {article} {wanted}, not {}",
+                        json_type(value)
+                    ),
                 ));
             }
             Some(_) => {}
@@ -427,7 +430,9 @@ mod tests {
             assert_eq!(error.message, format!("{path} is missing"));
 
             let mut body = valid();
-            *body.pointer_mut(&format!("/{}", path.replace('.', "/"))).unwrap() = json!(7);
+            *body
+                .pointer_mut(&format!("/{}", path.replace('.', "/")))
+                .unwrap() = json!(7);
             let error = parse_request(body).unwrap_err();
             assert_eq!(error.field, *path);
             assert!(error.message.contains("not number"), "{}", error.message);

@@ -268,7 +268,10 @@ impl Runner {
         self.log(
             &call,
             level,
-            format!("{} request {outcome} in {elapsed_ms:.1} ms", mode_name(mode)),
+            format!(
+                "{} request {outcome} in {elapsed_ms:.1} ms",
+                mode_name(mode)
+            ),
             None,
         );
         Ok(crate::protocol::ExecuteResponse {
@@ -402,7 +405,10 @@ fn as_http_response(value: &Value) -> Option<HttpResponseData> {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(text)) => text.clone(),
         Some(other) => {
-            if !headers.keys().any(|k| k.eq_ignore_ascii_case("content-type")) {
+            if !headers
+                .keys()
+                .any(|k| k.eq_ignore_ascii_case("content-type"))
+            {
                 headers.insert("content-type".into(), json!("application/json"));
             }
             other.to_string()

@@ -49,7 +49,12 @@ pub struct TemplateDef {
 /// Serves an LLM request: the template is `taskDetails.template`, the overrides
 /// `taskDetails.llm`.
 pub async fn run_task(runner: &Runner, call: &Call) -> Result<Produced, RunError> {
-    let details = call.request.context.task_details.clone().unwrap_or_default();
+    let details = call
+        .request
+        .context
+        .task_details
+        .clone()
+        .unwrap_or_default();
     let name = details.template.ok_or_else(|| {
         Failure::new(
             "INVALID_TASK",
@@ -145,14 +150,17 @@ pub fn parse_template(text: &str) -> Result<TemplateDef, Failure> {
 pub fn render(source: &str, scope: &Value) -> Result<String, Failure> {
     let mut env = minijinja::Environment::new();
     env.set_fuel(Some(RENDER_FUEL));
-    env.render_str(source, minijinja::Value::from(minijinja::value::Serde(scope)))
-        .map_err(|e| {
-            Failure::new(
-                "TEMPLATE_RENDER_FAILED",
-                format!("the template could not be rendered: {e}"),
-                json!({"detail": format!("{e:#}")}),
-            )
-        })
+    env.render_str(
+        source,
+        minijinja::Value::from(minijinja::value::Serde(scope)),
+    )
+    .map_err(|e| {
+        Failure::new(
+            "TEMPLATE_RENDER_FAILED",
+            format!("the template could not be rendered: {e}"),
+            json!({"detail": format!("{e:#}")}),
+        )
+    })
 }
 
 /// Runs a template: load, render, generate, check. `extra_context` is merged into the
@@ -228,7 +236,12 @@ fn read_completion(answer: &Value) -> Result<(String, u64, u64), Failure> {
     };
     Ok((
         text.to_owned(),
-        count(&["inputTokens", "input_tokens", "promptTokens", "prompt_tokens"]),
+        count(&[
+            "inputTokens",
+            "input_tokens",
+            "promptTokens",
+            "prompt_tokens",
+        ]),
         count(&[
             "outputTokens",
             "output_tokens",
@@ -277,15 +290,20 @@ mod tests {
         assert_eq!(text, "Hi ADA: 1,2,3");
         let error = render("{{ 1 + }}", &scope).unwrap_err();
         assert_eq!(error.code, "TEMPLATE_RENDER_FAILED");
-        let error = render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", &scope).unwrap_err();
+        let error = render(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            &scope,
+        )
+        .unwrap_err();
         assert_eq!(error.code, "TEMPLATE_RENDER_FAILED");
     }
 
     #[test]
     fn template_files_are_yaml_or_plain_text() {
-        let template =
-            parse_template("prompt: 'Hello {{ x }}'\ndefaults: {model: m}\noutputSchema: {type: object}\n")
-                .unwrap();
+        let template = parse_template(
+            "prompt: 'Hello {{ x }}'\ndefaults: {model: m}\noutputSchema: {type: object}\n",
+        )
+        .unwrap();
         assert_eq!(template.prompt, "Hello {{ x }}");
         assert_eq!(template.defaults["model"], "m");
         assert_eq!(template.output_schema, Some(json!({"type": "object"})));
@@ -307,7 +325,10 @@ mod tests {
             "LLM_BAD_REPLY"
         );
         assert_eq!(
-            check_structured(&json!({"type": "object", "required": ["a"]}), "```json\n{\"a\": 1}\n```"),
+            check_structured(
+                &json!({"type": "object", "required": ["a"]}),
+                "```json\n{\"a\": 1}\n```"
+            ),
             Ok(json!({"a": 1}))
         );
         assert!(check_structured(&json!({"type": "object", "required": ["a"]}), "{}").is_err());

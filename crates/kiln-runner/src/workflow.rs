@@ -155,7 +155,11 @@ pub fn parse_workflow(text: &str) -> Result<WorkflowDef, Failure> {
     };
     known(&def.start_at, "startAt")?;
     for (name, step) in &def.steps {
-        let targets = [&step.next, &step.transitions.on_success, &step.transitions.on_failure];
+        let targets = [
+            &step.next,
+            &step.transitions.on_success,
+            &step.transitions.on_failure,
+        ];
         for target in targets.into_iter().flatten() {
             known(target, &format!("step {name:?}"))?;
         }
@@ -277,8 +281,15 @@ async fn run_step(
                 scope["input"] = input;
             }
             let template = step.template.as_deref().unwrap_or_default();
-            crate::template::run_template(runner, call, template, &step.overrides, scope, Some(name))
-                .await
+            crate::template::run_template(
+                runner,
+                call,
+                template,
+                &step.overrides,
+                scope,
+                Some(name),
+            )
+            .await
         }
         StepKind::Mcp => {
             let tool = step.tool.as_deref().unwrap_or_default();
@@ -359,7 +370,12 @@ async fn advance(
         state.trail.remove(0);
     }
     call.steps.fetch_add(1, Ordering::Relaxed);
-    runner.log(call, Level::Info, format!("workflow step {name} started"), Some(name));
+    runner.log(
+        call,
+        Level::Info,
+        format!("workflow step {name} started"),
+        Some(name),
+    );
     match run_step(runner, call, name, step, state).await {
         Ok(output) => {
             let next = next_on_success(call, name, step, state, &output)?;
@@ -445,7 +461,11 @@ pub async fn run_task(runner: &Runner, call: &Call) -> Result<Produced, RunError
     let mut params = call.ids();
     params.insert("key".into(), json!(key));
     let stored = runner
-        .mcp(call, "core.state.getRuntimeValue", Value::Object(params.clone()))
+        .mcp(
+            call,
+            "core.state.getRuntimeValue",
+            Value::Object(params.clone()),
+        )
         .await?;
     let mut state: State = match stored {
         Value::Null => State::default(),
@@ -479,7 +499,10 @@ pub async fn run_task(runner: &Runner, call: &Call) -> Result<Produced, RunError
         }
     };
     state.next = next;
-    params.insert("value".into(), serde_json::to_value(&state).unwrap_or_default());
+    params.insert(
+        "value".into(),
+        serde_json::to_value(&state).unwrap_or_default(),
+    );
     runner
         .mcp(call, "core.state.setRuntimeValue", Value::Object(params))
         .await?;
@@ -520,13 +543,19 @@ steps:
         let def = parse_workflow(BRANCHY).unwrap();
         assert_eq!(def.start_at, "check");
         assert_eq!(def.steps["check"].transitions.conditions[0].next, "review");
-        assert_eq!(def.steps["check"].input_mapping.as_ref().unwrap()["fixed"], 3);
+        assert_eq!(
+            def.steps["check"].input_mapping.as_ref().unwrap()["fixed"],
+            3
+        );
     }
 
     #[test]
     fn broken_workflows_are_refused_with_the_reason() {
         let cases = [
-            ("startAt: nowhere\nsteps: {}", "startAt names an unknown step"),
+            (
+                "startAt: nowhere\nsteps: {}",
+                "startAt names an unknown step",
+            ),
             (
                 "startAt: a\nsteps:\n  a: {type: jit, end: true}",
                 "needs a script",
@@ -539,7 +568,10 @@ steps:
                 "startAt: a\nsteps:\n  a: {type: control, next: b}",
                 "unknown step \"b\"",
             ),
-            ("startAt: a\nsteps:\n  a: {type: shell, end: true}", "unknown variant"),
+            (
+                "startAt: a\nsteps:\n  a: {type: shell, end: true}",
+                "unknown variant",
+            ),
         ];
         for (text, why) in cases {
             let error = parse_workflow(text).unwrap_err();

@@ -260,7 +260,10 @@ fn start_runner(workers: usize, extra: &[&str]) -> Res<Runner> {
         std::fs::create_dir_all(path.parent().ok_or("no parent")?)?;
         std::fs::write(path, text)?;
     }
-    std::fs::write(dir.path().join("secret.py"), "def handler(d, c): return 'leaked'")?;
+    std::fs::write(
+        dir.path().join("secret.py"),
+        "def handler(d, c): return 'leaked'",
+    )?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -309,8 +312,8 @@ struct Reply {
 
 impl Runner {
     fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Res<Reply> {
-        let mut request = ureq::request(method, &format!("{}{path}", self.base))
-            .timeout(Duration::from_secs(60));
+        let mut request =
+            ureq::request(method, &format!("{}{path}", self.base)).timeout(Duration::from_secs(60));
         for (name, value) in headers {
             request = request.set(name, value);
         }
@@ -365,20 +368,31 @@ fn assert_error(answer: &Value, code: &str) {
     assert_eq!(answer["resultType"], "error", "{answer}");
     assert_eq!(answer["data"]["code"], code, "{answer}");
     assert!(
-        !answer["data"]["message"].as_str().unwrap_or_default().is_empty(),
+        !answer["data"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .is_empty(),
         "{answer}"
     );
 }
 
 /// Waits until the framework has recorded a matching call (logs are sent after answering).
-fn wait_for_call(framework: &Framework, tool: &str, matches: impl Fn(&Value) -> bool) -> Res<Value> {
+fn wait_for_call(
+    framework: &Framework,
+    tool: &str,
+    matches: impl Fn(&Value) -> bool,
+) -> Res<Value> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         if let Some(call) = framework.calls_to(tool).into_iter().find(|c| matches(c)) {
             return Ok(call);
         }
         if Instant::now() > deadline {
-            return Err(format!("no matching {tool} call; got {:?}", framework.calls_to(tool)).into());
+            return Err(format!(
+                "no matching {tool} call; got {:?}",
+                framework.calls_to(tool)
+            )
+            .into());
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -394,7 +408,12 @@ fn jit_results_follow_the_request_source() -> TestResult {
     let endpoint = &framework.endpoint;
 
     let ctx = json!({"componentId": "hello"});
-    let answer = runner.execute(&request("r-http", json!({"source": "http", "x": 5}), endpoint, ctx))?;
+    let answer = runner.execute(&request(
+        "r-http",
+        json!({"source": "http", "x": 5}),
+        endpoint,
+        ctx,
+    ))?;
     assert_eq!(answer["requestId"], "r-http");
     assert_eq!(answer["resultType"], "httpResponse", "{answer}");
     assert_eq!(
@@ -402,13 +421,24 @@ fn jit_results_follow_the_request_source() -> TestResult {
         json!({"status": 201, "headers": {"x-app": "app-1", "content-type": "application/json"},
                "body": r#"{"echo":5,"source":"http"}"#, "bodyEncoding": "utf8"})
     );
-    assert!(metric(&answer, "execution.duration").is_some_and(|ms| ms > 0.0), "{answer}");
-    assert!(metric(&answer, "sandbox.duration").is_some_and(|ms| ms > 0.0), "{answer}");
+    assert!(
+        metric(&answer, "execution.duration").is_some_and(|ms| ms > 0.0),
+        "{answer}"
+    );
+    assert!(
+        metric(&answer, "sandbox.duration").is_some_and(|ms| ms > 0.0),
+        "{answer}"
+    );
     assert_eq!(metric(&answer, "mcp.calls"), Some(0.0));
 
     // Another source: the same script's answer is generic.
     let ctx = json!({"componentId": "ignored", "taskDetails": {"script": "hello.py", "function": "generic", "k": 1}});
-    let answer = runner.execute(&request("r-q", json!({"source": "queue", "x": [1, 2]}), endpoint, ctx))?;
+    let answer = runner.execute(&request(
+        "r-q",
+        json!({"source": "queue", "x": [1, 2]}),
+        endpoint,
+        ctx,
+    ))?;
     assert_eq!(answer["resultType"], "generic", "{answer}");
     assert_eq!(answer["data"]["x"], json!([1, 2]));
     assert_eq!(answer["data"]["component"], "ignored");
@@ -416,7 +446,12 @@ fn jit_results_follow_the_request_source() -> TestResult {
 
     // An application error the script chose.
     let ctx = json!({"componentId": "hello", "taskDetails": {"function": "refuse"}});
-    let answer = runner.execute(&request("r-e", json!({"source": "http", "x": 9}), endpoint, ctx))?;
+    let answer = runner.execute(&request(
+        "r-e",
+        json!({"source": "http", "x": 9}),
+        endpoint,
+        ctx,
+    ))?;
     assert_error(&answer, "NOT_FOUND");
     assert_eq!(answer["data"]["details"], json!({"x": 9}));
 
@@ -428,20 +463,42 @@ fn jit_results_follow_the_request_source() -> TestResult {
 
     // JavaScript, in a folder, found without its extension.
     let ctx = json!({"componentId": "tools/hello_js"});
-    let answer = runner.execute(&request("r-js", json!({"source": "internal", "x": 21}), endpoint, ctx))?;
+    let answer = runner.execute(&request(
+        "r-js",
+        json!({"source": "internal", "x": 21}),
+        endpoint,
+        ctx,
+    ))?;
     assert_eq!(answer["resultType"], "generic", "{answer}");
     assert_eq!(answer["data"], json!({"js": 42, "app": "app-1"}));
 
     // The request id header is echoed; without one, the body's requestId is sent back.
-    let body = request("r-h", json!({"source": "queue"}), endpoint, json!({"componentId": "hello"}));
+    let body = request(
+        "r-h",
+        json!({"source": "queue"}),
+        endpoint,
+        json!({"componentId": "hello"}),
+    );
     let reply = runner.send(
         "POST",
         "/execute",
-        &[("content-type", "application/json"), ("x-request-id", "trace-77"), ("accept", "application/json")],
+        &[
+            ("content-type", "application/json"),
+            ("x-request-id", "trace-77"),
+            ("accept", "application/json"),
+        ],
         body.to_string().as_bytes(),
     )?;
-    assert_eq!((reply.status, reply.request_id.as_deref()), (200, Some("trace-77")));
-    let reply = runner.send("POST", "/execute", &[("content-type", "application/json")], body.to_string().as_bytes())?;
+    assert_eq!(
+        (reply.status, reply.request_id.as_deref()),
+        (200, Some("trace-77"))
+    );
+    let reply = runner.send(
+        "POST",
+        "/execute",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+    )?;
     assert_eq!(reply.request_id.as_deref(), Some("r-h"));
 
     // Logs reach the framework's logging tool with the ids, not stdout.
@@ -451,7 +508,13 @@ fn jit_results_follow_the_request_source() -> TestResult {
     assert_eq!(log["appId"], "app-1");
     assert_eq!(log["componentId"], "tools/hello_js");
     assert_eq!(log["level"], "info");
-    assert!(log["message"].as_str().unwrap_or_default().contains("jit request succeeded"), "{log}");
+    assert!(
+        log["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("jit request succeeded"),
+        "{log}"
+    );
     let warn = wait_for_call(&framework, "core.framework.logFrameworkMessage", |c| {
         c["requestId"] == "r-e"
     })?;
@@ -469,14 +532,28 @@ fn jit_failures_are_error_results_with_details() -> TestResult {
             details["function"] = json!(function);
         }
         let ctx = json!({"componentId": component, "taskDetails": details});
-        runner.execute(&request("r", json!({"source": "queue", "x": 3}), &framework.endpoint, ctx))
+        runner.execute(&request(
+            "r",
+            json!({"source": "queue", "x": 3}),
+            &framework.endpoint,
+            ctx,
+        ))
     };
 
     let answer = run("nowhere", None)?;
     assert_error(&answer, "SCRIPT_NOT_FOUND");
-    assert_eq!(answer["data"]["details"]["tried"], json!(["nowhere.py", "nowhere.js"]));
+    assert_eq!(
+        answer["data"]["details"]["tried"],
+        json!(["nowhere.py", "nowhere.js"])
+    );
 
-    for hostile in ["../secret", "../secret.py", "/etc/passwd", "tools/../../secret", "hello.py\u{0}"] {
+    for hostile in [
+        "../secret",
+        "../secret.py",
+        "/etc/passwd",
+        "tools/../../secret",
+        "hello.py\u{0}",
+    ] {
         let answer = run(hostile, None)?;
         assert_error(&answer, "INVALID_SCRIPT_NAME");
     }
@@ -489,7 +566,10 @@ fn jit_failures_are_error_results_with_details() -> TestResult {
     let details = &answer["data"]["details"];
     assert_eq!(details["exitCode"], 1);
     let tail = details["stderrTail"].as_str().unwrap_or_default();
-    assert!(tail.contains("about to fail") && tail.contains("ValueError: boom 3"), "{tail}");
+    assert!(
+        tail.contains("about to fail") && tail.contains("ValueError: boom 3"),
+        "{tail}"
+    );
 
     let answer = run("broken", Some("exits"))?;
     assert_error(&answer, "SCRIPT_FAILED");
@@ -497,14 +577,23 @@ fn jit_failures_are_error_results_with_details() -> TestResult {
 
     let answer = run("broken", Some("quits_early"))?;
     assert_error(&answer, "BAD_OUTPUT");
-    assert!(answer["data"]["details"]["stdoutTail"].as_str().unwrap_or_default().contains("no result here"));
+    assert!(
+        answer["data"]["details"]["stdoutTail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no result here")
+    );
 
     assert_error(&run("broken", Some("not_json"))?, "BAD_OUTPUT");
 
     let started = Instant::now();
     let answer = run("broken", Some("spins"))?;
     assert_error(&answer, "TIMEOUT");
-    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
 
     // The runner is still fine.
     assert_eq!(run("hello", Some("generic"))?["resultType"], "generic");
@@ -518,62 +607,142 @@ fn jit_failures_are_error_results_with_details() -> TestResult {
 fn transport_errors_use_http_statuses_and_name_the_field() -> TestResult {
     let runner = start_runner(1, &["--max-body", "1m"])?;
     let json_type = [("content-type", "application/json")];
-    let valid = request("r1", json!({"source": "http"}), "http://127.0.0.1:9/mcp", json!({"componentId": "hello"}));
+    let valid = request(
+        "r1",
+        json!({"source": "http"}),
+        "http://127.0.0.1:9/mcp",
+        json!({"componentId": "hello"}),
+    );
 
     let reply = runner.send("POST", "/execute", &json_type, b"{\"requestId\": ")?;
-    assert_eq!((reply.status, reply.body["error"]["code"].as_str()), (400, Some("MALFORMED_JSON")));
+    assert_eq!(
+        (reply.status, reply.body["error"]["code"].as_str()),
+        (400, Some("MALFORMED_JSON"))
+    );
 
-    let fields = ["requestId", "requestData", "requestData.source", "context", "context.mcp_endpoint"];
+    let fields = [
+        "requestId",
+        "requestData",
+        "requestData.source",
+        "context",
+        "context.mcp_endpoint",
+    ];
     for field in fields {
         let pointer = format!("/{}", field.replace('.', "/"));
         let (parent, leaf) = pointer.rsplit_once('/').ok_or("no slash")?;
         let mut missing = valid.clone();
-        missing.pointer_mut(parent).and_then(Value::as_object_mut).ok_or("parent")?.remove(leaf);
-        let reply = runner.send("POST", "/execute", &json_type, missing.to_string().as_bytes())?;
+        missing
+            .pointer_mut(parent)
+            .and_then(Value::as_object_mut)
+            .ok_or("parent")?
+            .remove(leaf);
+        let reply = runner.send(
+            "POST",
+            "/execute",
+            &json_type,
+            missing.to_string().as_bytes(),
+        )?;
         assert_eq!(reply.status, 400, "{field}: {}", reply.body);
         assert_eq!(reply.body["error"]["code"], "INVALID_FIELD");
         assert_eq!(reply.body["error"]["field"], field);
-        assert_eq!(reply.body["error"]["message"], format!("{field} is missing"));
+        assert_eq!(
+            reply.body["error"]["message"],
+            format!("{field} is missing")
+        );
 
         let mut mistyped = valid.clone();
         *mistyped.pointer_mut(&pointer).ok_or("field")? = json!([1]);
-        let reply = runner.send("POST", "/execute", &json_type, mistyped.to_string().as_bytes())?;
+        let reply = runner.send(
+            "POST",
+            "/execute",
+            &json_type,
+            mistyped.to_string().as_bytes(),
+        )?;
         assert_eq!(reply.status, 400, "{field}: {}", reply.body);
         assert_eq!(reply.body["error"]["field"], field);
-        assert!(reply.body["error"]["message"].as_str().unwrap_or_default().contains("not array"));
+        assert!(
+            reply.body["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("not array")
+        );
     }
     let mut mistyped = valid.clone();
     mistyped["context"]["taskDetails"] = json!({"timeoutMs": "soon"});
-    let reply = runner.send("POST", "/execute", &json_type, mistyped.to_string().as_bytes())?;
-    assert_eq!((reply.status, reply.body["error"]["field"].as_str()), (400, Some("context.taskDetails.timeoutMs")));
+    let reply = runner.send(
+        "POST",
+        "/execute",
+        &json_type,
+        mistyped.to_string().as_bytes(),
+    )?;
+    assert_eq!(
+        (reply.status, reply.body["error"]["field"].as_str()),
+        (400, Some("context.taskDetails.timeoutMs"))
+    );
     assert_eq!(reply.body["requestId"], "r1");
 
     let body = valid.to_string();
-    let reply = runner.send("POST", "/execute", &[("content-type", "text/plain")], body.as_bytes())?;
-    assert_eq!((reply.status, reply.body["error"]["code"].as_str()), (415, Some("UNSUPPORTED_MEDIA_TYPE")));
+    let reply = runner.send(
+        "POST",
+        "/execute",
+        &[("content-type", "text/plain")],
+        body.as_bytes(),
+    )?;
+    assert_eq!(
+        (reply.status, reply.body["error"]["code"].as_str()),
+        (415, Some("UNSUPPORTED_MEDIA_TYPE"))
+    );
     let reply = runner.send("POST", "/execute", &[], body.as_bytes())?;
     assert_eq!(reply.status, 415);
     let reply = runner.send(
         "POST",
         "/execute",
-        &[("content-type", "application/json"), ("accept", "text/html")],
+        &[
+            ("content-type", "application/json"),
+            ("accept", "text/html"),
+        ],
         body.as_bytes(),
     )?;
-    assert_eq!((reply.status, reply.body["error"]["code"].as_str()), (406, Some("NOT_ACCEPTABLE")));
+    assert_eq!(
+        (reply.status, reply.body["error"]["code"].as_str()),
+        (406, Some("NOT_ACCEPTABLE"))
+    );
 
-    let mut huge = valid.clone();
-    huge["requestData"]["blob"] = json!("x".repeat(2 << 20));
-    let reply = runner.send("POST", "/execute", &json_type, huge.to_string().as_bytes())?;
-    assert_eq!((reply.status, reply.body["error"]["code"].as_str()), (413, Some("BODY_TOO_LARGE")));
+    // A body over the limit is refused from its declared length, before it is read (a
+    // client still sending it would see its connection closed, so none is sent here).
+    let mut stream = std::net::TcpStream::connect(runner.base.trim_start_matches("http://"))?;
+    std::io::Write::write_all(
+        &mut stream,
+        b"POST /execute HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 2097152\r\n\r\n",
+    )?;
+    let mut head = [0u8; 512];
+    let read = stream.read(&mut head)?;
+    let head = String::from_utf8_lossy(&head[..read]);
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(head.contains("BODY_TOO_LARGE"), "{head}");
+    // Under the limit is fine.
+    let mut big = valid.clone();
+    big["requestData"]["blob"] = json!("x".repeat(900_000));
+    let reply = runner.send("POST", "/execute", &json_type, big.to_string().as_bytes())?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
 
     let reply = runner.send("GET", "/nope", &[], b"")?;
     assert_eq!(reply.status, 404);
     let reply = runner.send("POST", "/_framework/load_code", &json_type, b"{}")?;
-    assert_eq!((reply.status, reply.body["status"].as_str()), (200, Some("ok")));
+    assert_eq!(
+        (reply.status, reply.body["status"].as_str()),
+        (200, Some("ok"))
+    );
 
     // The schemas served are the ones checked in.
     let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/runner");
-    for name in ["request.json", "response.json", "error.json", "workflow.json", "template.json"] {
+    for name in [
+        "request.json",
+        "response.json",
+        "error.json",
+        "workflow.json",
+        "template.json",
+    ] {
         let reply = runner.send("GET", &format!("/schema/{name}"), &[], b"")?;
         assert_eq!(reply.status, 200, "{name}");
         let checked_in: Value = serde_json::from_str(&std::fs::read_to_string(docs.join(name))?)?;
@@ -610,13 +779,22 @@ fn llm_mode_renders_generates_and_validates() -> TestResult {
     let framework = Framework::start()?;
     framework.file("templates/summary.yaml", SUMMARY_TEMPLATE);
     framework.file("templates/plain.txt", "Say hi to {{ requestData.name }}");
-    framework.answer("order 7", "```json\n{\"summary\": \"two things\", \"count\": 2}\n```");
+    framework.answer(
+        "order 7",
+        "```json\n{\"summary\": \"two things\", \"count\": 2}\n```",
+    );
     framework.answer("order 8", "{\"summary\": \"missing count\"}");
     let runner = start_runner(1, &[])?;
-    let order = |id: u32| json!({"source": "internal", "order": {"id": id, "items": ["tea", "cake"]}});
+    let order =
+        |id: u32| json!({"source": "internal", "order": {"id": id, "items": ["tea", "cake"]}});
     let ctx = json!({"componentId": "summariser", "taskDetails": {"template": "templates/summary.yaml", "llm": {"model": "big-model"}}});
 
-    let answer = runner.execute(&request("r-llm", order(7), &framework.endpoint, ctx.clone()))?;
+    let answer = runner.execute(&request(
+        "r-llm",
+        order(7),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_eq!(answer["resultType"], "generic", "{answer}");
     assert_eq!(answer["data"], json!({"summary": "two things", "count": 2}));
     assert_eq!(metric(&answer, "llm.tokens.input"), Some(11.0));
@@ -638,21 +816,52 @@ fn llm_mode_renders_generates_and_validates() -> TestResult {
         params["prompt"],
         "Summarise order 7 for app-1:\n- TEA\n- CAKE\n"
     );
-    assert_eq!(params["outputSchema"]["required"], json!(["summary", "count"]));
+    assert_eq!(
+        params["outputSchema"]["required"],
+        json!(["summary", "count"])
+    );
 
-    let answer = runner.execute(&request("r-bad", order(8), &framework.endpoint, ctx.clone()))?;
+    let answer = runner.execute(&request(
+        "r-bad",
+        order(8),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_error(&answer, "OUTPUT_SCHEMA_MISMATCH");
-    assert!(answer["data"]["details"]["problems"].as_str().unwrap_or_default().contains("count"), "{answer}");
+    assert!(
+        answer["data"]["details"]["problems"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("count"),
+        "{answer}"
+    );
 
     let plain = json!({"taskDetails": {"mode": "llm", "template": "templates/plain.txt"}});
-    let answer = runner.execute(&request("r-plain", json!({"source": "queue", "name": "Ada"}), &framework.endpoint, plain))?;
-    assert_eq!(answer["data"], json!({"text": "echo: Say hi to Ada"}), "{answer}");
+    let answer = runner.execute(&request(
+        "r-plain",
+        json!({"source": "queue", "name": "Ada"}),
+        &framework.endpoint,
+        plain,
+    ))?;
+    assert_eq!(
+        answer["data"],
+        json!({"text": "echo: Say hi to Ada"}),
+        "{answer}"
+    );
 
     let missing = json!({"taskDetails": {"template": "templates/none.yaml"}});
-    let answer = runner.execute(&request("r-missing", order(7), &framework.endpoint, missing))?;
+    let answer = runner.execute(&request(
+        "r-missing",
+        order(7),
+        &framework.endpoint,
+        missing,
+    ))?;
     assert_error(&answer, "TEMPLATE_NOT_FOUND");
 
-    framework.file("templates/broken.yaml", "prompt: '{{ requestData.order.id + }}'");
+    framework.file(
+        "templates/broken.yaml",
+        "prompt: '{{ requestData.order.id + }}'",
+    );
     let broken = json!({"taskDetails": {"template": "templates/broken.yaml"}});
     let answer = runner.execute(&request("r-broken", order(7), &framework.endpoint, broken))?;
     assert_error(&answer, "TEMPLATE_RENDER_FAILED");
@@ -673,19 +882,46 @@ fn mcp_failures_are_error_results_and_only_safe_calls_are_retried() -> TestResul
     drop(closed);
     let answer = runner.execute(&request("r-down", data.clone(), &down, ctx.clone()))?;
     assert_error(&answer, "MCP_UNAVAILABLE");
-    assert_eq!(answer["data"]["details"]["tool"], "core.state.getDefinitionFileContent");
+    assert_eq!(
+        answer["data"]["details"]["tool"],
+        "core.state.getDefinitionFileContent"
+    );
 
     // A 500 is not retried (the framework may have done the work); a 503 on a read is.
-    framework.fail("core.state.getDefinitionFileContent", 500, "internal trouble");
-    let answer = runner.execute(&request("r-500", data.clone(), &framework.endpoint, ctx.clone()))?;
+    framework.fail(
+        "core.state.getDefinitionFileContent",
+        500,
+        "internal trouble",
+    );
+    let answer = runner.execute(&request(
+        "r-500",
+        data.clone(),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_error(&answer, "MCP_HTTP_ERROR");
     assert_eq!(answer["data"]["details"]["status"], 500);
-    assert_eq!(framework.calls_to("core.state.getDefinitionFileContent").len(), 1);
+    assert_eq!(
+        framework
+            .calls_to("core.state.getDefinitionFileContent")
+            .len(),
+        1
+    );
     framework.forget_calls();
     framework.fail("core.state.getDefinitionFileContent", 503, "busy");
-    let answer = runner.execute(&request("r-503", data.clone(), &framework.endpoint, ctx.clone()))?;
+    let answer = runner.execute(&request(
+        "r-503",
+        data.clone(),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_error(&answer, "MCP_HTTP_ERROR");
-    assert_eq!(framework.calls_to("core.state.getDefinitionFileContent").len(), 3);
+    assert_eq!(
+        framework
+            .calls_to("core.state.getDefinitionFileContent")
+            .len(),
+        3
+    );
 
     // An error body.
     framework.fail(
@@ -693,19 +929,41 @@ fn mcp_failures_are_error_results_and_only_safe_calls_are_retried() -> TestResul
         200,
         r#"{"error": {"code": "PERMISSION_DENIED", "message": "app-1 may not read t.txt"}}"#,
     );
-    let answer = runner.execute(&request("r-err", data.clone(), &framework.endpoint, ctx.clone()))?;
+    let answer = runner.execute(&request(
+        "r-err",
+        data.clone(),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_error(&answer, "MCP_TOOL_ERROR");
     assert_eq!(answer["data"]["details"]["toolCode"], "PERMISSION_DENIED");
 
     // A garbled answer.
-    framework.fail("core.state.getDefinitionFileContent", 200, "\"not an object\"");
-    assert_error(&runner.execute(&request("r-garbled", data.clone(), &framework.endpoint, ctx.clone()))?, "MCP_BAD_REPLY");
+    framework.fail(
+        "core.state.getDefinitionFileContent",
+        200,
+        "\"not an object\"",
+    );
+    assert_error(
+        &runner.execute(&request(
+            "r-garbled",
+            data.clone(),
+            &framework.endpoint,
+            ctx.clone(),
+        ))?,
+        "MCP_BAD_REPLY",
+    );
 
     // The LLM is never called twice for one answer, even on a 503.
     framework.heal();
     framework.forget_calls();
     framework.fail("core.llm.generate", 503, "overloaded");
-    let answer = runner.execute(&request("r-llm503", data.clone(), &framework.endpoint, ctx.clone()))?;
+    let answer = runner.execute(&request(
+        "r-llm503",
+        data.clone(),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_error(&answer, "MCP_HTTP_ERROR");
     assert_eq!(framework.calls_to("core.llm.generate").len(), 1);
 
@@ -791,7 +1049,10 @@ fn workflows_branch_carry_state_and_stop_cycles() -> TestResult {
     let framework = Framework::start()?;
     framework.file("flows/order.yaml", ORDER_FLOW);
     framework.file("flows/cycle.yaml", CYCLE);
-    framework.file("templates/summary.txt", "Summarise an order of {{ input.amount }}");
+    framework.file(
+        "templates/summary.txt",
+        "Summarise an order of {{ input.amount }}",
+    );
     framework.answer("order of 250", "a big order");
     framework.answer("order of 20", "a small order");
     let runner = start_runner(1, &[])?;
@@ -799,26 +1060,56 @@ fn workflows_branch_carry_state_and_stop_cycles() -> TestResult {
     let order = |amount: i64| json!({"source": "http", "amount": amount});
 
     // Big: check → review (mcp) → summarise (llm) → done.
-    let answer = runner.execute(&request("w-big", order(250), &framework.endpoint, ctx.clone()))?;
+    let answer = runner.execute(&request(
+        "w-big",
+        order(250),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_eq!(answer["resultType"], "generic", "{answer}");
-    assert_eq!(answer["data"], json!({"amount": 250, "reviewed": true, "summary": "a big order"}));
+    assert_eq!(
+        answer["data"],
+        json!({"amount": 250, "reviewed": true, "summary": "a big order"})
+    );
     assert_eq!(metric(&answer, "workflow.steps"), Some(4.0));
     let echoed = framework.calls_to("custom.echo");
-    assert_eq!(echoed, vec![json!({"amount": 250, "reason": "large order"})]);
+    assert_eq!(
+        echoed,
+        vec![json!({"amount": 250, "reason": "large order"})]
+    );
     let generate = framework.calls_to("core.llm.generate");
     assert_eq!(generate.last().ok_or("no llm call")?["model"], "wf-model");
 
     // Small: the condition does not hold, review is skipped.
-    let answer = runner.execute(&request("w-small", order(20), &framework.endpoint, ctx.clone()))?;
-    assert_eq!(answer["data"], json!({"amount": 20, "reviewed": false, "summary": "a small order"}));
+    let answer = runner.execute(&request(
+        "w-small",
+        order(20),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
+    assert_eq!(
+        answer["data"],
+        json!({"amount": 20, "reviewed": false, "summary": "a small order"})
+    );
     assert_eq!(metric(&answer, "workflow.steps"), Some(3.0));
     assert_eq!(framework.calls_to("custom.echo").len(), 1);
 
     // A failing step takes its failure transition.
-    let answer = runner.execute(&request("w-neg", order(-5), &framework.endpoint, ctx.clone()))?;
+    let answer = runner.execute(&request(
+        "w-neg",
+        order(-5),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_eq!(answer["resultType"], "generic", "{answer}");
     assert_eq!(answer["data"]["rejected"], true);
-    assert!(answer["data"]["why"].as_str().unwrap_or_default().contains("exit code 1"), "{answer}");
+    assert!(
+        answer["data"]["why"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("exit code 1"),
+        "{answer}"
+    );
 
     // Each step is logged with its name.
     let log = wait_for_call(&framework, "core.framework.logFrameworkMessage", |c| {
@@ -828,17 +1119,31 @@ fn workflows_branch_carry_state_and_stop_cycles() -> TestResult {
 
     // A cycle is stopped by the budget.
     let cycle = json!({"taskDetails": {"workflow": "flows/cycle.yaml"}});
-    let answer = runner.execute(&request("w-cycle", json!({"source": "internal"}), &framework.endpoint, cycle))?;
+    let answer = runner.execute(&request(
+        "w-cycle",
+        json!({"source": "internal"}),
+        &framework.endpoint,
+        cycle,
+    ))?;
     assert_error(&answer, "STEP_BUDGET_EXCEEDED");
     assert_eq!(answer["data"]["details"]["maxSteps"], 7);
-    assert_eq!(answer["data"]["details"]["trail"], json!(["a", "b", "a", "b", "a", "b", "a"]));
+    assert_eq!(
+        answer["data"]["details"]["trail"],
+        json!(["a", "b", "a", "b", "a", "b", "a"])
+    );
 
     // A missing and a broken definition.
     let missing = json!({"taskDetails": {"workflow": "flows/none.yaml"}});
-    assert_error(&runner.execute(&request("w-m", order(1), &framework.endpoint, missing))?, "WORKFLOW_NOT_FOUND");
+    assert_error(
+        &runner.execute(&request("w-m", order(1), &framework.endpoint, missing))?,
+        "WORKFLOW_NOT_FOUND",
+    );
     framework.file("flows/broken.yaml", "startAt: x\nsteps: {}\n");
     let broken = json!({"taskDetails": {"workflow": "flows/broken.yaml"}});
-    assert_error(&runner.execute(&request("w-b", order(1), &framework.endpoint, broken))?, "WORKFLOW_INVALID");
+    assert_error(
+        &runner.execute(&request("w-b", order(1), &framework.endpoint, broken))?,
+        "WORKFLOW_INVALID",
+    );
     Ok(())
 }
 
@@ -846,13 +1151,21 @@ fn workflows_branch_carry_state_and_stop_cycles() -> TestResult {
 fn step_mode_reports_each_step_and_keeps_state_through_mcp() -> TestResult {
     let framework = Framework::start()?;
     framework.file("flows/order.yaml", ORDER_FLOW);
-    framework.file("templates/summary.txt", "Summarise an order of {{ input.amount }}");
+    framework.file(
+        "templates/summary.txt",
+        "Summarise an order of {{ input.amount }}",
+    );
     let runner = start_runner(1, &[])?;
     let ctx = json!({"componentId": "orders", "workflowInfo": {
         "definition": "flows/order.yaml", "execution": "step", "instanceId": "inst-1"}});
     let data = json!({"source": "http", "amount": 20});
 
-    let first = runner.execute(&request("s1", data.clone(), &framework.endpoint, ctx.clone()))?;
+    let first = runner.execute(&request(
+        "s1",
+        data.clone(),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_eq!(first["resultType"], "workflowStep", "{first}");
     assert_eq!(
         first["data"],
@@ -864,7 +1177,12 @@ fn step_mode_reports_each_step_and_keeps_state_through_mcp() -> TestResult {
     assert_eq!(stored[0]["key"], "workflow:order-flow:inst-1");
     assert_eq!(stored[0]["value"]["next"], "summarise");
 
-    let second = runner.execute(&request("s2", data.clone(), &framework.endpoint, ctx.clone()))?;
+    let second = runner.execute(&request(
+        "s2",
+        data.clone(),
+        &framework.endpoint,
+        ctx.clone(),
+    ))?;
     assert_eq!(second["data"]["step"], "summarise", "{second}");
     assert_eq!(second["data"]["nextStep"], "done");
     assert_eq!(second["data"]["stepsExecuted"], 2);
@@ -872,7 +1190,10 @@ fn step_mode_reports_each_step_and_keeps_state_through_mcp() -> TestResult {
     // The terminal step answers with the final result, read from the carried state.
     let last = runner.execute(&request("s3", data, &framework.endpoint, ctx))?;
     assert_eq!(last["resultType"], "generic", "{last}");
-    assert_eq!(last["data"], json!({"amount": 20, "reviewed": false, "summary": "echo: Summarise an order of 20"}));
+    assert_eq!(
+        last["data"],
+        json!({"amount": 20, "reviewed": false, "summary": "echo: Summarise an order of 20"})
+    );
     assert_eq!(framework.calls_to("core.state.getRuntimeValue").len(), 3);
     Ok(())
 }
@@ -890,9 +1211,18 @@ fn a_hundred_concurrent_requests_are_all_answered_correctly() -> TestResult {
             let runner = runner.clone();
             let endpoint = endpoint.clone();
             std::thread::spawn(move || -> Res<(i64, Value)> {
-                let (component, source) = if i % 4 == 0 { ("tools/hello_js", "queue") } else { ("hello", "http") };
+                let (component, source) = if i % 4 == 0 {
+                    ("tools/hello_js", "queue")
+                } else {
+                    ("hello", "http")
+                };
                 let ctx = json!({"componentId": component});
-                let answer = runner.execute(&request(&format!("c-{i}"), json!({"source": source, "x": i}), &endpoint, ctx))?;
+                let answer = runner.execute(&request(
+                    &format!("c-{i}"),
+                    json!({"source": source, "x": i}),
+                    &endpoint,
+                    ctx,
+                ))?;
                 Ok((i, answer))
             })
         })
@@ -904,7 +1234,8 @@ fn a_hundred_concurrent_requests_are_all_answered_correctly() -> TestResult {
             assert_eq!(answer["data"]["js"], i * 2, "{answer}");
         } else {
             assert_eq!(answer["resultType"], "httpResponse", "{answer}");
-            let body: Value = serde_json::from_str(answer["data"]["body"].as_str().unwrap_or_default())?;
+            let body: Value =
+                serde_json::from_str(answer["data"]["body"].as_str().unwrap_or_default())?;
             assert_eq!(body["echo"], i);
         }
     }
