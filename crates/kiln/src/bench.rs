@@ -274,6 +274,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if http {
         crate::bench_http::run(&want, &explicit, n, args.seconds, &mut report)?;
     }
+    if explicit("runner_jit") {
+        crate::bench_runner::run(&explicit, n, &mut report)?;
+    }
     if want("agent_tool_round_trip") || want("chat_first_event") {
         crate::bench_agent::run(&want, n, &mut report)?;
     }

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_agent;
 mod bench_http;
+mod bench_runner;
 mod cli;
 mod progress;
 mod runner_cmd;
