@@ -2,10 +2,10 @@
 //! sandbox with the volume mounted read-only at `/app`.
 //!
 //! The sandbox runs a small wrapper (Python or JavaScript by the script's extension) that
-//! reads `{script, function, marker, requestData, context}` from stdin, loads the script,
-//! calls `function(requestData, context)` and writes the JSON result on a line starting with
-//! a per-request random marker, so whatever else the script prints cannot be mistaken for
-//! (or forge) the result.
+//! reads `{script, source, function, marker, requestData, context}` from stdin, runs the
+//! script's source, calls `function(requestData, context)` and writes the JSON result on a
+//! line starting with a per-request random marker, so whatever else the script prints
+//! cannot be mistaken for (or forge) the result.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -22,6 +22,8 @@ use crate::runner::{Call, Failure, InternalError, Produced, RunError, Runner};
 pub const GUEST_ROOT: &str = "/app";
 /// The function called when a task names none.
 pub const DEFAULT_FUNCTION: &str = "handler";
+/// The largest script the runner loads.
+const MAX_SCRIPT_BYTES: usize = 4 << 20;
 /// Bytes of stdout a script may write, its result included.
 const STDOUT_BYTES: u64 = 8 << 20;
 /// Bytes of stderr kept in a failure's details.
@@ -40,14 +42,8 @@ def _uhlp_main():
     folder = path.rsplit("/", 1)[0]
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            source = handle.read()
-    except OSError as error:
-        report("E", {"code": "SCRIPT_NOT_FOUND", "message": "cannot read %s: %s" % (path, error)})
-        return
     namespace = {"__name__": "uhlp_script", "__file__": path}
-    exec(compile(source, path, "exec"), namespace)
+    exec(compile(payload["source"], path, "exec"), namespace)
     function = namespace.get(payload["function"])
     if not callable(function):
         report("E", {"code": "FUNCTION_NOT_FOUND", "message": "%s defines no function %s" % (path, payload["function"])})
@@ -74,12 +70,7 @@ const JAVASCRIPT_WRAPPER: &str = r#"
     std.out.puts("\n" + marker + kind + JSON.stringify(value) + "\n");
     std.out.flush();
   }
-  var source = std.loadFile(payload.script);
-  if (source === null) {
-    report("E", {code: "SCRIPT_NOT_FOUND", message: "cannot read " + payload.script});
-    return;
-  }
-  std.evalScript(source);
+  std.evalScript(payload.source);
   var fn = globalThis[payload["function"]];
   if (typeof fn !== "function") {
     report("E", {code: "FUNCTION_NOT_FOUND", message: payload.script + " defines no function " + payload["function"]});
@@ -151,10 +142,15 @@ pub async fn run_function(
         )
         .into());
     }
+    // The host reads the script (it resolved the path already): the sandbox's first file
+    // access costs milliseconds, and most scripts then need none. The volume is still
+    // mounted for imports and data files.
+    let source = read_source(&root.join(&relative), script).await?;
     let marker = marker();
     let guest_path = format!("{GUEST_ROOT}/{relative}");
     let payload = json!({
         "script": guest_path,
+        "source": source,
         "function": function,
         "marker": marker,
         "requestData": input,
@@ -188,6 +184,26 @@ pub async fn run_function(
     call.sandbox_us
         .fetch_add(result.duration_us, Ordering::Relaxed);
     read_result(&result, &limits, &marker, script).map_err(RunError::Failed)
+}
+
+/// Reads a script's source (at most [`MAX_SCRIPT_BYTES`], UTF-8).
+async fn read_source(path: &Path, script: &str) -> Result<String, Failure> {
+    let failed = |why: String| {
+        Failure::new(
+            "SCRIPT_NOT_FOUND",
+            format!("{script} cannot be read: {why}"),
+            json!({"script": script}),
+        )
+    };
+    let bytes = tokio::fs::read(path)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    if bytes.len() > MAX_SCRIPT_BYTES {
+        return Err(failed(format!(
+            "it is larger than {MAX_SCRIPT_BYTES} bytes"
+        )));
+    }
+    String::from_utf8(bytes).map_err(|_| failed("it is not UTF-8 text".to_owned()))
 }
 
 /// Reads the wrapper's report from a finished sandbox.
