@@ -218,6 +218,15 @@ def binary(data, context):
         "tools/hello_js.js",
         r#"function handler(data, context) { console.log("noise"); return {js: data.x * 2, app: context.appId}; }"#,
     ),
+    ("tools/helper.py", "def double(x):\n    return 2 * x\n"),
+    (
+        "tools/uses_helper.py",
+        "from helper import double\ndef handler(data, context):\n    return {'doubled': double(data['x']), 'data': open('/app/tools/helper.py').read()[:10]}\n",
+    ),
+    (
+        "tools/throws.js",
+        "function handler(data, context) { throw new Error('js went wrong ' + data.x); }",
+    ),
     (
         "broken.py",
         r#"
@@ -233,6 +242,9 @@ def quits_early(data, context):
     raise SystemExit(0)
 def not_json(data, context):
     return {1, 2, 3}
+def writes(data, context):
+    open("/app/planted.py", "w").write("def handler(d, c): return 'planted'")
+    return "written"
 def spins(data, context):
     while True:
         pass
@@ -472,6 +484,20 @@ fn jit_results_follow_the_request_source() -> TestResult {
     assert_eq!(answer["resultType"], "generic", "{answer}");
     assert_eq!(answer["data"], json!({"js": 42, "app": "app-1"}));
 
+    // A Python script imports its neighbours and reads the (read-only) volume at /app.
+    let ctx = json!({"componentId": "tools/uses_helper"});
+    let answer = runner.execute(&request(
+        "r-imp",
+        json!({"source": "internal", "x": 4}),
+        endpoint,
+        ctx,
+    ))?;
+    assert_eq!(
+        answer["data"],
+        json!({"doubled": 8, "data": "def double"}),
+        "{answer}"
+    );
+
     // The request id header is echoed; without one, the body's requestId is sent back.
     let body = request(
         "r-h",
@@ -585,6 +611,18 @@ fn jit_failures_are_error_results_with_details() -> TestResult {
     );
 
     assert_error(&run("broken", Some("not_json"))?, "BAD_OUTPUT");
+
+    // The shared volume is read-only to scripts.
+    let answer = run("broken", Some("writes"))?;
+    assert_error(&answer, "SCRIPT_FAILED");
+    assert_error(&run("planted", None)?, "SCRIPT_NOT_FOUND");
+
+    let answer = run("tools/throws", None)?;
+    assert_error(&answer, "SCRIPT_FAILED");
+    let tail = answer["data"]["details"]["stderrTail"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(tail.contains("js went wrong 3"), "{answer}");
 
     let started = Instant::now();
     let answer = run("broken", Some("spins"))?;
