@@ -278,6 +278,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         let rest = |name: &str| want(name) || explicit("rest");
         crate::bench_rest::run(&rest, n, args.seconds, &mut report)?;
     }
+    if explicit("runner_jit") {
+        crate::bench_runner::run(&explicit, n, &mut report)?;
+    }
     if want("agent_tool_round_trip") || want("chat_first_event") {
         crate::bench_agent::run(&want, n, &mut report)?;
     }

@@ -67,6 +67,8 @@ pub enum Command {
     /// offline conventions planner) writes the code for each request, which runs in the
     /// tenant's sandbox over its JSON collections. `kiln rest plans` shows the plan cache.
     Rest(crate::rest_cmd::RestArgs),
+    /// Serve the UHLP sandbox runner protocol (POST /execute) for a core framework.
+    Runner(crate::runner_cmd::RunnerArgs),
     /// Measure kiln's latencies and throughput; prints JSON.
     Bench(BenchArgs),
     /// Internal: serve as an executor worker on stdin/stdout.

@@ -4,9 +4,11 @@ mod bench;
 mod bench_agent;
 mod bench_http;
 mod bench_rest;
+mod bench_runner;
 mod cli;
 mod progress;
 mod rest_cmd;
+mod runner_cmd;
 
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
@@ -124,6 +126,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Bench(args) => bench::run(args),
         Command::Rest(args) => rest_cmd::run(args),
+        Command::Runner(args) => runner_cmd::run(args),
         Command::Serve(args) => {
             // Fetch and compile the runtimes here, once, before any worker needs them.
             let setup = WasmEngine::with_options(
