@@ -547,13 +547,26 @@ async fn one(
     trace.tenant.clone_from(&tenant);
     let segments = segments(parts.uri.path())?;
     let max = app.config.max_body_bytes;
-    let body = axum::body::to_bytes(body, max).await.map_err(|_| {
+    let too_large = || {
         RestError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "BODY_TOO_LARGE",
             format!("the body is larger than {max} bytes"),
         )
-    })?;
+    };
+    // Refused from its declared length before it is read; a body without one is cut off
+    // at the limit while it is read.
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large());
+    }
+    let body = axum::body::to_bytes(body, max)
+        .await
+        .map_err(|_| too_large())?;
     let ctx = context(&parts, &body, &segments, peer, &tenant, request_id)?;
     let method = parts.method.as_str();
 

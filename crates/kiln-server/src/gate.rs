@@ -120,6 +120,14 @@ fn authenticate(state: &AppState, request: &Request) -> Result<Caller, ApiError>
 }
 
 /// The middleware.
+fn declared_length(request: &Request) -> Option<u64> {
+    request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
 pub async fn gate(
     State(state): State<Arc<AppState>>,
     mut request: Request,
@@ -170,6 +178,22 @@ pub async fn gate(
                         response.headers_mut().insert("retry-after", value);
                     }
                     response
+                }
+                // A body declared larger than the limit is refused before it is read, so
+                // the client (with `Expect: 100-continue`, before it even sends it) learns
+                // at once and no bandwidth is spent.
+                _ if declared_length(&request)
+                    .is_some_and(|n| n > crate::MAX_BODY_BYTES as u64) =>
+                {
+                    ApiError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "BODY_TOO_LARGE",
+                        format!(
+                            "the body is larger than the limit of {} MiB",
+                            crate::MAX_BODY_BYTES >> 20
+                        ),
+                    )
+                    .into_response()
                 }
                 _ => match tokio::time::timeout(state.request_timeout, next.run(request)).await {
                     Ok(response) => response,
