@@ -313,6 +313,7 @@ pub async fn exec(
         code_file,
         session: None,
         summary: body.command.join(" "),
+        begun: None,
     };
     let outcome = exec::run(&state, &caller, &body.container_id, spec, None).await?;
     Ok(Json(ExecReply {

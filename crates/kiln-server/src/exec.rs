@@ -42,6 +42,8 @@ pub struct RunSpec {
     pub session: Option<String>,
     /// The history message.
     pub summary: String,
+    /// Told once the sandbox is busy with this run (from then on a cancel reaches it).
+    pub begun: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// What a run produced.
@@ -201,10 +203,13 @@ async fn run_attached(
     state: &AppState,
     caller: &Caller,
     id: &str,
-    spec: RunSpec,
+    mut spec: RunSpec,
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
 ) -> Result<RunOutcome, ApiError> {
     let (sandbox, cancel) = state.registry.begin(&caller.tenant, id, &spec.exec_id)?;
+    if let Some(begun) = spec.begun.take() {
+        let _ = begun.send(());
+    }
     let started = Instant::now();
     let ran = run_in(state, &sandbox, &spec, chunks, cancel).await;
     let ran_at = started.elapsed();

@@ -380,6 +380,7 @@ pub fn spec(
         code_file: None,
         session: body.session_id,
         summary,
+        begun: None,
     })
 }
 
@@ -476,13 +477,20 @@ fn start_streaming(
     state: Arc<AppState>,
     caller: Caller,
     id: String,
-    spec: RunSpec,
+    mut spec: RunSpec,
 ) -> mpsc::UnboundedReceiver<StreamEvent> {
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (chunks_tx, mut chunks_rx) = mpsc::unbounded_channel::<Chunk>();
-    let _ = events_tx.send(StreamEvent::Start(spec.exec_id.clone()));
+    // `start` goes out once the sandbox is busy with this run, so a cancel sent after it
+    // always finds the run (a run refused before it began sends only its error).
+    let (begun_tx, begun_rx) = tokio::sync::oneshot::channel();
+    spec.begun = Some(begun_tx);
+    let exec_id = spec.exec_id.clone();
     let forward = events_tx.clone();
     let relay = tokio::spawn(async move {
+        if begun_rx.await.is_ok() {
+            let _ = forward.send(StreamEvent::Start(exec_id));
+        }
         let (mut out, mut err) = (Utf8Carry::default(), Utf8Carry::default());
         while let Some(chunk) = chunks_rx.recv().await {
             let carry = if chunk.stderr { &mut err } else { &mut out };
