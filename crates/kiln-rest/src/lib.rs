@@ -364,7 +364,7 @@ fn same_secret(a: &str, b: &str) -> bool {
         == 0
 }
 
-fn tenant_of(app: &App, headers: &HeaderMap) -> Result<String, RestError> {
+fn tenant_of(headers: &HeaderMap) -> Result<String, RestError> {
     if let Some(value) = headers.get("x-session-id") {
         let ok = value.to_str().ok().filter(|v| {
             !v.is_empty()
@@ -386,7 +386,6 @@ fn tenant_of(app: &App, headers: &HeaderMap) -> Result<String, RestError> {
             &hex::encode(Sha256::digest(token.as_bytes()))[..16]
         ));
     }
-    let _ = app;
     Ok("public".to_string())
 }
 
@@ -543,7 +542,7 @@ async fn one(
             }
         }
     }
-    let tenant = tenant_of(app, &parts.headers)?;
+    let tenant = tenant_of(&parts.headers)?;
     trace.tenant.clone_from(&tenant);
     let segments = segments(parts.uri.path())?;
     let max = app.config.max_body_bytes;

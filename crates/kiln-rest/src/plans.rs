@@ -110,9 +110,10 @@ impl Pattern {
 struct Loaded {
     plans: TenantPlans,
     patterns: Vec<Option<Pattern>>,
-    /// The file's (modified, length) when last read or written: a change made by someone
-    /// else (`kiln rest plans --clear`) is seen at the next lookup.
-    stamp: Option<(SystemTime, u64)>,
+    /// The file's (modified, length, inode) when last read or written: a change made by
+    /// someone else (`kiln rest plans --clear`, which replaces the file) is seen at the next
+    /// lookup.
+    stamp: Option<(SystemTime, u64, u64)>,
     dirty: bool,
 }
 
@@ -128,9 +129,10 @@ impl std::fmt::Debug for PlanCache {
     }
 }
 
-fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
+fn stamp(path: &Path) -> Option<(SystemTime, u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
     let meta = std::fs::metadata(path).ok()?;
-    Some((meta.modified().ok()?, meta.len()))
+    Some((meta.modified().ok()?, meta.len(), meta.ino()))
 }
 
 /// Reads a tenant's stored cache (empty when there is none).
