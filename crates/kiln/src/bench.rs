@@ -274,7 +274,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if http {
         crate::bench_http::run(&want, &explicit, n, args.seconds, &mut report)?;
     }
-    if want("rest_") || explicit("rest") {
+    let rest_wanted = args.only.as_deref().is_none_or(|only| {
+        only.split(',')
+            .any(|o| o.starts_with("rest") || "rest".starts_with(o))
+    });
+    if rest_wanted {
         let rest = |name: &str| want(name) || explicit("rest");
         crate::bench_rest::run(&rest, n, args.seconds, &mut report)?;
     }

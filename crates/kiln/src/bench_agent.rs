@@ -9,18 +9,18 @@
 //!   the provider sending its answer to the client reading the first `text_delta` event.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use kiln_llm::fake::{FakeProvider, Step};
 use kiln_llm::{ChatModel, LlmError, ModelEvent, ModelReply, ModelRequest, ToolCall};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::bench::{micros, summary};
+use crate::bench_child::{Spawned, spawn};
 
 /// A model that asks for `print(1)` `calls` times, then answers; it takes no time.
 struct Instant1 {
@@ -59,58 +59,24 @@ impl ChatModel for Instant1 {
     }
 }
 
-struct Server {
-    child: Child,
-    base: String,
-    _data: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve_with_model(fake: &FakeProvider) -> anyhow::Result<Server> {
+fn serve_with_model(fake: &FakeProvider) -> anyhow::Result<Spawned> {
     let data = tempfile::tempdir()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let child = Command::new(std::env::current_exe()?)
-        .args([
-            "serve",
-            "--no-auth",
-            "--rate-limit",
-            "0",
-            "--log-format",
-            "json",
-            "--listen",
-        ])
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--data-dir")
-        .arg(data.path())
-        .env("KILN_LLM_MODEL", "openai-compatible:fake")
-        .env("KILN_LLM_BASE_URL", &fake.base_url)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let server = Server {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
-        _data: data,
-    };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while ureq::get(&format!("{}/readyz", server.base))
-        .call()
-        .is_err()
-    {
-        if Instant::now() > deadline {
-            bail!("kiln serve did not become ready");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(server)
+    let data_path = data.path().to_path_buf();
+    spawn("serve", data, "/readyz", |command| {
+        command
+            .args([
+                "serve",
+                "--no-auth",
+                "--rate-limit",
+                "0",
+                "--log-format",
+                "json",
+            ])
+            .arg("--data-dir")
+            .arg(&data_path)
+            .env("KILN_LLM_MODEL", "openai-compatible:fake")
+            .env("KILN_LLM_BASE_URL", &fake.base_url);
+    })
 }
 
 /// Runs the agent measurements `want` selects into `report`.

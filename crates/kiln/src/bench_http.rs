@@ -3,77 +3,52 @@
 //! keep-alive HTTP clients.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use serde_json::{Value, json};
 
 use crate::bench::{micros, summary};
+use crate::bench_child::{Spawned, spawn};
 
 struct Server {
-    child: Child,
+    process: Spawned,
     base: String,
     key: String,
-    _data: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn start(workers: usize) -> anyhow::Result<Server> {
-    let exe = std::env::current_exe()?;
     let data = tempfile::tempdir()?;
-    let key = Command::new(&exe)
+    let key = Command::new(std::env::current_exe()?)
         .args(["keys", "create", "--name", "bench", "--data-dir"])
         .arg(data.path())
         .stderr(Stdio::null())
         .output()?;
     anyhow::ensure!(key.status.success(), "kiln keys create failed");
     let key = String::from_utf8(key.stdout)?.trim().to_owned();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let child = Command::new(&exe)
-        .args([
-            "serve",
-            "--rate-limit",
-            "0",
-            "--log-format",
-            "json",
-            "--workers",
-        ])
-        .arg(workers.to_string())
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--data-dir")
-        .arg(data.path())
-        .stdin(Stdio::null())
-        .stderr(std::fs::File::create(data.path().join("serve.log"))?)
-        .spawn()?;
-    let server = Server {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
+    let data_path = data.path().to_path_buf();
+    let process = spawn("serve", data, "/readyz", |command| {
+        command
+            .args([
+                "serve",
+                "--rate-limit",
+                "0",
+                "--log-format",
+                "json",
+                "--workers",
+            ])
+            .arg(workers.to_string())
+            .arg("--data-dir")
+            .arg(&data_path);
+    })?;
+    Ok(Server {
+        base: process.base.clone(),
+        process,
         key,
-        _data: data,
-    };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while ureq::get(&format!("{}/readyz", server.base))
-        .call()
-        .is_err()
-    {
-        if Instant::now() > deadline {
-            bail!("kiln serve did not become ready");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(server)
+    })
 }
 
 fn agent() -> ureq::Agent {
@@ -119,8 +94,8 @@ impl Server {
 
     /// Resident and proportional memory of the server and its workers, bytes.
     fn memory(&self) -> (u64, u64) {
-        let mut pids = vec![self.child.id()];
-        pids.extend(children(self.child.id()));
+        let mut pids = vec![self.process.pid()];
+        pids.extend(children(self.process.pid()));
         let (mut rss, mut pss) = (0, 0);
         for pid in pids {
             let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else {

@@ -9,67 +9,32 @@
 //!   the LLM planner, whose provider is a local test server answering at once: what kiln
 //!   adds around a model (prompt, door, two turns, checks), the provider's own time included.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use kiln_llm::fake::{FakeProvider, Step};
 use serde_json::{Value, json};
 
 use crate::bench::{micros, summary};
+use crate::bench_child::{Spawned, spawn};
 
-struct Rest {
-    child: Child,
-    base: String,
-    _data: tempfile::TempDir,
-}
-
-impl Drop for Rest {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Rest> {
-    let exe = std::env::current_exe()?;
-    let data = tempfile::tempdir()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let mut command = Command::new(&exe);
-    command
-        .args([
-            "rest",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--data-dir",
-        ])
-        .arg(data.path().join("data"))
-        .args(args)
-        .env_remove("KILN_LLM_MODEL")
-        .env_remove("AUTH_TOKEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(data.path().join("rest.log"))?);
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    let rest = Rest {
-        child: command.spawn()?,
-        base: format!("http://127.0.0.1:{port}"),
-        _data: data,
-    };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while ureq::get(&format!("{}/healthz", rest.base)).call().is_err() {
-        if Instant::now() > deadline {
-            bail!("kiln rest did not come up");
+fn start(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Spawned> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    spawn("rest", dir, "/healthz", |command| {
+        command
+            .arg("rest")
+            .arg("--data-dir")
+            .arg(&data)
+            .args(args)
+            .env_remove("KILN_LLM_MODEL")
+            .env_remove("AUTH_TOKEN");
+        for (k, v) in env {
+            command.env(k, v);
         }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(rest)
+    })
 }
 
 fn agent() -> ureq::Agent {
@@ -88,7 +53,7 @@ fn get(agent: &ureq::Agent, url: &str) -> anyhow::Result<Value> {
 }
 
 /// Fills /members with `n` objects.
-fn seed(rest: &Rest, agent: &ureq::Agent, n: usize) -> anyhow::Result<()> {
+fn seed(rest: &Spawned, agent: &ureq::Agent, n: usize) -> anyhow::Result<()> {
     for i in 0..n {
         agent
             .post(&format!("{}/members/", rest.base))
@@ -99,7 +64,7 @@ fn seed(rest: &Rest, agent: &ureq::Agent, n: usize) -> anyhow::Result<()> {
 }
 
 /// Median latency of GET /members/{id} over `n` requests.
-fn latency(rest: &Rest, agent: &ureq::Agent, n: usize) -> anyhow::Result<Value> {
+fn latency(rest: &Spawned, agent: &ureq::Agent, n: usize) -> anyhow::Result<Value> {
     for i in 0..10 {
         get(agent, &format!("{}/members/{}", rest.base, i % 20 + 1))?;
     }

@@ -3,28 +3,15 @@
 //! request's MCP endpoint is a closed port: no MCP call is on this path, and the runner's
 //! background logs to it are dropped.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use serde_json::{Value, json};
 
 use crate::bench::{micros, summary};
+use crate::bench_child::{Spawned, spawn};
 
-struct Runner {
-    child: Child,
-    base: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Runner {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start() -> anyhow::Result<Runner> {
+fn start() -> anyhow::Result<Spawned> {
     let dir = tempfile::tempdir()?;
     let scripts = dir.path().join("shared");
     std::fs::create_dir(&scripts)?;
@@ -36,34 +23,11 @@ fn start() -> anyhow::Result<Runner> {
         scripts.join("trivial_js.js"),
         "function handler(data, context) { return {ok: true, n: data.n}; }\n",
     )?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let child = Command::new(std::env::current_exe()?)
-        .args(["runner", "--workers", "1", "--listen"])
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--scripts")
-        .arg(&scripts)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("runner.log"))?)
-        .spawn()?;
-    let runner = Runner {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
-        _dir: dir,
-    };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while ureq::get(&format!("{}/healthz", runner.base))
-        .call()
-        .is_err()
-    {
-        if Instant::now() > deadline {
-            bail!("kiln runner did not become healthy");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(runner)
+    spawn("runner", dir, "/healthz", |command| {
+        command
+            .args(["runner", "--workers", "1", "--scripts"])
+            .arg(&scripts);
+    })
 }
 
 /// Measures `/execute` of a trivial Python (`runner_jit`) and JavaScript (`runner_jit_js`)

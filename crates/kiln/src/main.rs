@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_agent;
+mod bench_child;
 mod bench_http;
 mod bench_rest;
 mod bench_runner;
