@@ -2,6 +2,8 @@
 //! plans from the offline conventions planner or from a provider test server speaking the
 //! OpenAI protocol.
 
+mod common;
+
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -528,6 +530,37 @@ fn attack_hostile_requests_get_clear_errors() {
         !rest.logs().iter().any(|l| l.to_string().contains("s3cret")),
         "the token is never logged"
     );
+}
+
+#[test]
+fn the_docs_explain_the_catch_all_in_a_browser() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = Rest::start(&dir.path().join("data"), &["--planner", "conventions"], &[]);
+    let swagger = common::rendered(&format!("{}/docs", rest.base)).unwrap();
+    for needle in [
+        "opblock",
+        "/{path}",
+        "Create (POST /members/",
+        "no fixed endpoints",
+    ] {
+        assert!(
+            swagger.contains(needle),
+            "Swagger UI did not render {needle:?}:\n{}",
+            &swagger[..swagger.len().min(2000)]
+        );
+    }
+    let redoc = common::rendered(&format!("{}/redoc", rest.base)).unwrap();
+    for needle in [
+        "Read, list or search",
+        "X-Session-ID",
+        "Delete (DELETE /members/1",
+    ] {
+        assert!(
+            redoc.contains(needle),
+            "ReDoc did not render {needle:?}:\n{}",
+            &redoc[..redoc.len().min(2000)]
+        );
+    }
 }
 
 // ------------------------------------------------------------------ the LLM planner

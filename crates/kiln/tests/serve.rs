@@ -1,6 +1,8 @@
 //! `kiln serve` as clients use it: a real server process on a free port, real HTTP (and
 //! WebSocket) clients, real worker processes, real files and git repositories.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -1159,47 +1161,13 @@ fn attack_timed_out_and_abandoned_requests_leave_no_stuck_sandbox() -> TestResul
 }
 
 /// A headless browser, as `scripts/ensure-deps` installs it.
-fn chromium() -> Res<&'static str> {
-    for name in ["chromium", "chromium-browser", "google-chrome"] {
-        if Command::new(name)
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-        {
-            return Ok(name);
-        }
-    }
-    Err("no headless browser: install chromium (scripts/ensure-deps does)".into())
-}
-
-/// The page's DOM after its scripts ran.
-fn rendered(url: &str) -> Res<String> {
-    let profile = tempfile::tempdir()?;
-    let output = Command::new(chromium()?)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--virtual-time-budget=15000",
-        ])
-        .arg(format!("--user-data-dir={}", profile.path().display()))
-        .args(["--dump-dom", url])
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()?;
-    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-}
-
 #[test]
 fn the_docs_pages_render_every_route_in_a_browser() -> TestResult {
     let server = start(Options {
         auth: true,
         ..Options::default()
     })?;
-    let swagger = rendered(&server.url("/docs"))?;
+    let swagger = common::rendered(&server.url("/docs"))?;
     for needle in [
         "opblock",
         "/api/sandbox/exec",
@@ -1212,7 +1180,7 @@ fn the_docs_pages_render_every_route_in_a_browser() -> TestResult {
             &swagger[..swagger.len().min(2000)]
         );
     }
-    let redoc = rendered(&server.url("/redoc"))?;
+    let redoc = common::rendered(&server.url("/redoc"))?;
     for needle in [
         "Run a command in a sandbox",
         "Restore the workspace to its state after an execution",
