@@ -251,29 +251,7 @@ fn read_completion(answer: &Value) -> Result<(String, u64, u64), Failure> {
     ))
 }
 
-/// Parses and validates a structured completion (a JSON value, possibly in a ```json fence).
-pub fn check_structured(schema: &Value, text: &str) -> Result<Value, String> {
-    let trimmed = text.trim();
-    let body = trimmed
-        .strip_prefix("```json")
-        .or_else(|| trimmed.strip_prefix("```"))
-        .and_then(|t| t.strip_suffix("```"))
-        .unwrap_or(trimmed)
-        .trim();
-    let value: Value = serde_json::from_str(body).map_err(|e| format!("it is not JSON ({e})"))?;
-    let validator = jsonschema::validator_for(schema)
-        .map_err(|e| format!("the schema itself is invalid: {e}"))?;
-    let problems: Vec<String> = validator
-        .iter_errors(&value)
-        .map(|e| format!("{} at {}", e, e.instance_path()))
-        .take(5)
-        .collect();
-    if problems.is_empty() {
-        Ok(value)
-    } else {
-        Err(problems.join("; "))
-    }
-}
+pub use kiln_llm::check_structured;
 
 #[cfg(test)]
 mod tests {
