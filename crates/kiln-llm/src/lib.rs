@@ -393,6 +393,31 @@ pub async fn complete_with_retries(
     }
 }
 
+/// Parses and validates a structured answer against `schema`: the answer is a JSON value,
+/// possibly in a ```json fence; the error names the first problems (at most five).
+pub fn check_structured(schema: &Value, text: &str) -> Result<Value, String> {
+    let trimmed = text.trim();
+    let body = trimmed
+        .strip_prefix("```json")
+        .or_else(|| trimmed.strip_prefix("```"))
+        .and_then(|t| t.strip_suffix("```"))
+        .unwrap_or(trimmed)
+        .trim();
+    let value: Value = serde_json::from_str(body).map_err(|e| format!("it is not JSON ({e})"))?;
+    let validator = jsonschema::validator_for(schema)
+        .map_err(|e| format!("the schema itself is invalid: {e}"))?;
+    let problems: Vec<String> = validator
+        .iter_errors(&value)
+        .map(|e| format!("{} at {}", e, e.instance_path()))
+        .take(5)
+        .collect();
+    if problems.is_empty() {
+        Ok(value)
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -445,30 +470,5 @@ mod tests {
             let error = config(&vars).unwrap_err().to_string();
             assert!(error.contains(needle), "{vars:?}: {error}");
         }
-    }
-}
-
-/// Parses and validates a structured answer against `schema`: the answer is a JSON value,
-/// possibly in a ```json fence; the error names the first problems (at most five).
-pub fn check_structured(schema: &Value, text: &str) -> Result<Value, String> {
-    let trimmed = text.trim();
-    let body = trimmed
-        .strip_prefix("```json")
-        .or_else(|| trimmed.strip_prefix("```"))
-        .and_then(|t| t.strip_suffix("```"))
-        .unwrap_or(trimmed)
-        .trim();
-    let value: Value = serde_json::from_str(body).map_err(|e| format!("it is not JSON ({e})"))?;
-    let validator = jsonschema::validator_for(schema)
-        .map_err(|e| format!("the schema itself is invalid: {e}"))?;
-    let problems: Vec<String> = validator
-        .iter_errors(&value)
-        .map(|e| format!("{} at {}", e, e.instance_path()))
-        .take(5)
-        .collect();
-    if problems.is_empty() {
-        Ok(value)
-    } else {
-        Err(problems.join("; "))
     }
 }
