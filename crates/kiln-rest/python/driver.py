@@ -170,9 +170,9 @@ def handle(ctx_text, planner):
     ctx = json.loads(ctx_text)
     try:
         plan, code, pattern = parse_plan(router.conventions_plan(ctx))
-        safety.prepare(code)
-    except (PlanError, safety.Unsafe) as e:
-        return _fail(502, getattr(e, "code", "PLAN_UNSAFE"), str(e))
+    except PlanError as e:
+        return _fail(e.status, e.code, str(e))
+    # _run checks the code (PLAN_UNSAFE, nothing run) before it runs it.
     answer = _run(ctx, code, pattern)
     answer["plan"] = {"action": plan["action"], "resource": plan["resource"], "pattern": pattern, "code": code}
     _emit(answer)

@@ -110,25 +110,21 @@ if item is None:
 REPLY = {"status": 200, "headers": {}, "body": item}
 '''
 
-_REPLACE = '''
+def _update(op):
+    """PUT (replace) and PATCH (patch): the same code but for the store's method."""
+    return f'''
 body = ctx["body"]
 if not isinstance(body, dict):
     raise BadRequest("the body must be a JSON object")
-item = store.collection(RESOURCE).replace(ctx["params"]["id"], body)
+item = store.collection(RESOURCE).{op}(ctx["params"]["id"], body)
 if item is None:
     raise NotFound(RESOURCE + "/" + ctx["params"]["id"] + " does not exist")
-REPLY = {"status": 200, "headers": {}, "body": item}
+REPLY = {{"status": 200, "headers": {{}}, "body": item}}
 '''
 
-_PATCH = '''
-body = ctx["body"]
-if not isinstance(body, dict):
-    raise BadRequest("the body must be a JSON object")
-item = store.collection(RESOURCE).patch(ctx["params"]["id"], body)
-if item is None:
-    raise NotFound(RESOURCE + "/" + ctx["params"]["id"] + " does not exist")
-REPLY = {"status": 200, "headers": {}, "body": item}
-'''
+
+_REPLACE = _update("replace")
+_PATCH = _update("patch")
 
 _DELETE = '''
 if not store.collection(RESOURCE).delete(ctx["params"]["id"]):

@@ -629,8 +629,8 @@ async fn one(
                         let pattern = planned["plan"]["pattern"].as_str().map(str::to_string);
                         // The door is shut for this turn: the plan's code never reaches
                         // the model or anything else outside.
+                        // (A planning turn that ended its session returned an error above.)
                         let turn = python::execute(&ctx, &code, pattern.as_deref());
-                        let session = app.session(&tenant, &mut guard).await?;
                         let mut answer = app
                             .turn(&mut guard, &session, turn, None, app.config.deadline)
                             .await?;

@@ -87,12 +87,7 @@ const JAVASCRIPT_WRAPPER: &str = r#"
 
 /// Serves a JIT request: the script is `taskDetails.script`, else `componentId`.
 pub async fn run_task(runner: &Runner, call: &Call) -> Result<Produced, RunError> {
-    let details = call
-        .request
-        .context
-        .task_details
-        .clone()
-        .unwrap_or_default();
+    let details = call.task_details();
     let script = details
         .script
         .or_else(|| call.request.context.component_id.clone())

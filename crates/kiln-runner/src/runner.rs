@@ -145,6 +145,15 @@ pub struct Call {
 }
 
 impl Call {
+    /// `context.taskDetails`, or an empty one.
+    pub fn task_details(&self) -> crate::protocol::TaskDetails {
+        self.request
+            .context
+            .task_details
+            .clone()
+            .unwrap_or_default()
+    }
+
     /// `requestData` as JSON.
     pub fn request_data(&self) -> Value {
         serde_json::to_value(&self.request.request_data).unwrap_or(Value::Null)

@@ -49,12 +49,7 @@ pub struct TemplateDef {
 /// Serves an LLM request: the template is `taskDetails.template`, the overrides
 /// `taskDetails.llm`.
 pub async fn run_task(runner: &Runner, call: &Call) -> Result<Produced, RunError> {
-    let details = call
-        .request
-        .context
-        .task_details
-        .clone()
-        .unwrap_or_default();
+    let details = call.task_details();
     let name = details.template.ok_or_else(|| {
         Failure::new(
             "INVALID_TASK",
