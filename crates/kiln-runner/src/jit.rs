@@ -140,7 +140,7 @@ pub async fn run_function(
     // The host reads the script (it resolved the path already): the sandbox's first file
     // access costs milliseconds, and most scripts then need none. The volume is still
     // mounted for imports and data files.
-    let source = read_source(&root.join(&relative), script).await?;
+    let source = read_source(root, &relative, script).await?;
     let marker = marker();
     let guest_path = format!("{GUEST_ROOT}/{relative}");
     let payload = json!({
@@ -181,8 +181,10 @@ pub async fn run_function(
     read_result(&result, &limits, &marker, script).map_err(RunError::Failed)
 }
 
-/// Reads a script's source (at most [`MAX_SCRIPT_BYTES`], UTF-8).
-async fn read_source(path: &Path, script: &str) -> Result<String, Failure> {
+/// Reads a script's source (at most [`MAX_SCRIPT_BYTES`], UTF-8) at `relative` (resolved by
+/// [`resolve_script`], so it holds no links) under the volume `root`. The read goes through
+/// [`kiln_workspace`]: a link or fifo swapped in since is refused, never followed or opened.
+async fn read_source(root: &Path, relative: &str, script: &str) -> Result<String, Failure> {
     let failed = |why: String| {
         Failure::new(
             "SCRIPT_NOT_FOUND",
@@ -190,9 +192,26 @@ async fn read_source(path: &Path, script: &str) -> Result<String, Failure> {
             json!({"script": script}),
         )
     };
-    let bytes = tokio::fs::read(path)
-        .await
-        .map_err(|e| failed(e.to_string()))?;
+    let (root, relative) = (root.to_path_buf(), relative.to_owned());
+    let bytes = tokio::task::spawn_blocking(move || {
+        let root = root.canonicalize().map_err(|e| e.to_string())?;
+        let tree = kiln_workspace::Tree::open(&root, None).map_err(|e| e.to_string())?;
+        let rel = kiln_workspace::RelPath::parse(&relative).map_err(|e| e.to_string())?;
+        let (file, meta) = tree.open_file(&rel).map_err(|e| e.to_string())?;
+        if meta.size > MAX_SCRIPT_BYTES as u64 {
+            return Err(format!("it is larger than {MAX_SCRIPT_BYTES} bytes"));
+        }
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(file, MAX_SCRIPT_BYTES as u64 + 1),
+            &mut bytes,
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(bytes)
+    })
+    .await
+    .map_err(|e| failed(e.to_string()))?
+    .map_err(failed)?;
     if bytes.len() > MAX_SCRIPT_BYTES {
         return Err(failed(format!(
             "it is larger than {MAX_SCRIPT_BYTES} bytes"

@@ -331,15 +331,17 @@ impl Run<'_> {
         let exec_id = exec_id.to_owned();
         let changed = tokio::task::spawn_blocking(move || {
             let history = sandbox.history().ok()?;
+            let tree = sandbox.tree().ok()?;
             let entry = history.entries(1).ok()?.pop()?;
             (entry.id == exec_id).then(|| {
                 entry
                     .files
                     .into_iter()
                     .filter_map(|path| {
-                        let size =
-                            std::fs::symlink_metadata(sandbox.workspace().join(&path)).ok()?;
-                        size.is_file().then_some((path, size.len()))
+                        let meta = tree
+                            .stat(&kiln_workspace::RelPath::parse(&path).ok()?)
+                            .ok()??;
+                        (meta.kind == kiln_workspace::Kind::File).then_some((path, meta.size))
                     })
                     .collect::<Vec<_>>()
             })
@@ -390,7 +392,7 @@ impl Run<'_> {
                 let Some(path) = path else {
                     return tool_error("read_file needs {\"path\": \"...\"}");
                 };
-                match v1::read_file_in(self.state, self.caller, &self.sandbox, path).await {
+                match v1::read_file_in(self.state, self.caller, &self.sandbox, path, 1 << 20).await {
                     Ok(bytes) => (String::from_utf8_lossy(&bytes).into_owned(), false),
                     Err(e) => tool_error(api_error_text(&e)),
                 }

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Extension, Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use kiln_core::{Language, Limits};
 use serde::{Deserialize, Serialize};
@@ -20,7 +21,7 @@ use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunSpec};
 use crate::history::{HistoryEntry, MAX_HISTORY};
 use crate::sandbox::{
-    IMAGES, Sandbox, SandboxView, history_error, image_language, new_id, rfc3339, workspace_path,
+    IMAGES, SandboxView, history_error, image_language, new_id, rfc3339, workspace_path,
 };
 
 type Shared = State<Arc<AppState>>;
@@ -199,6 +200,13 @@ pub struct ExecReply {
     pub stderr: String,
     #[schema(example = 0)]
     pub exit_code: i32,
+    /// False when the code ran but the files it changed could not be recorded in the
+    /// history (see `warnings`); the result above is still the run's own.
+    pub history_recorded: bool,
+    /// Things the client should know: the change was not recorded, or a file was left out
+    /// of the history (too large, a fifo or device).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 /// What a command asks to run.
@@ -241,11 +249,22 @@ pub fn exec_prefix(language: Language) -> &'static str {
     }
 }
 
-/// Checks uploaded files: total size and every name.
+/// Checks uploaded files: their count, total size and every name.
 pub fn check_files<'a>(
-    sandbox: &Sandbox,
-    files: impl Iterator<Item = (&'a String, &'a [u8])>,
-) -> Result<Vec<(std::path::PathBuf, Vec<u8>)>, ApiError> {
+    files: impl ExactSizeIterator<Item = (&'a String, &'a [u8])>,
+) -> Result<Vec<(kiln_workspace::RelPath, Vec<u8>)>, ApiError> {
+    if files.len() > exec::MAX_FILES {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "TOO_MANY_FILES",
+            format!(
+                "{} files were sent; at most {} may be written at once (the most one execution may create)",
+                files.len(),
+                exec::MAX_FILES
+            ),
+        )
+        .with_details(json!({ "limit": exec::MAX_FILES, "sent": files.len() })));
+    }
     let mut total = 0usize;
     let mut out = Vec::new();
     for (name, content) in files {
@@ -255,12 +274,10 @@ pub fn check_files<'a>(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "FILES_TOO_LARGE",
                 format!("the files total more than {MAX_FILES_BYTES} bytes"),
-            ));
+            )
+            .with_details(json!({ "limitBytes": MAX_FILES_BYTES })));
         }
-        out.push((
-            workspace_path(&sandbox.workspace(), name)?,
-            content.to_vec(),
-        ));
+        out.push((workspace_path(name)?, content.to_vec()));
     }
     Ok(out)
 }
@@ -294,13 +311,10 @@ pub async fn exec(
             ),
         ));
     }
-    let files = check_files(sandbox, body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
+    let files = check_files(body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
     let (code, code_file) = match program {
         Program::Inline(code) => (code, None),
-        Program::File(name) => {
-            let path = workspace_path(&sandbox.workspace(), &name)?;
-            (String::new(), Some((name, path)))
-        }
+        Program::File(name) => (String::new(), Some(workspace_path(&name)?)),
     };
     let spec = RunSpec {
         exec_id: new_id(exec_prefix(language)),
@@ -323,6 +337,8 @@ pub async fn exec(
         stdout: outcome.result.stdout_text(),
         stderr: outcome.stderr_with_reason(),
         exit_code: outcome.result.exit_code,
+        history_recorded: outcome.history_recorded(),
+        warnings: outcome.warnings(),
     }))
 }
 
@@ -473,6 +489,19 @@ pub async fn delete(
 pub struct HistoryReply {
     /// Newest first, ending with the initial commit.
     pub history: Vec<HistoryEntry>,
+    /// Pass as `cursor` for the next (older) page; absent on the last page.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// A page of history.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct HistoryQuery {
+    /// Most entries to return (1 to 1000, default 1000).
+    pub limit: Option<usize>,
+    /// Where the previous page ended (its `nextCursor`).
+    pub cursor: Option<String>,
 }
 
 async fn blocking<T: Send + 'static>(
@@ -483,27 +512,48 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
 }
 
-/// The workspace's history: every change, newest first (at most 1000).
+/// The workspace's history: every change, newest first, a page at a time (`limit`, at most
+/// 1000; `cursor` from the previous page's `nextCursor`).
 #[utoipa::path(get, path = "/api/sandbox/{id}/history", tag = "history",
-    params(("id" = String, Path, description = "The container id")),
+    params(("id" = String, Path, description = "The container id"), HistoryQuery),
     responses(
         (status = 200, description = "The history", body = HistoryReply),
+        (status = 400, description = "Bad limit or cursor", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
     ))]
 pub async fn history(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    query: Result<Query<HistoryQuery>, QueryRejection>,
 ) -> Result<Json<HistoryReply>, ApiError> {
+    let Query(query) =
+        query.map_err(|e| ApiError::bad_request("INVALID_REQUEST", e.body_text()))?;
+    let limit = query.limit.unwrap_or(MAX_HISTORY);
+    if !(1..=MAX_HISTORY).contains(&limit) {
+        return Err(ApiError::bad_request(
+            "INVALID_REQUEST",
+            format!("limit must be 1 to {MAX_HISTORY}"),
+        ));
+    }
     let sandbox = state.registry.get(&caller.tenant, &id)?.meta;
-    let history = blocking(move || {
+    let (history, next_cursor) = blocking(move || {
         sandbox
             .history()?
-            .entries(MAX_HISTORY)
-            .map_err(history_error)
+            .page(limit, query.cursor.as_deref())
+            .map_err(|e| match e {
+                crate::history::HistoryError::UnknownId(cursor) => ApiError::bad_request(
+                    "INVALID_CURSOR",
+                    format!("{cursor:?} is not a cursor of this sandbox's history"),
+                ),
+                other => history_error(other),
+            })
     })
     .await?;
-    Ok(Json(HistoryReply { history }))
+    Ok(Json(HistoryReply {
+        history,
+        next_cursor,
+    }))
 }
 
 /// Compare two points of the history.
@@ -578,6 +628,7 @@ pub struct RollbackReply {
     pub restored_execution_id: String,
 }
 
+
 /// Restore the workspace to its state after an execution. The rollback is recorded as a new
 /// history entry; the sandbox must be idle.
 #[utoipa::path(post, path = "/api/sandbox/{id}/rollback", tag = "history", request_body = RollbackBody,
@@ -600,16 +651,22 @@ pub async fn rollback(
     let new_id = rollback_id.clone();
     // Blocking work runs to its end (and the sandbox is released) even if the client leaves.
     let done = blocking(move || {
-        let done = sandbox
-            .history()
-            .and_then(|h| h.rollback(&target, &new_id).map_err(history_error));
+        let done = (|| {
+            sandbox
+                .history()?
+                .rollback(&sandbox.tree()?, &target, &new_id)
+                .map_err(history_error)
+        })();
+        if done.is_ok() {
+            exec::pack_in_background(&sandbox);
+        }
         state.registry.finish(&sandbox.id, None).and(done)
     })
     .await?;
     Ok(Json(RollbackReply {
         status: "rolled_back".into(),
         id: rollback_id,
-        commit_id: done,
+        commit_id: done.commit_id.unwrap_or_default(),
         restored_execution_id: body.execution_id,
     }))
 }

@@ -3,7 +3,6 @@
 //! runs the code in a worker (one-shot or a session turn), records the workspace change as a
 //! git commit, and counts the execution.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,7 +15,9 @@ use tokio::sync::mpsc;
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::sandbox::{Sandbox, now_ms};
+use crate::history::{LeftOut, Recorded};
+use crate::sandbox::{Sandbox, now_ms, tree_error};
+use kiln_workspace::{RelPath, Tree};
 
 /// Longest single execution: 5 minutes (bounded by the sandbox's remaining lifetime).
 pub const MAX_EXEC_MS: u64 = 5 * 60 * 1000;
@@ -34,10 +35,10 @@ pub struct RunSpec {
     /// [`MAX_EXEC_MS`].
     pub timeout_ms: Option<u64>,
     /// Files to write into the workspace first (already checked paths).
-    pub files: Vec<(PathBuf, Vec<u8>)>,
+    pub files: Vec<(RelPath, Vec<u8>)>,
     /// Run the program in this workspace file instead of `code` (read once the sandbox is
     /// busy with this run).
-    pub code_file: Option<(String, PathBuf)>,
+    pub code_file: Option<RelPath>,
     /// Run as a turn of this session instead of a fresh one-shot.
     pub session: Option<String>,
     /// The history message.
@@ -54,6 +55,11 @@ pub struct RunOutcome {
     pub limits: Limits,
     /// The commit recording the files it changed, if any.
     pub commit_id: Option<String>,
+    /// Set when the change could not be recorded in the history (the code ran; its result
+    /// is here, but its files are not in the history).
+    pub history_warning: Option<String>,
+    /// What the commit left out (files over the size history records, fifos, devices).
+    pub left_out: Vec<LeftOut>,
 }
 
 impl RunOutcome {
@@ -66,6 +72,26 @@ impl RunOutcome {
         }
     }
 
+    /// Whether the history holds what this run did to the files (true also when it changed
+    /// nothing).
+    pub fn history_recorded(&self) -> bool {
+        self.history_warning.is_none()
+    }
+
+    /// Warnings for the client: the change was not recorded, or parts of it were left out.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings: Vec<String> = self.history_warning.iter().cloned().collect();
+        for left in &self.left_out {
+            let why = match left.reason.as_str() {
+                "too_large" => "it is larger than the 64 MiB history records",
+                "special" => "it is a fifo, socket or device",
+                _ => "the workspace has more than 100 000 entries",
+            };
+            warnings.push(format!("{} was not recorded in the history: {why}", left.path));
+        }
+        warnings
+    }
+
     /// stderr with kiln's one-line reason appended for ends that were not the guest's own.
     pub fn stderr_with_reason(&self) -> String {
         let mut stderr = self.result.stderr_text();
@@ -76,33 +102,49 @@ impl RunOutcome {
     }
 }
 
-fn write_error(path: &std::path::Path, error: &std::io::Error) -> ApiError {
-    ApiError::bad_request(
-        "FILE_WRITE_FAILED",
-        format!("could not write {}: {error}", path.display()),
-    )
-}
+/// Most files one `files` map (or upload) may write: the same as one execution may create.
+pub const MAX_FILES: usize = 1000;
 
-/// Writes files into a workspace, durably.
-pub fn write_files(
-    workspace: &std::path::Path,
-    files: &[(PathBuf, Vec<u8>)],
-) -> Result<(), ApiError> {
+/// Writes files into a workspace, durably, never through a link the guest planted.
+pub fn write_files(tree: &Tree, files: &[(RelPath, Vec<u8>)]) -> Result<(), ApiError> {
     for (target, content) in files {
-        crate::sandbox::check_no_links(workspace, target)?;
-        if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| write_error(target, &e))?;
-        }
-        if target.is_dir() {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "PATH_IS_A_DIRECTORY",
-                format!("{} is a folder", target.display()),
-            ));
-        }
-        crate::store::write_atomic(target, content).map_err(|e| write_error(target, &e))?;
+        tree.write(target, &mut content.as_slice())
+            .map_err(tree_error)?;
     }
     Ok(())
+}
+
+/// Records what a change did to the workspace as change `id`, then packs the history in the
+/// background now and then. Blocking: call it off the async threads.
+pub fn record(sandbox: &Sandbox, summary: &str, id: &str) -> Result<Recorded, ApiError> {
+    let recorded = sandbox
+        .history()?
+        .record(&sandbox.tree()?, summary, id)
+        .map_err(crate::sandbox::history_error)?;
+    if recorded.commit_id.is_some() {
+        pack_in_background(sandbox);
+    }
+    Ok(recorded)
+}
+
+/// Packs a sandbox's history off the request path when it has gathered many loose objects.
+pub fn pack_in_background(sandbox: &Sandbox) {
+    let git_dir = sandbox.git_dir();
+    if !crate::history::pack_check_due(&git_dir) {
+        return;
+    }
+    let id = sandbox.id.clone();
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    handle.spawn_blocking(move || {
+        let packed = crate::history::History::open(&git_dir).and_then(|h| h.pack_if_due());
+        match packed {
+            Ok(true) => tracing::debug!(sandbox = %id, "packed the workspace history"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(sandbox = %id, "could not pack the workspace history: {e}"),
+        }
+    });
 }
 
 /// Maps a pool failure onto the API.
@@ -218,14 +260,9 @@ async fn run_attached(
     let workspace = sandbox.clone();
     let summary = spec.summary.clone();
     let exec_id = spec.exec_id.clone();
-    let commit = tokio::task::spawn_blocking(move || {
-        workspace
-            .history()?
-            .commit_if_changed(&summary, &exec_id)
-            .map_err(crate::sandbox::history_error)
-    })
-    .await
-    .unwrap_or_else(|e| Err(ApiError::internal(format!("history task failed: {e}"))));
+    let recorded = tokio::task::spawn_blocking(move || record(&workspace, &summary, &exec_id))
+        .await
+        .unwrap_or_else(|e| Err(ApiError::internal(format!("history task failed: {e}"))));
     let committed_at = started.elapsed();
     let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let executed = ran.as_ref().ok().map(|_| duration_ms);
@@ -241,11 +278,29 @@ async fn run_attached(
     );
     let (result, limits) = ran?;
     state.metrics.execution(sandbox.language, &result);
+    // The code ran: its result is the answer even when its files could not be recorded (a
+    // retrying client would run it twice).
+    let (commit_id, left_out, history_warning) = match recorded {
+        Ok(recorded) => (recorded.commit_id, recorded.left_out, None),
+        Err(e) => {
+            tracing::error!(sandbox = %sandbox.id, exec_id = %spec.exec_id, "the change was not recorded: {}", e.message);
+            (
+                None,
+                Vec::new(),
+                Some(format!(
+                    "the files this run changed were not recorded in the history: {}",
+                    e.message
+                )),
+            )
+        }
+    };
     Ok(RunOutcome {
         exec_id: spec.exec_id,
         result,
         limits,
-        commit_id: commit?,
+        commit_id,
+        history_warning,
+        left_out,
     })
 }
 
@@ -256,19 +311,11 @@ async fn run_in(
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
     cancel: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<(ExecResult, Limits), ApiError> {
-    write_files(&sandbox.workspace(), &spec.files)?;
+    let tree = sandbox.tree()?;
+    write_files(&tree, &spec.files)?;
     let code = match &spec.code_file {
         None => spec.code.clone(),
-        Some((name, path)) => {
-            crate::sandbox::check_no_links(&sandbox.workspace(), path)?;
-            std::fs::read_to_string(path).map_err(|e| {
-                ApiError::bad_request(
-                    "FILE_NOT_FOUND",
-                    format!("cannot run {name:?}: {e} (send it in `files` first)"),
-                )
-                .with_details(json!({ "path": name }))
-            })?
-        }
+        Some(name) => read_program(&tree, name)?,
     };
     let remaining_ms = sandbox.expires_ms.saturating_sub(now_ms()).max(1);
     let mut limits = Limits {
@@ -321,6 +368,31 @@ async fn run_in(
     };
     let result = result.map_err(pool_error)?;
     Ok((result, limits))
+}
+
+/// The most bytes of a program file kiln reads to run it.
+const MAX_PROGRAM_BYTES: u64 = 16 * 1024 * 1024;
+
+/// Reads the program in workspace file `name` (a regular file; never through a link).
+fn read_program(tree: &Tree, name: &RelPath) -> Result<String, ApiError> {
+    let cannot = |why: String| {
+        ApiError::bad_request(
+            "FILE_NOT_FOUND",
+            format!("cannot run {:?}: {why} (send it in `files` first)", name.as_str()),
+        )
+        .with_details(json!({ "path": name.as_str() }))
+    };
+    let (file, meta) = tree.open_file(name).map_err(|e| match e {
+        kiln_workspace::TreeError::NotFound { .. } => cannot("there is no such file".into()),
+        other => tree_error(other),
+    })?;
+    if meta.size > MAX_PROGRAM_BYTES {
+        return Err(cannot(format!("it is larger than {MAX_PROGRAM_BYTES} bytes")));
+    }
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_PROGRAM_BYTES), &mut bytes)
+        .map_err(|e| cannot(e.to_string()))?;
+    String::from_utf8(bytes).map_err(|_| cannot("it is not UTF-8 text".into()))
 }
 
 /// The error for a session whose live state is gone.

@@ -2,13 +2,32 @@
 //! (never inside) its workspace, so code in the sandbox cannot rewrite its own history.
 //! Every change made through the API (an exec or session turn that changed files, an upload,
 //! a delete, a rollback) is one commit whose message carries the change's id in a
-//! `Kiln-Exec-Id:` trailer. Users can `git clone` the repository or inspect it with any git
-//! tool.
+//! `Kiln-Exec-Id:` trailer and the files it touched in a `Kiln-Files:` trailer. Users can
+//! `git clone` the repository or inspect it with any git tool.
+//!
+//! The workspace is hostile: code in it plants links, fifos, huge sparse files and nested
+//! `.git` folders. So git never walks the workspace itself (no index, no work tree): kiln
+//! reads it through [`kiln_workspace`] (directory handles, no link followed), builds the
+//! trees itself, and writes a rollback back the same way. Links are recorded as links, never
+//! followed; fifos, sockets and devices are left out; files above [`MAX_FILE_BYTES`] are left
+//! out and reported. A name git refuses in a tree (`.git` in any case, with any number of
+//! `~` after it) is stored with one more `~` and given back as it was, so a guest's nested
+//! repository is recorded as plain files and restored exactly.
+//!
+//! Histories are linear: listing follows first parents from the head, a page at a time, and
+//! reads each change's file list from its message (no tree diff per entry). The root commit
+//! is also `refs/kiln/initial`, so a diff from `initial` needs no walk. Loose objects are
+//! packed now and then ([`History::pack_if_due`]).
 
-use std::path::Path;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{OsStr, OsString};
+use std::io::Read;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-use git2::build::CheckoutBuilder;
-use git2::{DiffOptions, IndexAddOption, Oid, Repository, Signature, Sort, Time};
+use git2::{Delta, DiffOptions, ObjectType, Oid, Repository, Signature, Time};
+use kiln_workspace::{Dir, Kind, Tree, TreeError};
 use serde::Serialize;
 
 use crate::sandbox::now_ms;
@@ -17,17 +36,45 @@ use crate::sandbox::now_ms;
 pub const INITIAL_ID: &str = "initial";
 
 const TRAILER: &str = "Kiln-Exec-Id: ";
+const FILES_TRAILER: &str = "Kiln-Files: ";
+const INITIAL_REF: &str = "refs/kiln/initial";
 
 /// Most history entries one listing returns.
 pub const MAX_HISTORY: usize = 1000;
+
+/// The largest file history records: 64 MiB (the most one execution may write). Larger
+/// files stay in the workspace but are left out of the commit, and the change says so.
+pub const MAX_FILE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Most entries (files, folders, links) one commit records.
+pub const MAX_ENTRIES: usize = 100_000;
+
+/// Most file names one change lists in its message.
+const MAX_LISTED_FILES: usize = 1000;
 
 /// A history operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum HistoryError {
     #[error("no change {0:?} in this sandbox's history")]
     UnknownId(String),
-    #[error("the workspace history could not be read or written: {0}")]
+    #[error("the workspace history could not be read or written: {}", .0.message())]
     Git(#[from] git2::Error),
+    #[error("the workspace could not be read or written: {0}")]
+    Workspace(#[from] TreeError),
+}
+
+impl HistoryError {
+    /// Whether the disk was full.
+    pub fn is_no_space(&self) -> bool {
+        match self {
+            HistoryError::Workspace(e) => e.is_no_space(),
+            HistoryError::Git(e) => {
+                let text = e.message().to_ascii_lowercase();
+                text.contains("no space left") || text.contains("disk quota")
+            }
+            HistoryError::UnknownId(_) => false,
+        }
+    }
 }
 
 /// One entry of a sandbox's history.
@@ -47,13 +94,35 @@ pub struct HistoryEntry {
     /// What happened.
     #[schema(example = "python main.py")]
     pub message: String,
-    /// The files it added, changed or removed.
+    /// The files it added, changed or removed (at most 1 000).
     pub files: Vec<String>,
+}
+
+/// Something in the workspace a commit did not record.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LeftOut {
+    /// The path, relative to the workspace.
+    pub path: String,
+    /// Why: `too_large` (above 64 MiB), `special` (a fifo, socket or device), `too_many`
+    /// (the workspace has more than 100 000 entries).
+    pub reason: String,
+}
+
+/// What recording a change did.
+#[derive(Debug, Clone, Default)]
+pub struct Recorded {
+    /// The new commit, or `None` when nothing changed.
+    pub commit_id: Option<String>,
+    /// What the commit left out.
+    pub left_out: Vec<LeftOut>,
 }
 
 /// A sandbox's workspace repository.
 pub struct History {
     repo: Repository,
+    /// Where stat-cache entries of this repository are kept.
+    key: PathBuf,
 }
 
 fn signature() -> Result<Signature<'static>, git2::Error> {
@@ -65,8 +134,8 @@ fn signature() -> Result<Signature<'static>, git2::Error> {
     )
 }
 
-fn message(summary: &str, id: &str) -> String {
-    // One line of summary, bounded, then the trailer.
+fn message(summary: &str, id: &str, files: &[String]) -> String {
+    // One line of summary, bounded, then the trailers.
     let mut line: String = summary
         .lines()
         .next()
@@ -77,146 +146,428 @@ fn message(summary: &str, id: &str) -> String {
     if line.is_empty() {
         line = "change".into();
     }
-    format!("{line}\n\n{TRAILER}{id}\n")
+    let listed: Vec<&String> = files.iter().take(MAX_LISTED_FILES).collect();
+    let files = serde_json::to_string(&listed).unwrap_or_else(|_| "[]".into());
+    format!("{line}\n\n{TRAILER}{id}\n{FILES_TRAILER}{files}\n")
 }
 
-fn id_of(commit: &git2::Commit<'_>) -> Option<String> {
+fn trailer<'a>(commit: &'a git2::Commit<'_>, name: &str) -> Option<&'a str> {
     let text = commit.message()?;
     text.lines()
         .rev()
-        .find_map(|line| line.strip_prefix(TRAILER))
-        .map(|id| id.trim().to_owned())
+        .find_map(|line| line.strip_prefix(name))
+        .map(str::trim)
+}
+
+fn id_of(commit: &git2::Commit<'_>) -> Option<String> {
+    trailer(commit, TRAILER).map(str::to_owned)
+}
+
+/// Whether git refuses `name` in a tree (after taking off trailing `~`s): `.git` in any case.
+fn git_like(name: &[u8]) -> bool {
+    let mut end = name.len();
+    while end > 0 && name[end - 1] == b'~' {
+        end -= 1;
+    }
+    name[..end].eq_ignore_ascii_case(b".git")
+}
+
+/// The name stored in a tree for a workspace name: `.git`-like names get one more `~`.
+fn encode(name: &[u8]) -> Vec<u8> {
+    let mut out = name.to_vec();
+    if git_like(name) {
+        out.push(b'~');
+    }
+    out
+}
+
+/// The workspace name for a name stored in a tree.
+fn decode(stored: &[u8]) -> &[u8] {
+    if git_like(stored) && stored.ends_with(b"~") {
+        &stored[..stored.len() - 1]
+    } else {
+        stored
+    }
+}
+
+/// A stored path (`a/.git~/HEAD`) as the workspace has it (`a/.git/HEAD`).
+fn decode_path(stored: &[u8]) -> String {
+    let parts: Vec<String> = stored
+        .split(|b| *b == b'/')
+        .map(|part| String::from_utf8_lossy(decode(part)).into_owned())
+        .collect();
+    parts.join("/")
+}
+
+/// Blob ids of files whose metadata has not changed since they were hashed, per repository:
+/// a commit re-reads only what changed. Keyed by (device, inode); an entry is trusted only
+/// when size, mtime and ctime all match, and is made only for files whose ctime is more than
+/// two seconds old, so a change within the clock's granularity is never missed.
+type StatCache = HashMap<PathBuf, HashMap<(u64, u64), (u64, i64, i64, bool, Oid)>>;
+static STAT_CACHE: Mutex<Option<StatCache>> = Mutex::new(None);
+const STAT_CACHE_MAX: usize = 200_000;
+
+fn cached_blob(key: &Path, meta: &kiln_workspace::Meta) -> Option<Oid> {
+    let cache = STAT_CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let (size, mtime, ctime, exec, oid) = *cache.as_ref()?.get(key)?.get(&(meta.dev, meta.ino))?;
+    (size == meta.size && mtime == meta.mtime_ns && ctime == meta.ctime_ns && exec == meta.executable())
+        .then_some(oid)
+}
+
+fn remember_blob(key: &Path, meta: &kiln_workspace::Meta, oid: Oid, now_ns: i64) {
+    if meta.ctime_ns > now_ns.saturating_sub(2_000_000_000) {
+        return;
+    }
+    let mut cache = STAT_CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let cache = cache.get_or_insert_with(HashMap::new);
+    if cache.values().map(HashMap::len).sum::<usize>() >= STAT_CACHE_MAX {
+        cache.clear();
+    }
+    cache.entry(key.to_path_buf()).or_default().insert(
+        (meta.dev, meta.ino),
+        (meta.size, meta.mtime_ns, meta.ctime_ns, meta.executable(), oid),
+    );
+}
+
+/// Forgets what is kept in memory for a repository (its sandbox is gone).
+pub fn forget(git_dir: &Path) {
+    let mut cache = STAT_CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(cache) = cache.as_mut() {
+        cache.remove(git_dir);
+    }
+    drop(cache);
+    let mut locks = WRITE_LOCKS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(locks) = locks.as_mut() {
+        locks.remove(git_dir);
+    }
+}
+
+/// One writer per repository at a time: changes (from the request path) and packing (in the
+/// background) take turns.
+static WRITE_LOCKS: Mutex<Option<HashMap<PathBuf, Arc<Mutex<()>>>>> = Mutex::new(None);
+
+fn write_lock(git_dir: &Path) -> Arc<Mutex<()>> {
+    let mut locks = WRITE_LOCKS.lock().unwrap_or_else(|e| e.into_inner());
+    locks
+        .get_or_insert_with(HashMap::new)
+        .entry(git_dir.to_path_buf())
+        .or_default()
+        .clone()
+}
+
+fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+}
+
+struct Stager<'a> {
+    repo: &'a Repository,
+    key: &'a Path,
+    entries: usize,
+    now_ns: i64,
+    left_out: Vec<LeftOut>,
+}
+
+impl Stager<'_> {
+    fn leave_out(&mut self, path: String, reason: &str) {
+        if self.left_out.len() < 100 {
+            self.left_out.push(LeftOut {
+                path,
+                reason: reason.into(),
+            });
+        }
+    }
+
+    /// The tree of `dir`, or `None` when it records nothing (git keeps no empty folders).
+    fn tree(&mut self, dir: &Dir, prefix: &str) -> Result<Option<Oid>, HistoryError> {
+        let names = dir
+            .names(MAX_ENTRIES + 1)
+            .map_err(|e| within(e, prefix))?;
+        let mut builder = self.repo.treebuilder(None)?;
+        for name in names {
+            let path = join(prefix, &name);
+            if self.entries >= MAX_ENTRIES {
+                self.leave_out(path, "too_many");
+                continue;
+            }
+            let Some(meta) = dir.entry(&name).map_err(|e| within(e, prefix))? else {
+                continue;
+            };
+            self.entries += 1;
+            let stored = encode(name.as_bytes());
+            match meta.kind {
+                Kind::File => {
+                    if meta.size > MAX_FILE_BYTES {
+                        self.leave_out(path, "too_large");
+                        continue;
+                    }
+                    let oid = match cached_blob(self.key, &meta) {
+                        Some(oid) => oid,
+                        None => {
+                            let (file, meta) =
+                                dir.open_file(&name).map_err(|e| within(e, prefix))?;
+                            let oid = self.blob(file, meta.size, &path)?;
+                            remember_blob(self.key, &meta, oid, self.now_ns);
+                            oid
+                        }
+                    };
+                    let mode = if meta.executable() { 0o100755 } else { 0o100644 };
+                    builder.insert(OsStr::from_bytes(&stored), oid, mode)?;
+                }
+                Kind::Symlink => {
+                    let target = dir.read_link(&name).map_err(|e| within(e, prefix))?;
+                    let oid = self.repo.blob(&target)?;
+                    builder.insert(OsStr::from_bytes(&stored), oid, 0o120000)?;
+                }
+                Kind::Dir => {
+                    let sub = dir.open_dir(&name).map_err(|e| within(e, prefix))?;
+                    if let Some(oid) = self.tree(&sub, &path)? {
+                        builder.insert(OsStr::from_bytes(&stored), oid, 0o040000)?;
+                    }
+                }
+                _ => self.leave_out(path, "special"),
+            }
+        }
+        if builder.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(builder.write()?))
+    }
+
+    /// Streams a file into a blob (a file that changes size meanwhile is an error).
+    fn blob(&self, file: std::fs::File, size: u64, path: &str) -> Result<Oid, HistoryError> {
+        let odb = self.repo.odb()?;
+        let length = usize::try_from(size).unwrap_or(usize::MAX);
+        let mut writer = odb.writer(length, ObjectType::Blob)?;
+        let copied = std::io::copy(&mut file.take(size), &mut writer).map_err(|e| {
+            HistoryError::Workspace(TreeError::Io {
+                op: "read",
+                path: path.to_owned(),
+                source: e,
+            })
+        })?;
+        if copied != size {
+            return Err(HistoryError::Workspace(TreeError::Changed {
+                path: path.to_owned(),
+            }));
+        }
+        Ok(writer.finalize()?)
+    }
+}
+
+fn join(prefix: &str, name: &OsStr) -> String {
+    let name = name.to_string_lossy();
+    if prefix.is_empty() {
+        name.into_owned()
+    } else {
+        format!("{prefix}/{name}")
+    }
+}
+
+fn within(error: TreeError, prefix: &str) -> HistoryError {
+    HistoryError::Workspace(error.within(prefix))
+}
+
+/// The empty tree's id (what an empty workspace records).
+fn empty_tree(repo: &Repository) -> Result<Oid, git2::Error> {
+    repo.treebuilder(None)?.write()
 }
 
 impl History {
-    /// Creates the repository at `git_dir` for `workspace` and records the initial commit
+    /// Creates the repository at `git_dir` and records the initial commit of `tree`
     /// (whatever the workspace holds).
-    pub fn init(git_dir: &Path, workspace: &Path) -> Result<History, HistoryError> {
+    pub fn init(git_dir: &Path, tree: &Tree) -> Result<History, HistoryError> {
         let repo = Repository::init_bare(git_dir)?;
-        repo.set_workdir(workspace, false)?;
-        let history = History { repo };
+        configure(&repo)?;
+        let history = History {
+            repo,
+            key: git_dir.to_path_buf(),
+        };
         {
-            let tree = history.stage()?;
+            let (oid, _) = history.stage(tree)?;
             let sig = signature()?;
-            let tree = history.repo.find_tree(tree)?;
-            history.repo.commit(
+            let root = history.repo.find_tree(oid)?;
+            let commit = history.repo.commit(
                 Some("HEAD"),
                 &sig,
                 &sig,
-                &message("initial workspace", INITIAL_ID),
-                &tree,
+                &message("initial workspace", INITIAL_ID, &[]),
+                &root,
                 &[],
             )?;
+            history
+                .repo
+                .reference(INITIAL_REF, commit, true, "the initial workspace")?;
         }
         Ok(history)
     }
 
     /// Opens the repository of a workspace.
-    pub fn open(git_dir: &Path, workspace: &Path) -> Result<History, HistoryError> {
+    pub fn open(git_dir: &Path) -> Result<History, HistoryError> {
         let repo = Repository::open_bare(git_dir)?;
-        repo.set_workdir(workspace, false)?;
-        Ok(History { repo })
+        Ok(History {
+            repo,
+            key: git_dir.to_path_buf(),
+        })
     }
 
-    /// Stages the whole workspace (new, changed and removed files, ignored ones too) and
-    /// returns its tree.
-    fn stage(&self) -> Result<Oid, git2::Error> {
-        let mut index = self.repo.index()?;
-        index.add_all(["*"], IndexAddOption::DEFAULT | IndexAddOption::FORCE, None)?;
-        index.update_all(["*"], None)?;
-        index.write()?;
-        index.write_tree()
+    /// Builds the tree of the whole workspace as the guest sees it.
+    fn stage(&self, tree: &Tree) -> Result<(Oid, Vec<LeftOut>), HistoryError> {
+        let mut stager = Stager {
+            repo: &self.repo,
+            key: &self.key,
+            entries: 0,
+            now_ns: now_ns(),
+            left_out: Vec::new(),
+        };
+        let oid = match stager.tree(tree.root(), "")? {
+            Some(oid) => oid,
+            None => empty_tree(&self.repo)?,
+        };
+        Ok((oid, stager.left_out))
     }
 
     fn head(&self) -> Result<git2::Commit<'_>, git2::Error> {
         self.repo.head()?.peel_to_commit()
     }
 
-    /// Commits the workspace as change `id` if it differs from the last commit; returns the
-    /// commit id, or `None` when nothing changed.
-    pub fn commit_if_changed(
-        &self,
-        summary: &str,
-        id: &str,
-    ) -> Result<Option<String>, HistoryError> {
-        let tree = self.stage()?;
+    /// The files that differ between two trees, as the workspace names them.
+    fn changed_files(&self, old: Option<Oid>, new: Oid) -> Result<Vec<String>, git2::Error> {
+        let old = old.map(|oid| self.repo.find_tree(oid)).transpose()?;
+        let new = self.repo.find_tree(new)?;
+        let diff = self
+            .repo
+            .diff_tree_to_tree(old.as_ref(), Some(&new), None)?;
+        Ok(diff
+            .deltas()
+            .filter(|d| d.status() != Delta::Unmodified)
+            .filter_map(|d| {
+                d.new_file()
+                    .path_bytes()
+                    .or_else(|| d.old_file().path_bytes())
+                    .map(decode_path)
+            })
+            .collect())
+    }
+
+    fn commit_tree(&self, tree: Oid, summary: &str, id: &str) -> Result<String, HistoryError> {
         let head = self.head()?;
-        if head.tree_id() == tree {
-            return Ok(None);
-        }
+        let files = self.changed_files(Some(head.tree_id()), tree)?;
         let tree = self.repo.find_tree(tree)?;
         let sig = signature()?;
         let oid = self.repo.commit(
             Some("HEAD"),
             &sig,
             &sig,
-            &message(summary, id),
+            &message(summary, id, &files),
             &tree,
             &[&head],
         )?;
-        Ok(Some(oid.to_string()))
+        Ok(oid.to_string())
     }
 
-    fn changed_files(&self, commit: &git2::Commit<'_>) -> Result<Vec<String>, git2::Error> {
-        let tree = commit.tree()?;
-        let parent = match commit.parent(0) {
-            Ok(parent) => Some(parent.tree()?),
-            Err(_) => None,
+    /// Commits the workspace as change `id` if it differs from the last commit.
+    pub fn record(&self, tree: &Tree, summary: &str, id: &str) -> Result<Recorded, HistoryError> {
+        let lock = write_lock(&self.key);
+        let _turn = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (staged, left_out) = self.stage(tree)?;
+        if self.head()?.tree_id() == staged {
+            return Ok(Recorded {
+                commit_id: None,
+                left_out,
+            });
+        }
+        Ok(Recorded {
+            commit_id: Some(self.commit_tree(staged, summary, id)?),
+            left_out,
+        })
+    }
+
+    fn entry(&self, commit: &git2::Commit<'_>) -> Result<HistoryEntry, HistoryError> {
+        let ms = u64::try_from(commit.time().seconds()).unwrap_or(0) * 1000;
+        let files = match trailer(commit, FILES_TRAILER)
+            .and_then(|json| serde_json::from_str::<Vec<String>>(json).ok())
+        {
+            Some(files) => files,
+            // Commits made before the file list was kept in the message.
+            None => {
+                let parent = commit.parent(0).ok().map(|p| p.tree_id());
+                let mut files = self.changed_files(parent, commit.tree_id())?;
+                files.truncate(MAX_LISTED_FILES);
+                files
+            }
         };
-        let diff = self
-            .repo
-            .diff_tree_to_tree(parent.as_ref(), Some(&tree), None)?;
-        Ok(diff
-            .deltas()
-            .filter_map(|d| {
-                d.new_file()
-                    .path()
-                    .or_else(|| d.old_file().path())
-                    .map(|p| p.to_string_lossy().into_owned())
-            })
-            .collect())
+        Ok(HistoryEntry {
+            id: id_of(commit).unwrap_or_else(|| commit.id().to_string()),
+            commit_id: commit.id().to_string(),
+            timestamp: crate::sandbox::rfc3339(ms),
+            message: commit.summary().unwrap_or_default().to_owned(),
+            files,
+        })
+    }
+
+    /// The history, newest first: at most `limit` entries after the commit `cursor` (from the
+    /// head when `None`), and the cursor of the next page when there is one.
+    pub fn page(
+        &self,
+        limit: usize,
+        cursor: Option<&str>,
+    ) -> Result<(Vec<HistoryEntry>, Option<String>), HistoryError> {
+        let mut at = match cursor {
+            None => Some(self.head()?),
+            Some(cursor) => {
+                let oid = Oid::from_str(cursor)
+                    .map_err(|_| HistoryError::UnknownId(cursor.to_owned()))?;
+                let commit = self
+                    .repo
+                    .find_commit(oid)
+                    .map_err(|_| HistoryError::UnknownId(cursor.to_owned()))?;
+                commit.parent(0).ok()
+            }
+        };
+        let mut entries = Vec::new();
+        while let Some(commit) = at {
+            if entries.len() == limit {
+                let next = entries.last().map(|e: &HistoryEntry| e.commit_id.clone());
+                return Ok((entries, next));
+            }
+            entries.push(self.entry(&commit)?);
+            at = commit.parent(0).ok();
+        }
+        Ok((entries, None))
     }
 
     /// The history, newest first, at most `limit` entries.
     pub fn entries(&self, limit: usize) -> Result<Vec<HistoryEntry>, HistoryError> {
-        let mut walk = self.repo.revwalk()?;
-        walk.push_head()?;
-        walk.set_sorting(Sort::TOPOLOGICAL)?;
-        let mut entries = Vec::new();
-        for oid in walk.take(limit) {
-            let commit = self.repo.find_commit(oid?)?;
-            let ms = u64::try_from(commit.time().seconds()).unwrap_or(0) * 1000;
-            entries.push(HistoryEntry {
-                id: id_of(&commit).unwrap_or_else(|| commit.id().to_string()),
-                commit_id: commit.id().to_string(),
-                timestamp: crate::sandbox::rfc3339(ms),
-                message: commit.summary().unwrap_or_default().to_owned(),
-                files: self.changed_files(&commit)?,
-            });
-        }
-        Ok(entries)
+        Ok(self.page(limit, None)?.0)
     }
 
     /// The newest commit recorded as change `id` (or a commit id itself).
     fn find(&self, id: &str) -> Result<git2::Commit<'_>, HistoryError> {
-        let mut walk = self.repo.revwalk()?;
-        walk.push_head()?;
-        walk.set_sorting(Sort::TOPOLOGICAL)?;
-        for oid in walk {
-            let commit = self.repo.find_commit(oid?)?;
-            if id_of(&commit).as_deref() == Some(id) || commit.id().to_string() == id {
+        if id == INITIAL_ID
+            && let Ok(reference) = self.repo.find_reference(INITIAL_REF)
+        {
+            return Ok(reference.peel_to_commit()?);
+        }
+        if id.len() == 40
+            && let Ok(oid) = Oid::from_str(id)
+            && let Ok(commit) = self.repo.find_commit(oid)
+        {
+            return Ok(commit);
+        }
+        let mut at = Some(self.head()?);
+        while let Some(commit) = at {
+            if id_of(&commit).as_deref() == Some(id) {
                 return Ok(commit);
             }
+            at = commit.parent(0).ok();
         }
         Err(HistoryError::UnknownId(id.to_owned()))
     }
 
     /// A unified diff per changed file between the states after changes `from` and `to`.
-    pub fn diff(
-        &self,
-        from: &str,
-        to: &str,
-    ) -> Result<std::collections::BTreeMap<String, String>, HistoryError> {
+    pub fn diff(&self, from: &str, to: &str) -> Result<BTreeMap<String, String>, HistoryError> {
         let from = self.find(from)?.tree()?;
         let to = self.find(to)?.tree()?;
         let mut options = DiffOptions::new();
@@ -224,7 +575,7 @@ impl History {
         let diff = self
             .repo
             .diff_tree_to_tree(Some(&from), Some(&to), Some(&mut options))?;
-        let mut out = std::collections::BTreeMap::new();
+        let mut out = BTreeMap::new();
         for index in 0..diff.deltas().len() {
             let Some(mut patch) = git2::Patch::from_diff(&diff, index)? else {
                 continue;
@@ -232,9 +583,9 @@ impl History {
             let delta = patch.delta();
             let name = delta
                 .new_file()
-                .path()
-                .or_else(|| delta.old_file().path())
-                .map(|p| p.to_string_lossy().into_owned())
+                .path_bytes()
+                .or_else(|| delta.old_file().path_bytes())
+                .map(decode_path)
                 .unwrap_or_default();
             let text = patch.to_buf()?;
             out.insert(name, String::from_utf8_lossy(&text).into_owned());
@@ -242,86 +593,218 @@ impl History {
         Ok(out)
     }
 
-    /// Restores the workspace to its state after change `target` and records that as change
-    /// `id`. Returns the new commit.
-    pub fn rollback(&self, target: &str, id: &str) -> Result<String, HistoryError> {
-        let commit = self.find(target)?;
-        let tree = commit.tree()?;
-        let mut checkout = CheckoutBuilder::new();
-        checkout.force().remove_untracked(true).remove_ignored(true);
-        // Stage first so files the last exec left unrecorded count as tracked and are
-        // replaced too.
-        self.stage()?;
-        self.repo
-            .checkout_tree(tree.as_object(), Some(&mut checkout))?;
-        let mut index = self.repo.index()?;
-        index.read_tree(&tree)?;
-        index.write()?;
-        let head = self.head()?;
-        let sig = signature()?;
-        let oid = self.repo.commit(
-            Some("HEAD"),
-            &sig,
-            &sig,
-            &message(&format!("rollback to {target}"), id),
-            &tree,
-            &[&head],
-        )?;
-        Ok(oid.to_string())
+    /// Restores the workspace to its state after change `target` — exactly: everything the
+    /// recorded tree does not hold is removed — and records that as change `id`.
+    pub fn rollback(&self, tree: &Tree, target: &str, id: &str) -> Result<Recorded, HistoryError> {
+        let lock = write_lock(&self.key);
+        let _turn = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let wanted = self.find(target)?.tree()?;
+        self.restore(tree, tree.root(), &wanted, "")?;
+        let (staged, left_out) = self.stage(tree)?;
+        let commit_id = self.commit_tree(staged, &format!("rollback to {target}"), id)?;
+        Ok(Recorded {
+            commit_id: Some(commit_id),
+            left_out,
+        })
     }
+
+    fn restore(
+        &self,
+        tree: &Tree,
+        dir: &Dir,
+        wanted: &git2::Tree<'_>,
+        prefix: &str,
+    ) -> Result<(), HistoryError> {
+        let mut keep: HashMap<Vec<u8>, git2::TreeEntry<'_>> = HashMap::new();
+        for entry in wanted.iter() {
+            keep.insert(decode(entry.name_bytes()).to_vec(), entry);
+        }
+        // Everything not in the recorded tree goes, whatever it is.
+        for name in dir.names(usize::MAX).map_err(|e| within(e, prefix))? {
+            if !keep.contains_key(name.as_bytes()) {
+                dir.remove(&name).map_err(|e| within(e, prefix))?;
+            }
+        }
+        for (name, entry) in keep {
+            let name = OsString::from_vec(name);
+            let path = join(prefix, &name);
+            let have = dir.entry(&name).map_err(|e| within(e, prefix))?;
+            match entry.filemode() {
+                0o040000 => {
+                    if have.is_some_and(|m| m.kind != Kind::Dir) {
+                        dir.remove(&name).map_err(|e| within(e, prefix))?;
+                    }
+                    let sub = dir.make_dir(&name).map_err(|e| within(e, prefix))?;
+                    let subtree = self.repo.find_tree(entry.id())?;
+                    self.restore(tree, &sub, &subtree, &path)?;
+                }
+                0o120000 => {
+                    let target = self.repo.find_blob(entry.id())?;
+                    if have.is_some() {
+                        dir.remove(&name).map_err(|e| within(e, prefix))?;
+                    }
+                    dir.symlink(target.content(), &name)
+                        .map_err(|e| within(e, prefix))?;
+                }
+                mode => {
+                    if have.is_some_and(|m| m.kind != Kind::File) {
+                        dir.remove(&name).map_err(|e| within(e, prefix))?;
+                    }
+                    // Streamed from a loose object; a packed one (libgit2 cannot stream
+                    // those) is read whole, bounded by MAX_FILE_BYTES.
+                    let odb = self.repo.odb()?;
+                    let executable = mode == 0o100755;
+                    let written = match odb.reader(entry.id()) {
+                        Ok((mut reader, _, _)) => tree.write_in(dir, &name, &mut reader, executable),
+                        Err(_) => {
+                            let blob = self.repo.find_blob(entry.id())?;
+                            tree.write_in(dir, &name, &mut blob.content(), executable)
+                        }
+                    };
+                    written.map_err(|e| within(e, prefix))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Packs the repository's loose objects when there are many (each change adds a few;
+    /// thousands of small files make every lookup slower). Call it off the request path.
+    pub fn pack_if_due(&self) -> Result<bool, HistoryError> {
+        let lock = write_lock(&self.key);
+        let _turn = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let objects = self.repo.path().join("objects");
+        let mut loose = Vec::new();
+        // Loose objects live in objects/xx/ (two hex digits); the folders are kiln's own.
+        for dir in std::fs::read_dir(&objects).map_err(git_io)?.flatten() {
+            let name = dir.file_name();
+            let name = name.to_string_lossy();
+            if name.len() != 2 || !name.chars().all(|c| c.is_ascii_hexdigit()) {
+                continue;
+            }
+            for file in std::fs::read_dir(dir.path()).map_err(git_io)?.flatten() {
+                let rest = file.file_name().to_string_lossy().into_owned();
+                if let Ok(oid) = Oid::from_str(&format!("{name}{rest}")) {
+                    loose.push((oid, file.path()));
+                }
+            }
+        }
+        if loose.len() < PACK_AFTER_LOOSE {
+            return Ok(false);
+        }
+        let packs = objects.join("pack");
+        let pack_count = std::fs::read_dir(&packs)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".pack"))
+                    .count()
+            })
+            .unwrap_or(0);
+        let mut builder = self.repo.packbuilder()?;
+        builder.set_threads(1);
+        let mut old_packs = Vec::new();
+        if pack_count >= MAX_PACKS {
+            // Many packs: fold everything reachable into one.
+            builder.insert_recursive(self.head()?.id(), None)?;
+            old_packs = std::fs::read_dir(&packs)
+                .map_err(git_io)?
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+        } else {
+            for (oid, _) in &loose {
+                builder.insert_object(*oid, None)?;
+            }
+        }
+        builder.write(&packs, 0o444)?;
+        let new_pack = builder.name().map(str::to_owned).unwrap_or_default();
+        self.repo.odb()?.refresh()?;
+        // Only what was packed is removed; objects written meanwhile stay loose.
+        for (_, path) in loose {
+            let _ = std::fs::remove_file(path);
+        }
+        for path in old_packs {
+            if !path.to_string_lossy().contains(&new_pack) {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Counts changes per repository; true every [`PACK_CHECK_EVERY`]th, when
+/// [`History::pack_if_due`] is worth calling (it lists the loose objects).
+pub fn pack_check_due(git_dir: &Path) -> bool {
+    static COUNTS: Mutex<Option<HashMap<PathBuf, u32>>> = Mutex::new(None);
+    let mut counts = COUNTS.lock().unwrap_or_else(|e| e.into_inner());
+    let count = counts
+        .get_or_insert_with(HashMap::new)
+        .entry(git_dir.to_path_buf())
+        .or_default();
+    *count += 1;
+    *count % PACK_CHECK_EVERY == 0
+}
+
+/// Changes between two looks at the loose objects.
+const PACK_CHECK_EVERY: u32 = 32;
+/// Loose objects that make a pack worthwhile.
+const PACK_AFTER_LOOSE: usize = 512;
+/// Packs after which they are folded into one.
+const MAX_PACKS: usize = 16;
+
+fn git_io(error: std::io::Error) -> HistoryError {
+    HistoryError::Git(git2::Error::from_str(&format!("packing: {error}")))
+}
+
+fn configure(repo: &Repository) -> Result<(), git2::Error> {
+    let mut config = repo.config()?;
+    // Only a literal `.git` is then refused in trees, which `encode` handles; the NTFS rules
+    // (`git~1`, `.git.`) do not apply to Linux workspaces.
+    config.set_bool("core.protectNTFS", false)?;
+    Ok(())
+}
+
+/// Makes a repository left by a crash usable again: removes stale lock files (`*.lock`; the
+/// server owns the folder and nothing else writes it) and any index (kiln keeps none).
+/// Call it at start-up, before anything uses the repository. Returns the files removed.
+pub fn recover(git_dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let mut stack = vec![git_dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Ok(kind) = entry.file_type() else { continue };
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if kind.is_dir() {
+                // Objects hold no locks; the rest (refs, logs) is small.
+                if dir == git_dir && name == "objects" {
+                    continue;
+                }
+                stack.push(path);
+            } else if name.ends_with(".lock") || (dir == git_dir && name == "index") {
+                std::fs::remove_file(&path)?;
+                removed.push(path);
+            }
+        }
+    }
+    if let Ok(repo) = Repository::open_bare(git_dir) {
+        let _ = configure(&repo);
+        if repo.find_reference(INITIAL_REF).is_err()
+            && let Ok(head) = repo.head().and_then(|h| h.peel_to_commit())
+        {
+            let mut root = head;
+            while let Ok(parent) = root.parent(0) {
+                root = parent;
+            }
+            let _ = repo.reference(INITIAL_REF, root.id(), true, "the initial workspace");
+        }
+    }
+    Ok(removed)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn commits_diffs_and_rolls_back() {
-        let dir = tempfile::tempdir().unwrap();
-        let ws = dir.path().join("workspace");
-        std::fs::create_dir(&ws).unwrap();
-        let history = History::init(&dir.path().join("history.git"), &ws).unwrap();
-        assert_eq!(history.commit_if_changed("noop", "e0").unwrap(), None);
-
-        std::fs::write(ws.join("a.txt"), "one\n").unwrap();
-        assert!(
-            history
-                .commit_if_changed("write a", "e1")
-                .unwrap()
-                .is_some()
-        );
-        std::fs::write(ws.join("a.txt"), "two\n").unwrap();
-        std::fs::create_dir(ws.join("sub")).unwrap();
-        std::fs::write(ws.join("sub/b.bin"), [0u8, 1, 2]).unwrap();
-        assert!(
-            history
-                .commit_if_changed("change a, add b", "e2")
-                .unwrap()
-                .is_some()
-        );
-
-        let entries = history.entries(100).unwrap();
-        let ids: Vec<_> = entries.iter().map(|e| e.id.as_str()).collect();
-        assert_eq!(ids, ["e2", "e1", INITIAL_ID]);
-        assert_eq!(entries[0].files, ["a.txt", "sub/b.bin"]);
-
-        let diff = history.diff("e1", "e2").unwrap();
-        assert!(diff["a.txt"].contains("-one\n+two\n"), "{diff:?}");
-        assert!(diff.contains_key("sub/b.bin"));
-
-        std::fs::write(ws.join("stray.txt"), "not recorded").unwrap();
-        history.rollback("e1", "r1").unwrap();
-        assert_eq!(std::fs::read_to_string(ws.join("a.txt")).unwrap(), "one\n");
-        assert!(!ws.join("sub/b.bin").exists());
-        assert!(!ws.join("stray.txt").exists());
-        assert_eq!(history.entries(1).unwrap()[0].id, "r1");
-
-        // The repository survives reopening.
-        let reopened = History::open(&dir.path().join("history.git"), &ws).unwrap();
-        assert_eq!(reopened.entries(100).unwrap().len(), 4);
-        assert!(matches!(
-            reopened.diff("nope", "e1"),
-            Err(HistoryError::UnknownId(_))
-        ));
-    }
-}
+mod tests;

@@ -435,7 +435,9 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let read = v1::read_file_in(&self.state, &caller, &input.sandbox_id, input.path).await;
+        // A tool result goes into a model's context: a few MiB at most.
+        let read =
+            v1::read_file_in(&self.state, &caller, &input.sandbox_id, input.path, 4 << 20).await;
         Ok(reply(read, |bytes| {
             CallToolResult::success(vec![ContentBlock::text(
                 String::from_utf8_lossy(&bytes).into_owned(),

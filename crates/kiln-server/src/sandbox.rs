@@ -5,11 +5,15 @@
 //! sandboxes/<id>/meta.json      the record (written atomically, fsynced, before any ack)
 //! sandboxes/<id>/workspace/     the files code sees as /workspace
 //! sandboxes/<id>/history.git/   a bare git repository of the workspace's changes
+//! sandboxes/<id>/.tmp/          scratch for writes into the workspace (out of the guest's reach)
 //! ```
+//!
+//! The workspace is guest-writable and so hostile: the host touches it only through
+//! [`kiln_workspace::Tree`] ([`Sandbox::tree`]), never with plain paths.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Component, Path, PathBuf};
-use std::sync::Mutex;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::http::StatusCode;
@@ -22,6 +26,7 @@ use tokio::sync::oneshot;
 use crate::error::ApiError;
 use crate::history::{History, HistoryError};
 use crate::store;
+use kiln_workspace::{RelPath, Tree, TreeError};
 
 /// The images a sandbox can be created from, and the runtime each names.
 pub const IMAGES: &[(&str, Language)] = &[
@@ -122,13 +127,68 @@ impl Sandbox {
         self.dir.join("history.git")
     }
 
+    /// Where writes into the workspace are staged: beside it, out of the guest's reach.
+    pub fn scratch_dir(&self) -> PathBuf {
+        self.dir.join(".tmp")
+    }
+
     fn meta_path(&self) -> PathBuf {
         self.dir.join("meta.json")
     }
 
+    /// The workspace, for the host to read and write without following anything the guest
+    /// planted.
+    pub fn tree(&self) -> Result<Tree, ApiError> {
+        Tree::open(&self.workspace(), Some(&self.scratch_dir())).map_err(tree_error)
+    }
+
     /// Opens the workspace's history.
     pub fn history(&self) -> Result<History, ApiError> {
-        History::open(&self.git_dir(), &self.workspace()).map_err(history_error)
+        History::open(&self.git_dir()).map_err(history_error)
+    }
+}
+
+/// The answer for a full disk.
+pub fn no_space(what: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::INSUFFICIENT_STORAGE,
+        "INSUFFICIENT_STORAGE",
+        format!("the server's disk is full: {what}; nothing was changed; retry when space is freed"),
+    )
+}
+
+/// Maps a failure on a workspace path onto the API. Messages name workspace paths only.
+pub fn tree_error(error: TreeError) -> ApiError {
+    let path = error.path().unwrap_or_default().to_owned();
+    let details = json!({ "path": path });
+    match error {
+        TreeError::InvalidName { .. }
+        | TreeError::Link { .. }
+        | TreeError::NotRegular { .. }
+        | TreeError::NotDir { .. } => {
+            ApiError::bad_request("INVALID_PATH", error.to_string()).with_details(details)
+        }
+        TreeError::NotFound { .. } => {
+            ApiError::new(StatusCode::NOT_FOUND, "FILE_NOT_FOUND", error.to_string())
+                .with_details(details)
+        }
+        TreeError::IsDir { .. } => ApiError::new(
+            StatusCode::CONFLICT,
+            "PATH_IS_A_DIRECTORY",
+            error.to_string(),
+        )
+        .with_details(details),
+        TreeError::Changed { .. } => {
+            ApiError::new(StatusCode::CONFLICT, "PATH_CHANGED", error.to_string())
+                .with_details(details)
+        }
+        TreeError::NoSpace { .. } => no_space(&error.to_string()),
+        TreeError::TooManyEntries { .. } => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "TOO_MANY_FILES",
+            error.to_string(),
+        ),
+        TreeError::Io { .. } => ApiError::internal(error.to_string()),
     }
 }
 
@@ -142,8 +202,38 @@ pub fn history_error(error: HistoryError) -> ApiError {
             format!("no change {id:?} in this sandbox's history"),
         )
         .with_details(json!({ "executionId": id })),
-        HistoryError::Git(e) => ApiError::internal(format!("workspace history: {}", e.message())),
+        e if e.is_no_space() => no_space("the workspace history could not be written"),
+        HistoryError::Workspace(e) => tree_error(e),
+        e @ HistoryError::Git(_) => {
+            tracing::error!("workspace history: {e}");
+            ApiError::internal(scrub_paths(&e.to_string()))
+        }
     }
+}
+
+/// `text` with every absolute path in it replaced by `…`: libgit2 and the OS name the files
+/// they failed on, and a client must never learn where the server keeps its data.
+pub fn scrub_paths(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    let mut previous = ' ';
+    while let Some(c) = chars.next() {
+        if c == '/' && (previous.is_whitespace() || matches!(previous, '\'' | '"' | '(' | '=' | ':')) {
+            // Skip to the end of the path: whitespace or a closing quote.
+            while let Some(&next) = chars.peek() {
+                if next.is_whitespace() || matches!(next, '\'' | '"' | ')' | ':' | ',') {
+                    break;
+                }
+                chars.next();
+            }
+            out.push('…');
+            previous = '…';
+            continue;
+        }
+        out.push(c);
+        previous = c;
+    }
+    out
 }
 
 /// What a sandbox is doing now.
@@ -159,6 +249,9 @@ struct Entry {
     running: Option<Running>,
     deleted: bool,
     handles: HashMap<String, SessionHandle>,
+    /// Held while the record is written: one writer per sandbox, so writes never race and
+    /// the last one carries the newest state.
+    writer: Arc<Mutex<()>>,
 }
 
 /// A snapshot of a sandbox and what it is running.
@@ -201,8 +294,14 @@ fn busy_error(id: &str, running: &str) -> ApiError {
     .with_details(json!({ "containerId": id, "executionId": running }))
 }
 
+/// Maps a failure on the server's own files; the message never names a host path (an
+/// `io::Error` from the OS carries none).
 fn io_error(what: &str, error: &std::io::Error) -> ApiError {
-    ApiError::internal(format!("{what}: {error}"))
+    if matches!(error.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
+        return no_space(what);
+    }
+    tracing::error!("{what}: {error}");
+    ApiError::internal(scrub_paths(&format!("{what}: {error}")))
 }
 
 /// Sessions and running work a removed sandbox leaves for the caller to stop.
@@ -227,12 +326,13 @@ impl Registry {
                     "removing {}: a sandbox folder with no meta.json (a create or delete cut short)",
                     path.display()
                 );
-                let _ = std::fs::remove_dir_all(&path);
+                let _ = kiln_workspace::remove_host_tree(&path);
                 continue;
             }
             match store::read_json::<Sandbox>(&meta_path) {
                 Ok(mut meta) => {
                     meta.dir = path;
+                    recover(&meta);
                     sandboxes.insert(
                         meta.id.clone(),
                         Entry {
@@ -240,6 +340,7 @@ impl Registry {
                             running: None,
                             deleted: false,
                             handles: HashMap::new(),
+                            writer: Arc::default(),
                         },
                     );
                 }
@@ -282,13 +383,15 @@ impl Registry {
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {
-            std::fs::create_dir_all(meta.workspace())?;
-            History::init(&meta.git_dir(), &meta.workspace()).map_err(std::io::Error::other)?;
+            std::fs::create_dir_all(meta.workspace())
+                .map_err(|e| io_error("could not create the sandbox", &e))?;
+            History::init(&meta.git_dir(), &meta.tree()?).map_err(history_error)?;
             store::write_json(&meta.meta_path(), &meta)
+                .map_err(|e| io_error("could not create the sandbox", &e))
         })();
         if let Err(e) = made {
-            let _ = std::fs::remove_dir_all(&meta.dir);
-            return Err(io_error("could not create the sandbox", &e));
+            remove_sandbox_dir(&meta);
+            return Err(e);
         }
         self.lock().insert(
             id,
@@ -297,6 +400,7 @@ impl Registry {
                 running: None,
                 deleted: false,
                 handles: HashMap::new(),
+                writer: Arc::default(),
             },
         );
         Ok(meta)
@@ -399,7 +503,7 @@ impl Registry {
         if entry.deleted {
             let entry = sandboxes.remove(id).expect("present");
             drop(sandboxes);
-            let _ = std::fs::remove_dir_all(&entry.meta.dir);
+            remove_sandbox_dir(&entry.meta);
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
                 "SANDBOX_DELETED",
@@ -430,12 +534,8 @@ impl Registry {
             .drain()
             .collect();
         for id in ids {
-            let meta = match self.lock().get(&id) {
-                Some(entry) if !entry.deleted => entry.meta.clone(),
-                _ => continue,
-            };
-            if let Err(e) = store::write_json(&meta.meta_path(), &meta) {
-                tracing::warn!("could not save the usage of {id}: {e}");
+            if let Err(e) = self.persist(&id) {
+                tracing::warn!("could not save the usage of {id}: {}", e.message);
             }
         }
     }
@@ -452,8 +552,20 @@ impl Registry {
         }
     }
 
-    fn persist(meta: &Sandbox) -> Result<(), ApiError> {
-        store::write_json(&meta.meta_path(), meta)
+    /// Writes sandbox `id`'s record as it is now. Writers of one sandbox take turns, and
+    /// each writes the state current when its turn comes, so the newest state is the one
+    /// left on disk. A deleted sandbox is not written.
+    fn persist(&self, id: &str) -> Result<(), ApiError> {
+        let writer = match self.lock().get(id) {
+            Some(entry) if !entry.deleted => entry.writer.clone(),
+            _ => return Ok(()),
+        };
+        let _turn = writer.lock().unwrap_or_else(|e| e.into_inner());
+        let meta = match self.lock().get(id) {
+            Some(entry) if !entry.deleted => entry.meta.clone(),
+            _ => return Ok(()),
+        };
+        store::write_json(&meta.meta_path(), &meta)
             .map_err(|e| io_error("could not save the sandbox", &e))
     }
 
@@ -464,7 +576,7 @@ impl Registry {
         entry.meta.expires_ms = now_ms().saturating_add(lifetime_ms);
         let meta = entry.meta.clone();
         drop(sandboxes);
-        Registry::persist(&meta)?;
+        self.persist(id)?;
         Ok(meta)
     }
 
@@ -481,9 +593,8 @@ impl Registry {
         };
         entry.handles.insert(session.id.clone(), handle);
         entry.meta.sessions.insert(session.id.clone(), session);
-        let meta = entry.meta.clone();
         drop(sandboxes);
-        Registry::persist(&meta)
+        self.persist(id)
     }
 
     /// The worker handle of a session: `Ok(None)` when it is recorded but its state was lost
@@ -540,15 +651,18 @@ impl Registry {
             ));
         }
         let handle = entry.handles.remove(session);
-        let meta = entry.meta.clone();
         drop(sandboxes);
-        Registry::persist(&meta)?;
+        self.persist(id)?;
         Ok(handle)
     }
 
     /// Deletes a sandbox: gone for every request from now on (durably). Running work is
     /// cancelled; its folder goes when that work ends.
     pub fn delete(&self, tenant: &str, id: &str) -> Result<Removed, ApiError> {
+        // A record being written now must not bring meta.json back after it is removed: wait
+        // for its writer (writer first, then the registry, as `persist` does).
+        let writer = Registry::find(&mut self.lock(), tenant, id)?.writer.clone();
+        let _turn = writer.lock().unwrap_or_else(|e| e.into_inner());
         let mut sandboxes = self.lock();
         let entry = Registry::find(&mut sandboxes, tenant, id)?;
         // Removing meta.json first makes the deletion durable; a crash before the folder is
@@ -567,7 +681,7 @@ impl Registry {
         } else {
             let entry = sandboxes.remove(id).expect("present");
             drop(sandboxes);
-            let _ = std::fs::remove_dir_all(&entry.meta.dir);
+            remove_sandbox_dir(&entry.meta);
         }
         Ok(removed)
     }
@@ -587,7 +701,7 @@ impl Registry {
         };
         for mut entry in expired {
             let _ = std::fs::remove_file(entry.meta.meta_path());
-            let _ = std::fs::remove_dir_all(&entry.meta.dir);
+            remove_sandbox_dir(&entry.meta);
             removed
                 .handles
                 .extend(entry.handles.drain().map(|(_, h)| h));
@@ -610,73 +724,47 @@ impl Registry {
 }
 
 /// Checks a workspace-relative file name: relative, no `..`, no empty or `.` parts, no NUL,
-/// at most 255 bytes a part and 4 096 in all. Returns the path under `workspace`.
-pub fn workspace_path(workspace: &Path, name: &str) -> Result<PathBuf, ApiError> {
-    let bad = |why: &str| {
-        Err(ApiError::bad_request(
-            "INVALID_PATH",
-            format!("the file name {name:?} is not allowed: {why}"),
-        )
-        .with_details(json!({ "path": name })))
-    };
-    if name.is_empty() || name.len() > 4096 {
-        return bad("it must be 1 to 4096 bytes");
-    }
-    if name.contains('\0') {
-        return bad("it contains a NUL byte");
-    }
-    for part in name.split('/') {
-        match part {
-            "" if name.starts_with('/') => return bad("it must be relative"),
-            "" => return bad("it has an empty part (`//` or a trailing `/`)"),
-            "." => return bad("it contains `.`"),
-            ".." => return bad("it contains `..`"),
-            _ => {}
-        }
-    }
-    let path = Path::new(name);
-    for component in path.components() {
-        match component {
-            Component::Normal(part) if part.len() <= 255 => {}
-            Component::Normal(_) => return bad("a part is longer than 255 bytes"),
-            Component::ParentDir => return bad("it contains `..`"),
-            Component::RootDir | Component::Prefix(_) => return bad("it must be relative"),
-            Component::CurDir => return bad("it contains `.`"),
-        }
-    }
-    Ok(workspace.join(path))
+/// at most 255 bytes a part and 4 096 in all.
+pub fn workspace_path(name: &str) -> Result<RelPath, ApiError> {
+    RelPath::parse(name).map_err(tree_error)
 }
 
-/// Checks that no part of `path` below `workspace` is a symbolic link (code in the sandbox
-/// can plant links; following one would reach host files). Parts that do not exist yet are
-/// fine. Call it while the sandbox is busy with this request, so no code runs meanwhile.
-pub fn check_no_links(workspace: &Path, path: &Path) -> Result<(), ApiError> {
-    let relative = path
-        .strip_prefix(workspace)
-        .map_err(|_| ApiError::bad_request("INVALID_PATH", "the path is outside the workspace"))?;
-    let mut at = workspace.to_path_buf();
-    for part in relative.components() {
-        at.push(part);
-        match std::fs::symlink_metadata(&at) {
-            Ok(meta) if meta.file_type().is_symlink() => {
-                let shown = at
-                    .strip_prefix(workspace)
-                    .unwrap_or(&at)
-                    .display()
-                    .to_string();
-                return Err(ApiError::bad_request(
-                    "INVALID_PATH",
-                    format!(
-                        "{shown} is a symbolic link; kiln does not follow links in a workspace"
-                    ),
-                )
-                .with_details(json!({ "path": shown })));
+/// Removes a sandbox's folder (its workspace is removed without following any link in it).
+fn remove_sandbox_dir(meta: &Sandbox) {
+    crate::history::forget(&meta.git_dir());
+    if let Err(e) = kiln_workspace::remove_host_tree(&meta.dir) {
+        tracing::warn!(sandbox = %meta.id, "could not remove the sandbox's folder: {e}");
+    }
+}
+
+/// Makes a sandbox left by a crash usable: stale git lock files go, and so do write
+/// temporaries (they live in the scratch folder, never in the workspace).
+fn recover(meta: &Sandbox) {
+    match crate::history::recover(&meta.git_dir()) {
+        Ok(removed) if !removed.is_empty() => tracing::warn!(
+            sandbox = %meta.id,
+            "removed {} stale lock file(s) from the workspace history (a crash cut a commit short)",
+            removed.len()
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::error!(sandbox = %meta.id, "could not clean the workspace history: {e}"),
+    }
+    // Temporaries of the record's own atomic writes (`.meta.json.<random>.tmp`).
+    if let Ok(entries) = std::fs::read_dir(&meta.dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(".meta.json.") && name.ends_with(".tmp") {
+                let _ = std::fs::remove_file(entry.path());
             }
-            Ok(_) => {}
-            Err(_) => break,
         }
     }
-    Ok(())
+    let scratch = meta.scratch_dir();
+    if let Err(e) = kiln_workspace::remove_host_tree(&scratch)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::error!(sandbox = %meta.id, "could not sweep write temporaries: {e}");
+    }
 }
 
 #[cfg(test)]
@@ -701,11 +789,7 @@ mod tests {
 
     #[test]
     fn workspace_paths_refuse_escapes() {
-        let ws = Path::new("/w");
-        assert_eq!(
-            workspace_path(ws, "data/in.txt").unwrap(),
-            Path::new("/w/data/in.txt")
-        );
+        assert_eq!(workspace_path("data/in.txt").unwrap().as_str(), "data/in.txt");
         for bad in [
             "../x",
             "/etc/passwd",
@@ -717,9 +801,19 @@ mod tests {
             "a//b",
             "a/",
         ] {
-            let err = workspace_path(ws, bad).unwrap_err();
+            let err = workspace_path(bad).unwrap_err();
             assert_eq!(err.code, "INVALID_PATH", "{bad:?}");
         }
+    }
+
+    #[test]
+    fn host_paths_are_scrubbed() {
+        assert_eq!(
+            scrub_paths("failed to create locked file '/data/sandboxes/sb_1/history.git/index.lock': File exists"),
+            "failed to create locked file '…': File exists"
+        );
+        assert_eq!(scrub_paths("could not open /tmp/x: denied"), "could not open …: denied");
+        assert_eq!(scrub_paths("a/b stays, so does 1/2"), "a/b stays, so does 1/2");
     }
 
     #[test]

@@ -1,13 +1,17 @@
-//! Durable writes under the data directory. A change is acknowledged only after it is on
-//! disk: written to a temporary file, flushed with fsync, renamed over the old one, and the
-//! folder fsynced, so a crash (even `kill -9` or power loss) leaves the old or the new file,
-//! never half of one.
+//! Durable writes of the server's own files under the data directory (records, keys, plan
+//! caches; never a guest-writable workspace: those go through `kiln_workspace`). A change is
+//! acknowledged only after it is on disk: written to a temporary file, flushed with fsync,
+//! renamed over the old one, and the folder fsynced, so a crash (even `kill -9` or power
+//! loss) leaves the old or the new file, never half of one.
 
 use std::fs::File;
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// Writes `bytes` to `path` atomically and durably.
+/// Writes `bytes` to `path` atomically and durably. The temporary has a fresh random name and
+/// is created with `O_EXCL | O_NOFOLLOW`, so two writers of one file never share it and a
+/// planted name is never written through.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path
         .parent()
@@ -17,10 +21,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .ok_or_else(|| std::io::Error::other("a file to write needs a name"))?;
     let mut tmp_name = std::ffi::OsString::from(".");
     tmp_name.push(name);
-    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    tmp_name.push(format!(".{}.tmp", crate::sandbox::random_hex(8)));
     let tmp = dir.join(tmp_name);
     let result = (|| {
-        let mut file = File::create(&tmp)?;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(0o600)
+            .open(&tmp)?;
         file.write_all(bytes)?;
         file.sync_all()?;
         std::fs::rename(&tmp, path)?;

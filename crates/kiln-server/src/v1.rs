@@ -27,8 +27,9 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunOutcome, RunSpec, pool_error};
 use crate::sandbox::{
-    SessionMeta, check_no_links, history_error, new_id, now_ms, rfc3339, workspace_path,
+    SessionMeta, new_id, now_ms, rfc3339, tree_error, workspace_path,
 };
+use kiln_workspace::{Kind, RelPath};
 
 type Shared = State<Arc<AppState>>;
 
@@ -275,6 +276,13 @@ pub struct Execution {
     pub peak_memory_bytes: u64,
     /// The history commit recording the files it changed, if it changed any.
     pub commit_id: Option<String>,
+    /// False when the code ran but the files it changed could not be recorded in the
+    /// history (see `warnings`); the result above is still the run's own.
+    pub history_recorded: bool,
+    /// Things the client should know: the change was not recorded, or a file was left out
+    /// of the history (too large, a fifo or device).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 impl Execution {
@@ -295,6 +303,8 @@ impl Execution {
             duration_ms: outcome.result.duration_us as f64 / 1000.0,
             peak_memory_bytes: outcome.result.peak_memory_bytes,
             commit_id: outcome.commit_id.clone(),
+            history_recorded: outcome.history_recorded(),
+            warnings: outcome.warnings(),
         }
     }
 }
@@ -360,10 +370,8 @@ pub fn spec(
             ));
         }
     }
-    let files = check_files(
-        &view.meta,
-        body.files.iter().map(|(k, v)| (k, v.as_bytes())),
-    )?;
+    let _ = &view;
+    let files = check_files(body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
     let summary = format!(
         "{} {}",
         language.name(),
@@ -857,7 +865,7 @@ pub struct ListQuery {
 pub struct FileEntry {
     #[schema(example = "data/input.csv")]
     pub path: String,
-    /// `file`, `dir` or `symlink`.
+    /// `file`, `dir`, `symlink` (never followed), or `special` (a fifo, socket or device).
     #[schema(example = "file")]
     pub kind: String,
     pub size: u64,
@@ -920,76 +928,59 @@ pub async fn list_files_in(
 ) -> Result<FileList, ApiError> {
     let work = new_id("list_");
     with_sandbox(state, caller, id, &work, move |sandbox| {
-        let workspace = sandbox.workspace();
-        let start = match &folder {
-            Some(path) if !path.is_empty() => {
-                let start = workspace_path(&workspace, path)?;
-                check_no_links(&workspace, &start)?;
-                start
-            }
-            _ => workspace.clone(),
+        let start = match folder.as_deref() {
+            Some(path) if !path.is_empty() => workspace_path(path)?,
+            _ => RelPath::root(),
         };
-        if !start.is_dir() {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "FILE_NOT_FOUND",
-                "no such folder in the workspace",
-            ));
+        let tree = sandbox.tree()?;
+        match tree.stat(&start).map_err(tree_error)? {
+            Some(meta) if meta.kind == Kind::Dir => {}
+            Some(meta) if meta.kind == Kind::Symlink => {
+                return Err(tree_error(kiln_workspace::TreeError::Link {
+                    path: start.to_string(),
+                }));
+            }
+            _ => {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "FILE_NOT_FOUND",
+                    "no such folder in the workspace",
+                ));
+            }
         }
         let mut files = Vec::new();
-        let mut stack = vec![start];
-        let mut truncated = false;
-        while let Some(dir) = stack.pop() {
-            let Ok(entries) = std::fs::read_dir(&dir) else {
-                continue;
-            };
-            for entry in entries.flatten() {
-                if files.len() >= MAX_LISTING {
-                    truncated = true;
-                    break;
-                }
-                let Ok(meta) = entry.path().symlink_metadata() else {
-                    continue;
+        let truncated = tree
+            .walk(&start, MAX_LISTING, &mut |path, meta| {
+                let kind = match meta.kind {
+                    Kind::File => "file",
+                    Kind::Dir => "dir",
+                    Kind::Symlink => "symlink",
+                    _ => "special",
                 };
-                let kind = if meta.file_type().is_symlink() {
-                    "symlink"
-                } else if meta.is_dir() {
-                    stack.push(entry.path());
-                    "dir"
-                } else {
-                    "file"
-                };
-                let modified = meta
-                    .modified()
-                    .ok()
-                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0));
+                let modified_ms = u64::try_from(meta.mtime_ns / 1_000_000).unwrap_or(0);
                 files.push(FileEntry {
-                    path: entry
-                        .path()
-                        .strip_prefix(&workspace)
-                        .unwrap_or(&entry.path())
-                        .to_string_lossy()
-                        .into_owned(),
+                    path: path.to_owned(),
                     kind: kind.into(),
-                    size: if kind == "file" { meta.len() } else { 0 },
-                    modified_at: rfc3339(modified),
+                    size: if meta.kind == Kind::File { meta.size } else { 0 },
+                    modified_at: rfc3339(modified_ms),
                 });
-            }
-        }
+            })
+            .map_err(tree_error)?;
         files.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(FileList { files, truncated })
     })
     .await
 }
 
-/// Download a file, byte for byte.
+/// Download a file, byte for byte (streamed from disk). Links, fifos and devices answer 400
+/// `INVALID_PATH`; nothing follows a link.
 #[utoipa::path(get, path = "/api/v1/sandboxes/{id}/files/{path}", tag = "v1 files",
     params(("id" = String, Path, description = "The sandbox id"), ("path" = String, Path, description = "The file's path in the workspace")),
     responses(
         (status = 200, description = "The file", content_type = "application/octet-stream", body = Vec<u8>),
-        (status = 400, description = "Bad path", body = ErrorBody),
+        (status = 400, description = "Bad path, a link or a special file", body = ErrorBody),
         (status = 404, description = "No such sandbox or file", body = ErrorBody),
+        (status = 409, description = "The path is a folder", body = ErrorBody),
     ))]
 pub async fn read_file(
     State(state): Shared,
@@ -997,39 +988,78 @@ pub async fn read_file(
     ids: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path((id, name)) = ids.map_err(path_error)?;
-    let bytes = read_file_in(&state, &caller, &id, name).await?;
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+    let (file, size) = open_file_in(&state, &caller, &id, name).await?;
+    let file = tokio::fs::File::from_std(file);
+    let chunks = futures::stream::try_unfold(file, |mut file| async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let n = tokio::io::AsyncReadExt::read(&mut file, &mut buf).await?;
+        if n == 0 {
+            return Ok::<_, std::io::Error>(None);
+        }
+        buf.truncate(n);
+        Ok(Some((Bytes::from(buf), file)))
+    });
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+            (header::CONTENT_LENGTH, size.to_string()),
+        ],
+        axum::body::Body::from_stream(chunks),
+    )
+        .into_response())
 }
 
-/// A workspace file's bytes.
+/// Opens a workspace file for reading (a regular file, never through a link) while the
+/// sandbox is busy with nothing else; returns it and its size.
+pub async fn open_file_in(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    id: &str,
+    name: String,
+) -> Result<(std::fs::File, u64), ApiError> {
+    let work = new_id("read_");
+    with_sandbox(state, caller, id, &work, move |sandbox| {
+        let rel = workspace_path(&name)?;
+        let (file, meta) = sandbox.tree()?.open_file(&rel).map_err(|e| match e {
+            kiln_workspace::TreeError::IsDir { .. } => ApiError::new(
+                StatusCode::CONFLICT,
+                "PATH_IS_A_DIRECTORY",
+                format!("{name} is a folder; list it with GET .../files?path={name}"),
+            ),
+            other => tree_error(other),
+        })?;
+        Ok((file, meta.size))
+    })
+    .await
+}
+
+/// A workspace file's bytes, at most `limit` (a larger file is refused with 413).
 pub async fn read_file_in(
     state: &Arc<AppState>,
     caller: &Caller,
     id: &str,
     name: String,
+    limit: u64,
 ) -> Result<Vec<u8>, ApiError> {
-    let work = new_id("read_");
-    with_sandbox(state, caller, id, &work, move |sandbox| {
-        let workspace = sandbox.workspace();
-        let path = workspace_path(&workspace, &name)?;
-        check_no_links(&workspace, &path)?;
-        if path.is_dir() {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "PATH_IS_A_DIRECTORY",
-                format!("{name} is a folder; list it with GET .../files?path={name}"),
-            ));
-        }
-        std::fs::read(&path).map_err(|e| {
-            ApiError::new(
-                StatusCode::NOT_FOUND,
-                "FILE_NOT_FOUND",
-                format!("cannot read {name:?}: {e}"),
-            )
-            .with_details(json!({ "path": name }))
-        })
+    let (file, size) = open_file_in(state, caller, id, name.clone()).await?;
+    if size > limit {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "FILE_TOO_LARGE",
+            format!(
+                "{name} is {size} bytes; at most {limit} can be read here (download it with GET /api/v1/sandboxes/{id}/files/{name})"
+            ),
+        )
+        .with_details(json!({ "path": name, "size": size, "limitBytes": limit })));
+    }
+    tokio::task::spawn_blocking(move || {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(file, limit), &mut bytes)
+            .map(|_| bytes)
+            .map_err(|e| ApiError::internal(format!("could not read {name}: {e}")))
     })
     .await
+    .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
 }
 
 /// A written or deleted file.
@@ -1078,14 +1108,10 @@ pub async fn write_file_in(
     let history_id = new_id("upload_");
     let work = history_id.clone();
     with_sandbox(state, caller, id, &work, move |sandbox| {
-        let workspace = sandbox.workspace();
-        let path = workspace_path(&workspace, &name)?;
+        let path = workspace_path(&name)?;
         let size = body.len() as u64;
-        exec::write_files(&workspace, &[(path, body)])?;
-        let commit_id = sandbox
-            .history()?
-            .commit_if_changed(&format!("upload {name}"), &history_id)
-            .map_err(history_error)?;
+        exec::write_files(&sandbox.tree()?, &[(path, body)])?;
+        let commit_id = exec::record(&sandbox, &format!("upload {name}"), &history_id)?.commit_id;
         Ok(FileChange {
             path: name,
             size,
@@ -1113,28 +1139,9 @@ pub async fn delete_file(
     let history_id = new_id("delete_");
     let work = history_id.clone();
     let change = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
-        let workspace = sandbox.workspace();
-        let path = workspace_path(&workspace, &name)?;
-        check_no_links(&workspace, path.parent().unwrap_or(&workspace))?;
-        let meta = path.symlink_metadata().map_err(|_| {
-            ApiError::new(
-                StatusCode::NOT_FOUND,
-                "FILE_NOT_FOUND",
-                format!("no file {name:?} in the workspace"),
-            )
-            .with_details(json!({ "path": name }))
-        })?;
-        let removed = if meta.is_dir() {
-            std::fs::remove_dir_all(&path)
-        } else {
-            std::fs::remove_file(&path)
-        };
-        removed.map_err(|e| ApiError::internal(format!("could not delete {name}: {e}")))?;
-        let _ = crate::store::sync_dir(path.parent().unwrap_or(&workspace));
-        let commit_id = sandbox
-            .history()?
-            .commit_if_changed(&format!("delete {name}"), &history_id)
-            .map_err(history_error)?;
+        let path = workspace_path(&name)?;
+        sandbox.tree()?.remove(&path).map_err(tree_error)?;
+        let commit_id = exec::record(&sandbox, &format!("delete {name}"), &history_id)?.commit_id;
         Ok(FileChange {
             path: name,
             size: 0,

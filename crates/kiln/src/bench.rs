@@ -282,6 +282,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         let rest = |name: &str| want(name) || explicit("rest");
         crate::bench_rest::run(&rest, n, args.seconds, &mut report)?;
     }
+    if explicit("history_scale") || explicit("history_mixed_load") {
+        crate::bench_history::run(&explicit, n, args.seconds, &mut report)?;
+    }
     if explicit("runner_jit") {
         crate::bench_runner::run(&explicit, n, &mut report)?;
     }

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_agent;
 mod bench_child;
+mod bench_history;
 mod bench_http;
 mod bench_rest;
 mod bench_runner;

@@ -37,3 +37,5 @@ pub fn rendered(url: &str) -> Res<String> {
         .output()?;
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
+
+pub mod serve;

@@ -1,0 +1,232 @@
+use std::os::unix::fs::symlink;
+
+use super::*;
+
+struct Setup {
+    dir: tempfile::TempDir,
+    ws: PathBuf,
+    tree: Tree,
+    history: History,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let ws = dir.path().join("workspace");
+    std::fs::create_dir(&ws).unwrap();
+    let tree = Tree::open(&ws, Some(&dir.path().join(".tmp"))).unwrap();
+    let history = History::init(&dir.path().join("history.git"), &tree).unwrap();
+    Setup {
+        dir,
+        ws,
+        tree,
+        history,
+    }
+}
+
+#[test]
+fn commits_diffs_and_rolls_back() {
+    let s = setup();
+    let (ws, history, tree) = (&s.ws, &s.history, &s.tree);
+    assert_eq!(history.record(tree, "noop", "e0").unwrap().commit_id, None);
+
+    std::fs::write(ws.join("a.txt"), "one\n").unwrap();
+    assert!(history.record(tree, "write a", "e1").unwrap().commit_id.is_some());
+    std::fs::write(ws.join("a.txt"), "two\n").unwrap();
+    std::fs::create_dir(ws.join("sub")).unwrap();
+    std::fs::write(ws.join("sub/b.bin"), [0u8, 1, 2]).unwrap();
+    assert!(
+        history
+            .record(tree, "change a, add b", "e2")
+            .unwrap()
+            .commit_id
+            .is_some()
+    );
+
+    let entries = history.entries(100).unwrap();
+    let ids: Vec<_> = entries.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, ["e2", "e1", INITIAL_ID]);
+    assert_eq!(entries[0].files, ["a.txt", "sub/b.bin"]);
+    assert_eq!(entries[1].files, ["a.txt"]);
+
+    let diff = history.diff("e1", "e2").unwrap();
+    assert!(diff["a.txt"].contains("-one\n+two\n"), "{diff:?}");
+    assert!(diff.contains_key("sub/b.bin"));
+
+    std::fs::write(ws.join("stray.txt"), "not recorded").unwrap();
+    history.rollback(tree, "e1", "r1").unwrap();
+    assert_eq!(std::fs::read_to_string(ws.join("a.txt")).unwrap(), "one\n");
+    assert!(!ws.join("sub").exists());
+    assert!(!ws.join("stray.txt").exists());
+    assert_eq!(history.entries(1).unwrap()[0].id, "r1");
+
+    // The repository survives reopening.
+    let reopened = History::open(&s.dir.path().join("history.git")).unwrap();
+    assert_eq!(reopened.entries(100).unwrap().len(), 4);
+    assert!(matches!(
+        reopened.diff("nope", "e1"),
+        Err(HistoryError::UnknownId(_))
+    ));
+}
+
+#[test]
+fn pages_follow_first_parents() {
+    let s = setup();
+    for i in 0..7 {
+        std::fs::write(s.ws.join("n.txt"), i.to_string()).unwrap();
+        s.history.record(&s.tree, "n", &format!("e{i}")).unwrap();
+    }
+    let (first, next) = s.history.page(3, None).unwrap();
+    let ids: Vec<_> = first.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ids, ["e6", "e5", "e4"]);
+    let (second, next) = s.history.page(3, next.as_deref()).unwrap();
+    let ids: Vec<_> = second.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ids, ["e3", "e2", "e1"]);
+    let (third, next) = s.history.page(3, next.as_deref()).unwrap();
+    let ids: Vec<_> = third.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ids, ["e0", INITIAL_ID]);
+    assert_eq!(next, None);
+    assert!(matches!(
+        s.history.page(3, Some("zz")).unwrap_err(),
+        HistoryError::UnknownId(_)
+    ));
+}
+
+/// Issue 12, item 2: a guest's nested repository is recorded as plain files, diffed and
+/// restored exactly, and a `.git` at the root does not survive a rollback to `initial`.
+#[test]
+fn nested_git_folders_are_recorded_as_plain_files() {
+    let s = setup();
+    let (ws, history, tree) = (&s.ws, &s.history, &s.tree);
+    std::fs::create_dir_all(ws.join("proj/.git/refs")).unwrap();
+    std::fs::write(ws.join("proj/.git/HEAD"), "ref: refs/heads/main\n").unwrap();
+    std::fs::write(ws.join("proj/main.py"), "print(1)\n").unwrap();
+    std::fs::create_dir_all(ws.join(".git")).unwrap();
+    std::fs::write(ws.join(".git/config"), "[core]\n").unwrap();
+    std::fs::write(ws.join(".GIT~"), "a file with a git-like name").unwrap();
+    let recorded = history.record(tree, "make repos", "e1").unwrap();
+    assert!(recorded.commit_id.is_some());
+    let entry = &history.entries(1).unwrap()[0];
+    assert_eq!(
+        entry.files,
+        [".GIT~", ".git/config", "proj/.git/HEAD", "proj/main.py"]
+    );
+    // Stored under names git accepts, so `git clone` of the history works.
+    let head = history.head().unwrap().tree().unwrap();
+    let names: Vec<_> = head.iter().map(|e| e.name().unwrap().to_owned()).collect();
+    assert_eq!(names, [".GIT~~", ".git~", "proj"]);
+
+    std::fs::write(ws.join("proj/.git/HEAD"), "ref: refs/heads/evil\n").unwrap();
+    history.record(tree, "change", "e2").unwrap();
+    let diff = history.diff("e1", "e2").unwrap();
+    assert_eq!(diff.keys().collect::<Vec<_>>(), ["proj/.git/HEAD"]);
+
+    history.rollback(tree, "e1", "r1").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(ws.join("proj/.git/HEAD")).unwrap(),
+        "ref: refs/heads/main\n"
+    );
+    history.rollback(tree, INITIAL_ID, "r2").unwrap();
+    assert_eq!(std::fs::read_dir(ws).unwrap().count(), 0, "rollback left files");
+}
+
+#[test]
+fn links_are_recorded_as_links_and_specials_left_out() {
+    let s = setup();
+    let outside = s.dir.path().join("secret.txt");
+    std::fs::write(&outside, "secret").unwrap();
+    symlink(&outside, s.ws.join("link")).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &s.ws.join("pipe"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    let recorded = s.history.record(&s.tree, "links", "e1").unwrap();
+    assert_eq!(
+        recorded.left_out,
+        [LeftOut {
+            path: "pipe".into(),
+            reason: "special".into()
+        }]
+    );
+    let head = s.history.head().unwrap().tree().unwrap();
+    let link = head.get_name("link").unwrap();
+    assert_eq!(link.filemode(), 0o120000);
+    let blob = s.history.repo.find_blob(link.id()).unwrap();
+    assert_eq!(blob.content(), outside.as_os_str().as_bytes());
+
+    // Rolling back re-creates the link as a link (never writing through it).
+    std::fs::remove_file(s.ws.join("link")).unwrap();
+    std::fs::write(s.ws.join("link"), "replaced").unwrap();
+    s.history.record(&s.tree, "replace", "e2").unwrap();
+    s.history.rollback(&s.tree, "e1", "r1").unwrap();
+    assert!(std::fs::symlink_metadata(s.ws.join("link")).unwrap().is_symlink());
+    assert_eq!(std::fs::read_to_string(&outside).unwrap(), "secret");
+}
+
+/// Issue 12, item 5: a 1-byte write at a 1 GiB offset is left out, at once.
+#[test]
+fn huge_sparse_files_are_left_out() {
+    let s = setup();
+    let file = std::fs::File::create(s.ws.join("sparse.bin")).unwrap();
+    file.set_len(1 << 30).unwrap();
+    std::fs::write(s.ws.join("small.txt"), "x").unwrap();
+    let started = std::time::Instant::now();
+    let recorded = s.history.record(&s.tree, "sparse", "e1").unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(2));
+    assert_eq!(
+        recorded.left_out,
+        [LeftOut {
+            path: "sparse.bin".into(),
+            reason: "too_large".into()
+        }]
+    );
+    assert_eq!(s.history.entries(1).unwrap()[0].files, ["small.txt"]);
+}
+
+/// Issue 12, item 3: lock files a kill left behind are removed at start-up.
+#[test]
+fn stale_locks_are_recovered() {
+    let s = setup();
+    let git = s.dir.path().join("history.git");
+    std::fs::write(git.join("index.lock"), "").unwrap();
+    let head = std::fs::read_to_string(git.join("HEAD")).unwrap();
+    let branch = head.trim().strip_prefix("ref: ").unwrap();
+    std::fs::write(git.join(format!("{branch}.lock")), "").unwrap();
+    std::fs::write(git.join("HEAD.lock"), "").unwrap();
+    std::fs::write(s.ws.join("a.txt"), "a").unwrap();
+    assert!(s.history.record(&s.tree, "a", "e1").is_err());
+    let mut removed = recover(&git).unwrap();
+    removed.sort();
+    assert_eq!(removed.len(), 3, "{removed:?}");
+    assert!(s.history.record(&s.tree, "a", "e1").unwrap().commit_id.is_some());
+}
+
+#[test]
+fn loose_objects_are_packed() {
+    let s = setup();
+    for i in 0..200 {
+        std::fs::write(s.ws.join(format!("f{}.txt", i % 10)), i.to_string()).unwrap();
+        s.history.record(&s.tree, "n", &format!("e{i}")).unwrap();
+    }
+    assert!(s.history.pack_if_due().unwrap());
+    assert!(!s.history.pack_if_due().unwrap());
+    // Everything is still readable.
+    assert_eq!(s.history.entries(1000).unwrap().len(), 201);
+    let diff = s.history.diff(INITIAL_ID, "e199").unwrap();
+    assert_eq!(diff.len(), 10);
+    s.history.rollback(&s.tree, "e5", "r").unwrap();
+    assert_eq!(std::fs::read_to_string(s.ws.join("f5.txt")).unwrap(), "5");
+}
+
+#[test]
+fn git_like_names_round_trip() {
+    for name in [".git", ".GIT", ".git~", ".Git~~", "git", ".gitignore", "a~", "~"] {
+        let stored = encode(name.as_bytes());
+        assert!(!stored.eq_ignore_ascii_case(b".git"), "{name}");
+        assert_eq!(decode(&stored), name.as_bytes(), "{name}");
+    }
+    assert_eq!(encode(b".gitignore"), b".gitignore");
+}

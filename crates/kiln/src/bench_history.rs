@@ -1,0 +1,193 @@
+//! `kiln bench --only history_scale,history_mixed_load`: how workspace history costs grow,
+//! against a real `kiln serve` (no auth, rate limit off).
+//!
+//! - `history_scale`: a history listing page (100 entries, and the default 1 000) and a diff
+//!   from `initial` to the newest change, at 100 and at 6 000 commits (each commit one
+//!   upload of one of ten files, so every diff has at most ten files).
+//! - `history_mixed_load`: four clients, each with its own sandbox and session, cycle through
+//!   a one-shot exec that writes a file, a session turn, an upload, a download and a history
+//!   page for `--seconds` (300 for the figure); throughput per 10-s window, the first
+//!   and last compared.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde_json::{Value, json};
+
+use crate::bench::{micros, summary};
+use crate::bench_child::{Spawned, spawn};
+
+fn start() -> anyhow::Result<Spawned> {
+    let data = tempfile::tempdir()?;
+    let data_path = data.path().join("data");
+    spawn("serve", data, "/readyz", |command| {
+        command
+            .args(["serve", "--no-auth", "--rate-limit", "0", "--workers", "2"])
+            .arg("--data-dir")
+            .arg(&data_path);
+    })
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(60))
+        .max_idle_connections_per_host(16)
+        .build()
+}
+
+fn post(agent: &ureq::Agent, base: &str, path: &str, body: &Value) -> anyhow::Result<Value> {
+    Ok(agent
+        .post(&format!("{base}{path}"))
+        .send_json(body)
+        .with_context(|| format!("POST {path}"))?
+        .into_json()?)
+}
+
+fn get(agent: &ureq::Agent, base: &str, path: &str) -> anyhow::Result<Vec<u8>> {
+    let mut body = Vec::new();
+    std::io::Read::read_to_end(
+        &mut agent
+            .get(&format!("{base}{path}"))
+            .call()
+            .with_context(|| format!("GET {path}"))?
+            .into_reader(),
+        &mut body,
+    )?;
+    Ok(body)
+}
+
+fn upload(agent: &ureq::Agent, base: &str, id: &str, name: &str, bytes: &[u8]) -> anyhow::Result<()> {
+    agent
+        .put(&format!("{base}/api/v1/sandboxes/{id}/files/{name}"))
+        .set("content-type", "application/octet-stream")
+        .send_bytes(bytes)
+        .with_context(|| format!("PUT {name}"))?;
+    Ok(())
+}
+
+fn sandbox(agent: &ureq::Agent, base: &str) -> anyhow::Result<String> {
+    let created = post(agent, base, "/api/v1/sandboxes", &json!({"language": "python", "timeoutMs": 86_400_000}))?;
+    created["containerId"]
+        .as_str()
+        .map(str::to_owned)
+        .context("no containerId")
+}
+
+/// Median costs of listing and diffing at the history's current size.
+fn measure(agent: &ureq::Agent, base: &str, id: &str, iterations: usize) -> anyhow::Result<Value> {
+    let mut page_100 = Vec::new();
+    let mut page_1000 = Vec::new();
+    let mut diff = Vec::new();
+    for _ in 0..iterations {
+        let t = Instant::now();
+        get(agent, base, &format!("/api/sandbox/{id}/history?limit=100"))?;
+        page_100.push(micros(t.elapsed()));
+        let t = Instant::now();
+        get(agent, base, &format!("/api/sandbox/{id}/history"))?;
+        page_1000.push(micros(t.elapsed()));
+        let t = Instant::now();
+        post(agent, base, &format!("/api/sandbox/{id}/diff"), &json!({"fromExecId": "initial"}))?;
+        diff.push(micros(t.elapsed()));
+    }
+    Ok(json!({
+        "history_page_100": summary(page_100),
+        "history_page_1000": summary(page_1000),
+        "diff_from_initial": summary(diff),
+    }))
+}
+
+/// Runs the history measurements named in `explicit` into `report`.
+pub fn run(
+    explicit: &dyn Fn(&str) -> bool,
+    iterations: usize,
+    seconds: f64,
+    report: &mut serde_json::Map<String, Value>,
+) -> anyhow::Result<()> {
+    let server = start()?;
+    let base = server.base.clone();
+    let agent = agent();
+    if explicit("history_scale") {
+        let id = sandbox(&agent, &base)?;
+        let iterations = iterations.clamp(5, 50);
+        let mut commits = 1;
+        let mut at = serde_json::Map::new();
+        for target in [100, 6000] {
+            let t = Instant::now();
+            while commits < target {
+                upload(&agent, &base, &id, &format!("f{}.txt", commits % 10), commits.to_string().as_bytes())?;
+                commits += 1;
+            }
+            eprintln!("history_scale: {commits} commits (grown in {:.1} s)", t.elapsed().as_secs_f64());
+            // Let background packing settle, as a long-lived server would have.
+            std::thread::sleep(Duration::from_secs(1));
+            at.insert(format!("commits_{target}"), measure(&agent, &base, &id, iterations)?);
+        }
+        report.insert("history_scale".into(), Value::Object(at));
+    }
+    if explicit("history_mixed_load") {
+        report.insert("history_mixed_load".into(), mixed_load(&base, seconds)?);
+    }
+    Ok(())
+}
+
+fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
+    let clients = 4;
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for client in 0..clients {
+        let (base, stop, done, errors) = (base.to_owned(), stop.clone(), done.clone(), errors.clone());
+        threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
+            let agent = agent();
+            let id = sandbox(&agent, &base)?;
+            let session = post(&agent, &base, &format!("/api/v1/sandboxes/{id}/sessions"), &json!({}))?;
+            let session = session["sessionId"].as_str().context("no sessionId")?.to_owned();
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let outcome = match n % 5 {
+                    0 => post(&agent, &base, &format!("/api/v1/sandboxes/{id}/exec"),
+                        &json!({"code": format!("open('out{}.txt','w').write('{client} {n}')", n % 20)})).map(|_| ()),
+                    1 => post(&agent, &base, &format!("/api/v1/sandboxes/{id}/exec"),
+                        &json!({"code": "x = globals().get('x', 0) + 1", "sessionId": session})).map(|_| ()),
+                    2 => upload(&agent, &base, &id, &format!("up{}.txt", n % 20), n.to_string().as_bytes()),
+                    3 => get(&agent, &base, &format!("/api/v1/sandboxes/{id}/files/up{}.txt", (n + 19) % 20)).map(|_| ()),
+                    _ => get(&agent, &base, &format!("/api/sandbox/{id}/history?limit=100")).map(|_| ()),
+                };
+                match outcome {
+                    Ok(()) => done.fetch_add(1, Ordering::Relaxed),
+                    Err(_) => errors.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+            Ok(())
+        }));
+    }
+    let started = Instant::now();
+    let mut windows = Vec::new();
+    let mut last = 0;
+    while started.elapsed().as_secs_f64() < seconds {
+        std::thread::sleep(Duration::from_secs(10).min(Duration::from_secs_f64(seconds.max(1.0))));
+        let now = done.load(Ordering::Relaxed);
+        windows.push((now - last) as f64 / 10.0);
+        last = now;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for thread in threads {
+        thread.join().map_err(|_| anyhow::anyhow!("a client panicked"))??;
+    }
+    let first = windows.first().copied().unwrap_or(0.0);
+    let final_window = windows.last().copied().unwrap_or(0.0);
+    Ok(json!({
+        "clients": clients,
+        "seconds": (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+        "requests": done.load(Ordering::Relaxed),
+        "errors": errors.load(Ordering::Relaxed),
+        "per_second_by_10s_window": windows,
+        "first_10s_per_second": first,
+        "last_10s_per_second": final_window,
+        "last_over_first": if first > 0.0 { (final_window / first * 1000.0).round() / 1000.0 } else { 0.0 },
+    }))
+}
