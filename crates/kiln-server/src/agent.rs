@@ -392,7 +392,8 @@ impl Run<'_> {
                 let Some(path) = path else {
                     return tool_error("read_file needs {\"path\": \"...\"}");
                 };
-                match v1::read_file_in(self.state, self.caller, &self.sandbox, path, 1 << 20).await {
+                match v1::read_file_in(self.state, self.caller, &self.sandbox, path, 1 << 20).await
+                {
                     Ok(bytes) => (String::from_utf8_lossy(&bytes).into_owned(), false),
                     Err(e) => tool_error(api_error_text(&e)),
                 }

@@ -628,7 +628,6 @@ pub struct RollbackReply {
     pub restored_execution_id: String,
 }
 
-
 /// Restore the workspace to its state after an execution. The rollback is recorded as a new
 /// history entry; the sandbox must be idle.
 #[utoipa::path(post, path = "/api/sandbox/{id}/rollback", tag = "history", request_body = RollbackBody,

@@ -87,7 +87,10 @@ impl RunOutcome {
                 "special" => "it is a fifo, socket or device",
                 _ => "the workspace has more than 100 000 entries",
             };
-            warnings.push(format!("{} was not recorded in the history: {why}", left.path));
+            warnings.push(format!(
+                "{} was not recorded in the history: {why}",
+                left.path
+            ));
         }
         warnings
     }
@@ -378,7 +381,10 @@ fn read_program(tree: &Tree, name: &RelPath) -> Result<String, ApiError> {
     let cannot = |why: String| {
         ApiError::bad_request(
             "FILE_NOT_FOUND",
-            format!("cannot run {:?}: {why} (send it in `files` first)", name.as_str()),
+            format!(
+                "cannot run {:?}: {why} (send it in `files` first)",
+                name.as_str()
+            ),
         )
         .with_details(json!({ "path": name.as_str() }))
     };
@@ -387,11 +393,16 @@ fn read_program(tree: &Tree, name: &RelPath) -> Result<String, ApiError> {
         other => tree_error(other),
     })?;
     if meta.size > MAX_PROGRAM_BYTES {
-        return Err(cannot(format!("it is larger than {MAX_PROGRAM_BYTES} bytes")));
+        return Err(cannot(format!(
+            "it is larger than {MAX_PROGRAM_BYTES} bytes"
+        )));
     }
     let mut bytes = Vec::new();
-    std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_PROGRAM_BYTES), &mut bytes)
-        .map_err(|e| cannot(e.to_string()))?;
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(file, MAX_PROGRAM_BYTES),
+        &mut bytes,
+    )
+    .map_err(|e| cannot(e.to_string()))?;
     String::from_utf8(bytes).map_err(|_| cannot("it is not UTF-8 text".into()))
 }
 

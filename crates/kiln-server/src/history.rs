@@ -202,7 +202,8 @@ fn decode_path(stored: &[u8]) -> String {
 /// Blob ids of files whose metadata has not changed since they were hashed, per repository:
 /// a commit re-reads only what changed. Keyed by (device, inode); an entry is trusted only
 /// when size, mtime and ctime all match, and is made only for files whose ctime is more than
-/// two seconds old, so a change within the clock's granularity is never missed.
+/// 100 ms old: file times tick with the kernel's coarse clock (one jiffy, at most 10 ms), so
+/// a later change of the same file always shows in its ctime, which guest code cannot set.
 type StatCache = HashMap<PathBuf, HashMap<(u64, u64), (u64, i64, i64, bool, Oid)>>;
 static STAT_CACHE: Mutex<Option<StatCache>> = Mutex::new(None);
 const STAT_CACHE_MAX: usize = 200_000;
@@ -210,12 +211,15 @@ const STAT_CACHE_MAX: usize = 200_000;
 fn cached_blob(key: &Path, meta: &kiln_workspace::Meta) -> Option<Oid> {
     let cache = STAT_CACHE.lock().unwrap_or_else(|e| e.into_inner());
     let (size, mtime, ctime, exec, oid) = *cache.as_ref()?.get(key)?.get(&(meta.dev, meta.ino))?;
-    (size == meta.size && mtime == meta.mtime_ns && ctime == meta.ctime_ns && exec == meta.executable())
-        .then_some(oid)
+    (size == meta.size
+        && mtime == meta.mtime_ns
+        && ctime == meta.ctime_ns
+        && exec == meta.executable())
+    .then_some(oid)
 }
 
 fn remember_blob(key: &Path, meta: &kiln_workspace::Meta, oid: Oid, now_ns: i64) {
-    if meta.ctime_ns > now_ns.saturating_sub(2_000_000_000) {
+    if meta.ctime_ns > now_ns.saturating_sub(100_000_000) {
         return;
     }
     let mut cache = STAT_CACHE.lock().unwrap_or_else(|e| e.into_inner());
@@ -225,7 +229,13 @@ fn remember_blob(key: &Path, meta: &kiln_workspace::Meta, oid: Oid, now_ns: i64)
     }
     cache.entry(key.to_path_buf()).or_default().insert(
         (meta.dev, meta.ino),
-        (meta.size, meta.mtime_ns, meta.ctime_ns, meta.executable(), oid),
+        (
+            meta.size,
+            meta.mtime_ns,
+            meta.ctime_ns,
+            meta.executable(),
+            oid,
+        ),
     );
 }
 
@@ -281,9 +291,7 @@ impl Stager<'_> {
 
     /// The tree of `dir`, or `None` when it records nothing (git keeps no empty folders).
     fn tree(&mut self, dir: &Dir, prefix: &str) -> Result<Option<Oid>, HistoryError> {
-        let names = dir
-            .names(MAX_ENTRIES + 1)
-            .map_err(|e| within(e, prefix))?;
+        let names = dir.names(MAX_ENTRIES + 1).map_err(|e| within(e, prefix))?;
         let mut builder = self.repo.treebuilder(None)?;
         for name in names {
             let path = join(prefix, &name);
@@ -312,7 +320,11 @@ impl Stager<'_> {
                             oid
                         }
                     };
-                    let mode = if meta.executable() { 0o100755 } else { 0o100644 };
+                    let mode = if meta.executable() {
+                        0o100755
+                    } else {
+                        0o100644
+                    };
                     builder.insert(OsStr::from_bytes(&stored), oid, mode)?;
                 }
                 Kind::Symlink => {
@@ -414,6 +426,18 @@ impl History {
 
     /// Builds the tree of the whole workspace as the guest sees it.
     fn stage(&self, tree: &Tree) -> Result<(Oid, Vec<LeftOut>), HistoryError> {
+        // Nothing runs in the sandbox while it is staged, so an entry that changes under the
+        // walk is something else racing it: try again, then give up.
+        let mut tries = 0;
+        loop {
+            match self.stage_once(tree) {
+                Err(HistoryError::Workspace(TreeError::Changed { .. })) if tries < 3 => tries += 1,
+                other => return other,
+            }
+        }
+    }
+
+    fn stage_once(&self, tree: &Tree) -> Result<(Oid, Vec<LeftOut>), HistoryError> {
         let mut stager = Stager {
             repo: &self.repo,
             key: &self.key,
@@ -655,7 +679,9 @@ impl History {
                     let odb = self.repo.odb()?;
                     let executable = mode == 0o100755;
                     let written = match odb.reader(entry.id()) {
-                        Ok((mut reader, _, _)) => tree.write_in(dir, &name, &mut reader, executable),
+                        Ok((mut reader, _, _)) => {
+                            tree.write_in(dir, &name, &mut reader, executable)
+                        }
                         Err(_) => {
                             let blob = self.repo.find_blob(entry.id())?;
                             tree.write_in(dir, &name, &mut blob.content(), executable)
@@ -671,8 +697,34 @@ impl History {
     /// Packs the repository's loose objects when there are many (each change adds a few;
     /// thousands of small files make every lookup slower). Call it off the request path.
     pub fn pack_if_due(&self) -> Result<bool, HistoryError> {
-        let lock = write_lock(&self.key);
-        let _turn = lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.pack(PACK_AFTER_LOOSE, MAX_PACKS)
+    }
+
+    /// Packs the loose objects when there are at least `after_loose`; folds all packs into
+    /// one when there are `max_packs`.
+    ///
+    /// Changes go on meanwhile: only the loose objects listed before the pack was written are
+    /// removed (a change writing one of them again finds it in the pack), and readers fall
+    /// back to re-reading the pack folder when a loose object is gone. Only one packer runs
+    /// per repository; a second call while one runs returns at once.
+    fn pack(&self, after_loose: usize, max_packs: usize) -> Result<bool, HistoryError> {
+        static PACKING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+        {
+            let mut packing = PACKING.lock().unwrap_or_else(|e| e.into_inner());
+            if packing.contains(&self.key) {
+                return Ok(false);
+            }
+            packing.push(self.key.clone());
+        }
+        let packed = self.pack_now(after_loose, max_packs);
+        PACKING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|k| k != &self.key);
+        packed
+    }
+
+    fn pack_now(&self, after_loose: usize, max_packs: usize) -> Result<bool, HistoryError> {
         let objects = self.repo.path().join("objects");
         let mut loose = Vec::new();
         // Loose objects live in objects/xx/ (two hex digits); the folders are kiln's own.
@@ -689,7 +741,7 @@ impl History {
                 }
             }
         }
-        if loose.len() < PACK_AFTER_LOOSE {
+        if loose.len() < after_loose.max(1) {
             return Ok(false);
         }
         let packs = objects.join("pack");
@@ -703,9 +755,12 @@ impl History {
         let mut builder = self.repo.packbuilder()?;
         builder.set_threads(1);
         let mut old_packs = Vec::new();
-        if pack_count >= MAX_PACKS {
-            // Many packs: fold everything reachable into one.
-            builder.insert_recursive(self.head()?.id(), None)?;
+        if pack_count >= max_packs {
+            // Many packs: fold everything reachable (every commit of the history, its trees
+            // and blobs, and the initial ref's commit) into one.
+            let mut walk = self.repo.revwalk()?;
+            walk.push_head()?;
+            builder.insert_walk(&mut walk)?;
             old_packs = std::fs::read_dir(&packs)
                 .map_err(git_io)?
                 .flatten()
@@ -750,7 +805,7 @@ const PACK_CHECK_EVERY: u32 = 32;
 /// Loose objects that make a pack worthwhile.
 const PACK_AFTER_LOOSE: usize = 512;
 /// Packs after which they are folded into one.
-const MAX_PACKS: usize = 16;
+const MAX_PACKS: usize = 8;
 
 fn git_io(error: std::io::Error) -> HistoryError {
     HistoryError::Git(git2::Error::from_str(&format!("packing: {error}")))
@@ -776,7 +831,9 @@ pub fn recover(git_dir: &Path) -> std::io::Result<Vec<PathBuf>> {
         };
         for entry in entries.flatten() {
             let path = entry.path();
-            let Ok(kind) = entry.file_type() else { continue };
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
             let name = entry.file_name();
             let name = name.to_string_lossy();
             if kind.is_dir() {

@@ -153,7 +153,9 @@ pub fn no_space(what: &str) -> ApiError {
     ApiError::new(
         StatusCode::INSUFFICIENT_STORAGE,
         "INSUFFICIENT_STORAGE",
-        format!("the server's disk is full: {what}; nothing was changed; retry when space is freed"),
+        format!(
+            "the server's disk is full: {what}; nothing was changed; retry when space is freed"
+        ),
     )
 }
 
@@ -218,7 +220,9 @@ pub fn scrub_paths(text: &str) -> String {
     let mut chars = text.chars().peekable();
     let mut previous = ' ';
     while let Some(c) = chars.next() {
-        if c == '/' && (previous.is_whitespace() || matches!(previous, '\'' | '"' | '(' | '=' | ':')) {
+        if c == '/'
+            && (previous.is_whitespace() || matches!(previous, '\'' | '"' | '(' | '=' | ':'))
+        {
             // Skip to the end of the path: whitespace or a closing quote.
             while let Some(&next) = chars.peek() {
                 if next.is_whitespace() || matches!(next, '\'' | '"' | ')' | ':' | ',') {
@@ -789,7 +793,10 @@ mod tests {
 
     #[test]
     fn workspace_paths_refuse_escapes() {
-        assert_eq!(workspace_path("data/in.txt").unwrap().as_str(), "data/in.txt");
+        assert_eq!(
+            workspace_path("data/in.txt").unwrap().as_str(),
+            "data/in.txt"
+        );
         for bad in [
             "../x",
             "/etc/passwd",
@@ -809,11 +816,19 @@ mod tests {
     #[test]
     fn host_paths_are_scrubbed() {
         assert_eq!(
-            scrub_paths("failed to create locked file '/data/sandboxes/sb_1/history.git/index.lock': File exists"),
+            scrub_paths(
+                "failed to create locked file '/data/sandboxes/sb_1/history.git/index.lock': File exists"
+            ),
             "failed to create locked file '…': File exists"
         );
-        assert_eq!(scrub_paths("could not open /tmp/x: denied"), "could not open …: denied");
-        assert_eq!(scrub_paths("a/b stays, so does 1/2"), "a/b stays, so does 1/2");
+        assert_eq!(
+            scrub_paths("could not open /tmp/x: denied"),
+            "could not open …: denied"
+        );
+        assert_eq!(
+            scrub_paths("a/b stays, so does 1/2"),
+            "a/b stays, so does 1/2"
+        );
     }
 
     #[test]

@@ -26,9 +26,7 @@ use crate::api::{self, SandboxInfo, check_files, exec_prefix};
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunOutcome, RunSpec, pool_error};
-use crate::sandbox::{
-    SessionMeta, new_id, now_ms, rfc3339, tree_error, workspace_path,
-};
+use crate::sandbox::{SessionMeta, new_id, now_ms, rfc3339, tree_error, workspace_path};
 use kiln_workspace::{Kind, RelPath};
 
 type Shared = State<Arc<AppState>>;
@@ -961,7 +959,11 @@ pub async fn list_files_in(
                 files.push(FileEntry {
                     path: path.to_owned(),
                     kind: kind.into(),
-                    size: if meta.kind == Kind::File { meta.size } else { 0 },
+                    size: if meta.kind == Kind::File {
+                        meta.size
+                    } else {
+                        0
+                    },
                     modified_at: rfc3339(modified_ms),
                 });
             })

@@ -1,6 +1,12 @@
 //! kiln's file quota, in front of WASI: the preview-1 functions that write or create files
 //! are shadowed in the `Linker`; each checks the execution's budget and then calls the
 //! wasmtime-wasi implementation. Over budget, the guest gets `ENOSPC`.
+//!
+//! The write budget counts bytes written and the growth of a file's apparent size: a write
+//! that starts past a file's end also pays for the hole it leaves (so a 1-byte write at a
+//! 1 GiB offset costs 1 GiB + 1 byte), and `fd_filestat_set_size` pays for the bytes it
+//! adds. Shrinking a file is free and refunds nothing. Every refusal is `ENOSPC` (51), never
+//! `EFBIG`, whatever the offset: the guest ran out of its disk budget, not past a size limit.
 
 use std::sync::atomic::Ordering;
 
@@ -61,38 +67,143 @@ fn is_stdio(fd: i32) -> bool {
     (0..=2).contains(&fd)
 }
 
-/// Whether a write of the iovecs at `iovs` would go over the file budget.
-fn over_budget(state: &GuestState, mem: &GuestMemory<'_>, iovs: i32, count: i32) -> bool {
-    iovec_total(raw(mem), iovs, count).unwrap_or(0) > state.fs.write_bytes_left()
+/// Whether `fd` is still the guest's stdin, stdout or stderr stream. A guest that closes
+/// fd 1 gets it back from its next `path_open` (wasmtime-wasi reuses free numbers), so the
+/// number alone does not say: a stream has no position, a file does. This costs stdio writes
+/// a descriptor-table lookup and no system call.
+fn is_stdio_stream(state: &mut GuestState, mem: &mut GuestMemory<'_>, fd: i32) -> bool {
+    use p1::WasiSnapshotPreview1 as _;
+    is_stdio(fd) && state.wasi.fd_tell(mem, fd.into()).is_err()
 }
 
-/// Charges a successful write (its byte count is at `nwritten`) to the budget and the stats.
-fn charge_write(state: &GuestState, mem: &GuestMemory<'_>, nwritten: i32) {
-    let n = u64::from(read_u32(raw(mem), nwritten).unwrap_or(0));
-    state.fs.spend_write_bytes(n);
+/// What a write of `len` bytes costs the budget when it leaves a `hole` of bytes between the
+/// file's end and where it starts: the bytes plus the hole. A write of nothing extends no file
+/// (POSIX `pwrite` of zero bytes past the end leaves the size alone) and costs nothing.
+fn write_charge(hole: u64, len: u64) -> u64 {
+    if len == 0 {
+        0
+    } else {
+        len.saturating_add(hole)
+    }
+}
+
+/// The hole a write at `position` leaves in a file of `size` bytes.
+fn hole(position: u64, size: u64) -> u64 {
+    position.saturating_sub(size)
+}
+
+/// How far setting a file of `size` bytes to `new_size` grows it; shrinking is zero.
+fn growth(size: u64, new_size: u64) -> u64 {
+    new_size.saturating_sub(size)
+}
+
+/// The current size of the file at `fd`, from the WASI context; `None` when `fd` is no file
+/// (or cannot be stat'ed), in which case the call the guest made fails in wasmtime-wasi too.
+async fn file_size(state: &mut GuestState, mem: &mut GuestMemory<'_>, fd: i32) -> Option<u64> {
+    use p1::WasiSnapshotPreview1 as _;
     state
-        .memory
-        .stats
-        .fs_written_bytes
-        .fetch_add(n, Ordering::Relaxed);
+        .wasi
+        .fd_filestat_get(mem, fd.into())
+        .await
+        .ok()
+        .map(|stat| stat.size)
+}
+
+/// The hole a write to `fd` at `at` (`None`: at the fd's own position, as `fd_write` does)
+/// would leave past the file's end. Costs one filestat when the position is past zero, and
+/// an fdstat only when a hole would otherwise be charged (an append-mode fd writes at the end
+/// whatever its position or offset, as on Linux, and so leaves none).
+async fn hole_before_write(
+    state: &mut GuestState,
+    mem: &mut GuestMemory<'_>,
+    fd: i32,
+    at: Option<u64>,
+) -> u64 {
+    use p1::WasiSnapshotPreview1 as _;
+    let position = match at {
+        Some(offset) => offset,
+        // No position: not a seekable file, and wasmtime-wasi refuses the write.
+        None => match state.wasi.fd_tell(mem, fd.into()) {
+            Ok(position) => position,
+            Err(_) => return 0,
+        },
+    };
+    if position == 0 {
+        return 0;
+    }
+    // A file whose size cannot be read is taken as empty: the safe side.
+    let size = file_size(state, mem, fd).await.unwrap_or(0);
+    let hole = hole(position, size);
+    if hole == 0 {
+        return 0;
+    }
+    let appending = state
+        .wasi
+        .fd_fdstat_get(mem, fd.into())
+        .await
+        .is_ok_and(|stat| {
+            stat.fs_flags
+                .contains(wasmtime_wasi::p1::types::Fdflags::APPEND)
+        });
+    if appending { 0 } else { hole }
+}
+
+/// wasmtime-wasi's `fd_write` (`at` is `None`) or `fd_pwrite` at `at`, unchecked.
+async fn write_through(
+    state: &mut GuestState,
+    mem: &mut GuestMemory<'_>,
+    (fd, iovs, count, nwritten): (i32, i32, i32, i32),
+    at: Option<i64>,
+) -> wasmtime::Result<i32> {
+    match at {
+        None => p1::fd_write(&mut state.wasi, mem, fd, iovs, count, nwritten).await,
+        Some(offset) => {
+            p1::fd_pwrite(&mut state.wasi, mem, fd, iovs, count, offset, nwritten).await
+        }
+    }
+}
+
+/// Writes the iovecs at `iovs` to `fd` at `at` (`None`: `fd_write`, at the fd's position),
+/// refusing with `ENOSPC` what the budget cannot pay (bytes plus any hole) and charging what
+/// was written. stdio streams are never charged and cost no system call.
+async fn budgeted_write(
+    state: &mut GuestState,
+    mem: &mut GuestMemory<'_>,
+    (fd, iovs, count, nwritten): (i32, i32, i32, i32),
+    at: Option<i64>,
+) -> wasmtime::Result<i32> {
+    if is_stdio_stream(state, mem, fd) {
+        return write_through(state, mem, (fd, iovs, count, nwritten), at).await;
+    }
+    // The whole iovec array, though wasmtime-wasi writes only the first non-empty buffer:
+    // the safe side.
+    let len = iovec_total(raw(mem), iovs, count).unwrap_or(0);
+    // A negative offset reaches wasmtime-wasi as the u64 of the same bits, as here.
+    let hole = hole_before_write(state, mem, fd, at.map(i64::cast_unsigned)).await;
+    if write_charge(hole, len) > state.fs.write_bytes_left() {
+        return Ok(ERRNO_NOSPC);
+    }
+    let errno = write_through(state, mem, (fd, iovs, count, nwritten), at).await?;
+    if errno == 0 {
+        let n = u64::from(read_u32(raw(mem), nwritten).unwrap_or(0));
+        state.fs.spend_write_bytes(write_charge(hole, n));
+        state
+            .memory
+            .stats
+            .fs_written_bytes
+            .fetch_add(n, Ordering::Relaxed);
+    }
+    Ok(errno)
 }
 
 pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
     linker.func_wrap_async(
         "wasi_snapshot_preview1",
         "fd_write",
-        |mut caller: Caller<'_, GuestState>, (fd, iovs, count, nwritten): (i32, i32, i32, i32)| {
+        |mut caller: Caller<'_, GuestState>, args: (i32, i32, i32, i32)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
-                    if !is_stdio(fd) && over_budget(state, &mem, iovs, count) {
-                        return Ok(ERRNO_NOSPC);
-                    }
-                    let errno =
-                        p1::fd_write(&mut state.wasi, &mut mem, fd, iovs, count, nwritten).await?;
-                    if errno == 0 && !is_stdio(fd) {
-                        charge_write(state, &mem, nwritten);
-                    }
-                    Ok(errno)
+                    budgeted_write(state, &mut mem, args, None).await
                 })
             })
         },
@@ -104,16 +215,7 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
          (fd, iovs, count, offset, nwritten): (i32, i32, i32, i64, i32)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
-                    if over_budget(state, &mem, iovs, count) {
-                        return Ok(ERRNO_NOSPC);
-                    }
-                    let errno =
-                        p1::fd_pwrite(&mut state.wasi, &mut mem, fd, iovs, count, offset, nwritten)
-                            .await?;
-                    if errno == 0 {
-                        charge_write(state, &mem, nwritten);
-                    }
-                    Ok(errno)
+                    budgeted_write(state, &mut mem, (fd, iovs, count, nwritten), Some(offset)).await
                 })
             })
         },
@@ -124,12 +226,20 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
         |mut caller: Caller<'_, GuestState>, (fd, size): (i32, i64)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
-                    // Growing a file by truncation costs no bytes written but may cost disk:
-                    // a size beyond what is left to write is refused.
-                    if u64::try_from(size).unwrap_or(u64::MAX) > state.fs.write_bytes_left() {
+                    // Growing a file by truncation writes no bytes but pays for the ones it
+                    // adds; shrinking is free. A negative size reaches wasmtime-wasi as a huge
+                    // u64, and is refused here as such.
+                    let current = file_size(state, &mut mem, fd).await.unwrap_or(0);
+                    let growth = growth(current, size.cast_unsigned());
+                    if growth > state.fs.write_bytes_left() {
                         return Ok(ERRNO_NOSPC);
                     }
-                    p1::fd_filestat_set_size(&mut state.wasi, &mut mem, fd, size).await
+                    let errno =
+                        p1::fd_filestat_set_size(&mut state.wasi, &mut mem, fd, size).await?;
+                    if errno == 0 {
+                        state.fs.spend_write_bytes(growth);
+                    }
+                    Ok(errno)
                 })
             })
         },
@@ -302,5 +412,22 @@ mod tests {
         assert_eq!(iovec_total(&bytes, 28, 2), None);
         assert_eq!(iovec_total(&bytes, -4, 1), None);
         assert_eq!(iovec_total(&bytes, 0, 5000), None);
+    }
+
+    #[test]
+    fn writes_pay_for_the_hole_they_leave_and_truncation_for_its_growth() {
+        // Appending at the end, overwriting inside: the bytes only.
+        assert_eq!(write_charge(hole(100, 100), 10), 10);
+        assert_eq!(write_charge(hole(40, 100), 10), 10);
+        // One byte at 1 GiB in an empty file: the hole too.
+        assert_eq!(write_charge(hole(1 << 30, 0), 1), (1 << 30) + 1);
+        assert_eq!(write_charge(hole(150, 100), 10), 60);
+        // Writing nothing extends nothing.
+        assert_eq!(write_charge(hole(1 << 30, 0), 0), 0);
+        // A negative offset seen as a u64 never wraps the charge.
+        assert_eq!(write_charge(hole((-1i64).cast_unsigned(), 0), 5), u64::MAX);
+        assert_eq!(growth(100, 1 << 30), (1 << 30) - 100);
+        assert_eq!(growth(100, 100), 0);
+        assert_eq!(growth(100, 0), 0);
     }
 }

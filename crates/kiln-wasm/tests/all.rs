@@ -666,6 +666,134 @@ async fn attack_file_quota_holds() -> TestResult {
 }
 
 #[tokio::test]
+async fn attack_sparse_files_pay_for_their_holes() -> TestResult {
+    // Under the default 64 MiB budget, one byte at 1 GiB (by seek, pwrite or truncate) would
+    // make a 1 GiB file: each is refused with ENOSPC and leaves the file empty.
+    let workspace = tempfile::tempdir()?;
+    let code = "import os\n\
+                def attempt(label, fn):\n\
+                \x20   try:\n        fn()\n        print(label, 'ALLOWED')\n\
+                \x20   except OSError as e:\n        print(label, e.errno)\n\
+                def seek():\n\
+                \x20   with open('seek.bin', 'wb') as f:\n        f.seek(1 << 30)\n        f.write(b'x')\n\
+                def pwrite():\n\
+                \x20   fd = os.open('pwrite.bin', os.O_CREAT | os.O_WRONLY)\n\
+                \x20   try:\n        os.pwrite(fd, b'x', 1 << 30)\n    finally:\n        os.close(fd)\n\
+                def truncate():\n\
+                \x20   with open('truncate.bin', 'wb') as f:\n        f.truncate(1 << 30)\n\
+                attempt('seek', seek)\n\
+                attempt('pwrite', pwrite)\n\
+                attempt('truncate', truncate)\n\
+                attempt('os.truncate', lambda: os.truncate('truncate.bin', 1 << 30))\n\
+                print(hasattr(os, 'posix_fallocate'))\n\
+                for name in ['seek.bin', 'pwrite.bin', 'truncate.bin']:\n\
+                \x20   print(name, os.path.getsize(name))";
+    let mut request = py(code);
+    request.workspace = Some(workspace.path().to_path_buf());
+    let result = run(request).await;
+    assert_eq!(
+        result.stdout_text(),
+        "seek 51\npwrite 51\ntruncate 51\nos.truncate 51\nFalse\n\
+         seek.bin 0\npwrite.bin 0\ntruncate.bin 0\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(result.fs_written_bytes, 0);
+    for name in ["seek.bin", "pwrite.bin", "truncate.bin"] {
+        assert_eq!(
+            std::fs::metadata(workspace.path().join(name))?.len(),
+            0,
+            "{name}"
+        );
+    }
+
+    let code = "var fd = os.open('os.bin', os.O_WRONLY | os.O_CREAT);\n\
+                console.log(os.seek(fd, 1 << 30, std.SEEK_SET));\n\
+                console.log(os.write(fd, new Uint8Array([120]).buffer, 0, 1));\n\
+                os.close(fd);\n\
+                var f = std.open('std.bin', 'w');\n\
+                f.seek(1 << 30, std.SEEK_SET);\n\
+                f.puts('x');\n\
+                f.flush();\n\
+                console.log(f.error());\n\
+                f.close();\n\
+                console.log(os.stat('os.bin')[0].size, os.stat('std.bin')[0].size);";
+    let mut request = js(code);
+    request.workspace = Some(workspace.path().to_path_buf());
+    let result = run(request).await;
+    assert_eq!(
+        result.stdout_text(),
+        "1073741824\n-51\ntrue\n0 0\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(result.fs_written_bytes, 0);
+    for name in ["os.bin", "std.bin"] {
+        assert_eq!(
+            std::fs::metadata(workspace.path().join(name))?.len(),
+            0,
+            "{name}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn attack_a_file_opened_on_a_closed_stdio_number_is_still_charged() -> TestResult {
+    // wasmtime-wasi hands a closed fd 1 to the next open file; writes to it are file writes.
+    let code = "import os\nos.close(1)\n\
+                fd = os.open('/tmp/big', os.O_CREAT | os.O_WRONLY)\n\
+                try:\n    for _ in range(100):\n        os.write(fd, b'x' * 1_000_000)\n\
+                except OSError as e:\n    os.write(2, f'{fd} {e.errno} {os.fstat(fd).st_size}'.encode())";
+    let mut request = py(code);
+    request.limits.fs_write_bytes = 10 << 20;
+    let result = run(request).await;
+    assert_eq!(result.stderr_text(), "1 51 10000000");
+    assert_eq!(result.fs_written_bytes, 10_000_000);
+    Ok(())
+}
+
+#[tokio::test]
+async fn file_quota_charges_overwrites_and_appends_their_bytes_and_holes_their_size() -> TestResult
+{
+    // The budget is exactly what this costs: a 1 MiB write, a 1000-byte overwrite inside the
+    // file, a 10-byte append, one byte past a 100-byte hole (101), a free shrink and a
+    // 100-byte growth. Any extra charge would fail a write; the next byte is refused.
+    let workspace = tempfile::tempdir()?;
+    let code = "import os\n\
+                with open('data.bin', 'wb') as f:\n\
+                \x20   f.write(b'a' * (1 << 20))\n    f.seek(1000)\n    f.write(b'b' * 1000)\n\
+                with open('data.bin', 'ab') as f:\n    f.write(b'c' * 10)\n\
+                with open('data.bin', 'r+b') as f:\n\
+                \x20   f.seek(0, 2)\n    f.seek(100, 1)\n    f.write(b'd')\n\
+                \x20   f.truncate(5)\n    f.truncate(105)\n\
+                print(os.path.getsize('data.bin'))\n\
+                try:\n\
+                \x20   with open('more.bin', 'wb') as f:\n        f.write(b'x')\n\
+                except OSError as e:\n    print(e.errno)";
+    let mut request = py(code);
+    request.workspace = Some(workspace.path().to_path_buf());
+    request.limits.fs_write_bytes = (1 << 20) + 1000 + 10 + 101 + 100;
+    let result = run(request).await;
+    assert_eq!(
+        result.stdout_text(),
+        "105\n51\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(result.fs_written_bytes, (1 << 20) + 1000 + 10 + 1);
+    let data = std::fs::read(workspace.path().join("data.bin"))?;
+    assert_eq!(data.len(), 105);
+    assert_eq!(&data[..5], b"aaaaa");
+    assert!(data[5..].iter().all(|&b| b == 0));
+    assert_eq!(
+        std::fs::metadata(workspace.path().join("more.bin"))?.len(),
+        0
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn attack_sockets_and_subprocesses_fail() -> TestResult {
     let code = "import socket, subprocess, os\n\
                 def attempt(label, fn):\n\

@@ -399,8 +399,12 @@ impl Dir {
         match rustix::fs::openat(&self.fd, name, DIR_FLAGS, Mode::empty()) {
             Ok(fd) => Ok(Dir { fd }),
             Err(Errno::NOTDIR | Errno::LOOP) => match self.entry(name)? {
-                Some(meta) if meta.kind == Kind::Symlink => Err(TreeError::Link { path: show(name) }),
-                Some(meta) if meta.kind == Kind::Dir => Err(TreeError::Changed { path: show(name) }),
+                Some(meta) if meta.kind == Kind::Symlink => {
+                    Err(TreeError::Link { path: show(name) })
+                }
+                Some(meta) if meta.kind == Kind::Dir => {
+                    Err(TreeError::Changed { path: show(name) })
+                }
                 Some(_) => Err(TreeError::NotDir { path: show(name) }),
                 None => Err(TreeError::NotFound { path: show(name) }),
             },
@@ -436,11 +440,8 @@ impl Dir {
             }
         }
         // O_NONBLOCK: should a fifo be swapped in after the check, opening it does not hang.
-        let flags = OFlags::RDONLY
-            | OFlags::NOFOLLOW
-            | OFlags::NONBLOCK
-            | OFlags::NOCTTY
-            | OFlags::CLOEXEC;
+        let flags =
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
         let fd = rustix::fs::openat(&self.fd, name, flags, Mode::empty())
             .map_err(|e| errno_error("open", name, e))?;
         let after = rustix::fs::fstat(&fd)
@@ -456,9 +457,12 @@ impl Dir {
     /// The target of the symbolic link `name`, as bytes.
     pub fn read_link(&self, name: &OsStr) -> Result<Vec<u8>, TreeError> {
         check_name(name)?;
-        rustix::fs::readlinkat(&self.fd, name, Vec::new())
-            .map(|target| target.into_bytes())
-            .map_err(|e| errno_error("read the link", name, e))
+        match rustix::fs::readlinkat(&self.fd, name, Vec::new()) {
+            Ok(target) => Ok(target.into_bytes()),
+            // No longer a link: it was swapped meanwhile.
+            Err(Errno::INVAL) => Err(TreeError::Changed { path: show(name) }),
+            Err(e) => Err(errno_error("read the link", name, e)),
+        }
     }
 
     /// Makes a symbolic link `name` pointing at `target` (the target is stored, never
@@ -477,9 +481,7 @@ impl Dir {
         };
         if meta.kind == Kind::Dir {
             let inner = self.open_dir(name)?;
-            inner
-                .clear()
-                .map_err(|e| e.within(&show(name)))?;
+            inner.clear().map_err(|e| e.within(&show(name)))?;
             rustix::fs::unlinkat(&self.fd, name, AtFlags::REMOVEDIR)
                 .map_err(|e| errno_error("remove", name, e))?;
         } else {
@@ -543,8 +545,7 @@ fn random_name() -> String {
     let mut bytes = [0u8; 12];
     let mut filled = 0;
     while filled < bytes.len() {
-        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty())
-        {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
             Ok(n) => filled += n,
             Err(Errno::INTR) => {}
             Err(_) => {
@@ -569,7 +570,8 @@ impl Tree {
     /// `scratch` is where writes are staged: a host-owned folder on the same file system that
     /// no guest can reach; it is made if missing. Without one, the tree is read-only.
     pub fn open(root: &Path, scratch: Option<&Path>) -> Result<Tree, TreeError> {
-        let root = Dir::open_host(root).map_err(|e| io_error("open", OsStr::new("the workspace"), e))?;
+        let root =
+            Dir::open_host(root).map_err(|e| io_error("open", OsStr::new("the workspace"), e))?;
         let scratch = match scratch {
             Some(path) => {
                 std::fs::create_dir_all(path)
@@ -608,9 +610,9 @@ impl Tree {
                 .map_err(|e| io_error("open", OsStr::new("the workspace"), e));
         }
         if self.resolver == Resolver::Auto && OPENAT2.load(Ordering::Relaxed) != 2 {
-            let how = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-            match rustix::fs::openat2(&self.root.fd, rel.as_str(), DIR_FLAGS, Mode::empty(), how)
-            {
+            let how =
+                ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+            match rustix::fs::openat2(&self.root.fd, rel.as_str(), DIR_FLAGS, Mode::empty(), how) {
                 Ok(fd) => {
                     OPENAT2.store(1, Ordering::Relaxed);
                     return Ok(Dir { fd });
@@ -670,7 +672,9 @@ impl Tree {
     /// Opens the regular file at `rel` for reading.
     pub fn open_file(&self, rel: &RelPath) -> Result<(File, Meta), TreeError> {
         let Some((parent, leaf)) = rel.split_last() else {
-            return Err(TreeError::IsDir { path: String::new() });
+            return Err(TreeError::IsDir {
+                path: String::new(),
+            });
         };
         let dir = self.dir(&parent)?;
         dir.open_file(OsStr::new(leaf))
@@ -681,7 +685,9 @@ impl Tree {
     /// link already at `rel` is refused. Returns the bytes written.
     pub fn write(&self, rel: &RelPath, data: &mut dyn Read) -> Result<u64, TreeError> {
         let Some((parent, leaf)) = rel.split_last() else {
-            return Err(TreeError::IsDir { path: String::new() });
+            return Err(TreeError::IsDir {
+                path: String::new(),
+            });
         };
         let dir = self.make_dirs(&parent)?;
         self.write_in(&dir, OsStr::new(leaf), data, false)
@@ -716,11 +722,8 @@ impl Tree {
         }
         let temp = random_name();
         let mode = Mode::from_raw_mode(if executable { 0o755 } else { 0o644 });
-        let flags = OFlags::WRONLY
-            | OFlags::CREATE
-            | OFlags::EXCL
-            | OFlags::NOFOLLOW
-            | OFlags::CLOEXEC;
+        let flags =
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let fd = rustix::fs::openat(&scratch.fd, temp.as_str(), flags, mode)
             .map_err(|e| errno_error("write", name, e))?;
         let written = (|| {
@@ -798,7 +801,11 @@ impl Tree {
                     match dir.open_dir(&name) {
                         Ok(sub) => stack.push((sub, path)),
                         // Swapped for a link meanwhile: described, never entered.
-                        Err(TreeError::Link { .. } | TreeError::NotDir { .. } | TreeError::NotFound { .. }) => {}
+                        Err(
+                            TreeError::Link { .. }
+                            | TreeError::NotDir { .. }
+                            | TreeError::NotFound { .. },
+                        ) => {}
                         Err(e) => return Err(e.within(&prefix)),
                     }
                 }

@@ -53,9 +53,22 @@ const BOTH: [Resolver; 2] = [Resolver::Auto, Resolver::Walk];
 
 #[test]
 fn names_are_checked() {
-    for bad in ["", "/etc/passwd", "../x", "a/../../x", "a\0b", "./a", "a/./b", "a//b", "a/"] {
+    for bad in [
+        "",
+        "/etc/passwd",
+        "../x",
+        "a/../../x",
+        "a\0b",
+        "./a",
+        "a/./b",
+        "a//b",
+        "a/",
+    ] {
         let err = RelPath::parse(bad).unwrap_err();
-        assert!(matches!(err, TreeError::InvalidName { .. }), "{bad:?}: {err}");
+        assert!(
+            matches!(err, TreeError::InvalidName { .. }),
+            "{bad:?}: {err}"
+        );
     }
     assert_eq!(rel("a/b/c").split_last().unwrap(), (rel("a/b"), "c"));
     assert_eq!(rel("c").split_last().unwrap(), (RelPath::root(), "c"));
@@ -67,8 +80,14 @@ fn names_are_checked() {
 fn writes_reads_lists_and_removes() {
     for resolver in BOTH {
         let s = setup(resolver);
-        assert_eq!(s.tree.write(&rel("a/b/c.txt"), &mut &b"hello"[..]).unwrap(), 5);
-        assert_eq!(std::fs::read_to_string(s.ws.join("a/b/c.txt")).unwrap(), "hello");
+        assert_eq!(
+            s.tree.write(&rel("a/b/c.txt"), &mut &b"hello"[..]).unwrap(),
+            5
+        );
+        assert_eq!(
+            std::fs::read_to_string(s.ws.join("a/b/c.txt")).unwrap(),
+            "hello"
+        );
         let (mut file, meta) = s.tree.open_file(&rel("a/b/c.txt")).unwrap();
         assert_eq!(meta.size, 5);
         let mut text = String::new();
@@ -123,10 +142,7 @@ fn attack_links_on_every_component_are_never_followed() {
             let err = s.tree.write(&rel(path), &mut &b"pwned"[..]).unwrap_err();
             assert!(matches!(err, TreeError::Link { .. }), "{path}: {err}");
             let err = s.tree.open_file(&rel(path)).unwrap_err();
-            assert!(
-                matches!(err, TreeError::Link { .. }),
-                "read {path}: {err}"
-            );
+            assert!(matches!(err, TreeError::Link { .. }), "read {path}: {err}");
             let err = s.tree.dir(&rel(path)).unwrap_err();
             assert!(
                 matches!(err, TreeError::Link { .. } | TreeError::NotDir { .. }),
@@ -134,7 +150,10 @@ fn attack_links_on_every_component_are_never_followed() {
             );
         }
         // The error names the link, relative to the workspace.
-        let err = s.tree.write(&rel("d/middle/x/y.txt"), &mut &b""[..]).unwrap_err();
+        let err = s
+            .tree
+            .write(&rel("d/middle/x/y.txt"), &mut &b""[..])
+            .unwrap_err();
         assert_eq!(err.path(), Some("d/middle"));
         // Removing a link removes the link, not its target.
         assert_eq!(s.tree.remove(&rel("first")).unwrap(), Kind::Symlink);
@@ -186,7 +205,9 @@ fn attack_hard_links_keep_the_other_name_unchanged() {
     let s = setup(Resolver::Auto);
     // Same file system: a hard link to a file outside the workspace.
     std::fs::hard_link(&s.secret, s.ws.join("linked.json")).unwrap();
-    s.tree.write(&rel("linked.json"), &mut &b"pwned"[..]).unwrap();
+    s.tree
+        .write(&rel("linked.json"), &mut &b"pwned"[..])
+        .unwrap();
     assert_eq!(std::fs::read(s.ws.join("linked.json")).unwrap(), b"pwned");
     outside_untouched(&s);
 }
@@ -199,7 +220,11 @@ fn attack_planted_temporary_names_are_not_used() {
     symlink(&s.secret, s.ws.join(&planted)).unwrap();
     s.tree.write(&rel("up.txt"), &mut &b"upload"[..]).unwrap();
     assert_eq!(std::fs::read(s.ws.join("up.txt")).unwrap(), b"upload");
-    assert!(std::fs::symlink_metadata(s.ws.join(&planted)).unwrap().is_symlink());
+    assert!(
+        std::fs::symlink_metadata(s.ws.join(&planted))
+            .unwrap()
+            .is_symlink()
+    );
     outside_untouched(&s);
 }
 
@@ -217,8 +242,13 @@ fn attack_links_swapped_in_between_check_and_use() {
         symlink(&s.outside, &link).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let racer = {
-            let (stop, real, spot, link, ws) =
-                (stop.clone(), real.clone(), spot.clone(), link.clone(), s.ws.clone());
+            let (stop, real, spot, link, ws) = (
+                stop.clone(),
+                real.clone(),
+                spot.clone(),
+                link.clone(),
+                s.ws.clone(),
+            );
             std::thread::spawn(move || {
                 let parked = ws.join("parked");
                 while !stop.load(Ordering::Relaxed) {
@@ -233,7 +263,10 @@ fn attack_links_swapped_in_between_check_and_use() {
         let started = std::time::Instant::now();
         let mut wrote = 0;
         while started.elapsed() < std::time::Duration::from_millis(700) {
-            if s.tree.write(&rel("spot/keys.json"), &mut &b"pwned"[..]).is_ok() {
+            if s.tree
+                .write(&rel("spot/keys.json"), &mut &b"pwned"[..])
+                .is_ok()
+            {
                 wrote += 1;
             }
             let _ = s.tree.open_file(&rel("spot/keys.json"));

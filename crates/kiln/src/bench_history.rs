@@ -58,7 +58,13 @@ fn get(agent: &ureq::Agent, base: &str, path: &str) -> anyhow::Result<Vec<u8>> {
     Ok(body)
 }
 
-fn upload(agent: &ureq::Agent, base: &str, id: &str, name: &str, bytes: &[u8]) -> anyhow::Result<()> {
+fn upload(
+    agent: &ureq::Agent,
+    base: &str,
+    id: &str,
+    name: &str,
+    bytes: &[u8],
+) -> anyhow::Result<()> {
     agent
         .put(&format!("{base}/api/v1/sandboxes/{id}/files/{name}"))
         .set("content-type", "application/octet-stream")
@@ -68,7 +74,12 @@ fn upload(agent: &ureq::Agent, base: &str, id: &str, name: &str, bytes: &[u8]) -
 }
 
 fn sandbox(agent: &ureq::Agent, base: &str) -> anyhow::Result<String> {
-    let created = post(agent, base, "/api/v1/sandboxes", &json!({"language": "python", "timeoutMs": 86_400_000}))?;
+    let created = post(
+        agent,
+        base,
+        "/api/v1/sandboxes",
+        &json!({"language": "python", "timeoutMs": 86_400_000}),
+    )?;
     created["containerId"]
         .as_str()
         .map(str::to_owned)
@@ -88,7 +99,12 @@ fn measure(agent: &ureq::Agent, base: &str, id: &str, iterations: usize) -> anyh
         get(agent, base, &format!("/api/sandbox/{id}/history"))?;
         page_1000.push(micros(t.elapsed()));
         let t = Instant::now();
-        post(agent, base, &format!("/api/sandbox/{id}/diff"), &json!({"fromExecId": "initial"}))?;
+        post(
+            agent,
+            base,
+            &format!("/api/sandbox/{id}/diff"),
+            &json!({"fromExecId": "initial"}),
+        )?;
         diff.push(micros(t.elapsed()));
     }
     Ok(json!({
@@ -116,13 +132,25 @@ pub fn run(
         for target in [100, 6000] {
             let t = Instant::now();
             while commits < target {
-                upload(&agent, &base, &id, &format!("f{}.txt", commits % 10), commits.to_string().as_bytes())?;
+                upload(
+                    &agent,
+                    &base,
+                    &id,
+                    &format!("f{}.txt", commits % 10),
+                    commits.to_string().as_bytes(),
+                )?;
                 commits += 1;
             }
-            eprintln!("history_scale: {commits} commits (grown in {:.1} s)", t.elapsed().as_secs_f64());
+            eprintln!(
+                "history_scale: {commits} commits (grown in {:.1} s)",
+                t.elapsed().as_secs_f64()
+            );
             // Let background packing settle, as a long-lived server would have.
             std::thread::sleep(Duration::from_secs(1));
-            at.insert(format!("commits_{target}"), measure(&agent, &base, &id, iterations)?);
+            at.insert(
+                format!("commits_{target}"),
+                measure(&agent, &base, &id, iterations)?,
+            );
         }
         report.insert("history_scale".into(), Value::Object(at));
     }
@@ -139,7 +167,8 @@ fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
     let errors = Arc::new(AtomicU64::new(0));
     let mut threads = Vec::new();
     for client in 0..clients {
-        let (base, stop, done, errors) = (base.to_owned(), stop.clone(), done.clone(), errors.clone());
+        let (base, stop, done, errors) =
+            (base.to_owned(), stop.clone(), done.clone(), errors.clone());
         threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
             let agent = agent();
             let id = sandbox(&agent, &base)?;
@@ -176,7 +205,9 @@ fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
     }
     stop.store(true, Ordering::Relaxed);
     for thread in threads {
-        thread.join().map_err(|_| anyhow::anyhow!("a client panicked"))??;
+        thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("a client panicked"))??;
     }
     let first = windows.first().copied().unwrap_or(0.0);
     let final_window = windows.last().copied().unwrap_or(0.0);

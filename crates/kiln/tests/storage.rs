@@ -36,7 +36,12 @@ fn put(server: &Server, id: &str, path: &str, bytes: &[u8]) -> Res<Reply> {
 }
 
 fn get(server: &Server, id: &str, path: &str) -> Res<Reply> {
-    send("GET", &file_url(server, id, path), server.key.as_deref(), None)
+    send(
+        "GET",
+        &file_url(server, id, path),
+        server.key.as_deref(),
+        None,
+    )
 }
 
 fn error_code(reply: &Reply) -> String {
@@ -104,7 +109,12 @@ fn issue12_planted_links_never_redirect_host_writes_or_reads() -> TestResult {
         }
     }
     let reply = put(&server, &id, "up.txt", b"upload")?;
-    assert_eq!(reply.status, 201, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     let (status, r) = server.exec(
         &id,
         json!({"code": "print(open('main.py').read())", "files": {"main.py": "x = 1"}}),
@@ -248,18 +258,27 @@ fn issue12_guest_git_folders_are_recorded_and_rolled_back() -> TestResult {
     assert_eq!(status, 200, "{r}");
     assert!(r["commitId"].is_string(), "{r}");
     let first = r["executionId"].as_str().ok_or("id")?.to_owned();
-    let (status, history) =
-        server.call("GET", &format!("/api/v1/sandboxes/{id}/history?limit=1"), None)?;
+    let (status, history) = server.call(
+        "GET",
+        &format!("/api/v1/sandboxes/{id}/history?limit=1"),
+        None,
+    )?;
     assert_eq!(status, 200);
     assert_eq!(
         history["history"][0]["files"],
         json!([".git/hooks/post-checkout", "proj/.git/HEAD", "proj/app.py"])
     );
     // Later execs, uploads and rollbacks still work.
-    let (status, r) = server.exec(&id, json!({"code": "open('proj/.git/HEAD','w').write('changed')"}))?;
+    let (status, r) = server.exec(
+        &id,
+        json!({"code": "open('proj/.git/HEAD','w').write('changed')"}),
+    )?;
     assert_eq!(status, 200, "{r}");
     assert!(r["commitId"].is_string(), "{r}");
-    assert_eq!(put(&server, &id, "proj/.git/config", b"[core]")?.status, 201);
+    assert_eq!(
+        put(&server, &id, "proj/.git/config", b"[core]")?.status,
+        201
+    );
     let (status, diff) = server.call(
         "POST",
         &format!("/api/sandbox/{id}/diff"),
@@ -318,7 +337,10 @@ fn issue12_kill_leftovers_are_recovered_and_results_never_lost() -> TestResult {
     // A commit that cannot happen (its ref is locked): the run's result comes back anyway.
     let lock = branch.with_extension("lock");
     std::fs::write(&lock, "")?;
-    let (status, r) = server.exec(&id, json!({"code": "open('a.txt','w').write('a')\nprint('ran once')"}))?;
+    let (status, r) = server.exec(
+        &id,
+        json!({"code": "open('a.txt','w').write('a')\nprint('ran once')"}),
+    )?;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["stdout"], "ran once\n");
     assert_eq!(r["historyRecorded"], false);
@@ -332,9 +354,14 @@ fn issue12_kill_leftovers_are_recovered_and_results_never_lost() -> TestResult {
     std::fs::write(git.join("index.lock"), "")?;
     let scratch = data.join("sandboxes").join(&id).join(".tmp");
     std::fs::create_dir_all(&scratch)?;
-    std::fs::write(scratch.join("kiln-0123456789abcdef01234567"), "half an upload")?;
     std::fs::write(
-        data.join("sandboxes").join(&id).join(".meta.json.00ff00ff00ff00ff.tmp"),
+        scratch.join("kiln-0123456789abcdef01234567"),
+        "half an upload",
+    )?;
+    std::fs::write(
+        data.join("sandboxes")
+            .join(&id)
+            .join(".meta.json.00ff00ff00ff00ff.tmp"),
         "{",
     )?;
     let server = start(Options {
@@ -342,13 +369,20 @@ fn issue12_kill_leftovers_are_recovered_and_results_never_lost() -> TestResult {
         ..Options::default()
     })?;
     assert!(!lock.exists() && !git.join("index.lock").exists());
-    assert_eq!(std::fs::read_dir(&scratch).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(
+        std::fs::read_dir(&scratch).map(|d| d.count()).unwrap_or(0),
+        0
+    );
     let (status, r) = server.exec(&id, json!({"code": "open('b.txt','w').write('b')"}))?;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["historyRecorded"], true);
     assert!(r["commitId"].is_string(), "{r}");
     // The change the lock kept out is in this commit; no temporary is listed or recorded.
-    let (_, history) = server.call("GET", &format!("/api/v1/sandboxes/{id}/history?limit=1"), None)?;
+    let (_, history) = server.call(
+        "GET",
+        &format!("/api/v1/sandboxes/{id}/history?limit=1"),
+        None,
+    )?;
     assert_eq!(history["history"][0]["files"], json!(["a.txt", "b.txt"]));
     let (_, list) = server.call("GET", &format!("/api/v1/sandboxes/{id}/files"), None)?;
     let paths: Vec<&str> = list["files"]
@@ -371,7 +405,10 @@ fn issue12_kill_leftovers_are_recovered_and_results_never_lost() -> TestResult {
 /// cause) race on one sandbox's record for 30 s: no error at all.
 #[test]
 fn issue12_concurrent_record_writes_never_fail() -> TestResult {
-    let server = Arc::new(start(Options::default())?);
+    let server = Arc::new(start(Options {
+        extra: &["--rate-limit", "0"],
+        ..Options::default()
+    })?);
     let id = server.new_sandbox("python")?;
     let stop = Arc::new(AtomicBool::new(false));
     let failures = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
@@ -435,7 +472,12 @@ fn issue12_concurrent_record_writes_never_fail() -> TestResult {
     }
     let failures = failures.lock().unwrap_or_else(|e| e.into_inner());
     eprintln!("{} requests in 30 s", counts.load(Ordering::Relaxed));
-    assert!(failures.is_empty(), "{} failed: {:?}", failures.len(), &failures[..failures.len().min(5)]);
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
     assert!(counts.load(Ordering::Relaxed) > 100);
     let (status, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
     assert_eq!(status, 200, "{info}");
@@ -463,7 +505,13 @@ fn issue12_sizes_and_counts_are_bounded() -> TestResult {
     // The guest cannot make a file beyond its write budget, however sparse.
     let (status, r) = server.exec(&id, json!({"code": "f = open('sparse.bin', 'wb')\ntry:\n    f.seek(1 << 30)\n    f.write(b'x')\n    f.close()\n    print('written')\nexcept OSError as e:\n    print('refused', e.errno)"}))?;
     assert_eq!(status, 200, "{r}");
-    assert!(r["stdout"].as_str().unwrap_or_default().starts_with("refused"), "{r}");
+    assert!(
+        r["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("refused"),
+        "{r}"
+    );
     // One planted from outside is left out of the history, at once, with a warning.
     let file = std::fs::File::create(ws.join("huge.bin"))?;
     file.set_len(1 << 30)?;
@@ -471,7 +519,11 @@ fn issue12_sizes_and_counts_are_bounded() -> TestResult {
     let started = Instant::now();
     let (status, r) = server.exec(&id, json!({"code": "open('small.txt','w').write('s')"}))?;
     assert_eq!(status, 200, "{r}");
-    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
     assert!(
         r["warnings"].to_string().contains("huge.bin"),
         "no warning about huge.bin: {r}"
@@ -505,7 +557,11 @@ fn issue12_sizes_and_counts_are_bounded() -> TestResult {
         }
     }
     assert_eq!(total, 1 << 30);
-    eprintln!("server RSS {} MiB before, peak {} MiB while streaming 1 GiB", before >> 20, peak >> 20);
+    eprintln!(
+        "server RSS {} MiB before, peak {} MiB while streaming 1 GiB",
+        before >> 20,
+        peak >> 20
+    );
     assert!(peak < before + (128 << 20), "the download was buffered");
     Ok(())
 }
@@ -514,7 +570,10 @@ struct Unmount(PathBuf);
 
 impl Drop for Unmount {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
     }
 }
 
@@ -572,7 +631,8 @@ fn issue12_a_full_disk_answers_507_and_recovers() -> TestResult {
         let reply = send("DELETE", &file_url(&server, &id, name), None, None)?;
         assert!(matches!(reply.status, 200 | 507), "{}", reply.status);
     }
-    let scratch_and_ws_free = || -> Res<u16> { Ok(put(&server, &id, "after.txt", b"works")?.status) };
+    let scratch_and_ws_free =
+        || -> Res<u16> { Ok(put(&server, &id, "after.txt", b"works")?.status) };
     let mut status = 0;
     for _ in 0..20 {
         status = scratch_and_ws_free()?;
@@ -583,7 +643,10 @@ fn issue12_a_full_disk_answers_507_and_recovers() -> TestResult {
         // history may still be full: free what the test itself owns.
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert_eq!(status, 201, "writes did not work again after space was freed");
+    assert_eq!(
+        status, 201,
+        "writes did not work again after space was freed"
+    );
     assert_eq!(get(&server, &id, "after.txt")?.body, b"works");
     Ok(())
 }

@@ -30,7 +30,13 @@ fn commits_diffs_and_rolls_back() {
     assert_eq!(history.record(tree, "noop", "e0").unwrap().commit_id, None);
 
     std::fs::write(ws.join("a.txt"), "one\n").unwrap();
-    assert!(history.record(tree, "write a", "e1").unwrap().commit_id.is_some());
+    assert!(
+        history
+            .record(tree, "write a", "e1")
+            .unwrap()
+            .commit_id
+            .is_some()
+    );
     std::fs::write(ws.join("a.txt"), "two\n").unwrap();
     std::fs::create_dir(ws.join("sub")).unwrap();
     std::fs::write(ws.join("sub/b.bin"), [0u8, 1, 2]).unwrap();
@@ -126,7 +132,11 @@ fn nested_git_folders_are_recorded_as_plain_files() {
         "ref: refs/heads/main\n"
     );
     history.rollback(tree, INITIAL_ID, "r2").unwrap();
-    assert_eq!(std::fs::read_dir(ws).unwrap().count(), 0, "rollback left files");
+    assert_eq!(
+        std::fs::read_dir(ws).unwrap().count(),
+        0,
+        "rollback left files"
+    );
 }
 
 #[test]
@@ -162,7 +172,11 @@ fn links_are_recorded_as_links_and_specials_left_out() {
     std::fs::write(s.ws.join("link"), "replaced").unwrap();
     s.history.record(&s.tree, "replace", "e2").unwrap();
     s.history.rollback(&s.tree, "e1", "r1").unwrap();
-    assert!(std::fs::symlink_metadata(s.ws.join("link")).unwrap().is_symlink());
+    assert!(
+        std::fs::symlink_metadata(s.ws.join("link"))
+            .unwrap()
+            .is_symlink()
+    );
     assert_eq!(std::fs::read_to_string(&outside).unwrap(), "secret");
 }
 
@@ -201,7 +215,13 @@ fn stale_locks_are_recovered() {
     let mut removed = recover(&git).unwrap();
     removed.sort();
     assert_eq!(removed.len(), 3, "{removed:?}");
-    assert!(s.history.record(&s.tree, "a", "e1").unwrap().commit_id.is_some());
+    assert!(
+        s.history
+            .record(&s.tree, "a", "e1")
+            .unwrap()
+            .commit_id
+            .is_some()
+    );
 }
 
 #[test]
@@ -221,12 +241,69 @@ fn loose_objects_are_packed() {
     assert_eq!(std::fs::read_to_string(s.ws.join("f5.txt")).unwrap(), "5");
 }
 
+/// Packs are folded into one now and then; every commit of the history stays readable.
+#[test]
+fn folded_packs_keep_the_whole_history() {
+    let s = setup();
+    for i in 0..40 {
+        std::fs::write(s.ws.join(format!("f{}.txt", i % 5)), i.to_string()).unwrap();
+        s.history.record(&s.tree, "n", &format!("e{i}")).unwrap();
+        s.history.pack(1, 3).unwrap();
+    }
+    let packs = std::fs::read_dir(s.dir.path().join("history.git/objects/pack"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".pack")
+        })
+        .count();
+    assert!(packs < 3, "{packs} packs");
+    let reopened = History::open(&s.dir.path().join("history.git")).unwrap();
+    assert_eq!(reopened.entries(1000).unwrap().len(), 41);
+    assert_eq!(reopened.diff(INITIAL_ID, "e39").unwrap().len(), 5);
+    assert_eq!(reopened.diff("e0", "e1").unwrap().len(), 1);
+    reopened.rollback(&s.tree, "e2", "r").unwrap();
+    assert_eq!(std::fs::read_to_string(s.ws.join("f2.txt")).unwrap(), "2");
+    assert!(!s.ws.join("f3.txt").exists());
+}
+
 #[test]
 fn git_like_names_round_trip() {
-    for name in [".git", ".GIT", ".git~", ".Git~~", "git", ".gitignore", "a~", "~"] {
+    for name in [
+        ".git",
+        ".GIT",
+        ".git~",
+        ".Git~~",
+        "git",
+        ".gitignore",
+        "a~",
+        "~",
+    ] {
         let stored = encode(name.as_bytes());
         assert!(!stored.eq_ignore_ascii_case(b".git"), "{name}");
         assert_eq!(decode(&stored), name.as_bytes(), "{name}");
     }
     assert_eq!(encode(b".gitignore"), b".gitignore");
+}
+
+/// Files unchanged since an earlier commit (and older than the clock's granularity) are not
+/// read again.
+#[test]
+fn unchanged_files_are_not_read_again() {
+    let s = setup();
+    std::fs::write(s.ws.join("old.txt"), "old").unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    s.history.record(&s.tree, "first", "e1").unwrap();
+    let meta = s
+        .tree
+        .stat(&kiln_workspace::RelPath::parse("old.txt").unwrap())
+        .unwrap()
+        .unwrap();
+    assert!(cached_blob(&s.history.key, &meta).is_some(), "not cached");
+    std::fs::write(s.ws.join("new.txt"), "new").unwrap();
+    s.history.record(&s.tree, "second", "e2").unwrap();
+    assert_eq!(s.history.entries(1).unwrap()[0].files, ["new.txt"]);
 }

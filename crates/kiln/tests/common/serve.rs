@@ -234,4 +234,3 @@ impl Server {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
-
