@@ -132,6 +132,24 @@ async def over_http():
             http = create_mcp_http_client(headers={"Authorization": f"Bearer {alice}"})
             async with Client(streamable_http_client(url, http_client=http)) as client:
                 sandbox = await exercise(client, "http")
+            # Issue 12: links code planted never redirect write_file or read_file (the old
+            # server wrote `.<name>.<pid>.tmp` beside the target, following links).
+            keys_path = os.path.join(data_dir, "keys.json")
+            keys_before = open(keys_path, "rb").read()
+            workspace = os.path.join(data_dir, "sandboxes", sandbox, "workspace")
+            os.symlink(keys_path, os.path.join(workspace, f".up.txt.{server.pid}.tmp"))
+            os.symlink(data_dir, os.path.join(workspace, "d"))
+            async with Client(streamable_http_client(url, http_client=create_mcp_http_client(
+                    headers={"Authorization": f"Bearer {alice}"}))) as client:
+                result = await client.call_tool("write_file", {"sandbox_id": sandbox, "path": "up.txt", "content": "pwned"})
+                check(not result.is_error, f"write_file past a planted temporary: {text(result)}")
+                for path in ["d/keys.json", f".up.txt.{server.pid}.tmp"]:
+                    result = await client.call_tool("write_file", {"sandbox_id": sandbox, "path": path, "content": "pwned"})
+                    check(result.is_error and data(result)["error"]["code"] == "INVALID_PATH", f"write_file {path}: {text(result)}")
+                    result = await client.call_tool("read_file", {"sandbox_id": sandbox, "path": path})
+                    check(result.is_error and data(result)["error"]["code"] == "INVALID_PATH", f"read_file {path}: {text(result)}")
+                    check(data_dir not in text(result), f"an error names the data folder: {text(result)}")
+            check(open(keys_path, "rb").read() == keys_before, "the key file changed through a planted link")
             # The key's tenant applies: Bob cannot see Alice's sandbox, over MCP or REST.
             http = create_mcp_http_client(headers={"Authorization": f"Bearer {bob}"})
             async with Client(streamable_http_client(url, http_client=http)) as client:

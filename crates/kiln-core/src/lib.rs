@@ -87,8 +87,9 @@ pub struct Limits {
     /// Bytes of stderr kept, as for stdout. Default 1 MiB.
     pub stderr_bytes: u64,
     /// Bytes the guest may write to files (workspace and `/tmp`) during the execution,
-    /// counted as written (an overwrite counts again). Writes beyond it fail with `ENOSPC`.
-    /// Default 64 MiB.
+    /// counted as written (an overwrite counts again), plus the holes a write past a file's
+    /// end leaves and the growth of a file made longer by truncation (so a sparse file cannot
+    /// outgrow it). Writes beyond it fail with `ENOSPC`. Default 64 MiB.
     pub fs_write_bytes: u64,
     /// Files and directories the guest may create during the execution. Default 1 000.
     pub fs_create_count: u64,

@@ -368,7 +368,6 @@ pub fn spec(
             ));
         }
     }
-    let _ = &view;
     let files = check_files(body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
     let summary = format!(
         "{} {}",
@@ -991,7 +990,8 @@ pub async fn read_file(
 ) -> Result<Response, ApiError> {
     let Path((id, name)) = ids.map_err(path_error)?;
     let (file, size) = open_file_in(&state, &caller, &id, name).await?;
-    let file = tokio::fs::File::from_std(file);
+    // At most the size announced in Content-Length, whatever happens to the file meanwhile.
+    let file = tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(file), size);
     let chunks = futures::stream::try_unfold(file, |mut file| async move {
         let mut buf = vec![0u8; 64 * 1024];
         let n = tokio::io::AsyncReadExt::read(&mut file, &mut buf).await?;
