@@ -755,8 +755,8 @@ impl History {
         packs.sort_by_key(|p| p.oids.len());
         let mut merge = 0;
         'split: while merge <= packs.len() {
-            let mut smaller = loose.len()
-                + packs[..merge].iter().map(|p| p.oids.len()).sum::<usize>();
+            let mut smaller =
+                loose.len() + packs[..merge].iter().map(|p| p.oids.len()).sum::<usize>();
             for pack in &packs[merge..] {
                 if pack.oids.len() < 2 * smaller {
                     merge += 1;
@@ -839,7 +839,7 @@ pub fn pack_check_due(git_dir: &Path) -> bool {
         .entry(git_dir.to_path_buf())
         .or_default();
     *count += 1;
-    *count % PACK_CHECK_EVERY == 0
+    (*count).is_multiple_of(PACK_CHECK_EVERY)
 }
 
 /// Changes between two looks at the loose objects.

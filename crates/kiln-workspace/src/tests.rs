@@ -182,7 +182,7 @@ fn attack_fifos_and_devices_are_refused_unopened() {
     let s = setup(Resolver::Auto);
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &s.ws.join("pipe"),
+        s.ws.join("pipe"),
         FileType::Fifo,
         Mode::from_raw_mode(0o644),
         0,

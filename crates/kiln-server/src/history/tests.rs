@@ -147,7 +147,7 @@ fn links_are_recorded_as_links_and_specials_left_out() {
     symlink(&outside, s.ws.join("link")).unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &s.ws.join("pipe"),
+        s.ws.join("pipe"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o644),
         0,
@@ -315,4 +315,3 @@ fn unchanged_files_are_not_read_again() {
     s.history.record(&s.tree, "second", "e2").unwrap();
     assert_eq!(s.history.entries(1).unwrap()[0].files, ["new.txt"]);
 }
-
