@@ -497,8 +497,10 @@ pub struct HistoryReply {
 /// A page of history.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct HistoryQuery {
     /// Most entries to return (1 to 1000, default 1000).
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<usize>,
     /// Where the previous page ended (its `nextCursor`).
     pub cursor: Option<String>,
