@@ -171,10 +171,15 @@ fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
+    // Per operation (exec, session turn, upload, download, history page): count and total
+    // microseconds, to see which one a change in throughput comes from.
+    let op_count: Arc<[AtomicU64; 5]> = Arc::new(Default::default());
+    let op_us: Arc<[AtomicU64; 5]> = Arc::new(Default::default());
     let mut threads = Vec::new();
     for client in 0..clients {
         let (base, stop, done, errors) =
             (base.to_owned(), stop.clone(), done.clone(), errors.clone());
+        let (op_count, op_us) = (op_count.clone(), op_us.clone());
         threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
             let agent = agent();
             let id = sandbox(&agent, &base)?;
@@ -183,6 +188,7 @@ fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 n += 1;
+                let op_started = Instant::now();
                 let outcome = match n % 5 {
                     0 => post(&agent, &base, &format!("/api/v1/sandboxes/{id}/exec"),
                         &json!({"code": format!("open('out{}.txt','w').write('{client} {n}')", n % 20)})).map(|_| ()),
@@ -192,6 +198,9 @@ fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
                     3 => get(&agent, &base, &format!("/api/v1/sandboxes/{id}/files/up{}.txt", (n + 19) % 20)).map(|_| ()),
                     _ => get(&agent, &base, &format!("/api/sandbox/{id}/history?limit=100")).map(|_| ()),
                 };
+                let op = (n % 5) as usize;
+                op_count[op].fetch_add(1, Ordering::Relaxed);
+                op_us[op].fetch_add(op_started.elapsed().as_micros() as u64, Ordering::Relaxed);
                 match outcome {
                     Ok(()) => done.fetch_add(1, Ordering::Relaxed),
                     Err(_) => errors.fetch_add(1, Ordering::Relaxed),
@@ -207,11 +216,34 @@ fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
     let started = Instant::now();
     let mut windows = Vec::new();
     let mut last = done.load(Ordering::Relaxed);
+    let snapshot = || -> [(u64, u64); 5] {
+        std::array::from_fn(|i| {
+            (
+                op_count[i].load(Ordering::Relaxed),
+                op_us[i].load(Ordering::Relaxed),
+            )
+        })
+    };
+    let mut last_ops = snapshot();
+    let mut op_windows: Vec<Value> = Vec::new();
     while started.elapsed().as_secs_f64() < seconds {
         std::thread::sleep(Duration::from_secs(10).min(Duration::from_secs_f64(seconds.max(1.0))));
         let now = done.load(Ordering::Relaxed);
         windows.push((now - last) as f64 / 10.0);
         last = now;
+        let ops = snapshot();
+        let mean_ms: Vec<f64> = (0..5)
+            .map(|i| {
+                let (n, us) = (ops[i].0 - last_ops[i].0, ops[i].1 - last_ops[i].1);
+                if n == 0 {
+                    0.0
+                } else {
+                    (us as f64 / n as f64 / 10.0).round() / 100.0
+                }
+            })
+            .collect();
+        op_windows.push(json!(mean_ms));
+        last_ops = ops;
     }
     stop.store(true, Ordering::Relaxed);
     for thread in threads {
@@ -228,6 +260,10 @@ fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
         "requests": done.load(Ordering::Relaxed),
         "errors": errors.load(Ordering::Relaxed),
         "per_second_by_10s_window": windows,
+        "mean_ms_by_10s_window": {
+            "ops": ["exec_writing_a_file", "session_turn", "upload", "download", "history_page_100"],
+            "windows": op_windows,
+        },
         "first_10s_per_second": first,
         "last_10s_per_second": final_window,
         "last_over_first": if first > 0.0 { (final_window / first * 1000.0).round() / 1000.0 } else { 0.0 },
