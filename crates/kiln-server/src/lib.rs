@@ -215,6 +215,13 @@ pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<
             tracing::info!(target: "kiln::serve", "no chat model (POST /api/v1/chat answers 503): {why}")
         }
     }
+    // TCP_NODELAY: a streamed body (a download, SSE) is written after its headers; with Nagle
+    // the second small write waited for the client's delayed ACK, 40 ms per download.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |stream| {
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!("could not set TCP_NODELAY: {e}");
+        }
+    });
     axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
