@@ -109,17 +109,27 @@ fn nested_git_folders_are_recorded_as_plain_files() {
     std::fs::create_dir_all(ws.join(".git")).unwrap();
     std::fs::write(ws.join(".git/config"), "[core]\n").unwrap();
     std::fs::write(ws.join(".GIT~"), "a file with a git-like name").unwrap();
+    // Names only NTFS cares about are fine on Linux (the repository's config says so).
+    std::fs::write(ws.join("git~1"), "x").unwrap();
+    std::fs::write(ws.join(".git."), "x").unwrap();
     let recorded = history.record(tree, "make repos", "e1").unwrap();
     assert!(recorded.commit_id.is_some());
     let entry = &history.entries(1).unwrap()[0];
     assert_eq!(
         entry.files,
-        [".GIT~", ".git/config", "proj/.git/HEAD", "proj/main.py"]
+        [
+            ".GIT~",
+            ".git.",
+            ".git/config",
+            "git~1",
+            "proj/.git/HEAD",
+            "proj/main.py"
+        ]
     );
     // Stored under names git accepts, so `git clone` of the history works.
     let head = history.head().unwrap().tree().unwrap();
     let names: Vec<_> = head.iter().map(|e| e.name().unwrap().to_owned()).collect();
-    assert_eq!(names, [".GIT~~", ".git~", "proj"]);
+    assert_eq!(names, [".GIT~~", ".git.", ".git~", "git~1", "proj"]);
 
     std::fs::write(ws.join("proj/.git/HEAD"), "ref: refs/heads/evil\n").unwrap();
     history.record(tree, "change", "e2").unwrap();
