@@ -264,6 +264,8 @@ impl KilnMcp {
                         "stderr": outcome.stderr_with_reason(),
                         "duration_ms": outcome.result.duration_us as f64 / 1000.0,
                         "commit_id": outcome.commit_id,
+                        "history_recorded": outcome.history_recorded(),
+                        "warnings": outcome.warnings(),
                     }),
                     outcome.status() != "success",
                 )

@@ -196,7 +196,10 @@ fn issue12_planted_links_never_redirect_host_writes_or_reads() -> TestResult {
 /// can, while uploads and downloads go through it: nothing outside ever changes.
 #[test]
 fn issue12_links_swapped_in_between_check_and_use() -> TestResult {
-    let server = start(Options::default())?;
+    let server = start(Options {
+        extra: &["--rate-limit", "0"],
+        ..Options::default()
+    })?;
     let id = server.new_sandbox("python")?;
     let ws = workspace(&server, &id);
     let outside = server.data.parent().ok_or("parent")?.join("outside");
