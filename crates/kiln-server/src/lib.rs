@@ -166,6 +166,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             mcp::http_service(state.clone(), state.mcp_hosts.clone()),
         )
         .fallback(api::not_found)
+        .layer(axum::middleware::from_fn(gate::json_errors))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             gate::gate,

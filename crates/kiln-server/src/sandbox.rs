@@ -454,7 +454,11 @@ impl Registry {
             .filter(|e| e.meta.tenant == tenant && e.meta.expires_ms > now && !e.deleted)
             .collect();
         mine.sort_by(|a, b| (a.meta.created_ms, &a.meta.id).cmp(&(b.meta.created_ms, &b.meta.id)));
-        let start = match after.and_then(|a| sandboxes.get(a)) {
+        // Another tenant's sandbox id is a cursor like any unknown one.
+        let start = match after
+            .and_then(|a| sandboxes.get(a))
+            .filter(|cursor| cursor.meta.tenant == tenant)
+        {
             Some(cursor) => mine
                 .iter()
                 .position(|e| {

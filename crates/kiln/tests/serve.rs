@@ -151,6 +151,65 @@ fn keys_are_required_and_tenants_never_see_each_other() -> TestResult {
     Ok(())
 }
 
+/// Issue 13, item 4: another tenant's sandbox id as a list cursor behaves exactly like an
+/// unknown one; errors the router answers itself (405, 404) have the JSON error shape, 405
+/// with its `Allow` header.
+#[test]
+fn issue13_foreign_cursors_and_router_errors_answer_like_any_other() -> TestResult {
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
+    let alice = server.key.clone().ok_or("no key")?;
+    let bob = create_key(&server.data, None)?;
+    let create = |key: &str| -> Res<String> {
+        let (status, body) = server.call_as(
+            Some(key),
+            "POST",
+            "/api/sandbox",
+            Some(json!({"image": "python"})),
+        )?;
+        assert_eq!(status, 201, "{body}");
+        Ok(body["containerId"].as_str().ok_or("no id")?.to_owned())
+    };
+    let mine = [create(&bob)?, create(&bob)?, create(&bob)?];
+    let theirs = create(&alice)?;
+    let page = |cursor: &str| -> Res<Value> {
+        let (status, body) = server.call_as(
+            Some(&bob),
+            "GET",
+            &format!("/api/v1/sandboxes?limit=2&cursor={cursor}"),
+            None,
+        )?;
+        assert_eq!(status, 200, "{body}");
+        Ok(body)
+    };
+    let unknown = page("sb_000000000000000000000000")?;
+    let foreign = page(&theirs)?;
+    assert_eq!(foreign, unknown, "another tenant's cursor changed the page");
+    let own = page(&mine[0])?;
+    assert_ne!(own, unknown);
+
+    // 405: JSON, with Allow.
+    let response = ureq::request("DELETE", &server.url("/api/sandbox/exec"))
+        .set("authorization", &format!("Bearer {alice}"))
+        .call();
+    let Err(ureq::Error::Status(405, response)) = response else {
+        return Err("DELETE /api/sandbox/exec was not a 405".into());
+    };
+    let allow = response.header("allow").unwrap_or_default().to_owned();
+    assert!(allow.contains("POST"), "Allow: {allow:?}");
+    let body: Value = response.into_json()?;
+    assert_eq!(body["error"]["code"], "METHOD_NOT_ALLOWED", "{body}");
+    // 404 of an unknown route, inside and outside /api/v1.
+    for path in ["/api/v1/nope", "/nope"] {
+        let (status, body) = server.call_as(Some(&alice), "GET", path, None)?;
+        assert_eq!(status, 404, "{path}");
+        assert_eq!(body["error"]["code"], "ROUTE_NOT_FOUND", "{path}: {body}");
+    }
+    Ok(())
+}
+
 #[test]
 fn auth_off_is_announced_loudly() -> TestResult {
     let server = start(Options::default())?;
