@@ -283,3 +283,82 @@ pub async fn json_errors(request: Request, next: Next) -> Response {
     }
     shaped
 }
+
+/// Who opened each MCP session on `/mcp` (its `Mcp-Session-Id`), so another tenant can neither
+/// use nor close it: for them it does not exist (404, as for an unknown session).
+#[derive(Debug, Default)]
+pub struct McpSessionOwners {
+    owners: std::sync::Mutex<HashMap<String, (String, Instant)>>,
+}
+
+/// Sessions remembered at most; past it, those older than a day are forgotten.
+const MAX_MCP_SESSIONS: usize = 10_000;
+
+impl McpSessionOwners {
+    fn owner(&self, session: &str) -> Option<String> {
+        let owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        owners.get(session).map(|(tenant, _)| tenant.clone())
+    }
+
+    fn insert(&self, session: String, tenant: String) {
+        let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        if owners.len() >= MAX_MCP_SESSIONS {
+            owners.retain(|_, (_, at)| at.elapsed() < Duration::from_secs(24 * 3600));
+        }
+        owners.insert(session, (tenant, Instant::now()));
+    }
+
+    fn remove(&self, session: &str) {
+        let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        owners.remove(session);
+    }
+}
+
+/// Binds MCP sessions to the tenant that opened them (runs after authentication).
+pub async fn bind_mcp_sessions(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if !request.uri().path().starts_with("/mcp") {
+        return next.run(request).await;
+    }
+    let tenant = request
+        .extensions()
+        .get::<Caller>()
+        .map(|c| c.tenant.clone())
+        .unwrap_or_default();
+    let session = request
+        .headers()
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if let Some(session) = &session
+        && let Some(owner) = state.mcp_sessions.owner(session)
+        && owner != tenant
+    {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "SESSION_NOT_FOUND",
+            "no such MCP session",
+        )
+        .into_response();
+    }
+    let closing = request.method() == axum::http::Method::DELETE;
+    let response = next.run(request).await;
+    if let Some(opened) = response
+        .headers()
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        && session.as_deref() != Some(opened)
+    {
+        state.mcp_sessions.insert(opened.to_owned(), tenant);
+    }
+    if closing
+        && response.status().is_success()
+        && let Some(session) = &session
+    {
+        state.mcp_sessions.remove(session);
+    }
+    response
+}

@@ -48,6 +48,8 @@ pub struct AppState {
     pub request_timeout: Duration,
     /// Host names `/mcp` accepts in `Host` (DNS-rebinding protection).
     pub mcp_hosts: Vec<String>,
+    /// The tenant each `/mcp` session belongs to.
+    pub mcp_sessions: gate::McpSessionOwners,
     /// The model for `/api/v1/chat` (`Err`: how to configure one).
     pub llm: Result<Arc<dyn kiln_llm::ChatModel>, String>,
     /// Budgets of one agent run.
@@ -86,6 +88,7 @@ impl AppState {
             limiter: gate::RateLimiter::new(config.rate_limit),
             metrics: metrics::Metrics::default(),
             request_timeout: config.request_timeout,
+            mcp_sessions: gate::McpSessionOwners::default(),
             mcp_hosts: {
                 let mut hosts: Vec<String> = ["localhost", "127.0.0.1", "::1"]
                     .iter()
@@ -167,6 +170,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn(gate::json_errors))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            gate::bind_mcp_sessions,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             gate::gate,

@@ -210,6 +210,64 @@ fn issue13_foreign_cursors_and_router_errors_answer_like_any_other() -> TestResu
     Ok(())
 }
 
+/// Issue 13, item 4: an MCP session on `/mcp` belongs to the tenant that opened it; another
+/// tenant's key can neither use nor close it (404, as for an unknown session).
+#[test]
+fn issue13_mcp_sessions_belong_to_their_tenant() -> TestResult {
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
+    let alice = server.key.clone().ok_or("no key")?;
+    let bob = create_key(&server.data, None)?;
+    let mcp = |key: &str, method: &str, session: Option<&str>, body: Option<Value>| {
+        let mut request = ureq::request(method, &server.url("/mcp"))
+            .timeout(Duration::from_secs(30))
+            .set("authorization", &format!("Bearer {key}"))
+            .set("accept", "application/json, text/event-stream");
+        if let Some(session) = session {
+            request = request.set("mcp-session-id", session);
+        }
+        let response = match body {
+            Some(body) => request.send_json(body),
+            None => request.call(),
+        };
+        match response {
+            Ok(response) => Ok(response),
+            Err(ureq::Error::Status(_, response)) => Ok(response),
+            Err(e) => Err(e),
+        }
+    };
+    let opened = mcp(
+        &alice,
+        "POST",
+        None,
+        Some(
+            json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-03-26", "capabilities": {},
+            "clientInfo": {"name": "kiln-test", "version": "1"}}}),
+        ),
+    )?;
+    assert_eq!(opened.status(), 200);
+    let session = opened
+        .header("mcp-session-id")
+        .ok_or("no Mcp-Session-Id")?
+        .to_owned();
+    drop(opened);
+    let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    // Bob's key on Alice's session: as if it did not exist.
+    let used = mcp(&bob, "POST", Some(&session), Some(initialized.clone()))?;
+    assert_eq!(used.status(), 404);
+    let closed = mcp(&bob, "DELETE", Some(&session), None)?;
+    assert_eq!(closed.status(), 404);
+    // Alice's session still works, and she can close it.
+    let used = mcp(&alice, "POST", Some(&session), Some(initialized))?;
+    assert!(used.status() < 300, "{}", used.status());
+    let closed = mcp(&alice, "DELETE", Some(&session), None)?;
+    assert!(closed.status() < 300, "{}", closed.status());
+    Ok(())
+}
+
 #[test]
 fn auth_off_is_announced_loudly() -> TestResult {
     let server = start(Options::default())?;
