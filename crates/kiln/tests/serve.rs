@@ -220,7 +220,11 @@ fn issue13_mcp_sessions_belong_to_their_tenant() -> TestResult {
     })?;
     let alice = server.key.clone().ok_or("no key")?;
     let bob = create_key(&server.data, None)?;
-    let mcp = |key: &str, method: &str, session: Option<&str>, body: Option<Value>| {
+    let mcp = |key: &str,
+               method: &str,
+               session: Option<&str>,
+               body: Option<Value>|
+     -> Res<ureq::Response> {
         let mut request = ureq::request(method, &server.url("/mcp"))
             .timeout(Duration::from_secs(30))
             .set("authorization", &format!("Bearer {key}"))
@@ -235,7 +239,7 @@ fn issue13_mcp_sessions_belong_to_their_tenant() -> TestResult {
         match response {
             Ok(response) => Ok(response),
             Err(ureq::Error::Status(_, response)) => Ok(response),
-            Err(e) => Err(e),
+            Err(e) => Err(e.into()),
         }
     };
     let opened = mcp(
