@@ -314,11 +314,14 @@ async fn run_in(
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
     cancel: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<(ExecResult, Limits), ApiError> {
-    let tree = sandbox.tree()?;
-    write_files(&tree, &spec.files)?;
+    // Most runs send no files and name no program file: no workspace handle is opened for
+    // them (recording the change opens its own, off the async threads).
+    if !spec.files.is_empty() {
+        write_files(&sandbox.tree()?, &spec.files)?;
+    }
     let code = match &spec.code_file {
         None => spec.code.clone(),
-        Some(name) => read_program(&tree, name)?,
+        Some(name) => read_program(&sandbox.tree()?, name)?,
     };
     let remaining_ms = sandbox.expires_ms.saturating_sub(now_ms()).max(1);
     let mut limits = Limits {

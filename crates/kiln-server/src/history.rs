@@ -24,6 +24,7 @@ use std::ffi::{OsStr, OsString};
 use std::io::Read;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use git2::{Delta, DiffOptions, ObjectType, Oid, Repository, Signature, Time};
@@ -121,8 +122,8 @@ pub struct Recorded {
 /// A sandbox's workspace repository.
 pub struct History {
     repo: Repository,
-    /// Where stat-cache entries of this repository are kept.
-    key: PathBuf,
+    /// What is kept in memory for this repository.
+    memory: Arc<RepoMemory>,
 }
 
 fn signature() -> Result<Signature<'static>, git2::Error> {
@@ -199,70 +200,84 @@ fn decode_path(stored: &[u8]) -> String {
     parts.join("/")
 }
 
-/// Blob ids of files whose metadata has not changed since they were hashed, per repository:
-/// a commit re-reads only what changed. Keyed by (device, inode); an entry is trusted only
-/// when size, mtime and ctime all match, and is made only for files whose ctime is more than
-/// 100 ms old: file times tick with the kernel's coarse clock (one jiffy, at most 10 ms), so
-/// a later change of the same file always shows in its ctime, which guest code cannot set.
-type StatCache = HashMap<PathBuf, HashMap<(u64, u64), (u64, i64, i64, bool, Oid)>>;
-static STAT_CACHE: Mutex<Option<StatCache>> = Mutex::new(None);
-const STAT_CACHE_MAX: usize = 200_000;
-
-fn cached_blob(key: &Path, meta: &kiln_workspace::Meta) -> Option<Oid> {
-    let cache = STAT_CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    let (size, mtime, ctime, exec, oid) = *cache.as_ref()?.get(key)?.get(&(meta.dev, meta.ino))?;
-    (size == meta.size
-        && mtime == meta.mtime_ns
-        && ctime == meta.ctime_ns
-        && exec == meta.executable())
-    .then_some(oid)
+/// What kiln keeps in memory for one history repository, shared by every [`History`] opened
+/// on it (one entry per repository, dropped by [`forget`]).
+#[derive(Debug, Default)]
+struct RepoMemory {
+    /// One writer at a time: changes (from the request path) and packing (in the background)
+    /// take turns.
+    write: Mutex<()>,
+    /// Blob ids of files whose metadata has not changed since they were hashed: a commit
+    /// re-reads only what changed. Keyed by (device, inode); an entry is trusted only when
+    /// size, mtime, ctime and the execute bit all match, and is made only for files whose
+    /// ctime is more than 100 ms old: file times tick with the kernel's coarse clock (one
+    /// jiffy, at most 10 ms), so a later change of the same file always shows in its ctime,
+    /// which guest code cannot set.
+    blobs: Mutex<HashMap<(u64, u64), CachedBlob>>,
+    /// Changes recorded, for [`pack_check_due`].
+    changes: AtomicU32,
+    /// Whether a packer runs now.
+    packing: AtomicBool,
 }
 
-fn remember_blob(key: &Path, meta: &kiln_workspace::Meta, oid: Oid, now_ns: i64) {
-    if meta.ctime_ns > now_ns.saturating_sub(100_000_000) {
-        return;
+/// A stat-cache entry: size, mtime, ctime, the execute bit, and the blob.
+type CachedBlob = (u64, i64, i64, bool, Oid);
+
+static REPOS: Mutex<Option<HashMap<PathBuf, Arc<RepoMemory>>>> = Mutex::new(None);
+/// Stat-cache entries of all repositories together, and the most kept.
+static CACHED_BLOBS: AtomicUsize = AtomicUsize::new(0);
+const STAT_CACHE_MAX: usize = 200_000;
+
+fn memory(git_dir: &Path) -> Arc<RepoMemory> {
+    let mut repos = REPOS.lock().unwrap_or_else(|e| e.into_inner());
+    repos
+        .get_or_insert_with(HashMap::new)
+        .entry(git_dir.to_path_buf())
+        .or_default()
+        .clone()
+}
+
+impl RepoMemory {
+    fn cached_blob(&self, meta: &kiln_workspace::Meta) -> Option<Oid> {
+        let blobs = self.blobs.lock().unwrap_or_else(|e| e.into_inner());
+        let (size, mtime, ctime, exec, oid) = *blobs.get(&(meta.dev, meta.ino))?;
+        (size == meta.size
+            && mtime == meta.mtime_ns
+            && ctime == meta.ctime_ns
+            && exec == meta.executable())
+        .then_some(oid)
     }
-    let mut cache = STAT_CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    let cache = cache.get_or_insert_with(HashMap::new);
-    if cache.values().map(HashMap::len).sum::<usize>() >= STAT_CACHE_MAX {
-        cache.clear();
-    }
-    cache.entry(key.to_path_buf()).or_default().insert(
-        (meta.dev, meta.ino),
-        (
+
+    fn remember_blob(&self, meta: &kiln_workspace::Meta, oid: Oid, now_ns: i64) {
+        if meta.ctime_ns > now_ns.saturating_sub(100_000_000) {
+            return;
+        }
+        let mut blobs = self.blobs.lock().unwrap_or_else(|e| e.into_inner());
+        if CACHED_BLOBS.load(Ordering::Relaxed) >= STAT_CACHE_MAX {
+            // Over the total: this repository starts again (the others keep theirs).
+            CACHED_BLOBS.fetch_sub(blobs.len(), Ordering::Relaxed);
+            blobs.clear();
+        }
+        let entry = (
             meta.size,
             meta.mtime_ns,
             meta.ctime_ns,
             meta.executable(),
             oid,
-        ),
-    );
+        );
+        if blobs.insert((meta.dev, meta.ino), entry).is_none() {
+            CACHED_BLOBS.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Forgets what is kept in memory for a repository (its sandbox is gone).
 pub fn forget(git_dir: &Path) {
-    let mut cache = STAT_CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(cache) = cache.as_mut() {
-        cache.remove(git_dir);
+    let mut repos = REPOS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(memory) = repos.as_mut().and_then(|r| r.remove(git_dir)) {
+        let blobs = memory.blobs.lock().unwrap_or_else(|e| e.into_inner());
+        CACHED_BLOBS.fetch_sub(blobs.len(), Ordering::Relaxed);
     }
-    drop(cache);
-    let mut locks = WRITE_LOCKS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(locks) = locks.as_mut() {
-        locks.remove(git_dir);
-    }
-}
-
-/// One writer per repository at a time: changes (from the request path) and packing (in the
-/// background) take turns.
-static WRITE_LOCKS: Mutex<Option<HashMap<PathBuf, Arc<Mutex<()>>>>> = Mutex::new(None);
-
-fn write_lock(git_dir: &Path) -> Arc<Mutex<()>> {
-    let mut locks = WRITE_LOCKS.lock().unwrap_or_else(|e| e.into_inner());
-    locks
-        .get_or_insert_with(HashMap::new)
-        .entry(git_dir.to_path_buf())
-        .or_default()
-        .clone()
 }
 
 fn now_ns() -> i64 {
@@ -273,7 +288,7 @@ fn now_ns() -> i64 {
 
 struct Stager<'a> {
     repo: &'a Repository,
-    key: &'a Path,
+    memory: &'a RepoMemory,
     entries: usize,
     now_ns: i64,
     left_out: Vec<LeftOut>,
@@ -310,13 +325,13 @@ impl Stager<'_> {
                         self.leave_out(path, "too_large");
                         continue;
                     }
-                    let oid = match cached_blob(self.key, &meta) {
+                    let oid = match self.memory.cached_blob(&meta) {
                         Some(oid) => oid,
                         None => {
                             let (file, meta) =
                                 dir.open_file(&name).map_err(|e| within(e, prefix))?;
                             let oid = self.blob(file, meta.size, &path)?;
-                            remember_blob(self.key, &meta, oid, self.now_ns);
+                            self.memory.remember_blob(&meta, oid, self.now_ns);
                             oid
                         }
                     };
@@ -395,7 +410,7 @@ impl History {
         configure(&repo)?;
         let history = History {
             repo,
-            key: git_dir.to_path_buf(),
+            memory: memory(git_dir),
         };
         {
             let (oid, _) = history.stage(tree)?;
@@ -422,7 +437,7 @@ impl History {
         let repo = Repository::open_bare(git_dir)?;
         Ok(History {
             repo,
-            key: git_dir.to_path_buf(),
+            memory: memory(git_dir),
         })
     }
 
@@ -442,7 +457,7 @@ impl History {
     fn stage_once(&self, tree: &Tree) -> Result<(Oid, Vec<LeftOut>), HistoryError> {
         let mut stager = Stager {
             repo: &self.repo,
-            key: &self.key,
+            memory: &self.memory,
             entries: 0,
             now_ns: now_ns(),
             left_out: Vec::new(),
@@ -495,8 +510,7 @@ impl History {
 
     /// Commits the workspace as change `id` if it differs from the last commit.
     pub fn record(&self, tree: &Tree, summary: &str, id: &str) -> Result<Recorded, HistoryError> {
-        let lock = write_lock(&self.key);
-        let _turn = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _turn = self.memory.write.lock().unwrap_or_else(|e| e.into_inner());
         let (staged, left_out) = self.stage(tree)?;
         if self.head()?.tree_id() == staged {
             return Ok(Recorded {
@@ -622,8 +636,7 @@ impl History {
     /// Restores the workspace to its state after change `target` — exactly: everything the
     /// recorded tree does not hold is removed — and records that as change `id`.
     pub fn rollback(&self, tree: &Tree, target: &str, id: &str) -> Result<Recorded, HistoryError> {
-        let lock = write_lock(&self.key);
-        let _turn = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _turn = self.memory.write.lock().unwrap_or_else(|e| e.into_inner());
         let wanted = self.find(target)?.tree()?;
         self.restore(tree, tree.root(), &wanted, "")?;
         let (staged, left_out) = self.stage(tree)?;
@@ -710,23 +723,18 @@ impl History {
     /// back to re-reading the pack folder when a loose object is gone. Only one packer runs
     /// per repository; a second call while one runs returns at once.
     fn pack(&self, after_loose: usize) -> Result<bool, HistoryError> {
-        static PACKING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-        {
-            let mut packing = PACKING.lock().unwrap_or_else(|e| e.into_inner());
-            if packing.contains(&self.key) {
-                return Ok(false);
-            }
-            packing.push(self.key.clone());
+        if self.memory.packing.swap(true, Ordering::AcqRel) {
+            return Ok(false);
         }
         let packed = self.pack_now(after_loose);
-        PACKING
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|k| k != &self.key);
+        self.memory.packing.store(false, Ordering::Release);
         packed
     }
 
     fn pack_now(&self, after_loose: usize) -> Result<bool, HistoryError> {
+        // Plain paths are right here: `history.git` is the server's own folder, beside the
+        // workspace and never granted to a guest (unlike the workspace, which only
+        // `kiln_workspace` touches).
         let objects = self.repo.path().join("objects");
         let mut loose = Vec::new();
         // Loose objects live in objects/xx/ (two hex digits); the folders are kiln's own.
@@ -832,14 +840,8 @@ fn index_oids(bytes: &[u8]) -> Option<Vec<Oid>> {
 /// Counts changes per repository; true every [`PACK_CHECK_EVERY`]th, when
 /// [`History::pack_if_due`] is worth calling (it lists the loose objects).
 pub fn pack_check_due(git_dir: &Path) -> bool {
-    static COUNTS: Mutex<Option<HashMap<PathBuf, u32>>> = Mutex::new(None);
-    let mut counts = COUNTS.lock().unwrap_or_else(|e| e.into_inner());
-    let count = counts
-        .get_or_insert_with(HashMap::new)
-        .entry(git_dir.to_path_buf())
-        .or_default();
-    *count += 1;
-    (*count).is_multiple_of(PACK_CHECK_EVERY)
+    let count = memory(git_dir).changes.fetch_add(1, Ordering::Relaxed) + 1;
+    count.is_multiple_of(PACK_CHECK_EVERY)
 }
 
 /// Changes between two looks at the loose objects.

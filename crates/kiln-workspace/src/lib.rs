@@ -82,6 +82,7 @@ impl TreeError {
     /// The path the error is about, relative to the tree.
     pub fn path(&self) -> Option<&str> {
         match self {
+            TreeError::TooManyEntries { .. } => None,
             TreeError::InvalidName { path, .. }
             | TreeError::Link { path }
             | TreeError::NotRegular { path, .. }
@@ -91,7 +92,6 @@ impl TreeError {
             | TreeError::NoSpace { path }
             | TreeError::Changed { path }
             | TreeError::Io { path, .. } => Some(path),
-            TreeError::TooManyEntries { .. } => None,
         }
     }
 
@@ -103,11 +103,12 @@ impl TreeError {
     /// The same error with `prefix/` put before its path (errors of a [`Dir`] name only the
     /// entry; the caller knows where the folder is).
     pub fn within(mut self, prefix: &str) -> TreeError {
-        if prefix.is_empty() {
-            return self;
-        }
-        let join = |path: &mut String| *path = format!("{prefix}/{path}");
+        let joined = match self.path() {
+            Some(path) if !prefix.is_empty() => format!("{prefix}/{path}"),
+            _ => return self,
+        };
         match &mut self {
+            TreeError::TooManyEntries { .. } => {}
             TreeError::InvalidName { path, .. }
             | TreeError::Link { path }
             | TreeError::NotRegular { path, .. }
@@ -116,8 +117,7 @@ impl TreeError {
             | TreeError::NotDir { path }
             | TreeError::NoSpace { path }
             | TreeError::Changed { path }
-            | TreeError::Io { path, .. } => join(path),
-            TreeError::TooManyEntries { .. } => {}
+            | TreeError::Io { path, .. } => *path = joined,
         }
         self
     }

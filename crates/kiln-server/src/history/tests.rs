@@ -318,7 +318,7 @@ fn unchanged_files_are_not_read_again() {
         .stat(&kiln_workspace::RelPath::parse("old.txt").unwrap())
         .unwrap()
         .unwrap();
-    assert!(cached_blob(&s.history.key, &meta).is_some(), "not cached");
+    assert!(s.history.memory.cached_blob(&meta).is_some(), "not cached");
     std::fs::write(s.ws.join("new.txt"), "new").unwrap();
     s.history.record(&s.tree, "second", "e2").unwrap();
     assert_eq!(s.history.entries(1).unwrap()[0].files, ["new.txt"]);
