@@ -13,10 +13,11 @@
 //! # Ok(()) }
 //! ```
 
+pub mod fair;
 pub mod pool;
 pub mod protocol;
 pub mod worker;
 
 pub use kiln_wasm::{Door, DoorFuture};
 pub use pool::{CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle};
-pub use protocol::RemoteError;
+pub use protocol::{RemoteError, Share};

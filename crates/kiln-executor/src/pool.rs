@@ -1,25 +1,44 @@
 //! The parent side: a pool of worker processes.
 //!
-//! Each request goes to the worker with the fewest requests in flight; a session stays on the
-//! worker that opened it. A worker that dies (crash, abort, `kill -9`) fails exactly the
-//! requests and sessions it held, and the next request that lands on its slot starts a fresh
-//! one.
+//! **Placement.** A one-shot goes to the responsive worker with the fewest requests in flight
+//! (then the least session memory); a session to the one with the least session memory
+//! pinned (then the fewest sessions, then requests in flight). Each worker takes at most
+//! [`PoolConfig::session_slots`] sessions, so guest slots are always left for one-shots. A
+//! session stays on the worker that opened it.
+//!
+//! **Liveness.** The pool pings every worker every [`HEARTBEAT`]. A worker that has not
+//! answered for [`PoolConfig::stall_after`] gets no new work while another one answers; one
+//! silent for [`PoolConfig::kill_after`] is killed and replaced. The pool enforces every
+//! execution's deadline itself: an execution still unanswered [`PoolConfig::grace`] after its
+//! deadline answers as timed out, and its worker is killed and replaced.
+//!
+//! **Memory.** A worker with no sessions and nothing in flight for
+//! [`PoolConfig::recycle_idle`] whose anonymous resident memory is more than
+//! [`PoolConfig::recycle_slack_bytes`] above what it had when it started is replaced by a
+//! fresh one (guest memory slots keep pages resident for speed; a burst leaves many).
+//!
+//! A worker that dies (crash, abort, `kill -9`) fails exactly the requests and sessions it
+//! held, and its slot gets a fresh one.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
-use kiln_core::{ExecRequest, ExecResult, Language, Limits};
+use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
 use kiln_wasm::Door;
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::protocol::{
-    Op, RemoteError, Reply, Request, Response, encode, read_frame, write_encoded,
+    Op, RemoteError, Reply, Request, Response, Share, encode, read_frame, write_encoded,
 };
+
+/// How often the pool pings each worker and checks its health.
+pub const HEARTBEAT: Duration = Duration::from_millis(250);
 
 /// How to start workers.
 #[derive(Debug, Clone)]
@@ -32,9 +51,40 @@ pub struct PoolConfig {
     pub args: Vec<OsString>,
     /// The only environment variables a worker gets.
     pub env: Vec<(OsString, OsString)>,
+    /// Sessions one worker holds at most. Default 900 of a worker's 1 000 guest slots: the
+    /// rest stay free for one-shots.
+    pub session_slots: usize,
+    /// How long past an execution's deadline the pool waits for its answer before it kills
+    /// the worker. Default 1 s.
+    pub grace: Duration,
+    /// A worker silent this long gets no new work while another answers. Default 1 s.
+    pub stall_after: Duration,
+    /// A worker silent this long is killed and replaced. Default 10 s.
+    pub kill_after: Duration,
+    /// How long a worker must be idle before it may be recycled for its memory. Default 10 s.
+    pub recycle_idle: Duration,
+    /// Anonymous resident memory an idle worker may hold above its starting figure before it
+    /// is recycled. Default 24 MiB.
+    pub recycle_slack_bytes: u64,
 }
 
 impl PoolConfig {
+    /// A configuration with kiln's defaults for `program` and `args`.
+    pub fn new(program: PathBuf, args: Vec<OsString>) -> PoolConfig {
+        PoolConfig {
+            workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            program,
+            args,
+            env: Vec::new(),
+            session_slots: 900,
+            grace: Duration::from_secs(1),
+            stall_after: Duration::from_secs(1),
+            kill_after: Duration::from_secs(10),
+            recycle_idle: Duration::from_secs(10),
+            recycle_slack_bytes: 24 << 20,
+        }
+    }
+
     /// Workers that run this very binary with `__worker`, one per CPU, with only
     /// `KILN_CACHE_DIR`, `PATH`, `HOME` and `RUST_LOG` passed through.
     pub fn current_exe() -> std::io::Result<PoolConfig> {
@@ -50,10 +100,8 @@ impl PoolConfig {
         .filter_map(|name| std::env::var_os(name).map(|v| (OsString::from(name), v)))
         .collect();
         Ok(PoolConfig {
-            workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
-            program: std::env::current_exe()?,
-            args: vec!["__worker".into()],
             env,
+            ..PoolConfig::new(std::env::current_exe()?, vec!["__worker".into()])
         })
     }
 }
@@ -76,6 +124,11 @@ pub enum PoolError {
     /// The session is unknown (closed, or lost with its worker).
     #[error("no such session: {0}")]
     NoSuchSession(u64),
+    /// Every worker holds as many sessions as it may.
+    #[error(
+        "every executor worker holds its most sessions ({per_worker} each); close some sessions and retry"
+    )]
+    SessionsFull { per_worker: usize },
 }
 
 /// A piece of output streamed from a running execution.
@@ -86,13 +139,28 @@ pub struct Chunk {
 }
 
 /// Extras for one call: a listener for output as it is written, a cancel signal (send
-/// `()` to stop the execution; it then fails with `Remote` kind `cancelled`), and a door
-/// granted to a session turn for that turn alone (see [`kiln_wasm::Door`]).
+/// `()` to stop the execution; it then fails with `Remote` kind `cancelled`), a door
+/// granted to a session turn for that turn alone (see [`kiln_wasm::Door`]), and whose work
+/// it is (for the worker's fair sharing of CPU between tenants).
 #[derive(Default)]
 pub struct CallOptions {
     pub chunks: Option<mpsc::UnboundedSender<Chunk>>,
     pub cancel: Option<oneshot::Receiver<()>>,
     pub door: Option<Door>,
+    pub share: Option<Share>,
+}
+
+impl CallOptions {
+    /// Options that only say whose work the call is.
+    pub fn for_tenant(tenant: &str, weight: u32) -> CallOptions {
+        CallOptions {
+            share: Some(Share {
+                tenant: tenant.to_string(),
+                weight,
+            }),
+            ..CallOptions::default()
+        }
+    }
 }
 
 impl std::fmt::Debug for CallOptions {
@@ -101,6 +169,7 @@ impl std::fmt::Debug for CallOptions {
             .field("chunks", &self.chunks.is_some())
             .field("cancel", &self.cancel.is_some())
             .field("door", &self.door.is_some())
+            .field("share", &self.share)
             .finish()
     }
 }
@@ -118,8 +187,56 @@ struct Worker {
     tx: mpsc::UnboundedSender<Vec<u8>>,
     pending: Pending,
     alive: Arc<AtomicBool>,
-    in_flight: Arc<AtomicUsize>,
+    in_flight: AtomicUsize,
+    /// Open sessions and their memory caps.
+    sessions: Mutex<HashMap<u64, u64>>,
+    session_memory: AtomicU64,
     pid: Option<u32>,
+    /// When the worker last sent anything (ms since the pool's epoch).
+    last_heard_ms: Arc<AtomicU64>,
+    /// When it last became idle (no sessions, nothing in flight), ms since the epoch;
+    /// `u64::MAX` while busy.
+    idle_since_ms: AtomicU64,
+    /// Anonymous resident memory at its first answer; 0 until then.
+    base_anon: AtomicU64,
+}
+
+impl Worker {
+    fn lock_sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u64>> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn session_count(&self) -> usize {
+        self.lock_sessions().len()
+    }
+
+    fn add_session(&self, id: u64, memory: u64) {
+        self.lock_sessions().insert(id, memory);
+        self.session_memory.fetch_add(memory, Ordering::Relaxed);
+    }
+
+    fn remove_session(&self, id: u64) {
+        if let Some(memory) = self.lock_sessions().remove(&id) {
+            self.session_memory.fetch_sub(memory, Ordering::Relaxed);
+        }
+    }
+
+    fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Relaxed)
+    }
+
+    /// Stops the worker: it takes no new work and its process is killed (its reader then
+    /// fails whatever it still held).
+    fn kill(&self) {
+        self.alive.store(false, Ordering::Relaxed);
+        if let Some(pid) = self.pid {
+            // SAFETY: kill(2) on our own child's pid; the reader task reaps it, so the pid
+            // cannot have been reused while the child's `Child` handle is alive.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+        }
+    }
 }
 
 struct Slot {
@@ -135,20 +252,47 @@ pub struct SessionHandle {
     generation: u64,
 }
 
-/// A pool of executor worker processes.
-pub struct ExecutorPool {
+struct Inner {
     config: PoolConfig,
     slots: Vec<Slot>,
     next_id: AtomicU64,
     generations: AtomicU64,
+    epoch: Instant,
+    watching: AtomicBool,
+}
+
+/// A pool of executor worker processes.
+pub struct ExecutorPool {
+    inner: Arc<Inner>,
 }
 
 impl std::fmt::Debug for ExecutorPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExecutorPool")
-            .field("workers", &self.config.workers)
+            .field("workers", &self.inner.config.workers)
             .finish_non_exhaustive()
     }
+}
+
+/// What `call` failed with.
+enum CallError {
+    /// The request never reached the worker (it had just exited): its op, to send
+    /// elsewhere.
+    NotSent(Box<Op>),
+    Failed(PoolError),
+}
+
+impl From<PoolError> for CallError {
+    fn from(error: PoolError) -> CallError {
+        CallError::Failed(error)
+    }
+}
+
+/// How placement weighs a worker.
+#[derive(Clone, Copy)]
+enum Placing {
+    OneShot,
+    Session,
 }
 
 impl ExecutorPool {
@@ -160,49 +304,317 @@ impl ExecutorPool {
             })
             .collect();
         ExecutorPool {
-            config,
-            slots,
-            next_id: AtomicU64::new(1),
-            generations: AtomicU64::new(1),
+            inner: Arc::new(Inner {
+                config,
+                slots,
+                next_id: AtomicU64::new(1),
+                generations: AtomicU64::new(1),
+                epoch: Instant::now(),
+                watching: AtomicBool::new(false),
+            }),
         }
     }
 
     /// Starts every worker now rather than on first use.
     pub fn start_all(&self) -> Result<(), PoolError> {
-        for slot in 0..self.slots.len() {
-            self.worker(slot)?;
+        for slot in 0..self.inner.slots.len() {
+            self.inner.worker(slot)?;
         }
         Ok(())
     }
 
     /// Process ids of the live workers.
     pub fn worker_pids(&self) -> Vec<u32> {
+        self.inner
+            .live_workers()
+            .into_iter()
+            .filter_map(|w| w.pid)
+            .collect()
+    }
+
+    /// Runs a one-shot execution on the least loaded worker.
+    pub async fn execute(&self, request: ExecRequest) -> Result<ExecResult, PoolError> {
+        self.execute_with(request, CallOptions::default()).await
+    }
+
+    /// Like [`ExecutorPool::execute`], with streamed output and/or a cancel signal.
+    pub async fn execute_with(
+        &self,
+        request: ExecRequest,
+        mut options: CallOptions,
+    ) -> Result<ExecResult, PoolError> {
+        let inner = &self.inner;
+        let deadline = Duration::from_millis(request.limits.timeout_ms);
+        let mut op = Op::Exec(request);
+        // A worker that exited between being chosen and being sent to gets one retry.
+        for attempt in 0.. {
+            let worker = inner.worker(inner.pick(Placing::OneShot)?)?;
+            match inner.call(&worker, op, &mut options, Some(deadline)).await {
+                Ok(Reply::Done(result)) => return Ok(result),
+                Ok(Reply::Failed(error)) => return Err(PoolError::Remote(error)),
+                Ok(other) => return Err(unexpected(&other)),
+                Err(CallError::Failed(error)) => return Err(error),
+                Err(CallError::NotSent(back)) if attempt == 0 => op = *back,
+                Err(CallError::NotSent(_)) => {
+                    return Err(PoolError::WorkerLost(
+                        "the worker had already exited".into(),
+                    ));
+                }
+            }
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// Opens a session on the worker with the least session memory. `request.code` is
+    /// ignored.
+    pub async fn open_session(&self, request: ExecRequest) -> Result<SessionHandle, PoolError> {
+        self.open_session_with(request, CallOptions::default())
+            .await
+    }
+
+    /// Like [`ExecutorPool::open_session`], saying whose session it is.
+    pub async fn open_session_with(
+        &self,
+        request: ExecRequest,
+        mut options: CallOptions,
+    ) -> Result<SessionHandle, PoolError> {
+        let inner = &self.inner;
+        let language = request.language;
+        let memory = request.limits.memory_bytes;
+        for attempt in 0..2 {
+            let slot = inner.pick(Placing::Session)?;
+            let worker = inner.worker(slot)?;
+            let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+            // Counted before it opens, so concurrent opens spread out.
+            worker.add_session(id, memory);
+            let op = Op::OpenSession {
+                session: id,
+                request: request.clone(),
+            };
+            let answer = inner.call(&worker, op, &mut options, None).await;
+            if !matches!(answer, Ok(Reply::Opened)) {
+                worker.remove_session(id);
+            }
+            match answer {
+                Ok(Reply::Opened) => {
+                    return Ok(SessionHandle {
+                        id,
+                        language,
+                        slot,
+                        generation: worker.generation,
+                    });
+                }
+                Ok(Reply::Failed(error)) => return Err(PoolError::Remote(error)),
+                Ok(other) => return Err(unexpected(&other)),
+                Err(CallError::Failed(error)) => return Err(error),
+                Err(CallError::NotSent(_)) if attempt == 0 => continue,
+                Err(CallError::NotSent(_)) => break,
+            }
+        }
+        Err(PoolError::WorkerLost(
+            "the worker had already exited".into(),
+        ))
+    }
+
+    /// Runs a turn in a session.
+    pub async fn run(
+        &self,
+        session: &SessionHandle,
+        code: String,
+        limits: Limits,
+    ) -> Result<ExecResult, PoolError> {
+        self.run_with(session, code, limits, CallOptions::default())
+            .await
+    }
+
+    /// Like [`ExecutorPool::run`], with streamed output and/or a cancel signal. A cancelled
+    /// turn ends its session.
+    pub async fn run_with(
+        &self,
+        session: &SessionHandle,
+        code: String,
+        limits: Limits,
+        mut options: CallOptions,
+    ) -> Result<ExecResult, PoolError> {
+        let inner = &self.inner;
+        let worker = inner.session_worker(session)?;
+        let deadline = Duration::from_millis(limits.timeout_ms);
+        let op = Op::Turn {
+            session: session.id,
+            code,
+            limits,
+            door: options.door.is_some(),
+        };
+        let answer = inner.call(&worker, op, &mut options, Some(deadline)).await;
+        match answer {
+            Ok(Reply::Done(result)) => Ok(result),
+            Ok(Reply::Failed(error)) if error.kind == "no_such_session" => {
+                worker.remove_session(session.id);
+                Err(PoolError::NoSuchSession(session.id))
+            }
+            Ok(Reply::Failed(error)) => {
+                if error.kind == "cancelled" {
+                    // The worker ended the session with its turn.
+                    worker.remove_session(session.id);
+                }
+                Err(PoolError::Remote(error))
+            }
+            Ok(other) => Err(unexpected(&other)),
+            Err(CallError::Failed(error)) => Err(error),
+            Err(CallError::NotSent(_)) => Err(PoolError::WorkerLost(format!(
+                "session {} was lost with its worker",
+                session.id
+            ))),
+        }
+    }
+
+    /// Closes a session (a session lost with its worker is already closed).
+    pub async fn close_session(&self, session: &SessionHandle) -> Result<(), PoolError> {
+        let inner = &self.inner;
+        let Ok(worker) = inner.session_worker(session) else {
+            return Ok(());
+        };
+        let op = Op::CloseSession {
+            session: session.id,
+        };
+        let answer = inner
+            .call(&worker, op, &mut CallOptions::default(), None)
+            .await;
+        worker.remove_session(session.id);
+        match answer {
+            Ok(Reply::Closed) => Ok(()),
+            Ok(Reply::Failed(error)) => Err(PoolError::Remote(error)),
+            Ok(other) => Err(unexpected(&other)),
+            Err(CallError::Failed(error)) => Err(error),
+            Err(CallError::NotSent(_)) => Ok(()),
+        }
+    }
+
+    /// Per live worker: sessions, their memory caps, requests in flight (for metrics and
+    /// tests).
+    pub fn worker_loads(&self) -> Vec<WorkerLoad> {
+        self.inner
+            .live_workers()
+            .into_iter()
+            .map(|w| WorkerLoad {
+                pid: w.pid,
+                sessions: w.session_count(),
+                session_memory_bytes: w.session_memory.load(Ordering::Relaxed),
+                in_flight: w.in_flight.load(Ordering::Relaxed),
+                responsive: self.inner.responsive(&w),
+            })
+            .collect()
+    }
+}
+
+/// One worker's load, as placement sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerLoad {
+    pub pid: Option<u32>,
+    pub sessions: usize,
+    pub session_memory_bytes: u64,
+    pub in_flight: usize,
+    pub responsive: bool,
+}
+
+impl Inner {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn live_workers(&self) -> Vec<Arc<Worker>> {
         self.slots
             .iter()
             .filter_map(|s| {
                 let guard = s.worker.lock().unwrap_or_else(|e| e.into_inner());
-                guard
-                    .as_ref()
-                    .filter(|w| w.alive.load(Ordering::Relaxed))
-                    .and_then(|w| w.pid)
+                guard.as_ref().filter(|w| w.is_alive()).cloned()
             })
             .collect()
     }
 
-    fn worker(&self, slot: usize) -> Result<Arc<Worker>, PoolError> {
+    fn responsive(&self, worker: &Worker) -> bool {
+        let silent = self
+            .now_ms()
+            .saturating_sub(worker.last_heard_ms.load(Ordering::Relaxed));
+        u128::from(silent) < self.config.stall_after.as_millis()
+    }
+
+    /// The slot for new work: never first-fit, always by load; workers that stopped
+    /// answering last.
+    fn pick(&self, placing: Placing) -> Result<usize, PoolError> {
+        let mut best: Option<(usize, (bool, u64, u64, u64))> = None;
+        for (i, slot) in self.slots.iter().enumerate() {
+            let worker = slot
+                .worker
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .filter(|w| w.is_alive());
+            // A slot without a live worker gets a fresh one: empty and responsive.
+            let (stalled, sessions, memory, in_flight) = match &worker {
+                Some(w) => (
+                    !self.responsive(w),
+                    w.session_count(),
+                    w.session_memory.load(Ordering::Relaxed),
+                    w.in_flight.load(Ordering::Relaxed) as u64,
+                ),
+                None => (false, 0, 0, 0),
+            };
+            let key = match placing {
+                Placing::OneShot => (stalled, in_flight, memory, sessions as u64),
+                Placing::Session => {
+                    if sessions >= self.config.session_slots {
+                        continue;
+                    }
+                    (stalled, memory, sessions as u64, in_flight)
+                }
+            };
+            if best.is_none_or(|(_, b)| key < b) {
+                best = Some((i, key));
+            }
+        }
+        best.map(|(i, _)| i).ok_or(PoolError::SessionsFull {
+            per_worker: self.config.session_slots,
+        })
+    }
+
+    fn worker(self: &Arc<Self>, slot: usize) -> Result<Arc<Worker>, PoolError> {
         let mut guard = self.slots[slot]
             .worker
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if let Some(worker) = guard.as_ref()
-            && worker.alive.load(Ordering::Relaxed)
+            && worker.is_alive()
         {
             return Ok(worker.clone());
         }
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
         let worker = Arc::new(self.spawn(generation)?);
         *guard = Some(worker.clone());
+        drop(guard);
+        if !self.watching.swap(true, Ordering::Relaxed) {
+            tokio::spawn(watch(Arc::downgrade(self)));
+        }
         Ok(worker)
+    }
+
+    fn session_worker(&self, session: &SessionHandle) -> Result<Arc<Worker>, PoolError> {
+        let guard = self
+            .slots
+            .get(session.slot)
+            .ok_or(PoolError::NoSuchSession(session.id))?
+            .worker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match guard.as_ref() {
+            Some(worker) if worker.generation == session.generation && worker.is_alive() => {
+                Ok(worker.clone())
+            }
+            _ => Err(PoolError::WorkerLost(format!(
+                "session {} was lost with its worker",
+                session.id
+            ))),
+        }
     }
 
     fn spawn(&self, generation: u64) -> Result<Worker, PoolError> {
@@ -232,6 +644,7 @@ impl ExecutorPool {
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         let pending: Pending = Arc::default();
         let alive = Arc::new(AtomicBool::new(true));
+        let last_heard_ms = Arc::new(AtomicU64::new(self.now_ms()));
         tokio::spawn(async move {
             while let Some(body) = rx.recv().await {
                 if write_encoded(&mut stdin, &body).await.is_err() {
@@ -241,25 +654,34 @@ impl ExecutorPool {
         });
         let reader_pending = pending.clone();
         let reader_alive = alive.clone();
+        let heard = last_heard_ms.clone();
+        let epoch = self.epoch;
         let answers = tx.clone();
         tokio::spawn(async move {
             while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
+                heard.store(
+                    u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX),
+                    Ordering::Relaxed,
+                );
                 let mut pending = reader_pending.lock().unwrap_or_else(|e| e.into_inner());
-                if let Reply::Door { call, data } = response.reply {
-                    let door = pending.get(&response.id).and_then(|w| w.door.clone());
-                    answer_door(door, response.id, call, data, answers.clone());
-                    continue;
-                }
-                if let Reply::Chunk { stderr, data } = response.reply {
-                    if let Some(listener) =
-                        pending.get(&response.id).and_then(|w| w.chunks.as_ref())
-                    {
-                        let _ = listener.send(Chunk { stderr, data });
+                match response.reply {
+                    Reply::Pong => {}
+                    Reply::Door { call, data } => {
+                        let door = pending.get(&response.id).and_then(|w| w.door.clone());
+                        answer_door(door, response.id, call, data, answers.clone());
                     }
-                    continue;
-                }
-                if let Some(waiter) = pending.remove(&response.id) {
-                    let _ = waiter.done.send(Ok(response.reply));
+                    Reply::Chunk { stderr, data } => {
+                        if let Some(listener) =
+                            pending.get(&response.id).and_then(|w| w.chunks.as_ref())
+                        {
+                            let _ = listener.send(Chunk { stderr, data });
+                        }
+                    }
+                    reply => {
+                        if let Some(waiter) = pending.remove(&response.id) {
+                            let _ = waiter.done.send(Ok(reply));
+                        }
+                    }
                 }
             }
             reader_alive.store(false, Ordering::Relaxed);
@@ -281,42 +703,35 @@ impl ExecutorPool {
             tx,
             pending,
             alive,
-            in_flight: Arc::default(),
+            in_flight: AtomicUsize::new(0),
+            sessions: Mutex::default(),
+            session_memory: AtomicU64::new(0),
             pid,
+            last_heard_ms,
+            idle_since_ms: AtomicU64::new(self.now_ms()),
+            base_anon: AtomicU64::new(0),
         })
     }
 
-    fn least_loaded(&self) -> usize {
-        let mut best = 0;
-        let mut best_load = usize::MAX;
-        for (i, slot) in self.slots.iter().enumerate() {
-            let guard = slot.worker.lock().unwrap_or_else(|e| e.into_inner());
-            let load = guard
-                .as_ref()
-                .filter(|w| w.alive.load(Ordering::Relaxed))
-                .map_or(0, |w| w.in_flight.load(Ordering::Relaxed));
-            if load < best_load {
-                best = i;
-                best_load = load;
-            }
-        }
-        best
-    }
-
-    async fn call(&self, worker: &Worker, op: Op) -> Result<Reply, PoolError> {
-        self.call_with(worker, op, CallOptions::default()).await
-    }
-
-    async fn call_with(
+    /// Sends `op` to `worker` and waits for its answer. With `deadline` (an execution's
+    /// timeout), an answer that has not come `grace` after it is given up on: the worker is
+    /// killed and the execution answers as timed out.
+    async fn call(
         &self,
         worker: &Worker,
         op: Op,
-        options: CallOptions,
-    ) -> Result<Reply, PoolError> {
+        options: &mut CallOptions,
+        deadline: Option<Duration>,
+    ) -> Result<Reply, CallError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let stream = options.chunks.is_some();
-        let body =
-            encode(&Request { id, op, stream }).map_err(|e| PoolError::TooLarge(e.to_string()))?;
+        let request = Request {
+            id,
+            op,
+            stream,
+            share: options.share.clone(),
+        };
+        let body = encode(&request).map_err(|e| PoolError::TooLarge(e.to_string()))?;
         let (tx, mut rx) = oneshot::channel();
         worker
             .pending
@@ -326,163 +741,198 @@ impl ExecutorPool {
                 id,
                 Waiter {
                     done: tx,
-                    chunks: options.chunks,
-                    door: options.door,
+                    chunks: options.chunks.clone(),
+                    door: options.door.clone(),
                 },
             );
-        if !worker.alive.load(Ordering::Relaxed) || worker.tx.send(body).is_err() {
+        if !worker.is_alive() || worker.tx.send(body).is_err() {
             worker
                 .pending
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&id);
-            return Err(PoolError::WorkerLost(
-                "the worker had already exited".into(),
-            ));
+            return Err(CallError::NotSent(Box::new(request.op)));
         }
-        worker.in_flight.fetch_add(1, Ordering::Relaxed);
+        let _busy = InFlight::enter(worker);
+        let started = Instant::now();
         let closed = || Err(PoolError::WorkerLost("the worker channel closed".into()));
-        let reply = match options.cancel {
-            None => rx.await.unwrap_or_else(|_| closed()),
-            Some(mut cancel) => {
-                tokio::select! {
-                    reply = &mut rx => reply.unwrap_or_else(|_| closed()),
-                    Ok(()) = &mut cancel => {
-                        if let Ok(frame) = encode(&Request { id: 0, op: Op::Cancel { target: id }, stream: false }) {
-                            let _ = worker.tx.send(frame);
-                        }
-                        rx.await.unwrap_or_else(|_| closed())
+        let give_up = async {
+            match deadline {
+                Some(deadline) => tokio::time::sleep(deadline + self.config.grace).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(give_up);
+        let mut cancel = options.cancel.take();
+        let reply = loop {
+            tokio::select! {
+                reply = &mut rx => break reply.unwrap_or_else(|_| closed()),
+                Ok(()) = async { match cancel.as_mut() { Some(c) => c.await, None => std::future::pending().await } } => {
+                    cancel = None;
+                    if let Ok(frame) = encode(&Request { id: 0, op: Op::Cancel { target: id }, stream: false, share: None }) {
+                        let _ = worker.tx.send(frame);
                     }
+                }
+                () = &mut give_up => {
+                    tracing::warn!(
+                        pid = worker.pid,
+                        waited_ms = started.elapsed().as_millis() as u64,
+                        "an execution overran its deadline by the grace period; killing its worker"
+                    );
+                    worker
+                        .pending
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&id);
+                    worker.kill();
+                    break Ok(Reply::Done(overrun(started.elapsed(), self.config.grace)));
                 }
             }
         };
-        worker.in_flight.fetch_sub(1, Ordering::Relaxed);
-        reply
+        Ok(reply?)
     }
+}
 
-    /// Runs a one-shot execution on the least loaded worker.
-    pub async fn execute(&self, request: ExecRequest) -> Result<ExecResult, PoolError> {
-        self.execute_with(request, CallOptions::default()).await
+/// Counts a request in flight on its worker for as long as it is held.
+struct InFlight<'a>(&'a Worker);
+
+impl<'a> InFlight<'a> {
+    fn enter(worker: &'a Worker) -> InFlight<'a> {
+        worker.in_flight.fetch_add(1, Ordering::Relaxed);
+        worker.idle_since_ms.store(u64::MAX, Ordering::Relaxed);
+        InFlight(worker)
     }
+}
 
-    /// Like [`ExecutorPool::execute`], with streamed output and/or a cancel signal.
-    pub async fn execute_with(
-        &self,
-        request: ExecRequest,
-        options: CallOptions,
-    ) -> Result<ExecResult, PoolError> {
-        let worker = self.worker(self.least_loaded())?;
-        match self.call_with(&worker, Op::Exec(request), options).await? {
-            Reply::Done(result) => Ok(result),
-            Reply::Failed(error) => Err(PoolError::Remote(error)),
-            other => Err(unexpected(&other)),
-        }
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
+}
 
-    /// Opens a session on the least loaded worker. `request.code` is ignored.
-    pub async fn open_session(&self, request: ExecRequest) -> Result<SessionHandle, PoolError> {
-        let slot = self.least_loaded();
-        let worker = self.worker(slot)?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let language = request.language;
-        match self
-            .call(
-                &worker,
-                Op::OpenSession {
-                    session: id,
-                    request,
-                },
-            )
-            .await?
-        {
-            Reply::Opened => Ok(SessionHandle {
-                id,
-                language,
-                slot,
-                generation: worker.generation,
-            }),
-            Reply::Failed(error) => Err(PoolError::Remote(error)),
-            other => Err(unexpected(&other)),
-        }
+/// The result of an execution whose worker did not answer in time.
+fn overrun(waited: Duration, grace: Duration) -> ExecResult {
+    ExecResult {
+        stdout: Vec::new(),
+        stderr: format!(
+            "kiln: the execution did not end by its deadline (its worker did not answer within {} ms after it); the worker was stopped and replaced\n",
+            grace.as_millis()
+        )
+        .into_bytes(),
+        exit_code: -1,
+        outcome: Outcome::TimedOut,
+        stdout_truncated: false,
+        stderr_truncated: false,
+        duration_us: u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
+        peak_memory_bytes: 0,
+        fs_written_bytes: 0,
     }
+}
 
-    fn session_worker(&self, session: &SessionHandle) -> Result<Arc<Worker>, PoolError> {
-        let guard = self
-            .slots
-            .get(session.slot)
-            .ok_or(PoolError::NoSuchSession(session.id))?
-            .worker
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        match guard.as_ref() {
-            Some(worker)
-                if worker.generation == session.generation
-                    && worker.alive.load(Ordering::Relaxed) =>
+/// Anonymous resident memory of process `pid`, from `/proc`.
+fn rss_anon_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("RssAnon:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The pool's health loop: pings, stall and wedge detection, memory recycling. Ends with
+/// the pool.
+async fn watch(pool: Weak<Inner>) {
+    let mut ticks: u64 = 0;
+    loop {
+        tokio::time::sleep(HEARTBEAT).await;
+        let Some(inner) = pool.upgrade() else { return };
+        ticks += 1;
+        let now = inner.now_ms();
+        for slot in 0..inner.slots.len() {
+            let worker = inner.slots[slot]
+                .worker
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .filter(|w| w.is_alive());
+            let Some(worker) = worker else { continue };
+            if let Ok(ping) = encode(&Request {
+                id: 0,
+                op: Op::Ping,
+                stream: false,
+                share: None,
+            }) {
+                let _ = worker.tx.send(ping);
+            }
+            let silent = now.saturating_sub(worker.last_heard_ms.load(Ordering::Relaxed));
+            if u128::from(silent) >= inner.config.kill_after.as_millis() {
+                tracing::warn!(
+                    pid = worker.pid,
+                    silent_ms = silent,
+                    "an executor worker stopped answering; replacing it"
+                );
+                worker.kill();
+                continue;
+            }
+            // Memory: the figure to come back to is taken at the first heartbeat; then once
+            // a second is enough.
+            let first = worker.base_anon.load(Ordering::Relaxed) == 0;
+            if !first && ticks % 4 != 0 {
+                continue;
+            }
+            let Some(anon) = worker.pid.and_then(rss_anon_bytes) else {
+                continue;
+            };
+            if first {
+                worker.base_anon.store(anon.max(1), Ordering::Relaxed);
+                continue;
+            }
+            let idle = worker.in_flight.load(Ordering::Relaxed) == 0 && worker.session_count() == 0;
+            if !idle {
+                worker.idle_since_ms.store(u64::MAX, Ordering::Relaxed);
+                continue;
+            }
+            let since = worker.idle_since_ms.load(Ordering::Relaxed);
+            if since == u64::MAX {
+                worker.idle_since_ms.store(now, Ordering::Relaxed);
+                continue;
+            }
+            let base = worker.base_anon.load(Ordering::Relaxed);
+            if u128::from(now.saturating_sub(since)) >= inner.config.recycle_idle.as_millis()
+                && anon > base.saturating_add(inner.config.recycle_slack_bytes)
             {
-                Ok(worker.clone())
+                inner.recycle(slot, &worker, anon, base);
             }
-            _ => Err(PoolError::WorkerLost(format!(
-                "session {} was lost with its worker",
-                session.id
-            ))),
         }
     }
+}
 
-    /// Runs a turn in a session.
-    pub async fn run(
-        &self,
-        session: &SessionHandle,
-        code: String,
-        limits: Limits,
-    ) -> Result<ExecResult, PoolError> {
-        self.run_with(session, code, limits, CallOptions::default())
-            .await
-    }
-
-    /// Like [`ExecutorPool::run`], with streamed output and/or a cancel signal. A cancelled
-    /// turn ends its session.
-    pub async fn run_with(
-        &self,
-        session: &SessionHandle,
-        code: String,
-        limits: Limits,
-        options: CallOptions,
-    ) -> Result<ExecResult, PoolError> {
-        let worker = self.session_worker(session)?;
-        let op = Op::Turn {
-            session: session.id,
-            code,
-            limits,
-            door: options.door.is_some(),
-        };
-        match self.call_with(&worker, op, options).await? {
-            Reply::Done(result) => Ok(result),
-            Reply::Failed(error) if error.kind == "no_such_session" => {
-                Err(PoolError::NoSuchSession(session.id))
-            }
-            Reply::Failed(error) => Err(PoolError::Remote(error)),
-            other => Err(unexpected(&other)),
-        }
-    }
-
-    /// Closes a session (a session lost with its worker is already closed).
-    pub async fn close_session(&self, session: &SessionHandle) -> Result<(), PoolError> {
-        let Ok(worker) = self.session_worker(session) else {
-            return Ok(());
-        };
-        match self
-            .call(
-                &worker,
-                Op::CloseSession {
-                    session: session.id,
-                },
-            )
-            .await?
+impl Inner {
+    /// Replaces an idle worker with a fresh one, if it is still idle and still the slot's.
+    fn recycle(self: &Arc<Self>, slot: usize, worker: &Arc<Worker>, anon: u64, base: u64) {
         {
-            Reply::Closed => Ok(()),
-            Reply::Failed(error) => Err(PoolError::Remote(error)),
-            other => Err(unexpected(&other)),
+            let guard = self.slots[slot]
+                .worker
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let current = guard.as_ref().is_some_and(|w| Arc::ptr_eq(w, worker));
+            // New work reaches a worker only through this lock (`worker`) or with a session
+            // (none: idle), and `call` sends nothing to a worker marked dead, so marking it
+            // here, under the lock, loses no request.
+            if !current
+                || worker.in_flight.load(Ordering::Relaxed) != 0
+                || worker.session_count() != 0
+            {
+                return;
+            }
+            worker.alive.store(false, Ordering::Relaxed);
         }
+        tracing::info!(
+            pid = worker.pid,
+            rss_anon_mib = anon >> 20,
+            base_mib = base >> 20,
+            "recycling an idle executor worker to return its memory"
+        );
+        worker.kill();
+        let _ = self.worker(slot);
     }
 }
 
@@ -514,6 +964,7 @@ fn answer_door(
             id: 0,
             op,
             stream: false,
+            share: None,
         }) {
             let _ = out.send(body);
         }

@@ -31,6 +31,8 @@ pub enum Op {
     /// Stop the request `target` (an `Exec` or a `Turn`). It answers `Failed` with kind
     /// `cancelled`; a cancelled turn ends its session. Cancel itself gets no reply.
     Cancel { target: u64 },
+    /// Are you there? Answered `Pong` at once, ahead of any guest work.
+    Ping,
     /// The host's answer to door call `call` of the request `target`: the reply frame
     /// (`ok`), or a fault message. Gets no reply.
     DoorAnswer {
@@ -42,6 +44,16 @@ pub enum Op {
     },
 }
 
+/// Whose work a request is, for fair sharing of the worker's CPU (see [`crate::fair`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Share {
+    /// The tenant; requests without a share count as one anonymous tenant.
+    pub tenant: String,
+    /// Its weight (≥ 1): a tenant of weight 2 gets twice the CPU of one of weight 1 when
+    /// both are busy.
+    pub weight: u32,
+}
+
 /// A request frame.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Request {
@@ -50,6 +62,8 @@ pub struct Request {
     /// Send output as `Chunk` replies while it runs (for `Exec` and `Turn`).
     #[serde(default)]
     pub stream: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<Share>,
 }
 
 /// A failure the worker reports for one request.
@@ -78,6 +92,8 @@ pub enum Reply {
         data: Vec<u8>,
     },
     Done(ExecResult),
+    /// The answer to `Ping`.
+    Pong,
     Opened,
     Closed,
     Failed(RemoteError),
@@ -175,6 +191,7 @@ mod tests {
             id: 7,
             op: Op::CloseSession { session: 3 },
             stream: false,
+            share: None,
         };
         write_frame(&mut a, &request).await.unwrap();
         let back: Request = read_frame(&mut b).await.unwrap();

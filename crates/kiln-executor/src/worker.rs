@@ -1,19 +1,36 @@
 //! The worker side: serve requests from the pool until the pool closes the channel.
 //!
 //! A worker holds no secrets and no network connections: it only runs guests. Requests run
-//! concurrently (each on its own task); a session's turns run one at a time.
+//! concurrently (each on its own task) under the worker's [`FairScheduler`]; a session's
+//! turns run one at a time. Pings are answered at once, ahead of guest work.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use kiln_wasm::{Door, ExecError, OutputChunk, Session, SessionOptions, StreamKind, WasmEngine};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
+use crate::fair::FairScheduler;
 use crate::protocol::{
     Op, RemoteError, Reply, Request, Response, encode, read_frame, write_encoded,
 };
+
+/// The async runtime a worker runs on: `threads` threads (1: the current thread). It polls
+/// for I/O after every task poll rather than every 61: a guest's poll lasts up to an epoch
+/// tick, and the pool's pings and new requests must not wait for 61 of them.
+pub fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = if threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        builder.worker_threads(threads);
+        builder
+    };
+    builder.enable_all().event_interval(1).build()
+}
 
 type Sessions = Arc<std::sync::Mutex<HashMap<u64, Arc<Mutex<Session>>>>>;
 type Running = Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<()>>>>;
@@ -86,6 +103,7 @@ where
         }
     });
     let sessions: Sessions = Arc::default();
+    let scheduler = FairScheduler::new(tokio::runtime::Handle::current().metrics().num_workers());
     let running: Running = Arc::default();
     let door_calls: DoorCalls = Arc::default();
     loop {
@@ -93,6 +111,14 @@ where
             Ok(request) => request,
             Err(_) => break,
         };
+        let received = Instant::now();
+        if let Op::Ping = request.op {
+            let _ = tx.send(Response {
+                id: request.id,
+                reply: Reply::Pong,
+            });
+            continue;
+        }
         if let Op::Cancel { target } = request.op {
             let stop = running
                 .lock()
@@ -134,6 +160,7 @@ where
         let running = running.clone();
         let tx = tx.clone();
         let door_calls = door_calls.clone();
+        let scheduler = scheduler.clone();
         tokio::spawn(async move {
             let id = request.id;
             let (listener, mut chunks) = if request.stream {
@@ -151,7 +178,18 @@ where
                 Op::Turn { door: true, .. } => Some(open_door(id, tx.clone(), door_calls.clone())),
                 _ => None,
             };
-            let work = handle(&engine, &sessions, request.op, listener, door);
+            let (tenant, weight) = request
+                .share
+                .as_ref()
+                .map_or(("", 1), |s| (s.tenant.as_str(), s.weight));
+            let deadline = op_timeout(&request.op).map(|t| received + t);
+            let mut op = request.op;
+            let work = scheduler.wrap(tenant, weight, deadline, async {
+                // The deadline counts from arrival: time spent waiting for a turn of the CPU
+                // comes off the guest's own clock.
+                shorten_timeout(&mut op, received.elapsed());
+                handle(&engine, &sessions, op, listener, door).await
+            });
             tokio::pin!(work);
             let send_chunk = |chunk: OutputChunk| {
                 let reply = Reply::Chunk {
@@ -196,6 +234,29 @@ where
     }
     drop(tx);
     let _ = writer.await;
+}
+
+/// How long an execution may take, from its arrival.
+fn op_timeout(op: &Op) -> Option<Duration> {
+    match op {
+        Op::Exec(request) => Some(Duration::from_millis(request.limits.timeout_ms)),
+        Op::Turn { limits, .. } => Some(Duration::from_millis(limits.timeout_ms)),
+        _ => None,
+    }
+}
+
+fn shorten_timeout(op: &mut Op, waited: Duration) {
+    let limits = match op {
+        Op::Exec(request) => &mut request.limits,
+        Op::Turn { limits, .. } => limits,
+        _ => return,
+    };
+    if limits.timeout_ms == 0 {
+        // Left for the engine to refuse as invalid.
+        return;
+    }
+    let waited = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
+    limits.timeout_ms = limits.timeout_ms.saturating_sub(waited).max(1);
 }
 
 async fn next_chunk(
@@ -293,6 +354,6 @@ async fn handle(
                 .remove(&session);
             Reply::Closed
         }
-        Op::Cancel { .. } | Op::DoorAnswer { .. } => Reply::Closed,
+        Op::Cancel { .. } | Op::DoorAnswer { .. } | Op::Ping => Reply::Closed,
     }
 }

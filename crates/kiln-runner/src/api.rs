@@ -281,9 +281,7 @@ mod tests {
         // The pool starts workers on first use only; these requests never get that far.
         let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig {
             workers: 1,
-            program: "/nonexistent".into(),
-            args: Vec::new(),
-            env: Vec::new(),
+            ..kiln_executor::PoolConfig::new("/nonexistent".into(), Vec::new())
         });
         router(Arc::new(Runner::new(config, pool).unwrap()))
     }

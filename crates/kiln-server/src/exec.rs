@@ -161,6 +161,9 @@ pub fn pool_error(error: PoolError) -> ApiError {
         PoolError::Remote(remote) if remote.kind == "busy" => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "BUSY", remote.message)
         }
+        full @ PoolError::SessionsFull { .. } => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "BUSY", full.to_string())
+        }
         PoolError::Remote(remote) if remote.kind == "cancelled" => ApiError::new(
             StatusCode::CONFLICT,
             "EXECUTION_CANCELLED",
@@ -336,6 +339,10 @@ async fn run_in(
         chunks,
         cancel: Some(cancel),
         door: None,
+        share: Some(kiln_executor::Share {
+            tenant: sandbox.tenant.clone(),
+            weight: 1,
+        }),
     };
     let result = match &spec.session {
         None => {

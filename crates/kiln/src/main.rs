@@ -238,7 +238,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(1);
-            runtime(threads)?.block_on(async {
+            kiln_executor::worker::runtime(threads)?.block_on(async {
                 let (input, output) = kiln_executor::worker::stdio_pipes()?;
                 kiln_executor::worker::serve(engine, input, output).await;
                 anyhow::Ok(())
