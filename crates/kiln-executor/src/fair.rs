@@ -65,12 +65,20 @@ struct State {
 #[derive(Debug)]
 pub struct FairScheduler {
     state: Mutex<State>,
+    /// Raised while futures wait for a token (see [`kiln_wasm::WasmEngine::contended`]).
+    contended: Arc<AtomicBool>,
 }
 
 impl FairScheduler {
     /// A scheduler with `tokens` guests running at once (one per runtime thread).
     pub fn new(tokens: usize) -> Arc<FairScheduler> {
+        FairScheduler::with_flag(tokens, Arc::default())
+    }
+
+    /// Like [`FairScheduler::new`], raising `contended` while futures wait for a token.
+    pub fn with_flag(tokens: usize, contended: Arc<AtomicBool>) -> Arc<FairScheduler> {
         Arc::new(FairScheduler {
+            contended,
             state: Mutex::new(State {
                 free: tokens.max(1),
                 next_ticket: 1,
@@ -149,6 +157,7 @@ impl FairScheduler {
         }
         state.wakers.insert(t, waker.clone());
         *ticket = Some(t);
+        self.contended.store(true, Ordering::Relaxed);
         false
     }
 
@@ -171,10 +180,10 @@ impl FairScheduler {
             state.wakers.insert(t, waker.clone());
             *ticket = Some(t);
         }
-        Self::hand_on(&mut state, now);
+        self.hand_on(&mut state, now);
     }
 
-    fn hand_on(state: &mut State, now: Instant) {
+    fn hand_on(&self, state: &mut State, now: Instant) {
         let next = state
             .tenants
             .values_mut()
@@ -193,6 +202,10 @@ impl FairScheduler {
             }
             None => state.free += 1,
         }
+        let waiting = state.tenants.values().any(|t| !t.waiting.is_empty());
+        if self.contended.load(Ordering::Relaxed) != waiting {
+            self.contended.store(waiting, Ordering::Relaxed);
+        }
     }
 
     /// Forgets a finished or dropped future: its queued ticket, or the token granted to it
@@ -203,7 +216,7 @@ impl FairScheduler {
         if let Some(t) = ticket {
             state.wakers.remove(&t);
             if state.granted.remove(&t) {
-                Self::hand_on(&mut state, now);
+                self.hand_on(&mut state, now);
             } else if let Some(entry) = state.tenants.get_mut(tenant) {
                 entry.waiting.retain(|w| *w != t);
             }

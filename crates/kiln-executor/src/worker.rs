@@ -103,7 +103,10 @@ where
         }
     });
     let sessions: Sessions = Arc::default();
-    let scheduler = FairScheduler::new(tokio::runtime::Handle::current().metrics().num_workers());
+    let scheduler = FairScheduler::with_flag(
+        tokio::runtime::Handle::current().metrics().num_workers(),
+        engine.contended(),
+    );
     let running: Running = Arc::default();
     let door_calls: DoorCalls = Arc::default();
     loop {

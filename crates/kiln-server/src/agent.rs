@@ -450,7 +450,7 @@ pub async fn run(
             id
         }
         None => {
-            exec::create_default_sandbox(state, &caller.tenant, Language::Python)
+            exec::create_default_sandbox(state, caller, Language::Python)
                 .await?
                 .id
         }

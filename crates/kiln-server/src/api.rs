@@ -149,7 +149,7 @@ pub async fn create(
     )?;
     let sandbox = exec::create_sandbox(
         &state,
-        &caller.tenant,
+        &caller,
         &body.image,
         language,
         lifetime_ms,
@@ -647,7 +647,9 @@ pub async fn rollback(
 ) -> Result<Json<RollbackReply>, ApiError> {
     let Json(body) = body?;
     let rollback_id = new_id("rollback_");
-    let (sandbox, _cancel) = state.registry.begin(&caller.tenant, &id, &rollback_id)?;
+    let (sandbox, _cancel, _) = state
+        .registry
+        .begin(&caller.tenant, &id, &rollback_id, None)?;
     let target = body.execution_id.clone();
     let new_id = rollback_id.clone();
     // Blocking work runs to its end (and the sandbox is released) even if the client leaves.
@@ -658,7 +660,10 @@ pub async fn rollback(
                 .rollback(&sandbox.tree()?, &target, &new_id)
                 .map_err(history_error)
         })();
-        if done.is_ok() {
+        if let Ok(recorded) = &done {
+            state
+                .registry
+                .set_workspace_bytes(&sandbox.id, recorded.bytes);
             exec::pack_in_background(&sandbox);
         }
         state.registry.finish(&sandbox.id, None).and(done)

@@ -12,6 +12,7 @@ use std::time::SystemTime;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::quota::QuotaOverrides;
 use crate::sandbox::{new_id, now_ms, rfc3339};
 use crate::store;
 
@@ -32,6 +33,9 @@ pub struct KeyRecord {
     pub sha256: String,
     /// When it was created (RFC 3339).
     pub created_at: String,
+    /// Quotas of its own, where they differ from the server's.
+    #[serde(default, skip_serializing_if = "QuotaOverrides::is_empty")]
+    pub quotas: QuotaOverrides,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -46,6 +50,19 @@ pub struct Caller {
     pub tenant: String,
     /// The key's public id (`local` without auth); rate limits count per key.
     pub key_id: String,
+    /// The key's own quotas (see [`crate::AppState::quotas`]).
+    pub quotas: QuotaOverrides,
+}
+
+impl Caller {
+    /// The one tenant of a server without keys (and of MCP over stdio).
+    pub fn local() -> Caller {
+        Caller {
+            tenant: LOCAL_TENANT.into(),
+            key_id: LOCAL_TENANT.into(),
+            quotas: QuotaOverrides::default(),
+        }
+    }
 }
 
 fn hash(key: &str) -> String {
@@ -70,6 +87,7 @@ pub fn create_key(
     data_dir: &Path,
     name: &str,
     tenant: Option<&str>,
+    quotas: QuotaOverrides,
 ) -> std::io::Result<(KeyRecord, String)> {
     if let Some(tenant) = tenant
         && (tenant.is_empty()
@@ -94,6 +112,7 @@ pub fn create_key(
         tenant: tenant.map_or_else(|| id.clone(), str::to_owned),
         sha256: hash(&key),
         created_at: rfc3339(now_ms()),
+        quotas,
     };
     file.keys.push(record.clone());
     store::write_json(&path, &file)?;
@@ -196,6 +215,7 @@ impl KeyStore {
                     Caller {
                         tenant: k.tenant,
                         key_id: k.id,
+                        quotas: k.quotas,
                     },
                 )
             })
@@ -223,7 +243,7 @@ mod tests {
     #[test]
     fn keys_are_stored_hashed_checked_and_revoked() {
         let dir = tempfile::tempdir().unwrap();
-        let (record, key) = create_key(dir.path(), "ci", None).unwrap();
+        let (record, key) = create_key(dir.path(), "ci", None, QuotaOverrides::default()).unwrap();
         assert!(key.starts_with("kiln_") && key.len() == 53);
         let text = std::fs::read_to_string(dir.path().join("keys.json")).unwrap();
         assert!(!text.contains(&key), "the key itself must never be stored");
@@ -233,6 +253,6 @@ mod tests {
         assert_eq!(store.check("kiln_wrong"), None);
         assert!(revoke_key(dir.path(), &record.id).unwrap());
         assert_eq!(store.check(&key), None);
-        assert!(create_key(dir.path(), "x", Some("../evil")).is_err());
+        assert!(create_key(dir.path(), "x", Some("../evil"), QuotaOverrides::default()).is_err());
     }
 }

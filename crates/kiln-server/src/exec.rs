@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use axum::http::StatusCode;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
-use kiln_executor::{CallOptions, Chunk, PoolError};
+use kiln_executor::{CallOptions, Chunk, PoolError, Share};
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -16,7 +16,7 @@ use crate::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::history::{LeftOut, Recorded};
-use crate::sandbox::{Sandbox, now_ms, tree_error};
+use crate::sandbox::{Registry, Sandbox, now_ms, tree_error};
 use kiln_workspace::{RelPath, Tree};
 
 /// Longest single execution: 5 minutes (bounded by the sandbox's remaining lifetime).
@@ -117,13 +117,20 @@ pub fn write_files(tree: &Tree, files: &[(RelPath, Vec<u8>)]) -> Result<(), ApiE
     Ok(())
 }
 
-/// Records what a change did to the workspace as change `id`, then packs the history in the
-/// background now and then. Blocking: call it off the async threads.
-pub fn record(sandbox: &Sandbox, summary: &str, id: &str) -> Result<Recorded, ApiError> {
+/// Records what a change did to the workspace as change `id`, notes the workspace's size
+/// for the tenant's quota, then packs the history in the background now and then. Blocking:
+/// call it off the async threads.
+pub fn record(
+    registry: &Registry,
+    sandbox: &Sandbox,
+    summary: &str,
+    id: &str,
+) -> Result<Recorded, ApiError> {
     let recorded = sandbox
         .history()?
         .record(&sandbox.tree()?, summary, id)
         .map_err(crate::sandbox::history_error)?;
+    registry.set_workspace_bytes(&sandbox.id, recorded.bytes);
     if recorded.commit_id.is_some() {
         pack_in_background(sandbox);
     }
@@ -194,22 +201,28 @@ pub async fn detached<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
 }
 
-/// Creates a sandbox off the async threads (git init and fsyncs block), to its end even if
-/// the request goes away.
+/// Creates a sandbox of `caller` off the async threads (git init and fsyncs block), to its
+/// end even if the request goes away.
 pub async fn create_sandbox(
     state: &Arc<AppState>,
-    tenant: &str,
+    caller: &Caller,
     image: &str,
     language: kiln_core::Language,
     lifetime_ms: u64,
     memory_bytes: u64,
 ) -> Result<crate::sandbox::Sandbox, ApiError> {
-    let (state, tenant, image) = (state.clone(), tenant.to_owned(), image.to_owned());
+    let quotas = state.quotas(caller);
+    let (state, tenant, image) = (state.clone(), caller.tenant.clone(), image.to_owned());
     detached(async move {
         tokio::task::spawn_blocking(move || {
-            state
-                .registry
-                .create(&tenant, &image, language, lifetime_ms, memory_bytes)
+            state.registry.create(
+                &tenant,
+                &image,
+                language,
+                lifetime_ms,
+                memory_bytes,
+                &quotas,
+            )
         })
         .await
         .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
@@ -220,12 +233,12 @@ pub async fn create_sandbox(
 /// Creates a sandbox with the default lifetime and memory.
 pub async fn create_default_sandbox(
     state: &Arc<AppState>,
-    tenant: &str,
+    caller: &Caller,
     language: kiln_core::Language,
 ) -> Result<crate::sandbox::Sandbox, ApiError> {
     create_sandbox(
         state,
-        tenant,
+        caller,
         language.name(),
         language,
         crate::api::DEFAULT_LIFETIME_MS,
@@ -248,27 +261,39 @@ pub async fn run(
 }
 
 async fn run_attached(
-    state: &AppState,
+    state: &Arc<AppState>,
     caller: &Caller,
     id: &str,
     mut spec: RunSpec,
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
 ) -> Result<RunOutcome, ApiError> {
-    let (sandbox, cancel) = state.registry.begin(&caller.tenant, id, &spec.exec_id)?;
+    let quotas = state.quotas(caller);
+    let (sandbox, cancel, usage) =
+        state
+            .registry
+            .begin(&caller.tenant, id, &spec.exec_id, Some(&quotas))?;
     if let Some(begun) = spec.begun.take() {
         let _ = begun.send(());
     }
     let started = Instant::now();
-    let ran = run_in(state, &sandbox, &spec, chunks, cancel).await;
+    let share = Share {
+        tenant: caller.tenant.clone(),
+        weight: quotas.cpu_weight,
+    };
+    let room = usage.workspace_room(&quotas);
+    let ran = run_in(state, &sandbox, &spec, chunks, cancel, share, room).await;
     let ran_at = started.elapsed();
     // Record what the code did to the workspace, whatever the outcome (a timed-out run may
     // still have written files).
     let workspace = sandbox.clone();
     let summary = spec.summary.clone();
     let exec_id = spec.exec_id.clone();
-    let recorded = tokio::task::spawn_blocking(move || record(&workspace, &summary, &exec_id))
-        .await
-        .unwrap_or_else(|e| Err(ApiError::internal(format!("history task failed: {e}"))));
+    let registry = state.clone();
+    let recorded = tokio::task::spawn_blocking(move || {
+        record(&registry.registry, &workspace, &summary, &exec_id)
+    })
+    .await
+    .unwrap_or_else(|e| Err(ApiError::internal(format!("history task failed: {e}"))));
     let committed_at = started.elapsed();
     let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let executed = ran.as_ref().ok().map(|_| duration_ms);
@@ -316,6 +341,8 @@ async fn run_in(
     spec: &RunSpec,
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
     cancel: tokio::sync::oneshot::Receiver<()>,
+    share: Share,
+    workspace_room: u64,
 ) -> Result<(ExecResult, Limits), ApiError> {
     // Most runs send no files and name no program file: no workspace handle is opened for
     // them (recording the change opens its own, off the async threads).
@@ -335,14 +362,13 @@ async fn run_in(
     if let Some(timeout_ms) = spec.timeout_ms {
         limits.timeout_ms = limits.timeout_ms.min(timeout_ms.max(1));
     }
+    // The tenant's workspace quota bounds what this run may write.
+    limits.fs_write_bytes = limits.fs_write_bytes.min(workspace_room);
     let options = CallOptions {
         chunks,
         cancel: Some(cancel),
         door: None,
-        share: Some(kiln_executor::Share {
-            tenant: sandbox.tenant.clone(),
-            weight: 1,
-        }),
+        share: Some(share),
     };
     let result = match &spec.session {
         None => {

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use crate::AppState;
-use crate::auth::{Auth, Caller, LOCAL_TENANT};
+use crate::auth::{Auth, Caller};
 use crate::error::{ApiError, ErrorCode};
 
 /// Paths anyone may read without a key.
@@ -96,10 +96,7 @@ fn presented_key(request: &Request) -> Option<&str> {
 
 fn authenticate(state: &AppState, request: &Request) -> Result<Caller, ApiError> {
     match &state.auth {
-        Auth::Off => Ok(Caller {
-            tenant: LOCAL_TENANT.into(),
-            key_id: LOCAL_TENANT.into(),
-        }),
+        Auth::Off => Ok(Caller::local()),
         Auth::Keys(store) => {
             let Some(key) = presented_key(request) else {
                 return Err(ApiError::new(

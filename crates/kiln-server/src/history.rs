@@ -117,6 +117,8 @@ pub struct Recorded {
     pub commit_id: Option<String>,
     /// What the commit left out.
     pub left_out: Vec<LeftOut>,
+    /// Bytes in the workspace's files (their apparent sizes, left-out ones included).
+    pub bytes: u64,
 }
 
 /// A sandbox's workspace repository.
@@ -292,6 +294,7 @@ struct Stager<'a> {
     entries: usize,
     now_ns: i64,
     left_out: Vec<LeftOut>,
+    bytes: u64,
 }
 
 impl Stager<'_> {
@@ -319,6 +322,7 @@ impl Stager<'_> {
             };
             self.entries += 1;
             let stored = encode(name.as_bytes());
+            self.bytes = self.bytes.saturating_add(meta.size);
             match meta.kind {
                 Kind::File => {
                     if meta.size > MAX_FILE_BYTES {
@@ -413,7 +417,7 @@ impl History {
             memory: memory(git_dir),
         };
         {
-            let (oid, _) = history.stage(tree)?;
+            let (oid, _, _) = history.stage(tree)?;
             let sig = signature()?;
             let root = history.repo.find_tree(oid)?;
             let commit = history.repo.commit(
@@ -442,7 +446,7 @@ impl History {
     }
 
     /// Builds the tree of the whole workspace as the guest sees it.
-    fn stage(&self, tree: &Tree) -> Result<(Oid, Vec<LeftOut>), HistoryError> {
+    fn stage(&self, tree: &Tree) -> Result<(Oid, Vec<LeftOut>, u64), HistoryError> {
         // Nothing runs in the sandbox while it is staged, so an entry that changes under the
         // walk is something else racing it: try again, then give up.
         let mut tries = 0;
@@ -454,19 +458,20 @@ impl History {
         }
     }
 
-    fn stage_once(&self, tree: &Tree) -> Result<(Oid, Vec<LeftOut>), HistoryError> {
+    fn stage_once(&self, tree: &Tree) -> Result<(Oid, Vec<LeftOut>, u64), HistoryError> {
         let mut stager = Stager {
             repo: &self.repo,
             memory: &self.memory,
             entries: 0,
             now_ns: now_ns(),
             left_out: Vec::new(),
+            bytes: 0,
         };
         let oid = match stager.tree(tree.root(), "")? {
             Some(oid) => oid,
             None => empty_tree(&self.repo)?,
         };
-        Ok((oid, stager.left_out))
+        Ok((oid, stager.left_out, stager.bytes))
     }
 
     fn head(&self) -> Result<git2::Commit<'_>, git2::Error> {
@@ -511,16 +516,18 @@ impl History {
     /// Commits the workspace as change `id` if it differs from the last commit.
     pub fn record(&self, tree: &Tree, summary: &str, id: &str) -> Result<Recorded, HistoryError> {
         let _turn = self.memory.write.lock().unwrap_or_else(|e| e.into_inner());
-        let (staged, left_out) = self.stage(tree)?;
+        let (staged, left_out, bytes) = self.stage(tree)?;
         if self.head()?.tree_id() == staged {
             return Ok(Recorded {
                 commit_id: None,
                 left_out,
+                bytes,
             });
         }
         Ok(Recorded {
             commit_id: Some(self.commit_tree(staged, summary, id)?),
             left_out,
+            bytes,
         })
     }
 
@@ -639,11 +646,12 @@ impl History {
         let _turn = self.memory.write.lock().unwrap_or_else(|e| e.into_inner());
         let wanted = self.find(target)?.tree()?;
         self.restore(tree, tree.root(), &wanted, "")?;
-        let (staged, left_out) = self.stage(tree)?;
+        let (staged, left_out, bytes) = self.stage(tree)?;
         let commit_id = self.commit_tree(staged, &format!("rollback to {target}"), id)?;
         Ok(Recorded {
             commit_id: Some(commit_id),
             left_out,
+            bytes,
         })
     }
 

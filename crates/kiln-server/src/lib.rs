@@ -19,6 +19,7 @@ pub mod history;
 pub mod mcp;
 pub mod metrics;
 pub mod openapi;
+pub mod quota;
 pub mod sandbox;
 pub mod store;
 pub mod v1;
@@ -54,6 +55,15 @@ pub struct AppState {
     pub llm: Result<Arc<dyn kiln_llm::ChatModel>, String>,
     /// Budgets of one agent run.
     pub agent_limits: agent::AgentLimits,
+    /// Each tenant's quotas unless its key says otherwise.
+    pub quotas: quota::Quotas,
+}
+
+impl AppState {
+    /// The quotas of `caller`: the server's, with its key's overrides.
+    pub fn quotas(&self, caller: &auth::Caller) -> quota::Quotas {
+        self.quotas.with(&caller.quotas)
+    }
 }
 
 /// Server settings.
@@ -72,6 +82,8 @@ pub struct ServerConfig {
     /// Extra host names clients use to reach this server (for `/mcp`'s `Host` check;
     /// loopback names and the listen address are always accepted).
     pub public_hosts: Vec<String>,
+    /// Each tenant's quotas unless its key says otherwise.
+    pub quotas: quota::Quotas,
 }
 
 impl AppState {
@@ -107,6 +119,7 @@ impl AppState {
                     .map_or(Duration::from_secs(120), |c| c.timeout),
                 ..agent::AgentLimits::default()
             },
+            quotas: config.quotas,
         })
     }
 }

@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::AppState;
-use crate::auth::{Caller, LOCAL_TENANT};
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::exec::{self, pool_error};
 use crate::sandbox::new_id;
@@ -184,10 +184,7 @@ impl KilnMcp {
             Some(parts) => parts.extensions.get::<Caller>().cloned().ok_or_else(|| {
                 ErrorData::invalid_request("no authenticated caller on this request", None)
             }),
-            None => Ok(Caller {
-                tenant: LOCAL_TENANT.into(),
-                key_id: LOCAL_TENANT.into(),
-            }),
+            None => Ok(Caller::local()),
         }
     }
 
@@ -274,7 +271,7 @@ impl KilnMcp {
     }
 
     async fn new_sandbox(&self, caller: &Caller, language: Language) -> Result<String, ApiError> {
-        exec::create_default_sandbox(&self.state, &caller.tenant, language)
+        exec::create_default_sandbox(&self.state, caller, language)
             .await
             .map(|sandbox| sandbox.id)
     }

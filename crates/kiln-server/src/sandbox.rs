@@ -25,6 +25,7 @@ use tokio::sync::oneshot;
 
 use crate::error::ApiError;
 use crate::history::{History, HistoryError};
+use crate::quota::{Quotas, Usage};
 use crate::store;
 use kiln_workspace::{RelPath, Tree, TreeError};
 
@@ -111,6 +112,9 @@ pub struct Sandbox {
     pub cpu_time_ms: u64,
     #[serde(default)]
     pub sessions: BTreeMap<String, SessionMeta>,
+    /// Bytes in the workspace when its history last recorded it (for the tenant's quota).
+    #[serde(default)]
+    pub workspace_bytes: u64,
     /// Runtime only: the folder the sandbox lives in.
     #[serde(skip)]
     pub dir: PathBuf,
@@ -370,7 +374,9 @@ impl Registry {
         language: Language,
         lifetime_ms: u64,
         memory_bytes: u64,
+        quotas: &Quotas,
     ) -> Result<Sandbox, ApiError> {
+        self.usage(tenant).check_sandbox(quotas)?;
         let id = new_id("sb_");
         let created_ms = now_ms();
         let meta = Sandbox {
@@ -384,6 +390,7 @@ impl Registry {
             executions: 0,
             cpu_time_ms: 0,
             sessions: BTreeMap::new(),
+            workspace_bytes: 0,
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {
@@ -397,7 +404,15 @@ impl Registry {
             remove_sandbox_dir(&meta);
             return Err(e);
         }
-        self.lock().insert(
+        let mut sandboxes = self.lock();
+        // Counted where it is added, so concurrent creates cannot pass the quota together.
+        if let Err(e) = Registry::usage_of(&sandboxes, tenant).check_sandbox(quotas) {
+            drop(sandboxes);
+            let _ = std::fs::remove_file(meta.meta_path());
+            remove_sandbox_dir(&meta);
+            return Err(e);
+        }
+        sandboxes.insert(
             id,
             Entry {
                 meta: meta.clone(),
@@ -478,15 +493,56 @@ impl Registry {
         (page, next)
     }
 
+    /// What `tenant` holds now.
+    pub fn usage(&self, tenant: &str) -> Usage {
+        Registry::usage_of(&self.lock(), tenant)
+    }
+
+    fn usage_of(sandboxes: &HashMap<String, Entry>, tenant: &str) -> Usage {
+        let now = now_ms();
+        let mut usage = Usage::default();
+        for entry in sandboxes.values() {
+            if entry.meta.tenant != tenant || entry.deleted {
+                continue;
+            }
+            if entry.meta.expires_ms > now {
+                usage.sandboxes += 1;
+            }
+            let live = entry.handles.len() as u64;
+            usage.sessions += live;
+            usage.session_memory_bytes += live * entry.meta.memory_bytes;
+            usage.executions += u64::from(entry.running.is_some());
+            usage.workspace_bytes += entry.meta.workspace_bytes;
+        }
+        usage
+    }
+
     /// Marks a sandbox busy with work `work_id` (an execution, an upload); a second one is
-    /// refused with 409 until it ends. The receiver fires if the work is cancelled.
+    /// refused with 409 until it ends. The receiver fires if the work is cancelled. With
+    /// `quotas`, the tenant's concurrent executions and workspace bytes are checked first
+    /// (429). Also answers the tenant's usage as it was.
     pub fn begin(
         &self,
         tenant: &str,
         id: &str,
         work_id: &str,
-    ) -> Result<(Sandbox, oneshot::Receiver<()>), ApiError> {
+        quotas: Option<&Quotas>,
+    ) -> Result<(Sandbox, oneshot::Receiver<()>, Usage), ApiError> {
         let mut sandboxes = self.lock();
+        let usage = match quotas {
+            Some(quotas) => {
+                let usage = Registry::usage_of(&sandboxes, tenant);
+                // A busy sandbox answers 409 below whatever the quota says.
+                if Registry::find(&mut sandboxes, tenant, id)?
+                    .running
+                    .is_none()
+                {
+                    usage.check_execution(quotas)?;
+                }
+                usage
+            }
+            None => Usage::default(),
+        };
         let entry = Registry::find(&mut sandboxes, tenant, id)?;
         if let Some(running) = &entry.running {
             return Err(busy_error(id, &running.id));
@@ -496,7 +552,7 @@ impl Registry {
             id: work_id.to_owned(),
             cancel: Some(tx),
         });
-        Ok((entry.meta.clone(), rx))
+        Ok((entry.meta.clone(), rx, usage))
     }
 
     /// Ends work started with [`Registry::begin`], counting an execution of `duration_ms`
@@ -588,14 +644,24 @@ impl Registry {
         Ok(meta)
     }
 
-    /// Records a new session and the worker holding it.
+    /// Records a new session and the worker holding it, within the tenant's `quotas`
+    /// (checked here, where it is counted).
     pub fn add_session(
         &self,
         id: &str,
         session: SessionMeta,
         handle: SessionHandle,
+        quotas: &Quotas,
     ) -> Result<(), ApiError> {
         let mut sandboxes = self.lock();
+        let Some(tenant) = sandboxes
+            .get(id)
+            .filter(|e| !e.deleted)
+            .map(|e| (e.meta.tenant.clone(), e.meta.memory_bytes))
+        else {
+            return Err(ApiError::sandbox_not_found(id));
+        };
+        Registry::usage_of(&sandboxes, &tenant.0).check_session(quotas, tenant.1)?;
         let Some(entry) = sandboxes.get_mut(id).filter(|e| !e.deleted) else {
             return Err(ApiError::sandbox_not_found(id));
         };
@@ -631,6 +697,19 @@ impl Registry {
         self.lock()
             .get_mut(id)
             .and_then(|e| e.handles.remove(session))
+    }
+
+    /// Notes how many bytes a sandbox's workspace holds (written with the usage counters).
+    pub fn set_workspace_bytes(&self, id: &str, bytes: u64) {
+        if let Some(entry) = self.lock().get_mut(id)
+            && entry.meta.workspace_bytes != bytes
+        {
+            entry.meta.workspace_bytes = bytes;
+            self.dirty
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id.to_owned());
+        }
     }
 
     /// Counts a session turn.

@@ -27,6 +27,7 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunOutcome, RunSpec, pool_error};
 use crate::sandbox::{SessionMeta, new_id, now_ms, rfc3339, tree_error, workspace_path};
+use kiln_executor::CallOptions;
 use kiln_workspace::{Kind, RelPath};
 
 type Shared = State<Arc<AppState>>;
@@ -82,16 +83,9 @@ pub async fn create(
     let image = body.language.unwrap_or_else(|| "python".into());
     let (language, lifetime_ms, memory_bytes) =
         api::parse_create(&image, body.timeout_ms, body.memory_limit.as_deref())?;
-    let id = exec::create_sandbox(
-        &state,
-        &caller.tenant,
-        &image,
-        language,
-        lifetime_ms,
-        memory_bytes,
-    )
-    .await?
-    .id;
+    let id = exec::create_sandbox(&state, &caller, &image, language, lifetime_ms, memory_bytes)
+        .await?
+        .id;
     let view = state.registry.get(&caller.tenant, &id)?;
     Ok((StatusCode::CREATED, Json(SandboxInfo::from_view(&view))))
 }
@@ -712,14 +706,27 @@ pub async fn open_session(
         memory_bytes: view.meta.memory_bytes,
         ..Limits::default()
     };
-    let handle = state.pool.open_session(request).await.map_err(pool_error)?;
+    let quotas = state.quotas(caller);
+    state
+        .registry
+        .usage(&caller.tenant)
+        .check_session(&quotas, view.meta.memory_bytes)?;
+    let options = CallOptions::for_tenant(&caller.tenant, quotas.cpu_weight);
+    let handle = state
+        .pool
+        .open_session_with(request, options)
+        .await
+        .map_err(pool_error)?;
     let meta = SessionMeta {
         id: session_id.clone(),
         language,
         created_ms: now_ms(),
         turns: 0,
     };
-    if let Err(error) = state.registry.add_session(id, meta.clone(), handle) {
+    if let Err(error) = state
+        .registry
+        .add_session(id, meta.clone(), handle, &quotas)
+    {
         let _ = state.pool.close_session(&handle).await;
         return Err(error);
     }
@@ -806,7 +813,7 @@ pub async fn restart_session(
 ) -> Result<Json<api::SessionInfo>, ApiError> {
     let Path((id, session)) = ids.map_err(path_error)?;
     let work = new_id("restart_");
-    let (_, _cancel) = state.registry.begin(&caller.tenant, &id, &work)?;
+    let (_, _cancel, _) = state.registry.begin(&caller.tenant, &id, &work, None)?;
     let info = exec::detached(async move {
         let done = async {
             let (meta, handle) = state.registry.session(&caller.tenant, &id, &session)?;
@@ -886,7 +893,7 @@ async fn with_sandbox<T: Send + 'static>(
     work_id: &str,
     work: impl FnOnce(crate::sandbox::Sandbox) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let (sandbox, _cancel) = state.registry.begin(&caller.tenant, id, work_id)?;
+    let (sandbox, _cancel, _) = state.registry.begin(&caller.tenant, id, work_id, None)?;
     let state = state.clone();
     // Runs to its end (and releases the sandbox) even if the client leaves.
     tokio::task::spawn_blocking(move || {
@@ -1109,11 +1116,28 @@ pub async fn write_file_in(
 ) -> Result<FileChange, ApiError> {
     let history_id = new_id("upload_");
     let work = history_id.clone();
+    let quotas = state.quotas(caller);
+    let usage = state.registry.usage(&caller.tenant);
+    if body.len() as u64 > usage.workspace_room(&quotas) {
+        return Err(crate::quota::exceeded(
+            "workspaceBytes",
+            quotas.workspace_bytes,
+            usage.workspace_bytes,
+            "bytes",
+        ));
+    }
+    let registry = state.clone();
     with_sandbox(state, caller, id, &work, move |sandbox| {
         let path = workspace_path(&name)?;
         let size = body.len() as u64;
         exec::write_files(&sandbox.tree()?, &[(path, body)])?;
-        let commit_id = exec::record(&sandbox, &format!("upload {name}"), &history_id)?.commit_id;
+        let commit_id = exec::record(
+            &registry.registry,
+            &sandbox,
+            &format!("upload {name}"),
+            &history_id,
+        )?
+        .commit_id;
         Ok(FileChange {
             path: name,
             size,
@@ -1140,10 +1164,17 @@ pub async fn delete_file(
     let Path((id, name)) = ids.map_err(path_error)?;
     let history_id = new_id("delete_");
     let work = history_id.clone();
+    let registry = state.clone();
     let change = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
         let path = workspace_path(&name)?;
         sandbox.tree()?.remove(&path).map_err(tree_error)?;
-        let commit_id = exec::record(&sandbox, &format!("delete {name}"), &history_id)?.commit_id;
+        let commit_id = exec::record(
+            &registry.registry,
+            &sandbox,
+            &format!("delete {name}"),
+            &history_id,
+        )?
+        .commit_id;
         Ok(FileChange {
             path: name,
             size: 0,

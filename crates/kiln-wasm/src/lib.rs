@@ -30,7 +30,8 @@ pub mod setup;
 
 pub use cache::{ModuleError, WASMTIME_VERSION, cwasm_path};
 pub use engine::{
-    EPOCH_TICK, EngineError, EngineOptions, ExecError, MAX_CODE_BYTES, WasmEngine, engine_config,
+    CONTENDED_EPOCH_TICK, EPOCH_TICK, EngineError, EngineOptions, ExecError, MAX_CODE_BYTES,
+    WasmEngine, engine_config,
 };
 pub use guest::{Door, DoorFuture, GrantError, MAX_DOOR_FRAME_BYTES};
 pub use output::{OutputChunk, StreamKind};

@@ -22,7 +22,9 @@ pub(crate) fn summary(mut samples_us: Vec<f64>) -> serde_json::Value {
         "n": samples_us.len(),
         "median_ms": round3(pick(0.5)),
         "p90_ms": round3(pick(0.9)),
+        "p95_ms": round3(pick(0.95)),
         "min_ms": round3(pick(0.0)),
+        "max_ms": round3(pick(1.0)),
     })
 }
 
@@ -284,6 +286,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     }
     if explicit("history_scale") || explicit("history_mixed_load") {
         crate::bench_history::run(&explicit, n, args.seconds, &mut report)?;
+    }
+    if explicit("fair_share") || explicit("frozen_worker") || explicit("memory_return") {
+        crate::bench_fair::run(&explicit, n, &mut report)?;
     }
     if explicit("runner_jit") {
         crate::bench_runner::run(&explicit, n, &mut report)?;

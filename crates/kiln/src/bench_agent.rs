@@ -98,6 +98,7 @@ pub fn run(
             rate_limit: 0,
             request_timeout: Duration::from_secs(600),
             public_hosts: Vec::new(),
+            quotas: kiln_server::quota::Quotas::default(),
         };
         let samples = rt.block_on(async {
             let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);
@@ -106,6 +107,7 @@ pub fn run(
             let caller = kiln_server::auth::Caller {
                 tenant: "bench".into(),
                 key_id: "bench".into(),
+                quotas: Default::default(),
             };
             let calls = 10;
             let limits = kiln_server::agent::AgentLimits {

@@ -105,6 +105,75 @@ pub struct ServeArgs {
     /// against DNS rebinding; loopback names and the listen address are always accepted.
     #[arg(long = "public-host", value_name = "HOST")]
     pub public_hosts: Vec<String>,
+    /// Each tenant's quotas (a key may have its own: `kiln keys create --max-…`).
+    #[command(flatten)]
+    pub quotas: QuotaArgs,
+}
+
+/// Per-tenant quotas. For `kiln serve`, the defaults every key gets; for `kiln keys create`,
+/// the key's own (unset: the server's).
+#[derive(Debug, Clone, Default, Args)]
+pub struct QuotaArgs {
+    /// Live sandboxes per tenant [serve default: 100].
+    #[arg(long, env = "KILN_MAX_SANDBOXES")]
+    pub max_sandboxes: Option<u64>,
+    /// Live sessions per tenant [serve default: 16].
+    #[arg(long, env = "KILN_MAX_SESSIONS")]
+    pub max_sessions: Option<u64>,
+    /// Sum of the memory caps of a tenant's live sessions, e.g. 1GiB or 768MiB [serve
+    /// default: 1GiB].
+    #[arg(long, value_parser = parse_size, env = "KILN_MAX_SESSION_MEMORY")]
+    pub max_session_memory: Option<u64>,
+    /// Executions (and uploads) a tenant may run at once [serve default: 8].
+    #[arg(long, env = "KILN_MAX_EXECUTIONS")]
+    pub max_executions: Option<u64>,
+    /// Bytes in all of a tenant's workspaces, e.g. 2GiB [serve default: 2GiB].
+    #[arg(long, value_parser = parse_size, env = "KILN_MAX_WORKSPACE")]
+    pub max_workspace: Option<u64>,
+    /// A tenant's share of worker CPU when tenants compete, 1 to 100 [serve default: 1].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100), env = "KILN_CPU_WEIGHT")]
+    pub cpu_weight: Option<u32>,
+}
+
+impl QuotaArgs {
+    pub fn overrides(&self) -> kiln_server::quota::QuotaOverrides {
+        kiln_server::quota::QuotaOverrides {
+            sandboxes: self.max_sandboxes,
+            sessions: self.max_sessions,
+            session_memory_bytes: self.max_session_memory,
+            executions: self.max_executions,
+            workspace_bytes: self.max_workspace,
+            cpu_weight: self.cpu_weight,
+        }
+    }
+}
+
+/// A byte size: a number with an optional unit (B, KiB, MiB, GiB, TiB; K, M, G, T and the
+/// kB/MB/GB spellings mean the same powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size such as 512MiB or 2GiB"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?}: use B, KiB, MiB, GiB or TiB"
+            ));
+        }
+    };
+    number
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -124,6 +193,9 @@ pub enum KeysCommand {
         /// a new tenant of its own.
         #[arg(long)]
         tenant: Option<String>,
+        /// The key's own quotas, where they should differ from the server's.
+        #[command(flatten)]
+        quotas: QuotaArgs,
     },
     /// List keys (ids, names, tenants; never the keys).
     List,

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_agent;
 mod bench_child;
+mod bench_fair;
 mod bench_history;
 mod bench_http;
 mod bench_rest;
@@ -152,6 +153,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 rate_limit: args.rate_limit,
                 request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
                 public_hosts: args.public_hosts,
+                quotas: kiln_server::quota::Quotas::default().with(&args.quotas.overrides()),
             };
             runtime(2)?.block_on(async {
                 pool.start_all()?;
@@ -182,6 +184,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 rate_limit: 0,
                 request_timeout: std::time::Duration::from_secs(600),
                 public_hosts: Vec::new(),
+                quotas: kiln_server::quota::Quotas::default(),
             };
             runtime(2)?.block_on(async {
                 let state = std::sync::Arc::new(kiln_server::AppState::open(&server, pool)?);
@@ -196,10 +199,18 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             let dir = data_dir(dir)?;
             match command {
-                cli::KeysCommand::Create { name, tenant } => {
-                    let (record, key) =
-                        kiln_server::auth::create_key(&dir, &name, tenant.as_deref())
-                            .with_context(|| format!("cannot create a key in {}", dir.display()))?;
+                cli::KeysCommand::Create {
+                    name,
+                    tenant,
+                    quotas,
+                } => {
+                    let (record, key) = kiln_server::auth::create_key(
+                        &dir,
+                        &name,
+                        tenant.as_deref(),
+                        quotas.overrides(),
+                    )
+                    .with_context(|| format!("cannot create a key in {}", dir.display()))?;
                     println!("{key}");
                     eprintln!(
                         "kiln: created key {} for tenant {}; it is shown once, only its hash is kept ({})",

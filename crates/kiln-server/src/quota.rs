@@ -1,0 +1,179 @@
+//! Per-tenant quotas: how much of the server one tenant may hold at once. The server has
+//! defaults (`kiln serve --max-…`); a key may override any of them (`kiln keys create
+//! --max-…`). Going over one answers 429 `QUOTA_EXCEEDED`, naming the quota, its value and
+//! what is in use. The checks that matter under a race (sandboxes, sessions, executions)
+//! are made under the registry's lock, where the new thing is counted.
+
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::error::ApiError;
+
+/// What one tenant may hold at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quotas {
+    /// Live sandboxes. Default 100.
+    pub sandboxes: u64,
+    /// Live sessions (code contexts), all sandboxes together. Default 16.
+    pub sessions: u64,
+    /// The sum of the memory caps of live sessions (each pins its memory in a worker).
+    /// Default 1 GiB: two sessions at the default 512 MiB cap.
+    pub session_memory_bytes: u64,
+    /// Executions (and uploads) running at once. Default 8.
+    pub executions: u64,
+    /// Bytes in all its workspaces together. Default 2 GiB.
+    pub workspace_bytes: u64,
+    /// Its share of worker CPU when tenants compete (≥ 1). Default 1.
+    pub cpu_weight: u32,
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Quotas {
+            sandboxes: 100,
+            sessions: 16,
+            session_memory_bytes: 1 << 30,
+            executions: 8,
+            workspace_bytes: 2 << 30,
+            cpu_weight: 1,
+        }
+    }
+}
+
+/// A key's own quotas, where they differ from the server's defaults (stored in `keys.json`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaOverrides {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandboxes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sessions: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_memory_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executions: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_weight: Option<u32>,
+}
+
+impl QuotaOverrides {
+    pub fn is_empty(&self) -> bool {
+        *self == QuotaOverrides::default()
+    }
+}
+
+impl Quotas {
+    /// These quotas with a key's overrides applied.
+    pub fn with(self, overrides: &QuotaOverrides) -> Quotas {
+        Quotas {
+            sandboxes: overrides.sandboxes.unwrap_or(self.sandboxes),
+            sessions: overrides.sessions.unwrap_or(self.sessions),
+            session_memory_bytes: overrides
+                .session_memory_bytes
+                .unwrap_or(self.session_memory_bytes),
+            executions: overrides.executions.unwrap_or(self.executions),
+            workspace_bytes: overrides.workspace_bytes.unwrap_or(self.workspace_bytes),
+            cpu_weight: overrides.cpu_weight.unwrap_or(self.cpu_weight).max(1),
+        }
+    }
+}
+
+/// What one tenant holds now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub sandboxes: u64,
+    pub sessions: u64,
+    pub session_memory_bytes: u64,
+    pub executions: u64,
+    pub workspace_bytes: u64,
+}
+
+/// The 429 for quota `name` (its value `limit`; `in_use` held now), in `unit`.
+pub fn exceeded(name: &str, limit: u64, in_use: u64, unit: &str) -> ApiError {
+    let show = |n: u64| match unit {
+        "bytes" => format!("{} MiB", n >> 20),
+        _ => n.to_string(),
+    };
+    ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "QUOTA_EXCEEDED",
+        format!(
+            "over your {name} quota: it is {}, and {} is in use; free some (delete sandboxes, close sessions, remove files) or ask for a larger quota",
+            show(limit),
+            show(in_use)
+        ),
+    )
+    .with_details(json!({ "quota": name, "limit": limit, "inUse": in_use, "unit": unit }))
+}
+
+impl Usage {
+    /// Refuses one more sandbox.
+    pub fn check_sandbox(&self, quotas: &Quotas) -> Result<(), ApiError> {
+        if self.sandboxes >= quotas.sandboxes {
+            return Err(exceeded(
+                "sandboxes",
+                quotas.sandboxes,
+                self.sandboxes,
+                "sandboxes",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses one more session with a memory cap of `memory`.
+    pub fn check_session(&self, quotas: &Quotas, memory: u64) -> Result<(), ApiError> {
+        if self.sessions >= quotas.sessions {
+            return Err(exceeded(
+                "sessions",
+                quotas.sessions,
+                self.sessions,
+                "sessions",
+            ));
+        }
+        if self.session_memory_bytes.saturating_add(memory) > quotas.session_memory_bytes {
+            return Err(exceeded(
+                "sessionMemory",
+                quotas.session_memory_bytes,
+                self.session_memory_bytes,
+                "bytes",
+            )
+            .with_details(json!({
+                "quota": "sessionMemory",
+                "limit": quotas.session_memory_bytes,
+                "inUse": self.session_memory_bytes,
+                "asked": memory,
+                "unit": "bytes",
+            })));
+        }
+        Ok(())
+    }
+
+    /// Refuses one more execution, or any while the workspaces are over their quota.
+    pub fn check_execution(&self, quotas: &Quotas) -> Result<(), ApiError> {
+        if self.executions >= quotas.executions {
+            return Err(exceeded(
+                "executions",
+                quotas.executions,
+                self.executions,
+                "executions",
+            ));
+        }
+        if self.workspace_bytes >= quotas.workspace_bytes {
+            return Err(exceeded(
+                "workspaceBytes",
+                quotas.workspace_bytes,
+                self.workspace_bytes,
+                "bytes",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes the tenant may still add to its workspaces.
+    pub fn workspace_room(&self, quotas: &Quotas) -> u64 {
+        quotas.workspace_bytes.saturating_sub(self.workspace_bytes)
+    }
+}
