@@ -19,5 +19,7 @@ pub mod protocol;
 pub mod worker;
 
 pub use kiln_wasm::{Door, DoorFuture};
-pub use pool::{CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle};
+pub use pool::{
+    CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle, WorkerLoad,
+};
 pub use protocol::{RemoteError, Share};

@@ -731,7 +731,7 @@ pub async fn metrics(
         )],
         state
             .metrics
-            .render(state.registry.count(), state.pool.worker_pids().len()),
+            .render(state.registry.count(), &state.pool.worker_loads()),
     )
 }
 

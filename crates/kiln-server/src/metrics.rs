@@ -111,7 +111,7 @@ impl Metrics {
     }
 
     /// The exposition text.
-    pub fn render(&self, sandboxes: usize, workers: usize) -> String {
+    pub fn render(&self, sandboxes: usize, workers: &[kiln_executor::WorkerLoad]) -> String {
         let inner = self.lock();
         let mut out = String::new();
         out.push_str("# HELP kiln_http_requests_total HTTP requests by method, route and status.\n# TYPE kiln_http_requests_total counter\n");
@@ -156,8 +156,37 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP kiln_workers_alive Live executor worker processes.\n# TYPE kiln_workers_alive gauge\nkiln_workers_alive {workers}"
+            "# HELP kiln_workers_alive Live executor worker processes.\n# TYPE kiln_workers_alive gauge\nkiln_workers_alive {}",
+            workers.len()
         );
+        out.push_str("# HELP kiln_worker_sessions Sessions held by each worker.\n# TYPE kiln_worker_sessions gauge\n");
+        for (i, w) in workers.iter().enumerate() {
+            let _ = writeln!(out, "kiln_worker_sessions{{worker=\"{i}\"}} {}", w.sessions);
+        }
+        out.push_str("# HELP kiln_worker_session_memory_bytes Memory caps of the sessions each worker holds.\n# TYPE kiln_worker_session_memory_bytes gauge\n");
+        for (i, w) in workers.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "kiln_worker_session_memory_bytes{{worker=\"{i}\"}} {}",
+                w.session_memory_bytes
+            );
+        }
+        out.push_str("# HELP kiln_worker_in_flight Requests each worker is running.\n# TYPE kiln_worker_in_flight gauge\n");
+        for (i, w) in workers.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "kiln_worker_in_flight{{worker=\"{i}\"}} {}",
+                w.in_flight
+            );
+        }
+        out.push_str("# HELP kiln_worker_responsive Whether each worker answered its last heartbeat in time (1) or gets no new work (0).\n# TYPE kiln_worker_responsive gauge\n");
+        for (i, w) in workers.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "kiln_worker_responsive{{worker=\"{i}\"}} {}",
+                u8::from(w.responsive)
+            );
+        }
         out
     }
 }

@@ -30,6 +30,36 @@ const BASE_ENV: &[(&str, &str)] = &[
     ("MPLBACKEND", "Agg"),
 ];
 
+/// Run once when a session opens. The runtime registers every turn's source in
+/// `linecache._interactive_cache` (so tracebacks can show its lines) and never removes it:
+/// a long session would keep every turn it ever ran. This keeps an entry only while code
+/// from that turn is alive — a function it defined, a traceback still held in
+/// `sys.last_exc` — and drops it when the last such code object is freed.
+const SESSION_PRELUDE: &str = r#"
+def _kiln_linecache():
+    import linecache, weakref
+    cache = linecache._interactive_cache
+    register = linecache._register_code
+    make_key = linecache._make_key
+    code_type = type(_kiln_linecache.__code__)
+    held = {}
+    def _register_code(code, string, name):
+        register(code, string, name)
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            stack.extend(k for k in c.co_consts if isinstance(k, code_type))
+            key = make_key(c)
+            def drop(_, key=key):
+                held.pop(key, None)
+                cache.pop(key, None)
+            held[key] = weakref.ref(c, drop)
+    linecache._register_code = _register_code
+    cache.clear()
+_kiln_linecache()
+del _kiln_linecache
+"#;
+
 struct Exports {
     memory: Memory,
     host_alloc: TypedFunc<i32, i32>,
@@ -113,14 +143,22 @@ impl PythonGuest {
             echo: true,
         };
         guest.echo = echo;
+        let mut setup = String::new();
+        if echo {
+            setup.push_str(SESSION_PRELUDE);
+        }
         if request.workspace.is_some() {
-            let setup = format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k");
+            setup.push_str(&format!(
+                "\nimport os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k\n"
+            ));
+        }
+        if !setup.is_empty() {
             let result = guest.turn(&setup, &request.limits, None).await?;
             if !result.success() {
                 return Err(instantiate_error(
                     Language::Python,
                     format!(
-                        "entering {WORKSPACE_GUEST} failed: {}",
+                        "setting up the session failed: {}",
                         result.stderr_text().trim()
                     ),
                 ));

@@ -231,6 +231,43 @@ async fn python_sessions_keep_state_and_end_on_exit() -> TestResult {
 }
 
 #[tokio::test]
+async fn a_session_keeps_no_source_of_turns_whose_code_is_gone() -> TestResult {
+    let mut session = engine()
+        .open_session(Language::Python, &SessionOptions::default())
+        .await?;
+    let limits = Limits::default();
+    session
+        .run("def kept():\n    return 1 / 0  # line of kept", &limits)
+        .await?;
+    // 2 000 turns of 4 KB each: about 8 MB of source if every turn were kept.
+    let filler = format!("x = 1\n{}", "# padding\n".repeat(400));
+    for _ in 0..2000 {
+        let turn = session.run(&filler, &limits).await?;
+        assert_eq!(turn.outcome, Outcome::Completed);
+    }
+    let measure = session
+        .run(
+            "import linecache\nc = linecache._interactive_cache\nprint(len(c), sum(e[0] for e in c.values()))",
+            &limits,
+        )
+        .await?;
+    let text = measure.stdout_text();
+    let mut parts = text.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+    let (entries, bytes) = (parts.next().unwrap(), parts.next().unwrap());
+    // What is left: `kept`'s turn and the measuring turn itself; at most 0.1 KB a turn.
+    assert!(entries <= 4, "{entries} entries kept");
+    assert!(bytes <= 2000 * 100, "{bytes} bytes of source kept");
+    // A function from an early turn still shows its line in a traceback.
+    let failed = session.run("kept()", &limits).await?;
+    assert!(
+        failed.stderr_text().contains("# line of kept"),
+        "{}",
+        failed.stderr_text()
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn javascript_sessions_keep_state() -> TestResult {
     let mut session = engine()
         .open_session(Language::JavaScript, &SessionOptions::default())

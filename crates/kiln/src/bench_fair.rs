@@ -108,13 +108,24 @@ impl Server {
         )
     }
 
+    /// The server's worker processes (children of any of its threads: a replaced worker is
+    /// started from whichever thread noticed).
     fn workers(&self) -> Vec<u32> {
         let pid = self.process.pid();
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|p| p.parse().ok())
-            .collect()
+        let mut pids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .flat_map(|task| {
+                std::fs::read_to_string(task.path().join("children"))
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .collect::<Vec<u32>>()
+            })
+            .collect();
+        pids.sort_unstable();
+        pids
     }
 }
 

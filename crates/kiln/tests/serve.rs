@@ -1251,3 +1251,328 @@ fn attack_kill_9_mid_burst_loses_no_acknowledged_change() -> TestResult {
     }
     Ok(())
 }
+
+// ---------------------------------------------------------------- issue 13: fair sharing
+
+/// The worker processes of a server (children of any of its threads).
+fn worker_pids(server: &Server) -> Vec<u32> {
+    let pid = server.child.0.id();
+    let mut pids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|task| {
+            std::fs::read_to_string(task.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+fn metric(server: &Server, name: &str) -> Res<Vec<f64>> {
+    let reply = send("GET", &server.url("/metrics"), server.key.as_deref(), None)?;
+    let text = String::from_utf8(reply.body)?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect())
+}
+
+fn assert_quota(status: u16, body: &Value, quota: &str, limit: u64, in_use: u64) {
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "QUOTA_EXCEEDED", "{body}");
+    let details = &body["error"]["details"];
+    assert_eq!(details["quota"], quota, "{body}");
+    assert_eq!(details["limit"], limit, "{body}");
+    assert_eq!(details["inUse"], in_use, "{body}");
+}
+
+#[test]
+fn issue13_quotas_answer_429_naming_the_quota_and_hold_under_a_race() -> TestResult {
+    let server = start(Options {
+        auth: true,
+        extra: &[
+            "--max-sandboxes",
+            "3",
+            "--max-executions",
+            "1",
+            "--max-workspace",
+            "1MiB",
+        ],
+        ..Options::default()
+    })?;
+    // Sandboxes: three, then 429, also when eight clients race for the last one.
+    for _ in 0..2 {
+        server.new_sandbox("python")?;
+    }
+    let racers: Vec<_> = (0..8)
+        .map(|_| {
+            let (url, key) = (server.url("/api/v1/sandboxes"), server.key.clone());
+            std::thread::spawn(move || {
+                send(
+                    "POST",
+                    &url,
+                    key.as_deref(),
+                    Some(("application/json", b"{}")),
+                )
+                .map(|r| r.status)
+                .unwrap_or(0)
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = racers.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        1,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 429).count(),
+        7,
+        "{statuses:?}"
+    );
+    let (status, body) = server.call("POST", "/api/v1/sandboxes", Some(json!({})))?;
+    assert_quota(status, &body, "sandboxes", 3, 3);
+    let (_, list) = server.call("GET", "/api/v1/sandboxes", None)?;
+    let ids: Vec<String> = list["sandboxes"]
+        .as_array()
+        .ok_or("no list")?
+        .iter()
+        .map(|s| s["containerId"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids.len(), 3, "{list}");
+
+    // Executions: one at a time for this tenant.
+    let busy = {
+        let (url, key) = (
+            server.url(&format!("/api/v1/sandboxes/{}/exec", ids[0])),
+            server.key.clone(),
+        );
+        std::thread::spawn(move || {
+            let body =
+                json!({"code": "import time\ntime.sleep(3)", "timeoutMs": 20000}).to_string();
+            send(
+                "POST",
+                &url,
+                key.as_deref(),
+                Some(("application/json", body.as_bytes())),
+            )
+            .map(|r| r.status)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, view) = server.call("GET", &format!("/api/v1/sandboxes/{}", ids[0]), None)?;
+        if !view["currentExecution"].is_null() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the first execution never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, body) = server.exec(&ids[1], json!({"code": "print(1)"}))?;
+    assert_quota(status, &body, "executions", 1, 1);
+    assert_eq!(busy.join().unwrap()?, 200);
+
+    // Workspace bytes: 1 MiB for all of the tenant's workspaces.
+    let upload = |id: &str, name: &str, bytes: usize| -> Res<Reply> {
+        send(
+            "PUT",
+            &server.url(&format!("/api/v1/sandboxes/{id}/files/{name}")),
+            server.key.as_deref(),
+            Some(("application/octet-stream", &vec![b'x'; bytes])),
+        )
+    };
+    assert_eq!(upload(&ids[0], "a.bin", 700 << 10)?.status, 201);
+    let refused = upload(&ids[1], "b.bin", 400 << 10)?;
+    assert_quota(
+        refused.status,
+        &refused.json(),
+        "workspaceBytes",
+        1 << 20,
+        700 << 10,
+    );
+    // Code may write only what is left (the rest fails with "no space").
+    let (status, body) = server.exec(
+        &ids[1],
+        json!({"code": "open('c.bin', 'wb').write(b'x' * (500 << 10))"}),
+    )?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["status"], "error", "{body}");
+    assert!(
+        body["stderr"].as_str().unwrap_or("").contains("No space"),
+        "{body}"
+    );
+    // Freeing space makes room again.
+    let (status, _) = server.call(
+        "DELETE",
+        &format!("/api/v1/sandboxes/{}/files/a.bin", ids[0]),
+        None,
+    )?;
+    assert_eq!(status, 200);
+    assert_eq!(upload(&ids[1], "b.bin", 400 << 10)?.status, 201);
+    Ok(())
+}
+
+#[test]
+fn issue13_session_memory_is_a_quota_and_a_key_may_raise_it() -> TestResult {
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
+    let big = {
+        let output = kiln()
+            .args([
+                "keys",
+                "create",
+                "--name",
+                "big",
+                "--max-session-memory",
+                "2GiB",
+                "--data-dir",
+            ])
+            .arg(&server.data)
+            .output()?;
+        assert!(output.status.success());
+        String::from_utf8(output.stdout)?.trim().to_owned()
+    };
+    // Four sessions of 300 MiB pin 1.2 GiB: more than the default quota of 1 GiB.
+    for (key, allowed) in [(server.key.clone().ok_or("no key")?, 3), (big, 4)] {
+        let (status, created) = server.call_as(
+            Some(&key),
+            "POST",
+            "/api/v1/sandboxes",
+            Some(json!({"language": "python", "memoryLimit": "300m"})),
+        )?;
+        assert_eq!(status, 201, "{created}");
+        let id = created["containerId"].as_str().ok_or("no id")?;
+        for i in 0..4 {
+            let (status, body) = server.call_as(
+                Some(&key),
+                "POST",
+                &format!("/api/v1/sandboxes/{id}/sessions"),
+                Some(json!({})),
+            )?;
+            if i < allowed {
+                assert_eq!(status, 201, "session {i}: {body}");
+            } else {
+                assert_eq!(status, 429, "{body}");
+                assert_eq!(body["error"]["details"]["quota"], "sessionMemory", "{body}");
+                assert_eq!(body["error"]["details"]["limit"], 1u64 << 30, "{body}");
+                assert_eq!(body["error"]["details"]["inUse"], 900u64 << 20, "{body}");
+            }
+        }
+    }
+    // The seven live sessions were placed by load: both workers hold some.
+    let sessions = metric(&server, "kiln_worker_sessions")?;
+    assert_eq!(sessions.iter().sum::<f64>(), 7.0, "{sessions:?}");
+    assert!(sessions.iter().all(|n| *n >= 3.0), "{sessions:?}");
+    Ok(())
+}
+
+#[test]
+fn issue13_a_stopped_worker_gets_no_new_work_and_its_deadlines_still_hold() -> TestResult {
+    let server = start(Options::default())?;
+    let id = server.new_sandbox("python")?;
+    for _ in 0..4 {
+        let (status, _) = server.exec(&id, json!({"code": "print(1)"}))?;
+        assert_eq!(status, 200);
+    }
+    let pids = worker_pids(&server);
+    assert_eq!(pids.len(), 2, "{pids:?}");
+    // SAFETY: signals to this test's own server's workers.
+    assert_eq!(unsafe { libc_kill(pids[0] as i32, 19) }, 0); // SIGSTOP
+    // Within a few heartbeats the stopped worker is marked and gets nothing new.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&server, "kiln_worker_responsive")?
+        .iter()
+        .sum::<f64>()
+        != 1.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the stopped worker was never noticed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for _ in 0..10 {
+        let (status, body) = server.exec(&id, json!({"code": "print(2)"}))?;
+        assert_eq!(
+            (status, body["stdout"].as_str()),
+            (200, Some("2\n")),
+            "{body}"
+        );
+    }
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc_kill(pids[0] as i32, 18) }, 0); // SIGCONT
+    // A busy loop whose worker is stopped mid-run still answers `timeout`: the server
+    // enforces the deadline itself and replaces the worker.
+    let before = worker_pids(&server);
+    let runner = {
+        let (url, key) = (
+            server.url(&format!("/api/v1/sandboxes/{id}/exec")),
+            server.key.clone(),
+        );
+        std::thread::spawn(move || {
+            let body = json!({"code": "while True: pass", "timeoutMs": 2000}).to_string();
+            send(
+                "POST",
+                &url,
+                key.as_deref(),
+                Some(("application/json", body.as_bytes())),
+            )
+        })
+    };
+    // Find the worker running it (the one burning CPU) and stop it.
+    let ticks = |pid: u32| -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let fields: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
+    };
+    let start_ticks: Vec<u64> = before.iter().map(|p| ticks(*p)).collect();
+    std::thread::sleep(Duration::from_millis(700));
+    let busiest = before
+        .iter()
+        .zip(&start_ticks)
+        .max_by_key(|(p, t)| ticks(**p).saturating_sub(**t))
+        .map(|(p, _)| *p)
+        .ok_or("no worker")?;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc_kill(busiest as i32, 19) }, 0);
+    let reply = runner.join().unwrap()?;
+    let body = reply.json();
+    assert_eq!(reply.status, 200, "{body}");
+    assert_eq!(body["status"], "timeout", "{body}");
+    assert!(
+        body["stderr"].as_str().unwrap_or("").contains("replaced"),
+        "{body}"
+    );
+    // The stopped worker was killed and replaced; the server goes on.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while worker_pids(&server).contains(&busiest) {
+        assert!(
+            Instant::now() < deadline,
+            "the stopped worker is still there"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (status, body) = server.exec(&id, json!({"code": "print(3)"}))?;
+    assert_eq!(
+        (status, body["stdout"].as_str()),
+        (200, Some("3\n")),
+        "{body}"
+    );
+    Ok(())
+}
