@@ -253,8 +253,17 @@ impl Run<'_> {
                 _ => return tool_error("timeout_seconds must be a number from 1 to 300"),
             },
         };
-        let session = match self.session(language).await {
-            Ok(session) => session,
+        // Over the tenant's session quota the code still runs, as a one-shot in the same
+        // workspace; the model is told that variables are not kept.
+        let (session, note) = match self.session(language).await {
+            Ok(session) => (Some(session), None),
+            Err(e) if e.code == "QUOTA_EXCEEDED" => (
+                None,
+                Some(format!(
+                    "note: ran as a one-shot (variables are not kept between calls; files are): {}\n",
+                    e.message
+                )),
+            ),
             Err(e) => return tool_error(api_error_text(&e)),
         };
         let body = v1::Execute {
@@ -264,7 +273,7 @@ impl Run<'_> {
             env: BTreeMap::new(),
             timeout_ms,
             files: BTreeMap::new(),
-            session_id: Some(session),
+            session_id: session,
         };
         let spec = match v1::spec(self.state, self.caller, &self.sandbox, body) {
             Ok(spec) => spec,
@@ -307,9 +316,10 @@ impl Run<'_> {
             self.report_artifacts(&exec_id).await;
         }
         let mut text = format!(
-            "status: {}\nexit_code: {}\n",
+            "status: {}\nexit_code: {}\n{}",
             outcome.status(),
-            outcome.result.exit_code
+            outcome.result.exit_code,
+            note.unwrap_or_default()
         );
         let stdout = outcome.result.stdout_text();
         let stderr = outcome.stderr_with_reason();

@@ -13,14 +13,14 @@ use crate::error::ApiError;
 /// What one tenant may hold at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Quotas {
-    /// Live sandboxes. Default 100.
+    /// Live sandboxes. Default 1 000.
     pub sandboxes: u64,
     /// Live sessions (code contexts), all sandboxes together. Default 16.
     pub sessions: u64,
     /// The sum of the memory caps of live sessions (each pins its memory in a worker).
     /// Default 1 GiB: two sessions at the default 512 MiB cap.
     pub session_memory_bytes: u64,
-    /// Executions (and uploads) running at once. Default 8.
+    /// Executions (and uploads) running at once. Default 16.
     pub executions: u64,
     /// Bytes in all its workspaces together. Default 2 GiB.
     pub workspace_bytes: u64,
@@ -31,10 +31,10 @@ pub struct Quotas {
 impl Default for Quotas {
     fn default() -> Self {
         Quotas {
-            sandboxes: 100,
+            sandboxes: 1000,
             sessions: 16,
             session_memory_bytes: 1 << 30,
-            executions: 8,
+            executions: 16,
             workspace_bytes: 2 << 30,
             cpu_weight: 1,
         }

@@ -98,7 +98,12 @@ pub fn run(
             rate_limit: 0,
             request_timeout: Duration::from_secs(600),
             public_hosts: Vec::new(),
-            quotas: kiln_server::quota::Quotas::default(),
+            // Overhead, not quotas, is measured: every run keeps a session.
+            quotas: kiln_server::quota::Quotas {
+                sessions: 10_000,
+                session_memory_bytes: u64::MAX,
+                ..kiln_server::quota::Quotas::default()
+            },
         };
         let samples = rt.block_on(async {
             let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);

@@ -114,7 +114,7 @@ pub struct ServeArgs {
 /// the key's own (unset: the server's).
 #[derive(Debug, Clone, Default, Args)]
 pub struct QuotaArgs {
-    /// Live sandboxes per tenant [serve default: 100].
+    /// Live sandboxes per tenant [serve default: 1000].
     #[arg(long, env = "KILN_MAX_SANDBOXES")]
     pub max_sandboxes: Option<u64>,
     /// Live sessions per tenant [serve default: 16].
@@ -124,7 +124,7 @@ pub struct QuotaArgs {
     /// default: 1GiB].
     #[arg(long, value_parser = parse_size, env = "KILN_MAX_SESSION_MEMORY")]
     pub max_session_memory: Option<u64>,
-    /// Executions (and uploads) a tenant may run at once [serve default: 8].
+    /// Executions (and uploads) a tenant may run at once [serve default: 16].
     #[arg(long, env = "KILN_MAX_EXECUTIONS")]
     pub max_executions: Option<u64>,
     /// Bytes in all of a tenant's workspaces, e.g. 2GiB [serve default: 2GiB].
