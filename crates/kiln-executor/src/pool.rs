@@ -875,7 +875,7 @@ async fn watch(pool: Weak<Inner>) {
             // Memory: the figure to come back to is taken at the first heartbeat; then once
             // a second is enough.
             let first = worker.base_anon.load(Ordering::Relaxed) == 0;
-            if !first && ticks % 4 != 0 {
+            if !first && !ticks.is_multiple_of(4) {
                 continue;
             }
             let Some(anon) = worker.pid.and_then(rss_anon_bytes) else {
