@@ -290,6 +290,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if explicit("fair_share") || explicit("frozen_worker") || explicit("memory_return") {
         crate::bench_fair::run(&explicit, n, &mut report)?;
     }
+    if explicit("rest_crud_soak") {
+        crate::bench_rest::soak(args.seconds, &mut report)?;
+    }
     if explicit("runner_jit") {
         crate::bench_runner::run(&explicit, n, &mut report)?;
     }

@@ -162,3 +162,117 @@ pub fn run(
     }
     Ok(())
 }
+
+/// `rest_crud_soak` (only when named): 8 clients create, read (eight times: a read-heavy
+/// mix), replace and delete members of one tenant as fast as they can for `seconds`, with
+/// plans cached; the worker processes'
+/// resident memory is sampled every 10 s. Flat memory means nothing grows per request (each
+/// request is a session turn).
+pub fn soak(seconds: f64, report: &mut serde_json::Map<String, Value>) -> anyhow::Result<()> {
+    let rest = start(&["--planner", "conventions"], &[])?;
+    let agent = agent();
+    seed(&rest, &agent, 20)?;
+    let clients = 8;
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..clients)
+        .map(|c| {
+            let (stop, done, failed, base) = (
+                stop.clone(),
+                done.clone(),
+                failed.clone(),
+                rest.base.clone(),
+            );
+            std::thread::spawn(move || {
+                let agent = self::agent();
+                let mut i: u64 = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let step = || -> anyhow::Result<()> {
+                        let created: Value = agent
+                            .post(&format!("{base}/members/"))
+                            .send_json(json!({"name": format!("c{c} n{i}"), "n": i}))?
+                            .into_json()?;
+                        let id = created["id"].to_string();
+                        for _ in 0..8 {
+                            get(&agent, &format!("{base}/members/{id}"))?;
+                        }
+                        agent
+                            .put(&format!("{base}/members/{id}"))
+                            .send_json(json!({"name": format!("c{c} n{i}"), "n": i + 1}))?;
+                        agent.delete(&format!("{base}/members/{id}")).call()?;
+                        Ok(())
+                    };
+                    match step() {
+                        Ok(()) => done.fetch_add(11, Ordering::Relaxed),
+                        Err(_) => failed.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            })
+        })
+        .collect();
+    let workers = || -> f64 {
+        let pid = rest.pid();
+        let mut total_kib = 0.0;
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for child in children.split_whitespace() {
+                let status =
+                    std::fs::read_to_string(format!("/proc/{child}/status")).unwrap_or_default();
+                total_kib += status
+                    .lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0);
+            }
+        }
+        (total_kib / 1024.0 * 10.0).round() / 10.0
+    };
+    // Ten seconds to warm up (plans cached, pages touched), then the measured window.
+    std::thread::sleep(Duration::from_secs(10));
+    let (start_count, t) = (done.load(Ordering::Relaxed), Instant::now());
+    let mut curve = vec![json!({"t_s": 0, "requests": 0, "workers_rss_mib": workers()})];
+    while t.elapsed().as_secs_f64() < seconds {
+        std::thread::sleep(Duration::from_secs(10).min(Duration::from_secs_f64(seconds)));
+        curve.push(json!({
+            "t_s": t.elapsed().as_secs(),
+            "requests": done.load(Ordering::Relaxed) - start_count,
+            "workers_rss_mib": workers(),
+        }));
+    }
+    let count = done.load(Ordering::Relaxed) - start_count;
+    let elapsed = t.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().map_err(|_| anyhow::anyhow!("a client panicked"))?;
+    }
+    let rss: Vec<f64> = curve
+        .iter()
+        .filter_map(|p| p["workers_rss_mib"].as_f64())
+        .collect();
+    let first = rss.first().copied().unwrap_or(0.0);
+    let worst = rss
+        .iter()
+        .map(|r| (r - first).abs() / first.max(1.0))
+        .fold(0.0, f64::max);
+    report.insert(
+        "rest_crud_soak".into(),
+        json!({
+            "clients": clients,
+            "seconds": (elapsed * 10.0).round() / 10.0,
+            "requests": count,
+            "per_second": (count as f64 / elapsed).round(),
+            "failed_rounds": failed.load(Ordering::Relaxed),
+            "workers_rss_largest_change_percent": (worst * 1000.0).round() / 10.0,
+            "curve": curve,
+        }),
+    );
+    Ok(())
+}
