@@ -66,3 +66,34 @@ pub(crate) fn spawn(
     }
     Ok(spawned)
 }
+
+/// The child processes of `pid`, whichever of its threads started them (a replaced worker is
+/// started from whichever thread noticed), sorted.
+pub(crate) fn children(pid: u32) -> Vec<u32> {
+    let mut pids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|task| {
+            std::fs::read_to_string(task.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// Resident memory of process `pid` in MiB, one decimal (0 when it is gone).
+pub(crate) fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    (kib / 1024.0 * 10.0).round() / 10.0
+}

@@ -15,7 +15,7 @@ use anyhow::Context;
 use serde_json::{Value, json};
 
 use crate::bench::{micros, summary};
-use crate::bench_child::{Spawned, spawn};
+use crate::bench_child::{Spawned, children, rss_mib, spawn};
 
 struct Server {
     process: Spawned,
@@ -108,36 +108,9 @@ impl Server {
         )
     }
 
-    /// The server's worker processes (children of any of its threads: a replaced worker is
-    /// started from whichever thread noticed).
     fn workers(&self) -> Vec<u32> {
-        let pid = self.process.pid();
-        let mut pids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .flat_map(|task| {
-                std::fs::read_to_string(task.path().join("children"))
-                    .unwrap_or_default()
-                    .split_whitespace()
-                    .filter_map(|p| p.parse().ok())
-                    .collect::<Vec<u32>>()
-            })
-            .collect();
-        pids.sort_unstable();
-        pids
+        children(self.process.pid())
     }
-}
-
-fn rss_mib(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib: f64 = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    (kib / 1024.0 * 10.0).round() / 10.0
 }
 
 /// CPU time (user + system, clock ticks) of a process.

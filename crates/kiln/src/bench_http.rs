@@ -2,7 +2,6 @@
 //! process (this binary, API keys on, rate limit off, JSON request logs to a file) with
 //! keep-alive HTTP clients.
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -12,7 +11,7 @@ use anyhow::Context;
 use serde_json::{Value, json};
 
 use crate::bench::{micros, summary};
-use crate::bench_child::{Spawned, spawn};
+use crate::bench_child::{Spawned, children, spawn};
 
 struct Server {
     process: Spawned,
@@ -122,15 +121,6 @@ impl Server {
         }
         (rss, pss)
     }
-}
-
-fn children(pid: u32) -> Vec<u32> {
-    let path = format!("/proc/{pid}/task/{pid}/children");
-    std::fs::read_to_string(Path::new(&path))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 fn mib(bytes: u64) -> f64 {

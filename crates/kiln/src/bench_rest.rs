@@ -18,7 +18,7 @@ use kiln_llm::fake::{FakeProvider, Step};
 use serde_json::{Value, json};
 
 use crate::bench::{micros, summary};
-use crate::bench_child::{Spawned, spawn};
+use crate::bench_child::{Spawned, children, rss_mib, spawn};
 
 fn start(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Spawned> {
     let dir = tempfile::tempdir()?;
@@ -213,27 +213,8 @@ pub fn soak(seconds: f64, report: &mut serde_json::Map<String, Value>) -> anyhow
         })
         .collect();
     let workers = || -> f64 {
-        let pid = rest.pid();
-        let mut total_kib = 0.0;
-        for task in std::fs::read_dir(format!("/proc/{pid}/task"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let children =
-                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
-            for child in children.split_whitespace() {
-                let status =
-                    std::fs::read_to_string(format!("/proc/{child}/status")).unwrap_or_default();
-                total_kib += status
-                    .lines()
-                    .find(|l| l.starts_with("VmRSS:"))
-                    .and_then(|l| l.split_whitespace().nth(1))
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .unwrap_or(0.0);
-            }
-        }
-        (total_kib / 1024.0 * 10.0).round() / 10.0
+        let total: f64 = children(rest.pid()).into_iter().map(rss_mib).sum();
+        (total * 10.0).round() / 10.0
     };
     // Ten seconds to warm up (plans cached, pages touched), then the measured window.
     std::thread::sleep(Duration::from_secs(10));
