@@ -54,7 +54,10 @@ const COMMON_ERRORS: &[(&str, &str)] = &[
     ),
     ("413", "The body is larger than 32 MiB"),
     ("415", "The body is not `application/json`"),
-    ("429", "Too many requests for this key; see `Retry-After`"),
+    (
+        "429",
+        "Too many requests for this key (RATE_LIMITED; see `Retry-After`), or over one of the tenant's quotas (QUOTA_EXCEEDED; `details` names it)",
+    ),
     ("503", "Executor lost or saturated; retry"),
 ];
 
