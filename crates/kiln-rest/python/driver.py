@@ -142,6 +142,7 @@ def _run(ctx, code, pattern):
         "BadRequest": store_mod.BadRequest,
         "NotFound": store_mod.NotFound,
         "Conflict": store_mod.Conflict,
+        "UnsupportedMediaType": store_mod.UnsupportedMediaType,
         "quote": _quote,
     }
     printed = io.StringIO()
@@ -149,7 +150,7 @@ def _run(ctx, code, pattern):
         with contextlib.redirect_stdout(printed):
             scope = safety.run(compiled, names)
     except store_mod.HttpError as e:
-        return {"ok": True, "reply": http_response.error(e.status, e.code, e.message, e.details)}
+        return {"ok": True, "reply": http_response.error(e.status, e.code, e.message, e.details, ctx.get("request_id"))}
     except store_mod.PolicyError as e:
         return {"ok": False, "status": 403, "code": "POLICY_VIOLATION", "message": str(e)}
     except Exception as e:

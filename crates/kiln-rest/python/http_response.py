@@ -51,8 +51,10 @@ def normalize(reply):
     return {"status": status, "headers": clean, "body": body}
 
 
-def error(status, code, message, details=None):
+def error(status, code, message, details=None, request_id=None):
     body = {"error": {"code": code, "message": message}}
+    if request_id is not None:
+        body["error"]["request_id"] = request_id
     if details is not None:
         body["error"]["details"] = details
     return {"status": status, "headers": {}, "body": body}

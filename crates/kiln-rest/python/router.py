@@ -6,6 +6,11 @@
 A plan: {"action", "resource", "id", "criteria", "payload", "response_hints",
 "cache": {"generic": bool, "pattern": "GET /members/{id}"},
 "code": {"language": "python", "block": "```python\\n...\\n```"}}.
+
+A plan never holds the request's body or query: its code reads them from `ctx`, and
+`payload` / `criteria` only say where they come from ("ctx.body", {"from": "ctx.query"}).
+So a plan stays small whatever the body (any size up to --max-body works the first time),
+and a cached plan never carries one client's data into another request.
 """
 
 import json
@@ -21,7 +26,7 @@ answers it using only the objects `store` and `ctx`.
 Answer with ONLY a JSON object (no prose, no markdown around it):
 {"action": "list|read|create|replace|patch|delete|search|options|index|error",
  "resource": "<collection name or null>", "id": "<id from the path or null>",
- "criteria": {<search filters or {}>}, "payload": <the body or null>,
+ "criteria": {"from": "ctx.query"} or {}, "payload": "ctx.body" or null,
  "response_hints": {<status, headers you intend>},
  "cache": {"generic": true|false, "pattern": "<METHOD /path/with/{params}>"},
  "code": {"language": "python", "block": "```python\\n<code>\\n```"}}
@@ -29,20 +34,25 @@ Answer with ONLY a JSON object (no prose, no markdown around it):
 The code block (exactly one fenced python block) runs with these names:
 - ctx: dict with method, path, segments (list of decoded path parts), params (values bound from
   your cache pattern, e.g. {"id": "1"}), query (name -> list of values), headers (lower-case
-  names), body (parsed JSON or None), body_text, client_ip, tenant.
+  names), body (parsed JSON or None), body_text (a body that is not JSON), body_base64
+  (one that is not text), client_ip, tenant, request_id.
 - store.collection(name) -> collection with get_all(), get(id) -> dict or None,
   insert(obj) -> id (integer ids count up; a client's "id" is kept), replace(id, obj),
   patch(id, changes) (merge; both return the object or None), delete(id) -> bool,
   search(filters) (exact match, or field__contains), count(); store.collections();
   store.sort(items, "name" or "-name"); store.page(items, limit, offset) ->
   {"items", "page": {"limit", "offset", "total"}}.
-- BadRequest(message), NotFound(message), Conflict(message): raise them for 400/404/409.
+- BadRequest(message), NotFound(message), Conflict(message), UnsupportedMediaType(message):
+  raise them for 400/404/409/415.
 - quote(text): percent-encodes a path segment (for Location headers).
 The code must assign REPLY = {"status": <int>, "headers": {<name>: <text>}, "body": <JSON data>}.
 Conventions: POST /c/ -> 201 with Location /c/{id} and the created object; GET /c/{id} -> 200
 or 404; PUT replaces, PATCH merges; DELETE -> 204 with body None; GET /c/search?f=v -> the
 list of matches; GET /c/?limit=&offset=&sort= -> store.page(...); a body that is not a JSON
 object where one is needed -> 400.
+Never copy the request's body, query values or stored data into the plan or its code: the
+code reads them from ctx when it runs (the body you are shown may be cut short, the code gets
+all of it), and criteria/payload only say where they come from.
 Rules: import only json, re, math, statistics, uuid, datetime, itertools, typing; never use
 open, exec, eval, compile, getattr, type, globals, attributes starting with an underscore,
 global/nonlocal, a bare except or except BaseException; never touch the network or files.
@@ -94,8 +104,14 @@ filters = {k: v for k, v in ctx["query"].items() if k not in ("limit", "offset",
 REPLY = {"status": 200, "headers": {}, "body": store.collection(RESOURCE).search(filters)}
 '''
 
-_CREATE = '''
+# A body sent as another type than JSON arrives as body_text or body_base64.
+_JSON_BODY = '''
 body = ctx["body"]
+if body is None and (ctx["body_text"] is not None or ctx["body_base64"] is not None):
+    raise UnsupportedMediaType("the body must be JSON (Content-Type: application/json)")
+'''
+
+_CREATE = _JSON_BODY + '''
 if not isinstance(body, dict):
     raise BadRequest("the body must be a JSON object")
 col = store.collection(RESOURCE)
@@ -112,8 +128,7 @@ REPLY = {"status": 200, "headers": {}, "body": item}
 
 def _update(op):
     """PUT (replace) and PATCH (patch): the same code but for the store's method."""
-    return f'''
-body = ctx["body"]
+    return _JSON_BODY + f'''
 if not isinstance(body, dict):
     raise BadRequest("the body must be a JSON object")
 item = store.collection(RESOURCE).{op}(ctx["params"]["id"], body)
@@ -137,11 +152,24 @@ def _fixed(status, headers, body):
     return f"REPLY = {{'status': {status}, 'headers': {headers!r}, 'body': {body!r}}}\n"
 
 
+def _error_body(code, message):
+    """An error body in kiln rest's shape; the request id is read when the code runs (the
+    plan may be cached and answer other requests)."""
+    return f"{{'error': {{'code': {code!r}, 'message': {message!r}, 'request_id': ctx['request_id']}}}}"
+
+
+def _refuse(status, headers, code, message):
+    return f"REPLY = {{'status': {status}, 'headers': {headers!r}, 'body': {_error_body(code, message)}}}\n"
+
+
 def _error(status, code, message):
-    return _fixed(status, {}, {"error": {"code": code, "message": message}})
+    return _refuse(status, {}, code, message)
 
 
 COLLECTION_METHODS = "GET, HEAD, POST, OPTIONS"
+# Where a plan's code takes the payload and the filters from (never the values themselves).
+FROM_BODY = "ctx.body"
+FROM_QUERY = {"from": "ctx.query"}
 MEMBER_METHODS = "GET, HEAD, PUT, PATCH, DELETE, OPTIONS"
 
 
@@ -156,7 +184,7 @@ def conventions_plan(ctx):
             return _plan("index", code, f"{method} /")
         if method == "OPTIONS":
             return _plan("options", _fixed(204, {"Allow": "GET, HEAD, OPTIONS"}, None), "OPTIONS /")
-        return _plan("error", _fixed(405, {"Allow": "GET, HEAD, OPTIONS"}, {"error": {"code": "METHOD_NOT_ALLOWED", "message": f"{method} / is not supported"}}), f"{method} /")
+        return _plan("error", _refuse(405, {"Allow": "GET, HEAD, OPTIONS"}, "METHOD_NOT_ALLOWED", f"{method} / is not supported"), f"{method} /")
     resource = segs[0]
     if not NAME.match(resource):
         return _plan("error", _error(400, "BAD_REQUEST", f"{resource!r} is not a collection name (a letter, then letters, digits, _ or -)"), resource=None)
@@ -165,45 +193,64 @@ def conventions_plan(ctx):
     base = f"/{resource}"
     if len(segs) == 1:
         if read:
-            return _plan("list", _code(resource, _LIST), f"{method} {base}", resource, criteria=ctx["query"])
+            return _plan("list", _code(resource, _LIST), f"{method} {base}", resource, criteria=FROM_QUERY)
         if method == "POST":
-            return _plan("create", _code(resource, _CREATE), f"POST {base}", resource, payload=ctx.get("body"), hints={"status": 201})
+            return _plan("create", _code(resource, _CREATE), f"POST {base}", resource, payload=FROM_BODY, hints={"status": 201})
         if method == "OPTIONS":
             return _plan("options", _fixed(204, {"Allow": COLLECTION_METHODS}, None), f"OPTIONS {base}", resource)
-        return _plan("error", _fixed(405, {"Allow": COLLECTION_METHODS}, {"error": {"code": "METHOD_NOT_ALLOWED", "message": f"{method} is not supported on a collection"}}), f"{method} {base}", resource)
+        return _plan("error", _refuse(405, {"Allow": COLLECTION_METHODS}, "METHOD_NOT_ALLOWED", f"{method} is not supported on a collection"), f"{method} {base}", resource)
     id = segs[1]
     if id == "search":
         if read:
-            return _plan("search", _code(resource, _SEARCH), f"{method} {base}/search", resource, criteria=ctx["query"])
+            return _plan("search", _code(resource, _SEARCH), f"{method} {base}/search", resource, criteria=FROM_QUERY)
         if method == "OPTIONS":
             return _plan("options", _fixed(204, {"Allow": "GET, HEAD, OPTIONS"}, None), f"OPTIONS {base}/search", resource)
-        return _plan("error", _fixed(405, {"Allow": "GET, HEAD, OPTIONS"}, {"error": {"code": "METHOD_NOT_ALLOWED", "message": f"{method} is not supported on search"}}), f"{method} {base}/search", resource)
+        return _plan("error", _refuse(405, {"Allow": "GET, HEAD, OPTIONS"}, "METHOD_NOT_ALLOWED", f"{method} is not supported on search"), f"{method} {base}/search", resource)
     member = f"{method} {base}/{{id}}"
     bodies = {"GET": _READ, "HEAD": _READ, "PUT": _REPLACE, "PATCH": _PATCH, "DELETE": _DELETE}
     actions = {"GET": "read", "HEAD": "read", "PUT": "replace", "PATCH": "patch", "DELETE": "delete"}
     if method in bodies:
-        payload = ctx.get("body") if method in ("PUT", "PATCH") else None
+        payload = FROM_BODY if method in ("PUT", "PATCH") else None
         return _plan(actions[method], _code(resource, bodies[method]), member, resource, id=id, payload=payload)
     if method == "OPTIONS":
         return _plan("options", _fixed(204, {"Allow": MEMBER_METHODS}, None), member, resource, id=id)
-    return _plan("error", _fixed(405, {"Allow": MEMBER_METHODS}, {"error": {"code": "METHOD_NOT_ALLOWED", "message": f"{method} is not supported on a member"}}), member, resource, id=id)
+    return _plan("error", _refuse(405, {"Allow": MEMBER_METHODS}, "METHOD_NOT_ALLOWED", f"{method} is not supported on a member"), member, resource, id=id)
+
+
+# What the LLM is shown of one value (the body, a query, a stored object), in characters of
+# JSON: enough to infer the request's shape, never so much that a body fills the prompt or
+# invites the model to copy it into the plan.
+PREVIEW_CHARS = 2000
+
+
+def preview(value, limit=PREVIEW_CHARS):
+    """The value itself when its JSON is short, else the start of its JSON text with a marker
+    saying how much was left out and that the code gets all of it from ctx."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if len(text) <= limit:
+        return value
+    return text[:limit] + f" ...[truncated: {len(text) - limit} more characters not shown; the code reads the whole value from ctx]"
 
 
 def llm_request(ctx, store):
-    """What the LLM planner is told about the request: the request itself, the tenant's
-    collections and one sample object of the one addressed."""
-    body_text = ctx.get("body_text") or json.dumps(ctx.get("body"))
+    """What the LLM planner is told about the request: the request itself (long values cut
+    short, see preview), the tenant's collections and one sample object of the one
+    addressed."""
     info = {
         "method": ctx["method"],
         "path": ctx["path"],
         "segments": ctx["segments"],
-        "query": ctx["query"],
+        "query": preview(ctx["query"]),
         "content_type": ctx["headers"].get("content-type"),
-        "body": ctx.get("body") if len(body_text) <= 4000 else "(a large body: " + str(len(body_text)) + " bytes)",
-        "collections": store.collections(),
+        "body": preview(ctx.get("body")),
+        "collections": store.collections()[:200],
     }
+    if ctx.get("body_text") is not None:
+        info["body_text"] = preview(ctx["body_text"])
+    if ctx.get("body_base64") is not None:
+        info["body_base64"] = f"({len(ctx['body_base64'])} characters of base64, not shown)"
     if ctx["segments"] and NAME.match(ctx["segments"][0]):
         items = store.collection(ctx["segments"][0]).get_all()
-        info["sample"] = items[0] if items else None
+        info["sample"] = preview(items[0]) if items else None
         info["count"] = len(items)
     return json.dumps(info, ensure_ascii=False)

@@ -44,6 +44,11 @@ class Conflict(HttpError):
     code = "CONFLICT"
 
 
+class UnsupportedMediaType(HttpError):
+    status = 415
+    code = "UNSUPPORTED_MEDIA_TYPE"
+
+
 def same_id(a, b):
     """Ids match by value or by their text (`/members/1` finds id 1)."""
     if isinstance(a, bool) or isinstance(b, bool):

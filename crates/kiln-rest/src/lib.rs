@@ -12,13 +12,15 @@
 //! 3. The plan's code is checked (AST allowlist) and run with the door shut, and the REPLY it
 //!    assigned becomes the HTTP response.
 
+mod new_tenants;
 pub mod plans;
 mod python;
+mod sessions;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -26,14 +28,15 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use kiln_core::{ExecRequest, ExecResult, Language, Limits, Mount, Outcome};
-use kiln_executor::{CallOptions, Door, ExecutorPool, PoolError, SessionHandle};
+use kiln_executor::{Door, ExecutorPool, SessionHandle};
 use kiln_llm::{ChatModel, Message, ModelRequest, RetryPolicy, Usage};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
+pub use new_tenants::{NewTenantLimiter, RetryAfter, address_key};
 pub use plans::{PlanCache, TenantPlans};
 
 /// Who plans requests.
@@ -81,6 +84,15 @@ pub struct RestConfig {
     pub plan_cache: bool,
     /// A tenant's session idle this long is closed (its data stays).
     pub idle_timeout: Duration,
+    /// Live tenant sessions at most (default 64). A tenant that needs one past it takes the
+    /// least recently used idle one; when all are busy it gets 503 `TOO_MANY_SESSIONS`.
+    pub max_sessions: usize,
+    /// Memory caps of all live tenant sessions together (`memory_bytes` each), when set:
+    /// the session cap is then at most `sessions_memory_bytes / memory_bytes`.
+    pub sessions_memory_bytes: Option<u64>,
+    /// New tenants one client address may create per minute (default 30; 0: no limit).
+    /// Past it the address gets 429 `TOO_MANY_NEW_TENANTS`; its tenants keep working.
+    pub new_tenants_per_minute: u32,
 }
 
 impl RestConfig {
@@ -96,7 +108,19 @@ impl RestConfig {
             memory_bytes: 256 << 20,
             plan_cache: true,
             idle_timeout: Duration::from_secs(300),
+            max_sessions: 64,
+            sessions_memory_bytes: None,
+            new_tenants_per_minute: 30,
         }
+    }
+
+    /// Live tenant sessions at most: `max_sessions`, lowered to what
+    /// `sessions_memory_bytes` holds (at least one).
+    pub fn session_cap(&self) -> usize {
+        let by_memory = self.sessions_memory_bytes.map_or(usize::MAX, |budget| {
+            usize::try_from(budget / self.memory_bytes.max(1)).unwrap_or(usize::MAX)
+        });
+        self.max_sessions.min(by_memory).max(1)
     }
 }
 
@@ -113,37 +137,51 @@ type Slot = Arc<TenantSlot>;
 struct App {
     config: RestConfig,
     pool: Arc<ExecutorPool>,
-    plans: PlanCache,
+    plans: Arc<PlanCache>,
     tenants: Mutex<HashMap<String, Slot>>,
+    new_tenants: NewTenantLimiter,
     next_request: AtomicU64,
-    open_sessions: AtomicU32,
+    /// Sessions open or being opened; at most `max_sessions`.
+    open_sessions: AtomicUsize,
+    max_sessions: usize,
+    /// Idle sessions closed to make room for another tenant's, since start.
+    evictions: AtomicU64,
     started: Instant,
 }
 
 /// Serves until SIGTERM or Ctrl-C; running requests finish first.
 pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Result<()> {
     std::fs::create_dir_all(config.data_dir.join("tenants"))?;
-    let plans = PlanCache::new(config.data_dir.join("plans"))?;
+    let plans = Arc::new(PlanCache::new(config.data_dir.join("plans"))?);
+    sessions::sweep(&config.data_dir);
     let listener = tokio::net::TcpListener::bind(config.listen).await?;
     let app = Arc::new(App {
+        max_sessions: config.session_cap(),
+        new_tenants: NewTenantLimiter::new(config.new_tenants_per_minute),
         config,
         pool,
         plans,
         tenants: Mutex::default(),
         next_request: AtomicU64::new(1),
-        open_sessions: AtomicU32::new(0),
+        open_sessions: AtomicUsize::new(0),
+        evictions: AtomicU64::new(0),
         started: Instant::now(),
     });
     eprintln!(
-        "kiln rest: listening on http://{} (planner: {}; auth: {}; data: {})",
+        "kiln rest: listening on http://{} (planner: {}; auth: {}; data: {}; tenant sessions: at most {}; new tenants per address: {})",
         listener.local_addr()?,
         app.config.planner.label(),
         if app.config.auth_token.is_some() {
             "bearer token"
         } else {
-            "off"
+            "off (demo mode: any X-Session-ID is a tenant)"
         },
-        app.config.data_dir.display()
+        app.config.data_dir.display(),
+        app.max_sessions,
+        match app.config.new_tenants_per_minute {
+            0 => "no limit".to_string(),
+            n => format!("{n} a minute"),
+        }
     );
     let flusher = app.clone();
     let flush_task = tokio::spawn(async move {
@@ -156,6 +194,7 @@ pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Resu
             })
             .await;
             app.close_idle().await;
+            app.new_tenants.prune(Instant::now());
         }
     });
     axum::serve(
@@ -180,6 +219,10 @@ fn router(app: Arc<App>) -> Router {
         .route("/redoc", get(docs::redoc_page))
         .route("/redoc/redoc.standalone.js", get(docs::redoc_js))
         .fallback(handle)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            json_errors,
+        ))
         .with_state(app)
 }
 
@@ -201,9 +244,119 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
         "planner": app.config.planner.label(),
         "workers": workers,
         "tenant_sessions": app.open_sessions.load(Ordering::Relaxed),
+        "max_tenant_sessions": app.max_sessions,
+        "evicted_sessions": app.evictions.load(Ordering::Relaxed),
         "plan_cache": {"hits": hits, "misses": misses, "hit_rate": rate},
     });
-    (status, axum::Json(body)).into_response()
+    answered((status, axum::Json(body)).into_response())
+}
+
+/// Marks a response kiln rest made itself (a plan's reply, a [`RestError`], health): the
+/// error middleware leaves it as it is.
+#[derive(Debug, Clone, Copy)]
+struct Answered;
+
+fn answered(mut response: Response) -> Response {
+    response.extensions_mut().insert(Answered);
+    response
+}
+
+/// Gives every error the router answered on its own (405 with its `Allow` header on a fixed
+/// route, and any other status it may produce) the documented JSON shape
+/// `{"error": {"code", "message", "request_id"}}`, and a log line.
+async fn json_errors(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let given_id = request_id_of(request.headers());
+    let response = next.run(request).await;
+    let status = response.status();
+    if status.as_u16() < 400 || response.extensions().get::<Answered>().is_some() {
+        return response;
+    }
+    let request_id = given_id.unwrap_or_else(|| app.new_request_id());
+    let (code, message) = match status {
+        StatusCode::METHOD_NOT_ALLOWED => (
+            "METHOD_NOT_ALLOWED",
+            format!("{method} is not served on {path}; the Allow header lists what is"),
+        ),
+        StatusCode::NOT_FOUND => ("NOT_FOUND", format!("no route {path}")),
+        StatusCode::PAYLOAD_TOO_LARGE => (
+            "BODY_TOO_LARGE",
+            format!(
+                "the body is larger than {} bytes",
+                app.config.max_body_bytes
+            ),
+        ),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => (
+            "UNSUPPORTED_MEDIA_TYPE",
+            "this content type is not accepted here".to_string(),
+        ),
+        _ if status.is_server_error() => (
+            "INTERNAL",
+            status
+                .canonical_reason()
+                .unwrap_or("the request failed")
+                .to_string(),
+        ),
+        _ => (
+            "INVALID_REQUEST",
+            status
+                .canonical_reason()
+                .unwrap_or("the request was refused")
+                .to_string(),
+        ),
+    };
+    let (parts, _) = response.into_parts();
+    let mut shaped = error_response(&RestError::new(status, code, message), &request_id);
+    // Keep what the router said besides the body (Allow, ...).
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            shaped.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        shaped.headers_mut().insert("x-request-id", v);
+    }
+    if method == Method::HEAD {
+        *shaped.body_mut() = Body::empty();
+    }
+    let line = json!({
+        "ts": SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+        "target": "kiln::rest",
+        "request_id": request_id,
+        "method": method.as_str(),
+        "path": path,
+        "status": status.as_u16(),
+        "ms": (started.elapsed().as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0,
+        "outcome": code,
+    });
+    eprintln!("{line}");
+    shaped
+}
+
+/// The caller's `X-Request-ID` when it is usable (1 to 128 of `[A-Za-z0-9-_.:]`).
+fn request_id_of(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= 128
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+        })
+        .map(str::to_string)
+}
+
+impl App {
+    fn new_request_id(&self) -> String {
+        format!(
+            "rest-{:x}-{}",
+            UNIX_EPOCH.elapsed().map_or(0, |d| d.as_secs()),
+            self.next_request.fetch_add(1, Ordering::Relaxed)
+        )
+    }
 }
 
 async fn openapi() -> Response {
@@ -220,6 +373,8 @@ struct RestError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    /// Seconds for a `Retry-After` header.
+    retry_after: Option<u64>,
 }
 
 impl RestError {
@@ -228,7 +383,13 @@ impl RestError {
             status,
             code,
             message: message.into(),
+            retry_after: None,
         }
+    }
+
+    fn retry_after(mut self, seconds: u64) -> RestError {
+        self.retry_after = Some(seconds.max(1));
+        self
     }
 }
 
@@ -260,26 +421,7 @@ async fn handle(
     request: Request,
 ) -> Response {
     let started = Instant::now();
-    let request_id = request
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| {
-            !v.is_empty()
-                && v.len() <= 128
-                && v.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
-        })
-        .map_or_else(
-            || {
-                format!(
-                    "rest-{:x}-{}",
-                    UNIX_EPOCH.elapsed().map_or(0, |d| d.as_secs()),
-                    app.next_request.fetch_add(1, Ordering::Relaxed)
-                )
-            },
-            str::to_string,
-        );
+    let request_id = request_id_of(request.headers()).unwrap_or_else(|| app.new_request_id());
     let method = request.method().clone();
     let path = request.uri().path().to_string();
     let mut trace = Trace {
@@ -331,18 +473,28 @@ async fn handle(
         line["llm_tokens"] = json!({"input": usage.input_tokens, "output": usage.output_tokens});
     }
     eprintln!("{line}");
-    response
+    answered(response)
 }
+
+/// What the catch-all serves (a 405 for any other method names them in `Allow`).
+const ALLOWED_METHODS: &str = "GET, POST, PUT, PATCH, DELETE, OPTIONS, HEAD";
 
 fn error_response(error: &RestError, request_id: &str) -> Response {
     let body =
         json!({"error": {"code": error.code, "message": error.message, "request_id": request_id}});
     let mut response = (error.status, axum::Json(body)).into_response();
+    let headers = response.headers_mut();
     if error.status == StatusCode::UNAUTHORIZED {
-        response.headers_mut().insert(
+        headers.insert(
             header::WWW_AUTHENTICATE,
             HeaderValue::from_static("Bearer realm=\"kiln rest\""),
         );
+    }
+    if error.code == "METHOD_NOT_ALLOWED" {
+        headers.insert(header::ALLOW, HeaderValue::from_static(ALLOWED_METHODS));
+    }
+    if let Some(seconds) = error.retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
     }
     response
 }
@@ -569,22 +721,51 @@ async fn one(
     let ctx = context(&parts, &body, &segments, peer, &tenant, request_id)?;
     let method = parts.method.as_str();
 
+    // Nothing of the tenant is created (slot, session, folder, plan file) before this.
+    let slot = app.admit(&tenant, peer.ip())?;
+    let mut guard = slot.session.lock().await;
+    app.touch(&slot);
+    let answer = answer(app, &tenant, &mut guard, &ctx, method, &segments, trace).await;
+    app.touch(&slot);
+    let ended = guard.is_none();
+    if ended {
+        // No session (refused, or a deadline ended it): nothing need stay for a tenant that
+        // stored nothing, not even its slot.
+        app.discard_if_empty(&tenant).await;
+    }
+    drop(guard);
+    if ended {
+        app.forget_if_unused(&tenant, &slot);
+    }
+    reply(&answer?)
+}
+
+/// The driver's answer to a request, in the tenant's session (opened when needed): from a
+/// cached plan, or planned now.
+async fn answer(
+    app: &Arc<App>,
+    tenant: &str,
+    guard: &mut Option<SessionHandle>,
+    ctx: &str,
+    method: &str,
+    segments: &[String],
+    trace: &mut Trace,
+) -> Result<Value, RestError> {
+    let session = app.session(tenant, guard).await?;
+    // Looked up once the tenant is admitted: a refused request counts no miss and writes
+    // no plan file.
     let cached = if app.config.plan_cache {
-        app.plans.lookup(&tenant, method, &segments)
+        app.plans.lookup(tenant, method, segments)
     } else {
         None
     };
-    let slot = app.slot(&tenant);
-    let mut guard = slot.session.lock().await;
-    app.touch(&slot);
-    let session = app.session(&tenant, &mut guard).await?;
     let answer = match cached {
         Some(entry) => {
             trace.cache = "hit";
             trace.planner = entry.planner;
             trace.pattern = Some(entry.pattern.clone());
-            let turn = python::execute(&ctx, &entry.code, Some(&entry.pattern));
-            app.turn(&mut guard, &session, turn, None, app.config.deadline)
+            let turn = python::execute(ctx, &entry.code, Some(&entry.pattern));
+            app.turn(guard, &session, turn, None, app.config.deadline)
                 .await?
         }
         None => {
@@ -593,9 +774,9 @@ async fn one(
             let answer = match &app.config.planner {
                 Planner::Conventions => {
                     app.turn(
-                        &mut guard,
+                        guard,
                         &session,
-                        python::handle(&ctx),
+                        python::handle(ctx),
                         None,
                         app.config.deadline,
                     )
@@ -612,13 +793,7 @@ async fn one(
                         + retry.base_delay * (1 << retry.attempts.min(8))
                         + app.config.deadline;
                     let planned = app
-                        .turn(
-                            &mut guard,
-                            &session,
-                            python::plan(&ctx),
-                            Some(door),
-                            planning,
-                        )
+                        .turn(guard, &session, python::plan(ctx), Some(door), planning)
                         .await;
                     trace.usage = Some(*usage.lock().unwrap_or_else(|e| e.into_inner()));
                     let planned = planned?;
@@ -630,9 +805,9 @@ async fn one(
                         // The door is shut for this turn: the plan's code never reaches
                         // the model or anything else outside.
                         // (A planning turn that ended its session returned an error above.)
-                        let turn = python::execute(&ctx, &code, pattern.as_deref());
+                        let turn = python::execute(ctx, &code, pattern.as_deref());
                         let mut answer = app
-                            .turn(&mut guard, &session, turn, None, app.config.deadline)
+                            .turn(guard, &session, turn, None, app.config.deadline)
                             .await?;
                         answer["plan"] = planned["plan"].clone();
                         answer
@@ -645,12 +820,12 @@ async fn one(
                 && let Some(code) = answer["plan"]["code"].as_str()
             {
                 // Kept only when the pattern really fits this request.
-                if plans::Pattern::parse(pattern).is_some_and(|p| p.matches(method, &segments)) {
+                if plans::Pattern::parse(pattern).is_some_and(|p| p.matches(method, segments)) {
                     let planner = app.config.planner.label();
                     let stored = {
                         let app = app.clone();
                         let (tenant, pattern, code) =
-                            (tenant.clone(), pattern.to_string(), code.to_string());
+                            (tenant.to_string(), pattern.to_string(), code.to_string());
                         tokio::task::spawn_blocking(move || {
                             app.plans.insert(&tenant, &pattern, &code, &planner)
                         })
@@ -665,9 +840,7 @@ async fn one(
             answer
         }
     };
-    app.touch(&slot);
-    drop(guard);
-    reply(&answer)
+    Ok(answer)
 }
 
 /// The HTTP response for the driver's answer.
@@ -797,227 +970,6 @@ fn llm_door(
             }
         })
     })
-}
-
-impl App {
-    fn slot(&self, tenant: &str) -> Slot {
-        self.tenants
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(tenant.to_string())
-            .or_default()
-            .clone()
-    }
-
-    fn touch(&self, slot: &TenantSlot) {
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        slot.last_used_ms.store(now, Ordering::Relaxed);
-    }
-
-    /// Closes the sessions of tenants idle longer than `idle_timeout` (their data stays on
-    /// disk; the next request opens a fresh session).
-    async fn close_idle(&self) {
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let idle_ms = u64::try_from(self.config.idle_timeout.as_millis()).unwrap_or(u64::MAX);
-        let slots: Vec<(String, Slot)> = self
-            .tenants
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(t, s)| (t.clone(), s.clone()))
-            .collect();
-        for (tenant, slot) in slots {
-            if now.saturating_sub(slot.last_used_ms.load(Ordering::Relaxed)) < idle_ms {
-                continue;
-            }
-            // A busy tenant is not idle; it is looked at again next time.
-            if let Ok(mut guard) = slot.session.try_lock() {
-                if guard.is_some() {
-                    self.drop_session(&mut guard).await;
-                }
-                drop(guard);
-                let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-                // Forget the slot unless a request took it meanwhile.
-                if tenants
-                    .get(&tenant)
-                    .is_some_and(|s| Arc::strong_count(s) <= 2)
-                {
-                    tenants.remove(&tenant);
-                }
-            }
-        }
-    }
-
-    fn limits(&self, timeout: Duration) -> Limits {
-        Limits {
-            timeout_ms: u64::try_from(timeout.as_millis())
-                .unwrap_or(u64::MAX)
-                .max(1),
-            memory_bytes: self.config.memory_bytes,
-            stdout_bytes: self.config.max_result_bytes + (64 << 10),
-            stderr_bytes: 64 << 10,
-            fs_write_bytes: 256 << 20,
-            fs_create_count: 1_000,
-        }
-    }
-
-    /// The tenant's live session, opened (with the driver loaded) when there is none.
-    async fn session(
-        &self,
-        tenant: &str,
-        guard: &mut Option<SessionHandle>,
-    ) -> Result<SessionHandle, RestError> {
-        if let Some(session) = guard {
-            return Ok(*session);
-        }
-        let lost = |e: PoolError| {
-            RestError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "SANDBOX_UNAVAILABLE",
-                format!("the tenant's sandbox could not be started: {e}"),
-            )
-        };
-        let dir = self.config.data_dir.join("tenants").join(tenant);
-        std::fs::create_dir_all(&dir).map_err(|e| {
-            RestError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "STORAGE",
-                format!("the tenant's folder could not be made: {e}"),
-            )
-        })?;
-        let guest_root = format!("/data/{tenant}");
-        let mut request = ExecRequest::new(Language::Python, "");
-        request.limits = self.limits(Duration::from_secs(30));
-        request.mounts = vec![Mount {
-            host: dir,
-            guest: guest_root.clone(),
-            writable: true,
-        }];
-        let session = self.pool.open_session(request).await.map_err(lost)?;
-        let loaded = self
-            .pool
-            .run(
-                &session,
-                python::loader(&guest_root, tenant),
-                self.limits(Duration::from_secs(30)),
-            )
-            .await
-            .map_err(lost)?;
-        if !loaded.success() {
-            let _ = self.pool.close_session(&session).await;
-            return Err(RestError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "SANDBOX_SETUP",
-                format!(
-                    "the driver could not be loaded: {}",
-                    tail(&loaded.stderr_text(), 400)
-                ),
-            ));
-        }
-        self.open_sessions.fetch_add(1, Ordering::Relaxed);
-        *guard = Some(session);
-        Ok(session)
-    }
-
-    /// Runs one driver turn and returns its answer. A turn that ends its session (deadline,
-    /// crash) closes it; the next request opens a fresh one.
-    async fn turn(
-        &self,
-        guard: &mut Option<SessionHandle>,
-        session: &SessionHandle,
-        code: String,
-        door: Option<Door>,
-        timeout: Duration,
-    ) -> Result<Value, RestError> {
-        let options = CallOptions {
-            door,
-            ..CallOptions::default()
-        };
-        let result = self
-            .pool
-            .run_with(session, code, self.limits(timeout), options)
-            .await;
-        let result: ExecResult = match result {
-            Ok(result) => result,
-            Err(error) => {
-                self.drop_session(guard).await;
-                return Err(RestError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "SANDBOX_LOST",
-                    format!("the tenant's sandbox was lost ({error}); retry the request"),
-                ));
-            }
-        };
-        let ended = matches!(result.outcome, Outcome::TimedOut | Outcome::Crashed { .. });
-        if ended {
-            self.drop_session(guard).await;
-        }
-        match &result.outcome {
-            Outcome::TimedOut => {
-                return Err(RestError::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "DEADLINE_EXCEEDED",
-                    format!(
-                        "the request ran past its deadline of {} ms and was stopped",
-                        timeout.as_millis()
-                    ),
-                ));
-            }
-            Outcome::MemoryLimit => {
-                self.drop_session(guard).await;
-                return Err(RestError::new(
-                    StatusCode::INSUFFICIENT_STORAGE,
-                    "MEMORY_LIMIT",
-                    format!(
-                        "the request needed more than the sandbox's {} MiB of memory",
-                        self.config.memory_bytes >> 20
-                    ),
-                ));
-            }
-            Outcome::Crashed { trap } => {
-                return Err(RestError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "SANDBOX_CRASHED",
-                    format!("the sandbox crashed ({trap})"),
-                ));
-            }
-            _ => {}
-        }
-        if result.stdout_truncated {
-            return Err(RestError::new(
-                StatusCode::BAD_GATEWAY,
-                "RESULT_TOO_LARGE",
-                format!(
-                    "the response is larger than the cap of {} bytes",
-                    self.config.max_result_bytes
-                ),
-            ));
-        }
-        python::answer(&result.stdout_text()).ok_or_else(|| {
-            RestError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "INTERNAL",
-                format!(
-                    "the driver gave no answer (exit {}): {}",
-                    result.exit_code,
-                    tail(&result.stderr_text(), 400)
-                ),
-            )
-        })
-    }
-
-    async fn drop_session(&self, guard: &mut Option<SessionHandle>) {
-        if let Some(session) = guard.take() {
-            self.open_sessions.fetch_sub(1, Ordering::Relaxed);
-            let _ = self.pool.close_session(&session).await;
-        }
-    }
-}
-
-fn tail(text: &str, chars: usize) -> String {
-    let text = text.trim_end();
-    let count = text.chars().count();
-    text.chars().skip(count.saturating_sub(chars)).collect()
 }
 
 /// The OpenAPI description: one catch-all operation per method, and the fixed routes.

@@ -120,7 +120,10 @@ struct Loaded {
 /// Every tenant's plan cache.
 pub struct PlanCache {
     dir: PathBuf,
+    /// The tenants with a live session (others are forgotten when their session ends).
     tenants: Mutex<HashMap<String, Loaded>>,
+    /// Hits and misses of the tenants forgotten since start.
+    retired: Mutex<(u64, u64)>,
 }
 
 impl std::fmt::Debug for PlanCache {
@@ -155,6 +158,7 @@ impl PlanCache {
         Ok(PlanCache {
             dir,
             tenants: Mutex::default(),
+            retired: Mutex::default(),
         })
     }
 
@@ -273,12 +277,47 @@ impl PlanCache {
         }
     }
 
+    /// Writes the tenant's counters if they moved and drops it from memory (its session
+    /// ended; the next lookup reads the file again).
+    pub fn forget(&self, tenant: &str) {
+        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(mut loaded) = tenants.remove(tenant) {
+            let path = self.path(tenant);
+            if loaded.dirty && stamp(&path) == loaded.stamp {
+                let _ = write(&path, &mut loaded);
+            }
+            self.retire(&loaded);
+        }
+    }
+
+    /// Deletes the tenant's cache, file and memory (a tenant that stored nothing keeps
+    /// nothing on disk).
+    pub fn remove(&self, tenant: &str) {
+        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(loaded) = tenants.remove(tenant) {
+            self.retire(&loaded);
+        }
+        let _ = std::fs::remove_file(self.path(tenant));
+    }
+
+    fn retire(&self, loaded: &Loaded) {
+        let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+        retired.0 += loaded.plans.hits;
+        retired.1 += loaded.plans.misses;
+    }
+
     /// Hits and misses over every tenant seen since start.
     pub fn totals(&self) -> (u64, u64) {
         let tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let retired = *self.retired.lock().unwrap_or_else(|e| e.into_inner());
         tenants
             .values()
-            .fold((0, 0), |(h, m), l| (h + l.plans.hits, m + l.plans.misses))
+            .fold(retired, |(h, m), l| (h + l.plans.hits, m + l.plans.misses))
+    }
+
+    /// Tenants whose cache is in memory.
+    pub fn loaded(&self) -> usize {
+        self.tenants.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }
 

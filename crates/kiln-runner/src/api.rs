@@ -41,9 +41,15 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body)).into_response()
+        let mut response = (self.status, axum::Json(self.body)).into_response();
+        response.extensions_mut().insert(Shaped);
+        response
     }
 }
+
+/// Marks an error response the runner made itself: [`json_errors`] leaves it as it is.
+#[derive(Debug, Clone, Copy)]
+struct Shaped;
 
 /// The router; `runner` serves `/execute`.
 pub fn router(runner: Arc<Runner>) -> Router {
@@ -53,8 +59,63 @@ pub fn router(runner: Arc<Runner>) -> Router {
         .route("/_framework/load_code", post(load_code))
         .route("/schema/{name}", get(schema))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn(json_errors))
         .layer(axum::middleware::from_fn(echo_request_id))
         .with_state(runner)
+}
+
+/// Gives every error the router or an extractor answered on its own (405 with its `Allow`
+/// header, a path it could not decode, ...) the error shape of every non-200 answer,
+/// [`HttpErrorBody`], instead of an empty or plain-text body.
+async fn json_errors(request: Request, next: Next) -> Response {
+    let method = request.method().clone();
+    let path = request.uri().path().to_owned();
+    let response = next.run(request).await;
+    let status = response.status();
+    if status.as_u16() < 400 || response.extensions().get::<Shaped>().is_some() {
+        return response;
+    }
+    let (code, message) = match status {
+        StatusCode::METHOD_NOT_ALLOWED => (
+            "METHOD_NOT_ALLOWED",
+            format!("{method} is not served on {path}; the Allow header lists what is"),
+        ),
+        StatusCode::NOT_FOUND => ("NOT_FOUND", format!("no route {path}")),
+        StatusCode::PAYLOAD_TOO_LARGE => (
+            "BODY_TOO_LARGE",
+            "the body is larger than the runner's limit".to_owned(),
+        ),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => (
+            "UNSUPPORTED_MEDIA_TYPE",
+            "the body must be application/json".to_owned(),
+        ),
+        _ if status.is_server_error() => (
+            "INTERNAL",
+            status
+                .canonical_reason()
+                .unwrap_or("the request failed")
+                .to_owned(),
+        ),
+        _ => (
+            "INVALID_REQUEST",
+            format!(
+                "{} {path}: {}",
+                method,
+                status
+                    .canonical_reason()
+                    .unwrap_or("the request was refused")
+            ),
+        ),
+    };
+    let (parts, _) = response.into_parts();
+    let mut shaped = ApiError::new(status, code, message).into_response();
+    // Keep what the router said besides the body (Allow, ...).
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            shaped.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    shaped
 }
 
 /// Sends `X-Request-ID` back when the caller gave a usable one.
@@ -316,6 +377,71 @@ mod tests {
         let (status, body) = answer(test_router(1024), request).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(body["error"]["code"], "NOT_READY");
+    }
+
+    #[tokio::test]
+    async fn errors_the_router_answers_have_the_json_shape() {
+        for (method, path, status, code) in [
+            (
+                "GET",
+                "/execute",
+                StatusCode::METHOD_NOT_ALLOWED,
+                "METHOD_NOT_ALLOWED",
+            ),
+            (
+                "POST",
+                "/healthz",
+                StatusCode::METHOD_NOT_ALLOWED,
+                "METHOD_NOT_ALLOWED",
+            ),
+            (
+                "DELETE",
+                "/schema/request.json",
+                StatusCode::METHOD_NOT_ALLOWED,
+                "METHOD_NOT_ALLOWED",
+            ),
+            ("GET", "/nowhere", StatusCode::NOT_FOUND, "NOT_FOUND"),
+            (
+                "GET",
+                "/schema/%FF",
+                StatusCode::BAD_REQUEST,
+                "INVALID_REQUEST",
+            ),
+        ] {
+            let request = Request::builder()
+                .method(method)
+                .uri(path)
+                .body(Body::empty())
+                .unwrap();
+            let response = test_router(1024).oneshot(request).await.unwrap();
+            assert_eq!(response.status(), status, "{method} {path}");
+            let allow = response.headers().get(header::ALLOW).cloned();
+            assert_eq!(
+                response.headers().get(header::CONTENT_TYPE).unwrap(),
+                "application/json"
+            );
+            let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            let body: Value = serde_json::from_slice(&bytes).unwrap();
+            assert_eq!(body["error"]["code"], code, "{method} {path}: {body}");
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty())
+            );
+            if status == StatusCode::METHOD_NOT_ALLOWED {
+                let allow = allow.unwrap();
+                assert!(
+                    allow.to_str().unwrap().contains(if path == "/execute" {
+                        "POST"
+                    } else {
+                        "GET"
+                    }),
+                    "{allow:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -254,7 +254,7 @@ pub struct Metric {
     pub attributes: Map<String, Value>,
 }
 
-/// The body of every non-200 answer (400, 404, 406, 413, 415, 500, 503, 504).
+/// The body of every non-200 answer (400, 404, 405, 406, 413, 415, 500, 503, 504).
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(title = "UHLP runner transport error")]
@@ -270,7 +270,8 @@ pub struct HttpErrorBody {
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct HttpError {
     /// `MALFORMED_JSON`, `INVALID_FIELD`, `UNSUPPORTED_MEDIA_TYPE`, `NOT_ACCEPTABLE`,
-    /// `BODY_TOO_LARGE`, `NOT_FOUND`, `NOT_READY`, `REQUEST_TIMEOUT`, `INTERNAL`.
+    /// `BODY_TOO_LARGE`, `NOT_FOUND`, `METHOD_NOT_ALLOWED`, `INVALID_REQUEST`, `NOT_READY`,
+    /// `REQUEST_TIMEOUT`, `INTERNAL`.
     pub code: String,
     /// One line for people.
     pub message: String,

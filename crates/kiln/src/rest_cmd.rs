@@ -49,6 +49,18 @@ pub struct RestArgs {
     /// Seconds after which an idle tenant's sandbox is closed (its data stays on disk).
     #[arg(long, default_value_t = 300)]
     pub idle_timeout: u64,
+    /// Live tenant sandbox sessions at most. Past it a tenant that needs one takes the
+    /// least recently used idle session; when all are busy it gets 503 (Retry-After).
+    #[arg(long, default_value_t = 64, env = "KILN_REST_MAX_SESSIONS")]
+    pub max_sessions: usize,
+    /// Memory caps of all live tenant sessions together, e.g. 8g: lowers --max-sessions
+    /// to this divided by --memory (default: no budget but the count).
+    #[arg(long, value_parser = crate::cli::parse_bytes, env = "KILN_REST_SESSIONS_MEMORY")]
+    pub sessions_memory: Option<u64>,
+    /// New tenants one client address may create per minute (IPv6 counted by /64); past
+    /// it 429 TOO_MANY_NEW_TENANTS, while its tenants keep working. 0: no limit.
+    #[arg(long, default_value_t = 30, env = "KILN_REST_NEW_TENANTS_PER_MINUTE")]
+    pub new_tenants_per_minute: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -131,6 +143,9 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     config.memory_bytes = args.memory;
     config.plan_cache = !args.no_plan_cache;
     config.idle_timeout = Duration::from_secs(args.idle_timeout.max(1));
+    config.max_sessions = args.max_sessions.max(1);
+    config.sessions_memory_bytes = args.sessions_memory;
+    config.new_tenants_per_minute = args.new_tenants_per_minute;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

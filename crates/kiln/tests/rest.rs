@@ -95,11 +95,13 @@ impl Rest {
             Err(e) => panic!("{method} {path}: {e}"),
         };
         let header = |name: &str| response.header(name).map(str::to_string);
-        let (location, planner, cache, allow) = (
+        let (location, planner, cache, allow, retry_after, content_type) = (
             header("location"),
             header("x-kiln-planner"),
             header("x-kiln-plan-cache"),
             header("allow"),
+            header("retry-after"),
+            header("content-type"),
         );
         let status = response.status();
         let text = response.into_string().unwrap_or_default();
@@ -111,6 +113,8 @@ impl Rest {
             planner,
             cache,
             allow,
+            retry_after,
+            content_type,
         }
     }
 
@@ -157,6 +161,41 @@ struct Answer {
     planner: Option<String>,
     cache: Option<String>,
     allow: Option<String>,
+    retry_after: Option<String>,
+    content_type: Option<String>,
+}
+
+impl Answer {
+    /// Asserts the documented error shape `{"error": {"code", "message", "request_id"}}`
+    /// with this status and code.
+    fn assert_error(&self, status: u16, code: &str) {
+        assert_eq!(
+            (self.status, self.json["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{self:?}"
+        );
+        assert_eq!(
+            self.content_type.as_deref(),
+            Some("application/json"),
+            "{self:?}"
+        );
+        let error = self.json["error"].as_object().unwrap();
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{self:?}"
+        );
+        assert!(
+            error["request_id"].as_str().is_some_and(|m| !m.is_empty()),
+            "{self:?}"
+        );
+    }
+
+    fn retry_after_seconds(&self) -> u64 {
+        self.retry_after
+            .as_deref()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no Retry-After in {self:?}"))
+    }
 }
 
 #[test]
@@ -792,4 +831,387 @@ async fn the_llm_planner_plans_through_the_door_and_its_code_is_checked() {
         "{first}"
     );
     assert!(!first.contains("sk-never-in-the-sandbox"));
+}
+
+// ------------------------------------------------- anonymous load and error shapes (issue 13)
+
+fn tenant_header(tenant: &str) -> [(&str, &str); 1] {
+    [("x-session-id", tenant)]
+}
+
+/// Whether the tenant has a folder and a plan cache file on disk.
+fn on_disk(rest: &Rest, tenant: &str) -> (bool, bool) {
+    (
+        rest.data.join("tenants").join(tenant).exists(),
+        rest.data
+            .join("plans")
+            .join(format!("{tenant}.json"))
+            .exists(),
+    )
+}
+
+/// One raw HTTP/1.1 exchange: the response head and body (read to its `Content-Length`).
+fn raw_exchange(base: &str, request: &str) -> (String, Vec<u8>) {
+    use std::io::Write as _;
+    let address = base.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 4096];
+    let (head, body_start) = loop {
+        let read = stream.read(&mut buffer).unwrap();
+        assert!(read > 0, "closed before a whole head");
+        received.extend_from_slice(&buffer[..read]);
+        if let Some(end) = received.windows(4).position(|w| w == b"\r\n\r\n") {
+            break (
+                String::from_utf8_lossy(&received[..end]).into_owned(),
+                end + 4,
+            );
+        }
+    };
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = received[body_start..].to_vec();
+    while body.len() < length {
+        let read = stream.read(&mut buffer).unwrap();
+        assert!(read > 0, "closed before the whole body");
+        body.extend_from_slice(&buffer[..read]);
+    }
+    (head, body)
+}
+
+#[test]
+fn issue_13_anonymous_tenants_past_the_cap_evict_the_least_recently_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = Rest::start(
+        &dir.path().join("data"),
+        &[
+            "--planner",
+            "conventions",
+            "--max-sessions",
+            "3",
+            "--new-tenants-per-minute",
+            "0",
+        ],
+        &[],
+    );
+    // Made-up tenants that only read: they store nothing.
+    for n in 0..4 {
+        let tenant = format!("reader{n}");
+        rest.call("GET", "/things/1", None, &tenant_header(&tenant))
+            .assert_error(404, "NOT_FOUND");
+    }
+    // reader0 was the least recently used when reader3 needed a session: closed, and it
+    // left nothing on disk. reader3 is live (its folder is its sandbox's mount).
+    assert_eq!(on_disk(&rest, "reader0"), (false, false));
+    assert_eq!(on_disk(&rest, "reader3"), (true, true));
+
+    for n in 0..6 {
+        let tenant = format!("writer{n}");
+        let created = rest.call(
+            "POST",
+            "/notes/",
+            Some(&json!({"n": n}).to_string()),
+            &tenant_header(&tenant),
+        );
+        assert_eq!(created.status, 201, "{created:?}");
+    }
+    for n in 0..4 {
+        assert_eq!(
+            on_disk(&rest, &format!("reader{n}")),
+            (false, false),
+            "reader{n}"
+        );
+    }
+    let health = rest.get("/healthz");
+    assert_eq!(health.status, 200);
+    assert_eq!(
+        (
+            &health.json["tenant_sessions"],
+            &health.json["max_tenant_sessions"],
+            &health.json["evicted_sessions"],
+        ),
+        (&json!(3), &json!(3), &json!(7)),
+        "10 sessions opened, 3 live: {health:?}"
+    );
+
+    // Every writer's data stayed; each read opens a session again, evicting another.
+    for n in 0..6 {
+        let tenant = format!("writer{n}");
+        let read = rest.call("GET", "/notes/1", None, &tenant_header(&tenant));
+        assert_eq!((read.status, &read.json["n"]), (200, &json!(n)), "{read:?}");
+        assert_eq!(on_disk(&rest, &tenant), (true, true));
+    }
+    let health = rest.get("/healthz");
+    assert_eq!(
+        (
+            &health.json["tenant_sessions"],
+            &health.json["evicted_sessions"]
+        ),
+        (&json!(3), &json!(13)),
+        "{health:?}"
+    );
+}
+
+#[test]
+fn issue_13_one_address_may_create_only_so_many_new_tenants_a_minute() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = Rest::start(
+        &dir.path().join("data"),
+        &[
+            "--planner",
+            "conventions",
+            "--max-sessions",
+            "2",
+            "--new-tenants-per-minute",
+            "3",
+        ],
+        &[],
+    );
+    for n in 0..3 {
+        let tenant = format!("t{n}");
+        let created = rest.call(
+            "POST",
+            "/notes/",
+            Some(&json!({"by": n}).to_string()),
+            &tenant_header(&tenant),
+        );
+        assert_eq!(created.status, 201, "{created:?}");
+    }
+    for method in ["POST", "GET"] {
+        let refused = rest.call(method, "/notes/", Some("{}"), &tenant_header("t3"));
+        refused.assert_error(429, "TOO_MANY_NEW_TENANTS");
+        // Three a minute: the next one within 20 s.
+        assert!(
+            (1..=20).contains(&refused.retry_after_seconds()),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(
+        on_disk(&rest, "t3"),
+        (false, false),
+        "a refusal creates nothing"
+    );
+
+    // The address's tenants keep working, with a live session or not (t0's was closed to
+    // make room: at most two).
+    let read = rest.call("GET", "/notes/1", None, &tenant_header("t0"));
+    assert_eq!(
+        (read.status, &read.json["by"]),
+        (200, &json!(0)),
+        "{read:?}"
+    );
+    let more = rest.call("POST", "/notes/", Some("{\"by\": 1}"), &tenant_header("t1"));
+    assert_eq!(
+        (more.status, &more.json["id"]),
+        (201, &json!(2)),
+        "{more:?}"
+    );
+    assert_eq!(rest.get("/healthz").status, 200);
+}
+
+#[test]
+fn issue_13_a_200_kb_body_is_served_the_first_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = Rest::start(&dir.path().join("data"), &["--planner", "conventions"], &[]);
+    let lines: Vec<String> = (0..2000)
+        .map(|i| format!("line {i:05} {}", "x".repeat(90)))
+        .collect();
+    let big = json!({"title": "big", "lines": lines});
+    let text = big.to_string();
+    assert!(text.len() > 200_000);
+
+    let created = rest.call("POST", "/docs/", Some(&text), &[]);
+    assert_eq!(
+        (created.status, created.cache.as_deref()),
+        (201, Some("stored")),
+        "{:?}",
+        created.json["error"]
+    );
+    assert_eq!(
+        (&created.json["id"], &created.json["lines"]),
+        (&json!(1), &big["lines"])
+    );
+    let read = rest.get("/docs/1");
+    assert_eq!((read.status, &read.json["lines"]), (200, &big["lines"]));
+
+    // PUT and PATCH of that size, each the first of its shape; PATCH near --max-body (1 MiB).
+    let replaced = rest.call("PUT", "/docs/1", Some(&text), &[]);
+    assert_eq!(
+        (replaced.status, replaced.cache.as_deref()),
+        (200, Some("stored")),
+        "{:?}",
+        replaced.json["error"]
+    );
+    let near_limit = json!({"blob": "y".repeat(1_000_000)}).to_string();
+    assert!(near_limit.len() < 1 << 20);
+    let patched = rest.call("PATCH", "/docs/1", Some(&near_limit), &[]);
+    assert_eq!(patched.status, 200, "{:?}", patched.json["error"]);
+    assert_eq!(patched.json["blob"].as_str().map(str::len), Some(1_000_000));
+    assert_eq!(patched.json["lines"], big["lines"]);
+
+    // The plan cache holds code, never a body.
+    let plans = rest.plans(&["--code"]).to_string();
+    assert!(
+        plans.contains("PATCH /docs/{id}") && plans.len() < 20_000,
+        "{} characters",
+        plans.len()
+    );
+}
+
+#[test]
+fn issue_13_errors_kiln_rest_answers_itself_have_the_json_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = Rest::start(
+        &dir.path().join("data"),
+        &["--planner", "conventions", "--max-body", "64k"],
+        &[],
+    );
+    // 405 from the router on a fixed route, with its Allow header.
+    for (method, path) in [("POST", "/healthz"), ("DELETE", "/openapi.json")] {
+        let a = rest.call(method, path, None, &[]);
+        a.assert_error(405, "METHOD_NOT_ALLOWED");
+        assert!(
+            a.allow.as_deref().is_some_and(|m| m.contains("GET")),
+            "{a:?}"
+        );
+    }
+    // 405 for a method the catch-all does not serve.
+    let a = rest.call("TRACE", "/members/1", None, &[]);
+    a.assert_error(405, "METHOD_NOT_ALLOWED");
+    assert_eq!(
+        a.allow.as_deref(),
+        Some("GET, POST, PUT, PATCH, DELETE, OPTIONS, HEAD")
+    );
+    // 405 and 404 from the conventions planner (planned, then from the cached plan).
+    for _ in 0..2 {
+        let a = rest.call("POST", "/members/1", Some("{}"), &[]);
+        a.assert_error(405, "METHOD_NOT_ALLOWED");
+        assert_eq!(
+            a.allow.as_deref(),
+            Some("GET, HEAD, PUT, PATCH, DELETE, OPTIONS")
+        );
+        rest.get("/members/7").assert_error(404, "NOT_FOUND");
+    }
+    rest.get("/a/b/c").assert_error(404, "NOT_FOUND");
+    // The caller's request id is the one in the body.
+    let a = rest.call("POST", "/healthz", None, &[("x-request-id", "req-42")]);
+    assert_eq!(a.json["error"]["request_id"], "req-42");
+
+    // 413 from the declared length, before the body is sent.
+    let (head, body) = raw_exchange(
+        &rest.base,
+        "POST /members/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: 70000\r\nExpect: 100-continue\r\n\r\n",
+    );
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    let body: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(body["error"]["code"], "BODY_TOO_LARGE", "{body}");
+    assert!(body["error"]["request_id"].is_string(), "{body}");
+
+    // 415: a body that is not JSON where the conventions need a JSON object.
+    let typed = ureq::post(&format!("{}/members/", rest.base))
+        .set("content-type", "text/plain")
+        .send_string("name=Hartmann");
+    let Err(ureq::Error::Status(415, response)) = typed else {
+        panic!("{typed:?}")
+    };
+    let body: Value = serde_json::from_str(&response.into_string().unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "UNSUPPORTED_MEDIA_TYPE", "{body}");
+    assert!(body["error"]["request_id"].is_string(), "{body}");
+    assert!(
+        !rest.data.join("tenants/public/members.json").exists(),
+        "nothing was stored"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn issue_13_every_session_busy_is_503_and_the_llm_sees_a_large_body_cut_short() {
+    let fake = FakeProvider::start(vec![
+        // The first tenant's planning call never answers: its session stays busy.
+        Step::Hang,
+        plan("create", "members", Some("POST /members"), CREATE),
+    ])
+    .await
+    .unwrap();
+    let env = vec![
+        (
+            "KILN_LLM_MODEL",
+            "openai-compatible:planner-test".to_string(),
+        ),
+        ("KILN_LLM_BASE_URL", fake.base_url.clone()),
+        ("OPENAI_API_KEY", "sk-test".to_string()),
+        ("KILN_LLM_TIMEOUT", "10".to_string()),
+        ("KILN_LLM_RETRIES", "1".to_string()),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let seen = fake.clone();
+    tokio::task::spawn_blocking(move || {
+        let rest = Rest::start(&data, &["--max-sessions", "1"], &env);
+        let base = rest.base.clone();
+        let holder = std::thread::spawn(move || {
+            match ureq::get(&format!("{base}/members/"))
+                .set("x-session-id", "holder")
+                .timeout(Duration::from_secs(120))
+                .call()
+            {
+                Ok(r) => r.status(),
+                Err(ureq::Error::Status(status, _)) => status,
+                Err(e) => panic!("{e}"),
+            }
+        });
+        // Wait until the holder's request is with the model: it holds the only session.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while seen.requests().is_empty() {
+            assert!(Instant::now() < deadline, "the holder never reached the model");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let big = json!({"name": "Big", "notes": (0..2000).map(|i| format!("note {i} {}", "z".repeat(90))).collect::<Vec<_>>()});
+        let text = big.to_string();
+        let refused = rest.call("POST", "/members/", Some(&text), &tenant_header("newcomer"));
+        refused.assert_error(503, "TOO_MANY_SESSIONS");
+        assert_eq!(refused.retry_after_seconds(), 1);
+        assert_eq!(on_disk(&rest, "newcomer"), (false, false));
+        let health = rest.get("/healthz");
+        assert_eq!(
+            (health.status, &health.json["tenant_sessions"]),
+            (200, &json!(1))
+        );
+
+        // The holder's model call times out; then the newcomer is served, closing the idle
+        // holder's session, which stored nothing and leaves nothing.
+        assert_eq!(holder.join().unwrap(), 502);
+        let created = rest.call("POST", "/members/", Some(&text), &tenant_header("newcomer"));
+        assert_eq!(created.status, 201, "{:?}", created.json["error"]);
+        assert_eq!(created.json["notes"], big["notes"]);
+        assert_eq!(on_disk(&rest, "holder"), (false, false));
+        assert_eq!(on_disk(&rest, "newcomer"), (true, true));
+    })
+    .await
+    .unwrap();
+
+    // The model was shown the 200 KB body cut short, with a marker saying so.
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 2);
+    let shown = requests[1].to_string();
+    assert!(
+        shown.len() < 20_000 && shown.contains("truncated"),
+        "{} characters",
+        shown.len()
+    );
 }

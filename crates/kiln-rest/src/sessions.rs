@@ -1,0 +1,404 @@
+//! Tenants' sandbox sessions: admission (new tenants per address), a cap on live sessions
+//! with least-recently-used eviction of idle ones, the idle timeout, the turns, and what a
+//! tenant leaves on disk when its session ends.
+//!
+//! A tenant's slot is in `App::tenants` while a request holds or waits for it or while it
+//! has a live session; a request holds the slot's lock for its whole run, so a locked slot
+//! is busy and never evicted. `App::open_sessions` counts sessions open or being opened and
+//! never passes `App::max_sessions`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use kiln_core::{ExecRequest, ExecResult, Language, Limits, Mount, Outcome};
+use kiln_executor::{CallOptions, Door, PoolError, SessionHandle};
+use serde_json::Value;
+
+use crate::{App, RestError, Slot, TenantSlot, python};
+
+/// Evictions one request may make before it gives up (others may take what it frees).
+const MAX_EVICTIONS_PER_OPEN: usize = 16;
+
+impl App {
+    /// The tenant's slot. A tenant with no slot here and no folder on disk is new and
+    /// spends one of the client address's new tenants (429 when none is left; nothing is
+    /// created then).
+    pub(crate) fn admit(&self, tenant: &str, peer: std::net::IpAddr) -> Result<Slot, RestError> {
+        let live = self
+            .tenants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(tenant)
+            .cloned();
+        if let Some(slot) = live {
+            return Ok(slot);
+        }
+        if !self.tenant_dir(tenant).is_dir()
+            && let Err(retry) = self.new_tenants.admit(peer, Instant::now())
+        {
+            return Err(RestError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "TOO_MANY_NEW_TENANTS",
+                format!(
+                    "this address created {} new tenants in the last minute, the most allowed; \
+                     retry in {} s, or use a tenant it already has",
+                    self.config.new_tenants_per_minute,
+                    retry.seconds()
+                ),
+            )
+            .retry_after(retry.seconds()));
+        }
+        Ok(self
+            .tenants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(tenant.to_string())
+            .or_default()
+            .clone())
+    }
+
+    /// Drops the tenant's slot from the table when nobody else holds it (`slot` is the
+    /// caller's own clone; its lock must be released).
+    pub(crate) fn forget_if_unused(&self, tenant: &str, slot: &Slot) {
+        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        if tenants
+            .get(tenant)
+            .is_some_and(|s| Arc::ptr_eq(s, slot) && Arc::strong_count(s) <= 2)
+        {
+            tenants.remove(tenant);
+        }
+    }
+
+    pub(crate) fn touch(&self, slot: &TenantSlot) {
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        slot.last_used_ms.store(now, Ordering::Relaxed);
+    }
+
+    fn tenant_dir(&self, tenant: &str) -> std::path::PathBuf {
+        self.config.data_dir.join("tenants").join(tenant)
+    }
+
+    /// Closes the sessions of tenants idle longer than `idle_timeout` (their data stays on
+    /// disk; the next request opens a fresh session).
+    pub(crate) async fn close_idle(&self) {
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let idle_ms = u64::try_from(self.config.idle_timeout.as_millis()).unwrap_or(u64::MAX);
+        let slots: Vec<(String, Slot)> = self
+            .tenants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(t, s)| (t.clone(), s.clone()))
+            .collect();
+        for (tenant, slot) in slots {
+            if now.saturating_sub(slot.last_used_ms.load(Ordering::Relaxed)) < idle_ms {
+                continue;
+            }
+            // A busy tenant is not idle; it is looked at again next time.
+            let Ok(mut guard) = slot.session.try_lock() else {
+                continue;
+            };
+            // Also for a slot whose session a deadline already ended.
+            self.retire(&tenant, &mut guard).await;
+            drop(guard);
+            self.forget_if_unused(&tenant, &slot);
+        }
+    }
+
+    /// Closes the least recently used idle session of another tenant; false when every
+    /// session is busy.
+    async fn evict_one(&self, except: &str) -> bool {
+        let mut candidates: Vec<(u64, String, Slot)> = self
+            .tenants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(t, _)| t.as_str() != except)
+            .map(|(t, s)| (s.last_used_ms.load(Ordering::Relaxed), t.clone(), s.clone()))
+            .collect();
+        candidates.sort_by_key(|(used, _, _)| *used);
+        for (_, tenant, slot) in candidates {
+            // Locked means a request holds or waits for it: never evicted.
+            let Ok(mut guard) = slot.session.try_lock() else {
+                continue;
+            };
+            if guard.is_none() {
+                continue;
+            }
+            self.retire(&tenant, &mut guard).await;
+            drop(guard);
+            self.forget_if_unused(&tenant, &slot);
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
+    /// Counts a session about to open against `max_sessions`, evicting idle ones to make
+    /// room; 503 when every live session is busy.
+    async fn reserve(&self, tenant: &str) -> Result<(), RestError> {
+        let cap = self.max_sessions;
+        for _ in 0..=MAX_EVICTIONS_PER_OPEN {
+            let reserved = self
+                .open_sessions
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < cap).then_some(n + 1)
+                })
+                .is_ok();
+            if reserved {
+                return Ok(());
+            }
+            if !self.evict_one(tenant).await {
+                break;
+            }
+        }
+        Err(RestError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "TOO_MANY_SESSIONS",
+            format!("all {cap} tenant sessions are busy serving requests; retry in a moment"),
+        )
+        .retry_after(1))
+    }
+
+    /// Ends a tenant's session (its lock held by the caller). A tenant that stored nothing
+    /// leaves nothing behind: its empty folder and its plan cache file are removed.
+    async fn retire(&self, tenant: &str, guard: &mut Option<SessionHandle>) {
+        self.drop_session(guard).await;
+        self.discard_if_empty(tenant).await;
+    }
+
+    pub(crate) async fn discard_if_empty(&self, tenant: &str) {
+        let dir = self.tenant_dir(tenant);
+        let plans = self.plans.clone();
+        let tenant = tenant.to_string();
+        let _ = tokio::task::spawn_blocking(move || {
+            // Fails (and keeps everything) unless the folder is empty.
+            match std::fs::remove_dir(&dir) {
+                Ok(()) => plans.remove(&tenant),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => plans.remove(&tenant),
+                Err(_) => plans.forget(&tenant),
+            }
+        })
+        .await;
+    }
+
+    pub(crate) fn limits(&self, timeout: Duration) -> Limits {
+        Limits {
+            timeout_ms: u64::try_from(timeout.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+            memory_bytes: self.config.memory_bytes,
+            stdout_bytes: self.config.max_result_bytes + (64 << 10),
+            stderr_bytes: 64 << 10,
+            fs_write_bytes: 256 << 20,
+            fs_create_count: 1_000,
+        }
+    }
+
+    /// The tenant's live session, opened (with the driver loaded) when there is none.
+    pub(crate) async fn session(
+        &self,
+        tenant: &str,
+        guard: &mut Option<SessionHandle>,
+    ) -> Result<SessionHandle, RestError> {
+        if let Some(session) = guard {
+            return Ok(*session);
+        }
+        self.reserve(tenant).await?;
+        match self.open(tenant).await {
+            Ok(session) => {
+                *guard = Some(session);
+                Ok(session)
+            }
+            Err(error) => {
+                self.open_sessions.fetch_sub(1, Ordering::AcqRel);
+                self.discard_if_empty(tenant).await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn open(&self, tenant: &str) -> Result<SessionHandle, RestError> {
+        let lost = |e: PoolError| {
+            RestError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "SANDBOX_UNAVAILABLE",
+                format!("the tenant's sandbox could not be started: {e}"),
+            )
+        };
+        let dir = self.tenant_dir(tenant);
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            RestError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "STORAGE",
+                format!("the tenant's folder could not be made: {e}"),
+            )
+        })?;
+        let guest_root = format!("/data/{tenant}");
+        let mut request = ExecRequest::new(Language::Python, "");
+        request.limits = self.limits(Duration::from_secs(30));
+        request.mounts = vec![Mount {
+            host: dir,
+            guest: guest_root.clone(),
+            writable: true,
+        }];
+        let session = self.pool.open_session(request).await.map_err(lost)?;
+        let loaded = self
+            .pool
+            .run(
+                &session,
+                python::loader(&guest_root, tenant),
+                self.limits(Duration::from_secs(30)),
+            )
+            .await;
+        let loaded = match loaded {
+            Ok(loaded) => loaded,
+            Err(error) => {
+                let _ = self.pool.close_session(&session).await;
+                return Err(lost(error));
+            }
+        };
+        if !loaded.success() {
+            let _ = self.pool.close_session(&session).await;
+            return Err(RestError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "SANDBOX_SETUP",
+                format!(
+                    "the driver could not be loaded: {}",
+                    tail(&loaded.stderr_text(), 400)
+                ),
+            ));
+        }
+        Ok(session)
+    }
+
+    /// Runs one driver turn and returns its answer. A turn that ends its session (deadline,
+    /// crash) closes it; the next request opens a fresh one.
+    pub(crate) async fn turn(
+        &self,
+        guard: &mut Option<SessionHandle>,
+        session: &SessionHandle,
+        code: String,
+        door: Option<Door>,
+        timeout: Duration,
+    ) -> Result<Value, RestError> {
+        let options = CallOptions {
+            door,
+            ..CallOptions::default()
+        };
+        let result = self
+            .pool
+            .run_with(session, code, self.limits(timeout), options)
+            .await;
+        let result: ExecResult = match result {
+            Ok(result) => result,
+            Err(error) => {
+                self.drop_session(guard).await;
+                return Err(RestError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "SANDBOX_LOST",
+                    format!("the tenant's sandbox was lost ({error}); retry the request"),
+                ));
+            }
+        };
+        let ended = matches!(result.outcome, Outcome::TimedOut | Outcome::Crashed { .. });
+        if ended {
+            self.drop_session(guard).await;
+        }
+        match &result.outcome {
+            Outcome::TimedOut => {
+                return Err(RestError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "DEADLINE_EXCEEDED",
+                    format!(
+                        "the request ran past its deadline of {} ms and was stopped",
+                        timeout.as_millis()
+                    ),
+                ));
+            }
+            Outcome::MemoryLimit => {
+                self.drop_session(guard).await;
+                return Err(RestError::new(
+                    StatusCode::INSUFFICIENT_STORAGE,
+                    "MEMORY_LIMIT",
+                    format!(
+                        "the request needed more than the sandbox's {} MiB of memory",
+                        self.config.memory_bytes >> 20
+                    ),
+                ));
+            }
+            Outcome::Crashed { trap } => {
+                return Err(RestError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "SANDBOX_CRASHED",
+                    format!("the sandbox crashed ({trap})"),
+                ));
+            }
+            _ => {}
+        }
+        if result.stdout_truncated {
+            return Err(RestError::new(
+                StatusCode::BAD_GATEWAY,
+                "RESULT_TOO_LARGE",
+                format!(
+                    "the response is larger than the cap of {} bytes",
+                    self.config.max_result_bytes
+                ),
+            ));
+        }
+        python::answer(&result.stdout_text()).ok_or_else(|| {
+            RestError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "INTERNAL",
+                format!(
+                    "the driver gave no answer (exit {}): {}",
+                    result.exit_code,
+                    tail(&result.stderr_text(), 400)
+                ),
+            )
+        })
+    }
+
+    /// Closes the session, if any (its data stays).
+    pub(crate) async fn drop_session(&self, guard: &mut Option<SessionHandle>) {
+        if let Some(session) = guard.take() {
+            self.open_sessions.fetch_sub(1, Ordering::AcqRel);
+            let _ = self.pool.close_session(&session).await;
+        }
+    }
+}
+
+/// Removes empty tenant folders and the plan files of tenants without a folder, left by an
+/// earlier run (a tenant that never stored anything keeps nothing on disk).
+pub(crate) fn sweep(data_dir: &std::path::Path) {
+    let tenants = data_dir.join("tenants");
+    if let Ok(entries) = std::fs::read_dir(&tenants) {
+        for entry in entries.filter_map(Result::ok) {
+            // Fails, keeping it, unless empty.
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(data_dir.join("plans")) {
+        for entry in entries.filter_map(Result::ok) {
+            let path = entry.path();
+            let Some(tenant) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".json"))
+            else {
+                continue;
+            };
+            if !tenant.starts_with('.') && !tenants.join(tenant).is_dir() {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+    }
+}
+
+pub(crate) fn tail(text: &str, chars: usize) -> String {
+    let text = text.trim_end();
+    let count = text.chars().count();
+    text.chars().skip(count.saturating_sub(chars)).collect()
+}
