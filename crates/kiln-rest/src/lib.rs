@@ -4,15 +4,19 @@
 //!
 //! The steps of one request:
 //! 1. The host builds a context (method, path, segments, query, headers without credentials,
-//!    body, client ip, tenant) and takes the tenant's session (one per tenant, one request at
-//!    a time in it, so no write is ever lost to a race).
+//!    body, client ip, tenant), admits the tenant (new tenants per client address per minute,
+//!    a cap on live sessions with the least recently used idle one closed to make room) and
+//!    takes the tenant's session (one per tenant, one request at a time in it, so no write is
+//!    ever lost to a race).
 //! 2. A plan cached for the request's shape is reused; otherwise the driver in the session
 //!    asks the planner. The LLM planner reaches the model only through the door, granted to
 //!    the planning turn alone; the provider key stays in this process.
 //! 3. The plan's code is checked (AST allowlist) and run with the door shut, and the REPLY it
 //!    assigned becomes the HTTP response.
 
+mod errors;
 mod new_tenants;
+mod openapi;
 pub mod plans;
 mod python;
 mod sessions;
@@ -28,7 +32,6 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use kiln_executor::{Door, ExecutorPool, SessionHandle};
@@ -36,7 +39,9 @@ use kiln_llm::{ChatModel, Message, ModelRequest, RetryPolicy, Usage};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
+use errors::{RestError, answered, error_response, json_errors, request_id_of};
 pub use new_tenants::{NewTenantLimiter, RetryAfter, address_key};
+pub use openapi::openapi_spec;
 pub use plans::{PlanCache, TenantPlans};
 
 /// Who plans requests.
@@ -251,104 +256,6 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
     answered((status, axum::Json(body)).into_response())
 }
 
-/// Marks a response kiln rest made itself (a plan's reply, a [`RestError`], health): the
-/// error middleware leaves it as it is.
-#[derive(Debug, Clone, Copy)]
-struct Answered;
-
-fn answered(mut response: Response) -> Response {
-    response.extensions_mut().insert(Answered);
-    response
-}
-
-/// Gives every error the router answered on its own (405 with its `Allow` header on a fixed
-/// route, and any other status it may produce) the documented JSON shape
-/// `{"error": {"code", "message", "request_id"}}`, and a log line.
-async fn json_errors(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    let started = Instant::now();
-    let method = request.method().clone();
-    let path = request.uri().path().to_string();
-    let given_id = request_id_of(request.headers());
-    let response = next.run(request).await;
-    let status = response.status();
-    if status.as_u16() < 400 || response.extensions().get::<Answered>().is_some() {
-        return response;
-    }
-    let request_id = given_id.unwrap_or_else(|| app.new_request_id());
-    let (code, message) = match status {
-        StatusCode::METHOD_NOT_ALLOWED => (
-            "METHOD_NOT_ALLOWED",
-            format!("{method} is not served on {path}; the Allow header lists what is"),
-        ),
-        StatusCode::NOT_FOUND => ("NOT_FOUND", format!("no route {path}")),
-        StatusCode::PAYLOAD_TOO_LARGE => (
-            "BODY_TOO_LARGE",
-            format!(
-                "the body is larger than {} bytes",
-                app.config.max_body_bytes
-            ),
-        ),
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => (
-            "UNSUPPORTED_MEDIA_TYPE",
-            "this content type is not accepted here".to_string(),
-        ),
-        _ if status.is_server_error() => (
-            "INTERNAL",
-            status
-                .canonical_reason()
-                .unwrap_or("the request failed")
-                .to_string(),
-        ),
-        _ => (
-            "INVALID_REQUEST",
-            status
-                .canonical_reason()
-                .unwrap_or("the request was refused")
-                .to_string(),
-        ),
-    };
-    let (parts, _) = response.into_parts();
-    let mut shaped = error_response(&RestError::new(status, code, message), &request_id);
-    // Keep what the router said besides the body (Allow, ...).
-    for (name, value) in &parts.headers {
-        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
-            shaped.headers_mut().insert(name.clone(), value.clone());
-        }
-    }
-    if let Ok(v) = HeaderValue::from_str(&request_id) {
-        shaped.headers_mut().insert("x-request-id", v);
-    }
-    if method == Method::HEAD {
-        *shaped.body_mut() = Body::empty();
-    }
-    let line = json!({
-        "ts": SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
-        "target": "kiln::rest",
-        "request_id": request_id,
-        "method": method.as_str(),
-        "path": path,
-        "status": status.as_u16(),
-        "ms": (started.elapsed().as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0,
-        "outcome": code,
-    });
-    eprintln!("{line}");
-    shaped
-}
-
-/// The caller's `X-Request-ID` when it is usable (1 to 128 of `[A-Za-z0-9-_.:]`).
-fn request_id_of(headers: &HeaderMap) -> Option<String> {
-    headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| {
-            !v.is_empty()
-                && v.len() <= 128
-                && v.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
-        })
-        .map(str::to_string)
-}
-
 impl App {
     fn new_request_id(&self) -> String {
         format!(
@@ -365,32 +272,6 @@ async fn openapi() -> Response {
         openapi_spec().to_string(),
     )
         .into_response()
-}
-
-/// An error answered by kiln itself (not by a plan).
-#[derive(Debug)]
-struct RestError {
-    status: StatusCode,
-    code: &'static str,
-    message: String,
-    /// Seconds for a `Retry-After` header.
-    retry_after: Option<u64>,
-}
-
-impl RestError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> RestError {
-        RestError {
-            status,
-            code,
-            message: message.into(),
-            retry_after: None,
-        }
-    }
-
-    fn retry_after(mut self, seconds: u64) -> RestError {
-        self.retry_after = Some(seconds.max(1));
-        self
-    }
 }
 
 /// What one request did, for its log line and diagnostic headers.
@@ -474,29 +355,6 @@ async fn handle(
     }
     eprintln!("{line}");
     answered(response)
-}
-
-/// What the catch-all serves (a 405 for any other method names them in `Allow`).
-const ALLOWED_METHODS: &str = "GET, POST, PUT, PATCH, DELETE, OPTIONS, HEAD";
-
-fn error_response(error: &RestError, request_id: &str) -> Response {
-    let body =
-        json!({"error": {"code": error.code, "message": error.message, "request_id": request_id}});
-    let mut response = (error.status, axum::Json(body)).into_response();
-    let headers = response.headers_mut();
-    if error.status == StatusCode::UNAUTHORIZED {
-        headers.insert(
-            header::WWW_AUTHENTICATE,
-            HeaderValue::from_static("Bearer realm=\"kiln rest\""),
-        );
-    }
-    if error.code == "METHOD_NOT_ALLOWED" {
-        headers.insert(header::ALLOW, HeaderValue::from_static(ALLOWED_METHODS));
-    }
-    if let Some(seconds) = error.retry_after {
-        headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-    }
-    response
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {
@@ -721,23 +579,54 @@ async fn one(
     let ctx = context(&parts, &body, &segments, peer, &tenant, request_id)?;
     let method = parts.method.as_str();
 
-    // Nothing of the tenant is created (slot, session, folder, plan file) before this.
-    let slot = app.admit(&tenant, peer.ip())?;
+    // In a task of its own: a client that goes away does not cut the session bookkeeping
+    // (the count under the cap, an opened session, the cleanup) off half-way.
+    let work = {
+        let (app, tenant, method) = (app.clone(), tenant.clone(), method.to_string());
+        let mut trace = std::mem::take(trace);
+        tokio::spawn(async move {
+            let answer = admitted(&app, &tenant, peer, &ctx, &method, &segments, &mut trace).await;
+            (answer, trace)
+        })
+    };
+    let (answer, done) = work.await.map_err(|e| {
+        RestError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "INTERNAL",
+            format!("the request failed: {e}"),
+        )
+    })?;
+    *trace = done;
+    reply(&answer?)
+}
+
+/// Admits the tenant and answers in its session. Nothing of the tenant is created (slot,
+/// session, folder, plan file) before admission.
+async fn admitted(
+    app: &Arc<App>,
+    tenant: &str,
+    peer: SocketAddr,
+    ctx: &str,
+    method: &str,
+    segments: &[String],
+    trace: &mut Trace,
+) -> Result<Value, RestError> {
+    let slot = app.admit(tenant, peer.ip())?;
     let mut guard = slot.session.lock().await;
     app.touch(&slot);
-    let answer = answer(app, &tenant, &mut guard, &ctx, method, &segments, trace).await;
+    let answer = answer(app, tenant, &mut guard, ctx, method, segments, trace).await;
     app.touch(&slot);
     let ended = guard.is_none();
     if ended {
         // No session (refused, or a deadline ended it): nothing need stay for a tenant that
         // stored nothing, not even its slot.
-        app.discard_if_empty(&tenant).await;
+        app.discard_if_empty(tenant).await;
     }
     drop(guard);
     if ended {
-        app.forget_if_unused(&tenant, &slot);
+        app.forget_if_unused(tenant, &slot);
     }
-    reply(&answer?)
+    answer
 }
 
 /// The driver's answer to a request, in the tenant's session (opened when needed): from a
@@ -972,66 +861,6 @@ fn llm_door(
     })
 }
 
-/// The OpenAPI description: one catch-all operation per method, and the fixed routes.
-pub fn openapi_spec() -> &'static Value {
-    static SPEC: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
-    SPEC.get_or_init(|| {
-        let error = json!({"$ref": "#/components/schemas/Error"});
-        let operation = |method: &str, summary: &str, example: Value| {
-            json!({
-                "operationId": format!("rest_{method}"),
-                "summary": summary,
-                "description": "No endpoint is declared: the planner (an LLM, or the offline conventions planner) reads the request and writes Python code that answers it over the tenant's JSON collections. The headers X-Kiln-Planner and X-Kiln-Plan-Cache say who planned it and whether a cached plan answered.",
-                "parameters": [
-                    {"name": "path", "in": "path", "required": true, "schema": {"type": "string"}, "description": "Any path, e.g. members/ or members/1 or members/search", "example": "members/1"},
-                    {"name": "X-Session-ID", "in": "header", "required": false, "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": "The tenant; without it, the tenant is derived from the bearer token (or is `public`)."}
-                ],
-                "responses": {
-                    "default": {"description": "Whatever the plan answers, e.g. 201 with Location for a create, 200, 204, 404", "content": {"application/json": {"example": example}}},
-                    "400": {"description": "Malformed JSON body, bad path or X-Session-ID", "content": {"application/json": {"schema": error}}},
-                    "401": {"description": "AUTH_TOKEN is set and the bearer token is missing or wrong", "content": {"application/json": {"schema": error}}},
-                    "413": {"description": "The body is too large", "content": {"application/json": {"schema": error}}},
-                    "502": {"description": "The planner's answer was invalid (PLAN_INVALID), unsafe (PLAN_UNSAFE) or the LLM failed (LLM_FAILED), or the result was too large", "content": {"application/json": {"schema": error}}},
-                    "504": {"description": "The code ran past the per-request deadline", "content": {"application/json": {"schema": error}}}
-                }
-            })
-        };
-        let body = json!({"required": false, "content": {"application/json": {"schema": {}, "example": {"name": "Hartmann", "city": "Bonn"}}}});
-        let mut post = operation("post", "Create (POST /members/ → 201 + Location)", json!({"id": 1, "name": "Hartmann"}));
-        post["requestBody"] = body.clone();
-        let mut put = operation("put", "Replace (PUT /members/1)", json!({"id": 1, "name": "Hartmann"}));
-        put["requestBody"] = body.clone();
-        let mut patch = operation("patch", "Merge (PATCH /members/1)", json!({"id": 1, "name": "Hartmann", "city": "Köln"}));
-        patch["requestBody"] = body;
-        json!({
-            "openapi": "3.1.0",
-            "info": {
-                "title": "kiln rest",
-                "version": env!("CARGO_PKG_VERSION"),
-                "description": "A REST service with no fixed endpoints. Every method on every path reaches one catch-all handler; a planner turns the request into a JSON plan with Python code, the code is checked against an allowlist and runs in the tenant's WebAssembly sandbox over its JSON collections (/data/<tenant>/<collection>.json).\n\nConventions (what the offline planner does, and what the LLM planner is asked to do):\n- POST /members/ → 201, Location: /members/{id}, the created object\n- GET /members/1 → 200 or 404; PUT replaces, PATCH merges, DELETE → 204\n- GET /members/search?name=hartmann → the matching list (field__contains for parts)\n- GET /members/?limit=10&offset=20&sort=name → {items, page: {limit, offset, total}}\n\nTenants: X-Session-ID, or derived from the bearer token. Fixed routes: /healthz, /docs, /redoc, /openapi.json."
-            },
-            "paths": {
-                "/{path}": {
-                    "get": operation("get", "Read, list or search (GET /members/1, /members/?limit=10, /members/search?name=x)", json!({"items": [{"id": 1, "name": "Hartmann"}], "page": {"limit": 10, "offset": 0, "total": 1}})),
-                    "post": post,
-                    "put": put,
-                    "patch": patch,
-                    "delete": operation("delete", "Delete (DELETE /members/1 → 204)", Value::Null),
-                    "options": operation("options", "Allowed methods", Value::Null),
-                    "head": operation("head", "As GET, without a body", Value::Null)
-                },
-                "/healthz": {"get": {"operationId": "healthz", "summary": "200 when requests can be served; planner and plan-cache hit rate", "responses": {"200": {"description": "Ready", "content": {"application/json": {"example": {"status": "ok", "planner": CONVENTIONS_LABEL, "plan_cache": {"hits": 9, "misses": 1, "hit_rate": 0.9}}}}}, "503": {"description": "No executor worker"}}}}
-            },
-            "components": {
-                "schemas": {
-                    "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "request_id": {"type": "string"}}}}}
-                },
-                "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "Only when kiln rest runs with AUTH_TOKEN"}}
-            }
-        })
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1044,6 +873,23 @@ mod tests {
         for bad in ["/a/%2F", "/a/%00", "/%2e%2e/x", "/a/%ff", &"/a".repeat(40)] {
             assert!(segments(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_session_cap_follows_the_memory_budget() {
+        let mut config = RestConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            PathBuf::from("/nonexistent"),
+            Planner::Conventions,
+        );
+        assert_eq!(config.session_cap(), 64);
+        config.sessions_memory_bytes = Some(4 << 30);
+        assert_eq!(config.session_cap(), 16, "4 GiB / 256 MiB");
+        config.sessions_memory_bytes = Some(1);
+        assert_eq!(config.session_cap(), 1, "never none");
+        config.max_sessions = 8;
+        config.sessions_memory_bytes = None;
+        assert_eq!(config.session_cap(), 8);
     }
 
     #[test]

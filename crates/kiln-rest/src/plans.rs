@@ -387,6 +387,18 @@ mod tests {
             (2, 1, 2)
         );
 
+        // Forgotten when the tenant's session ends: counters written, memory freed, the
+        // totals kept; removed when the tenant stored nothing: no file left.
+        cache.lookup("t", "GET", &segs("/a/b"));
+        cache.forget("t");
+        assert_eq!(cache.loaded(), 1, "only u is in memory");
+        assert_eq!(read_tenant(&cache.path("t")).unwrap().hits, 3);
+        assert_eq!(cache.totals(), (3, 2));
+        cache.insert("u", "GET /x", "code", "conventions").unwrap();
+        cache.remove("u");
+        assert!(!cache.path("u").exists());
+        assert_eq!((cache.loaded(), cache.totals()), (0, (3, 2)));
+
         // Cleared from outside: the next lookup sees it.
         std::thread::sleep(std::time::Duration::from_millis(20));
         std::fs::write(cache.path("t"), b"{\"entries\": []}").unwrap();

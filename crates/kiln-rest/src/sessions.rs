@@ -7,8 +7,8 @@
 //! is busy and never evicted. `App::open_sessions` counts sessions open or being opened and
 //! never passes `App::max_sessions`.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
@@ -85,14 +85,18 @@ impl App {
     pub(crate) async fn close_idle(&self) {
         let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         let idle_ms = u64::try_from(self.config.idle_timeout.as_millis()).unwrap_or(u64::MAX);
-        let slots: Vec<(String, Slot)> = self
+        // Weak, so that holding the list does not make every slot look in use.
+        let slots: Vec<(String, Weak<TenantSlot>)> = self
             .tenants
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .map(|(t, s)| (t.clone(), s.clone()))
+            .map(|(t, s)| (t.clone(), Arc::downgrade(s)))
             .collect();
         for (tenant, slot) in slots {
+            let Some(slot) = slot.upgrade() else {
+                continue;
+            };
             if now.saturating_sub(slot.last_used_ms.load(Ordering::Relaxed)) < idle_ms {
                 continue;
             }
@@ -110,16 +114,22 @@ impl App {
     /// Closes the least recently used idle session of another tenant; false when every
     /// session is busy.
     async fn evict_one(&self, except: &str) -> bool {
-        let mut candidates: Vec<(u64, String, Slot)> = self
+        let mut candidates: Vec<(u64, String, Weak<TenantSlot>)> = self
             .tenants
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .filter(|(t, _)| t.as_str() != except)
-            .map(|(t, s)| (s.last_used_ms.load(Ordering::Relaxed), t.clone(), s.clone()))
+            .map(|(t, s)| {
+                let used = s.last_used_ms.load(Ordering::Relaxed);
+                (used, t.clone(), Arc::downgrade(s))
+            })
             .collect();
         candidates.sort_by_key(|(used, _, _)| *used);
         for (_, tenant, slot) in candidates {
+            let Some(slot) = slot.upgrade() else {
+                continue;
+            };
             // Locked means a request holds or waits for it: never evicted.
             let Ok(mut guard) = slot.session.try_lock() else {
                 continue;

@@ -319,6 +319,8 @@ fn start_runner(workers: usize, extra: &[&str]) -> Res<Runner> {
 struct Reply {
     status: u16,
     request_id: Option<String>,
+    allow: Option<String>,
+    content_type: Option<String>,
     body: Value,
 }
 
@@ -336,12 +338,16 @@ impl Runner {
         };
         let status = response.status();
         let request_id = response.header("x-request-id").map(str::to_owned);
+        let allow = response.header("allow").map(str::to_owned);
+        let content_type = response.header("content-type").map(str::to_owned);
         let mut bytes = Vec::new();
         response.into_reader().read_to_end(&mut bytes)?;
         let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         Ok(Reply {
             status,
             request_id,
+            allow,
+            content_type,
             body,
         })
     }
@@ -789,6 +795,79 @@ fn transport_errors_use_http_statuses_and_name_the_field() -> TestResult {
     // Still serving.
     let reply = runner.send("POST", "/execute", &json_type, body.as_bytes())?;
     assert_eq!(reply.status, 200);
+    Ok(())
+}
+
+/// Errors the router answers itself (405 with Allow, 404, 413, 415) have the documented
+/// shape `{"error": {"code", "message"}}` (issue 13), not an empty or plain-text body.
+#[test]
+fn issue_13_errors_the_router_answers_have_the_json_shape() -> TestResult {
+    let runner = start_runner(1, &["--max-body", "64k"])?;
+    let shaped = |reply: &Reply, status: u16, code: &str| {
+        assert_eq!(
+            (reply.status, reply.body["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{}",
+            reply.body
+        );
+        assert_eq!(reply.content_type.as_deref(), Some("application/json"));
+        assert!(
+            reply.body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{}",
+            reply.body
+        );
+    };
+    for (method, path, allowed) in [
+        ("GET", "/execute", "POST"),
+        ("PUT", "/execute", "POST"),
+        ("POST", "/healthz", "GET"),
+        ("GET", "/_framework/load_code", "POST"),
+        ("DELETE", "/schema/request.json", "GET"),
+    ] {
+        let reply = runner.send(method, path, &[], b"")?;
+        shaped(&reply, 405, "METHOD_NOT_ALLOWED");
+        assert!(
+            reply.allow.as_deref().is_some_and(|a| a.contains(allowed)),
+            "{method} {path}: {:?}",
+            reply.allow
+        );
+    }
+    shaped(&runner.send("GET", "/nope", &[], b"")?, 404, "NOT_FOUND");
+    shaped(
+        &runner.send("GET", "/schema/nope.json", &[], b"")?,
+        404,
+        "NOT_FOUND",
+    );
+    let reply = runner.send("POST", "/execute", &[("content-type", "text/plain")], b"{}")?;
+    shaped(&reply, 415, "UNSUPPORTED_MEDIA_TYPE");
+    // 413 from the declared length, before the body is sent: the JSON shape too.
+    let mut stream = std::net::TcpStream::connect(runner.base.trim_start_matches("http://"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    std::io::Write::write_all(
+        &mut stream,
+        b"POST /execute HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n",
+    )?;
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !received.ends_with(b"}") {
+        let read = stream.read(&mut buffer)?;
+        if read == 0 {
+            break;
+        }
+        received.extend_from_slice(&buffer[..read]);
+    }
+    let text = String::from_utf8_lossy(&received);
+    let (head, body) = text.split_once("\r\n\r\n").ok_or("no head")?;
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    let body: Value = serde_json::from_str(body)?;
+    assert_eq!(body["error"]["code"], "BODY_TOO_LARGE", "{body}");
     Ok(())
 }
 
