@@ -97,6 +97,7 @@ pub struct RestConfig {
     pub sessions_memory_bytes: Option<u64>,
     /// New tenants one client address may create per minute (default 30; 0: no limit).
     /// Past it the address gets 429 `TOO_MANY_NEW_TENANTS`; its tenants keep working.
+    /// (`kiln rest` turns it off by default when `auth_token` is set.)
     pub new_tenants_per_minute: u32,
 }
 

@@ -42,8 +42,8 @@ impl App {
                 StatusCode::TOO_MANY_REQUESTS,
                 "TOO_MANY_NEW_TENANTS",
                 format!(
-                    "this address created {} new tenants in the last minute, the most allowed; \
-                     retry in {} s, or use a tenant it already has",
+                    "this address has used up its {} new tenants a minute; retry in {} s, or \
+                     use a tenant it already has",
                     self.config.new_tenants_per_minute,
                     retry.seconds()
                 ),
@@ -141,6 +141,13 @@ impl App {
             drop(guard);
             self.forget_if_unused(&tenant, &slot);
             self.evictions.fetch_add(1, Ordering::Relaxed);
+            let line = serde_json::json!({
+                "target": "kiln::rest",
+                "event": "session_evicted",
+                "tenant": tenant,
+                "for_tenant": except,
+            });
+            eprintln!("{line}");
             return true;
         }
         false

@@ -58,9 +58,11 @@ pub struct RestArgs {
     #[arg(long, value_parser = crate::cli::parse_bytes, env = "KILN_REST_SESSIONS_MEMORY")]
     pub sessions_memory: Option<u64>,
     /// New tenants one client address may create per minute (IPv6 counted by /64); past
-    /// it 429 TOO_MANY_NEW_TENANTS, while its tenants keep working. 0: no limit.
-    #[arg(long, default_value_t = 30, env = "KILN_REST_NEW_TENANTS_PER_MINUTE")]
-    pub new_tenants_per_minute: u32,
+    /// it 429 TOO_MANY_NEW_TENANTS, while its tenants keep working. 0: no limit. Default:
+    /// 30 without --auth-token; none with it (the token's holder, usually one backend
+    /// address, names the tenants of all its users).
+    #[arg(long, env = "KILN_REST_NEW_TENANTS_PER_MINUTE")]
+    pub new_tenants_per_minute: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -145,7 +147,9 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     config.idle_timeout = Duration::from_secs(args.idle_timeout.max(1));
     config.max_sessions = args.max_sessions.max(1);
     config.sessions_memory_bytes = args.sessions_memory;
-    config.new_tenants_per_minute = args.new_tenants_per_minute;
+    config.new_tenants_per_minute = args
+        .new_tenants_per_minute
+        .unwrap_or(if config.auth_token.is_some() { 0 } else { 30 });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
