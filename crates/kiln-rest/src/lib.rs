@@ -211,6 +211,8 @@ pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Resu
     .await?;
     flush_task.abort();
     app.plans.flush();
+    // The live sessions end with the process: what tenants that stored nothing left goes too.
+    sessions::sweep(&app.config.data_dir);
     Ok(())
 }
 
