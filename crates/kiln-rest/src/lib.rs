@@ -657,7 +657,7 @@ async fn answer(
             trace.planner = entry.planner;
             trace.pattern = Some(entry.pattern.clone());
             let turn = python::execute(ctx, &entry.code, Some(&entry.pattern));
-            app.turn(guard, &session, turn, None, app.config.deadline)
+            app.turn(tenant, guard, &session, turn, None, app.config.deadline)
                 .await?
         }
         None => {
@@ -666,6 +666,7 @@ async fn answer(
             let answer = match &app.config.planner {
                 Planner::Conventions => {
                     app.turn(
+                        tenant,
                         guard,
                         &session,
                         python::handle(ctx),
@@ -685,7 +686,7 @@ async fn answer(
                         + retry.base_delay * (1 << retry.attempts.min(8))
                         + app.config.deadline;
                     let planned = app
-                        .turn(guard, &session, python::plan(ctx), Some(door), planning)
+                        .turn(tenant, guard, &session, python::plan(ctx), Some(door), planning)
                         .await;
                     trace.usage = Some(*usage.lock().unwrap_or_else(|e| e.into_inner()));
                     let planned = planned?;
@@ -699,7 +700,7 @@ async fn answer(
                         // (A planning turn that ended its session returned an error above.)
                         let turn = python::execute(ctx, &code, pattern.as_deref());
                         let mut answer = app
-                            .turn(guard, &session, turn, None, app.config.deadline)
+                            .turn(tenant, guard, &session, turn, None, app.config.deadline)
                             .await?;
                         answer["plan"] = planned["plan"].clone();
                         answer

@@ -261,13 +261,19 @@ impl App {
             guest: guest_root.clone(),
             writable: true,
         }];
-        let session = self.pool.open_session(request).await.map_err(lost)?;
+        // Each tenant is a tenant of its own in the worker's fair CPU sharing.
+        let session = self
+            .pool
+            .open_session_with(request, CallOptions::for_tenant(tenant, 1))
+            .await
+            .map_err(lost)?;
         let loaded = self
             .pool
-            .run(
+            .run_with(
                 &session,
                 python::loader(&guest_root, tenant),
                 self.limits(Duration::from_secs(30)),
+                CallOptions::for_tenant(tenant, 1),
             )
             .await;
         let loaded = match loaded {
@@ -295,6 +301,7 @@ impl App {
     /// crash) closes it; the next request opens a fresh one.
     pub(crate) async fn turn(
         &self,
+        tenant: &str,
         guard: &mut Option<SessionHandle>,
         session: &SessionHandle,
         code: String,
@@ -303,7 +310,7 @@ impl App {
     ) -> Result<Value, RestError> {
         let options = CallOptions {
             door,
-            ..CallOptions::default()
+            ..CallOptions::for_tenant(tenant, 1)
         };
         let result = self
             .pool
