@@ -686,7 +686,14 @@ async fn answer(
                         + retry.base_delay * (1 << retry.attempts.min(8))
                         + app.config.deadline;
                     let planned = app
-                        .turn(tenant, guard, &session, python::plan(ctx), Some(door), planning)
+                        .turn(
+                            tenant,
+                            guard,
+                            &session,
+                            python::plan(ctx),
+                            Some(door),
+                            planning,
+                        )
                         .await;
                     trace.usage = Some(*usage.lock().unwrap_or_else(|e| e.into_inner()));
                     let planned = planned?;
