@@ -199,6 +199,8 @@ struct Worker {
     idle_since_ms: AtomicU64,
     /// Anonymous resident memory at its first answer; 0 until then.
     base_anon: AtomicU64,
+    /// Its temporary folder (removed when it exits).
+    tmp: PathBuf,
 }
 
 impl Worker {
@@ -618,11 +620,25 @@ impl Inner {
     }
 
     fn spawn(&self, generation: u64) -> Result<Worker, PoolError> {
+        // The worker's temporary folder (guests' private /tmp folders live in it) is the
+        // pool's to remove once the worker has exited, however it ended.
+        let tmp = std::env::temp_dir().join(format!(
+            "kiln-worker-{}-{generation}-{}",
+            std::process::id(),
+            self.epoch.elapsed().as_nanos()
+        ));
+        std::fs::create_dir(&tmp).map_err(|e| {
+            PoolError::Spawn(format!(
+                "creating the worker's folder {}: {e}",
+                tmp.display()
+            ))
+        })?;
         let mut command = Command::new(&self.config.program);
         command
             .args(&self.config.args)
             .env_clear()
             .envs(self.config.env.iter().cloned())
+            .env("TMPDIR", &tmp)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -635,9 +651,16 @@ impl Inner {
                 Ok(())
             });
         }
-        let mut child: Child = command
-            .spawn()
-            .map_err(|e| PoolError::Spawn(format!("{}: {e}", self.config.program.display())))?;
+        let mut child: Child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(PoolError::Spawn(format!(
+                    "{}: {e}",
+                    self.config.program.display()
+                )));
+            }
+        };
         let pid = child.id();
         let mut stdin = child.stdin.take().expect("stdin is piped");
         let mut stdout = child.stdout.take().expect("stdout is piped");
@@ -657,6 +680,7 @@ impl Inner {
         let heard = last_heard_ms.clone();
         let epoch = self.epoch;
         let answers = tx.clone();
+        let worker_tmp = tmp.clone();
         tokio::spawn(async move {
             while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
                 heard.store(
@@ -689,6 +713,8 @@ impl Inner {
                 Ok(status) => status.to_string(),
                 Err(e) => e.to_string(),
             };
+            // remove_dir_all never follows a link a guest planted in its /tmp.
+            tokio::task::spawn_blocking(move || std::fs::remove_dir_all(worker_tmp));
             let waiters: Vec<_> = reader_pending
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -710,6 +736,7 @@ impl Inner {
             last_heard_ms,
             idle_since_ms: AtomicU64::new(self.now_ms()),
             base_anon: AtomicU64::new(0),
+            tmp,
         })
     }
 
@@ -790,6 +817,19 @@ impl Inner {
             }
         };
         Ok(reply?)
+    }
+}
+
+impl Drop for Inner {
+    /// The pool goes (the server stops): its workers go with it, and their folders.
+    fn drop(&mut self) {
+        for slot in &self.slots {
+            let worker = slot.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(worker) = worker {
+                worker.kill();
+                let _ = std::fs::remove_dir_all(&worker.tmp);
+            }
+        }
     }
 }
 

@@ -622,6 +622,43 @@ async fn the_door_is_open_for_a_granted_turn_alone() -> TestResult {
 }
 
 #[tokio::test]
+async fn attack_a_killed_worker_leaves_no_temporary_files() -> TestResult {
+    let pool = pool(1);
+    let session = pool
+        .open_session(ExecRequest::new(Language::Python, ""))
+        .await?;
+    // A guest fills its private /tmp (a big file, a folder, a link) in a live session.
+    let wrote = pool
+        .run(
+            &session,
+            "import os\nopen('/tmp/big', 'wb').write(b'x' * (4 << 20))\nos.mkdir('/tmp/d')\nos.symlink('../big', '/tmp/d/link')\nprint('ok')".into(),
+            Limits::default(),
+        )
+        .await?;
+    assert_eq!(wrote.stdout, b"ok\n", "{}", wrote.stderr_text());
+    let pid = pool.worker_pids()[0];
+    let environ = std::fs::read(format!("/proc/{pid}/environ"))?;
+    let tmp = environ
+        .split(|b| *b == 0)
+        .find_map(|v| v.strip_prefix(b"TMPDIR="))
+        .map(|v| PathBuf::from(String::from_utf8_lossy(v).into_owned()))
+        .ok_or("the worker has no TMPDIR")?;
+    assert!(tmp.is_dir());
+    // SAFETY: a signal to this test's own worker.
+    assert_eq!(unsafe { libc_kill(pid as i32, 9) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tmp.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} was left behind",
+            tmp.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
 async fn attack_a_worker_killed_mid_execution_fails_only_its_work_and_is_replaced() -> TestResult {
     let pool = std::sync::Arc::new(pool(1));
     pool.start_all()?;
