@@ -291,7 +291,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         crate::bench_fair::run(&explicit, n, &mut report)?;
     }
     if explicit("rest_crud_soak") {
-        crate::bench_rest::soak(args.seconds, &mut report)?;
+        crate::bench_rest::soak("rest_crud_soak", 8, args.seconds, &mut report)?;
+    }
+    if explicit("rest_read_mostly_soak") {
+        crate::bench_rest::soak("rest_read_mostly_soak", 40, args.seconds, &mut report)?;
     }
     if explicit("runner_jit") {
         crate::bench_runner::run(&explicit, n, &mut report)?;

@@ -163,12 +163,16 @@ pub fn run(
     Ok(())
 }
 
-/// `rest_crud_soak` (only when named): 8 clients create, read (eight times: a read-heavy
-/// mix), replace and delete members of one tenant as fast as they can for `seconds`, with
-/// plans cached; the worker processes'
-/// resident memory is sampled every 10 s. Flat memory means nothing grows per request (each
-/// request is a session turn).
-pub fn soak(seconds: f64, report: &mut serde_json::Map<String, Value>) -> anyhow::Result<()> {
+/// `rest_crud_soak` and `rest_read_mostly_soak` (only when named): 8 clients create, read
+/// (`reads` times), replace and delete members of one tenant as fast as they can for
+/// `seconds`, with plans cached; the worker processes' resident memory is sampled every
+/// 10 s. Flat memory means nothing grows per request (each request is a session turn).
+pub fn soak(
+    name: &str,
+    reads: u64,
+    seconds: f64,
+    report: &mut serde_json::Map<String, Value>,
+) -> anyhow::Result<()> {
     let rest = start(&["--planner", "conventions"], &[])?;
     let agent = agent();
     seed(&rest, &agent, 20)?;
@@ -195,7 +199,7 @@ pub fn soak(seconds: f64, report: &mut serde_json::Map<String, Value>) -> anyhow
                             .send_json(json!({"name": format!("c{c} n{i}"), "n": i}))?
                             .into_json()?;
                         let id = created["id"].to_string();
-                        for _ in 0..8 {
+                        for _ in 0..reads {
                             get(&agent, &format!("{base}/members/{id}"))?;
                         }
                         agent
@@ -205,7 +209,7 @@ pub fn soak(seconds: f64, report: &mut serde_json::Map<String, Value>) -> anyhow
                         Ok(())
                     };
                     match step() {
-                        Ok(()) => done.fetch_add(11, Ordering::Relaxed),
+                        Ok(()) => done.fetch_add(reads + 3, Ordering::Relaxed),
                         Err(_) => failed.fetch_add(1, Ordering::Relaxed),
                     };
                 }
@@ -244,9 +248,10 @@ pub fn soak(seconds: f64, report: &mut serde_json::Map<String, Value>) -> anyhow
         .map(|r| (r - first).abs() / first.max(1.0))
         .fold(0.0, f64::max);
     report.insert(
-        "rest_crud_soak".into(),
+        name.into(),
         json!({
             "clients": clients,
+            "reads_per_create_replace_delete": reads,
             "seconds": (elapsed * 10.0).round() / 10.0,
             "requests": count,
             "per_second": (count as f64 / elapsed).round(),
