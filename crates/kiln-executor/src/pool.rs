@@ -298,8 +298,10 @@ enum Placing {
 }
 
 impl ExecutorPool {
-    /// A pool; workers start on first use.
+    /// A pool; workers start on first use. Folders left by the workers of a pool whose
+    /// process is gone (a server killed with `kill -9`) are removed.
     pub fn new(config: PoolConfig) -> ExecutorPool {
+        sweep_stale_worker_folders();
         let slots = (0..config.workers.max(1))
             .map(|_| Slot {
                 worker: Mutex::new(None),
@@ -866,6 +868,27 @@ fn overrun(waited: Duration, grace: Duration) -> ExecResult {
         duration_us: u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
         peak_memory_bytes: 0,
         fs_written_bytes: 0,
+    }
+}
+
+/// Removes `$TMPDIR/kiln-worker-<pid>-…` folders whose pool process `pid` no longer runs.
+fn sweep_stale_worker_folders() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("kiln-worker-"))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 

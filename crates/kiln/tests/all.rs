@@ -623,7 +623,15 @@ async fn the_door_is_open_for_a_granted_turn_alone() -> TestResult {
 
 #[tokio::test]
 async fn attack_a_killed_worker_leaves_no_temporary_files() -> TestResult {
+    // What the workers of a server killed with `kill -9` left (pid 999 999 does not run).
+    let stale = std::env::temp_dir().join("kiln-worker-999999-1-1");
+    std::fs::create_dir_all(stale.join("0"))?;
+    std::fs::write(stale.join("0/left"), b"x")?;
     let pool = pool(1);
+    assert!(
+        !stale.exists(),
+        "a new pool sweeps folders of pools that are gone"
+    );
     let session = pool
         .open_session(ExecRequest::new(Language::Python, ""))
         .await?;
