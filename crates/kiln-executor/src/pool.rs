@@ -86,13 +86,15 @@ impl PoolConfig {
     }
 
     /// Workers that run this very binary with `__worker`, one per CPU, with only
-    /// `KILN_CACHE_DIR`, `PATH`, `HOME` and `RUST_LOG` passed through.
+    /// `KILN_CACHE_DIR`, `PATH`, `HOME`, `KILN_LOG`, `KILN_LOG_FORMAT`, `TMPDIR` and
+    /// `KILN_WORKER_THREADS` passed through.
     pub fn current_exe() -> std::io::Result<PoolConfig> {
         let env = [
             "KILN_CACHE_DIR",
             "PATH",
             "HOME",
-            "RUST_LOG",
+            "KILN_LOG",
+            "KILN_LOG_FORMAT",
             "TMPDIR",
             "KILN_WORKER_THREADS",
         ]

@@ -62,8 +62,12 @@ pub fn load_or_compile(
     let path = cwasm_path(engine, cache, name, wasm_sha256);
     if path.is_file() {
         match load(engine, &path) {
-            Ok(module) => return Ok(module),
+            Ok(module) => {
+                tracing::debug!(target: "kiln_wasm", name, path = %path.display(), "loaded the compiled module from the cache");
+                return Ok(module);
+            }
             Err(detail) => {
+                tracing::warn!(target: "kiln_wasm", name, %detail, "the compiled module was unusable; rebuilding it");
                 progress.done(&format!(
                     "the compiled {name} module was unusable ({detail}); rebuilding it"
                 ));
@@ -74,6 +78,7 @@ pub fn load_or_compile(
     }
     let _lock = cache.lock()?;
     if !path.is_file() {
+        tracing::info!(target: "kiln_wasm", name, path = %path.display(), "compiling the runtime to native code");
         compile_to(engine, name, wasm_path, &path, compile_estimate, progress)?;
     }
     load(engine, &path).map_err(|detail| ModuleError::Corrupt {

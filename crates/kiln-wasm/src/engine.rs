@@ -335,6 +335,7 @@ impl WasmEngine {
         if let Some(runtime) = slot.as_ref() {
             return Ok(runtime.clone());
         }
+        let started = std::time::Instant::now();
         let module = self.module(&PYTHON, "python", Duration::from_secs(60), progress)?;
         let linker = self.linker(Language::Python)?;
         let pre = linker
@@ -347,6 +348,7 @@ impl WasmEngine {
             mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
         });
         *slot = Some(runtime.clone());
+        tracing::debug!(target: "kiln_wasm", language = "python", ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
     }
 
@@ -362,6 +364,7 @@ impl WasmEngine {
         if let Some(runtime) = slot.as_ref() {
             return Ok(runtime.clone());
         }
+        let started = std::time::Instant::now();
         let module = self.module(&JAVASCRIPT, "javascript", Duration::from_secs(2), progress)?;
         let linker = self.linker(Language::JavaScript)?;
         let pre = linker
@@ -369,6 +372,7 @@ impl WasmEngine {
             .map_err(|e| self.link_error(Language::JavaScript, e))?;
         let runtime = Arc::new(JsRuntime { pre });
         *slot = Some(runtime.clone());
+        tracing::debug!(target: "kiln_wasm", language = "javascript", ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
     }
 

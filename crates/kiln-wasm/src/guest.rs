@@ -525,6 +525,15 @@ pub(crate) fn finish(
     let (stdout, stdout_truncated) = stdio.stdout.take();
     let (stderr, stderr_truncated) = stdio.stderr.take();
     let (outcome, exit_code) = judge(end, stats.hit(), stdout_truncated || stderr_truncated);
+    tracing::trace!(
+        target: "kiln_wasm",
+        ?outcome,
+        exit_code,
+        us = started.elapsed().as_micros() as u64,
+        peak_memory = stats.peak(),
+        fs_written = stats.written(),
+        "guest call ended"
+    );
     ExecResult {
         stdout,
         stderr,

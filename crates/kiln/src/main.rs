@@ -36,15 +36,14 @@ fn main() -> ExitCode {
 }
 
 /// Logs go to stderr. The server logs a line per request (JSON unless stderr is a terminal);
-/// everything else only warnings. `KILN_LOG` overrides the filter (e.g. `debug`).
+/// everything else only warnings. `KILN_LOG` overrides the filter (e.g. `debug`) in every
+/// process, workers included; workers write the format their server was told to.
 fn init_logging(cli: &Cli) {
     let (default, json) = match &cli.command {
-        Command::Serve(args) => (
-            "info",
-            match args.log_format {
-                Some(format) => format == cli::LogFormat::Json,
-                None => !std::io::stderr().is_terminal(),
-            },
+        Command::Serve(args) => ("info", logs_json(args)),
+        Command::Worker => (
+            "warn",
+            std::env::var("KILN_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")),
         ),
         _ => ("warn", false),
     };
@@ -61,6 +60,14 @@ fn init_logging(cli: &Cli) {
             .init();
     } else {
         builder.init();
+    }
+}
+
+/// Whether `kiln serve` (and so its workers) logs JSON lines.
+fn logs_json(args: &cli::ServeArgs) -> bool {
+    match args.log_format {
+        Some(format) => format == cli::LogFormat::Json,
+        None => !std::io::stderr().is_terminal(),
     }
 }
 
@@ -140,11 +147,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 setup.prepare(language, &progress::Bar::new())?;
             }
             drop(setup);
-            let data_dir = data_dir(args.data_dir)?;
+            let data_dir = data_dir(args.data_dir.clone())?;
             let mut config = kiln_executor::PoolConfig::current_exe()?;
             if let Some(workers) = args.workers {
                 config.workers = workers.max(1);
             }
+            // Workers' log lines (KILN_LOG applies to them too) match the server's.
+            config.env.retain(|(name, _)| name != "KILN_LOG_FORMAT");
+            let format = if logs_json(&args) { "json" } else { "text" };
+            config.env.push(("KILN_LOG_FORMAT".into(), format.into()));
             let pool = kiln_executor::ExecutorPool::new(config);
             let server = kiln_server::ServerConfig {
                 listen: args.listen,

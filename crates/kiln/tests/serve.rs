@@ -1576,3 +1576,32 @@ fn issue13_a_stopped_worker_gets_no_new_work_and_its_deadlines_still_hold() -> T
     );
     Ok(())
 }
+
+#[test]
+fn kiln_log_reaches_the_workers_in_the_servers_format() -> TestResult {
+    let server = start(Options {
+        env: &[("KILN_LOG", "kiln_wasm=trace,info")],
+        ..Options::default()
+    })?;
+    let id = server.new_sandbox("python")?;
+    let (status, _) = server.exec(&id, json!({"code": "print(1)"}))?;
+    assert_eq!(status, 200);
+    // Only workers run guests: this event comes from one, as a JSON line like the server's.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let log = server.log_text();
+        let found = log.lines().find(|l| l.contains("guest call ended"));
+        if let Some(line) = found {
+            let event: Value = serde_json::from_str(line)?;
+            assert_eq!(event["target"], "kiln_wasm", "{line}");
+            assert_eq!(event["level"], "TRACE", "{line}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no worker event in the log:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}

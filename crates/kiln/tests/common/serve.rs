@@ -57,6 +57,8 @@ pub struct Options<'a> {
     pub auth: bool,
     pub data: Option<&'a Path>,
     pub extra: &'a [&'a str],
+    /// Environment variables for the server (and so its workers).
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 pub fn kiln() -> Command {
@@ -121,6 +123,7 @@ pub fn start(options: Options<'_>) -> Res<Server> {
         .arg("--data-dir")
         .arg(&data)
         .args(options.extra)
+        .envs(options.env.iter().copied())
         .stderr(std::fs::File::create(&log)?);
     if !options.auth {
         command.arg("--no-auth");
