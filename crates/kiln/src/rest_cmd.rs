@@ -18,7 +18,8 @@ pub struct RestArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8090", env = "KILN_REST_LISTEN")]
     pub listen: std::net::SocketAddr,
-    /// Folder for tenant data and plan caches (default: ~/.local/share/kiln/rest).
+    /// Folder for tenant data and plan caches (default: $KILN_DATA_DIR/rest, else
+    /// ~/.local/share/kiln/rest).
     #[arg(long, env = "KILN_REST_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
     /// Who plans requests: `conventions` (offline, no LLM), `llm` (the model in
@@ -85,19 +86,25 @@ pub enum RestCommand {
         /// Print each plan's code too.
         #[arg(long)]
         code: bool,
-        /// The folder `kiln rest` keeps its data in (default: ~/.local/share/kiln/rest).
+        /// The folder `kiln rest` keeps its data in (default: $KILN_DATA_DIR/rest, else
+        /// ~/.local/share/kiln/rest).
         #[arg(long, env = "KILN_REST_DATA_DIR")]
         data_dir: Option<PathBuf>,
     },
 }
 
+/// `--data-dir` (or `KILN_REST_DATA_DIR`), else `rest/` in kiln's data folder:
+/// `$KILN_DATA_DIR/rest` when that is set, `~/.local/share/kiln/rest` otherwise.
 fn data_dir(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
-    match given {
-        Some(dir) => Ok(dir),
-        None => dirs::data_dir()
-            .map(|d| d.join("kiln").join("rest"))
-            .context("no data directory; pass --data-dir"),
+    if let Some(dir) = given {
+        return Ok(dir);
     }
+    if let Some(root) = std::env::var_os("KILN_DATA_DIR").filter(|v| !v.is_empty()) {
+        return Ok(PathBuf::from(root).join("rest"));
+    }
+    dirs::data_dir()
+        .map(|d| d.join("kiln").join("rest"))
+        .context("no data directory; pass --data-dir")
 }
 
 fn planner(choice: PlannerChoice) -> anyhow::Result<Planner> {

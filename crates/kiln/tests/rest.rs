@@ -1227,3 +1227,55 @@ async fn issue_13_every_session_busy_is_503_and_the_llm_sees_a_large_body_cut_sh
         shown.len()
     );
 }
+
+#[test]
+fn kiln_rest_keeps_its_data_under_kiln_data_dir_when_given_no_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(KILN)
+        .args([
+            "rest",
+            "--planner",
+            "conventions",
+            "--workers",
+            "1",
+            "--listen",
+        ])
+        .arg(format!("127.0.0.1:{port}"))
+        .env("KILN_DATA_DIR", dir.path())
+        .env_remove("KILN_REST_DATA_DIR")
+        .env_remove("KILN_LLM_MODEL")
+        .env_remove("AUTH_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ureq::get(&format!("{base}/healthz")).call().is_err() {
+        assert!(Instant::now() < deadline, "kiln rest did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let created = ureq::post(&format!("{base}/members/"))
+        .set("x-session-id", "datadir")
+        .send_json(serde_json::json!({"name": "Hartmann"}))
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    assert!(
+        dir.path().join("rest/tenants/datadir").is_dir(),
+        "the tenant's data is not under $KILN_DATA_DIR/rest"
+    );
+}
