@@ -658,7 +658,7 @@ impl Inner {
         let mut child: Child = match command.spawn() {
             Ok(child) => child,
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&tmp);
+                let _ = kiln_workspace::remove_host_tree(&tmp);
                 return Err(PoolError::Spawn(format!(
                     "{}: {e}",
                     self.config.program.display()
@@ -717,8 +717,8 @@ impl Inner {
                 Ok(status) => status.to_string(),
                 Err(e) => e.to_string(),
             };
-            // remove_dir_all never follows a link a guest planted in its /tmp.
-            tokio::task::spawn_blocking(move || std::fs::remove_dir_all(worker_tmp));
+            // Guest-written: removed through directory handles, never following a link.
+            tokio::task::spawn_blocking(move || kiln_workspace::remove_host_tree(&worker_tmp));
             let waiters: Vec<_> = reader_pending
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -831,7 +831,7 @@ impl Drop for Inner {
             let worker = slot.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
             if let Some(worker) = worker {
                 worker.kill();
-                let _ = std::fs::remove_dir_all(&worker.tmp);
+                let _ = kiln_workspace::remove_host_tree(&worker.tmp);
             }
         }
     }
@@ -889,7 +889,7 @@ fn sweep_stale_worker_folders() {
             continue;
         };
         if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_dir_all(entry.path());
+            let _ = kiln_workspace::remove_host_tree(&entry.path());
         }
     }
 }

@@ -8,6 +8,9 @@ use std::sync::Mutex;
 
 use kiln_core::{ExecResult, Language, Outcome};
 
+/// Reads one per-worker figure for `/metrics`.
+type WorkerGauge = fn(&kiln_executor::WorkerLoad) -> u64;
+
 /// Histogram bucket bounds in seconds.
 const BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
@@ -159,33 +162,33 @@ impl Metrics {
             "# HELP kiln_workers_alive Live executor worker processes.\n# TYPE kiln_workers_alive gauge\nkiln_workers_alive {}",
             workers.len()
         );
-        out.push_str("# HELP kiln_worker_sessions Sessions held by each worker.\n# TYPE kiln_worker_sessions gauge\n");
-        for (i, w) in workers.iter().enumerate() {
-            let _ = writeln!(out, "kiln_worker_sessions{{worker=\"{i}\"}} {}", w.sessions);
-        }
-        out.push_str("# HELP kiln_worker_session_memory_bytes Memory caps of the sessions each worker holds.\n# TYPE kiln_worker_session_memory_bytes gauge\n");
-        for (i, w) in workers.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "kiln_worker_session_memory_bytes{{worker=\"{i}\"}} {}",
-                w.session_memory_bytes
-            );
-        }
-        out.push_str("# HELP kiln_worker_in_flight Requests each worker is running.\n# TYPE kiln_worker_in_flight gauge\n");
-        for (i, w) in workers.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "kiln_worker_in_flight{{worker=\"{i}\"}} {}",
-                w.in_flight
-            );
-        }
-        out.push_str("# HELP kiln_worker_responsive Whether each worker answered its last heartbeat in time (1) or gets no new work (0).\n# TYPE kiln_worker_responsive gauge\n");
-        for (i, w) in workers.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "kiln_worker_responsive{{worker=\"{i}\"}} {}",
-                u8::from(w.responsive)
-            );
+        let gauges: [(&str, &str, WorkerGauge); 4] = [
+            (
+                "kiln_worker_sessions",
+                "Sessions held by each worker.",
+                |w| w.sessions as u64,
+            ),
+            (
+                "kiln_worker_session_memory_bytes",
+                "Memory caps of the sessions each worker holds.",
+                |w| w.session_memory_bytes,
+            ),
+            (
+                "kiln_worker_in_flight",
+                "Requests each worker is running.",
+                |w| w.in_flight as u64,
+            ),
+            (
+                "kiln_worker_responsive",
+                "Whether each worker answered its last heartbeat in time (1) or gets no new work (0).",
+                |w| u64::from(w.responsive),
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for (i, w) in workers.iter().enumerate() {
+                let _ = writeln!(out, "{name}{{worker=\"{i}\"}} {}", value(w));
+            }
         }
         out
     }
