@@ -624,9 +624,16 @@ async fn the_door_is_open_for_a_granted_turn_alone() -> TestResult {
 #[tokio::test]
 async fn attack_a_killed_worker_leaves_no_temporary_files() -> TestResult {
     // What the workers of a server killed with `kill -9` left (pid 999 999 does not run).
-    let stale = std::env::temp_dir().join("kiln-worker-999999-1-1");
-    std::fs::create_dir_all(stale.join("0"))?;
-    std::fs::write(stale.join("0/left"), b"x")?;
+    // Other tests start pools at the same time, and each sweeps such folders: build the tree
+    // under a name no sweep touches, then move it into place in one step.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos();
+    let stale = std::env::temp_dir().join(format!("kiln-worker-999999-1-{nanos}"));
+    let building = std::env::temp_dir().join(format!("kiln-test-stale-{nanos}"));
+    std::fs::create_dir_all(building.join("0"))?;
+    std::fs::write(building.join("0/left"), b"x")?;
+    std::fs::rename(&building, &stale)?;
     let pool = pool(1);
     assert!(
         !stale.exists(),
