@@ -14,6 +14,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub mod backend;
+pub mod template;
+
 /// A language kiln can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -226,6 +229,41 @@ pub struct ExecRequest {
     /// Bounds on time, memory, output and files.
     #[serde(default)]
     pub limits: Limits,
+    /// The template to run in (see [`template`]); `None`: the language's own template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// A command to run instead of `code`, where the template can run commands
+    /// ([`template::Capabilities::commands`]); others refuse it as unsupported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<Command>,
+}
+
+/// A program given as an argv, as a shell would run it after word splitting.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Command {
+    /// The program and its arguments; never empty.
+    pub argv: Vec<String>,
+    /// The working directory inside the sandbox; default the workspace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// A terminal of this size, where the template has terminals.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub terminal: Option<TerminalSize>,
+}
+
+/// A terminal's size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TerminalSize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// What an execution runs: code in a language, or a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Program<'a> {
+    Code { language: Language, source: &'a str },
+    Command(&'a Command),
 }
 
 impl ExecRequest {
@@ -239,6 +277,19 @@ impl ExecRequest {
             workspace: None,
             mounts: Vec::new(),
             limits: Limits::default(),
+            template: None,
+            command: None,
+        }
+    }
+
+    /// What the request runs: its command if it has one, else its code.
+    pub fn program(&self) -> Program<'_> {
+        match &self.command {
+            Some(command) => Program::Command(command),
+            None => Program::Code {
+                language: self.language,
+                source: &self.code,
+            },
         }
     }
 }

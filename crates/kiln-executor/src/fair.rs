@@ -65,7 +65,7 @@ struct State {
 #[derive(Debug)]
 pub struct FairScheduler {
     state: Mutex<State>,
-    /// Raised while futures wait for a token (see [`kiln_wasm::WasmEngine::contended`]).
+    /// Raised while futures wait for a token (see `Backend::contention_flag`).
     contended: Arc<AtomicBool>,
 }
 

@@ -14,11 +14,13 @@
 //! ```
 
 pub mod fair;
+#[cfg(any(test, feature = "fake-backend"))]
+pub mod fake;
 pub mod pool;
 pub mod protocol;
 pub mod worker;
 
-pub use kiln_wasm::{Door, DoorFuture};
+pub use kiln_core::backend::{Door, DoorFuture};
 pub use pool::{
     CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle, WorkerLoad,
 };

@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
-use kiln_wasm::Door;
+use kiln_core::backend::Door;
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 
@@ -142,7 +142,7 @@ pub struct Chunk {
 
 /// Extras for one call: a listener for output as it is written, a cancel signal (send
 /// `()` to stop the execution; it then fails with `Remote` kind `cancelled`), a door
-/// granted to a session turn for that turn alone (see [`kiln_wasm::Door`]), and whose work
+/// granted to a session turn for that turn alone (see [`Door`]), and whose work
 /// it is (for the worker's fair sharing of CPU between tenants).
 #[derive(Default)]
 pub struct CallOptions {

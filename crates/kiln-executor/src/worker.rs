@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kiln_wasm::{Door, ExecError, OutputChunk, Session, SessionOptions, StreamKind, WasmEngine};
+use kiln_core::backend::{Backend, BackendError, BackendSession, Door, OutputChunk, StreamKind};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
@@ -32,26 +32,17 @@ pub fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
     builder.enable_all().event_interval(1).build()
 }
 
-type Sessions = Arc<std::sync::Mutex<HashMap<u64, Arc<Mutex<Session>>>>>;
+type Sessions<S> = Arc<std::sync::Mutex<HashMap<u64, Arc<Mutex<S>>>>>;
 type Running = Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<()>>>>;
 /// Door calls waiting for the host's answer, by (request id, call number).
 type DoorCalls =
     Arc<std::sync::Mutex<HashMap<(u64, u64), oneshot::Sender<Result<Vec<u8>, String>>>>>;
 
-/// Maps an engine error to what crosses the wire.
-pub fn remote_error(error: &ExecError) -> RemoteError {
-    let kind = match error {
-        ExecError::Engine(_) => "setup",
-        ExecError::Limits(_) | ExecError::MemoryTooSmall { .. } => "limits",
-        ExecError::Grant(_) => "grant",
-        ExecError::CodeTooLarge { .. } | ExecError::RequestTooLarge { .. } => "too_large",
-        ExecError::SessionEnded { .. } => "session_ended",
-        ExecError::Busy { .. } => "busy",
-        ExecError::Tmp(_) | ExecError::Instantiate { .. } => "instantiate",
-    };
+/// Maps a backend error to what crosses the wire.
+pub fn remote_error(error: &BackendError) -> RemoteError {
     RemoteError {
-        kind: kind.into(),
-        message: error.to_string(),
+        kind: error.kind.as_str().into(),
+        message: error.message.clone(),
     }
 }
 
@@ -71,9 +62,11 @@ pub fn stdio_pipes() -> std::io::Result<(
     ))
 }
 
-/// Serves requests read from `input`, writing responses to `output`, until `input` closes.
-pub async fn serve<R, W>(engine: WasmEngine, mut input: R, mut output: W)
+/// Serves requests read from `input` with `backend`, writing responses to `output`, until
+/// `input` closes.
+pub async fn serve<B, R, W>(backend: B, mut input: R, mut output: W)
 where
+    B: Backend,
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
@@ -102,10 +95,10 @@ where
             }
         }
     });
-    let sessions: Sessions = Arc::default();
+    let sessions: Sessions<B::Session> = Arc::default();
     let scheduler = FairScheduler::with_flag(
         tokio::runtime::Handle::current().metrics().num_workers(),
-        engine.contended(),
+        backend.contention_flag().unwrap_or_default(),
     );
     let running: Running = Arc::default();
     let door_calls: DoorCalls = Arc::default();
@@ -158,7 +151,7 @@ where
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(request.id, stop_tx);
-        let engine = engine.clone();
+        let backend = backend.clone();
         let sessions = sessions.clone();
         let running = running.clone();
         let tx = tx.clone();
@@ -191,7 +184,7 @@ where
                 // The deadline counts from arrival: time spent waiting for a turn of the CPU
                 // comes off the guest's own clock.
                 shorten_timeout(&mut op, received.elapsed());
-                handle(&engine, &sessions, op, listener, door).await
+                handle(&backend, &sessions, op, listener, door).await
             });
             tokio::pin!(work);
             let send_chunk = |chunk: OutputChunk| {
@@ -297,26 +290,20 @@ fn open_door(id: u64, tx: mpsc::UnboundedSender<Response>, calls: DoorCalls) -> 
     })
 }
 
-async fn handle(
-    engine: &WasmEngine,
-    sessions: &Sessions,
+async fn handle<B: Backend>(
+    backend: &B,
+    sessions: &Sessions<B::Session>,
     op: Op,
     listener: Option<mpsc::UnboundedSender<OutputChunk>>,
     door: Option<Door>,
 ) -> Reply {
     match op {
-        Op::Exec(request) => match engine.execute_streaming(&request, listener).await {
+        Op::Exec(request) => match backend.run_once(&request, listener).await {
             Ok(result) => Reply::Done(result),
             Err(error) => Reply::Failed(remote_error(&error)),
         },
         Op::OpenSession { session, request } => {
-            let options = SessionOptions {
-                env: request.env,
-                workspace: request.workspace,
-                mounts: request.mounts,
-                limits: request.limits,
-            };
-            match engine.open_session(request.language, &options).await {
+            match backend.open_session(request).await {
                 Ok(opened) => {
                     sessions
                         .lock()
@@ -345,7 +332,7 @@ async fn handle(
                 });
             };
             let mut guard = found.lock().await;
-            match guard.run_with_door(&code, &limits, listener, door).await {
+            match guard.run(&code, &limits, listener, door).await {
                 Ok(result) => Reply::Done(result),
                 Err(error) => Reply::Failed(remote_error(&error)),
             }

@@ -1,8 +1,6 @@
 //! What every guest store holds and how one call into a guest is bounded and judged.
 
-use std::future::Future;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
@@ -416,13 +414,7 @@ fn judge(end: &CallEnd<i32>, memory_hit: bool, truncated: bool) -> (Outcome, i32
     (outcome, exit_code)
 }
 
-/// What a door answers: the reply frame, or a fault (the guest sees `OSError`).
-pub type DoorFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, String>> + Send>>;
-
-/// A capability the host grants a guest for one session turn. The guest reaches it with
-/// `_host.call(frame) -> bytes`; frames are opaque bytes, checked by whoever grants the door.
-/// A turn without a grant finds the door shut (`ConnectionRefusedError`).
-pub type Door = Arc<dyn Fn(Vec<u8>) -> DoorFuture + Send + Sync>;
+pub use kiln_core::backend::{Door, DoorFuture};
 
 /// The largest frame through the door either way: 4 MiB. A larger one is a fault.
 pub const MAX_DOOR_FRAME_BYTES: usize = 4 << 20;

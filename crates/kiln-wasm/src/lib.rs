@@ -17,6 +17,7 @@
 //! # Ok(()) }
 //! ```
 
+mod backend;
 mod cache;
 mod engine;
 mod guest;
@@ -28,6 +29,7 @@ mod quota;
 mod session;
 pub mod setup;
 
+pub use backend::templates;
 pub use cache::{ModuleError, WASMTIME_VERSION, cwasm_path};
 pub use engine::{
     CONTENDED_EPOCH_TICK, EPOCH_TICK, EngineError, EngineOptions, ExecError, MAX_CODE_BYTES,

@@ -13,19 +13,7 @@ use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
 use wasmtime_wasi_io::poll::Pollable;
 use wasmtime_wasi_io::streams::{OutputStream, StreamError};
 
-/// Which stream a chunk came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamKind {
-    Stdout,
-    Stderr,
-}
-
-/// A piece of output as the guest wrote it, for streaming to a client.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutputChunk {
-    pub stream: StreamKind,
-    pub data: Bytes,
-}
+pub use kiln_core::backend::{OutputChunk, StreamKind};
 
 #[derive(Debug)]
 struct Inner {

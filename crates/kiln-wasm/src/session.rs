@@ -116,6 +116,8 @@ impl WasmEngine {
             workspace: options.workspace.clone(),
             mounts: options.mounts.clone(),
             limits: options.limits.clone(),
+            template: None,
+            command: None,
         };
         check_request(&request)?;
         let guest = match language {
