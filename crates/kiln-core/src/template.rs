@@ -274,7 +274,7 @@ impl Catalogue {
 }
 
 /// The image names a template accepts, in words: its id, exact names, `repo:a.b–c.d`.
-fn accepted(template: &TemplateInfo) -> Vec<String> {
+pub fn accepted(template: &TemplateInfo) -> Vec<String> {
     let mut names = vec![template.id.clone()];
     names.extend(
         template

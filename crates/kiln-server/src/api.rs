@@ -10,6 +10,7 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
+use kiln_core::template::Catalogue;
 use kiln_core::{Language, Limits};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -21,7 +22,7 @@ use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunSpec};
 use crate::history::{HistoryEntry, MAX_HISTORY};
 use crate::sandbox::{
-    IMAGES, SandboxView, history_error, image_language, new_id, rfc3339, workspace_path,
+    SandboxSpec, SandboxView, history_error, new_id, rfc3339, workspace_path,
 };
 
 type Shared = State<Arc<AppState>>;
@@ -40,8 +41,9 @@ pub const MAX_FILES_BYTES: usize = 16 << 20;
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"image": "python", "options": {"timeout": 600000, "memoryLimit": "512m"}}))]
 pub struct CreateBody {
-    /// A runtime: `python`, `javascript`, or an image-like name mapped onto one
-    /// (`@ai-sandbox/python`, `python:3.12`, `node:18-alpine`).
+    /// A template (`python`, `javascript`; see `GET /api/v1/templates`) or an image name one
+    /// honours (`@ai-sandbox/python`, `python:3.12-slim`, `node:18-alpine`). An image no
+    /// installed template honours (`python:2.7`) is refused with `UNKNOWN_IMAGE`.
     pub image: String,
     #[serde(default)]
     pub options: CreateOptions,
@@ -85,23 +87,21 @@ pub struct Created {
     pub expires_at: String,
 }
 
-/// Parses create options into (language, lifetime, memory).
+/// Parses create options: the template that honours `image`, the lifetime, the memory.
 pub fn parse_create(
+    catalogue: &Catalogue,
     image: &str,
     lifetime_ms: Option<u64>,
     memory_limit: Option<&str>,
-) -> Result<(Language, u64, u64), ApiError> {
-    let Some(language) = image_language(image) else {
-        let available: Vec<&str> = IMAGES.iter().map(|(name, _)| *name).collect();
-        return Err(ApiError::bad_request(
-            "UNKNOWN_IMAGE",
-            format!(
-                "unknown image {image:?}; available: {} (and python:TAG, node:TAG)",
-                available.join(", ")
-            ),
-        )
-        .with_details(json!({ "image": image, "available": available })));
-    };
+) -> Result<SandboxSpec, ApiError> {
+    let template = catalogue.resolve(image).map_err(|unknown| {
+        ApiError::bad_request("UNKNOWN_IMAGE", unknown.to_string()).with_details(json!({
+            "image": unknown.image,
+            "available": unknown.available,
+            "templates": catalogue.templates().iter().map(|t| &t.id).collect::<Vec<_>>(),
+        }))
+    })?;
+    let language = template.default_language();
     let lifetime_ms = lifetime_ms.unwrap_or(DEFAULT_LIFETIME_MS);
     if !(MIN_LIFETIME_MS..=MAX_LIFETIME_MS).contains(&lifetime_ms) {
         return Err(ApiError::bad_request(
@@ -126,7 +126,13 @@ pub fn parse_create(
                 )
             })?,
     };
-    Ok((language, lifetime_ms, memory_bytes))
+    Ok(SandboxSpec {
+        image: image.trim().to_owned(),
+        template: template.id.clone(),
+        language,
+        lifetime_ms,
+        memory_bytes,
+    })
 }
 
 /// Create a sandbox with an empty, git-versioned workspace.
@@ -142,20 +148,13 @@ pub async fn create(
     body: Result<Json<CreateBody>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
     let Json(body) = body?;
-    let (language, lifetime_ms, memory_bytes) = parse_create(
+    let spec = parse_create(
+        &state.catalogue,
         &body.image,
         body.options.timeout,
         body.options.memory_limit.as_deref(),
     )?;
-    let sandbox = exec::create_sandbox(
-        &state,
-        &caller,
-        &body.image,
-        language,
-        lifetime_ms,
-        memory_bytes,
-    )
-    .await?;
+    let sandbox = exec::create_sandbox(&state, &caller, spec).await?;
     Ok((
         StatusCode::CREATED,
         Json(Created {
@@ -350,6 +349,9 @@ pub struct SandboxInfo {
     pub container_id: String,
     #[schema(example = "python")]
     pub image: String,
+    /// The template the image resolved to (see `GET /api/v1/templates`).
+    #[schema(example = "python")]
+    pub template: String,
     /// `python` or `javascript`.
     #[schema(example = "python")]
     pub language: String,
@@ -395,6 +397,7 @@ impl SandboxInfo {
         SandboxInfo {
             container_id: sandbox.id.clone(),
             image: sandbox.image.clone(),
+            template: sandbox.template().into(),
             language: sandbox.language.name().into(),
             status: if view.running.is_some() {
                 "running"

@@ -16,7 +16,7 @@ use crate::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::history::{LeftOut, Recorded};
-use crate::sandbox::{Registry, Sandbox, now_ms, tree_error};
+use crate::sandbox::{Registry, Sandbox, SandboxSpec, now_ms, tree_error};
 use kiln_workspace::{RelPath, Tree};
 
 /// Longest single execution: 5 minutes (bounded by the sandbox's remaining lifetime).
@@ -186,6 +186,9 @@ pub fn pool_error(error: PoolError) -> ApiError {
         {
             ApiError::bad_request("INVALID_REQUEST", remote.message)
         }
+        PoolError::Remote(remote) if remote.kind == "unsupported" => {
+            ApiError::bad_request("UNSUPPORTED", remote.message)
+        }
         other => ApiError::internal(other.to_string()),
     }
 }
@@ -206,24 +209,12 @@ pub async fn detached<T: Send + 'static>(
 pub async fn create_sandbox(
     state: &Arc<AppState>,
     caller: &Caller,
-    image: &str,
-    language: kiln_core::Language,
-    lifetime_ms: u64,
-    memory_bytes: u64,
+    spec: SandboxSpec,
 ) -> Result<crate::sandbox::Sandbox, ApiError> {
     let quotas = state.quotas(caller);
-    let (state, tenant, image) = (state.clone(), caller.tenant.clone(), image.to_owned());
+    let (state, tenant) = (state.clone(), caller.tenant.clone());
     detached(async move {
-        tokio::task::spawn_blocking(move || {
-            state.registry.create(
-                &tenant,
-                &image,
-                language,
-                lifetime_ms,
-                memory_bytes,
-                &quotas,
-            )
-        })
+        tokio::task::spawn_blocking(move || state.registry.create(&tenant, &spec, &quotas))
         .await
         .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
     })
@@ -236,15 +227,14 @@ pub async fn create_default_sandbox(
     caller: &Caller,
     language: kiln_core::Language,
 ) -> Result<crate::sandbox::Sandbox, ApiError> {
-    create_sandbox(
-        state,
-        caller,
-        language.name(),
+    let spec = SandboxSpec {
+        image: language.name().into(),
+        template: language.name().into(),
         language,
-        crate::api::DEFAULT_LIFETIME_MS,
-        Limits::default().memory_bytes,
-    )
-    .await
+        lifetime_ms: crate::api::DEFAULT_LIFETIME_MS,
+        memory_bytes: Limits::default().memory_bytes,
+    };
+    create_sandbox(state, caller, spec).await
 }
 
 /// Runs `spec` in sandbox `id` of `caller`, streaming output to `chunks` if given. The run

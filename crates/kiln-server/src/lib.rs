@@ -22,6 +22,7 @@ pub mod openapi;
 pub mod quota;
 pub mod sandbox;
 pub mod store;
+pub mod templates;
 pub mod v1;
 
 use std::net::SocketAddr;
@@ -32,6 +33,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
+use kiln_core::template::Catalogue;
 use kiln_executor::ExecutorPool;
 
 pub use error::ApiError;
@@ -57,6 +59,8 @@ pub struct AppState {
     pub agent_limits: agent::AgentLimits,
     /// Each tenant's quotas unless its key says otherwise.
     pub quotas: quota::Quotas,
+    /// The templates sandboxes are made from.
+    pub catalogue: Catalogue,
 }
 
 impl AppState {
@@ -84,6 +88,8 @@ pub struct ServerConfig {
     pub public_hosts: Vec<String>,
     /// Each tenant's quotas unless its key says otherwise.
     pub quotas: quota::Quotas,
+    /// The templates the backends offer, in order of preference.
+    pub catalogue: Catalogue,
 }
 
 impl AppState {
@@ -120,6 +126,7 @@ impl AppState {
                 ..agent::AgentLimits::default()
             },
             quotas: config.quotas,
+            catalogue: config.catalogue.clone(),
         })
     }
 }
@@ -128,6 +135,7 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/chat", post(chat::chat))
+        .route("/templates", get(templates::list))
         .route("/sandboxes", get(v1::list).post(v1::create))
         .route("/sandboxes/{id}", get(v1::get).delete(v1::delete))
         .route("/sandboxes/{id}/renew", post(v1::renew))

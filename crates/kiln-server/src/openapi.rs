@@ -19,6 +19,7 @@ use crate::{api, error, history, v1};
     paths(
         api::create, api::exec, api::get, api::delete,
         api::history, api::diff, api::rollback,
+        crate::templates::list,
         v1::list, v1::create, v1::get, v1::delete, v1::renew,
         v1::execute, v1::execute_stream, v1::websocket, v1::cancel,
         v1::create_session, v1::list_sessions, v1::restart_session, v1::close_session,

@@ -29,31 +29,15 @@ use crate::quota::{Quotas, Usage};
 use crate::store;
 use kiln_workspace::{RelPath, Tree, TreeError};
 
-/// The images a sandbox can be created from, and the runtime each names.
-pub const IMAGES: &[(&str, Language)] = &[
-    ("python", Language::Python),
-    ("python3", Language::Python),
-    ("@ai-sandbox/python", Language::Python),
-    ("javascript", Language::JavaScript),
-    ("node", Language::JavaScript),
-    ("@ai-sandbox/node", Language::JavaScript),
-    ("@ai-sandbox/javascript", Language::JavaScript),
-];
-
-/// The runtime an image name stands for: an exact name above, or a Docker-style
-/// `python:TAG` / `node:TAG`.
-pub fn image_language(image: &str) -> Option<Language> {
-    let image = image.trim().to_ascii_lowercase();
-    if let Some((_, language)) = IMAGES.iter().find(|(name, _)| *name == image) {
-        return Some(*language);
-    }
-    let repo = image.split(':').next().unwrap_or_default();
-    let repo = repo.rsplit('/').next().unwrap_or_default();
-    match repo {
-        "python" | "python3" => Some(Language::Python),
-        "node" | "nodejs" | "javascript" => Some(Language::JavaScript),
-        _ => None,
-    }
+/// What a new sandbox is: the image the client named, the template that honours it, and
+/// its bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxSpec {
+    pub image: String,
+    pub template: String,
+    pub language: Language,
+    pub lifetime_ms: u64,
+    pub memory_bytes: u64,
 }
 
 /// Milliseconds since the Unix epoch.
@@ -104,6 +88,10 @@ pub struct Sandbox {
     pub id: String,
     pub tenant: String,
     pub image: String,
+    /// The template it was made from; sandboxes made before templates existed have none and
+    /// use their language's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
     pub language: Language,
     pub created_ms: u64,
     pub expires_ms: u64,
@@ -121,6 +109,11 @@ pub struct Sandbox {
 }
 
 impl Sandbox {
+    /// The template it was made from.
+    pub fn template(&self) -> &str {
+        self.template.as_deref().unwrap_or(self.language.name())
+    }
+
     /// The folder the code sees as `/workspace`.
     pub fn workspace(&self) -> PathBuf {
         self.dir.join("workspace")
@@ -370,10 +363,7 @@ impl Registry {
     pub fn create(
         &self,
         tenant: &str,
-        image: &str,
-        language: Language,
-        lifetime_ms: u64,
-        memory_bytes: u64,
+        spec: &SandboxSpec,
         quotas: &Quotas,
     ) -> Result<Sandbox, ApiError> {
         self.usage(tenant).check_sandbox(quotas)?;
@@ -382,11 +372,12 @@ impl Registry {
         let meta = Sandbox {
             id: id.clone(),
             tenant: tenant.to_owned(),
-            image: image.to_owned(),
-            language,
+            image: spec.image.clone(),
+            template: Some(spec.template.clone()),
+            language: spec.language,
             created_ms,
-            expires_ms: created_ms.saturating_add(lifetime_ms),
-            memory_bytes,
+            expires_ms: created_ms.saturating_add(spec.lifetime_ms),
+            memory_bytes: spec.memory_bytes,
             executions: 0,
             cpu_time_ms: 0,
             sessions: BTreeMap::new(),
@@ -857,22 +848,6 @@ fn recover(meta: &Sandbox) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn images_map_onto_runtimes() {
-        for (image, language) in [
-            ("python", Language::Python),
-            ("python:3.12", Language::Python),
-            ("@ai-sandbox/python", Language::Python),
-            ("node:18-alpine", Language::JavaScript),
-            ("library/node:20", Language::JavaScript),
-            ("javascript", Language::JavaScript),
-        ] {
-            assert_eq!(image_language(image), Some(language), "{image}");
-        }
-        assert_eq!(image_language("ruby:3"), None);
-        assert_eq!(image_language(""), None);
-    }
 
     #[test]
     fn workspace_paths_refuse_escapes() {

@@ -81,11 +81,13 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
     let Json(body) = body?;
     let image = body.language.unwrap_or_else(|| "python".into());
-    let (language, lifetime_ms, memory_bytes) =
-        api::parse_create(&image, body.timeout_ms, body.memory_limit.as_deref())?;
-    let id = exec::create_sandbox(&state, &caller, &image, language, lifetime_ms, memory_bytes)
-        .await?
-        .id;
+    let spec = api::parse_create(
+        &state.catalogue,
+        &image,
+        body.timeout_ms,
+        body.memory_limit.as_deref(),
+    )?;
+    let id = exec::create_sandbox(&state, &caller, spec).await?.id;
     let view = state.registry.get(&caller.tenant, &id)?;
     Ok((StatusCode::CREATED, Json(SandboxInfo::from_view(&view))))
 }

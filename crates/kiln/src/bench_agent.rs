@@ -98,6 +98,7 @@ pub fn run(
             rate_limit: 0,
             request_timeout: Duration::from_secs(600),
             public_hosts: Vec::new(),
+            catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
             // Overhead, not quotas, is measured: every run keeps a session.
             quotas: kiln_server::quota::Quotas {
                 sessions: 10_000,

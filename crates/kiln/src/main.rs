@@ -165,6 +165,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
                 public_hosts: args.public_hosts,
                 quotas: kiln_server::quota::Quotas::default().with(&args.quotas.overrides()),
+                catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
             };
             runtime(2)?.block_on(async {
                 pool.start_all()?;
@@ -196,6 +197,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 request_timeout: std::time::Duration::from_secs(600),
                 public_hosts: Vec::new(),
                 quotas: kiln_server::quota::Quotas::default(),
+                catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
             };
             runtime(2)?.block_on(async {
                 let state = std::sync::Arc::new(kiln_server::AppState::open(&server, pool)?);

@@ -1605,3 +1605,82 @@ fn kiln_log_reaches_the_workers_in_the_servers_format() -> TestResult {
     }
     Ok(())
 }
+
+/// Issue 14: images name templates. An image no installed template can honour is refused
+/// with what is available, instead of running something else; the catalogue is listed.
+#[test]
+fn issue14_images_resolve_through_the_template_catalogue() -> TestResult {
+    let server = start(Options::default())?;
+    let (status, body) = server.call("GET", "/api/v1/templates", None)?;
+    assert_eq!(status, 200, "{body}");
+    let templates = body["templates"].as_array().ok_or("no templates")?;
+    let ids: Vec<&str> = templates.iter().filter_map(|t| t["id"].as_str()).collect();
+    assert_eq!(ids, ["python", "javascript"], "{body}");
+    let python = &templates[0];
+    assert_eq!(python["backend"], "wasm", "{python}");
+    assert_eq!(python["lifecycle"], "ephemeral", "{python}");
+    assert_eq!(python["languages"], json!(["python"]), "{python}");
+    assert_eq!(python["capabilities"]["sessions"], true, "{python}");
+    assert_eq!(python["capabilities"]["commands"], false, "{python}");
+    assert!(
+        python["images"]
+            .as_array()
+            .is_some_and(|i| i.contains(&json!("python:3.0–3.15"))),
+        "{python}"
+    );
+
+    // Honoured: the template is recorded and code runs on it.
+    for (image, template) in [
+        ("python:3.9-slim", "python"),
+        ("docker.io/library/python:3.12", "python"),
+        ("node:16-alpine", "javascript"),
+        ("javascript", "javascript"),
+    ] {
+        let (status, body) = server.call(
+            "POST",
+            "/api/v1/sandboxes",
+            Some(json!({"language": image})),
+        )?;
+        assert_eq!(status, 201, "{image}: {body}");
+        assert_eq!(body["template"], template, "{image}: {body}");
+        assert_eq!(body["image"], image, "{image}: {body}");
+    }
+    let (status, body) = server.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"image": "python:3.11-bookworm"})),
+    )?;
+    assert_eq!(status, 201, "{body}");
+    let id = body["containerId"].as_str().ok_or("no id")?;
+    let (status, body) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"code": "import sys; print(sys.version_info[:2])"})),
+    )?;
+    assert_eq!((status, body["stdout"].as_str()), (200, Some("(3, 15)\n")), "{body}");
+
+    // Refused, on both create routes, naming what is available.
+    for image in ["python:2.7", "python:3.16-slim", "ruby:3", "golang:1.22", ""] {
+        for (path, field) in [("/api/sandbox", "image"), ("/api/v1/sandboxes", "language")] {
+            let (status, body) = server.call("POST", path, Some(json!({ field: image })))?;
+            assert_eq!(status, 400, "{path} {image}: {body}");
+            assert_eq!(body["error"]["code"], "UNKNOWN_IMAGE", "{image}: {body}");
+            assert_eq!(body["error"]["details"]["image"], image, "{body}");
+            assert_eq!(
+                body["error"]["details"]["templates"],
+                json!(["python", "javascript"]),
+                "{body}"
+            );
+            let message = body["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("available: python"), "{message}");
+        }
+    }
+    let (_, body) = server.call("POST", "/api/sandbox", Some(json!({"image": "python:2.7"})))?;
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("no installed template runs \"python:2.7\"")
+            && message.contains("CPython 3.15"),
+        "{message}"
+    );
+    Ok(())
+}
