@@ -300,7 +300,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         crate::bench_runner::run(&explicit, n, &mut report)?;
     }
     if want("agent_tool_round_trip") || want("chat_first_event") {
+        #[cfg(feature = "bench-llm")]
         crate::bench_agent::run(&want, n, &mut report)?;
+        #[cfg(not(feature = "bench-llm"))]
+        for name in ["agent_tool_round_trip", "chat_first_event"] {
+            report.insert(name.into(), needs_bench_llm());
+        }
     }
 
     println!(
@@ -308,4 +313,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         serde_json::to_string_pretty(&serde_json::Value::Object(report))?
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// What a figure that needs a model provider reports in a build without one.
+#[cfg(not(feature = "bench-llm"))]
+pub fn needs_bench_llm() -> serde_json::Value {
+    serde_json::json!({
+        "skipped": "needs a model provider: build with `cargo build --release --features bench-llm` (benchmark builds only)"
+    })
 }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+#[cfg(feature = "bench-llm")]
 use kiln_llm::fake::{FakeProvider, Step};
 use serde_json::{Value, json};
 
@@ -134,6 +135,14 @@ pub fn run(
             latency(&rest, &agent, n)?,
         );
     }
+    #[cfg(not(feature = "bench-llm"))]
+    if want("rest_uncached_llm_path") {
+        report.insert(
+            "rest_uncached_llm_path".into(),
+            crate::bench::needs_bench_llm(),
+        );
+    }
+    #[cfg(feature = "bench-llm")]
     if want("rest_uncached_llm_path") {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)

@@ -1,6 +1,7 @@
 //! The `kiln` binary: glue between the command line and the engine.
 
 mod bench;
+#[cfg(feature = "bench-llm")]
 mod bench_agent;
 mod bench_child;
 mod bench_fair;
