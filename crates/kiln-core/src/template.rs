@@ -329,7 +329,11 @@ mod tests {
             ("node:16-alpine", "javascript"),
             ("node", "javascript"),
         ] {
-            assert_eq!(catalogue.resolve(image).map(|t| t.id.as_str()), Ok(id), "{image}");
+            assert_eq!(
+                catalogue.resolve(image).map(|t| t.id.as_str()),
+                Ok(id),
+                "{image}"
+            );
         }
     }
 
@@ -356,7 +360,10 @@ mod tests {
         native.backend = BackendKind::Native;
         templates.insert(0, native);
         let catalogue = Catalogue::new(templates);
-        assert_eq!(catalogue.resolve("python:3.11").unwrap().id, "debian-python");
+        assert_eq!(
+            catalogue.resolve("python:3.11").unwrap().id,
+            "debian-python"
+        );
         assert_eq!(catalogue.resolve("python").unwrap().id, "python");
         assert_eq!(catalogue.get("python").unwrap().backend, BackendKind::Wasm);
     }

@@ -75,7 +75,9 @@ impl Backend for FakeBackend {
             Program::Command(command) => {
                 let mut result = Run::new(&request.limits, output);
                 match command.argv.split_first() {
-                    Some((program, args)) if program == "echo" => result.write(false, &args.join(" ")),
+                    Some((program, args)) if program == "echo" => {
+                        result.write(false, &args.join(" "))
+                    }
                     Some((program, _)) => {
                         result.write(true, &format!("{program}: command not found"));
                         result.exit_code = 127;
@@ -89,7 +91,9 @@ impl Backend for FakeBackend {
 
     async fn open_session(&self, request: ExecRequest) -> Result<FakeSession, BackendError> {
         if request.command.is_some() {
-            return Err(BackendError::unsupported("a session runs code, not a command"));
+            return Err(BackendError::unsupported(
+                "a session runs code, not a command",
+            ));
         }
         Ok(FakeSession::default())
     }
@@ -148,12 +152,18 @@ impl Run {
         } else {
             (&mut self.stdout, self.limits.stdout_bytes)
         };
-        let room = usize::try_from(cap).unwrap_or(usize::MAX).saturating_sub(buffer.len());
+        let room = usize::try_from(cap)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(buffer.len());
         let kept = &data[..data.len().min(room)];
         self.truncated |= kept.len() < data.len();
         buffer.extend_from_slice(kept);
         if let (Some(sink), false) = (&self.output, kept.is_empty()) {
-            let stream = if stderr { StreamKind::Stderr } else { StreamKind::Stdout };
+            let stream = if stderr {
+                StreamKind::Stderr
+            } else {
+                StreamKind::Stdout
+            };
             let _ = sink.send(OutputChunk {
                 stream,
                 data: bytes::Bytes::copy_from_slice(kept),
@@ -204,7 +214,9 @@ async fn run(
             }
             "sleep" | "spin" => {
                 let wait = Duration::from_millis(rest.trim().parse().unwrap_or(u64::MAX / 4));
-                let until = Instant::now().checked_add(wait).unwrap_or_else(|| run.deadline());
+                let until = Instant::now()
+                    .checked_add(wait)
+                    .unwrap_or_else(|| run.deadline());
                 if until >= run.deadline() {
                     tokio::time::sleep_until(run.deadline().into()).await;
                     run.exit_code = 124;
@@ -323,9 +335,17 @@ mod tests {
     #[tokio::test]
     async fn one_shots_and_commands_run_and_fail_with_their_kinds() {
         let mut worker = Worker::start();
-        let result = done(worker.call(1, Op::Exec(code("print hi\neprint oops\nexit 3"))).await);
+        let result = done(
+            worker
+                .call(1, Op::Exec(code("print hi\neprint oops\nexit 3")))
+                .await,
+        );
         assert_eq!(
-            (result.stdout.as_slice(), result.stderr.as_slice(), result.exit_code),
+            (
+                result.stdout.as_slice(),
+                result.stderr.as_slice(),
+                result.exit_code
+            ),
             (&b"hi\n"[..], &b"oops\n"[..], 3)
         );
         let mut echo = code("");
@@ -335,7 +355,10 @@ mod tests {
             terminal: None,
         });
         assert_eq!(done(worker.call(2, Op::Exec(echo)).await).stdout, b"a b\n");
-        assert_eq!(failed(worker.call(3, Op::Exec(code("fail busy"))).await), "busy");
+        assert_eq!(
+            failed(worker.call(3, Op::Exec(code("fail busy"))).await),
+            "busy"
+        );
         let mut bad = code("print x");
         bad.limits.timeout_ms = 0;
         assert_eq!(failed(worker.call(4, Op::Exec(bad)).await), "limits");
@@ -367,14 +390,21 @@ mod tests {
             worker.call(4, Op::CloseSession { session: 7 }).await,
             Reply::Closed
         ));
-        assert_eq!(failed(worker.call(5, turn("get x")).await), "no_such_session");
+        assert_eq!(
+            failed(worker.call(5, turn("get x")).await),
+            "no_such_session"
+        );
     }
 
     #[tokio::test]
     async fn output_streams_before_the_result_and_pings_pass_a_busy_guest() {
         let mut worker = Worker::start();
         worker
-            .send(1, Op::Exec(code("print early\nsleep 300\nprint late")), true)
+            .send(
+                1,
+                Op::Exec(code("print early\nsleep 300\nprint late")),
+                true,
+            )
             .await;
         let first = worker.next().await;
         assert!(
@@ -435,6 +465,9 @@ mod tests {
             limits: Limits::default(),
             door: false,
         };
-        assert_eq!(done(worker.call(4, shut).await).stderr, b"the door is shut\n");
+        assert_eq!(
+            done(worker.call(4, shut).await).stderr,
+            b"the door is shut\n"
+        );
     }
 }

@@ -28,8 +28,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
 use kiln_core::backend::Door;
+use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 

@@ -302,18 +302,16 @@ async fn handle<B: Backend>(
             Ok(result) => Reply::Done(result),
             Err(error) => Reply::Failed(remote_error(&error)),
         },
-        Op::OpenSession { session, request } => {
-            match backend.open_session(request).await {
-                Ok(opened) => {
-                    sessions
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(session, Arc::new(Mutex::new(opened)));
-                    Reply::Opened
-                }
-                Err(error) => Reply::Failed(remote_error(&error)),
+        Op::OpenSession { session, request } => match backend.open_session(request).await {
+            Ok(opened) => {
+                sessions
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(session, Arc::new(Mutex::new(opened)));
+                Reply::Opened
             }
-        }
+            Err(error) => Reply::Failed(remote_error(&error)),
+        },
         Op::Turn {
             session,
             code,

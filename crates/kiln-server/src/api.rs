@@ -21,9 +21,7 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunSpec};
 use crate::history::{HistoryEntry, MAX_HISTORY};
-use crate::sandbox::{
-    SandboxSpec, SandboxView, history_error, new_id, rfc3339, workspace_path,
-};
+use crate::sandbox::{SandboxSpec, SandboxView, history_error, new_id, rfc3339, workspace_path};
 
 type Shared = State<Arc<AppState>>;
 

@@ -215,8 +215,8 @@ pub async fn create_sandbox(
     let (state, tenant) = (state.clone(), caller.tenant.clone());
     detached(async move {
         tokio::task::spawn_blocking(move || state.registry.create(&tenant, &spec, &quotas))
-        .await
-        .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
+            .await
+            .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
     })
     .await
 }

@@ -5,9 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use kiln_core::backend::{
-    Backend, BackendError, BackendSession, Door, ErrorKind, OutputSink,
-};
+use kiln_core::backend::{Backend, BackendError, BackendSession, Door, ErrorKind, OutputSink};
 use kiln_core::template::{
     BackendKind, Capabilities, ImageRule, Lifecycle, TemplateInfo, VersionRange,
 };

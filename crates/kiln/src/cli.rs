@@ -24,6 +24,10 @@ pub mod exit_codes {
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// A kiln.toml to read settings from (default: ./kiln.toml if there is one). Flags and
+    /// KILN_* variables override it; see `kiln config`.
+    #[arg(long, global = true, env = "KILN_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -71,6 +75,13 @@ pub enum Command {
     Runner(crate::runner_cmd::RunnerArgs),
     /// Measure kiln's latencies and throughput; prints JSON.
     Bench(BenchArgs),
+    /// Print a command's effective settings (flags > KILN_* environment > kiln.toml >
+    /// defaults) as TOML, with where each came from; secrets are redacted.
+    Config {
+        /// The command whose settings to show.
+        #[arg(default_value = "serve", value_parser = ["exec", "setup", "serve", "mcp", "rest", "runner", "bench"])]
+        command: String,
+    },
     /// Internal: serve as an executor worker on stdin/stdout.
     #[command(name = "__worker", hide = true)]
     Worker,

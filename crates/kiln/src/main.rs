@@ -10,6 +10,7 @@ mod bench_http;
 mod bench_rest;
 mod bench_runner;
 mod cli;
+mod config;
 mod progress;
 mod rest_cmd;
 mod runner_cmd;
@@ -25,15 +26,50 @@ use kiln_wasm::{CacheDir, OutputChunk, StreamKind, WasmEngine};
 use crate::cli::{Cli, Command, ExecArgs, exit_codes};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let (cli, file) = match parse() {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            eprintln!("kiln: {error:#}");
+            return ExitCode::from(exit_codes::KILN_ERROR);
+        }
+    };
     init_logging(&cli);
-    match run(cli) {
+    match run(cli, &file) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("kiln: {error:#}");
             ExitCode::from(exit_codes::KILN_ERROR)
         }
     }
+}
+
+/// The command line, over the settings of the kiln.toml it names (none for a worker: its
+/// pool passes everything it needs).
+fn parse() -> anyhow::Result<(Cli, config::FileConfig)> {
+    use clap::{CommandFactory, FromArgMatches};
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "__worker") {
+        return Ok((Cli::parse(), config::FileConfig::default()));
+    }
+    let file = config::FileConfig::load(&args)?;
+    let (command, _) = file.apply(Cli::command())?;
+    let matches = command.try_get_matches_from(args).unwrap_or_else(|e| {
+        use clap::error::{ContextKind, ErrorKind};
+        let invalid = matches!(
+            e.kind(),
+            ErrorKind::InvalidValue | ErrorKind::ValueValidation
+        );
+        if let (true, Some(path), Some(flag)) =
+            (invalid, &file.path, e.get(ContextKind::InvalidArg))
+        {
+            let _ = e.print();
+            eprintln!("(the value of {flag} may come from {})", path.display());
+            std::process::exit(2);
+        }
+        e.exit()
+    });
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    Ok((cli, file))
 }
 
 /// Logs go to stderr. The server logs a line per request (JSON unless stderr is a terminal);
@@ -95,8 +131,12 @@ fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Config { command } => {
+            print!("{}", config::show(file, &command)?);
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Exec(args) => {
             let code = args
                 .code

@@ -1131,3 +1131,115 @@ fn attack_serve_survives_a_worker_killed_mid_exec() -> TestResult {
     assert_eq!(status, 200);
     Ok(())
 }
+
+// ---------------------------------------------------------------- configuration
+
+/// Issue 14: one configuration. Flags beat `KILN_*` variables, which beat kiln.toml, which
+/// beats the defaults; `kiln config` shows each value's source and never a secret.
+#[test]
+fn settings_come_from_flags_then_environment_then_kiln_toml() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("kiln.toml"),
+        "[exec]\ntimeout = \"300ms\"\nenv = [\"GREETING=from-file\"]\n\n\
+         [serve]\nrate-limit = 7\nrequest-timeout = 44\npublic-host = [\"a.example\", \"b.example\"]\n\n\
+         [rest]\nauth-token = \"file-secret-token\"\n",
+    )?;
+    let spin = |extra: &[&str]| -> std::io::Result<Output> {
+        let mut command = kiln();
+        command
+            .current_dir(dir.path())
+            .env_remove("KILN_CONFIG")
+            .args([
+                "exec",
+                "-c",
+                "import os\nprint(os.environ['GREETING'], flush=True)\nwhile True: pass",
+            ])
+            .args(extra);
+        command.output()
+    };
+    // ./kiln.toml is read: its timeout and environment apply.
+    let out = spin(&[])?;
+    assert_eq!(out.status.code(), Some(124), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "from-file\n");
+    assert!(
+        text(&out.stderr).contains("timed out after 300 ms"),
+        "{}",
+        text(&out.stderr)
+    );
+    // A flag beats the file.
+    let out = spin(&["--timeout", "200ms"])?;
+    assert!(
+        text(&out.stderr).contains("timed out after 200 ms"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let show = kiln()
+        .current_dir(dir.path())
+        .env_remove("KILN_CONFIG")
+        .env("KILN_REQUEST_TIMEOUT", "33")
+        .env("KILN_LLM_API_KEY", "env-secret-key")
+        .args(["config", "serve"])
+        .output()?;
+    assert!(show.status.success(), "{}", text(&show.stderr));
+    let shown = text(&show.stdout);
+    for line in [
+        "rate-limit = 7  # kiln.toml",
+        "request-timeout = 33  # environment KILN_REQUEST_TIMEOUT",
+        "listen = \"127.0.0.1:8080\"  # default",
+        "public-host = [\"a.example\", \"b.example\"]  # kiln.toml",
+        "KILN_LLM_API_KEY = \"<redacted>\"",
+    ] {
+        assert!(shown.contains(line), "missing {line:?} in:\n{shown}");
+    }
+    let rest = kiln()
+        .args(["--config"])
+        .arg(dir.path().join("kiln.toml"))
+        .args(["config", "rest"])
+        .output()?;
+    let shown = text(&rest.stdout);
+    assert!(
+        shown.contains("auth-token = \"<redacted>\"  # kiln.toml"),
+        "{shown}"
+    );
+    assert!(!shown.contains("file-secret-token"), "{shown}");
+    Ok(())
+}
+
+#[test]
+fn bad_kiln_toml_files_get_one_clear_error() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("kiln.toml");
+    for (content, code, says) in [
+        (
+            "[serve]\nlisen = \"0.0.0.0:1\"\n",
+            120,
+            "[serve] has no setting \"lisen\"; its settings: listen,",
+        ),
+        ("lisen = 1\n", 120, "no command has a setting \"lisen\""),
+        ("[serv]\nlisten = 1\n", 120, "there is no command [serv]"),
+        ("[serve\n", 120, "is not valid TOML"),
+        (
+            "[serve]\nlisten = { a = 1 }\n",
+            120,
+            "\"listen\" must be a string, number or true/false",
+        ),
+        ("[serve]\nrate-limit = \"lots\"\n", 2, "may come from"),
+    ] {
+        std::fs::write(&file, content)?;
+        let out = kiln()
+            .env("KILN_CONFIG", &file)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .output()?;
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{content:?}: {stderr}");
+        assert!(stderr.contains(says), "{content:?}: {stderr}");
+    }
+    let out = kiln()
+        .args(["--config", "/nonexistent/kiln.toml", "config"])
+        .output()?;
+    assert_eq!(out.status.code(), Some(120));
+    assert!(text(&out.stderr).contains("could not read /nonexistent/kiln.toml"));
+    Ok(())
+}

@@ -1657,10 +1657,20 @@ fn issue14_images_resolve_through_the_template_catalogue() -> TestResult {
         &format!("/api/v1/sandboxes/{id}/exec"),
         Some(json!({"code": "import sys; print(sys.version_info[:2])"})),
     )?;
-    assert_eq!((status, body["stdout"].as_str()), (200, Some("(3, 15)\n")), "{body}");
+    assert_eq!(
+        (status, body["stdout"].as_str()),
+        (200, Some("(3, 15)\n")),
+        "{body}"
+    );
 
     // Refused, on both create routes, naming what is available.
-    for image in ["python:2.7", "python:3.16-slim", "ruby:3", "golang:1.22", ""] {
+    for image in [
+        "python:2.7",
+        "python:3.16-slim",
+        "ruby:3",
+        "golang:1.22",
+        "",
+    ] {
         for (path, field) in [("/api/sandbox", "image"), ("/api/v1/sandboxes", "language")] {
             let (status, body) = server.call("POST", path, Some(json!({ field: image })))?;
             assert_eq!(status, 400, "{path} {image}: {body}");
