@@ -58,7 +58,7 @@ impl GenaiModel {
                     target.endpoint = Endpoint::from_owned(url.clone());
                 }
                 if let Some(key) = &key {
-                    target.auth = AuthData::from_single(key.clone());
+                    target.auth = AuthData::from_single(secrecy::ExposeSecret::expose_secret(key));
                 } else if matches!(target_model.adapter_kind, AdapterKind::OpenAI) {
                     // An OpenAI-compatible server without keys still gets a header.
                     target.auth = AuthData::from_single("none");

@@ -246,8 +246,8 @@ pub struct ModelConfig {
     pub provider: Provider,
     pub model: String,
     pub base_url: Option<String>,
-    /// The key (never printed: `Debug` hides it).
-    pub api_key: Option<String>,
+    /// The key: a redacting type, so no `Debug` or log line can show it.
+    pub api_key: Option<secrecy::SecretString>,
     pub timeout: Duration,
     pub retry: RetryPolicy,
 }
@@ -258,7 +258,7 @@ impl std::fmt::Debug for ModelConfig {
             .field("provider", &self.provider)
             .field("model", &self.model)
             .field("base_url", &self.base_url)
-            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
+            .field("api_key", &self.api_key)
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -318,7 +318,10 @@ impl ModelConfig {
                 "openai-compatible needs KILN_LLM_BASE_URL (e.g. http://127.0.0.1:8000/v1)".into(),
             ));
         }
-        let api_key = provider.key_variable().and_then(&get);
+        let api_key = provider
+            .key_variable()
+            .and_then(&get)
+            .map(secrecy::SecretString::from);
         if api_key.is_none()
             && matches!(
                 provider,
@@ -421,6 +424,18 @@ pub fn check_structured(schema: &Value, text: &str) -> Result<Value, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_never_show_in_debug_output() {
+        let config = config(&[
+            ("KILN_LLM_MODEL", "openai:gpt-4o"),
+            ("OPENAI_API_KEY", "sk-very-secret"),
+        ])
+        .unwrap();
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("sk-very-secret"), "{shown}");
+        assert!(shown.contains("REDACTED"), "{shown}");
+    }
 
     fn config(vars: &[(&str, &str)]) -> Result<ModelConfig, LlmError> {
         let vars: Vec<(String, String)> = vars

@@ -15,7 +15,7 @@ fn model(provider: Provider, fake: &FakeProvider) -> GenaiModel {
         provider,
         model: "fake-model".into(),
         base_url: Some(fake.base_url.clone()),
-        api_key: Some("test-key".into()),
+        api_key: Some(secrecy::SecretString::from("test-key")),
         timeout: Duration::from_secs(10),
         retry: RetryPolicy::default(),
     };
