@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use kiln_core::backend::Door;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
-use tokio::process::{Child, Command};
+use tokio::process::{Child, ChildStdout, Command};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::protocol::{
@@ -637,12 +637,65 @@ impl Inner {
                 tmp.display()
             ))
         })?;
+        let mut child = match self.worker_command(&tmp).spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                let _ = kiln_workspace::remove_host_tree(&tmp);
+                return Err(PoolError::Spawn(format!(
+                    "{}: {e}",
+                    self.config.program.display()
+                )));
+            }
+        };
+        let pid = child.id();
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        tokio::spawn(async move {
+            while let Some(body) = rx.recv().await {
+                if write_encoded(&mut stdin, &body).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let worker = Worker {
+            generation,
+            tx,
+            pending: Arc::default(),
+            alive: Arc::new(AtomicBool::new(true)),
+            in_flight: AtomicUsize::new(0),
+            sessions: Mutex::default(),
+            session_memory: AtomicU64::new(0),
+            pid,
+            last_heard_ms: Arc::new(AtomicU64::new(self.now_ms())),
+            idle_since_ms: AtomicU64::new(self.now_ms()),
+            base_anon: AtomicU64::new(0),
+            tmp,
+        };
+        tokio::spawn(read_replies(
+            ReplyReader {
+                pending: worker.pending.clone(),
+                alive: worker.alive.clone(),
+                heard: worker.last_heard_ms.clone(),
+                epoch: self.epoch,
+                answers: worker.tx.clone(),
+                tmp: worker.tmp.clone(),
+            },
+            stdout,
+            child,
+        ));
+        Ok(worker)
+    }
+
+    /// The worker process's command: a clean environment, its own TMPDIR, killed with the
+    /// pool.
+    fn worker_command(&self, tmp: &std::path::Path) -> Command {
         let mut command = Command::new(&self.config.program);
         command
             .args(&self.config.args)
             .env_clear()
             .envs(self.config.env.iter().cloned())
-            .env("TMPDIR", &tmp)
+            .env("TMPDIR", tmp)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -655,93 +708,7 @@ impl Inner {
                 Ok(())
             });
         }
-        let mut child: Child = match command.spawn() {
-            Ok(child) => child,
-            Err(e) => {
-                let _ = kiln_workspace::remove_host_tree(&tmp);
-                return Err(PoolError::Spawn(format!(
-                    "{}: {e}",
-                    self.config.program.display()
-                )));
-            }
-        };
-        let pid = child.id();
-        let mut stdin = child.stdin.take().expect("stdin is piped");
-        let mut stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-        let pending: Pending = Arc::default();
-        let alive = Arc::new(AtomicBool::new(true));
-        let last_heard_ms = Arc::new(AtomicU64::new(self.now_ms()));
-        tokio::spawn(async move {
-            while let Some(body) = rx.recv().await {
-                if write_encoded(&mut stdin, &body).await.is_err() {
-                    break;
-                }
-            }
-        });
-        let reader_pending = pending.clone();
-        let reader_alive = alive.clone();
-        let heard = last_heard_ms.clone();
-        let epoch = self.epoch;
-        let answers = tx.clone();
-        let worker_tmp = tmp.clone();
-        tokio::spawn(async move {
-            while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
-                heard.store(
-                    u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX),
-                    Ordering::Relaxed,
-                );
-                let mut pending = reader_pending.lock().unwrap_or_else(|e| e.into_inner());
-                match response.reply {
-                    Reply::Pong => {}
-                    Reply::Door { call, data } => {
-                        let door = pending.get(&response.id).and_then(|w| w.door.clone());
-                        answer_door(door, response.id, call, data, answers.clone());
-                    }
-                    Reply::Chunk { stderr, data } => {
-                        if let Some(listener) =
-                            pending.get(&response.id).and_then(|w| w.chunks.as_ref())
-                        {
-                            let _ = listener.send(Chunk { stderr, data });
-                        }
-                    }
-                    reply => {
-                        if let Some(waiter) = pending.remove(&response.id) {
-                            let _ = waiter.done.send(Ok(reply));
-                        }
-                    }
-                }
-            }
-            reader_alive.store(false, Ordering::Relaxed);
-            let status = match child.wait().await {
-                Ok(status) => status.to_string(),
-                Err(e) => e.to_string(),
-            };
-            // Guest-written: removed through directory handles, never following a link.
-            tokio::task::spawn_blocking(move || kiln_workspace::remove_host_tree(&worker_tmp));
-            let waiters: Vec<_> = reader_pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .drain()
-                .collect();
-            for (_, waiter) in waiters {
-                let _ = waiter.done.send(Err(PoolError::WorkerLost(status.clone())));
-            }
-        });
-        Ok(Worker {
-            generation,
-            tx,
-            pending,
-            alive,
-            in_flight: AtomicUsize::new(0),
-            sessions: Mutex::default(),
-            session_memory: AtomicU64::new(0),
-            pid,
-            last_heard_ms,
-            idle_since_ms: AtomicU64::new(self.now_ms()),
-            base_anon: AtomicU64::new(0),
-            tmp,
-        })
+        command
     }
 
     /// Sends `op` to `worker` and waits for its answer. With `deadline` (an execution's
@@ -870,6 +837,62 @@ fn overrun(waited: Duration, grace: Duration) -> ExecResult {
         duration_us: u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
         peak_memory_bytes: 0,
         fs_written_bytes: 0,
+    }
+}
+
+/// What the task reading one worker's replies shares with the pool.
+struct ReplyReader {
+    pending: Pending,
+    alive: Arc<AtomicBool>,
+    heard: Arc<AtomicU64>,
+    epoch: Instant,
+    answers: mpsc::UnboundedSender<Vec<u8>>,
+    tmp: PathBuf,
+}
+
+/// Hands each reply of a worker to whoever waits for it, until the worker's stdout closes;
+/// then fails every request it still held and removes its temporary folder.
+async fn read_replies(reader: ReplyReader, mut stdout: ChildStdout, mut child: Child) {
+    while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
+        reader.heard.store(
+            u64::try_from(reader.epoch.elapsed().as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        let mut pending = reader.pending.lock().unwrap_or_else(|e| e.into_inner());
+        match response.reply {
+            Reply::Pong => {}
+            Reply::Door { call, data } => {
+                let door = pending.get(&response.id).and_then(|w| w.door.clone());
+                answer_door(door, response.id, call, data, reader.answers.clone());
+            }
+            Reply::Chunk { stderr, data } => {
+                if let Some(listener) = pending.get(&response.id).and_then(|w| w.chunks.as_ref()) {
+                    let _ = listener.send(Chunk { stderr, data });
+                }
+            }
+            reply => {
+                if let Some(waiter) = pending.remove(&response.id) {
+                    let _ = waiter.done.send(Ok(reply));
+                }
+            }
+        }
+    }
+    reader.alive.store(false, Ordering::Relaxed);
+    let status = match child.wait().await {
+        Ok(status) => status.to_string(),
+        Err(e) => e.to_string(),
+    };
+    // Guest-written: removed through directory handles, never following a link.
+    let tmp = reader.tmp;
+    tokio::task::spawn_blocking(move || kiln_workspace::remove_host_tree(&tmp));
+    let waiters: Vec<_> = reader
+        .pending
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain()
+        .collect();
+    for (_, waiter) in waiters {
+        let _ = waiter.done.send(Err(PoolError::WorkerLost(status.clone())));
     }
 }
 

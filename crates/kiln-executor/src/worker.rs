@@ -64,172 +64,200 @@ pub fn stdio_pipes() -> std::io::Result<(
 
 /// Serves requests read from `input` with `backend`, writing responses to `output`, until
 /// `input` closes.
-pub async fn serve<B, R, W>(backend: B, mut input: R, mut output: W)
+pub async fn serve<B, R, W>(backend: B, mut input: R, output: W)
 where
     B: Backend,
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    let (tx, mut rx) = mpsc::unbounded_channel::<Response>();
-    let writer = tokio::spawn(async move {
-        while let Some(response) = rx.recv().await {
-            let body = match encode(&response) {
-                Ok(body) => body,
-                // A reply too large for a frame fails alone, as a reply.
-                Err(error) => {
-                    let failed = Response {
-                        id: response.id,
-                        reply: Reply::Failed(RemoteError {
-                            kind: "too_large".into(),
-                            message: format!("the result could not be sent: {error}"),
-                        }),
-                    };
-                    match encode(&failed) {
-                        Ok(body) => body,
-                        Err(_) => continue,
-                    }
-                }
-            };
-            if write_encoded(&mut output, &body).await.is_err() {
-                break;
-            }
-        }
-    });
-    let sessions: Sessions<B::Session> = Arc::default();
-    let scheduler = FairScheduler::with_flag(
-        tokio::runtime::Handle::current().metrics().num_workers(),
-        backend.contention_flag().unwrap_or_default(),
-    );
-    let running: Running = Arc::default();
-    let door_calls: DoorCalls = Arc::default();
-    loop {
-        let request: Request = match read_frame(&mut input).await {
-            Ok(request) => request,
-            Err(_) => break,
-        };
+    let (tx, rx) = mpsc::unbounded_channel::<Response>();
+    let writer = tokio::spawn(write_responses(rx, output));
+    let worker = Worker {
+        scheduler: FairScheduler::with_flag(
+            tokio::runtime::Handle::current().metrics().num_workers(),
+            backend.contention_flag().unwrap_or_default(),
+        ),
+        backend,
+        sessions: Arc::default(),
+        running: Arc::default(),
+        door_calls: Arc::default(),
+        tx,
+    };
+    while let Ok(request) = read_frame::<_, Request>(&mut input).await {
         let received = Instant::now();
-        if let Op::Ping = request.op {
-            let _ = tx.send(Response {
-                id: request.id,
-                reply: Reply::Pong,
-            });
-            continue;
+        if let Some((request, stop)) = worker.control(request) {
+            tokio::spawn(worker.clone().run(request, received, stop));
         }
-        if let Op::Cancel { target } = request.op {
-            let stop = running
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&target);
-            if let Some(stop) = stop {
-                let _ = stop.send(());
-            }
-            continue;
-        }
-        if let Op::DoorAnswer {
-            target,
-            call,
-            ok,
-            data,
-        } = request.op
-        {
-            let waiting = door_calls
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&(target, call));
-            if let Some(waiting) = waiting {
-                let answer = if ok {
-                    Ok(data)
-                } else {
-                    Err(String::from_utf8_lossy(&data).into_owned())
-                };
-                let _ = waiting.send(answer);
-            }
-            continue;
-        }
-        let (stop_tx, stop_rx) = oneshot::channel();
-        running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(request.id, stop_tx);
-        let backend = backend.clone();
-        let sessions = sessions.clone();
-        let running = running.clone();
-        let tx = tx.clone();
-        let door_calls = door_calls.clone();
-        let scheduler = scheduler.clone();
-        tokio::spawn(async move {
-            let id = request.id;
-            let (listener, mut chunks) = if request.stream {
-                let (chunk_tx, chunk_rx) = mpsc::unbounded_channel::<OutputChunk>();
-                (Some(chunk_tx), Some(chunk_rx))
-            } else {
-                (None, None)
-            };
-            let turn_session = match &request.op {
-                Op::Turn { session, .. } => Some(*session),
-                _ => None,
-            };
-            let mut stop_rx = stop_rx;
-            let door = match &request.op {
-                Op::Turn { door: true, .. } => Some(open_door(id, tx.clone(), door_calls.clone())),
-                _ => None,
-            };
-            let (tenant, weight) = request
-                .share
-                .as_ref()
-                .map_or(("", 1), |s| (s.tenant.as_str(), s.weight));
-            let deadline = op_timeout(&request.op).map(|t| received + t);
-            let mut op = request.op;
-            let work = scheduler.wrap(tenant, weight, deadline, async {
-                // The deadline counts from arrival: time spent waiting for a turn of the CPU
-                // comes off the guest's own clock.
-                shorten_timeout(&mut op, received.elapsed());
-                handle(&backend, &sessions, op, listener, door).await
-            });
-            tokio::pin!(work);
-            let send_chunk = |chunk: OutputChunk| {
-                let reply = Reply::Chunk {
-                    stderr: chunk.stream == StreamKind::Stderr,
-                    data: chunk.data.to_vec(),
-                };
-                let _ = tx.send(Response { id, reply });
-            };
-            let reply = loop {
-                tokio::select! {
-                    reply = &mut work => break reply,
-                    Some(chunk) = next_chunk(&mut chunks) => send_chunk(chunk),
-                    _ = &mut stop_rx => {
-                        // The guest future is dropped: the execution stops where it is. A
-                        // session stopped mid-turn is in no known state, so it ends.
-                        if let Some(session) = turn_session {
-                            sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&session);
-                        }
-                        break Reply::Failed(RemoteError {
-                            kind: "cancelled".into(),
-                            message: "the execution was cancelled".into(),
-                        });
-                    }
-                }
-            };
-            // Every chunk written before the end goes out before the reply.
-            if let Some(rx) = chunks.as_mut() {
-                while let Ok(chunk) = rx.try_recv() {
-                    send_chunk(chunk);
-                }
-            }
-            running
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
-            door_calls
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(target, _), _| *target != id);
-            let _ = tx.send(Response { id, reply });
-        });
     }
-    drop(tx);
+    drop(worker);
     let _ = writer.await;
+}
+
+/// Writes each response as a frame, until every sender is gone or the pool stops reading.
+async fn write_responses<W: AsyncWrite + Unpin>(
+    mut rx: mpsc::UnboundedReceiver<Response>,
+    mut output: W,
+) {
+    while let Some(response) = rx.recv().await {
+        let body = match encode(&response) {
+            Ok(body) => body,
+            // A reply too large for a frame fails alone, as a reply.
+            Err(error) => {
+                let failed = Response {
+                    id: response.id,
+                    reply: Reply::Failed(RemoteError {
+                        kind: "too_large".into(),
+                        message: format!("the result could not be sent: {error}"),
+                    }),
+                };
+                match encode(&failed) {
+                    Ok(body) => body,
+                    Err(_) => continue,
+                }
+            }
+        };
+        if write_encoded(&mut output, &body).await.is_err() {
+            break;
+        }
+    }
+}
+
+/// What every request of one worker shares.
+struct Worker<B: Backend> {
+    backend: B,
+    sessions: Sessions<B::Session>,
+    scheduler: Arc<FairScheduler>,
+    running: Running,
+    door_calls: DoorCalls,
+    tx: mpsc::UnboundedSender<Response>,
+}
+
+impl<B: Backend> Clone for Worker<B> {
+    fn clone(&self) -> Self {
+        Worker {
+            backend: self.backend.clone(),
+            sessions: self.sessions.clone(),
+            scheduler: self.scheduler.clone(),
+            running: self.running.clone(),
+            door_calls: self.door_calls.clone(),
+            tx: self.tx.clone(),
+        }
+    }
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<B: Backend> Worker<B> {
+    /// Answers a control request (ping, cancel, door answer) at once, ahead of guest work;
+    /// gives back any other request, registered as running before the next frame is read
+    /// (so a cancel that follows it finds it), with the signal that stops it.
+    fn control(&self, request: Request) -> Option<(Request, oneshot::Receiver<()>)> {
+        match request.op {
+            Op::Ping => {
+                let _ = self.tx.send(Response {
+                    id: request.id,
+                    reply: Reply::Pong,
+                });
+            }
+            Op::Cancel { target } => {
+                if let Some(stop) = lock(&self.running).remove(&target) {
+                    let _ = stop.send(());
+                }
+            }
+            Op::DoorAnswer {
+                target,
+                call,
+                ok,
+                data,
+            } => {
+                if let Some(waiting) = lock(&self.door_calls).remove(&(target, call)) {
+                    let answer = if ok {
+                        Ok(data)
+                    } else {
+                        Err(String::from_utf8_lossy(&data).into_owned())
+                    };
+                    let _ = waiting.send(answer);
+                }
+            }
+            _ => {
+                let (stop_tx, stop_rx) = oneshot::channel();
+                lock(&self.running).insert(request.id, stop_tx);
+                return Some((request, stop_rx));
+            }
+        }
+        None
+    }
+
+    /// Runs one request under the fair scheduler to its reply, streaming its output and
+    /// stopping it if it is cancelled.
+    async fn run(self, request: Request, received: Instant, mut stop_rx: oneshot::Receiver<()>) {
+        let id = request.id;
+        let (listener, mut chunks) = if request.stream {
+            let (chunk_tx, chunk_rx) = mpsc::unbounded_channel::<OutputChunk>();
+            (Some(chunk_tx), Some(chunk_rx))
+        } else {
+            (None, None)
+        };
+        let turn_session = match &request.op {
+            Op::Turn { session, .. } => Some(*session),
+            _ => None,
+        };
+        let door = match &request.op {
+            Op::Turn { door: true, .. } => {
+                Some(open_door(id, self.tx.clone(), self.door_calls.clone()))
+            }
+            _ => None,
+        };
+        let (tenant, weight) = request
+            .share
+            .as_ref()
+            .map_or(("", 1), |s| (s.tenant.as_str(), s.weight));
+        let deadline = op_timeout(&request.op).map(|t| received + t);
+        let mut op = request.op;
+        let work = self.scheduler.wrap(tenant, weight, deadline, async {
+            // The deadline counts from arrival: time spent waiting for a turn of the CPU
+            // comes off the guest's own clock.
+            shorten_timeout(&mut op, received.elapsed());
+            handle(&self.backend, &self.sessions, op, listener, door).await
+        });
+        tokio::pin!(work);
+        let reply = loop {
+            tokio::select! {
+                reply = &mut work => break reply,
+                Some(chunk) = next_chunk(&mut chunks) => self.send_chunk(id, chunk),
+                _ = &mut stop_rx => {
+                    // The guest future is dropped: the execution stops where it is. A
+                    // session stopped mid-turn is in no known state, so it ends.
+                    if let Some(session) = turn_session {
+                        lock(&self.sessions).remove(&session);
+                    }
+                    break Reply::Failed(RemoteError {
+                        kind: "cancelled".into(),
+                        message: "the execution was cancelled".into(),
+                    });
+                }
+            }
+        };
+        // Every chunk written before the end goes out before the reply.
+        if let Some(rx) = chunks.as_mut() {
+            while let Ok(chunk) = rx.try_recv() {
+                self.send_chunk(id, chunk);
+            }
+        }
+        lock(&self.running).remove(&id);
+        lock(&self.door_calls).retain(|(target, _), _| *target != id);
+        let _ = self.tx.send(Response { id, reply });
+    }
+
+    fn send_chunk(&self, id: u64, chunk: OutputChunk) {
+        let reply = Reply::Chunk {
+            stderr: chunk.stream == StreamKind::Stderr,
+            data: chunk.data.to_vec(),
+        };
+        let _ = self.tx.send(Response { id, reply });
+    }
 }
 
 /// How long an execution may take, from its arrival.

@@ -145,172 +145,182 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
             let language = args.lang.unwrap_or(Language::Python);
             exec(language, code, &args)
         }
-        Command::Run { file, exec: args } => {
-            let language = match args.lang {
-                Some(language) => language,
-                None => Language::from_path(&file).with_context(|| {
-                    format!(
-                        "cannot tell the language of {} from its extension (.py or .js); pass --lang",
-                        file.display()
-                    )
-                })?,
-            };
-            let code =
-                std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
-            let code = String::from_utf8(code)
-                .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", file.display()))?;
-            exec(language, code, &args)
-        }
-        Command::Setup { lang } => {
-            let cache = CacheDir::from_env();
-            let progress = progress::Bar::new();
-            let engine = WasmEngine::new(cache.clone())?;
-            let languages = match lang {
-                Some(language) => vec![language],
-                None => Language::ALL.to_vec(),
-            };
-            for language in languages {
-                engine.prepare(language, &progress)?;
-            }
-            eprintln!("kiln: runtimes ready in {}", cache.root().display());
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Run { file, exec: args } => run_file(&file, &args),
+        Command::Setup { lang } => setup(lang),
         Command::Bench(args) => bench::run(args),
         Command::Rest(args) => rest_cmd::run(args),
         Command::Runner(args) => runner_cmd::run(args),
-        Command::Serve(args) => {
-            // Fetch and compile the runtimes here, once, before any worker needs them.
-            let setup = WasmEngine::with_options(
-                CacheDir::from_env(),
-                &kiln_wasm::EngineOptions { max_instances: 1 },
-            )?;
-            for language in Language::ALL {
-                setup.prepare(language, &progress::Bar::new())?;
-            }
-            drop(setup);
-            let data_dir = data_dir(args.data_dir.clone())?;
-            let mut config = kiln_executor::PoolConfig::current_exe()?;
-            if let Some(workers) = args.workers {
-                config.workers = workers.max(1);
-            }
-            // Workers' log lines (KILN_LOG applies to them too) match the server's.
-            config.env.retain(|(name, _)| name != "KILN_LOG_FORMAT");
-            let format = if logs_json(&args) { "json" } else { "text" };
-            config.env.push(("KILN_LOG_FORMAT".into(), format.into()));
-            let pool = kiln_executor::ExecutorPool::new(config);
-            let server = kiln_server::ServerConfig {
-                listen: args.listen,
-                data_dir,
-                auth: !args.no_auth,
-                rate_limit: args.rate_limit,
-                request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
-                public_hosts: args.public_hosts,
-                quotas: kiln_server::quota::Quotas::default().with(&args.quotas.overrides()),
-                catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
-            };
-            runtime(2)?.block_on(async {
-                pool.start_all()?;
-                kiln_server::serve(server, pool).await?;
-                anyhow::Ok(())
-            })?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Serve(args) => serve(args),
         Command::Mcp {
             data_dir: dir,
             workers,
-        } => {
-            let setup = WasmEngine::with_options(
-                CacheDir::from_env(),
-                &kiln_wasm::EngineOptions { max_instances: 1 },
-            )?;
-            for language in Language::ALL {
-                setup.prepare(language, &progress::Bar::new())?;
-            }
-            drop(setup);
-            let mut config = kiln_executor::PoolConfig::current_exe()?;
-            config.workers = workers.max(1);
-            let pool = kiln_executor::ExecutorPool::new(config);
-            let server = kiln_server::ServerConfig {
-                listen: ([127, 0, 0, 1], 0).into(),
-                data_dir: data_dir(dir)?,
-                auth: false,
-                rate_limit: 0,
-                request_timeout: std::time::Duration::from_secs(600),
-                public_hosts: Vec::new(),
-                quotas: kiln_server::quota::Quotas::default(),
-                catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
-            };
-            runtime(2)?.block_on(async {
-                let state = std::sync::Arc::new(kiln_server::AppState::open(&server, pool)?);
-                kiln_server::mcp::serve_stdio(state).await?;
-                anyhow::Ok(())
-            })?;
-            Ok(ExitCode::SUCCESS)
-        }
+        } => mcp(dir, workers),
         Command::Keys {
             command,
             data_dir: dir,
+        } => keys(command, &data_dir(dir)?),
+        Command::Worker => worker(),
+    }
+}
+
+/// `kiln run FILE`: the language from the extension unless `--lang` says.
+fn run_file(file: &std::path::Path, args: &ExecArgs) -> anyhow::Result<ExitCode> {
+    let language = match args.lang {
+        Some(language) => language,
+        None => Language::from_path(file).with_context(|| {
+            format!(
+                "cannot tell the language of {} from its extension (.py or .js); pass --lang",
+                file.display()
+            )
+        })?,
+    };
+    let code = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let code = String::from_utf8(code)
+        .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", file.display()))?;
+    exec(language, code, args)
+}
+
+fn setup(lang: Option<Language>) -> anyhow::Result<ExitCode> {
+    let cache = CacheDir::from_env();
+    let progress = progress::Bar::new();
+    let engine = WasmEngine::new(cache.clone())?;
+    let languages = match lang {
+        Some(language) => vec![language],
+        None => Language::ALL.to_vec(),
+    };
+    for language in languages {
+        engine.prepare(language, &progress)?;
+    }
+    eprintln!("kiln: runtimes ready in {}", cache.root().display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Fetches and compiles the runtimes here, once, before any worker needs them.
+fn prepare_runtimes() -> anyhow::Result<()> {
+    let setup = WasmEngine::with_options(
+        CacheDir::from_env(),
+        &kiln_wasm::EngineOptions { max_instances: 1 },
+    )?;
+    for language in Language::ALL {
+        setup.prepare(language, &progress::Bar::new())?;
+    }
+    Ok(())
+}
+
+/// The templates this binary's backends offer.
+fn catalogue() -> kiln_core::template::Catalogue {
+    kiln_core::template::Catalogue::new(kiln_wasm::templates())
+}
+
+fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
+    prepare_runtimes()?;
+    let data_dir = data_dir(args.data_dir.clone())?;
+    let mut config = kiln_executor::PoolConfig::current_exe()?;
+    if let Some(workers) = args.workers {
+        config.workers = workers.max(1);
+    }
+    // Workers' log lines (KILN_LOG applies to them too) match the server's.
+    config.env.retain(|(name, _)| name != "KILN_LOG_FORMAT");
+    let format = if logs_json(&args) { "json" } else { "text" };
+    config.env.push(("KILN_LOG_FORMAT".into(), format.into()));
+    let pool = kiln_executor::ExecutorPool::new(config);
+    let server = kiln_server::ServerConfig {
+        listen: args.listen,
+        data_dir,
+        auth: !args.no_auth,
+        rate_limit: args.rate_limit,
+        request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
+        public_hosts: args.public_hosts,
+        quotas: kiln_server::quota::Quotas::default().with(&args.quotas.overrides()),
+        catalogue: catalogue(),
+    };
+    runtime(2)?.block_on(async {
+        pool.start_all()?;
+        kiln_server::serve(server, pool).await?;
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn mcp(dir: Option<std::path::PathBuf>, workers: usize) -> anyhow::Result<ExitCode> {
+    prepare_runtimes()?;
+    let mut config = kiln_executor::PoolConfig::current_exe()?;
+    config.workers = workers.max(1);
+    let pool = kiln_executor::ExecutorPool::new(config);
+    let server = kiln_server::ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        data_dir: data_dir(dir)?,
+        auth: false,
+        rate_limit: 0,
+        request_timeout: std::time::Duration::from_secs(600),
+        public_hosts: Vec::new(),
+        quotas: kiln_server::quota::Quotas::default(),
+        catalogue: catalogue(),
+    };
+    runtime(2)?.block_on(async {
+        let state = std::sync::Arc::new(kiln_server::AppState::open(&server, pool)?);
+        kiln_server::mcp::serve_stdio(state).await?;
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<ExitCode> {
+    match command {
+        cli::KeysCommand::Create {
+            name,
+            tenant,
+            quotas,
         } => {
-            let dir = data_dir(dir)?;
-            match command {
-                cli::KeysCommand::Create {
-                    name,
-                    tenant,
-                    quotas,
-                } => {
-                    let (record, key) = kiln_server::auth::create_key(
-                        &dir,
-                        &name,
-                        tenant.as_deref(),
-                        quotas.overrides(),
-                    )
+            let (record, key) =
+                kiln_server::auth::create_key(dir, &name, tenant.as_deref(), quotas.overrides())
                     .with_context(|| format!("cannot create a key in {}", dir.display()))?;
-                    println!("{key}");
-                    eprintln!(
-                        "kiln: created key {} for tenant {}; it is shown once, only its hash is kept ({})",
-                        record.id,
-                        record.tenant,
-                        dir.join("keys.json").display()
-                    );
-                }
-                cli::KeysCommand::List => {
-                    let keys = kiln_server::auth::list_keys(&dir)?;
-                    if keys.is_empty() {
-                        eprintln!(
-                            "kiln: no keys in {}; create one with `kiln keys create`",
-                            dir.display()
-                        );
-                    }
-                    for key in keys {
-                        println!(
-                            "{}\t{}\t{}\t{}",
-                            key.id, key.tenant, key.created_at, key.name
-                        );
-                    }
-                }
-                cli::KeysCommand::Revoke { id } => {
-                    if !kiln_server::auth::revoke_key(&dir, &id)? {
-                        anyhow::bail!("no key {id:?} in {}", dir.join("keys.json").display());
-                    }
-                    eprintln!("kiln: revoked {id}");
-                }
-            }
-            Ok(ExitCode::SUCCESS)
+            println!("{key}");
+            eprintln!(
+                "kiln: created key {} for tenant {}; it is shown once, only its hash is kept ({})",
+                record.id,
+                record.tenant,
+                dir.join("keys.json").display()
+            );
         }
-        Command::Worker => {
-            let engine = WasmEngine::new(CacheDir::from_env())?;
-            let threads = std::env::var("KILN_WORKER_THREADS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1);
-            kiln_executor::worker::runtime(threads)?.block_on(async {
-                let (input, output) = kiln_executor::worker::stdio_pipes()?;
-                kiln_executor::worker::serve(engine, input, output).await;
-                anyhow::Ok(())
-            })?;
-            Ok(ExitCode::SUCCESS)
+        cli::KeysCommand::List => {
+            let keys = kiln_server::auth::list_keys(dir)?;
+            if keys.is_empty() {
+                eprintln!(
+                    "kiln: no keys in {}; create one with `kiln keys create`",
+                    dir.display()
+                );
+            }
+            for key in keys {
+                println!(
+                    "{}\t{}\t{}\t{}",
+                    key.id, key.tenant, key.created_at, key.name
+                );
+            }
+        }
+        cli::KeysCommand::Revoke { id } => {
+            if !kiln_server::auth::revoke_key(dir, &id)? {
+                anyhow::bail!("no key {id:?} in {}", dir.join("keys.json").display());
+            }
+            eprintln!("kiln: revoked {id}");
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kiln __worker`: serves the wasm backend to its pool over stdin and stdout.
+fn worker() -> anyhow::Result<ExitCode> {
+    let engine = WasmEngine::new(CacheDir::from_env())?;
+    let threads = std::env::var("KILN_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    kiln_executor::worker::runtime(threads)?.block_on(async {
+        let (input, output) = kiln_executor::worker::stdio_pipes()?;
+        kiln_executor::worker::serve(engine, input, output).await;
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn exec(language: Language, code: String, args: &ExecArgs) -> anyhow::Result<ExitCode> {
