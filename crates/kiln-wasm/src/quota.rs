@@ -263,6 +263,14 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
 }
 
 pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
+    shadow_path_open(linker)?;
+    shadow_create_directory(linker)?;
+    shadow_symlink(linker)?;
+    shadow_link(linker)
+}
+
+/// `path_open` with `O_CREAT` counts a file it creates. Past the quota it fails with `ENOSPC`.
+fn shadow_path_open(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
     linker.func_wrap_async(
         "wasi_snapshot_preview1",
         "path_open",
@@ -304,6 +312,11 @@ pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Resul
             })
         },
     )?;
+    Ok(())
+}
+
+/// `path_create_directory` counts the folder. Past the quota it fails with `ENOSPC`.
+fn shadow_create_directory(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
     linker.func_wrap_async(
         "wasi_snapshot_preview1",
         "path_create_directory",
@@ -319,6 +332,11 @@ pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Resul
             })
         },
     )?;
+    Ok(())
+}
+
+/// `path_symlink` counts the link. Past the quota it fails with `ENOSPC`.
+fn shadow_symlink(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
     linker.func_wrap_async(
         "wasi_snapshot_preview1",
         "path_symlink",
@@ -335,6 +353,11 @@ pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Resul
             })
         },
     )?;
+    Ok(())
+}
+
+/// `path_link` counts the hard link. Past the quota it fails with `ENOSPC`.
+fn shadow_link(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
     linker.func_wrap_async(
         "wasi_snapshot_preview1",
         "path_link",

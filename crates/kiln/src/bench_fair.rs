@@ -160,161 +160,173 @@ pub fn run(
 ) -> anyhow::Result<()> {
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let agent = agent();
-
     if explicit("fair_share") {
-        let server = start(workers, &[&["--max-executions", "16"], &[]])?;
-        let mine = server.create(&agent, 1)?;
-        for _ in 0..20 {
-            server.exec(&agent, 1, &mine, "print(1)", 10_000)?;
-        }
-        let sample = |n: usize| -> anyhow::Result<Vec<f64>> {
-            let mut samples = Vec::with_capacity(n);
-            for _ in 0..n {
-                let t = Instant::now();
-                let reply = server.exec(&agent, 1, &mine, "print(1)", 10_000)?;
-                samples.push(micros(t.elapsed()));
-                anyhow::ensure!(reply["stdout"] == "1\n", "unexpected reply {reply}");
-            }
-            Ok(samples)
-        };
-        let idle = sample(iterations)?;
-        let loops = busy_loops(&server, 0, 8, 120)?;
-        // Let the loops start and build up use.
-        std::thread::sleep(Duration::from_secs(2));
-        let busy = sample(iterations)?;
         report.insert(
             "fair_share".into(),
-            json!({
-                "busy_loops_of_other_tenant": 8,
-                "workers": workers,
-                "print1_idle": summary(idle),
-                "print1_while_busy": summary(busy),
-            }),
+            fair_share(&agent, workers, iterations)?,
         );
-        drop(server);
-        for handle in loops {
-            let _ = handle.join();
-        }
     }
-
     if explicit("frozen_worker") {
-        let server = start(workers, &[&[]])?;
-        let mine = server.create(&agent, 0)?;
-        for _ in 0..10 {
-            server.exec(&agent, 0, &mine, "print(1)", 10_000)?;
-        }
-        let pids = server.workers();
-        anyhow::ensure!(pids.len() >= 2, "needs two workers, found {pids:?}");
-        // SAFETY: signals to this bench's own server's children.
-        unsafe { libc::kill(pids[0] as i32, libc::SIGSTOP) };
-        // Routing notices a silent worker after about a second.
-        std::thread::sleep(Duration::from_millis(1500));
-        let mut samples = Vec::new();
-        for _ in 0..iterations.min(50) {
-            let t = Instant::now();
-            server.exec(&agent, 0, &mine, "print(1)", 10_000)?;
-            samples.push(micros(t.elapsed()));
-        }
-        // SAFETY: as above.
-        unsafe { libc::kill(pids[0] as i32, libc::SIGCONT) };
-        std::thread::sleep(Duration::from_millis(500));
-        // A 3-s busy loop whose worker is stopped one second in.
-        let before: Vec<u64> = server.workers().iter().map(|&p| cpu_ticks(p)).collect();
-        let runner = {
-            let (agent, base, key, id) = (
-                agent.clone(),
-                server.base.clone(),
-                server.keys[0].clone(),
-                mine.clone(),
-            );
-            std::thread::spawn(move || {
-                let t = Instant::now();
-                let reply: Option<Value> = agent
-                    .post(&format!("{base}/api/v1/sandboxes/{id}/exec"))
-                    .set("authorization", &format!("Bearer {key}"))
-                    .send_json(json!({"code": "while True: pass", "timeoutMs": 3000}))
-                    .ok()
-                    .and_then(|r| r.into_json().ok());
-                (t.elapsed(), reply)
-            })
-        };
-        std::thread::sleep(Duration::from_millis(1000));
-        let now = server.workers();
-        let busiest = now
-            .iter()
-            .zip(before.iter().chain(std::iter::repeat(&0)))
-            .max_by_key(|(p, b)| cpu_ticks(**p).saturating_sub(**b))
-            .map(|(p, _)| *p)
-            .context("no worker")?;
-        // SAFETY: as above.
-        unsafe { libc::kill(busiest as i32, libc::SIGSTOP) };
-        let (took, reply) = runner
-            .join()
-            .map_err(|_| anyhow::anyhow!("runner panicked"))?;
-        // SAFETY: as above (it may already be dead: killed by the pool).
-        unsafe { libc::kill(busiest as i32, libc::SIGCONT) };
         report.insert(
             "frozen_worker".into(),
-            json!({
-                "print1_with_one_worker_stopped": summary(samples),
-                "deadline_ms": 3000,
-                "answered_after_ms": (took.as_secs_f64() * 1000.0).round(),
-                "overrun_ms": (took.as_secs_f64() * 1000.0 - 3000.0).round(),
-                "status": reply.as_ref().map(|r| r["status"].clone()),
-            }),
+            frozen_worker(&agent, workers, iterations)?,
         );
     }
-
     if explicit("memory_return") {
-        let server = start(
-            workers,
-            &[&["--max-executions", "200", "--max-sandboxes", "200"]],
-        )?;
-        let ids = (0..100)
-            .map(|_| server.create(&agent, 0))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        server.exec(&agent, 0, &ids[0], "print(1)", 10_000)?;
-        std::thread::sleep(Duration::from_secs(2));
-        let worker_rss = || -> Vec<f64> { server.workers().into_iter().map(rss_mib).collect() };
-        let baseline = worker_rss();
-        std::thread::scope(|scope| {
-            for id in &ids {
-                let (server, agent) = (&server, agent.clone());
-                scope.spawn(move || {
-                    let _ = server.exec(
-                        &agent,
-                        0,
-                        id,
-                        "import numpy as np\nprint(np.arange(1000000).sum())",
-                        60_000,
-                    );
-                });
-            }
-        });
-        let after_burst = worker_rss();
-        let idle_from = Instant::now();
-        let mut curve = Vec::new();
-        let mut back_after = None;
-        while idle_from.elapsed() < Duration::from_secs(60) {
-            std::thread::sleep(Duration::from_secs(1));
-            let now = worker_rss();
-            let total: f64 = now.iter().sum();
-            curve.push(json!({"t_s": idle_from.elapsed().as_secs(), "workers_rss_mib": now}));
-            if back_after.is_none() && total <= baseline.iter().sum::<f64>() * 1.25 {
-                back_after = Some(idle_from.elapsed().as_secs());
-                break;
-            }
-        }
-        report.insert(
-            "memory_return".into(),
-            json!({
-                "burst": 100,
-                "workers_rss_mib_baseline": baseline,
-                "workers_rss_mib_after_burst": after_burst,
-                "within_25_percent_after_s": back_after,
-                "curve": curve,
-            }),
-        );
+        report.insert("memory_return".into(), memory_return(&agent, workers)?);
     }
     Ok(())
+}
+
+/// Another tenant's `print(1)` while 8 busy loops of one tenant run.
+fn fair_share(agent: &ureq::Agent, workers: usize, iterations: usize) -> anyhow::Result<Value> {
+    let server = start(workers, &[&["--max-executions", "16"], &[]])?;
+    let mine = server.create(agent, 1)?;
+    for _ in 0..20 {
+        server.exec(agent, 1, &mine, "print(1)", 10_000)?;
+    }
+    let sample = |n: usize| -> anyhow::Result<Vec<f64>> {
+        let mut samples = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            let reply = server.exec(agent, 1, &mine, "print(1)", 10_000)?;
+            samples.push(micros(t.elapsed()));
+            anyhow::ensure!(reply["stdout"] == "1\n", "unexpected reply {reply}");
+        }
+        Ok(samples)
+    };
+    let idle = sample(iterations)?;
+    let loops = busy_loops(&server, 0, 8, 120)?;
+    // Let the loops start and build up use.
+    std::thread::sleep(Duration::from_secs(2));
+    let busy = sample(iterations)?;
+    let figure = json!({
+        "busy_loops_of_other_tenant": 8,
+        "workers": workers,
+        "print1_idle": summary(idle),
+        "print1_while_busy": summary(busy),
+    });
+    drop(server);
+    for handle in loops {
+        let _ = handle.join();
+    }
+    Ok(figure)
+}
+
+/// `print(1)` with one worker stopped, and a 3-s deadline whose worker is stopped.
+fn frozen_worker(agent: &ureq::Agent, workers: usize, iterations: usize) -> anyhow::Result<Value> {
+    let server = start(workers, &[&[]])?;
+    let mine = server.create(agent, 0)?;
+    for _ in 0..10 {
+        server.exec(agent, 0, &mine, "print(1)", 10_000)?;
+    }
+    let pids = server.workers();
+    anyhow::ensure!(pids.len() >= 2, "needs two workers, found {pids:?}");
+    // SAFETY: signals to this bench's own server's children.
+    unsafe { libc::kill(pids[0] as i32, libc::SIGSTOP) };
+    // Routing notices a silent worker after about a second.
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut samples = Vec::new();
+    for _ in 0..iterations.min(50) {
+        let t = Instant::now();
+        server.exec(agent, 0, &mine, "print(1)", 10_000)?;
+        samples.push(micros(t.elapsed()));
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(pids[0] as i32, libc::SIGCONT) };
+    std::thread::sleep(Duration::from_millis(500));
+    // A 3-s busy loop whose worker is stopped one second in.
+    let before: Vec<u64> = server.workers().iter().map(|&p| cpu_ticks(p)).collect();
+    let runner = {
+        let (agent, base, key, id) = (
+            agent.clone(),
+            server.base.clone(),
+            server.keys[0].clone(),
+            mine.clone(),
+        );
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            let reply: Option<Value> = agent
+                .post(&format!("{base}/api/v1/sandboxes/{id}/exec"))
+                .set("authorization", &format!("Bearer {key}"))
+                .send_json(json!({"code": "while True: pass", "timeoutMs": 3000}))
+                .ok()
+                .and_then(|r| r.into_json().ok());
+            (t.elapsed(), reply)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(1000));
+    let now = server.workers();
+    let busiest = now
+        .iter()
+        .zip(before.iter().chain(std::iter::repeat(&0)))
+        .max_by_key(|(p, b)| cpu_ticks(**p).saturating_sub(**b))
+        .map(|(p, _)| *p)
+        .context("no worker")?;
+    // SAFETY: as above.
+    unsafe { libc::kill(busiest as i32, libc::SIGSTOP) };
+    let (took, reply) = runner
+        .join()
+        .map_err(|_| anyhow::anyhow!("runner panicked"))?;
+    // SAFETY: as above (it may already be dead: killed by the pool).
+    unsafe { libc::kill(busiest as i32, libc::SIGCONT) };
+    let figure = json!({
+        "print1_with_one_worker_stopped": summary(samples),
+        "deadline_ms": 3000,
+        "answered_after_ms": (took.as_secs_f64() * 1000.0).round(),
+        "overrun_ms": (took.as_secs_f64() * 1000.0 - 3000.0).round(),
+        "status": reply.as_ref().map(|r| r["status"].clone()),
+    });
+    Ok(figure)
+}
+
+/// Worker memory after a 100-way numpy burst, sampled each second until it is back.
+fn memory_return(agent: &ureq::Agent, workers: usize) -> anyhow::Result<Value> {
+    let server = start(
+        workers,
+        &[&["--max-executions", "200", "--max-sandboxes", "200"]],
+    )?;
+    let ids = (0..100)
+        .map(|_| server.create(agent, 0))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    server.exec(agent, 0, &ids[0], "print(1)", 10_000)?;
+    std::thread::sleep(Duration::from_secs(2));
+    let worker_rss = || -> Vec<f64> { server.workers().into_iter().map(rss_mib).collect() };
+    let baseline = worker_rss();
+    std::thread::scope(|scope| {
+        for id in &ids {
+            let (server, agent) = (&server, agent.clone());
+            scope.spawn(move || {
+                let _ = server.exec(
+                    &agent,
+                    0,
+                    id,
+                    "import numpy as np\nprint(np.arange(1000000).sum())",
+                    60_000,
+                );
+            });
+        }
+    });
+    let after_burst = worker_rss();
+    let idle_from = Instant::now();
+    let mut curve = Vec::new();
+    let mut back_after = None;
+    while idle_from.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = worker_rss();
+        let total: f64 = now.iter().sum();
+        curve.push(json!({"t_s": idle_from.elapsed().as_secs(), "workers_rss_mib": now}));
+        if back_after.is_none() && total <= baseline.iter().sum::<f64>() * 1.25 {
+            back_after = Some(idle_from.elapsed().as_secs());
+            break;
+        }
+    }
+    let figure = json!({
+        "burst": 100,
+        "workers_rss_mib_baseline": baseline,
+        "workers_rss_mib_after_burst": after_burst,
+        "within_25_percent_after_s": back_after,
+        "curve": curve,
+    });
+    Ok(figure)
 }

@@ -183,59 +183,65 @@ pub fn run(
     }
 
     if want("http_idle_sandboxes") {
-        let count = 1000;
-        let before = server.memory();
-        let t = Instant::now();
-        for _ in 0..count {
-            server.create(&agent)?;
-        }
-        let created_in = t.elapsed();
-        std::thread::sleep(Duration::from_millis(500));
-        let after = server.memory();
         report.insert(
             "http_idle_sandboxes".into(),
-            json!({
-                "sandboxes": count,
-                "create_ms_each": round1(created_in.as_secs_f64() * 1000.0 / count as f64),
-                "rss_mib_before": mib(before.0),
-                "rss_mib_after": mib(after.0),
-                "pss_mib_after": mib(after.1),
-                "note": "server plus all workers; RSS counts pages shared between workers once per process, PSS splits them",
-            }),
+            idle_sandboxes(&server, &agent)?,
         );
     }
-
     // Only when named: it takes as long as asked (`--seconds`, e.g. 600).
     if explicit("http_soak") {
-        let mut curve = Vec::new();
-        let started = Instant::now();
-        let sampler = |curve: &mut Vec<Value>, execs: u64| {
-            let (rss, pss) = server.memory();
-            curve.push(json!({
-                "t_s": round1(started.elapsed().as_secs_f64()),
-                "execs": execs,
-                "rss_mib": mib(rss),
-                "pss_mib": mib(pss),
-            }));
-        };
-        let (execs, elapsed) = load(
-            &server,
-            4,
-            Duration::from_secs_f64(seconds),
-            Some(&mut |execs| sampler(&mut curve, execs)),
-        )?;
-        report.insert(
-            "http_soak".into(),
-            json!({
-                "clients": 4,
-                "seconds": round1(elapsed),
-                "execs": execs,
-                "per_second": round1(execs as f64 / elapsed),
-                "memory_curve": curve,
-            }),
-        );
+        report.insert("http_soak".into(), soak(&server, seconds)?);
     }
     Ok(())
+}
+
+/// Memory of the server and its workers before and after 1 000 idle sandboxes.
+fn idle_sandboxes(server: &Server, agent: &ureq::Agent) -> anyhow::Result<Value> {
+    let count = 1000;
+    let before = server.memory();
+    let t = Instant::now();
+    for _ in 0..count {
+        server.create(agent)?;
+    }
+    let created_in = t.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    let after = server.memory();
+    Ok(json!({
+        "sandboxes": count,
+        "create_ms_each": round1(created_in.as_secs_f64() * 1000.0 / count as f64),
+        "rss_mib_before": mib(before.0),
+        "rss_mib_after": mib(after.0),
+        "pss_mib_after": mib(after.1),
+        "note": "server plus all workers; RSS counts pages shared between workers once per process, PSS splits them",
+    }))
+}
+
+/// Execs from 4 clients for `seconds`, with the memory curve.
+fn soak(server: &Server, seconds: f64) -> anyhow::Result<Value> {
+    let mut curve = Vec::new();
+    let started = Instant::now();
+    let sampler = |curve: &mut Vec<Value>, execs: u64| {
+        let (rss, pss) = server.memory();
+        curve.push(json!({
+            "t_s": round1(started.elapsed().as_secs_f64()),
+            "execs": execs,
+            "rss_mib": mib(rss),
+            "pss_mib": mib(pss),
+        }));
+    };
+    let (execs, elapsed) = load(
+        server,
+        4,
+        Duration::from_secs_f64(seconds),
+        Some(&mut |execs| sampler(&mut curve, execs)),
+    )?;
+    Ok(json!({
+        "clients": 4,
+        "seconds": round1(elapsed),
+        "execs": execs,
+        "per_second": round1(execs as f64 / elapsed),
+        "memory_curve": curve,
+    }))
 }
 
 fn round1(x: f64) -> f64 {
