@@ -231,27 +231,9 @@ impl Run<'_> {
     }
 
     async fn execute_code(&mut self, call: &ToolCall) -> (String, bool) {
-        let args = &call.arguments;
-        let Some(code) = args.get("code").and_then(Value::as_str) else {
-            return tool_error(
-                "execute_code needs {\"language\": \"python\"|\"javascript\", \"code\": \"...\"}; `code` is missing or not a string",
-            );
-        };
-        let language = match args
-            .get("language")
-            .and_then(Value::as_str)
-            .map(Language::from_name)
-        {
-            None => Language::Python,
-            Some(Some(language)) => language,
-            Some(None) => return tool_error("language must be \"python\" or \"javascript\""),
-        };
-        let timeout_ms = match args.get("timeout_seconds") {
-            None | Some(Value::Null) => Some(30_000),
-            Some(v) => match v.as_f64() {
-                Some(s) if s > 0.0 && s <= 300.0 => Some((s * 1000.0).ceil() as u64),
-                _ => return tool_error("timeout_seconds must be a number from 1 to 300"),
-            },
+        let (code, language, timeout_ms) = match execute_args(&call.arguments) {
+            Ok(args) => args,
+            Err(message) => return tool_error(message),
         };
         // Over the tenant's session quota the code still runs, as a one-shot in the same
         // workspace; the model is told that variables are not kept.
@@ -267,7 +249,7 @@ impl Run<'_> {
             Err(e) => return tool_error(api_error_text(&e)),
         };
         let body = v1::Execute {
-            code: code.to_owned(),
+            code,
             language: Some(language.name().into()),
             stdin: String::new(),
             env: BTreeMap::new(),
@@ -280,25 +262,7 @@ impl Run<'_> {
             Err(e) => return tool_error(api_error_text(&e)),
         };
         let exec_id = spec.exec_id.clone();
-        let (chunks_tx, mut chunks_rx) = mpsc::unbounded_channel::<Chunk>();
-        let events = self.events.clone();
-        let id = call.id.clone();
-        let relay = tokio::spawn(async move {
-            while let Some(chunk) = chunks_rx.recv().await {
-                let data = String::from_utf8_lossy(&chunk.data).into_owned();
-                let _ = events.send(if chunk.stderr {
-                    AgentEvent::Stderr {
-                        id: id.clone(),
-                        data,
-                    }
-                } else {
-                    AgentEvent::Stdout {
-                        id: id.clone(),
-                        data,
-                    }
-                });
-            }
-        });
+        let (chunks_tx, relay) = relay_output(self.events.clone(), call.id.clone());
         let ran = exec::run(
             self.state,
             self.caller,
@@ -315,21 +279,7 @@ impl Run<'_> {
         if outcome.commit_id.is_some() {
             self.report_artifacts(&exec_id).await;
         }
-        let mut text = format!(
-            "status: {}\nexit_code: {}\n{}",
-            outcome.status(),
-            outcome.result.exit_code,
-            note.unwrap_or_default()
-        );
-        let stdout = outcome.result.stdout_text();
-        let stderr = outcome.stderr_with_reason();
-        if !stdout.is_empty() {
-            text.push_str(&format!("stdout:\n{stdout}"));
-        }
-        if !stderr.is_empty() {
-            text.push_str(&format!("stderr:\n{stderr}"));
-        }
-        (text, outcome.status() != "success")
+        (describe(&outcome, note), outcome.status() != "success")
     }
 
     /// Files an execution wrote, reported as artifacts the client can download.
@@ -440,6 +390,71 @@ impl Run<'_> {
     }
 }
 
+/// `execute_code`'s arguments: code, language (default Python), timeout (default 30 s).
+fn execute_args(args: &Value) -> Result<(String, Language, Option<u64>), &'static str> {
+    let Some(code) = args.get("code").and_then(Value::as_str) else {
+        return Err(
+            "execute_code needs {\"language\": \"python\"|\"javascript\", \"code\": \"...\"}; `code` is missing or not a string",
+        );
+    };
+    let language = match args
+        .get("language")
+        .and_then(Value::as_str)
+        .map(Language::from_name)
+    {
+        None => Language::Python,
+        Some(Some(language)) => language,
+        Some(None) => return Err("language must be \"python\" or \"javascript\""),
+    };
+    let timeout_ms = match args.get("timeout_seconds") {
+        None | Some(Value::Null) => Some(30_000),
+        Some(v) => match v.as_f64() {
+            Some(s) if s > 0.0 && s <= 300.0 => Some((s * 1000.0).ceil() as u64),
+            _ => return Err("timeout_seconds must be a number from 1 to 300"),
+        },
+    };
+    Ok((code.to_owned(), language, timeout_ms))
+}
+
+/// Relays an execution's output to the client as `stdout`/`stderr` events of tool call `id`.
+fn relay_output(
+    events: UnboundedSender<AgentEvent>,
+    id: String,
+) -> (UnboundedSender<Chunk>, tokio::task::JoinHandle<()>) {
+    let (chunks_tx, mut chunks_rx) = mpsc::unbounded_channel::<Chunk>();
+    let relay = tokio::spawn(async move {
+        while let Some(chunk) = chunks_rx.recv().await {
+            let data = String::from_utf8_lossy(&chunk.data).into_owned();
+            let id = id.clone();
+            let _ = events.send(if chunk.stderr {
+                AgentEvent::Stderr { id, data }
+            } else {
+                AgentEvent::Stdout { id, data }
+            });
+        }
+    });
+    (chunks_tx, relay)
+}
+
+/// An execution's outcome as the model reads it.
+fn describe(outcome: &exec::RunOutcome, note: Option<String>) -> String {
+    let mut text = format!(
+        "status: {}\nexit_code: {}\n{}",
+        outcome.status(),
+        outcome.result.exit_code,
+        note.unwrap_or_default()
+    );
+    let stdout = outcome.result.stdout_text();
+    let stderr = outcome.stderr_with_reason();
+    if !stdout.is_empty() {
+        text.push_str(&format!("stdout:\n{stdout}"));
+    }
+    if !stderr.is_empty() {
+        text.push_str(&format!("stderr:\n{stderr}"));
+    }
+    text
+}
+
 fn agent_error(code: &'static str, message: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::BAD_GATEWAY, code, message)
 }
@@ -454,43 +469,13 @@ pub async fn run(
     limits: &AgentLimits,
     events: &UnboundedSender<AgentEvent>,
 ) -> Result<(), ApiError> {
-    let sandbox = match input.sandbox {
-        Some(id) => {
-            state.registry.get(&caller.tenant, &id)?;
-            id
-        }
-        None => {
-            exec::create_default_sandbox(state, caller, Language::Python)
-                .await?
-                .id
-        }
-    };
-    let _ = events.send(AgentEvent::Sandbox {
-        sandbox_id: sandbox.clone(),
-    });
-    // Reuse the sandbox's live sessions (a continued conversation keeps its variables).
-    let mut sessions = BTreeMap::new();
-    if let Ok(view) = state.registry.get(&caller.tenant, &sandbox) {
-        for session in view.meta.sessions.values() {
-            if view.live_sessions.contains(&session.id) {
-                sessions.insert(session.language.name(), session.id.clone());
-            }
-        }
-    }
-    let mut run = Run {
-        state,
-        caller,
-        sandbox: sandbox.clone(),
-        sessions,
-        events,
-    };
+    let mut run = Run::open(state, caller, input.sandbox, events).await?;
     let mut messages = input.messages;
     if !messages.iter().any(|m| m.role == Role::System) {
         messages.insert(0, Message::system("You can run code with the execute_code tool (Python or JavaScript, no network). Use it for anything you would otherwise compute in your head. Keep printed output short."));
     }
     let mut usage = Usage::default();
-    let mut tool_calls = 0usize;
-    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut budget = Budget::new(limits);
     let mut schema_retry_used = false;
     for _turn in 0..limits.max_turns {
         let request = ModelRequest {
@@ -498,45 +483,7 @@ pub async fn run(
             tools: tools(),
             output_schema: input.output_schema.clone(),
         };
-        let (model_tx, mut model_rx) = mpsc::unbounded_channel::<ModelEvent>();
-        let forward = events.clone();
-        let relay = tokio::spawn(async move {
-            while let Some(event) = model_rx.recv().await {
-                let event = match event {
-                    ModelEvent::FirstToken => continue,
-                    ModelEvent::TextDelta(text) => AgentEvent::TextDelta { text },
-                    ModelEvent::ToolCallStart { id, name } => {
-                        AgentEvent::ToolCallStart { id, name }
-                    }
-                    ModelEvent::ToolCallArguments { id, delta } => {
-                        AgentEvent::ToolCallArguments { id, delta }
-                    }
-                };
-                let _ = forward.send(event);
-            }
-        });
-        let reply = complete_with_retries(
-            model,
-            &request,
-            Some(&model_tx),
-            limits.model_timeout,
-            limits.retry,
-        )
-        .await;
-        drop(model_tx);
-        let _ = relay.await;
-        let reply = reply.map_err(|e| match e {
-            kiln_llm::LlmError::NotConfigured(m) => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "LLM_NOT_CONFIGURED", m)
-            }
-            kiln_llm::LlmError::Timeout(_) => {
-                ApiError::new(StatusCode::GATEWAY_TIMEOUT, "LLM_TIMEOUT", e.to_string())
-            }
-            kiln_llm::LlmError::RateLimited { .. } => {
-                agent_error("LLM_RATE_LIMITED", e.to_string())
-            }
-            other => agent_error("LLM_FAILED", other.to_string()),
-        })?;
+        let reply = ask_model(model, &request, limits, events).await?;
         usage += reply.usage;
         if reply.tool_calls.is_empty() {
             let message = Message::assistant(reply.text.clone());
@@ -566,7 +513,7 @@ pub async fn run(
                 message,
                 structured,
                 messages,
-                sandbox_id: sandbox,
+                sandbox_id: run.sandbox,
                 usage,
             });
             return Ok(());
@@ -578,28 +525,7 @@ pub async fn run(
             tool_call_id: None,
         });
         for call in &reply.tool_calls {
-            tool_calls += 1;
-            if tool_calls > limits.max_tool_calls {
-                return Err(agent_error(
-                    "AGENT_BUDGET_EXCEEDED",
-                    format!(
-                        "the model made more than {} tool calls in one request",
-                        limits.max_tool_calls
-                    ),
-                ));
-            }
-            let key = format!("{}:{}", call.name, call.arguments);
-            let repeats = seen.entry(key).or_default();
-            *repeats += 1;
-            if *repeats > limits.max_repeats {
-                return Err(agent_error(
-                    "AGENT_LOOP",
-                    format!(
-                        "the model repeated the same {} call {} times; stopped",
-                        call.name, *repeats
-                    ),
-                ));
-            }
+            budget.admit(call)?;
             let (result, is_error) = run.call_tool(call).await;
             let (result, truncated) = truncate(&result, limits.tool_result_chars);
             let _ = events.send(AgentEvent::ToolResult {
@@ -616,6 +542,136 @@ pub async fn run(
         "AGENT_BUDGET_EXCEEDED",
         format!("no final answer after {} model calls", limits.max_turns),
     ))
+}
+
+impl<'a> Run<'a> {
+    /// The run's sandbox (the given one, or a new Python one) and its live sessions, which a
+    /// continued conversation reuses so its variables are kept.
+    async fn open(
+        state: &'a Arc<AppState>,
+        caller: &'a Caller,
+        sandbox: Option<String>,
+        events: &'a UnboundedSender<AgentEvent>,
+    ) -> Result<Run<'a>, ApiError> {
+        let sandbox = match sandbox {
+            Some(id) => {
+                state.registry.get(&caller.tenant, &id)?;
+                id
+            }
+            None => {
+                exec::create_default_sandbox(state, caller, Language::Python)
+                    .await?
+                    .id
+            }
+        };
+        let _ = events.send(AgentEvent::Sandbox {
+            sandbox_id: sandbox.clone(),
+        });
+        let mut sessions = BTreeMap::new();
+        if let Ok(view) = state.registry.get(&caller.tenant, &sandbox) {
+            for session in view.meta.sessions.values() {
+                if view.live_sessions.contains(&session.id) {
+                    sessions.insert(session.language.name(), session.id.clone());
+                }
+            }
+        }
+        Ok(Run {
+            state,
+            caller,
+            sandbox,
+            sessions,
+            events,
+        })
+    }
+}
+
+/// One model call with retries, its stream relayed as agent events.
+async fn ask_model(
+    model: &dyn ChatModel,
+    request: &ModelRequest,
+    limits: &AgentLimits,
+    events: &UnboundedSender<AgentEvent>,
+) -> Result<kiln_llm::ModelReply, ApiError> {
+    let (model_tx, mut model_rx) = mpsc::unbounded_channel::<ModelEvent>();
+    let forward = events.clone();
+    let relay = tokio::spawn(async move {
+        while let Some(event) = model_rx.recv().await {
+            let event = match event {
+                ModelEvent::FirstToken => continue,
+                ModelEvent::TextDelta(text) => AgentEvent::TextDelta { text },
+                ModelEvent::ToolCallStart { id, name } => AgentEvent::ToolCallStart { id, name },
+                ModelEvent::ToolCallArguments { id, delta } => {
+                    AgentEvent::ToolCallArguments { id, delta }
+                }
+            };
+            let _ = forward.send(event);
+        }
+    });
+    let reply = complete_with_retries(
+        model,
+        request,
+        Some(&model_tx),
+        limits.model_timeout,
+        limits.retry,
+    )
+    .await;
+    drop(model_tx);
+    let _ = relay.await;
+    reply.map_err(|e| match e {
+        kiln_llm::LlmError::NotConfigured(m) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "LLM_NOT_CONFIGURED", m)
+        }
+        kiln_llm::LlmError::Timeout(_) => {
+            ApiError::new(StatusCode::GATEWAY_TIMEOUT, "LLM_TIMEOUT", e.to_string())
+        }
+        kiln_llm::LlmError::RateLimited { .. } => agent_error("LLM_RATE_LIMITED", e.to_string()),
+        other => agent_error("LLM_FAILED", other.to_string()),
+    })
+}
+
+/// The tool calls one run may make: so many in all, and the same call so many times.
+struct Budget<'a> {
+    limits: &'a AgentLimits,
+    calls: usize,
+    seen: BTreeMap<String, usize>,
+}
+
+impl<'a> Budget<'a> {
+    fn new(limits: &'a AgentLimits) -> Budget<'a> {
+        Budget {
+            limits,
+            calls: 0,
+            seen: BTreeMap::new(),
+        }
+    }
+
+    fn admit(&mut self, call: &ToolCall) -> Result<(), ApiError> {
+        self.calls += 1;
+        if self.calls > self.limits.max_tool_calls {
+            return Err(agent_error(
+                "AGENT_BUDGET_EXCEEDED",
+                format!(
+                    "the model made more than {} tool calls in one request",
+                    self.limits.max_tool_calls
+                ),
+            ));
+        }
+        let repeats = self
+            .seen
+            .entry(format!("{}:{}", call.name, call.arguments))
+            .or_default();
+        *repeats += 1;
+        if *repeats > self.limits.max_repeats {
+            return Err(agent_error(
+                "AGENT_LOOP",
+                format!(
+                    "the model repeated the same {} call {} times; stopped",
+                    call.name, *repeats
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 pub use kiln_llm::check_structured;
