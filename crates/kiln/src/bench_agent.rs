@@ -90,104 +90,112 @@ pub fn run(
         .enable_all()
         .build()?;
     if want("agent_tool_round_trip") {
-        let data = tempfile::tempdir()?;
-        let config = kiln_server::ServerConfig {
-            listen: ([127, 0, 0, 1], 0).into(),
-            data_dir: data.path().to_path_buf(),
-            auth: false,
-            rate_limit: 0,
-            request_timeout: Duration::from_secs(600),
-            public_hosts: Vec::new(),
-            catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
-            // Overhead, not quotas, is measured: every run keeps a session.
-            quotas: kiln_server::quota::Quotas {
-                sessions: 10_000,
-                session_memory_bytes: u64::MAX,
-                ..kiln_server::quota::Quotas::default()
-            },
-        };
-        let samples = rt.block_on(async {
-            let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);
-            pool.start_all()?;
-            let state = Arc::new(kiln_server::AppState::open(&config, pool)?);
-            let caller = kiln_server::auth::Caller {
-                tenant: "bench".into(),
-                key_id: "bench".into(),
-                quotas: Default::default(),
-            };
-            let calls = 10;
-            let limits = kiln_server::agent::AgentLimits {
-                max_tool_calls: calls + 1,
-                max_turns: calls + 2,
-                ..Default::default()
-            };
-            let mut samples = Vec::new();
-            for round in 0..(iterations / calls).max(5) + 1 {
-                let model = Instant1 {
-                    calls,
-                    made: AtomicUsize::new(0),
-                };
-                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-                let input = kiln_server::agent::AgentInput {
-                    messages: vec![kiln_llm::Message::user("bench")],
-                    output_schema: None,
-                    sandbox: None,
-                };
-                let started = Instant::now();
-                kiln_server::agent::run(&state, &caller, &model, input, &limits, &tx)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("agent: {}", e.message))?;
-                let elapsed = started.elapsed();
-                drop(tx);
-                let mut results = 0;
-                while let Some(event) = rx.recv().await {
-                    if let kiln_server::agent::AgentEvent::ToolResult {
-                        is_error, result, ..
-                    } = event
-                    {
-                        anyhow::ensure!(!is_error, "a tool call failed: {result}");
-                        results += 1;
-                    }
-                }
-                anyhow::ensure!(results == calls, "{results} tool results");
-                // The first run opens the session and creates the sandbox: warm-up.
-                if round > 0 {
-                    samples.push(micros(elapsed) / calls as f64);
-                }
-            }
-            anyhow::Ok(samples)
-        })?;
+        let samples = rt.block_on(tool_round_trips(iterations))?;
         report.insert("agent_tool_round_trip".into(), summary(samples));
     }
-
     if want("chat_first_event") {
-        let fake = rt.block_on(FakeProvider::start(vec![]))?;
-        fake.repeat(Step::Text("The answer is 42.".into()));
-        let server = serve_with_model(&fake)?;
-        let mut samples = Vec::new();
-        for i in 0..(iterations / 10).max(20) + 3 {
-            let response = ureq::post(&format!("{}/api/v1/chat", server.base))
-                .send_json(json!({"messages": [{"role": "user", "content": "hi"}]}))
-                .context("POST /api/v1/chat")?;
-            let mut first = None;
-            for line in BufReader::new(response.into_reader()).lines() {
-                let line = line?;
-                if first.is_none() && line.starts_with("event: text_delta") {
-                    first = Some(Instant::now());
-                }
-            }
-            let first = first.context("no text_delta event")?;
-            let sent = fake
-                .last_answer_at()
-                .context("the provider never answered")?;
-            if i >= 3 {
-                samples.push(micros(first.saturating_duration_since(sent)));
-            }
-        }
+        let samples = chat_first_events(&rt, iterations)?;
         report.insert(
             "chat_first_event_after_first_token".into(),
             summary(samples),
         );
     }
     Ok(())
+}
+
+/// The agent's own time per tool round trip (the model answers at once), in µs.
+async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
+    let data = tempfile::tempdir()?;
+    let config = kiln_server::ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        data_dir: data.path().to_path_buf(),
+        auth: false,
+        rate_limit: 0,
+        request_timeout: Duration::from_secs(600),
+        public_hosts: Vec::new(),
+        catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
+        // Overhead, not quotas, is measured: every run keeps a session.
+        quotas: kiln_server::quota::Quotas {
+            sessions: 10_000,
+            session_memory_bytes: u64::MAX,
+            ..kiln_server::quota::Quotas::default()
+        },
+    };
+    let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);
+    pool.start_all()?;
+    let state = Arc::new(kiln_server::AppState::open(&config, pool)?);
+    let caller = kiln_server::auth::Caller {
+        tenant: "bench".into(),
+        key_id: "bench".into(),
+        quotas: Default::default(),
+    };
+    let calls = 10;
+    let limits = kiln_server::agent::AgentLimits {
+        max_tool_calls: calls + 1,
+        max_turns: calls + 2,
+        ..Default::default()
+    };
+    let mut samples = Vec::new();
+    for round in 0..(iterations / calls).max(5) + 1 {
+        let model = Instant1 {
+            calls,
+            made: AtomicUsize::new(0),
+        };
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let input = kiln_server::agent::AgentInput {
+            messages: vec![kiln_llm::Message::user("bench")],
+            output_schema: None,
+            sandbox: None,
+        };
+        let started = Instant::now();
+        kiln_server::agent::run(&state, &caller, &model, input, &limits, &tx)
+            .await
+            .map_err(|e| anyhow::anyhow!("agent: {}", e.message))?;
+        let elapsed = started.elapsed();
+        drop(tx);
+        let mut results = 0;
+        while let Some(event) = rx.recv().await {
+            if let kiln_server::agent::AgentEvent::ToolResult {
+                is_error, result, ..
+            } = event
+            {
+                anyhow::ensure!(!is_error, "a tool call failed: {result}");
+                results += 1;
+            }
+        }
+        anyhow::ensure!(results == calls, "{results} tool results");
+        // The first run opens the session and creates the sandbox: warm-up.
+        if round > 0 {
+            samples.push(micros(elapsed) / calls as f64);
+        }
+    }
+    Ok(samples)
+}
+
+/// From the provider's first token to the chat's first SSE event, in µs.
+fn chat_first_events(rt: &tokio::runtime::Runtime, iterations: usize) -> anyhow::Result<Vec<f64>> {
+    let fake = rt.block_on(FakeProvider::start(vec![]))?;
+    fake.repeat(Step::Text("The answer is 42.".into()));
+    let server = serve_with_model(&fake)?;
+    let mut samples = Vec::new();
+    for i in 0..(iterations / 10).max(20) + 3 {
+        let response = ureq::post(&format!("{}/api/v1/chat", server.base))
+            .send_json(json!({"messages": [{"role": "user", "content": "hi"}]}))
+            .context("POST /api/v1/chat")?;
+        let mut first = None;
+        for line in BufReader::new(response.into_reader()).lines() {
+            let line = line?;
+            if first.is_none() && line.starts_with("event: text_delta") {
+                first = Some(Instant::now());
+            }
+        }
+        let first = first.context("no text_delta event")?;
+        let sent = fake
+            .last_answer_at()
+            .context("the provider never answered")?;
+        if i >= 3 {
+            samples.push(micros(first.saturating_duration_since(sent)));
+        }
+    }
+    Ok(samples)
 }

@@ -166,49 +166,99 @@ pub fn run(
 /// then holds.
 const WARM_UP_SECONDS: u64 = 60;
 
+/// What the mixed-load clients count, shared with the sampler.
+#[derive(Default)]
+struct Counters {
+    stop: AtomicBool,
+    done: AtomicU64,
+    errors: AtomicU64,
+    /// Per operation (exec, session turn, upload, download, history page): count and total
+    /// microseconds, to see which one a change in throughput comes from.
+    op_count: [AtomicU64; 5],
+    op_us: [AtomicU64; 5],
+}
+
+/// One mixed-load client: its own sandbox and session; execs, turns, uploads, downloads and
+/// history pages in turn until told to stop.
+fn mixed_client(client: usize, base: &str, counters: &Counters) -> anyhow::Result<()> {
+    let agent = agent();
+    let id = sandbox(&agent, base)?;
+    let session = post(
+        &agent,
+        base,
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        &json!({}),
+    )?;
+    let session = session["sessionId"]
+        .as_str()
+        .context("no sessionId")?
+        .to_owned();
+    let mut n = 0u64;
+    while !counters.stop.load(Ordering::Relaxed) {
+        n += 1;
+        let op_started = Instant::now();
+        let outcome = match n % 5 {
+            0 => post(
+                &agent,
+                base,
+                &format!("/api/v1/sandboxes/{id}/exec"),
+                &json!({"code": format!("open('out{}.txt','w').write('{client} {n}')", n % 20)}),
+            )
+            .map(|_| ()),
+            1 => post(
+                &agent,
+                base,
+                &format!("/api/v1/sandboxes/{id}/exec"),
+                &json!({"code": "x = globals().get('x', 0) + 1", "sessionId": session}),
+            )
+            .map(|_| ()),
+            2 => upload(
+                &agent,
+                base,
+                &id,
+                &format!("up{}.txt", n % 20),
+                n.to_string().as_bytes(),
+            ),
+            3 => get(
+                &agent,
+                base,
+                &format!("/api/v1/sandboxes/{id}/files/up{}.txt", (n + 19) % 20),
+            )
+            .map(|_| ()),
+            _ => get(
+                &agent,
+                base,
+                &format!("/api/sandbox/{id}/history?limit=100"),
+            )
+            .map(|_| ()),
+        };
+        let op = (n % 5) as usize;
+        counters.op_count[op].fetch_add(1, Ordering::Relaxed);
+        counters.op_us[op].fetch_add(op_started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match outcome {
+            Ok(()) => counters.done.fetch_add(1, Ordering::Relaxed),
+            Err(_) => counters.errors.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+    Ok(())
+}
+
 fn mixed_load(base: &str, seconds: f64) -> anyhow::Result<Value> {
     let clients = 4;
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    // Per operation (exec, session turn, upload, download, history page): count and total
-    // microseconds, to see which one a change in throughput comes from.
-    let op_count: Arc<[AtomicU64; 5]> = Arc::new(Default::default());
-    let op_us: Arc<[AtomicU64; 5]> = Arc::new(Default::default());
-    let mut threads = Vec::new();
-    for client in 0..clients {
-        let (base, stop, done, errors) =
-            (base.to_owned(), stop.clone(), done.clone(), errors.clone());
-        let (op_count, op_us) = (op_count.clone(), op_us.clone());
-        threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
-            let agent = agent();
-            let id = sandbox(&agent, &base)?;
-            let session = post(&agent, &base, &format!("/api/v1/sandboxes/{id}/sessions"), &json!({}))?;
-            let session = session["sessionId"].as_str().context("no sessionId")?.to_owned();
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                n += 1;
-                let op_started = Instant::now();
-                let outcome = match n % 5 {
-                    0 => post(&agent, &base, &format!("/api/v1/sandboxes/{id}/exec"),
-                        &json!({"code": format!("open('out{}.txt','w').write('{client} {n}')", n % 20)})).map(|_| ()),
-                    1 => post(&agent, &base, &format!("/api/v1/sandboxes/{id}/exec"),
-                        &json!({"code": "x = globals().get('x', 0) + 1", "sessionId": session})).map(|_| ()),
-                    2 => upload(&agent, &base, &id, &format!("up{}.txt", n % 20), n.to_string().as_bytes()),
-                    3 => get(&agent, &base, &format!("/api/v1/sandboxes/{id}/files/up{}.txt", (n + 19) % 20)).map(|_| ()),
-                    _ => get(&agent, &base, &format!("/api/sandbox/{id}/history?limit=100")).map(|_| ()),
-                };
-                let op = (n % 5) as usize;
-                op_count[op].fetch_add(1, Ordering::Relaxed);
-                op_us[op].fetch_add(op_started.elapsed().as_micros() as u64, Ordering::Relaxed);
-                match outcome {
-                    Ok(()) => done.fetch_add(1, Ordering::Relaxed),
-                    Err(_) => errors.fetch_add(1, Ordering::Relaxed),
-                };
-            }
-            Ok(())
-        }));
-    }
+    let counters = Arc::new(Counters::default());
+    let threads: Vec<_> = (0..clients)
+        .map(|client| {
+            let (base, counters) = (base.to_owned(), counters.clone());
+            std::thread::spawn(move || mixed_client(client, &base, &counters))
+        })
+        .collect();
+    let Counters {
+        stop,
+        done,
+        errors,
+        op_count,
+        op_us,
+    } = &*counters;
     // Warm-up: every client's sandbox, session and 40 files exist before the clock starts, so
     // the first window does the same work as the last one, with a short history (about 800
     // commits per sandbox, against 4 000 at the end).

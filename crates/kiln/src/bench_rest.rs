@@ -92,39 +92,8 @@ pub fn run(
         seed(&rest, &agent, 20)?;
         report.insert("rest_cached_get".into(), latency(&rest, &agent, n)?);
         if want("rest_cached_get_throughput") {
-            let clients = 8;
-            let stop = Arc::new(AtomicBool::new(false));
-            let done = Arc::new(AtomicU64::new(0));
-            let window = Duration::from_secs_f64(seconds.clamp(2.0, 60.0));
-            let handles: Vec<_> = (0..clients)
-                .map(|c| {
-                    let (stop, done, base) = (stop.clone(), done.clone(), rest.base.clone());
-                    std::thread::spawn(move || -> anyhow::Result<()> {
-                        let agent = self::agent();
-                        let mut i = c;
-                        while !stop.load(Ordering::Relaxed) {
-                            get(&agent, &format!("{base}/members/{}", i % 20 + 1))?;
-                            done.fetch_add(1, Ordering::Relaxed);
-                            i += clients;
-                        }
-                        Ok(())
-                    })
-                })
-                .collect();
-            std::thread::sleep(Duration::from_millis(500));
-            let (start, t) = (done.load(Ordering::Relaxed), Instant::now());
-            std::thread::sleep(window);
-            let count = done.load(Ordering::Relaxed) - start;
-            let elapsed = t.elapsed().as_secs_f64();
-            stop.store(true, Ordering::Relaxed);
-            for h in handles {
-                h.join()
-                    .map_err(|_| anyhow::anyhow!("a client panicked"))??;
-            }
-            report.insert(
-                "rest_cached_get_throughput".into(),
-                json!({"clients": clients, "seconds": elapsed, "requests": count, "per_second": (count as f64 / elapsed).round()}),
-            );
+            let figure = cached_get_throughput(&rest, seconds)?;
+            report.insert("rest_cached_get_throughput".into(), figure);
         }
     }
     if want("rest_uncached_conventions") {
@@ -144,32 +113,112 @@ pub fn run(
     }
     #[cfg(feature = "bench-llm")]
     if want("rest_uncached_llm_path") {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()?;
-        let fake = rt.block_on(FakeProvider::start(vec![]))?;
-        let create = "body = ctx['body']\nnew_id = store.collection('members').insert(body)\nREPLY = {'status': 201, 'headers': {}, 'body': store.collection('members').get(new_id)}";
-        let read = "item = store.collection('members').get(ctx['segments'][1])\nREPLY = {'status': 200 if item else 404, 'headers': {}, 'body': item}";
-        let plan = |code: &str| {
-            json!({"action": "read", "resource": "members", "id": null, "criteria": {}, "payload": null,
-                   "response_hints": {}, "cache": {"generic": false, "pattern": null},
-                   "code": {"language": "python", "block": format!("```python\n{code}\n```")}})
-            .to_string()
-        };
-        let env = [
-            ("KILN_LLM_MODEL", "openai-compatible:bench".to_string()),
-            ("KILN_LLM_BASE_URL", fake.base_url.clone()),
-        ];
-        let rest = start(&["--planner", "llm", "--no-plan-cache"], &env)?;
-        fake.repeat(Step::Text(plan(create)));
-        seed(&rest, &agent, 20)?;
-        fake.repeat(Step::Text(plan(read)));
-        report.insert("rest_uncached_llm_path".into(), latency(&rest, &agent, n)?);
-        drop(rest);
-        drop(rt);
+        report.insert("rest_uncached_llm_path".into(), llm_path(&agent, n)?);
     }
     Ok(())
+}
+
+/// Cached GETs a second from 8 clients, over `seconds` (2 to 60).
+fn cached_get_throughput(rest: &Spawned, seconds: f64) -> anyhow::Result<Value> {
+    let clients = 8;
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let window = Duration::from_secs_f64(seconds.clamp(2.0, 60.0));
+    let handles: Vec<_> = (0..clients)
+        .map(|c| {
+            let (stop, done, base) = (stop.clone(), done.clone(), rest.base.clone());
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                let agent = self::agent();
+                let mut i = c;
+                while !stop.load(Ordering::Relaxed) {
+                    get(&agent, &format!("{base}/members/{}", i % 20 + 1))?;
+                    done.fetch_add(1, Ordering::Relaxed);
+                    i += clients;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let (start, t) = (done.load(Ordering::Relaxed), Instant::now());
+    std::thread::sleep(window);
+    let count = done.load(Ordering::Relaxed) - start;
+    let elapsed = t.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join()
+            .map_err(|_| anyhow::anyhow!("a client panicked"))??;
+    }
+    Ok(
+        json!({"clients": clients, "seconds": elapsed, "requests": count, "per_second": (count as f64 / elapsed).round()}),
+    )
+}
+
+/// Uncached requests through the LLM planner (a provider test server answering at once).
+#[cfg(feature = "bench-llm")]
+fn llm_path(agent: &ureq::Agent, n: usize) -> anyhow::Result<Value> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let fake = rt.block_on(FakeProvider::start(vec![]))?;
+    let create = "body = ctx['body']\nnew_id = store.collection('members').insert(body)\nREPLY = {'status': 201, 'headers': {}, 'body': store.collection('members').get(new_id)}";
+    let read = "item = store.collection('members').get(ctx['segments'][1])\nREPLY = {'status': 200 if item else 404, 'headers': {}, 'body': item}";
+    let plan = |code: &str| {
+        json!({"action": "read", "resource": "members", "id": null, "criteria": {}, "payload": null,
+               "response_hints": {}, "cache": {"generic": false, "pattern": null},
+               "code": {"language": "python", "block": format!("```python\n{code}\n```")}})
+        .to_string()
+    };
+    let env = [
+        ("KILN_LLM_MODEL", "openai-compatible:bench".to_string()),
+        ("KILN_LLM_BASE_URL", fake.base_url.clone()),
+    ];
+    let rest = start(&["--planner", "llm", "--no-plan-cache"], &env)?;
+    fake.repeat(Step::Text(plan(create)));
+    seed(&rest, agent, 20)?;
+    fake.repeat(Step::Text(plan(read)));
+    let figure = latency(&rest, agent, n)?;
+    drop(rest);
+    drop(rt);
+    Ok(figure)
+}
+
+/// One soak client: create, read `reads` times, replace, delete, until `stop`; counts
+/// requests of whole rounds in `done` and failed rounds in `failed`.
+fn crud_rounds(
+    client: usize,
+    reads: u64,
+    base: &str,
+    stop: &AtomicBool,
+    done: &AtomicU64,
+    failed: &AtomicU64,
+) {
+    let agent = self::agent();
+    let mut i: u64 = 0;
+    while !stop.load(Ordering::Relaxed) {
+        i += 1;
+        let name = format!("c{client} n{i}");
+        let step = || -> anyhow::Result<()> {
+            let created: Value = agent
+                .post(&format!("{base}/members/"))
+                .send_json(json!({"name": name, "n": i}))?
+                .into_json()?;
+            let id = created["id"].to_string();
+            for _ in 0..reads {
+                get(&agent, &format!("{base}/members/{id}"))?;
+            }
+            agent
+                .put(&format!("{base}/members/{id}"))
+                .send_json(json!({"name": name, "n": i + 1}))?;
+            agent.delete(&format!("{base}/members/{id}")).call()?;
+            Ok(())
+        };
+        match step() {
+            Ok(()) => done.fetch_add(reads + 3, Ordering::Relaxed),
+            Err(_) => failed.fetch_add(1, Ordering::Relaxed),
+        };
+    }
 }
 
 /// `rest_crud_soak` and `rest_read_mostly_soak` (only when named): 8 clients create, read
@@ -197,32 +246,7 @@ pub fn soak(
                 failed.clone(),
                 rest.base.clone(),
             );
-            std::thread::spawn(move || {
-                let agent = self::agent();
-                let mut i: u64 = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    i += 1;
-                    let step = || -> anyhow::Result<()> {
-                        let created: Value = agent
-                            .post(&format!("{base}/members/"))
-                            .send_json(json!({"name": format!("c{c} n{i}"), "n": i}))?
-                            .into_json()?;
-                        let id = created["id"].to_string();
-                        for _ in 0..reads {
-                            get(&agent, &format!("{base}/members/{id}"))?;
-                        }
-                        agent
-                            .put(&format!("{base}/members/{id}"))
-                            .send_json(json!({"name": format!("c{c} n{i}"), "n": i + 1}))?;
-                        agent.delete(&format!("{base}/members/{id}")).call()?;
-                        Ok(())
-                    };
-                    match step() {
-                        Ok(()) => done.fetch_add(reads + 3, Ordering::Relaxed),
-                        Err(_) => failed.fetch_add(1, Ordering::Relaxed),
-                    };
-                }
-            })
+            std::thread::spawn(move || crud_rounds(c, reads, &base, &stop, &done, &failed))
         })
         .collect();
     let workers = || -> f64 {
