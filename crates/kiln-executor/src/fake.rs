@@ -12,9 +12,12 @@
 //! | `set NAME VALUE` / `get NAME` | session state: store, then print a value |
 //! | `door TEXT` | sends `TEXT` through the granted door and prints the answer |
 //! | `fail KIND` | the backend fails with that [`ErrorKind`] (`busy`, `limits`, …) |
+//! | `hang` | waits forever, past its deadline (a wedged guest the pool must stop) |
 //!
 //! Commands (template `fake`) run `echo ARGS…`; any other program exits 127.
-//! Compiled only for tests or with the `fake-backend` feature.
+//! [`pool_config`] makes an [`ExecutorPool`](crate::ExecutorPool) whose workers serve this
+//! backend as tasks of the calling process. Compiled only for tests or with the
+//! `fake-backend` feature.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -28,6 +31,21 @@ use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome, Program};
 /// The in-process test backend.
 #[derive(Debug, Clone, Default)]
 pub struct FakeBackend;
+
+/// A pool configuration whose `workers` serve the fake backend as tasks of this process,
+/// over in-memory pipes: pool, protocol and worker loop as in production, without processes
+/// or wasm.
+pub fn pool_config(workers: usize) -> crate::PoolConfig {
+    let mut config = crate::PoolConfig::new("in-process".into(), Vec::new());
+    config.workers = workers;
+    config.in_process = Some(crate::pool::InProcess(std::sync::Arc::new(|stream| {
+        Box::pin(async move {
+            let (input, output) = tokio::io::split(stream);
+            crate::worker::serve(FakeBackend, input, output).await;
+        })
+    })));
+    config
+}
 
 /// A session of the fake backend: its variables.
 #[derive(Debug, Default)]
@@ -243,6 +261,7 @@ async fn run(
                 }
             }
             "fail" => return Err(fail(rest)),
+            "hang" => std::future::pending::<()>().await,
             other => {
                 run.write(true, &format!("unknown statement {other:?}"));
                 run.exit_code = 1;
@@ -469,5 +488,56 @@ mod tests {
             done(worker.call(4, shut).await).stderr,
             b"the door is shut\n"
         );
+    }
+
+    // ------------------------------------------------------------ the pool, in process
+
+    use std::time::Duration;
+
+    use crate::{ExecutorPool, PoolError};
+
+    #[tokio::test]
+    async fn an_in_process_pool_runs_one_shots_and_sessions() {
+        let pool = ExecutorPool::new(super::pool_config(2));
+        pool.start_all().unwrap();
+        assert_eq!(pool.worker_pids(), Vec::<u32>::new(), "no processes");
+        let result = pool.execute(code("print hello")).await.unwrap();
+        assert_eq!(result.stdout, b"hello\n");
+        let session = pool.open_session(code("")).await.unwrap();
+        pool.run(&session, "set n 7".into(), Limits::default())
+            .await
+            .unwrap();
+        let got = pool
+            .run(&session, "get n".into(), Limits::default())
+            .await
+            .unwrap();
+        assert_eq!(got.stdout, b"7\n");
+        let refused = pool.execute(code("fail busy")).await.unwrap_err();
+        assert!(
+            matches!(&refused, PoolError::Remote(r) if r.kind == "busy"),
+            "{refused:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_wedged_execution_is_stopped_at_its_deadline_and_its_worker_replaced() {
+        let mut config = super::pool_config(1);
+        config.grace = Duration::from_millis(100);
+        let pool = ExecutorPool::new(config);
+        let session = pool.open_session(code("")).await.unwrap();
+        pool.run(&session, "set kept 1".into(), Limits::default())
+            .await
+            .unwrap();
+        let mut wedged = code("hang");
+        wedged.limits.timeout_ms = 200;
+        let result = pool.execute(wedged).await.unwrap();
+        assert_eq!(result.outcome, Outcome::TimedOut);
+        // The worker was killed with it: its session is gone, and a new worker serves.
+        let lost = pool
+            .run(&session, "get kept".into(), Limits::default())
+            .await;
+        assert!(lost.is_err(), "{lost:?}");
+        let after = pool.execute(code("print again")).await.unwrap();
+        assert_eq!(after.stdout, b"again\n");
     }
 }

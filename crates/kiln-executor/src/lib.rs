@@ -22,6 +22,6 @@ pub mod worker;
 
 pub use kiln_core::backend::{Door, DoorFuture};
 pub use pool::{
-    CallOptions, Chunk, ExecutorPool, PoolConfig, PoolError, SessionHandle, WorkerLoad,
+    CallOptions, Chunk, ExecutorPool, InProcess, PoolConfig, PoolError, SessionHandle, WorkerLoad,
 };
 pub use protocol::{RemoteError, Share};

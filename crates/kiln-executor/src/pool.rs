@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use kiln_core::backend::Door;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
-use tokio::process::{Child, ChildStdout, Command};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::process::Command;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::protocol::{
@@ -66,6 +67,23 @@ pub struct PoolConfig {
     /// Anonymous resident memory an idle worker may hold above its starting figure before it
     /// is recycled. Default 24 MiB.
     pub recycle_slack_bytes: u64,
+    /// Serve workers as tasks in this process instead of starting `program` (tests: see
+    /// `kiln_executor::fake::pool_config`). `None`: worker processes.
+    pub in_process: Option<InProcess>,
+}
+
+/// Serves one worker in this process over the in-memory pipe it is given: requests arrive
+/// on it and replies go back on it, framed as over a worker process's stdin and stdout.
+#[derive(Clone)]
+pub struct InProcess(pub Arc<dyn Fn(tokio::io::DuplexStream) -> BoxFuture + Send + Sync>);
+
+/// A worker's serving loop, boxed.
+pub type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+impl std::fmt::Debug for InProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InProcess(..)")
+    }
 }
 
 impl PoolConfig {
@@ -82,6 +100,7 @@ impl PoolConfig {
             kill_after: Duration::from_secs(10),
             recycle_idle: Duration::from_secs(10),
             recycle_slack_bytes: 24 << 20,
+            in_process: None,
         }
     }
 
@@ -194,6 +213,8 @@ struct Worker {
     sessions: Mutex<HashMap<u64, u64>>,
     session_memory: AtomicU64,
     pid: Option<u32>,
+    /// An in-process worker's task.
+    task: Option<tokio::task::AbortHandle>,
     /// When the worker last sent anything (ms since the pool's epoch).
     last_heard_ms: Arc<AtomicU64>,
     /// When it last became idle (no sessions, nothing in flight), ms since the epoch;
@@ -233,6 +254,9 @@ impl Worker {
     /// fails whatever it still held).
     fn kill(&self) {
         self.alive.store(false, Ordering::Relaxed);
+        if let Some(task) = &self.task {
+            task.abort();
+        }
         if let Some(pid) = self.pid {
             // SAFETY: kill(2) on our own child's pid; the reader task reaps it, so the pid
             // cannot have been reused while the child's `Child` handle is alive.
@@ -637,19 +661,23 @@ impl Inner {
                 tmp.display()
             ))
         })?;
-        let mut child = match self.worker_command(&tmp).spawn() {
-            Ok(child) => child,
+        let started = match &self.config.in_process {
+            Some(serve) => Ok(start_in_process(serve)),
+            None => self.start_process(&tmp),
+        };
+        let Started {
+            pid,
+            task,
+            mut stdin,
+            stdout,
+            exit,
+        } = match started {
+            Ok(started) => started,
             Err(e) => {
                 let _ = kiln_workspace::remove_host_tree(&tmp);
-                return Err(PoolError::Spawn(format!(
-                    "{}: {e}",
-                    self.config.program.display()
-                )));
+                return Err(e);
             }
         };
-        let pid = child.id();
-        let mut stdin = child.stdin.take().expect("stdin is piped");
-        let stdout = child.stdout.take().expect("stdout is piped");
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         tokio::spawn(async move {
             while let Some(body) = rx.recv().await {
@@ -667,6 +695,7 @@ impl Inner {
             sessions: Mutex::default(),
             session_memory: AtomicU64::new(0),
             pid,
+            task,
             last_heard_ms: Arc::new(AtomicU64::new(self.now_ms())),
             idle_since_ms: AtomicU64::new(self.now_ms()),
             base_anon: AtomicU64::new(0),
@@ -682,9 +711,31 @@ impl Inner {
                 tmp: worker.tmp.clone(),
             },
             stdout,
-            child,
+            exit,
         ));
         Ok(worker)
+    }
+
+    /// Starts a worker process.
+    fn start_process(&self, tmp: &std::path::Path) -> Result<Started, PoolError> {
+        let mut child = self
+            .worker_command(tmp)
+            .spawn()
+            .map_err(|e| PoolError::Spawn(format!("{}: {e}", self.config.program.display())))?;
+        let stdin = child.stdin.take().expect("stdin is piped");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        Ok(Started {
+            pid: child.id(),
+            task: None,
+            stdin: Box::new(stdin),
+            stdout: Box::new(stdout),
+            exit: Box::pin(async move {
+                match child.wait().await {
+                    Ok(status) => status.to_string(),
+                    Err(e) => e.to_string(),
+                }
+            }),
+        })
     }
 
     /// The worker process's command: a clean environment, its own TMPDIR, killed with the
@@ -840,6 +891,36 @@ fn overrun(waited: Duration, grace: Duration) -> ExecResult {
     }
 }
 
+/// A started worker: its pipes and how to learn how it ended.
+struct Started {
+    pid: Option<u32>,
+    task: Option<tokio::task::AbortHandle>,
+    stdin: Box<dyn AsyncWrite + Unpin + Send>,
+    stdout: Box<dyn AsyncRead + Unpin + Send>,
+    exit: std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>,
+}
+
+/// Starts a worker as a task of this process, over an in-memory pipe.
+fn start_in_process(serve: &InProcess) -> Started {
+    let (ours, theirs) = tokio::io::duplex(1 << 20);
+    let task = tokio::spawn((serve.0)(theirs));
+    let abort = task.abort_handle();
+    let (stdout, stdin) = tokio::io::split(ours);
+    Started {
+        pid: None,
+        task: Some(abort),
+        stdin: Box::new(stdin),
+        stdout: Box::new(stdout),
+        exit: Box::pin(async move {
+            match task.await {
+                Ok(()) => "the in-process worker ended".to_string(),
+                Err(e) if e.is_cancelled() => "signal: 9 (SIGKILL)".to_string(),
+                Err(e) => format!("the in-process worker panicked: {e}"),
+            }
+        }),
+    }
+}
+
 /// What the task reading one worker's replies shares with the pool.
 struct ReplyReader {
     pending: Pending,
@@ -852,7 +933,11 @@ struct ReplyReader {
 
 /// Hands each reply of a worker to whoever waits for it, until the worker's stdout closes;
 /// then fails every request it still held and removes its temporary folder.
-async fn read_replies(reader: ReplyReader, mut stdout: ChildStdout, mut child: Child) {
+async fn read_replies(
+    reader: ReplyReader,
+    mut stdout: Box<dyn AsyncRead + Unpin + Send>,
+    exit: std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>,
+) {
     while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
         reader.heard.store(
             u64::try_from(reader.epoch.elapsed().as_millis()).unwrap_or(u64::MAX),
@@ -878,10 +963,7 @@ async fn read_replies(reader: ReplyReader, mut stdout: ChildStdout, mut child: C
         }
     }
     reader.alive.store(false, Ordering::Relaxed);
-    let status = match child.wait().await {
-        Ok(status) => status.to_string(),
-        Err(e) => e.to_string(),
-    };
+    let status = exit.await;
     // Guest-written: removed through directory handles, never following a link.
     let tmp = reader.tmp;
     tokio::task::spawn_blocking(move || kiln_workspace::remove_host_tree(&tmp));

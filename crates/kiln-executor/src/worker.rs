@@ -71,7 +71,10 @@ where
     W: AsyncWrite + Unpin + Send + 'static,
 {
     let (tx, rx) = mpsc::unbounded_channel::<Response>();
-    let writer = tokio::spawn(write_responses(rx, output));
+    // Every task of the worker ends with this future: dropped (an in-process worker killed),
+    // it takes its requests and its writer down with it, as a killed process would.
+    let mut writer = AbortOnDrop(tokio::spawn(write_responses(rx, output)));
+    let mut requests = tokio::task::JoinSet::new();
     let worker = Worker {
         scheduler: FairScheduler::with_flag(
             tokio::runtime::Handle::current().metrics().num_workers(),
@@ -86,11 +89,23 @@ where
     while let Ok(request) = read_frame::<_, Request>(&mut input).await {
         let received = Instant::now();
         if let Some((request, stop)) = worker.control(request) {
-            tokio::spawn(worker.clone().run(request, received, stop));
+            requests.spawn(worker.clone().run(request, received, stop));
         }
+        while requests.try_join_next().is_some() {}
     }
+    // The pool closed the stream: what is running finishes and its replies go out.
+    while requests.join_next().await.is_some() {}
     drop(worker);
-    let _ = writer.await;
+    let _ = (&mut writer.0).await;
+}
+
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Writes each response as a frame, until every sender is gone or the pool stops reading.
