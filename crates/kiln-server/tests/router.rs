@@ -1,0 +1,309 @@
+//! The `kiln serve` routes and their error shapes, without sockets or processes: the router
+//! is called with `tower::ServiceExt::oneshot`, over a pool whose workers serve the fake
+//! backend in this process (`kiln_executor::fake`). Each test runs in milliseconds.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use kiln_core::template::{Catalogue, TemplateInfo};
+use kiln_executor::ExecutorPool;
+use kiln_server::{AppState, ServerConfig, quota::Quotas, router};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+struct App {
+    state: Arc<AppState>,
+    key: Option<String>,
+    _data: tempfile::TempDir,
+}
+
+fn app(auth: bool) -> App {
+    let data = tempfile::tempdir().expect("a temporary folder");
+    let mut javascript = TemplateInfo::example_python();
+    javascript.id = "javascript".into();
+    javascript.languages = vec![kiln_core::Language::JavaScript];
+    javascript.images.names = vec!["node".into()];
+    javascript.images.repos = vec!["node".into()];
+    javascript.images.versions = None;
+    let config = ServerConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        data_dir: data.path().to_path_buf(),
+        auth,
+        rate_limit: 0,
+        request_timeout: std::time::Duration::from_secs(30),
+        public_hosts: Vec::new(),
+        quotas: Quotas::default(),
+        catalogue: Catalogue::new(vec![TemplateInfo::example_python(), javascript]),
+    };
+    let key = auth.then(|| {
+        kiln_server::auth::create_key(data.path(), "test", None, Default::default())
+            .expect("a key")
+            .1
+    });
+    let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
+    let state = Arc::new(AppState::open(&config, pool).expect("state"));
+    App {
+        state,
+        key,
+        _data: data,
+    }
+}
+
+impl App {
+    /// One request through the whole router (gate, handlers, error layer).
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> (StatusCode, Value, String) {
+        let mut request = Request::builder().method(method).uri(path);
+        if let Some(key) = &self.key {
+            request = request.header(header::AUTHORIZATION, format!("Bearer {key}"));
+        }
+        if body.is_some() {
+            request = request.header(header::CONTENT_TYPE, "application/json");
+        }
+        let request = request
+            .body(body.map_or_else(Body::empty, |b| Body::from(b.to_owned())))
+            .expect("a request");
+        let response = router(self.state.clone())
+            .oneshot(request)
+            .await
+            .expect("the router answers");
+        let status = response.status();
+        let allow = response
+            .headers()
+            .get(header::ALLOW)
+            .map(|v| v.to_str().unwrap_or_default().to_owned())
+            .unwrap_or_default();
+        let bytes = axum::body::to_bytes(response.into_body(), 64 << 20)
+            .await
+            .expect("a body");
+        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        (status, json, allow)
+    }
+
+    async fn sandbox(&self) -> String {
+        let (status, body, _) = self
+            .call(
+                "POST",
+                "/api/v1/sandboxes",
+                Some(r#"{"language": "python"}"#),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        body["containerId"].as_str().expect("an id").to_owned()
+    }
+
+    async fn exec(&self, id: &str, body: Value) -> (StatusCode, Value) {
+        let path = format!("/api/v1/sandboxes/{id}/exec");
+        let (status, body, _) = self.call("POST", &path, Some(&body.to_string())).await;
+        (status, body)
+    }
+}
+
+/// Every error has the one shape: `{"error": {"code", "message", "details"}}`.
+fn assert_error(status: StatusCode, body: &Value, want: StatusCode, code: &str) {
+    assert_eq!(status, want, "{body}");
+    assert_eq!(body["error"]["code"], code, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+    assert!(body["error"]["details"].is_object(), "{body}");
+}
+
+#[tokio::test]
+async fn code_runs_through_both_contracts() {
+    let app = app(false);
+    let id = app.sandbox().await;
+    let (status, body) = app
+        .exec(&id, json!({"code": "print hi\neprint oops"}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        (body["stdout"].as_str(), body["stderr"].as_str()),
+        (Some("hi\n"), Some("oops\n"))
+    );
+    // The published contract: files, then a command that runs one of them.
+    let exec = json!({"containerId": id, "files": {"main.py": "print from-file"}, "command": ["python", "main.py"]});
+    let (status, body, _) = app
+        .call("POST", "/api/sandbox/exec", Some(&exec.to_string()))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["stdout"], "from-file\n", "{body}");
+    assert_eq!(body["status"], "success", "{body}");
+    // The upload is in the workspace and its history.
+    let (status, body, _) = app
+        .call("GET", &format!("/api/sandbox/{id}/history"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body, _) = app
+        .call("GET", &format!("/api/v1/sandboxes/{id}/files"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.to_string().contains("main.py"), "{body}");
+}
+
+#[tokio::test]
+async fn sessions_keep_state_between_turns() {
+    let app = app(false);
+    let id = app.sandbox().await;
+    let (status, body, _) = app
+        .call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/sessions"),
+            Some("{}"),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let session = body["sessionId"].as_str().expect("a session").to_owned();
+    let (status, body) = app
+        .exec(&id, json!({"code": "set x 41", "sessionId": session}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (_, body) = app
+        .exec(&id, json!({"code": "get x", "sessionId": session}))
+        .await;
+    assert_eq!(body["stdout"], "41\n", "{body}");
+}
+
+#[tokio::test]
+async fn templates_are_listed_and_images_resolve_through_them() {
+    let app = app(false);
+    let (status, body, _) = app.call("GET", "/api/v1/templates", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["templates"][0]["id"], "python", "{body}");
+    assert_eq!(body["templates"][1]["id"], "javascript", "{body}");
+    let (status, body, _) = app
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(r#"{"image": "python:3.12-slim"}"#),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    for image in ["python:2.7", "ruby:3", ""] {
+        let create = json!({ "image": image }).to_string();
+        let (status, body, _) = app.call("POST", "/api/sandbox", Some(&create)).await;
+        assert_error(status, &body, StatusCode::BAD_REQUEST, "UNKNOWN_IMAGE");
+        assert_eq!(
+            body["error"]["details"]["templates"],
+            json!(["python", "javascript"])
+        );
+    }
+}
+
+#[tokio::test]
+async fn bad_requests_get_the_one_error_shape() {
+    let app = app(false);
+    let id = app.sandbox().await;
+    let cases: Vec<(&str, String, Option<&str>, StatusCode, &str)> = vec![
+        (
+            "POST",
+            "/api/sandbox".into(),
+            Some("{not json"),
+            StatusCode::BAD_REQUEST,
+            "MALFORMED_JSON",
+        ),
+        (
+            "POST",
+            "/api/sandbox".into(),
+            Some(r#"{"image": 5}"#),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            "POST",
+            "/api/sandbox".into(),
+            Some(r#"{"image": "python", "bogus": 1}"#),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            "GET",
+            "/api/v1/sandboxes/sb_000000000000000000000000".into(),
+            None,
+            StatusCode::NOT_FOUND,
+            "SANDBOX_NOT_FOUND",
+        ),
+        (
+            "GET",
+            "/api/v1/nope".into(),
+            None,
+            StatusCode::NOT_FOUND,
+            "ROUTE_NOT_FOUND",
+        ),
+        (
+            "GET",
+            format!("/api/v1/sandboxes/{id}/files/..%2Fetc%2Fpasswd"),
+            None,
+            StatusCode::BAD_REQUEST,
+            "INVALID_PATH",
+        ),
+        (
+            "POST",
+            format!("/api/v1/sandboxes/{id}/exec"),
+            Some(r#"{"code": "print x", "timeoutMs": "soon"}"#),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+    ];
+    for (method, path, body, want, code) in cases {
+        let (status, answer, _) = app.call(method, &path, body).await;
+        assert_error(status, &answer, want, code);
+    }
+    // 405 keeps its Allow header and gets the JSON body.
+    let (status, body, allow) = app.call("DELETE", "/api/sandbox/exec", None).await;
+    assert_error(
+        status,
+        &body,
+        StatusCode::METHOD_NOT_ALLOWED,
+        "METHOD_NOT_ALLOWED",
+    );
+    assert!(allow.contains("POST"), "Allow: {allow:?}");
+}
+
+#[tokio::test]
+async fn backend_failures_map_to_their_codes() {
+    let app = app(false);
+    let id = app.sandbox().await;
+    let (status, body) = app.exec(&id, json!({"code": "fail busy"})).await;
+    assert_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "BUSY");
+    let (status, body) = app.exec(&id, json!({"code": "fail unsupported"})).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, "UNSUPPORTED");
+    let (status, body) = app.exec(&id, json!({"code": "fail limits"})).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
+    // A guest past its deadline is an answer, not an error.
+    let (status, body) = app
+        .exec(&id, json!({"code": "spin", "timeoutMs": 100}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "timeout", "{body}");
+    // The sandbox is not left busy by any of it.
+    let (status, body) = app.exec(&id, json!({"code": "print still-here"})).await;
+    assert_eq!(
+        (status, body["stdout"].as_str()),
+        (StatusCode::OK, Some("still-here\n"))
+    );
+}
+
+#[tokio::test]
+async fn keys_are_required_when_auth_is_on() {
+    let mut app = app(true);
+    let (status, body, _) = app.call("GET", "/api/v1/sandboxes", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    app.key = None;
+    let (status, body, _) = app.call("GET", "/api/v1/sandboxes", None).await;
+    assert_error(status, &body, StatusCode::UNAUTHORIZED, "UNAUTHORIZED");
+    app.key = Some("kiln_not_a_real_key".into());
+    let (status, body, _) = app.call("GET", "/api/v1/templates", None).await;
+    assert_error(status, &body, StatusCode::UNAUTHORIZED, "UNAUTHORIZED");
+    // Operational routes need no key.
+    let (status, _, _) = app.call("GET", "/healthz", None).await;
+    assert_eq!(status, StatusCode::OK);
+}
