@@ -6,8 +6,6 @@
 //! `common::serve::check_no_host_path`).
 
 #[allow(dead_code, reason = "the browser helpers are for other test binaries")]
-mod common;
-
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use common::serve::*;
+use crate::common::serve::*;
 
 fn workspace(server: &Server, id: &str) -> PathBuf {
     server.data.join("sandboxes").join(id).join("workspace")

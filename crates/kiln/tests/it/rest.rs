@@ -2,8 +2,6 @@
 //! plans from the offline conventions planner or from a provider test server speaking the
 //! OpenAI protocol.
 
-mod common;
-
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -587,7 +585,7 @@ fn attack_hostile_requests_get_clear_errors() {
 fn the_docs_explain_the_catch_all_in_a_browser() {
     let dir = tempfile::tempdir().unwrap();
     let rest = Rest::start(&dir.path().join("data"), &["--planner", "conventions"], &[]);
-    let swagger = common::rendered(&format!("{}/docs", rest.base)).unwrap();
+    let swagger = crate::common::rendered(&format!("{}/docs", rest.base)).unwrap();
     for needle in [
         "opblock",
         "/{path}",
@@ -600,7 +598,7 @@ fn the_docs_explain_the_catch_all_in_a_browser() {
             &swagger[..swagger.len().min(2000)]
         );
     }
-    let redoc = common::rendered(&format!("{}/redoc", rest.base)).unwrap();
+    let redoc = crate::common::rendered(&format!("{}/redoc", rest.base)).unwrap();
     for needle in [
         "Read, list or search",
         "X-Session-ID",

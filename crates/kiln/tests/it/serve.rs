@@ -1,8 +1,6 @@
 //! `kiln serve` as clients use it: a real server process on a free port, real HTTP (and
 //! WebSocket) clients, real worker processes, real files and git repositories.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::process::Command;
@@ -10,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use common::serve::*;
+use crate::common::serve::*;
 
 // ---------------------------------------------------------------- auth and tenants
 
@@ -1090,7 +1088,7 @@ fn the_docs_pages_render_every_route_in_a_browser() -> TestResult {
         auth: true,
         ..Options::default()
     })?;
-    let swagger = common::rendered(&server.url("/docs"))?;
+    let swagger = crate::common::rendered(&server.url("/docs"))?;
     for needle in [
         "opblock",
         "/api/sandbox/exec",
@@ -1103,7 +1101,7 @@ fn the_docs_pages_render_every_route_in_a_browser() -> TestResult {
             &swagger[..swagger.len().min(2000)]
         );
     }
-    let redoc = common::rendered(&server.url("/redoc"))?;
+    let redoc = crate::common::rendered(&server.url("/redoc"))?;
     for needle in [
         "Run a command in a sandbox",
         "Restore the workspace to its state after an execution",

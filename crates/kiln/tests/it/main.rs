@@ -1,0 +1,11 @@
+//! kiln's process-level integration tests, in one binary: each module starts real `kiln`
+//! processes (the CLI, `kiln serve`, `kiln rest`, `kiln runner`) and talks to them as users
+//! do. Run one part with `cargo test -p kiln --test it serve::`.
+
+mod all;
+mod chat;
+mod common;
+mod rest;
+mod runner;
+mod serve;
+mod storage;
