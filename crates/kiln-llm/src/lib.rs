@@ -285,11 +285,80 @@ impl Default for RetryPolicy {
 /// What to tell someone who has no model configured.
 pub const HOW_TO_CONFIGURE: &str = "set KILN_LLM_MODEL to provider:model (openai:gpt-4o, anthropic:claude-sonnet-4-5, gemini:gemini-2.5-flash, ollama:llama3.2, or openai-compatible:MODEL with KILN_LLM_BASE_URL=http://host:port/v1) and the provider's key variable (OPENAI_API_KEY, ANTHROPIC_API_KEY, GEMINI_API_KEY, KILN_LLM_API_KEY)";
 
+/// The model settings of the environment (`KILN_LLM_*` and the providers' key variables),
+/// read once by the binary and passed down. Every value is held as a secret: `Debug` shows
+/// only which are set.
+#[derive(Clone, Default)]
+pub struct LlmEnv {
+    vars: std::collections::BTreeMap<&'static str, secrecy::SecretString>,
+}
+
+impl LlmEnv {
+    /// The variables it holds.
+    pub const NAMES: [&'static str; 9] = [
+        "KILN_LLM_MODEL",
+        "KILN_LLM_BASE_URL",
+        "KILN_LLM_TIMEOUT",
+        "KILN_LLM_RETRIES",
+        "KILN_LLM_RETRY_DELAY_MS",
+        "KILN_LLM_API_KEY",
+        "OPENAI_API_KEY",
+        "ANTHROPIC_API_KEY",
+        "GEMINI_API_KEY",
+    ];
+
+    /// Reads the variables now (empty ones count as unset).
+    pub fn from_env() -> LlmEnv {
+        LlmEnv::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads the variables through `get`.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> LlmEnv {
+        let vars = LlmEnv::NAMES
+            .iter()
+            .filter_map(|&name| {
+                get(name)
+                    .filter(|v| !v.is_empty())
+                    .map(|v| (name, secrecy::SecretString::from(v)))
+            })
+            .collect();
+        LlmEnv { vars }
+    }
+
+    fn get(&self, name: &str) -> Option<String> {
+        self.vars
+            .get(name)
+            .map(|v| secrecy::ExposeSecret::expose_secret(v).to_owned())
+    }
+
+    /// The configured model (an error says what is missing and how to set it).
+    pub fn model(&self) -> Result<ModelConfig, LlmError> {
+        ModelConfig::from_lookup(|name| self.get(name))
+    }
+
+    /// Model `spec` (`provider:model`) with the rest of these settings (its key, base URL).
+    pub fn with_model(&self, spec: &str) -> Result<ModelConfig, LlmError> {
+        ModelConfig::from_lookup(|name| {
+            if name == "KILN_LLM_MODEL" {
+                Some(spec.to_owned())
+            } else {
+                self.get(name)
+            }
+        })
+    }
+}
+
+impl std::fmt::Debug for LlmEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.vars.keys()).finish()
+    }
+}
+
 impl ModelConfig {
     /// The configuration in `KILN_LLM_*` and the key variables; an error says what is
     /// missing and how to set it.
     pub fn from_env() -> Result<ModelConfig, LlmError> {
-        ModelConfig::from_lookup(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+        LlmEnv::from_env().model()
     }
 
     /// Like [`ModelConfig::from_env`], reading variables through `get`.

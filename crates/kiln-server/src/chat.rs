@@ -37,9 +37,11 @@ pub struct ChatBody {
 }
 
 /// The configured model, built once (`Err` says how to configure one).
-pub fn configured_model() -> Result<Arc<dyn ChatModel>, String> {
-    let config = ModelConfig::from_env().map_err(|e| e.to_string())?;
-    GenaiModel::new(&config)
+pub fn configured_model(
+    config: &Result<ModelConfig, kiln_llm::LlmError>,
+) -> Result<Arc<dyn ChatModel>, String> {
+    let config = config.as_ref().map_err(|e| e.to_string())?;
+    GenaiModel::new(config)
         .map(|m| Arc::new(m) as Arc<dyn ChatModel>)
         .map_err(|e| e.to_string())
 }
@@ -92,14 +94,7 @@ pub async fn chat(
     let model: Arc<dyn ChatModel> = match &body.model {
         None => state.llm.clone().map_err(|m| not_configured(&m))?,
         Some(spec) => {
-            let config = ModelConfig::from_lookup(|name| {
-                if name == "KILN_LLM_MODEL" {
-                    Some(spec.clone())
-                } else {
-                    std::env::var(name).ok().filter(|v| !v.is_empty())
-                }
-            })
-            .map_err(|e| {
+            let config = state.llm_env.with_model(spec).map_err(|e| {
                 // The caller named a model kiln cannot use: their request is wrong.
                 ApiError::bad_request("INVALID_MODEL", format!("model {spec:?}: {e}"))
             })?;

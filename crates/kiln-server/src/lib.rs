@@ -61,6 +61,8 @@ pub struct AppState {
     pub quotas: quota::Quotas,
     /// The templates sandboxes are made from.
     pub catalogue: Catalogue,
+    /// The model settings (for a chat request naming its own model).
+    pub llm_env: kiln_llm::LlmEnv,
 }
 
 impl AppState {
@@ -90,11 +92,14 @@ pub struct ServerConfig {
     pub quotas: quota::Quotas,
     /// The templates the backends offer, in order of preference.
     pub catalogue: Catalogue,
+    /// The model settings, read once from the environment by the binary.
+    pub llm: kiln_llm::LlmEnv,
 }
 
 impl AppState {
     /// State over the data directory of `config`.
     pub fn open(config: &ServerConfig, pool: ExecutorPool) -> std::io::Result<AppState> {
+        let model = config.llm.model();
         Ok(AppState {
             registry: sandbox::Registry::open(config.data_dir.clone())?,
             pool,
@@ -116,17 +121,17 @@ impl AppState {
                 hosts.extend(config.public_hosts.iter().cloned());
                 hosts
             },
-            llm: chat::configured_model(),
+            llm: chat::configured_model(&model),
             agent_limits: agent::AgentLimits {
-                retry: kiln_llm::ModelConfig::from_env()
-                    .map(|c| c.retry)
-                    .unwrap_or_default(),
-                model_timeout: kiln_llm::ModelConfig::from_env()
+                retry: model.as_ref().map(|c| c.retry).unwrap_or_default(),
+                model_timeout: model
+                    .as_ref()
                     .map_or(Duration::from_secs(120), |c| c.timeout),
                 ..agent::AgentLimits::default()
             },
             quotas: config.quotas,
             catalogue: config.catalogue.clone(),
+            llm_env: config.llm.clone(),
         })
     }
 }

@@ -35,6 +35,7 @@ fn app(auth: bool) -> App {
         public_hosts: Vec::new(),
         quotas: Quotas::default(),
         catalogue: Catalogue::new(vec![TemplateInfo::example_python(), javascript]),
+        llm: kiln_llm::LlmEnv::default(),
     };
     let key = auth.then(|| {
         kiln_server::auth::create_key(data.path(), "test", None, Default::default())

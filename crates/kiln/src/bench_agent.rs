@@ -114,6 +114,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         request_timeout: Duration::from_secs(600),
         public_hosts: Vec::new(),
         catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
+        llm: kiln_llm::LlmEnv::from_env(),
         // Overhead, not quotas, is measured: every run keeps a session.
         quotas: kiln_server::quota::Quotas {
             sessions: 10_000,

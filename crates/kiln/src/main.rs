@@ -233,6 +233,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         public_hosts: args.public_hosts,
         quotas: kiln_server::quota::Quotas::default().with(&args.quotas.overrides()),
         catalogue: catalogue(),
+        llm: kiln_llm::LlmEnv::from_env(),
     };
     runtime(2)?.block_on(async {
         pool.start_all()?;
@@ -256,6 +257,7 @@ fn mcp(dir: Option<std::path::PathBuf>, workers: usize) -> anyhow::Result<ExitCo
         public_hosts: Vec::new(),
         quotas: kiln_server::quota::Quotas::default(),
         catalogue: catalogue(),
+        llm: kiln_llm::LlmEnv::from_env(),
     };
     runtime(2)?.block_on(async {
         let state = std::sync::Arc::new(kiln_server::AppState::open(&server, pool)?);
