@@ -75,8 +75,9 @@ pub struct RestConfig {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
     pub planner: Planner,
-    /// Every request must carry `Authorization: Bearer <token>` when set.
-    pub auth_token: Option<String>,
+    /// Every request must carry `Authorization: Bearer <token>` when set. A secret type:
+    /// no `Debug` or log line shows it.
+    pub auth_token: Option<secrecy::SecretString>,
     /// How long a plan's code may run per request.
     pub deadline: Duration,
     /// Largest request body.
@@ -538,7 +539,7 @@ async fn one(
     }
     if let Some(token) = &app.config.auth_token {
         match bearer(&parts.headers) {
-            Some(given) if same_secret(given, token) => {}
+            Some(given) if same_secret(given, secrecy::ExposeSecret::expose_secret(token)) => {}
             Some(_) => {
                 return Err(RestError::new(
                     StatusCode::UNAUTHORIZED,

@@ -145,7 +145,10 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     }
     let pool = Arc::new(kiln_executor::ExecutorPool::new(pool_config));
     let mut config = RestConfig::new(args.listen, dir, planner);
-    config.auth_token = args.auth_token.filter(|t| !t.is_empty());
+    config.auth_token = args
+        .auth_token
+        .filter(|t| !t.is_empty())
+        .map(secrecy::SecretString::from);
     config.deadline = Duration::from_secs(args.deadline.max(1));
     config.max_body_bytes = usize::try_from(args.max_body).unwrap_or(usize::MAX);
     config.max_result_bytes = args.max_result;
