@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use crate::mcp::Level;
-use crate::protocol::{WorkflowExecution, WorkflowStepData};
+use crate::protocol::{WorkflowExecution, WorkflowInfo, WorkflowStepData};
 use crate::runner::{Call, Failure, Produced, RunError, Runner};
 
 /// Operations one expression may spend (minijinja fuel).
@@ -396,29 +396,39 @@ async fn advance(
                 format!("workflow step {name} failed: {}", failure.message),
                 Some(name),
             );
-            match &step.transitions.on_failure {
-                Some(next) => {
-                    state.error = json!({"step": name, "code": failure.code,
-                        "message": failure.message, "details": failure.details});
-                    state.last = state.error.clone();
-                    Ok(Advance::Next {
-                        next: next.clone(),
-                        failed: true,
-                    })
-                }
-                None => {
-                    let mut details = json!({"step": name});
-                    details["cause"] = failure.details;
-                    Err(Failure::new(
-                        &failure.code,
-                        format!("workflow step {name:?} failed: {}", failure.message),
-                        details,
-                    )
-                    .into())
-                }
-            }
+            on_failure(name, step, state, failure)
         }
         Err(internal) => Err(internal),
+    }
+}
+
+/// A failed step: its failure transition, or the workflow's failure.
+fn on_failure(
+    name: &str,
+    step: &StepDef,
+    state: &mut State,
+    failure: Failure,
+) -> Result<Advance, RunError> {
+    match &step.transitions.on_failure {
+        Some(next) => {
+            state.error = json!({"step": name, "code": failure.code,
+                "message": failure.message, "details": failure.details});
+            state.last = state.error.clone();
+            Ok(Advance::Next {
+                next: next.clone(),
+                failed: true,
+            })
+        }
+        None => {
+            let mut details = json!({"step": name});
+            details["cause"] = failure.details;
+            Err(Failure::new(
+                &failure.code,
+                format!("workflow step {name:?} failed: {}", failure.message),
+                details,
+            )
+            .into())
+        }
     }
 }
 
@@ -453,6 +463,18 @@ pub async fn run_task(runner: &Runner, call: &Call) -> Result<Produced, RunError
             }
         }
     }
+    one_step(runner, call, &def, &info, workflow_id).await
+}
+
+/// Step mode: one step per request, the workflow's state kept in the framework between
+/// requests (`core.state.getRuntimeValue` / `setRuntimeValue`).
+async fn one_step(
+    runner: &Runner,
+    call: &Call,
+    def: &WorkflowDef,
+    info: &WorkflowInfo,
+    workflow_id: String,
+) -> Result<Produced, RunError> {
     let instance = info
         .instance_id
         .clone()
@@ -482,7 +504,7 @@ pub async fn run_task(runner: &Runner, call: &Call) -> Result<Produced, RunError
         .clone()
         .or(state.next.clone())
         .unwrap_or_else(|| def.start_at.clone());
-    let advanced = advance(runner, call, &def, &current, &mut state).await?;
+    let advanced = advance(runner, call, def, &current, &mut state).await?;
     let (produced, next) = match advanced {
         Advance::Finished(output) => (Produced::Value(output), None),
         Advance::Next { next, failed } => {
