@@ -208,7 +208,7 @@ pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Resu
         listener,
         router(app.clone()).into_make_service_with_connect_info::<SocketAddr>(),
     )
-    .with_graceful_shutdown(kiln_server::shutdown_signal())
+    .with_graceful_shutdown(kiln_http::shutdown_signal())
     .await?;
     flush_task.abort();
     app.plans.flush();
@@ -218,7 +218,7 @@ pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Resu
 }
 
 fn router(app: Arc<App>) -> Router {
-    use kiln_server::openapi as docs;
+    use kiln_http::docs;
     Router::new()
         .route("/healthz", get(healthz))
         .route("/openapi.json", get(openapi))

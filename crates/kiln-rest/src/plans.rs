@@ -323,7 +323,7 @@ impl PlanCache {
 
 fn write(path: &Path, loaded: &mut Loaded) -> std::io::Result<()> {
     let bytes = serde_json::to_vec_pretty(&loaded.plans).map_err(std::io::Error::other)?;
-    kiln_server::store::write_atomic(path, &bytes)?;
+    kiln_workspace::store::write_atomic(path, &bytes)?;
     loaded.stamp = stamp(path);
     loaded.dirty = false;
     Ok(())

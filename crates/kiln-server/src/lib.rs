@@ -263,22 +263,4 @@ pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<
     Ok(())
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
-    tracing::info!(target: "kiln::serve", "shutting down: finishing running requests");
-}
+pub use kiln_http::shutdown_signal;

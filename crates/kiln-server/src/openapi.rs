@@ -3,7 +3,7 @@
 //! embedded: the docs work offline).
 
 use axum::http::header;
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
@@ -238,53 +238,4 @@ pub async fn openapi_json() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], spec_json()).into_response()
 }
 
-pub async fn swagger_page() -> Html<&'static str> {
-    Html(
-        r##"<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>kiln API</title>
-<link rel="stylesheet" href="/docs/swagger-ui.css"></head>
-<body><div id="ui"></div>
-<script src="/docs/swagger-ui-bundle.js"></script>
-<script>window.ui = SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui", deepLinking: true, persistAuthorization: true});</script>
-</body></html>"##,
-    )
-}
-
-pub async fn redoc_page() -> Html<&'static str> {
-    Html(
-        r#"<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>kiln API</title></head>
-<body><redoc spec-url="/openapi.json"></redoc>
-<script src="/redoc/redoc.standalone.js"></script>
-</body></html>"#,
-    )
-}
-
-fn asset(content_type: &'static str, bytes: &'static [u8]) -> Response {
-    (
-        [
-            (header::CONTENT_TYPE, content_type),
-            (header::CACHE_CONTROL, "public, max-age=86400"),
-        ],
-        bytes,
-    )
-        .into_response()
-}
-
-pub async fn swagger_js() -> Response {
-    asset(
-        "text/javascript",
-        include_bytes!("../assets/swagger-ui-bundle.js"),
-    )
-}
-
-pub async fn swagger_css() -> Response {
-    asset("text/css", include_bytes!("../assets/swagger-ui.css"))
-}
-
-pub async fn redoc_js() -> Response {
-    asset(
-        "text/javascript",
-        include_bytes!("../assets/redoc.standalone.js"),
-    )
-}
+pub use kiln_http::docs::{redoc_js, redoc_page, swagger_css, swagger_js, swagger_page};

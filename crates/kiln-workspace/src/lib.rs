@@ -25,6 +25,8 @@
 //! # Ok::<(), kiln_workspace::TreeError>(())
 //! ```
 
+pub mod store;
+
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{Read, Write};
