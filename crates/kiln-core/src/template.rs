@@ -195,6 +195,9 @@ impl TagVersion {
     }
 }
 
+/// The longest image name looked up (Docker's own limit for a reference is about this).
+pub const MAX_IMAGE_NAME: usize = 256;
+
 /// An image name no installed template honours.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{reason}; available: {}", available.join(", "))]
@@ -231,6 +234,21 @@ impl Catalogue {
     /// The template that honours `image`: a template name, one of its exact names, or a
     /// Docker-style `repo:tag` whose version it runs.
     pub fn resolve(&self, image: &str) -> Result<&TemplateInfo, UnknownImage> {
+        if image.len() > MAX_IMAGE_NAME {
+            // Echoed back in the error: a hostile name is not repeated whole.
+            let mut end = MAX_IMAGE_NAME;
+            while !image.is_char_boundary(end) {
+                end -= 1;
+            }
+            return Err(UnknownImage {
+                image: format!("{}…", &image[..end]),
+                reason: format!(
+                    "an image name is at most {MAX_IMAGE_NAME} bytes; this one has {}",
+                    image.len()
+                ),
+                available: self.available(),
+            });
+        }
         let wanted = image.trim().to_ascii_lowercase();
         // A template's own name or exact alias beats any repository match.
         if let Some(template) = self
@@ -350,6 +368,15 @@ mod tests {
             let err = catalogue.resolve(image).unwrap_err();
             assert_eq!(err.available, catalogue.available());
         }
+    }
+
+    #[test]
+    fn an_oversized_image_name_is_refused_without_echoing_it_whole() {
+        let huge = "python:3.12".to_string() + &"é".repeat(1 << 20);
+        let err = catalogue().resolve(&huge).unwrap_err();
+        assert!(err.image.len() <= MAX_IMAGE_NAME + 4, "{}", err.image.len());
+        assert!(err.to_string().len() < 1000, "{}", err.to_string().len());
+        assert!(err.reason.contains("at most 256 bytes"), "{err}");
     }
 
     #[test]
