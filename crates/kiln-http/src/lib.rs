@@ -1,6 +1,32 @@
-//! What kiln's HTTP faces (`kiln serve`, `kiln rest`, `kiln runner`) share: graceful
-//! shutdown and the API docs pages (Swagger UI at `/docs`, ReDoc at `/redoc`, both embedded so
-//! the docs work offline; each face serves its own spec at `/openapi.json`).
+//! What kiln's HTTP faces (`kiln serve`, `kiln rest`, `kiln runner`) share: the error
+//! envelope and the middleware that gives the router's own errors that shape ([`error`]),
+//! the JSON body extractor ([`Json`]), graceful shutdown, and the API docs pages (Swagger UI
+//! at `/docs`, ReDoc at `/redoc`, both embedded so the docs work offline; each face serves
+//! its own spec at `/openapi.json`).
+//!
+//! ```
+//! use axum::{Router, http::StatusCode, routing::post};
+//! use kiln_http::{HttpError, Json, RouterErrors, reshape_errors};
+//!
+//! async fn create(Json(body): Json<serde_json::Value>) -> Result<Json<serde_json::Value>, HttpError> {
+//!     if body.get("name").is_none() {
+//!         return Err(HttpError::new(StatusCode::BAD_REQUEST, "NAME_MISSING", "send a name"));
+//!     }
+//!     Ok(Json(body))
+//! }
+//!
+//! // Bodies up to 1 MiB; a 404, 405, 413 or 415 of the router itself gets the envelope too.
+//! let errors = RouterErrors::new(1 << 20);
+//! let router: Router = Router::new()
+//!     .route("/members", post(create))
+//!     .layer(axum::middleware::from_fn_with_state(errors, reshape_errors));
+//! ```
+
+pub mod error;
+pub mod json;
+
+pub use error::{HttpError, RouterErrors, reshape_errors};
+pub use json::Json;
 
 pub mod docs {
     //! The Swagger UI and ReDoc pages and their assets.
