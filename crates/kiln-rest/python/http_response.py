@@ -52,9 +52,13 @@ def normalize(reply):
 
 
 def error(status, code, message, details=None, request_id=None):
-    body = {"error": {"code": code, "message": message}}
+    """kiln's error envelope: `details` is always an object (a value that is not one is
+    `{"value": ...}`)."""
+    if details is None:
+        details = {}
+    elif not isinstance(details, dict):
+        details = {"value": details}
+    body = {"error": {"code": code, "message": message, "details": details}}
     if request_id is not None:
         body["error"]["request_id"] = request_id
-    if details is not None:
-        body["error"]["details"] = details
     return {"status": status, "headers": {}, "body": body}

@@ -155,7 +155,7 @@ def _fixed(status, headers, body):
 def _error_body(code, message):
     """An error body in kiln rest's shape; the request id is read when the code runs (the
     plan may be cached and answer other requests)."""
-    return f"{{'error': {{'code': {code!r}, 'message': {message!r}, 'request_id': ctx['request_id']}}}}"
+    return f"{{'error': {{'code': {code!r}, 'message': {message!r}, 'details': {{}}, 'request_id': ctx['request_id']}}}}"
 
 
 def _refuse(status, headers, code, message):

@@ -39,7 +39,9 @@ use kiln_llm::{ChatModel, Message, ModelRequest, RetryPolicy, Usage};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use errors::{RestError, answered, error_response, json_errors, request_id_of};
+use errors::{method_not_allowed, router_errors, unauthorized};
+use kiln_http::HttpError;
+use kiln_http::error::{answered, given_request_id, reshape_errors};
 pub use new_tenants::{NewTenantLimiter, RetryAfter, address_key};
 pub use openapi::openapi_spec;
 pub use plans::{PlanCache, TenantPlans};
@@ -158,25 +160,58 @@ struct App {
 
 /// Serves until SIGTERM or Ctrl-C; running requests finish first.
 pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Result<()> {
-    std::fs::create_dir_all(config.data_dir.join("tenants"))?;
-    let plans = Arc::new(PlanCache::new(config.data_dir.join("plans"))?);
-    sessions::sweep(&config.data_dir);
-    let listener = tokio::net::TcpListener::bind(config.listen).await?;
-    let app = Arc::new(App {
-        max_sessions: config.session_cap(),
-        new_tenants: NewTenantLimiter::new(config.new_tenants_per_minute),
-        config,
-        pool,
-        plans,
-        tenants: Mutex::default(),
-        next_request: AtomicU64::new(1),
-        open_sessions: AtomicUsize::new(0),
-        evictions: AtomicU64::new(0),
-        started: Instant::now(),
-    });
+    let listen = config.listen;
+    let app = App::start(config, pool)?;
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    announce(&app, listener.local_addr()?);
+    let housekeeping = tokio::spawn(housekeeping(app.clone()));
+    axum::serve(
+        listener,
+        routes(app.clone()).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(kiln_http::shutdown_signal())
+    .await?;
+    housekeeping.abort();
+    app.plans.flush();
+    // The live sessions end with the process: what tenants that stored nothing left goes too.
+    sessions::sweep(&app.config.data_dir);
+    Ok(())
+}
+
+/// kiln rest's routes over `pool`, without a socket and without the housekeeping `serve`
+/// adds (the plan cache written each second, idle sessions closed): for tests, which call
+/// it with `tower::ServiceExt::oneshot`. The catch-all reads the client's address from the
+/// request's `ConnectInfo<SocketAddr>` extension.
+pub fn router(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Result<Router> {
+    Ok(routes(App::start(config, pool)?))
+}
+
+impl App {
+    /// The state of a kiln rest: its folders made, its plan cache read, and what an earlier
+    /// run left for tenants that stored nothing swept away.
+    fn start(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Result<Arc<App>> {
+        std::fs::create_dir_all(config.data_dir.join("tenants"))?;
+        let plans = Arc::new(PlanCache::new(config.data_dir.join("plans"))?);
+        sessions::sweep(&config.data_dir);
+        Ok(Arc::new(App {
+            max_sessions: config.session_cap(),
+            new_tenants: NewTenantLimiter::new(config.new_tenants_per_minute),
+            config,
+            pool,
+            plans,
+            tenants: Mutex::default(),
+            next_request: AtomicU64::new(1),
+            open_sessions: AtomicUsize::new(0),
+            evictions: AtomicU64::new(0),
+            started: Instant::now(),
+        }))
+    }
+}
+
+fn announce(app: &App, address: SocketAddr) {
     eprintln!(
         "kiln rest: listening on http://{} (planner: {}; auth: {}; data: {}; tenant sessions: at most {}; new tenants per address: {})",
-        listener.local_addr()?,
+        address,
         app.config.planner.label(),
         if app.config.auth_token.is_some() {
             "bearer token"
@@ -190,47 +225,31 @@ pub async fn serve(config: RestConfig, pool: Arc<ExecutorPool>) -> std::io::Resu
             n => format!("{n} a minute"),
         }
     );
-    let flusher = app.clone();
-    let flush_task = tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let app = flusher.clone();
-            let _ = tokio::task::spawn_blocking({
-                let app = app.clone();
-                move || app.plans.flush()
-            })
-            .await;
-            app.close_idle().await;
-            app.new_tenants.prune(Instant::now());
-        }
-    });
-    axum::serve(
-        listener,
-        router(app.clone()).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(kiln_http::shutdown_signal())
-    .await?;
-    flush_task.abort();
-    app.plans.flush();
-    // The live sessions end with the process: what tenants that stored nothing left goes too.
-    sessions::sweep(&app.config.data_dir);
-    Ok(())
 }
 
-fn router(app: Arc<App>) -> Router {
-    use kiln_http::docs;
+/// Each second: the plan cache written, idle sessions closed, the new-tenant counts pruned.
+async fn housekeeping(app: Arc<App>) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let _ = tokio::task::spawn_blocking({
+            let app = app.clone();
+            move || app.plans.flush()
+        })
+        .await;
+        app.close_idle().await;
+        app.new_tenants.prune(Instant::now());
+    }
+}
+
+fn routes(app: Arc<App>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/openapi.json", get(openapi))
-        .route("/docs", get(docs::swagger_page))
-        .route("/docs/swagger-ui-bundle.js", get(docs::swagger_js))
-        .route("/docs/swagger-ui.css", get(docs::swagger_css))
-        .route("/redoc", get(docs::redoc_page))
-        .route("/redoc/redoc.standalone.js", get(docs::redoc_js))
+        .merge(kiln_http::docs::routes())
         .fallback(handle)
         .layer(axum::middleware::from_fn_with_state(
-            app.clone(),
-            json_errors,
+            router_errors(&app),
+            reshape_errors,
         ))
         .with_state(app)
 }
@@ -242,7 +261,7 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
     } else {
         hits as f64 / (hits + misses) as f64
     };
-    let workers = app.pool.worker_pids().len();
+    let workers = app.pool.worker_loads().len();
     let status = if workers > 0 {
         StatusCode::OK
     } else {
@@ -306,7 +325,7 @@ async fn handle(
     request: Request,
 ) -> Response {
     let started = Instant::now();
-    let request_id = request_id_of(request.headers()).unwrap_or_else(|| app.new_request_id());
+    let request_id = given_request_id(request.headers()).unwrap_or_else(|| app.new_request_id());
     let method = request.method().clone();
     let path = request.uri().path().to_string();
     let mut trace = Trace {
@@ -319,8 +338,8 @@ async fn handle(
             response
         }
         Err(error) => {
-            trace.outcome = error.code.to_string();
-            error_response(&error, &request_id)
+            trace.outcome = error.code().to_string();
+            error.with_request_id(request_id.as_str()).into_response()
         }
     };
     if method == Method::HEAD {
@@ -378,7 +397,7 @@ fn same_secret(a: &str, b: &str) -> bool {
         == 0
 }
 
-fn tenant_of(headers: &HeaderMap) -> Result<String, RestError> {
+fn tenant_of(headers: &HeaderMap) -> Result<String, HttpError> {
     if let Some(value) = headers.get("x-session-id") {
         let ok = value.to_str().ok().filter(|v| {
             !v.is_empty()
@@ -387,7 +406,7 @@ fn tenant_of(headers: &HeaderMap) -> Result<String, RestError> {
                     .all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b))
         });
         return ok.map(str::to_string).ok_or_else(|| {
-            RestError::new(
+            HttpError::new(
                 StatusCode::BAD_REQUEST,
                 "INVALID_SESSION_ID",
                 "X-Session-ID must be 1 to 64 letters, digits, '_' or '-'",
@@ -404,8 +423,8 @@ fn tenant_of(headers: &HeaderMap) -> Result<String, RestError> {
 }
 
 /// Splits and decodes the path; refuses what no collection could be named by.
-fn segments(path: &str) -> Result<Vec<String>, RestError> {
-    let bad = |why: &str| RestError::new(StatusCode::BAD_REQUEST, "INVALID_PATH", why.to_string());
+fn segments(path: &str) -> Result<Vec<String>, HttpError> {
+    let bad = |why: &str| HttpError::new(StatusCode::BAD_REQUEST, "INVALID_PATH", why.to_string());
     if path.len() > 2048 {
         return Err(bad("the path is longer than 2048 bytes"));
     }
@@ -430,18 +449,6 @@ fn segments(path: &str) -> Result<Vec<String>, RestError> {
     Ok(out)
 }
 
-fn is_json_type(content_type: Option<&str>) -> bool {
-    content_type.is_some_and(|ct| {
-        let essence = ct
-            .split(';')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_ascii_lowercase();
-        essence == "application/json" || essence.ends_with("+json")
-    })
-}
-
 /// The context handed to the driver, as JSON text.
 fn context(
     parts: &axum::http::request::Parts,
@@ -450,7 +457,7 @@ fn context(
     peer: SocketAddr,
     tenant: &str,
     request_id: &str,
-) -> Result<String, RestError> {
+) -> Result<String, HttpError> {
     let mut query: serde_json::Map<String, Value> = serde_json::Map::new();
     for (name, value) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
         let values = query
@@ -484,14 +491,9 @@ fn context(
         .and_then(|v| v.to_str().ok());
     let (json_body, body_text, body_base64) = if body.is_empty() {
         (Value::Null, Value::Null, Value::Null)
-    } else if is_json_type(content_type) || content_type.is_none() {
-        let parsed: Value = serde_json::from_slice(body).map_err(|e| {
-            RestError::new(
-                StatusCode::BAD_REQUEST,
-                "MALFORMED_JSON",
-                format!("the body is not valid JSON: {e}"),
-            )
-        })?;
+    } else if content_type.is_none_or(kiln_http::json::is_json_content_type) {
+        let parsed: Value =
+            serde_json::from_slice(body).map_err(|e| HttpError::malformed_json(&e))?;
         (parsed, Value::Null, Value::Null)
     } else {
         match std::str::from_utf8(body) {
@@ -525,32 +527,17 @@ async fn one(
     peer: SocketAddr,
     request_id: &str,
     trace: &mut Trace,
-) -> Result<Response, RestError> {
+) -> Result<Response, HttpError> {
     let (parts, body) = request.into_parts();
     if !METHODS.contains(&parts.method) {
-        return Err(RestError::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "METHOD_NOT_ALLOWED",
-            format!(
-                "{} is not served; use GET, POST, PUT, PATCH, DELETE, OPTIONS or HEAD",
-                parts.method
-            ),
-        ));
+        return Err(method_not_allowed(&parts.method));
     }
     if let Some(token) = &app.config.auth_token {
         match bearer(&parts.headers) {
             Some(given) if same_secret(given, secrecy::ExposeSecret::expose_secret(token)) => {}
-            Some(_) => {
-                return Err(RestError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "UNAUTHORIZED",
-                    "the bearer token is not valid",
-                ));
-            }
+            Some(_) => return Err(unauthorized("the bearer token is not valid")),
             None => {
-                return Err(RestError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "UNAUTHORIZED",
+                return Err(unauthorized(
                     "send Authorization: Bearer <token> (the token kiln rest was started with)",
                 ));
             }
@@ -559,27 +546,9 @@ async fn one(
     let tenant = tenant_of(&parts.headers)?;
     trace.tenant.clone_from(&tenant);
     let segments = segments(parts.uri.path())?;
-    let max = app.config.max_body_bytes;
-    let too_large = || {
-        RestError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "BODY_TOO_LARGE",
-            format!("the body is larger than {max} bytes"),
-        )
-    };
     // Refused from its declared length before it is read; a body without one is cut off
     // at the limit while it is read.
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
-        return Err(too_large());
-    }
-    let body = axum::body::to_bytes(body, max)
-        .await
-        .map_err(|_| too_large())?;
+    let body = kiln_http::json::read_body(&parts.headers, body, app.config.max_body_bytes).await?;
     let ctx = context(&parts, &body, &segments, peer, &tenant, request_id)?;
     let method = parts.method.as_str();
 
@@ -594,7 +563,7 @@ async fn one(
         })
     };
     let (answer, done) = work.await.map_err(|e| {
-        RestError::new(
+        HttpError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "INTERNAL",
             format!("the request failed: {e}"),
@@ -614,7 +583,7 @@ async fn admitted(
     method: &str,
     segments: &[String],
     trace: &mut Trace,
-) -> Result<Value, RestError> {
+) -> Result<Value, HttpError> {
     let slot = app.admit(tenant, peer.ip())?;
     let mut guard = slot.session.lock().await;
     app.touch(&slot);
@@ -643,7 +612,7 @@ async fn answer(
     method: &str,
     segments: &[String],
     trace: &mut Trace,
-) -> Result<Value, RestError> {
+) -> Result<Value, HttpError> {
     let session = app.session(tenant, guard).await?;
     // Looked up once the tenant is admitted: a refused request counts no miss and writes
     // no plan file.
@@ -745,7 +714,7 @@ async fn answer(
 }
 
 /// The HTTP response for the driver's answer.
-fn reply(answer: &Value) -> Result<Response, RestError> {
+fn reply(answer: &Value) -> Result<Response, HttpError> {
     if answer["ok"] != Value::Bool(true) {
         let status = answer["status"]
             .as_u64()
@@ -764,7 +733,7 @@ fn reply(answer: &Value) -> Result<Response, RestError> {
             _ => "INTERNAL",
         };
         let message = answer["message"].as_str().unwrap_or("the request failed");
-        return Err(RestError::new(status, code, message));
+        return Err(HttpError::new(status, code, message));
     }
     let r = &answer["reply"];
     let status = r["status"]
@@ -772,7 +741,7 @@ fn reply(answer: &Value) -> Result<Response, RestError> {
         .and_then(|s| u16::try_from(s).ok())
         .and_then(|s| StatusCode::from_u16(s).ok())
         .ok_or_else(|| {
-            RestError::new(
+            HttpError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "BAD_REPLY",
                 "the reply has no valid status",
@@ -807,7 +776,7 @@ fn reply(answer: &Value) -> Result<Response, RestError> {
         }
     };
     builder.body(body).map_err(|e| {
-        RestError::new(
+        HttpError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "BAD_REPLY",
             format!("the reply could not be sent: {e}"),

@@ -60,7 +60,21 @@ pub fn openapi_spec() -> &'static Value {
             },
             "components": {
                 "schemas": {
-                    "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "request_id": {"type": "string"}}}}}
+                    "Error": {
+                        "type": "object",
+                        "required": ["error"],
+                        "description": "kiln's one error envelope (kiln serve, kiln rest and kiln runner answer it)",
+                        "properties": {"error": {
+                            "type": "object",
+                            "required": ["code", "message", "details", "request_id"],
+                            "properties": {
+                                "code": {"type": "string", "description": "Stable, e.g. BODY_TOO_LARGE", "example": "NOT_FOUND"},
+                                "message": {"type": "string", "description": "One line for people", "example": "members/7 does not exist"},
+                                "details": {"type": "object", "description": "For programs; often empty"},
+                                "request_id": {"type": "string", "description": "The caller's X-Request-ID, else one kiln rest made; also sent as X-Request-ID", "example": "rest-66a1f0c2-7"}
+                            }
+                        }}
+                    }
                 },
                 "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "Only when kiln rest runs with AUTH_TOKEN"}}
             }

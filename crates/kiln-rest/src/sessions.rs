@@ -16,7 +16,9 @@ use kiln_core::{ExecRequest, ExecResult, Language, Limits, Mount, Outcome};
 use kiln_executor::{CallOptions, Door, PoolError, SessionHandle};
 use serde_json::Value;
 
-use crate::{App, RestError, Slot, TenantSlot, python};
+use kiln_http::HttpError;
+
+use crate::{App, Slot, TenantSlot, python};
 
 /// Evictions one request may make before it gives up (others may take what it frees).
 const MAX_EVICTIONS_PER_OPEN: usize = 16;
@@ -25,7 +27,7 @@ impl App {
     /// The tenant's slot. A tenant with no slot here and no folder on disk is new and
     /// spends one of the client address's new tenants (429 when none is left; nothing is
     /// created then).
-    pub(crate) fn admit(&self, tenant: &str, peer: std::net::IpAddr) -> Result<Slot, RestError> {
+    pub(crate) fn admit(&self, tenant: &str, peer: std::net::IpAddr) -> Result<Slot, HttpError> {
         let live = self
             .tenants
             .lock()
@@ -38,7 +40,7 @@ impl App {
         if !self.tenant_dir(tenant).is_dir()
             && let Err(retry) = self.new_tenants.admit(peer, Instant::now())
         {
-            return Err(RestError::new(
+            return Err(HttpError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "TOO_MANY_NEW_TENANTS",
                 format!(
@@ -155,7 +157,7 @@ impl App {
 
     /// Counts a session about to open against `max_sessions`, evicting idle ones to make
     /// room; 503 when every live session is busy.
-    async fn reserve(&self, tenant: &str) -> Result<(), RestError> {
+    async fn reserve(&self, tenant: &str) -> Result<(), HttpError> {
         let cap = self.max_sessions;
         for _ in 0..=MAX_EVICTIONS_PER_OPEN {
             let reserved = self
@@ -171,7 +173,7 @@ impl App {
                 break;
             }
         }
-        Err(RestError::new(
+        Err(HttpError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "TOO_MANY_SESSIONS",
             format!("all {cap} tenant sessions are busy serving requests; retry in a moment"),
@@ -219,7 +221,7 @@ impl App {
         &self,
         tenant: &str,
         guard: &mut Option<SessionHandle>,
-    ) -> Result<SessionHandle, RestError> {
+    ) -> Result<SessionHandle, HttpError> {
         if let Some(session) = guard {
             return Ok(*session);
         }
@@ -237,9 +239,9 @@ impl App {
         }
     }
 
-    async fn open(&self, tenant: &str) -> Result<SessionHandle, RestError> {
+    async fn open(&self, tenant: &str) -> Result<SessionHandle, HttpError> {
         let lost = |e: PoolError| {
-            RestError::new(
+            HttpError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "SANDBOX_UNAVAILABLE",
                 format!("the tenant's sandbox could not be started: {e}"),
@@ -247,7 +249,7 @@ impl App {
         };
         let dir = self.tenant_dir(tenant);
         std::fs::create_dir_all(&dir).map_err(|e| {
-            RestError::new(
+            HttpError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "STORAGE",
                 format!("the tenant's folder could not be made: {e}"),
@@ -285,7 +287,7 @@ impl App {
         };
         if !loaded.success() {
             let _ = self.pool.close_session(&session).await;
-            return Err(RestError::new(
+            return Err(HttpError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "SANDBOX_SETUP",
                 format!(
@@ -307,7 +309,7 @@ impl App {
         code: String,
         door: Option<Door>,
         timeout: Duration,
-    ) -> Result<Value, RestError> {
+    ) -> Result<Value, HttpError> {
         let options = CallOptions {
             door,
             ..CallOptions::for_tenant(tenant, 1)
@@ -320,7 +322,7 @@ impl App {
             Ok(result) => result,
             Err(error) => {
                 self.drop_session(guard).await;
-                return Err(RestError::new(
+                return Err(HttpError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "SANDBOX_LOST",
                     format!("the tenant's sandbox was lost ({error}); retry the request"),
@@ -333,7 +335,7 @@ impl App {
         }
         match &result.outcome {
             Outcome::TimedOut => {
-                return Err(RestError::new(
+                return Err(HttpError::new(
                     StatusCode::GATEWAY_TIMEOUT,
                     "DEADLINE_EXCEEDED",
                     format!(
@@ -344,7 +346,7 @@ impl App {
             }
             Outcome::MemoryLimit => {
                 self.drop_session(guard).await;
-                return Err(RestError::new(
+                return Err(HttpError::new(
                     StatusCode::INSUFFICIENT_STORAGE,
                     "MEMORY_LIMIT",
                     format!(
@@ -354,7 +356,7 @@ impl App {
                 ));
             }
             Outcome::Crashed { trap } => {
-                return Err(RestError::new(
+                return Err(HttpError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "SANDBOX_CRASHED",
                     format!("the sandbox crashed ({trap})"),
@@ -363,7 +365,7 @@ impl App {
             _ => {}
         }
         if result.stdout_truncated {
-            return Err(RestError::new(
+            return Err(HttpError::new(
                 StatusCode::BAD_GATEWAY,
                 "RESULT_TOO_LARGE",
                 format!(
@@ -373,7 +375,7 @@ impl App {
             ));
         }
         python::answer(&result.stdout_text()).ok_or_else(|| {
-            RestError::new(
+            HttpError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "INTERNAL",
                 format!(
