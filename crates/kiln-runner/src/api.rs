@@ -1,121 +1,46 @@
 //! The HTTP face: `POST /execute`, `GET /healthz`, `POST /_framework/load_code` and the
 //! JSON Schemas. Handlers check the transport (media types, size, JSON, fields), hand a
-//! typed request to the [`Runner`], and map what comes back.
+//! typed request to the [`Runner`], and map what comes back. Every non-200 answer is kiln's
+//! error envelope ([`kiln_http::HttpError`]) with the members the protocol's
+//! [`HttpErrorBody`](crate::protocol::HttpErrorBody) adds: `error.field` and `requestId`.
 
 use std::sync::Arc;
 
 use axum::Router;
-use axum::body::Body;
-use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::extract::{FromRequestParts, Path, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use kiln_http::error::{RouterErrors, reshape_errors};
+use kiln_http::{HttpError, Json};
 use serde_json::{Value, json};
 
-use crate::protocol::{HttpError, HttpErrorBody, parse_request};
+use crate::protocol::parse_request;
 use crate::runner::{InternalError, Runner};
-
-/// A transport-level failure, answered with its HTTP status and [`HttpErrorBody`].
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    body: HttpErrorBody,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, code: &str, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            body: HttpErrorBody {
-                error: HttpError {
-                    code: code.to_owned(),
-                    message: message.into(),
-                    field: None,
-                },
-                request_id: None,
-            },
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut response = (self.status, axum::Json(self.body)).into_response();
-        response.extensions_mut().insert(Shaped);
-        response
-    }
-}
-
-/// Marks an error response the runner made itself: [`json_errors`] leaves it as it is.
-#[derive(Debug, Clone, Copy)]
-struct Shaped;
 
 /// The router; `runner` serves `/execute`.
 pub fn router(runner: Arc<Runner>) -> Router {
+    let errors = RouterErrors::new(runner.config.max_body_bytes);
     Router::new()
         .route("/healthz", get(healthz))
         .route("/execute", post(execute))
         .route("/_framework/load_code", post(load_code))
         .route("/schema/{name}", get(schema))
         .fallback(not_found)
-        .layer(axum::middleware::from_fn(json_errors))
+        .layer(axum::middleware::from_fn_with_state(errors, reshape_errors))
         .layer(axum::middleware::from_fn(echo_request_id))
         .with_state(runner)
 }
 
-/// Gives every error the router or an extractor answered on its own (405 with its `Allow`
-/// header, a path it could not decode, ...) the error shape of every non-200 answer,
-/// [`HttpErrorBody`], instead of an empty or plain-text body.
-async fn json_errors(request: Request, next: Next) -> Response {
-    let method = request.method().clone();
-    let path = request.uri().path().to_owned();
-    let response = next.run(request).await;
-    let status = response.status();
-    if status.as_u16() < 400 || response.extensions().get::<Shaped>().is_some() {
-        return response;
+/// `error` for the request `request_id` (when its body could be read): the envelope's
+/// `error.request_id` and the protocol's top-level `requestId`.
+fn for_request(error: HttpError, request_id: Option<&str>) -> HttpError {
+    match request_id {
+        Some(id) => error.with_request_id(id).with_sibling("requestId", id),
+        None => error,
     }
-    let (code, message) = match status {
-        StatusCode::METHOD_NOT_ALLOWED => (
-            "METHOD_NOT_ALLOWED",
-            format!("{method} is not served on {path}; the Allow header lists what is"),
-        ),
-        StatusCode::NOT_FOUND => ("NOT_FOUND", format!("no route {path}")),
-        StatusCode::PAYLOAD_TOO_LARGE => (
-            "BODY_TOO_LARGE",
-            "the body is larger than the runner's limit".to_owned(),
-        ),
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => (
-            "UNSUPPORTED_MEDIA_TYPE",
-            "the body must be application/json".to_owned(),
-        ),
-        _ if status.is_server_error() => (
-            "INTERNAL",
-            status
-                .canonical_reason()
-                .unwrap_or("the request failed")
-                .to_owned(),
-        ),
-        _ => (
-            "INVALID_REQUEST",
-            format!(
-                "{} {path}: {}",
-                method,
-                status
-                    .canonical_reason()
-                    .unwrap_or("the request was refused")
-            ),
-        ),
-    };
-    let (parts, _) = response.into_parts();
-    let mut shaped = ApiError::new(status, code, message).into_response();
-    // Keep what the router said besides the body (Allow, ...).
-    for (name, value) in &parts.headers {
-        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
-            shaped.headers_mut().insert(name.clone(), value.clone());
-        }
-    }
-    shaped
 }
 
 /// Sends `X-Request-ID` back when the caller gave a usable one.
@@ -132,16 +57,16 @@ async fn echo_request_id(request: Request, next: Next) -> Response {
     response
 }
 
+fn not_ready(message: String) -> HttpError {
+    HttpError::new(StatusCode::SERVICE_UNAVAILABLE, "NOT_READY", message)
+}
+
 async fn healthz(State(runner): State<Arc<Runner>>) -> Response {
     if runner.is_ready() {
         axum::Json(json!({"status": "ok"})).into_response()
     } else {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "NOT_READY",
-            "the runner is starting or its shared volume cannot be read",
-        )
-        .into_response()
+        not_ready("the runner is starting or its shared volume cannot be read".to_owned())
+            .into_response()
     }
 }
 
@@ -149,12 +74,10 @@ async fn healthz(State(runner): State<Arc<Runner>>) -> Response {
 /// do but confirm the volume is readable.
 async fn load_code(State(runner): State<Arc<Runner>>) -> Response {
     match &runner.config.scripts {
-        Some(dir) if std::fs::read_dir(dir).is_err() => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "NOT_READY",
-            format!("the shared volume {} cannot be read", dir.display()),
-        )
-        .into_response(),
+        Some(dir) if std::fs::read_dir(dir).is_err() => {
+            not_ready(format!("the shared volume {} cannot be read", dir.display()))
+                .into_response()
+        }
         _ => axum::Json(json!({
             "status": "ok",
             "mode": "interpreter",
@@ -171,24 +94,12 @@ async fn schema(Path(name): Path<String>) -> Response {
     }
 }
 
-async fn not_found() -> ApiError {
-    ApiError::new(
+async fn not_found() -> HttpError {
+    HttpError::new(
         StatusCode::NOT_FOUND,
         "NOT_FOUND",
         "no such route; the runner serves POST /execute, GET /healthz, POST /_framework/load_code and GET /schema/{request,response,error,workflow,template}.json",
     )
-}
-
-/// `application/json`, `application/*+json`, with any parameters.
-fn is_json_type(value: &str) -> bool {
-    let essence = value
-        .split(';')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 /// Whether an `Accept` header admits a JSON answer (a range with `q=0` does not).
@@ -210,128 +121,102 @@ fn accepts_json(accept: &str) -> bool {
     })
 }
 
-fn check_headers(headers: &HeaderMap, limit: usize) -> Result<(), ApiError> {
-    match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
-        Some(Ok(value)) if is_json_type(value) => {}
-        given => {
-            let given = match given {
-                None => "none".to_owned(),
-                Some(value) => format!("{:?}", value.unwrap_or("(not text)")),
-            };
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "UNSUPPORTED_MEDIA_TYPE",
-                format!("the body must be application/json (Content-Type: {given})"),
-            ));
+/// The caller accepts a JSON answer (no `Accept`, or one that admits JSON); else 406
+/// `NOT_ACCEPTABLE`, before the body is read.
+struct AcceptsJson;
+
+impl<S: Send + Sync> FromRequestParts<S> for AcceptsJson {
+    type Rejection = HttpError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<AcceptsJson, HttpError> {
+        let accept: Vec<&str> = parts
+            .headers
+            .get_all(header::ACCEPT)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        if accept.is_empty() || accept.iter().any(|a| accepts_json(a)) {
+            return Ok(AcceptsJson);
         }
-    }
-    let accept: Vec<&str> = headers
-        .get_all(header::ACCEPT)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .collect();
-    if !accept.is_empty() && !accept.iter().any(|a| accepts_json(a)) {
-        return Err(ApiError::new(
+        Err(HttpError::new(
             StatusCode::NOT_ACCEPTABLE,
             "NOT_ACCEPTABLE",
             format!(
                 "the runner answers application/json only (Accept: {})",
                 accept.join(", ")
             ),
-        ));
+        ))
     }
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|length| length > limit as u64) {
-        return Err(too_large(limit));
-    }
-    Ok(())
 }
 
-fn too_large(limit: usize) -> ApiError {
-    ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "BODY_TOO_LARGE",
-        format!("the body is larger than the limit of {limit} bytes"),
-    )
-}
-
-async fn execute(State(runner): State<Arc<Runner>>, request: Request<Body>) -> Response {
-    let (parts, body) = request.into_parts();
-    let limit = runner.config.max_body_bytes;
-    if let Err(error) = check_headers(&parts.headers, limit) {
-        return error.into_response();
-    }
-    let Ok(bytes) = axum::body::to_bytes(body, limit).await else {
-        return too_large(limit).into_response();
-    };
-    let value: Value = match serde_json::from_slice(&bytes) {
-        Ok(value) => value,
-        Err(error) => {
-            return ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "MALFORMED_JSON",
-                format!("the body is not valid JSON: {error}"),
-            )
-            .into_response();
-        }
-    };
-    let request_id = value
+/// `POST /execute`. The extractors answer 406, 415, 413 and 400 `MALFORMED_JSON`; the
+/// fields are checked here (400 `INVALID_FIELD`, naming the field).
+async fn execute(
+    State(runner): State<Arc<Runner>>,
+    _: AcceptsJson,
+    Json(body): Json<Value>,
+) -> Response {
+    let request_id = body
         .get("requestId")
         .and_then(Value::as_str)
         .map(str::to_owned);
-    let request = match parse_request(value) {
+    let request = match parse_request(body) {
         Ok(request) => request,
         Err(error) => {
-            let mut api = ApiError::new(StatusCode::BAD_REQUEST, "INVALID_FIELD", error.message);
-            api.body.error.field = Some(error.field);
-            api.body.request_id = request_id;
-            return api.into_response();
+            let refused = HttpError::new(StatusCode::BAD_REQUEST, "INVALID_FIELD", error.message)
+                .with_details(json!({"field": error.field}))
+                .with_member("field", error.field);
+            return for_request(refused, request_id.as_deref()).into_response();
         }
     };
-    let timeout = runner.config.request_timeout;
-    // A task of its own: a panic becomes a 500, and a caller that goes away does not cut
-    // a sandbox or an MCP exchange off half-way.
-    let task = tokio::spawn(async move { runner.execute(request).await });
-    let joined = tokio::time::timeout(timeout, task).await;
-    let mut response = match joined {
-        Ok(Ok(Ok(answer))) => axum::Json(answer).into_response(),
-        Ok(Ok(Err(error))) => internal(&error, request_id.clone()),
-        Ok(Err(join)) => internal(&InternalError::Panic(join.to_string()), request_id.clone()),
-        Err(_) => {
-            let mut api = ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "REQUEST_TIMEOUT",
-                format!("the request took longer than {} s", timeout.as_secs()),
-            );
-            api.body.request_id = request_id.clone();
-            api.into_response()
-        }
-    };
+    let mut response = run(runner, request, request_id.as_deref()).await;
     if let Some(id) = request_id.and_then(|id| HeaderValue::from_str(&id).ok()) {
         response.headers_mut().insert("x-request-id", id);
     }
     response
 }
 
-fn internal(error: &InternalError, request_id: Option<String>) -> Response {
+/// Runs a checked request under the request timeout and answers its result.
+async fn run(
+    runner: Arc<Runner>,
+    request: crate::protocol::ExecuteRequest,
+    request_id: Option<&str>,
+) -> Response {
+    let timeout = runner.config.request_timeout;
+    // A task of its own: a panic becomes a 500, and a caller that goes away does not cut
+    // a sandbox or an MCP exchange off half-way.
+    let task = tokio::spawn(async move { runner.execute(request).await });
+    match tokio::time::timeout(timeout, task).await {
+        Ok(Ok(Ok(answer))) => axum::Json(answer).into_response(),
+        Ok(Ok(Err(error))) => internal(&error, request_id),
+        Ok(Err(join)) => internal(&InternalError::Panic(join.to_string()), request_id),
+        Err(_) => {
+            let late = HttpError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "REQUEST_TIMEOUT",
+                format!("the request took longer than {} s", timeout.as_secs()),
+            );
+            for_request(late, request_id).into_response()
+        }
+    }
+}
+
+fn internal(error: &InternalError, request_id: Option<&str>) -> Response {
     // A bare diagnostic for the operator: the framework's log may be what failed.
-    tracing::error!(%error, request_id = request_id.as_deref().unwrap_or(""), "internal failure");
-    let mut api = ApiError::new(
+    tracing::error!(%error, request_id = request_id.unwrap_or(""), "internal failure");
+    let failed = HttpError::new(
         StatusCode::INTERNAL_SERVER_ERROR,
         "INTERNAL",
         error.to_string(),
     );
-    api.body.request_id = request_id;
-    api.into_response()
+    for_request(failed, request_id).into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::RunnerConfig;
+    use axum::body::Body;
     use tower::ServiceExt;
 
     fn test_router(max_body_bytes: usize) -> Router {
@@ -445,16 +330,30 @@ mod tests {
     }
 
     #[test]
-    fn media_types() {
-        assert!(is_json_type("application/json"));
-        assert!(is_json_type("Application/JSON; charset=utf-8"));
-        assert!(is_json_type("application/vnd.uhlp+json"));
-        assert!(!is_json_type("text/plain"));
-        assert!(!is_json_type("application/jsonp"));
+    fn accept_headers() {
         assert!(accepts_json("*/*"));
         assert!(accepts_json("text/html, application/json;q=0.5"));
         assert!(accepts_json("application/*"));
         assert!(!accepts_json("text/html"));
         assert!(!accepts_json("application/json;q=0"));
+    }
+
+    /// The bodies the runner answers are what the served schema (`HttpErrorBody`)
+    /// describes: read into it and written back, nothing is lost.
+    #[test]
+    fn error_bodies_are_the_protocols_error_body() {
+        let refused = HttpError::new(StatusCode::BAD_REQUEST, "INVALID_FIELD", "x is missing")
+            .with_details(json!({"field": "x"}))
+            .with_member("field", "x");
+        for error in [
+            for_request(refused.clone(), Some("r-1")),
+            refused,
+            not_ready("starting".to_owned()),
+        ] {
+            let body = error.body();
+            let typed: crate::protocol::HttpErrorBody =
+                serde_json::from_value(body.clone()).unwrap();
+            assert_eq!(serde_json::to_value(typed).unwrap(), body);
+        }
     }
 }

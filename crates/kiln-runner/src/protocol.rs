@@ -254,7 +254,9 @@ pub struct Metric {
     pub attributes: Map<String, Value>,
 }
 
-/// The body of every non-200 answer (400, 404, 405, 406, 413, 415, 500, 503, 504).
+/// The body of every non-200 answer (400, 404, 405, 406, 413, 415, 500, 503, 504): kiln's
+/// error envelope (`kiln_http::HttpError`, as `kiln serve` and `kiln rest` answer it) with
+/// the protocol's `error.field` and `requestId`.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(title = "UHLP runner transport error")]
@@ -275,9 +277,14 @@ pub struct HttpError {
     pub code: String,
     /// One line for people.
     pub message: String,
+    /// For programs; often empty. For `INVALID_FIELD`: `{"field": ...}` as `field`.
+    pub details: Map<String, Value>,
     /// For `INVALID_FIELD`: the field, as a dotted path (`requestData.source`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// The request's `requestId` when it could be read (as the top-level `requestId`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 impl Metric {
