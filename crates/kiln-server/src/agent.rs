@@ -25,9 +25,10 @@ use tokio::sync::mpsc::{self, UnboundedSender};
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::exec;
+use crate::exec::{self, CodeExec};
 use crate::sandbox::new_id;
-use crate::v1;
+use kiln_runtime::RuntimeError;
+use kiln_runtime::{files, sessions};
 
 /// Limits of one agent run.
 #[derive(Debug, Clone)]
@@ -197,28 +198,30 @@ fn tool_error(message: impl Into<String>) -> (String, bool) {
     (format!("error: {}", message.into()), true)
 }
 
-fn api_error_text(error: &ApiError) -> String {
-    format!("{} ({})", error.message, error.code)
+fn error_text(error: &RuntimeError) -> String {
+    format!("{error} ({})", error.code())
 }
 
 impl Run<'_> {
-    async fn session(&mut self, language: Language) -> Result<String, ApiError> {
+    async fn session(&mut self, language: Language) -> Result<String, RuntimeError> {
         if let Some(id) = self.sessions.get(language.name()) {
             let (_, handle) =
                 self.state
+                    .runtime
                     .registry
                     .session(&self.caller.tenant, &self.sandbox, id)?;
             if handle.is_some() {
                 return Ok(id.clone());
             }
             // Its state ended (a timeout, a crash): start over in a fresh one.
-            let _ = self
-                .state
-                .registry
-                .remove_session(&self.caller.tenant, &self.sandbox, id);
+            let _ =
+                self.state
+                    .runtime
+                    .registry
+                    .remove_session(&self.caller.tenant, &self.sandbox, id);
         }
-        let info = v1::open_session(
-            self.state,
+        let info = sessions::open(
+            &self.state.runtime,
             self.caller,
             &self.sandbox,
             language,
@@ -239,32 +242,29 @@ impl Run<'_> {
         // workspace; the model is told that variables are not kept.
         let (session, note) = match self.session(language).await {
             Ok(session) => (Some(session), None),
-            Err(e) if e.code == "QUOTA_EXCEEDED" => (
+            Err(e @ RuntimeError::QuotaExceeded { .. }) => (
                 None,
                 Some(format!(
-                    "note: ran as a one-shot (variables are not kept between calls; files are): {}\n",
-                    e.message
+                    "note: ran as a one-shot (variables are not kept between calls; files are): {e}\n"
                 )),
             ),
-            Err(e) => return tool_error(api_error_text(&e)),
+            Err(e) => return tool_error(error_text(&e)),
         };
-        let body = v1::Execute {
+        let code = CodeExec {
             code,
-            language: Some(language.name().into()),
-            stdin: String::new(),
-            env: BTreeMap::new(),
+            language: Some(language),
             timeout_ms,
-            files: BTreeMap::new(),
-            session_id: session,
+            session,
+            ..CodeExec::default()
         };
-        let spec = match v1::spec(self.state, self.caller, &self.sandbox, body) {
+        let spec = match exec::prepare(&self.state.runtime, self.caller, &self.sandbox, code) {
             Ok(spec) => spec,
-            Err(e) => return tool_error(api_error_text(&e)),
+            Err(e) => return tool_error(error_text(&e)),
         };
         let exec_id = spec.exec_id.clone();
         let (chunks_tx, relay) = relay_output(self.events.clone(), call.id.clone());
         let ran = exec::run(
-            self.state,
+            &self.state.runtime,
             self.caller,
             &self.sandbox,
             spec,
@@ -274,7 +274,7 @@ impl Run<'_> {
         let _ = relay.await;
         let outcome = match ran {
             Ok(outcome) => outcome,
-            Err(e) => return tool_error(api_error_text(&e)),
+            Err(e) => return tool_error(error_text(&e)),
         };
         if outcome.commit_id.is_some() {
             self.report_artifacts(&exec_id).await;
@@ -284,7 +284,12 @@ impl Run<'_> {
 
     /// Files an execution wrote, reported as artifacts the client can download.
     async fn report_artifacts(&self, exec_id: &str) {
-        let Ok(view) = self.state.registry.get(&self.caller.tenant, &self.sandbox) else {
+        let Ok(view) = self
+            .state
+            .runtime
+            .registry
+            .get(&self.caller.tenant, &self.sandbox)
+        else {
             return;
         };
         let sandbox = view.meta;
@@ -332,8 +337,8 @@ impl Run<'_> {
                         "write_file needs {\"path\": \"...\", \"content\": \"...\"}",
                     );
                 };
-                match v1::write_file_in(
-                    self.state,
+                match files::write(
+                    &self.state.runtime,
                     self.caller,
                     &self.sandbox,
                     path.clone(),
@@ -345,20 +350,27 @@ impl Run<'_> {
                         format!("wrote {} ({} bytes)", change.path, change.size),
                         false,
                     ),
-                    Err(e) => tool_error(api_error_text(&e)),
+                    Err(e) => tool_error(error_text(&e)),
                 }
             }
             "read_file" => {
                 let Some(path) = path else {
                     return tool_error("read_file needs {\"path\": \"...\"}");
                 };
-                match v1::read_file_in(self.state, self.caller, &self.sandbox, path, 1 << 20).await
+                match files::read(
+                    &self.state.runtime,
+                    self.caller,
+                    &self.sandbox,
+                    path,
+                    1 << 20,
+                )
+                .await
                 {
                     Ok(bytes) => (String::from_utf8_lossy(&bytes).into_owned(), false),
-                    Err(e) => tool_error(api_error_text(&e)),
+                    Err(e) => tool_error(error_text(&e)),
                 }
             }
-            _ => match v1::list_files_in(self.state, self.caller, &self.sandbox, path).await {
+            _ => match files::list(&self.state.runtime, self.caller, &self.sandbox, path).await {
                 Ok(list) => (
                     list.files
                         .iter()
@@ -367,7 +379,7 @@ impl Run<'_> {
                         .join("\n"),
                     false,
                 ),
-                Err(e) => tool_error(api_error_text(&e)),
+                Err(e) => tool_error(error_text(&e)),
             },
         }
     }
@@ -555,11 +567,11 @@ impl<'a> Run<'a> {
     ) -> Result<Run<'a>, ApiError> {
         let sandbox = match sandbox {
             Some(id) => {
-                state.registry.get(&caller.tenant, &id)?;
+                state.runtime.registry.get(&caller.tenant, &id)?;
                 id
             }
             None => {
-                exec::create_default_sandbox(state, caller, Language::Python)
+                exec::create_default_sandbox(&state.runtime, caller, Language::Python)
                     .await?
                     .id
             }
@@ -568,7 +580,7 @@ impl<'a> Run<'a> {
             sandbox_id: sandbox.clone(),
         });
         let mut sessions = BTreeMap::new();
-        if let Ok(view) = state.registry.get(&caller.tenant, &sandbox) {
+        if let Ok(view) = state.runtime.registry.get(&caller.tenant, &sandbox) {
             for session in view.meta.sessions.values() {
                 if view.live_sessions.contains(&session.id) {
                     sessions.insert(session.language.name(), session.id.clone());

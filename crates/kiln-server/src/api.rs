@@ -10,29 +10,23 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
+use kiln_core::Language;
 use kiln_core::template::Catalogue;
-use kiln_core::{Language, Limits};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::exec::{self, RunSpec};
+use crate::exec::{self, RunSpec, check_files, exec_prefix};
 use crate::history::{HistoryEntry, MAX_HISTORY};
-use crate::sandbox::{SandboxSpec, SandboxView, history_error, new_id, rfc3339, workspace_path};
+use crate::sandbox::{SandboxSpec, SandboxView, new_id, rfc3339, workspace_path};
+pub use kiln_runtime::sandbox::{DEFAULT_LIFETIME_MS, MAX_LIFETIME_MS, MIN_LIFETIME_MS};
+pub use kiln_runtime::sessions::SessionInfo;
 
 type Shared = State<Arc<AppState>>;
 
-/// Default sandbox lifetime: 30 minutes.
-pub const DEFAULT_LIFETIME_MS: u64 = 30 * 60 * 1000;
-/// Shortest sandbox lifetime: 1 second.
-pub const MIN_LIFETIME_MS: u64 = 1000;
-/// Longest sandbox lifetime: 24 hours.
-pub const MAX_LIFETIME_MS: u64 = 24 * 3600 * 1000;
-/// Most bytes of files one exec may upload.
-pub const MAX_FILES_BYTES: usize = 16 << 20;
+pub use kiln_runtime::exec::MAX_FILES_BYTES;
 
 /// Create a sandbox.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -92,45 +86,12 @@ pub fn parse_create(
     lifetime_ms: Option<u64>,
     memory_limit: Option<&str>,
 ) -> Result<SandboxSpec, ApiError> {
-    let template = catalogue.resolve(image).map_err(|unknown| {
-        ApiError::bad_request("UNKNOWN_IMAGE", unknown.to_string()).with_details(json!({
-            "image": unknown.image,
-            "available": unknown.available,
-            "templates": catalogue.templates().iter().map(|t| &t.id).collect::<Vec<_>>(),
-        }))
-    })?;
-    let language = template.default_language();
-    let lifetime_ms = lifetime_ms.unwrap_or(DEFAULT_LIFETIME_MS);
-    if !(MIN_LIFETIME_MS..=MAX_LIFETIME_MS).contains(&lifetime_ms) {
-        return Err(ApiError::bad_request(
-            "INVALID_OPTION",
-            format!(
-                "the lifetime must be {MIN_LIFETIME_MS}..={MAX_LIFETIME_MS} ms, got {lifetime_ms}"
-            ),
-        ));
-    }
-    let memory_bytes = match memory_limit {
-        None => Limits::default().memory_bytes,
-        Some(text) => kiln_core::parse_size(text)
-            .ok()
-            .filter(|b| (language.min_memory_bytes()..=4 << 30).contains(b))
-            .ok_or_else(|| {
-                ApiError::bad_request(
-                    "INVALID_OPTION",
-                    format!(
-                        "memoryLimit {text:?} is not a size between {} MiB and 4 GiB (e.g. \"512m\")",
-                        language.min_memory_bytes() >> 20
-                    ),
-                )
-            })?,
-    };
-    Ok(SandboxSpec {
-        image: image.trim().to_owned(),
-        template: template.id.clone(),
-        language,
+    Ok(SandboxSpec::resolve(
+        catalogue,
+        image,
         lifetime_ms,
-        memory_bytes,
-    })
+        memory_limit,
+    )?)
 }
 
 /// Create a sandbox with an empty, git-versioned workspace.
@@ -147,12 +108,12 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
     let Json(body) = body?;
     let spec = parse_create(
-        &state.catalogue,
+        &state.runtime.catalogue,
         &body.image,
         body.options.timeout,
         body.options.memory_limit.as_deref(),
     )?;
-    let sandbox = exec::create_sandbox(&state, &caller, spec).await?;
+    let sandbox = exec::create_sandbox(&state.runtime, &caller, spec).await?;
     Ok((
         StatusCode::CREATED,
         Json(Created {
@@ -238,47 +199,6 @@ fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
     }
 }
 
-/// The execution id prefix of a language.
-pub fn exec_prefix(language: Language) -> &'static str {
-    match language {
-        Language::Python => "python_run_",
-        Language::JavaScript => "node_run_",
-    }
-}
-
-/// Checks uploaded files: their count, total size and every name.
-pub fn check_files<'a>(
-    files: impl ExactSizeIterator<Item = (&'a String, &'a [u8])>,
-) -> Result<Vec<(kiln_workspace::RelPath, Vec<u8>)>, ApiError> {
-    if files.len() > exec::MAX_FILES {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "TOO_MANY_FILES",
-            format!(
-                "{} files were sent; at most {} may be written at once (the most one execution may create)",
-                files.len(),
-                exec::MAX_FILES
-            ),
-        )
-        .with_details(json!({ "limit": exec::MAX_FILES, "sent": files.len() })));
-    }
-    let mut total = 0usize;
-    let mut out = Vec::new();
-    for (name, content) in files {
-        total += name.len() + content.len();
-        if total > MAX_FILES_BYTES {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "FILES_TOO_LARGE",
-                format!("the files total more than {MAX_FILES_BYTES} bytes"),
-            )
-            .with_details(json!({ "limitBytes": MAX_FILES_BYTES })));
-        }
-        out.push((workspace_path(name)?, content.to_vec()));
-    }
-    Ok(out)
-}
-
 /// Run a command in a sandbox's workspace. Files sent stay there; a change to the files is
 /// recorded in the sandbox's history under the execution id.
 #[utoipa::path(post, path = "/api/sandbox/exec", tag = "sandbox", request_body = ExecBody,
@@ -297,7 +217,10 @@ pub async fn exec(
 ) -> Result<Json<ExecReply>, ApiError> {
     let Json(body) = body?;
     let (language, program) = parse_command(&body.command)?;
-    let view = state.registry.get(&caller.tenant, &body.container_id)?;
+    let view = state
+        .runtime
+        .registry
+        .get(&caller.tenant, &body.container_id)?;
     let sandbox = &view.meta;
     if language != sandbox.language {
         return Err(ApiError::bad_request(
@@ -326,7 +249,7 @@ pub async fn exec(
         summary: body.command.join(" "),
         begun: None,
     };
-    let outcome = exec::run(&state, &caller, &body.container_id, spec, None).await?;
+    let outcome = exec::run(&state.runtime, &caller, &body.container_id, spec, None).await?;
     Ok(Json(ExecReply {
         id: outcome.exec_id.clone(),
         status: outcome.status().into(),
@@ -372,21 +295,6 @@ pub struct ResourceUsage {
     pub executions: u64,
     pub execution_time_ms: u64,
     pub memory_limit_bytes: u64,
-}
-
-/// A session of a sandbox.
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct SessionInfo {
-    #[schema(example = "ses_3f2a9c1b7d4e5f60718293a4")]
-    pub session_id: String,
-    #[schema(example = "python")]
-    pub language: String,
-    /// `ready`, or `ended` (timed out, crashed, cancelled or lost to a restart: restart it).
-    #[schema(example = "ready")]
-    pub status: String,
-    pub turns: u64,
-    pub created_at: String,
 }
 
 impl SandboxInfo {
@@ -443,7 +351,7 @@ pub async fn get(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    let view = state.registry.get(&caller.tenant, &id)?;
+    let view = state.runtime.registry.get(&caller.tenant, &id)?;
     Ok(Json(SandboxInfo::from_view(&view)))
 }
 
@@ -455,15 +363,6 @@ pub struct Deleted {
     pub status: String,
     #[schema(example = "sb_3f2a9c1b7d4e5f60718293a4")]
     pub container_id: String,
-}
-
-/// Shared by both API versions: delete a sandbox and stop what it holds.
-pub async fn delete_sandbox(state: &AppState, caller: &Caller, id: &str) -> Result<(), ApiError> {
-    let removed = state.registry.delete(&caller.tenant, id)?;
-    for handle in removed.handles {
-        let _ = state.pool.close_session(&handle).await;
-    }
-    Ok(())
 }
 
 /// Delete a sandbox, its workspace and history. A running execution is cancelled.
@@ -478,7 +377,7 @@ pub async fn delete(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Json<Deleted>, ApiError> {
-    delete_sandbox(&state, &caller, &id).await?;
+    state.runtime.delete_sandbox(&caller, &id).await?;
     Ok(Json(Deleted {
         status: "deleted".into(),
         container_id: id,
@@ -507,14 +406,6 @@ pub struct HistoryQuery {
     pub cursor: Option<String>,
 }
 
-async fn blocking<T: Send + 'static>(
-    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
-}
-
 /// The workspace's history: every change, newest first, a page at a time (`limit`, at most
 /// 1000; `cursor` from the previous page's `nextCursor`).
 #[utoipa::path(get, path = "/api/sandbox/{id}/history", tag = "history",
@@ -533,26 +424,8 @@ pub async fn history(
     let Query(query) =
         query.map_err(|e| ApiError::bad_request("INVALID_REQUEST", e.body_text()))?;
     let limit = query.limit.unwrap_or(MAX_HISTORY);
-    if !(1..=MAX_HISTORY).contains(&limit) {
-        return Err(ApiError::bad_request(
-            "INVALID_REQUEST",
-            format!("limit must be 1 to {MAX_HISTORY}"),
-        ));
-    }
-    let sandbox = state.registry.get(&caller.tenant, &id)?.meta;
-    let (history, next_cursor) = blocking(move || {
-        sandbox
-            .history()?
-            .page(limit, query.cursor.as_deref())
-            .map_err(|e| match e {
-                crate::history::HistoryError::UnknownId(cursor) => ApiError::bad_request(
-                    "INVALID_CURSOR",
-                    format!("{cursor:?} is not a cursor of this sandbox's history"),
-                ),
-                other => history_error(other),
-            })
-    })
-    .await?;
+    let (history, next_cursor) =
+        kiln_runtime::revisions::page(&state.runtime, &caller, &id, limit, query.cursor).await?;
     Ok(Json(HistoryReply {
         history,
         next_cursor,
@@ -591,20 +464,13 @@ pub async fn diff(
     body: Result<Json<DiffBody>, JsonRejection>,
 ) -> Result<Json<DiffReply>, ApiError> {
     let Json(body) = body?;
-    let sandbox = state.registry.get(&caller.tenant, &id)?.meta;
-    let diff = blocking(move || {
-        let history = sandbox.history()?;
-        let to = match body.to_exec_id {
-            Some(to) => to,
-            None => history
-                .entries(1)
-                .map_err(history_error)?
-                .pop()
-                .map(|e| e.id)
-                .unwrap_or_default(),
-        };
-        history.diff(&body.from_exec_id, &to).map_err(history_error)
-    })
+    let diff = kiln_runtime::revisions::diff(
+        &state.runtime,
+        &caller,
+        &id,
+        body.from_exec_id,
+        body.to_exec_id,
+    )
     .await?;
     Ok(Json(DiffReply { diff }))
 }
@@ -647,32 +513,12 @@ pub async fn rollback(
     body: Result<Json<RollbackBody>, JsonRejection>,
 ) -> Result<Json<RollbackReply>, ApiError> {
     let Json(body) = body?;
-    let rollback_id = new_id("rollback_");
-    let (sandbox, _cancel, _) = state
-        .registry
-        .begin(&caller.tenant, &id, &rollback_id, None)?;
-    let target = body.execution_id.clone();
-    let new_id = rollback_id.clone();
-    // Blocking work runs to its end (and the sandbox is released) even if the client leaves.
-    let done = blocking(move || {
-        let done = (|| {
-            sandbox
-                .history()?
-                .rollback(&sandbox.tree()?, &target, &new_id)
-                .map_err(history_error)
-        })();
-        if let Ok(recorded) = &done {
-            state
-                .registry
-                .set_workspace_bytes(&sandbox.id, recorded.bytes);
-            exec::pack_in_background(&sandbox);
-        }
-        state.registry.finish(&sandbox.id, None).and(done)
-    })
-    .await?;
+    let done =
+        kiln_runtime::revisions::rollback(&state.runtime, &caller, &id, body.execution_id.clone())
+            .await?;
     Ok(Json(RollbackReply {
         status: "rolled_back".into(),
-        id: rollback_id,
+        id: done.id,
         commit_id: done.commit_id.unwrap_or_default(),
         restored_execution_id: body.execution_id,
     }))
@@ -701,8 +547,8 @@ pub async fn healthz() -> Json<Health> {
         (status = 503, description = "Not ready", body = ErrorBody),
     ))]
 pub async fn readyz(State(state): Shared) -> Result<Json<Health>, ApiError> {
-    let workers = state.pool.start_all().is_ok();
-    let writable = state.registry.writable();
+    let workers = state.runtime.pool.start_all().is_ok();
+    let writable = state.runtime.registry.writable();
     if !workers || !writable {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -730,9 +576,10 @@ pub async fn metrics(
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4",
         )],
-        state
-            .metrics
-            .render(state.registry.count(), &state.pool.worker_loads()),
+        state.runtime.metrics.render(
+            state.runtime.registry.count(),
+            &state.runtime.pool.worker_loads(),
+        ),
     )
 }
 

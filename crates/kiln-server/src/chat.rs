@@ -105,7 +105,7 @@ pub async fn chat(
         }
     };
     if let Some(sandbox) = &body.sandbox {
-        state.registry.get(&caller.tenant, sandbox)?;
+        state.runtime.registry.get(&caller.tenant, sandbox)?;
     }
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<AgentEvent>();
     let input = AgentInput {

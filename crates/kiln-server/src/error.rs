@@ -97,3 +97,48 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
         ApiError::new(status, code, rejection.body_text())
     }
 }
+
+impl From<kiln_runtime::RuntimeError> for ApiError {
+    /// The one mapping of runtime failures onto HTTP: a status by kind; the code, message
+    /// and details are the runtime's own.
+    fn from(error: kiln_runtime::RuntimeError) -> ApiError {
+        use kiln_runtime::RuntimeError as E;
+        use kiln_workspace::TreeError;
+        let status = match &error {
+            E::SandboxNotFound { .. } | E::SessionNotFound { .. } | E::FolderNotFound { .. } => {
+                StatusCode::NOT_FOUND
+            }
+            E::SandboxBusy { .. }
+            | E::SandboxDeleted { .. }
+            | E::SessionEnded { .. }
+            | E::TooManySessions { .. }
+            | E::IsAFolder { .. }
+            | E::Cancelled => StatusCode::CONFLICT,
+            E::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            E::Workspace(tree) => match tree {
+                TreeError::NotFound { .. } => StatusCode::NOT_FOUND,
+                TreeError::IsDir { .. } | TreeError::Changed { .. } => StatusCode::CONFLICT,
+                TreeError::NoSpace { .. } => StatusCode::INSUFFICIENT_STORAGE,
+                TreeError::TooManyEntries { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+                TreeError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+                _ => StatusCode::BAD_REQUEST,
+            },
+            E::FileTooLarge { .. } | E::TooManyFiles { .. } | E::FilesTooLarge { .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
+            E::NoSpace { .. } => StatusCode::INSUFFICIENT_STORAGE,
+            E::ProgramUnreadable { .. }
+            | E::ExecutionNotFound { .. }
+            | E::InvalidCursor { .. }
+            | E::UnsupportedLanguage { .. }
+            | E::InvalidOption { .. }
+            | E::InvalidEnv { .. }
+            | E::UnknownImage { .. }
+            | E::InvalidRequest { .. }
+            | E::Unsupported { .. } => StatusCode::BAD_REQUEST,
+            E::ExecutorLost { .. } | E::Saturated { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            E::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, error.code(), error.to_string()).with_details(error.details())
+    }
+}

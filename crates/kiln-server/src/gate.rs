@@ -213,11 +213,12 @@ pub async fn gate(
     let status = response.status().as_u16();
     let elapsed = started.elapsed();
     state
+        .runtime
         .metrics
         .request(&method, &route, status, elapsed.as_secs_f64());
     let code = response.extensions().get::<ErrorCode>().map(|c| c.0);
     if let Some(code) = code {
-        state.metrics.error(code);
+        state.runtime.metrics.error(code);
     }
     tracing::info!(
         target: "kiln::http",

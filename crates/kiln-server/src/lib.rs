@@ -1,29 +1,27 @@
 //! `kiln serve`: the platform HTTP API. Untrusted code runs in executor worker processes
 //! (`kiln_executor::ExecutorPool`), never in this process.
 //!
+//! Handlers only: each parses a request, calls [`kiln_runtime`] and maps the result
+//! ([`kiln_runtime::RuntimeError`] becomes an [`ApiError`] in one place, `error.rs`).
+//!
 //! - `api`: the published `/api/sandbox` contract and the workspace history routes.
 //! - `v1`: `/api/v1`: sandboxes, executions (SSE, WebSocket, cancel), sessions, files.
-//! - `exec`: the one execution path under both.
-//! - `sandbox`, `history`, `store`: durable state under the data directory.
-//! - `auth`, `gate`, `metrics`: keys and tenants, the per-request middleware, Prometheus.
+//! - `mcp`, `chat` and `agent`: MCP tools and the chat agent, over the same runtime.
+//! - `gate`: the per-request middleware (keys, rate limit, timeout, access log, metrics).
 //! - `openapi`: the generated description and the docs pages.
 
 pub mod agent;
 pub mod api;
-pub mod auth;
 pub mod chat;
 pub mod error;
-pub mod exec;
 pub mod gate;
-pub mod history;
 pub mod mcp;
-pub mod metrics;
 pub mod openapi;
-pub mod quota;
-pub mod sandbox;
-pub mod store;
 pub mod templates;
 pub mod v1;
+
+// The runtime's modules under their old names, for the handlers.
+use kiln_runtime::{auth, exec, history, quota, sandbox};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -35,6 +33,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use kiln_core::template::Catalogue;
 use kiln_executor::ExecutorPool;
+use kiln_runtime::{Runtime, RuntimeConfig};
 
 pub use error::ApiError;
 
@@ -43,11 +42,10 @@ pub const MAX_BODY_BYTES: usize = 32 << 20;
 
 /// Shared state of the server.
 pub struct AppState {
-    pub registry: sandbox::Registry,
-    pub pool: ExecutorPool,
+    /// Sandboxes, sessions, files and history, over the executor pool.
+    pub runtime: Arc<Runtime>,
     pub auth: auth::Auth,
     pub limiter: gate::RateLimiter,
-    pub metrics: metrics::Metrics,
     pub request_timeout: Duration,
     /// Host names `/mcp` accepts in `Host` (DNS-rebinding protection).
     pub mcp_hosts: Vec<String>,
@@ -57,19 +55,8 @@ pub struct AppState {
     pub llm: Result<Arc<dyn kiln_llm::ChatModel>, String>,
     /// Budgets of one agent run.
     pub agent_limits: agent::AgentLimits,
-    /// Each tenant's quotas unless its key says otherwise.
-    pub quotas: quota::Quotas,
-    /// The templates sandboxes are made from.
-    pub catalogue: Catalogue,
     /// The model settings (for a chat request naming its own model).
     pub llm_env: kiln_llm::LlmEnv,
-}
-
-impl AppState {
-    /// The quotas of `caller`: the server's, with its key's overrides.
-    pub fn quotas(&self, caller: &auth::Caller) -> quota::Quotas {
-        self.quotas.with(&caller.quotas)
-    }
 }
 
 /// Server settings.
@@ -100,16 +87,22 @@ impl AppState {
     /// State over the data directory of `config`.
     pub fn open(config: &ServerConfig, pool: ExecutorPool) -> std::io::Result<AppState> {
         let model = config.llm.model();
-        Ok(AppState {
-            registry: sandbox::Registry::open(config.data_dir.clone())?,
+        let runtime = Runtime::open(
+            RuntimeConfig {
+                data_dir: config.data_dir.clone(),
+                quotas: config.quotas,
+                catalogue: config.catalogue.clone(),
+            },
             pool,
+        )?;
+        Ok(AppState {
+            runtime: Arc::new(runtime),
             auth: if config.auth {
                 auth::Auth::Keys(auth::KeyStore::new(&config.data_dir))
             } else {
                 auth::Auth::Off
             },
             limiter: gate::RateLimiter::new(config.rate_limit),
-            metrics: metrics::Metrics::default(),
             request_timeout: config.request_timeout,
             mcp_sessions: gate::McpSessionOwners::default(),
             mcp_hosts: {
@@ -129,8 +122,6 @@ impl AppState {
                     .map_or(Duration::from_secs(120), |c| c.timeout),
                 ..agent::AgentLimits::default()
             },
-            quotas: config.quotas,
-            catalogue: config.catalogue.clone(),
             llm_env: config.llm.clone(),
         })
     }
@@ -192,7 +183,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/redoc/redoc.standalone.js", get(openapi::redoc_js))
         .nest_service(
             "/mcp",
-            mcp::http_service(state.clone(), state.mcp_hosts.clone()),
+            mcp::http_service(state.runtime.clone(), state.mcp_hosts.clone()),
         )
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn(gate::json_errors))
@@ -211,16 +202,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// Runs the server until ctrl-c or SIGTERM; running requests finish first.
 pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<()> {
     let state = Arc::new(AppState::open(&config, pool)?);
-    let reaper = state.clone();
+    let runtime = state.runtime.clone();
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            let flusher = reaper.clone();
-            let _ = tokio::task::spawn_blocking(move || flusher.registry.flush_usage()).await;
-            let removed = reaper.registry.reap_expired();
-            for handle in removed.handles {
-                let _ = reaper.pool.close_session(&handle).await;
-            }
+            runtime.tick().await;
         }
     });
     let listener = tokio::net::TcpListener::bind(config.listen).await?;
@@ -259,7 +245,7 @@ pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<
     axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
-    state.registry.flush_usage();
+    state.runtime.registry.flush_usage();
     Ok(())
 }
 

@@ -7,7 +7,6 @@
 //! runs), `write_file`, `read_file`, `list_files`. Input schemas are derived from the Rust
 //! types below.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kiln_core::{ExecRequest, Language, Limits};
@@ -18,12 +17,11 @@ use rmcp::{ErrorData, RoleServer, ServerHandler, schemars, tool, tool_handler, t
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::AppState;
 use crate::auth::Caller;
-use crate::error::ApiError;
-use crate::exec::{self, pool_error};
+use crate::exec::{self, CodeExec};
 use crate::sandbox::new_id;
-use crate::v1;
+use kiln_runtime::Runtime;
+use kiln_runtime::{RuntimeError, files, sessions};
 
 /// Most seconds a tool's code may run.
 pub const MAX_TIMEOUT_SECONDS: f64 = 300.0;
@@ -112,7 +110,7 @@ pub struct ListFiles {
 /// The MCP server over one kiln.
 #[derive(Clone)]
 pub struct KilnMcp {
-    state: Arc<AppState>,
+    runtime: Arc<Runtime>,
 }
 
 impl std::fmt::Debug for KilnMcp {
@@ -121,28 +119,19 @@ impl std::fmt::Debug for KilnMcp {
     }
 }
 
-fn language(name: Option<&str>) -> Result<Language, ApiError> {
-    match name {
-        None => Ok(Language::Python),
-        Some(name) => Language::from_name(name).ok_or_else(|| {
-            ApiError::bad_request(
-                "UNSUPPORTED_LANGUAGE",
-                format!("unknown language {name:?}; use python or javascript"),
-            )
-        }),
-    }
+fn language(name: Option<&str>) -> Result<Language, RuntimeError> {
+    name.map_or(Ok(Language::Python), exec::language)
 }
 
-fn timeout_ms(seconds: Option<f64>) -> Result<Option<u64>, ApiError> {
+fn timeout_ms(seconds: Option<f64>) -> Result<Option<u64>, RuntimeError> {
     match seconds {
         None => Ok(None),
         Some(s) if s > 0.0 && s <= MAX_TIMEOUT_SECONDS => Ok(Some((s * 1000.0).ceil() as u64)),
-        Some(s) => Err(ApiError::bad_request(
-            "INVALID_OPTION",
-            format!(
+        Some(s) => Err(RuntimeError::InvalidOption {
+            message: format!(
                 "timeout_seconds must be more than 0 and at most {MAX_TIMEOUT_SECONDS}, got {s}"
             ),
-        )),
+        }),
     }
 }
 
@@ -156,15 +145,19 @@ fn answer(value: Value, failed: bool) -> CallToolResult {
     }
 }
 
-/// A kiln error as a tool error the model can read and act on.
-fn refused(error: ApiError) -> CallToolResult {
+/// A kiln error as a tool error the model can read and act on (MCP's one mapping of
+/// [`RuntimeError`]).
+fn refused(error: RuntimeError) -> CallToolResult {
     answer(
-        json!({ "error": { "code": error.code, "message": error.message, "details": error.details } }),
+        json!({ "error": { "code": error.code(), "message": error.to_string(), "details": error.details() } }),
         true,
     )
 }
 
-fn reply<T>(result: Result<T, ApiError>, ok: impl FnOnce(T) -> CallToolResult) -> CallToolResult {
+fn reply<T>(
+    result: Result<T, RuntimeError>,
+    ok: impl FnOnce(T) -> CallToolResult,
+) -> CallToolResult {
     match result {
         Ok(value) => ok(value),
         Err(error) => refused(error),
@@ -173,9 +166,9 @@ fn reply<T>(result: Result<T, ApiError>, ok: impl FnOnce(T) -> CallToolResult) -
 
 #[tool_router]
 impl KilnMcp {
-    /// A server over `state`.
-    pub fn new(state: Arc<AppState>) -> KilnMcp {
-        KilnMcp { state }
+    /// A server over `runtime`.
+    pub fn new(runtime: Arc<Runtime>) -> KilnMcp {
+        KilnMcp { runtime }
     }
 
     /// Who is calling: the bearer key's tenant over HTTP, the local tenant over stdio.
@@ -208,13 +201,13 @@ impl KilnMcp {
                     ..Limits::default()
                 };
                 let limits = request.limits.clone();
-                match self.state.pool.execute(request).await {
+                match self.runtime.pool.execute(request).await {
                     Ok(result) => {
                         let mut stderr = result.stderr_text();
                         if let Some(reason) = result.outcome.reason(&limits) {
                             stderr.push_str(&format!("kiln: {reason}\n"));
                         }
-                        self.state.metrics.execution(language, &result);
+                        self.runtime.metrics.execution(language, &result);
                         answer(
                             json!({
                                 "status": if result.success() { "success" } else if matches!(result.outcome, kiln_core::Outcome::TimedOut) { "timeout" } else { "error" },
@@ -226,31 +219,29 @@ impl KilnMcp {
                             !result.success(),
                         )
                     }
-                    Err(error) => refused(pool_error(error)),
+                    Err(error) => refused(error.into()),
                 }
             }
             Some(id) => {
-                let body = v1::Execute {
+                let code = CodeExec {
                     code: input.code,
-                    language: Some(language.name().into()),
-                    stdin: input.stdin.unwrap_or_default(),
-                    env: BTreeMap::new(),
+                    language: Some(language),
+                    stdin: input.stdin.unwrap_or_default().into_bytes(),
                     timeout_ms: timeout,
-                    files: BTreeMap::new(),
-                    session_id: None,
+                    ..CodeExec::default()
                 };
-                self.execute(caller, &id, body).await
+                self.execute(caller, &id, code).await
             }
         }
     }
 
-    async fn execute(&self, caller: &Caller, id: &str, body: v1::Execute) -> CallToolResult {
-        let spec = match v1::spec(&self.state, caller, id, body) {
+    async fn execute(&self, caller: &Caller, id: &str, code: CodeExec) -> CallToolResult {
+        let spec = match exec::prepare(&self.runtime, caller, id, code) {
             Ok(spec) => spec,
             Err(e) => return refused(e),
         };
         reply(
-            exec::run(&self.state, caller, id, spec, None).await,
+            exec::run(&self.runtime, caller, id, spec, None).await,
             |outcome| {
                 answer(
                     json!({
@@ -270,8 +261,12 @@ impl KilnMcp {
         )
     }
 
-    async fn new_sandbox(&self, caller: &Caller, language: Language) -> Result<String, ApiError> {
-        exec::create_default_sandbox(&self.state, caller, language)
+    async fn new_sandbox(
+        &self,
+        caller: &Caller,
+        language: Language,
+    ) -> Result<String, RuntimeError> {
+        exec::create_default_sandbox(&self.runtime, caller, language)
             .await
             .map(|sandbox| sandbox.id)
     }
@@ -334,8 +329,8 @@ impl KilnMcp {
                 None => self.new_sandbox(&caller, language).await?,
             };
             let info =
-                v1::open_session(&self.state, &caller, &id, language, new_id("ses_")).await?;
-            Ok::<_, ApiError>((id, info))
+                sessions::open(&self.runtime, &caller, &id, language, new_id("ses_")).await?;
+            Ok::<_, RuntimeError>((id, info))
         }
         .await;
         Ok(reply(opened, |(id, info)| {
@@ -359,25 +354,22 @@ impl KilnMcp {
             Ok(t) => t,
             Err(e) => return Ok(refused(e)),
         };
-        let session =
-            match self
-                .state
-                .registry
-                .session(&caller.tenant, &input.sandbox_id, &input.session_id)
-            {
-                Ok((meta, _)) => meta,
-                Err(e) => return Ok(refused(e)),
-            };
-        let body = v1::Execute {
-            code: input.code,
-            language: Some(session.language.name().into()),
-            stdin: String::new(),
-            env: BTreeMap::new(),
-            timeout_ms: timeout,
-            files: BTreeMap::new(),
-            session_id: Some(input.session_id),
+        let session = match self.runtime.registry.session(
+            &caller.tenant,
+            &input.sandbox_id,
+            &input.session_id,
+        ) {
+            Ok((meta, _)) => meta,
+            Err(e) => return Ok(refused(e)),
         };
-        Ok(self.execute(&caller, &input.sandbox_id, body).await)
+        let code = CodeExec {
+            code: input.code,
+            language: Some(session.language),
+            timeout_ms: timeout,
+            session: Some(input.session_id),
+            ..CodeExec::default()
+        };
+        Ok(self.execute(&caller, &input.sandbox_id, code).await)
     }
 
     #[tool(description = "Close a session and free its state.")]
@@ -387,20 +379,11 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let closed = self.state.registry.remove_session(
-            &caller.tenant,
-            &input.sandbox_id,
-            &input.session_id,
-        );
-        Ok(match closed {
-            Ok(handle) => {
-                if let Some(handle) = handle {
-                    let _ = self.state.pool.close_session(&handle).await;
-                }
-                answer(json!({ "closed": input.session_id }), false)
-            }
-            Err(e) => refused(e),
-        })
+        let closed =
+            sessions::close(&self.runtime, &caller, &input.sandbox_id, &input.session_id).await;
+        Ok(reply(closed, |()| {
+            answer(json!({ "closed": input.session_id }), false)
+        }))
     }
 
     #[tool(
@@ -412,8 +395,8 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let written = v1::write_file_in(
-            &self.state,
+        let written = files::write(
+            &self.runtime,
             &caller,
             &input.sandbox_id,
             input.path,
@@ -435,8 +418,14 @@ impl KilnMcp {
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
         // A tool result goes into a model's context: a few MiB at most.
-        let read =
-            v1::read_file_in(&self.state, &caller, &input.sandbox_id, input.path, 4 << 20).await;
+        let read = files::read(
+            &self.runtime,
+            &caller,
+            &input.sandbox_id,
+            input.path,
+            4 << 20,
+        )
+        .await;
         Ok(reply(read, |bytes| {
             CallToolResult::success(vec![ContentBlock::text(
                 String::from_utf8_lossy(&bytes).into_owned(),
@@ -451,7 +440,7 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let listed = v1::list_files_in(&self.state, &caller, &input.sandbox_id, input.path).await;
+        let listed = files::list(&self.runtime, &caller, &input.sandbox_id, input.path).await;
         Ok(reply(listed, |list| {
             answer(serde_json::to_value(&list).unwrap_or_default(), false)
         }))
@@ -469,7 +458,7 @@ impl ServerHandler for KilnMcp {
 
 /// The streamable-HTTP service for `/mcp` on `kiln serve`.
 pub fn http_service(
-    state: Arc<AppState>,
+    runtime: Arc<Runtime>,
     allowed_hosts: Vec<String>,
 ) -> rmcp::transport::streamable_http_server::StreamableHttpService<
     KilnMcp,
@@ -481,16 +470,16 @@ pub fn http_service(
     let mut config = StreamableHttpServerConfig::default();
     config.allowed_hosts = allowed_hosts;
     StreamableHttpService::new(
-        move || Ok(KilnMcp::new(state.clone())),
+        move || Ok(KilnMcp::new(runtime.clone())),
         Arc::new(LocalSessionManager::default()),
         config,
     )
 }
 
 /// Serves MCP over stdin/stdout until the client closes them.
-pub async fn serve_stdio(state: Arc<AppState>) -> std::io::Result<()> {
+pub async fn serve_stdio(runtime: Arc<Runtime>) -> std::io::Result<()> {
     use rmcp::ServiceExt;
-    let service = KilnMcp::new(state)
+    let service = KilnMcp::new(runtime)
         .serve(rmcp::transport::stdio())
         .await
         .map_err(std::io::Error::other)?;

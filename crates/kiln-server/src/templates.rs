@@ -96,6 +96,7 @@ impl From<&TemplateInfo> for TemplateView {
 pub async fn list(State(state): State<Arc<AppState>>) -> Json<TemplateList> {
     Json(TemplateList {
         templates: state
+            .runtime
             .catalogue
             .templates()
             .iter()

@@ -14,7 +14,6 @@ use axum::extract::{Extension, Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use kiln_core::{ExecRequest, Language, Limits};
 use kiln_executor::Chunk;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -22,20 +21,19 @@ use tokio::sync::mpsc;
 use utoipa::{IntoParams, ToSchema};
 
 use crate::AppState;
-use crate::api::{self, SandboxInfo, check_files, exec_prefix};
+use crate::api::{self, SandboxInfo};
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::exec::{self, RunOutcome, RunSpec, pool_error};
-use crate::sandbox::{SessionMeta, new_id, now_ms, rfc3339, tree_error, workspace_path};
-use kiln_executor::CallOptions;
-use kiln_workspace::{Kind, RelPath};
+use crate::exec::{self, CodeExec, RunOutcome, RunSpec};
+use kiln_runtime::RuntimeError;
+use kiln_runtime::files::{self, FileChange, FileList};
+use kiln_runtime::sessions::{self, SessionInfo};
 
 type Shared = State<Arc<AppState>>;
 
 /// Most sandboxes one page lists.
 pub const MAX_PAGE: usize = 500;
-/// Most entries a file listing returns.
-pub const MAX_LISTING: usize = 10_000;
+pub use kiln_runtime::files::MAX_LISTING;
 /// Largest file one upload may carry: 32 MiB (the body limit).
 pub const MAX_FILE_BYTES: usize = crate::MAX_BODY_BYTES;
 
@@ -82,13 +80,15 @@ pub async fn create(
     let Json(body) = body?;
     let image = body.language.unwrap_or_else(|| "python".into());
     let spec = api::parse_create(
-        &state.catalogue,
+        &state.runtime.catalogue,
         &image,
         body.timeout_ms,
         body.memory_limit.as_deref(),
     )?;
-    let id = exec::create_sandbox(&state, &caller, spec).await?.id;
-    let view = state.registry.get(&caller.tenant, &id)?;
+    let id = exec::create_sandbox(&state.runtime, &caller, spec)
+        .await?
+        .id;
+    let view = state.runtime.registry.get(&caller.tenant, &id)?;
     Ok((StatusCode::CREATED, Json(SandboxInfo::from_view(&view))))
 }
 
@@ -133,6 +133,7 @@ pub async fn list(
         ));
     }
     let (views, next) = state
+        .runtime
         .registry
         .list(&caller.tenant, page.cursor.as_deref(), limit);
     Ok(Json(SandboxPage {
@@ -155,7 +156,7 @@ pub async fn get(
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
     Ok(Json(SandboxInfo::from_view(
-        &state.registry.get(&caller.tenant, &id)?,
+        &state.runtime.registry.get(&caller.tenant, &id)?,
     )))
 }
 
@@ -172,7 +173,7 @@ pub async fn delete(
     id: Result<Path<String>, PathRejection>,
 ) -> Result<StatusCode, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    api::delete_sandbox(&state, &caller, &id).await?;
+    state.runtime.delete_sandbox(&caller, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -212,9 +213,12 @@ pub async fn renew(
             ),
         ));
     }
-    state.registry.renew(&caller.tenant, &id, body.timeout_ms)?;
+    state
+        .runtime
+        .registry
+        .renew(&caller.tenant, &id, body.timeout_ms)?;
     Ok(Json(SandboxInfo::from_view(
-        &state.registry.get(&caller.tenant, &id)?,
+        &state.runtime.registry.get(&caller.tenant, &id)?,
     )))
 }
 
@@ -303,6 +307,25 @@ impl Execution {
     }
 }
 
+impl Execute {
+    /// The runtime's request for this body.
+    pub fn into_code(self) -> Result<CodeExec, ApiError> {
+        Ok(CodeExec {
+            language: self.language.as_deref().map(exec::language).transpose()?,
+            code: self.code,
+            stdin: self.stdin.into_bytes(),
+            env: self.env,
+            timeout_ms: self.timeout_ms,
+            files: self
+                .files
+                .into_iter()
+                .map(|(name, text)| (name, text.into_bytes()))
+                .collect(),
+            session: self.session_id,
+        })
+    }
+}
+
 /// Checks an execution request against its sandbox and turns it into a run.
 pub fn spec(
     state: &AppState,
@@ -310,78 +333,13 @@ pub fn spec(
     id: &str,
     body: Execute,
 ) -> Result<RunSpec, ApiError> {
-    let view = state.registry.get(&caller.tenant, id)?;
-    let language = match body.language.as_deref() {
-        None => view.meta.language,
-        Some(name) => Language::from_name(name).ok_or_else(|| {
-            ApiError::bad_request(
-                "UNSUPPORTED_LANGUAGE",
-                format!("unknown language {name:?}; use python or javascript"),
-            )
-        })?,
-    };
-    if let Some(timeout) = body.timeout_ms
-        && (timeout == 0 || timeout > exec::MAX_EXEC_MS)
-    {
-        return Err(ApiError::bad_request(
-            "INVALID_OPTION",
-            format!("timeoutMs must be 1..={}", exec::MAX_EXEC_MS),
-        ));
-    }
-    if let Some((name, _)) = body
-        .env
-        .iter()
-        .find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0'))
-    {
-        return Err(ApiError::bad_request(
-            "INVALID_ENV",
-            format!(
-                "the environment variable {name:?} is not allowed: names are non-empty and hold no `=` or NUL; values hold no NUL"
-            ),
-        ));
-    }
-    if body.session_id.is_some() && !body.env.is_empty() {
-        return Err(ApiError::bad_request(
-            "INVALID_ENV",
-            "env applies to one-shot executions; a session keeps the environment it was opened with",
-        ));
-    }
-    if let Some(session) = &body.session_id {
+    exec::prepare(&state.runtime, caller, id, body.into_code()?).map_err(|e| match e {
         // Named in the body: a bad request, not a missing URL.
-        let (meta, _) = state
-            .registry
-            .session(&caller.tenant, id, session)
-            .map_err(|mut e| {
-                if e.code == "SESSION_NOT_FOUND" {
-                    e.status = StatusCode::BAD_REQUEST;
-                }
-                e
-            })?;
-        if meta.language != language {
-            return Err(ApiError::bad_request(
-                "UNSUPPORTED_LANGUAGE",
-                format!("session {session} runs {}", meta.language),
-            ));
-        }
-    }
-    let files = check_files(body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
-    let summary = format!(
-        "{} {}",
-        language.name(),
-        body.code.lines().next().unwrap_or_default()
-    );
-    Ok(RunSpec {
-        exec_id: new_id(exec_prefix(language)),
-        language,
-        code: body.code,
-        stdin: body.stdin.into_bytes(),
-        env: body.env.into_iter().collect(),
-        timeout_ms: body.timeout_ms,
-        files,
-        code_file: None,
-        session: body.session_id,
-        summary,
-        begun: None,
+        e @ RuntimeError::SessionNotFound { .. } => ApiError {
+            status: StatusCode::BAD_REQUEST,
+            ..e.into()
+        },
+        other => other.into(),
     })
 }
 
@@ -404,7 +362,7 @@ pub async fn execute(
     let Path(id) = id.map_err(path_error)?;
     let Json(body) = body?;
     let spec = spec(&state, &caller, &id, body)?;
-    let outcome = exec::run(&state, &caller, &id, spec, None).await?;
+    let outcome = exec::run(&state.runtime, &caller, &id, spec, None).await?;
     Ok(Json(Execution::from_outcome(&outcome)))
 }
 
@@ -505,12 +463,12 @@ fn start_streaming(
         }
     });
     tokio::spawn(async move {
-        let ran = exec::run(&state, &caller, &id, spec, Some(chunks_tx)).await;
+        let ran = exec::run(&state.runtime, &caller, &id, spec, Some(chunks_tx)).await;
         // Every chunk is relayed before the result.
         let _ = relay.await;
         let _ = events_tx.send(match ran {
             Ok(outcome) => StreamEvent::Result(Box::new(Execution::from_outcome(&outcome))),
-            Err(error) => StreamEvent::Error(error),
+            Err(error) => StreamEvent::Error(error.into()),
         });
     });
     events_rx
@@ -536,7 +494,7 @@ pub async fn execute_stream(
     let Json(body) = body?;
     let spec = spec(&state, &caller, &id, body)?;
     // Refuse a busy sandbox before the stream starts, with a proper status.
-    if let Some(running) = state.registry.get(&caller.tenant, &id)?.running {
+    if let Some(running) = state.runtime.registry.get(&caller.tenant, &id)?.running {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "SANDBOX_BUSY",
@@ -570,7 +528,7 @@ pub async fn websocket(
     upgrade: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    state.registry.get(&caller.tenant, &id)?;
+    state.runtime.registry.get(&caller.tenant, &id)?;
     Ok(upgrade
         .max_message_size(crate::MAX_BODY_BYTES)
         .on_upgrade(move |socket| serve_socket(socket, state, caller, id)))
@@ -616,7 +574,7 @@ async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Calle
                         }
                     }
                     Ok(ClientMessage::Cancel) => {
-                        let _ = state.registry.cancel(&caller.tenant, &id, None);
+                        let _ = state.runtime.registry.cancel(&caller.tenant, &id, None);
                     }
                     Err(e) => {
                         let error = ApiError::bad_request("MALFORMED_MESSAGE", format!("send {{\"type\": \"exec\", \"code\": ...}} or {{\"type\": \"cancel\"}}: {e}"));
@@ -674,6 +632,7 @@ pub async fn cancel(
 ) -> Result<Json<Cancelled>, ApiError> {
     let Path((id, execution_id)) = ids.map_err(path_error)?;
     let cancelled = state
+        .runtime
         .registry
         .cancel(&caller.tenant, &id, Some(&execution_id))?;
     Ok(Json(Cancelled {
@@ -693,60 +652,12 @@ pub struct NewSession {
     pub language: Option<String>,
 }
 
-/// Opens a session in sandbox `id` under the given id.
-pub async fn open_session(
-    state: &AppState,
-    caller: &Caller,
-    id: &str,
-    language: Language,
-    session_id: String,
-) -> Result<api::SessionInfo, ApiError> {
-    let view = state.registry.get(&caller.tenant, id)?;
-    let mut request = ExecRequest::new(language, "");
-    request.workspace = Some(view.meta.workspace());
-    request.limits = Limits {
-        memory_bytes: view.meta.memory_bytes,
-        ..Limits::default()
-    };
-    let quotas = state.quotas(caller);
-    state
-        .registry
-        .usage(&caller.tenant)
-        .check_session(&quotas, view.meta.memory_bytes)?;
-    let options = CallOptions::for_tenant(&caller.tenant, quotas.cpu_weight);
-    let handle = state
-        .pool
-        .open_session_with(request, options)
-        .await
-        .map_err(pool_error)?;
-    let meta = SessionMeta {
-        id: session_id.clone(),
-        language,
-        created_ms: now_ms(),
-        turns: 0,
-    };
-    if let Err(error) = state
-        .registry
-        .add_session(id, meta.clone(), handle, &quotas)
-    {
-        let _ = state.pool.close_session(&handle).await;
-        return Err(error);
-    }
-    Ok(api::SessionInfo {
-        session_id,
-        language: language.name().into(),
-        status: "ready".into(),
-        turns: 0,
-        created_at: rfc3339(meta.created_ms),
-    })
-}
-
 /// Open a stateful session (a code context): variables, imports and definitions persist
 /// between executions that name it in `sessionId`.
 #[utoipa::path(post, path = "/api/v1/sandboxes/{id}/sessions", tag = "v1 sessions", request_body = NewSession,
     params(("id" = String, Path, description = "The sandbox id")),
     responses(
-        (status = 201, description = "Opened", body = api::SessionInfo),
+        (status = 201, description = "Opened", body = SessionInfo),
         (status = 404, description = "No such sandbox", body = ErrorBody),
     ))]
 pub async fn create_session(
@@ -754,31 +665,18 @@ pub async fn create_session(
     Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
     body: Result<Json<NewSession>, JsonRejection>,
-) -> Result<(StatusCode, Json<api::SessionInfo>), ApiError> {
+) -> Result<(StatusCode, Json<SessionInfo>), ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let Json(body) = body?;
-    let view = state.registry.get(&caller.tenant, &id)?;
-    let language = match body.language.as_deref() {
-        None => view.meta.language,
-        Some(name) => Language::from_name(name).ok_or_else(|| {
-            ApiError::bad_request("UNSUPPORTED_LANGUAGE", format!("unknown language {name:?}"))
-        })?,
-    };
-    if view.meta.sessions.len() >= 16 {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "TOO_MANY_SESSIONS",
-            "a sandbox holds at most 16 sessions; close one first",
-        ));
-    }
-    let info = open_session(&state, &caller, &id, language, new_id("ses_")).await?;
+    let language = body.language.as_deref().map(exec::language).transpose()?;
+    let info = sessions::create(&state.runtime, &caller, &id, language).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
 /// A sandbox's sessions.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct SessionList {
-    pub sessions: Vec<api::SessionInfo>,
+    pub sessions: Vec<SessionInfo>,
 }
 
 /// The sandbox's sessions and whether each holds live state.
@@ -794,7 +692,7 @@ pub async fn list_sessions(
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<SessionList>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    let view = state.registry.get(&caller.tenant, &id)?;
+    let view = state.runtime.registry.get(&caller.tenant, &id)?;
     Ok(Json(SessionList {
         sessions: SandboxInfo::from_view(&view).sessions,
     }))
@@ -804,7 +702,7 @@ pub async fn list_sessions(
 #[utoipa::path(post, path = "/api/v1/sandboxes/{id}/sessions/{session_id}/restart", tag = "v1 sessions",
     params(("id" = String, Path, description = "The sandbox id"), ("session_id" = String, Path, description = "The session id")),
     responses(
-        (status = 200, description = "Restarted", body = api::SessionInfo),
+        (status = 200, description = "Restarted", body = SessionInfo),
         (status = 404, description = "No such sandbox or session", body = ErrorBody),
         (status = 409, description = "The sandbox is busy", body = ErrorBody),
     ))]
@@ -812,23 +710,9 @@ pub async fn restart_session(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     ids: Result<Path<(String, String)>, PathRejection>,
-) -> Result<Json<api::SessionInfo>, ApiError> {
+) -> Result<Json<SessionInfo>, ApiError> {
     let Path((id, session)) = ids.map_err(path_error)?;
-    let work = new_id("restart_");
-    let (_, _cancel, _) = state.registry.begin(&caller.tenant, &id, &work, None)?;
-    let info = exec::detached(async move {
-        let done = async {
-            let (meta, handle) = state.registry.session(&caller.tenant, &id, &session)?;
-            if let Some(handle) = handle {
-                state.registry.drop_session_state(&id, &session);
-                let _ = state.pool.close_session(&handle).await;
-            }
-            open_session(&state, &caller, &id, meta.language, session.clone()).await
-        }
-        .await;
-        state.registry.finish(&id, None).and(done)
-    })
-    .await?;
+    let info = sessions::restart(&state.runtime, &caller, &id, &session).await?;
     Ok(Json(info))
 }
 
@@ -845,12 +729,7 @@ pub async fn close_session(
     ids: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<StatusCode, ApiError> {
     let Path((id, session)) = ids.map_err(path_error)?;
-    if let Some(handle) = state
-        .registry
-        .remove_session(&caller.tenant, &id, &session)?
-    {
-        let _ = state.pool.close_session(&handle).await;
-    }
+    sessions::close(&state.runtime, &caller, &id, &session).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -863,48 +742,6 @@ pub async fn close_session(
 pub struct ListQuery {
     /// A folder in the workspace; default the whole workspace.
     pub path: Option<String>,
-}
-
-/// A file or folder in a workspace.
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct FileEntry {
-    #[schema(example = "data/input.csv")]
-    pub path: String,
-    /// `file`, `dir`, `symlink` (never followed), or `special` (a fifo, socket or device).
-    #[schema(example = "file")]
-    pub kind: String,
-    pub size: u64,
-    pub modified_at: String,
-}
-
-/// A listing.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct FileList {
-    pub files: Vec<FileEntry>,
-    /// Whether the listing stopped at 10 000 entries.
-    pub truncated: bool,
-}
-
-/// Runs file work while the sandbox is busy with it (so no code runs meanwhile and links
-/// cannot be swapped under the check).
-async fn with_sandbox<T: Send + 'static>(
-    state: &Arc<AppState>,
-    caller: &Caller,
-    id: &str,
-    work_id: &str,
-    work: impl FnOnce(crate::sandbox::Sandbox) -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    let (sandbox, _cancel, _) = state.registry.begin(&caller.tenant, id, work_id, None)?;
-    let state = state.clone();
-    // Runs to its end (and releases the sandbox) even if the client leaves.
-    tokio::task::spawn_blocking(move || {
-        let id = sandbox.id.clone();
-        let done = work(sandbox);
-        state.registry.finish(&id, None).and(done)
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
 }
 
 /// List the workspace's files (recursive, at most 10 000 entries).
@@ -922,64 +759,9 @@ pub async fn list_files(
 ) -> Result<Json<FileList>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let Query(query) = query.map_err(query_error)?;
-    Ok(Json(list_files_in(&state, &caller, &id, query.path).await?))
-}
-
-/// Lists a workspace folder (recursive, at most [`MAX_LISTING`] entries).
-pub async fn list_files_in(
-    state: &Arc<AppState>,
-    caller: &Caller,
-    id: &str,
-    folder: Option<String>,
-) -> Result<FileList, ApiError> {
-    let work = new_id("list_");
-    with_sandbox(state, caller, id, &work, move |sandbox| {
-        let start = match folder.as_deref() {
-            Some(path) if !path.is_empty() => workspace_path(path)?,
-            _ => RelPath::root(),
-        };
-        let tree = sandbox.tree()?;
-        match tree.stat(&start).map_err(tree_error)? {
-            Some(meta) if meta.kind == Kind::Dir => {}
-            Some(meta) if meta.kind == Kind::Symlink => {
-                return Err(tree_error(kiln_workspace::TreeError::Link {
-                    path: start.to_string(),
-                }));
-            }
-            _ => {
-                return Err(ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    "FILE_NOT_FOUND",
-                    "no such folder in the workspace",
-                ));
-            }
-        }
-        let mut files = Vec::new();
-        let truncated = tree
-            .walk(&start, MAX_LISTING, &mut |path, meta| {
-                let kind = match meta.kind {
-                    Kind::File => "file",
-                    Kind::Dir => "dir",
-                    Kind::Symlink => "symlink",
-                    _ => "special",
-                };
-                let modified_ms = u64::try_from(meta.mtime_ns / 1_000_000).unwrap_or(0);
-                files.push(FileEntry {
-                    path: path.to_owned(),
-                    kind: kind.into(),
-                    size: if meta.kind == Kind::File {
-                        meta.size
-                    } else {
-                        0
-                    },
-                    modified_at: rfc3339(modified_ms),
-                });
-            })
-            .map_err(tree_error)?;
-        files.sort_by(|a, b| a.path.cmp(&b.path));
-        Ok(FileList { files, truncated })
-    })
-    .await
+    Ok(Json(
+        files::list(&state.runtime, &caller, &id, query.path).await?,
+    ))
 }
 
 /// Download a file, byte for byte (streamed from disk). Links, fifos and devices answer 400
@@ -998,7 +780,7 @@ pub async fn read_file(
     ids: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path((id, name)) = ids.map_err(path_error)?;
-    let (file, size) = open_file_in(&state, &caller, &id, name).await?;
+    let (file, size) = files::open(&state.runtime, &caller, &id, name).await?;
     // At most the size announced in Content-Length, whatever happens to the file meanwhile.
     let file = tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(file), size);
     let chunks = futures::stream::try_unfold(file, |mut file| async move {
@@ -1020,71 +802,6 @@ pub async fn read_file(
         .into_response())
 }
 
-/// Opens a workspace file for reading (a regular file, never through a link) while the
-/// sandbox is busy with nothing else; returns it and its size.
-pub async fn open_file_in(
-    state: &Arc<AppState>,
-    caller: &Caller,
-    id: &str,
-    name: String,
-) -> Result<(std::fs::File, u64), ApiError> {
-    let work = new_id("read_");
-    with_sandbox(state, caller, id, &work, move |sandbox| {
-        let rel = workspace_path(&name)?;
-        let (file, meta) = sandbox.tree()?.open_file(&rel).map_err(|e| match e {
-            kiln_workspace::TreeError::IsDir { .. } => ApiError::new(
-                StatusCode::CONFLICT,
-                "PATH_IS_A_DIRECTORY",
-                format!("{name} is a folder; list it with GET .../files?path={name}"),
-            ),
-            other => tree_error(other),
-        })?;
-        Ok((file, meta.size))
-    })
-    .await
-}
-
-/// A workspace file's bytes, at most `limit` (a larger file is refused with 413).
-pub async fn read_file_in(
-    state: &Arc<AppState>,
-    caller: &Caller,
-    id: &str,
-    name: String,
-    limit: u64,
-) -> Result<Vec<u8>, ApiError> {
-    let (file, size) = open_file_in(state, caller, id, name.clone()).await?;
-    if size > limit {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "FILE_TOO_LARGE",
-            format!(
-                "{name} is {size} bytes; at most {limit} can be read here (download it with GET /api/v1/sandboxes/{id}/files/{name})"
-            ),
-        )
-        .with_details(json!({ "path": name, "size": size, "limitBytes": limit })));
-    }
-    tokio::task::spawn_blocking(move || {
-        let mut bytes = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::Read::take(file, limit), &mut bytes)
-            .map(|_| bytes)
-            .map_err(|e| ApiError::internal(format!("could not read {name}: {e}")))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
-}
-
-/// A written or deleted file.
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct FileChange {
-    #[schema(example = "data/input.csv")]
-    pub path: String,
-    pub size: u64,
-    /// The history entry recording the change (absent when nothing changed).
-    pub history_id: Option<String>,
-    pub commit_id: Option<String>,
-}
-
 /// Upload a file (the raw request body, any bytes, at most 32 MiB). Folders are made as
 /// needed; the change is recorded in the history.
 #[utoipa::path(put, path = "/api/v1/sandboxes/{id}/files/{path}", tag = "v1 files",
@@ -1104,50 +821,8 @@ pub async fn write_file(
     body: Bytes,
 ) -> Result<(StatusCode, Json<FileChange>), ApiError> {
     let Path((id, name)) = ids.map_err(path_error)?;
-    let change = write_file_in(&state, &caller, &id, name, body.to_vec()).await?;
+    let change = files::write(&state.runtime, &caller, &id, name, body.to_vec()).await?;
     Ok((StatusCode::CREATED, Json(change)))
-}
-
-/// Writes a workspace file and records the change.
-pub async fn write_file_in(
-    state: &Arc<AppState>,
-    caller: &Caller,
-    id: &str,
-    name: String,
-    body: Vec<u8>,
-) -> Result<FileChange, ApiError> {
-    let history_id = new_id("upload_");
-    let work = history_id.clone();
-    let quotas = state.quotas(caller);
-    let usage = state.registry.usage(&caller.tenant);
-    if body.len() as u64 > usage.workspace_room(&quotas) {
-        return Err(crate::quota::exceeded(
-            "workspaceBytes",
-            quotas.workspace_bytes,
-            usage.workspace_bytes,
-            "bytes",
-        ));
-    }
-    let registry = state.clone();
-    with_sandbox(state, caller, id, &work, move |sandbox| {
-        let path = workspace_path(&name)?;
-        let size = body.len() as u64;
-        exec::write_files(&sandbox.tree()?, &[(path, body)])?;
-        let commit_id = exec::record(
-            &registry.registry,
-            &sandbox,
-            &format!("upload {name}"),
-            &history_id,
-        )?
-        .commit_id;
-        Ok(FileChange {
-            path: name,
-            size,
-            history_id: commit_id.as_ref().map(|_| history_id),
-            commit_id,
-        })
-    })
-    .await
 }
 
 /// Delete a file or folder (recursively); the change is recorded in the history.
@@ -1164,26 +839,6 @@ pub async fn delete_file(
     ids: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<FileChange>, ApiError> {
     let Path((id, name)) = ids.map_err(path_error)?;
-    let history_id = new_id("delete_");
-    let work = history_id.clone();
-    let registry = state.clone();
-    let change = with_sandbox(&state, &caller, &id, &work, move |sandbox| {
-        let path = workspace_path(&name)?;
-        sandbox.tree()?.remove(&path).map_err(tree_error)?;
-        let commit_id = exec::record(
-            &registry.registry,
-            &sandbox,
-            &format!("delete {name}"),
-            &history_id,
-        )?
-        .commit_id;
-        Ok(FileChange {
-            path: name,
-            size: 0,
-            history_id: commit_id.as_ref().map(|_| history_id),
-            commit_id,
-        })
-    })
-    .await?;
+    let change = files::delete(&state.runtime, &caller, &id, name).await?;
     Ok(Json(change))
 }

@@ -8,7 +8,8 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use kiln_core::template::{Catalogue, TemplateInfo};
 use kiln_executor::ExecutorPool;
-use kiln_server::{AppState, ServerConfig, quota::Quotas, router};
+use kiln_runtime::quota::Quotas;
+use kiln_server::{AppState, ServerConfig, router};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -38,7 +39,7 @@ fn app(auth: bool) -> App {
         llm: kiln_llm::LlmEnv::default(),
     };
     let key = auth.then(|| {
-        kiln_server::auth::create_key(data.path(), "test", None, Default::default())
+        kiln_runtime::auth::create_key(data.path(), "test", None, Default::default())
             .expect("a key")
             .1
     });

@@ -116,16 +116,16 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
         llm: kiln_llm::LlmEnv::from_env(),
         // Overhead, not quotas, is measured: every run keeps a session.
-        quotas: kiln_server::quota::Quotas {
+        quotas: kiln_runtime::quota::Quotas {
             sessions: 10_000,
             session_memory_bytes: u64::MAX,
-            ..kiln_server::quota::Quotas::default()
+            ..kiln_runtime::quota::Quotas::default()
         },
     };
     let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);
     pool.start_all()?;
     let state = Arc::new(kiln_server::AppState::open(&config, pool)?);
-    let caller = kiln_server::auth::Caller {
+    let caller = kiln_runtime::auth::Caller {
         tenant: "bench".into(),
         key_id: "bench".into(),
         quotas: Default::default(),

@@ -147,8 +147,8 @@ pub struct QuotaArgs {
 }
 
 impl QuotaArgs {
-    pub fn overrides(&self) -> kiln_server::quota::QuotaOverrides {
-        kiln_server::quota::QuotaOverrides {
+    pub fn overrides(&self) -> kiln_runtime::quota::QuotaOverrides {
+        kiln_runtime::quota::QuotaOverrides {
             sandboxes: self.max_sandboxes,
             sessions: self.max_sessions,
             session_memory_bytes: self.max_session_memory,

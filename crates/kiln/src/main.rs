@@ -231,7 +231,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         rate_limit: args.rate_limit,
         request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
         public_hosts: args.public_hosts,
-        quotas: kiln_server::quota::Quotas::default().with(&args.quotas.overrides()),
+        quotas: kiln_runtime::quota::Quotas::default().with(&args.quotas.overrides()),
         catalogue: catalogue(),
         llm: kiln_llm::LlmEnv::from_env(),
     };
@@ -248,20 +248,10 @@ fn mcp(dir: Option<std::path::PathBuf>, workers: usize) -> anyhow::Result<ExitCo
     let mut config = kiln_executor::PoolConfig::current_exe()?;
     config.workers = workers.max(1);
     let pool = kiln_executor::ExecutorPool::new(config);
-    let server = kiln_server::ServerConfig {
-        listen: ([127, 0, 0, 1], 0).into(),
-        data_dir: data_dir(dir)?,
-        auth: false,
-        rate_limit: 0,
-        request_timeout: std::time::Duration::from_secs(600),
-        public_hosts: Vec::new(),
-        quotas: kiln_server::quota::Quotas::default(),
-        catalogue: catalogue(),
-        llm: kiln_llm::LlmEnv::from_env(),
-    };
+    let config = kiln_runtime::RuntimeConfig::new(data_dir(dir)?, catalogue());
     runtime(2)?.block_on(async {
-        let state = std::sync::Arc::new(kiln_server::AppState::open(&server, pool)?);
-        kiln_server::mcp::serve_stdio(state).await?;
+        let runtime = std::sync::Arc::new(kiln_runtime::Runtime::open(config, pool)?);
+        kiln_server::mcp::serve_stdio(runtime).await?;
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -275,7 +265,7 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
             quotas,
         } => {
             let (record, key) =
-                kiln_server::auth::create_key(dir, &name, tenant.as_deref(), quotas.overrides())
+                kiln_runtime::auth::create_key(dir, &name, tenant.as_deref(), quotas.overrides())
                     .with_context(|| format!("cannot create a key in {}", dir.display()))?;
             println!("{key}");
             eprintln!(
@@ -286,7 +276,7 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
             );
         }
         cli::KeysCommand::List => {
-            let keys = kiln_server::auth::list_keys(dir)?;
+            let keys = kiln_runtime::auth::list_keys(dir)?;
             if keys.is_empty() {
                 eprintln!(
                     "kiln: no keys in {}; create one with `kiln keys create`",
@@ -301,7 +291,7 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
             }
         }
         cli::KeysCommand::Revoke { id } => {
-            if !kiln_server::auth::revoke_key(dir, &id)? {
+            if !kiln_runtime::auth::revoke_key(dir, &id)? {
                 anyhow::bail!("no key {id:?} in {}", dir.join("keys.json").display());
             }
             eprintln!("kiln: revoked {id}");

@@ -212,7 +212,7 @@ fn plans(
         if clear {
             if path.exists() {
                 let empty = kiln_rest::TenantPlans::default();
-                kiln_server::store::write_json(&path, &empty)?;
+                kiln_runtime::store::write_json(&path, &empty)?;
             }
             report.push(serde_json::json!({"tenant": name, "cleared": stored.entries.len()}));
             continue;

@@ -50,7 +50,7 @@ pub struct Caller {
     pub tenant: String,
     /// The key's public id (`local` without auth); rate limits count per key.
     pub key_id: String,
-    /// The key's own quotas (see [`crate::AppState::quotas`]).
+    /// The key's own quotas (see [`crate::Runtime::quotas`]).
     pub quotas: QuotaOverrides,
 }
 

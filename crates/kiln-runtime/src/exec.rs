@@ -6,17 +6,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::http::StatusCode;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
-use kiln_executor::{CallOptions, Chunk, PoolError, Share};
-use serde_json::json;
+use kiln_executor::{CallOptions, Chunk, Share};
 use tokio::sync::mpsc;
 
-use crate::AppState;
+use crate::Runtime;
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{Result, RuntimeError};
 use crate::history::{LeftOut, Recorded};
-use crate::sandbox::{Registry, Sandbox, SandboxSpec, now_ms, tree_error};
+use crate::sandbox::{Registry, Sandbox, SandboxSpec, now_ms};
 use kiln_workspace::{RelPath, Tree};
 
 /// Longest single execution: 5 minutes (bounded by the sandbox's remaining lifetime).
@@ -109,10 +107,9 @@ impl RunOutcome {
 pub const MAX_FILES: usize = 1000;
 
 /// Writes files into a workspace, durably, never through a link the guest planted.
-pub fn write_files(tree: &Tree, files: &[(RelPath, Vec<u8>)]) -> Result<(), ApiError> {
+pub fn write_files(tree: &Tree, files: &[(RelPath, Vec<u8>)]) -> Result<()> {
     for (target, content) in files {
-        tree.write(target, &mut content.as_slice())
-            .map_err(tree_error)?;
+        tree.write(target, &mut content.as_slice())?;
     }
     Ok(())
 }
@@ -120,16 +117,8 @@ pub fn write_files(tree: &Tree, files: &[(RelPath, Vec<u8>)]) -> Result<(), ApiE
 /// Records what a change did to the workspace as change `id`, notes the workspace's size
 /// for the tenant's quota, then packs the history in the background now and then. Blocking:
 /// call it off the async threads.
-pub fn record(
-    registry: &Registry,
-    sandbox: &Sandbox,
-    summary: &str,
-    id: &str,
-) -> Result<Recorded, ApiError> {
-    let recorded = sandbox
-        .history()?
-        .record(&sandbox.tree()?, summary, id)
-        .map_err(crate::sandbox::history_error)?;
+pub fn record(registry: &Registry, sandbox: &Sandbox, summary: &str, id: &str) -> Result<Recorded> {
+    let recorded = sandbox.history()?.record(&sandbox.tree()?, summary, id)?;
     registry.set_workspace_bytes(&sandbox.id, recorded.bytes);
     if recorded.commit_id.is_some() {
         pack_in_background(sandbox);
@@ -157,106 +146,80 @@ pub fn pack_in_background(sandbox: &Sandbox) {
     });
 }
 
-/// Maps a pool failure onto the API.
-pub fn pool_error(error: PoolError) -> ApiError {
-    match error {
-        PoolError::WorkerLost(detail) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "EXECUTOR_LOST",
-            format!("the executor running this code died ({detail}); it has been replaced, retry"),
-        ),
-        PoolError::Remote(remote) if remote.kind == "busy" => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "BUSY", remote.message)
-        }
-        full @ PoolError::SessionsFull { .. } => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "BUSY", full.to_string())
-        }
-        PoolError::Remote(remote) if remote.kind == "cancelled" => ApiError::new(
-            StatusCode::CONFLICT,
-            "EXECUTION_CANCELLED",
-            "the execution was cancelled",
-        ),
-        PoolError::Remote(remote) if remote.kind == "session_ended" => ApiError::new(
-            StatusCode::CONFLICT,
-            "SESSION_ENDED",
-            format!("{}; restart the session", remote.message),
-        ),
-        PoolError::Remote(remote)
-            if remote.kind == "limits" || remote.kind == "too_large" || remote.kind == "grant" =>
-        {
-            ApiError::bad_request("INVALID_REQUEST", remote.message)
-        }
-        PoolError::Remote(remote) if remote.kind == "unsupported" => {
-            ApiError::bad_request("UNSUPPORTED", remote.message)
-        }
-        other => ApiError::internal(other.to_string()),
-    }
-}
-
 /// Runs `work` to its end even if the request that started it goes away: a client that
 /// disconnects or a request timeout must not leave a sandbox marked busy or a change
 /// unrecorded.
 pub async fn detached<T: Send + 'static>(
-    work: impl Future<Output = Result<T, ApiError>> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::spawn(work)
+    work: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    tokio::spawn(work).await.map_err(task_failed)?
+}
+
+/// Runs blocking `work` off the async threads, to its end even if the caller stops waiting.
+pub async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(work)
         .await
-        .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
+        .map_err(task_failed)?
+}
+
+/// A task of the runtime's own panicked or was cancelled.
+pub fn task_failed(error: tokio::task::JoinError) -> RuntimeError {
+    RuntimeError::internal(format!("a background task failed: {error}"))
 }
 
 /// Creates a sandbox of `caller` off the async threads (git init and fsyncs block), to its
 /// end even if the request goes away.
 pub async fn create_sandbox(
-    state: &Arc<AppState>,
+    rt: &Arc<Runtime>,
     caller: &Caller,
     spec: SandboxSpec,
-) -> Result<crate::sandbox::Sandbox, ApiError> {
-    let quotas = state.quotas(caller);
-    let (state, tenant) = (state.clone(), caller.tenant.clone());
-    detached(async move {
-        tokio::task::spawn_blocking(move || state.registry.create(&tenant, &spec, &quotas))
-            .await
-            .map_err(|e| ApiError::internal(format!("a background task failed: {e}")))?
-    })
+) -> Result<Sandbox> {
+    let quotas = rt.quotas(caller);
+    let (rt, tenant) = (rt.clone(), caller.tenant.clone());
+    detached(blocking(move || {
+        rt.registry.create(&tenant, &spec, &quotas)
+    }))
     .await
 }
 
 /// Creates a sandbox with the default lifetime and memory.
 pub async fn create_default_sandbox(
-    state: &Arc<AppState>,
+    rt: &Arc<Runtime>,
     caller: &Caller,
     language: kiln_core::Language,
-) -> Result<crate::sandbox::Sandbox, ApiError> {
+) -> Result<Sandbox> {
     let spec = SandboxSpec {
         image: language.name().into(),
         template: language.name().into(),
         language,
-        lifetime_ms: crate::api::DEFAULT_LIFETIME_MS,
+        lifetime_ms: crate::sandbox::DEFAULT_LIFETIME_MS,
         memory_bytes: Limits::default().memory_bytes,
     };
-    create_sandbox(state, caller, spec).await
+    create_sandbox(rt, caller, spec).await
 }
 
 /// Runs `spec` in sandbox `id` of `caller`, streaming output to `chunks` if given. The run
 /// goes on to its end (and is recorded) even if the caller stops waiting.
 pub async fn run(
-    state: &Arc<AppState>,
+    rt: &Arc<Runtime>,
     caller: &Caller,
     id: &str,
     spec: RunSpec,
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
-) -> Result<RunOutcome, ApiError> {
-    let (state, caller, id) = (state.clone(), caller.clone(), id.to_owned());
-    detached(async move { run_attached(&state, &caller, &id, spec, chunks).await }).await
+) -> Result<RunOutcome> {
+    let (rt, caller, id) = (rt.clone(), caller.clone(), id.to_owned());
+    detached(async move { run_attached(&rt, &caller, &id, spec, chunks).await }).await
 }
 
 async fn run_attached(
-    state: &Arc<AppState>,
+    state: &Arc<Runtime>,
     caller: &Caller,
     id: &str,
     mut spec: RunSpec,
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
-) -> Result<RunOutcome, ApiError> {
+) -> Result<RunOutcome> {
     let quotas = state.quotas(caller);
     let (sandbox, cancel, usage) =
         state
@@ -283,7 +246,7 @@ async fn run_attached(
         record(&registry.registry, &workspace, &summary, &exec_id)
     })
     .await
-    .unwrap_or_else(|e| Err(ApiError::internal(format!("history task failed: {e}"))));
+    .unwrap_or_else(|e| Err(RuntimeError::internal(format!("history task failed: {e}"))));
     let committed_at = started.elapsed();
     let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let executed = ran.as_ref().ok().map(|_| duration_ms);
@@ -304,13 +267,12 @@ async fn run_attached(
     let (commit_id, left_out, history_warning) = match recorded {
         Ok(recorded) => (recorded.commit_id, recorded.left_out, None),
         Err(e) => {
-            tracing::error!(sandbox = %sandbox.id, exec_id = %spec.exec_id, "the change was not recorded: {}", e.message);
+            tracing::error!(sandbox = %sandbox.id, exec_id = %spec.exec_id, "the change was not recorded: {e}");
             (
                 None,
                 Vec::new(),
                 Some(format!(
-                    "the files this run changed were not recorded in the history: {}",
-                    e.message
+                    "the files this run changed were not recorded in the history: {e}"
                 )),
             )
         }
@@ -326,14 +288,14 @@ async fn run_attached(
 }
 
 async fn run_in(
-    state: &AppState,
+    state: &Runtime,
     sandbox: &Sandbox,
     spec: &RunSpec,
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
     cancel: tokio::sync::oneshot::Receiver<()>,
     share: Share,
     workspace_room: u64,
-) -> Result<(ExecResult, Limits), ApiError> {
+) -> Result<(ExecResult, Limits)> {
     // Most runs send no files and name no program file: no workspace handle is opened for
     // them (recording the change opens its own, off the async threads).
     if !spec.files.is_empty() {
@@ -374,7 +336,7 @@ async fn run_in(
                 .registry
                 .session(&sandbox.tenant, &sandbox.id, session)?;
             let Some(handle) = handle else {
-                return Err(session_lost(&sandbox.id, session));
+                return Err(RuntimeError::session_lost(&sandbox.id, session));
             };
             let ran = state
                 .pool
@@ -395,7 +357,7 @@ async fn run_in(
             ran
         }
     };
-    let result = result.map_err(pool_error)?;
+    let result = result?;
     Ok((result, limits))
 }
 
@@ -403,20 +365,14 @@ async fn run_in(
 const MAX_PROGRAM_BYTES: u64 = 16 * 1024 * 1024;
 
 /// Reads the program in workspace file `name` (a regular file; never through a link).
-fn read_program(tree: &Tree, name: &RelPath) -> Result<String, ApiError> {
-    let cannot = |why: String| {
-        ApiError::bad_request(
-            "FILE_NOT_FOUND",
-            format!(
-                "cannot run {:?}: {why} (send it in `files` first)",
-                name.as_str()
-            ),
-        )
-        .with_details(json!({ "path": name.as_str() }))
+fn read_program(tree: &Tree, name: &RelPath) -> Result<String> {
+    let cannot = |why: String| RuntimeError::ProgramUnreadable {
+        path: name.as_str().to_owned(),
+        why,
     };
     let (file, meta) = tree.open_file(name).map_err(|e| match e {
         kiln_workspace::TreeError::NotFound { .. } => cannot("there is no such file".into()),
-        other => tree_error(other),
+        other => other.into(),
     })?;
     if meta.size > MAX_PROGRAM_BYTES {
         return Err(cannot(format!(
@@ -432,14 +388,118 @@ fn read_program(tree: &Tree, name: &RelPath) -> Result<String, ApiError> {
     String::from_utf8(bytes).map_err(|_| cannot("it is not UTF-8 text".into()))
 }
 
-/// The error for a session whose live state is gone.
-pub fn session_lost(id: &str, session: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::CONFLICT,
-        "SESSION_ENDED",
-        format!(
-            "session {session} of sandbox {id} has no live state (it timed out, crashed, was cancelled, or the server restarted); restart it"
-        ),
-    )
-    .with_details(json!({ "containerId": id, "sessionId": session }))
+/// Most bytes one `files` map may carry (names and contents): 16 MiB.
+pub const MAX_FILES_BYTES: usize = 16 << 20;
+
+/// Checks files to upload: their count, total size and every name.
+pub fn check_files<'a>(
+    files: impl ExactSizeIterator<Item = (&'a String, &'a [u8])>,
+) -> Result<Vec<(RelPath, Vec<u8>)>> {
+    if files.len() > MAX_FILES {
+        return Err(RuntimeError::TooManyFiles {
+            sent: files.len(),
+            limit: MAX_FILES,
+        });
+    }
+    let mut total = 0usize;
+    let mut out = Vec::new();
+    for (name, content) in files {
+        total += name.len() + content.len();
+        if total > MAX_FILES_BYTES {
+            return Err(RuntimeError::FilesTooLarge {
+                limit: MAX_FILES_BYTES,
+            });
+        }
+        out.push((crate::sandbox::workspace_path(name)?, content.to_vec()));
+    }
+    Ok(out)
+}
+
+/// The execution id prefix of a language.
+pub fn exec_prefix(language: Language) -> &'static str {
+    match language {
+        Language::Python => "python_run_",
+        Language::JavaScript => "node_run_",
+    }
+}
+
+/// Code to run in a sandbox, as every face asks for it.
+#[derive(Debug, Default, Clone)]
+pub struct CodeExec {
+    /// The program text.
+    pub code: String,
+    /// Default the sandbox's.
+    pub language: Option<Language>,
+    pub stdin: Vec<u8>,
+    /// Environment variables the code sees (one-shots only; a session keeps its own).
+    pub env: std::collections::BTreeMap<String, String>,
+    /// Time limit; default (and most) [`MAX_EXEC_MS`] or what is left of the sandbox's life.
+    pub timeout_ms: Option<u64>,
+    /// Files to write into the workspace first (name → bytes).
+    pub files: std::collections::BTreeMap<String, Vec<u8>>,
+    /// Run as a turn of this session instead of a fresh one-shot.
+    pub session: Option<String>,
+}
+
+/// Checks `exec` against sandbox `id` of `caller` and turns it into a run.
+pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Result<RunSpec> {
+    let view = rt.registry.get(&caller.tenant, id)?;
+    let language = exec.language.unwrap_or(view.meta.language);
+    if let Some(timeout) = exec.timeout_ms
+        && (timeout == 0 || timeout > MAX_EXEC_MS)
+    {
+        return Err(RuntimeError::InvalidOption {
+            message: format!("timeoutMs must be 1..={MAX_EXEC_MS}"),
+        });
+    }
+    if let Some((name, _)) = exec
+        .env
+        .iter()
+        .find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0'))
+    {
+        return Err(RuntimeError::InvalidEnv {
+            message: format!(
+                "the environment variable {name:?} is not allowed: names are non-empty and hold no `=` or NUL; values hold no NUL"
+            ),
+        });
+    }
+    if exec.session.is_some() && !exec.env.is_empty() {
+        return Err(RuntimeError::InvalidEnv {
+            message: "env applies to one-shot executions; a session keeps the environment it was opened with".into(),
+        });
+    }
+    if let Some(session) = &exec.session {
+        let (meta, _) = rt.registry.session(&caller.tenant, id, session)?;
+        if meta.language != language {
+            return Err(RuntimeError::UnsupportedLanguage {
+                message: format!("session {session} runs {}", meta.language),
+            });
+        }
+    }
+    let files = check_files(exec.files.iter().map(|(k, v)| (k, v.as_slice())))?;
+    let summary = format!(
+        "{} {}",
+        language.name(),
+        exec.code.lines().next().unwrap_or_default()
+    );
+    Ok(RunSpec {
+        exec_id: crate::sandbox::new_id(exec_prefix(language)),
+        language,
+        code: exec.code,
+        stdin: exec.stdin,
+        env: exec.env.into_iter().collect(),
+        timeout_ms: exec.timeout_ms,
+        files,
+        code_file: None,
+        session: exec.session,
+        summary,
+        begun: None,
+    })
+}
+
+/// A language by name, or the error every face shows for an unknown one.
+pub fn language(name: &str) -> Result<Language> {
+    Language::from_name(name).ok_or_else(|| RuntimeError::UnsupportedLanguage {
+        message: format!("unknown language {name:?}; use python or javascript"),
+    })
 }

@@ -4,11 +4,9 @@
 //! what is in use. The checks that matter under a race (sandboxes, sessions, executions)
 //! are made under the registry's lock, where the new thing is counted.
 
-use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
-use crate::error::ApiError;
+use crate::error::RuntimeError;
 
 /// What one tenant may hold at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,27 +89,20 @@ pub struct Usage {
     pub workspace_bytes: u64,
 }
 
-/// The 429 for quota `name` (its value `limit`; `in_use` held now), in `unit`.
-pub fn exceeded(name: &str, limit: u64, in_use: u64, unit: &str) -> ApiError {
-    let show = |n: u64| match unit {
-        "bytes" => format!("{} MiB", n >> 20),
-        _ => n.to_string(),
-    };
-    ApiError::new(
-        StatusCode::TOO_MANY_REQUESTS,
-        "QUOTA_EXCEEDED",
-        format!(
-            "over your {name} quota: it is {}, and {} is in use; free some (delete sandboxes, close sessions, remove files) or ask for a larger quota",
-            show(limit),
-            show(in_use)
-        ),
-    )
-    .with_details(json!({ "quota": name, "limit": limit, "inUse": in_use, "unit": unit }))
+/// The refusal for quota `name` (its value `limit`; `in_use` held now), in `unit`.
+pub fn exceeded(name: &str, limit: u64, in_use: u64, unit: &str) -> RuntimeError {
+    RuntimeError::QuotaExceeded {
+        quota: name.to_owned(),
+        limit,
+        in_use,
+        asked: None,
+        unit: unit.to_owned(),
+    }
 }
 
 impl Usage {
     /// Refuses one more sandbox.
-    pub fn check_sandbox(&self, quotas: &Quotas) -> Result<(), ApiError> {
+    pub fn check_sandbox(&self, quotas: &Quotas) -> Result<(), RuntimeError> {
         if self.sandboxes >= quotas.sandboxes {
             return Err(exceeded(
                 "sandboxes",
@@ -124,7 +115,7 @@ impl Usage {
     }
 
     /// Refuses one more session with a memory cap of `memory`.
-    pub fn check_session(&self, quotas: &Quotas, memory: u64) -> Result<(), ApiError> {
+    pub fn check_session(&self, quotas: &Quotas, memory: u64) -> Result<(), RuntimeError> {
         if self.sessions >= quotas.sessions {
             return Err(exceeded(
                 "sessions",
@@ -134,25 +125,19 @@ impl Usage {
             ));
         }
         if self.session_memory_bytes.saturating_add(memory) > quotas.session_memory_bytes {
-            return Err(exceeded(
-                "sessionMemory",
-                quotas.session_memory_bytes,
-                self.session_memory_bytes,
-                "bytes",
-            )
-            .with_details(json!({
-                "quota": "sessionMemory",
-                "limit": quotas.session_memory_bytes,
-                "inUse": self.session_memory_bytes,
-                "asked": memory,
-                "unit": "bytes",
-            })));
+            return Err(RuntimeError::QuotaExceeded {
+                quota: "sessionMemory".into(),
+                limit: quotas.session_memory_bytes,
+                in_use: self.session_memory_bytes,
+                asked: Some(memory),
+                unit: "bytes".into(),
+            });
         }
         Ok(())
     }
 
     /// Refuses one more execution, or any while the workspaces are over their quota.
-    pub fn check_execution(&self, quotas: &Quotas) -> Result<(), ApiError> {
+    pub fn check_execution(&self, quotas: &Quotas) -> Result<(), RuntimeError> {
         if self.executions >= quotas.executions {
             return Err(exceeded(
                 "executions",

@@ -16,18 +16,16 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::http::StatusCode;
 use kiln_core::Language;
 use kiln_executor::SessionHandle;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use tokio::sync::oneshot;
 
-use crate::error::ApiError;
-use crate::history::{History, HistoryError};
+use crate::error::{Result, RuntimeError};
+use crate::history::History;
 use crate::quota::{Quotas, Usage};
 use crate::store;
-use kiln_workspace::{RelPath, Tree, TreeError};
+use kiln_workspace::{RelPath, Tree};
 
 /// What a new sandbox is: the image the client named, the template that honours it, and
 /// its bounds.
@@ -38,6 +36,62 @@ pub struct SandboxSpec {
     pub language: Language,
     pub lifetime_ms: u64,
     pub memory_bytes: u64,
+}
+
+/// Default sandbox lifetime: 30 minutes.
+pub const DEFAULT_LIFETIME_MS: u64 = 30 * 60 * 1000;
+/// Shortest sandbox lifetime: 1 second.
+pub const MIN_LIFETIME_MS: u64 = 1000;
+/// Longest sandbox lifetime: 24 hours.
+pub const MAX_LIFETIME_MS: u64 = 24 * 3600 * 1000;
+
+impl SandboxSpec {
+    /// The sandbox `image` asks for: the template that honours it, the lifetime (default
+    /// [`DEFAULT_LIFETIME_MS`]) and the memory cap (default [`kiln_core::Limits`]'s; a size
+    /// such as `"512m"`).
+    pub fn resolve(
+        catalogue: &kiln_core::template::Catalogue,
+        image: &str,
+        lifetime_ms: Option<u64>,
+        memory_limit: Option<&str>,
+    ) -> Result<SandboxSpec> {
+        let template = catalogue
+            .resolve(image)
+            .map_err(|unknown| RuntimeError::UnknownImage {
+                message: unknown.to_string(),
+                image: unknown.image.clone(),
+                available: unknown.available.clone(),
+                templates: catalogue.templates().iter().map(|t| t.id.clone()).collect(),
+            })?;
+        let language = template.default_language();
+        let lifetime_ms = lifetime_ms.unwrap_or(DEFAULT_LIFETIME_MS);
+        if !(MIN_LIFETIME_MS..=MAX_LIFETIME_MS).contains(&lifetime_ms) {
+            return Err(RuntimeError::InvalidOption {
+                message: format!(
+                    "the lifetime must be {MIN_LIFETIME_MS}..={MAX_LIFETIME_MS} ms, got {lifetime_ms}"
+                ),
+            });
+        }
+        let memory_bytes = match memory_limit {
+            None => kiln_core::Limits::default().memory_bytes,
+            Some(text) => kiln_core::parse_size(text)
+                .ok()
+                .filter(|b| (language.min_memory_bytes()..=4 << 30).contains(b))
+                .ok_or_else(|| RuntimeError::InvalidOption {
+                    message: format!(
+                        "memoryLimit {text:?} is not a size between {} MiB and 4 GiB (e.g. \"512m\")",
+                        language.min_memory_bytes() >> 20
+                    ),
+                })?,
+        };
+        Ok(SandboxSpec {
+            image: image.trim().to_owned(),
+            template: template.id.clone(),
+            language,
+            lifetime_ms,
+            memory_bytes,
+        })
+    }
 }
 
 /// Milliseconds since the Unix epoch.
@@ -135,78 +189,13 @@ impl Sandbox {
 
     /// The workspace, for the host to read and write without following anything the guest
     /// planted.
-    pub fn tree(&self) -> Result<Tree, ApiError> {
-        Tree::open(&self.workspace(), Some(&self.scratch_dir())).map_err(tree_error)
+    pub fn tree(&self) -> Result<Tree> {
+        Ok(Tree::open(&self.workspace(), Some(&self.scratch_dir()))?)
     }
 
     /// Opens the workspace's history.
-    pub fn history(&self) -> Result<History, ApiError> {
-        History::open(&self.git_dir()).map_err(history_error)
-    }
-}
-
-/// The answer for a full disk.
-pub fn no_space(what: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::INSUFFICIENT_STORAGE,
-        "INSUFFICIENT_STORAGE",
-        format!(
-            "the server's disk is full: {what}; nothing was changed; retry when space is freed"
-        ),
-    )
-}
-
-/// Maps a failure on a workspace path onto the API. Messages name workspace paths only.
-pub fn tree_error(error: TreeError) -> ApiError {
-    let path = error.path().unwrap_or_default().to_owned();
-    let details = json!({ "path": path });
-    match error {
-        TreeError::InvalidName { .. }
-        | TreeError::Link { .. }
-        | TreeError::NotRegular { .. }
-        | TreeError::NotDir { .. } => {
-            ApiError::bad_request("INVALID_PATH", error.to_string()).with_details(details)
-        }
-        TreeError::NotFound { .. } => {
-            ApiError::new(StatusCode::NOT_FOUND, "FILE_NOT_FOUND", error.to_string())
-                .with_details(details)
-        }
-        TreeError::IsDir { .. } => ApiError::new(
-            StatusCode::CONFLICT,
-            "PATH_IS_A_DIRECTORY",
-            error.to_string(),
-        )
-        .with_details(details),
-        TreeError::Changed { .. } => {
-            ApiError::new(StatusCode::CONFLICT, "PATH_CHANGED", error.to_string())
-                .with_details(details)
-        }
-        TreeError::NoSpace { .. } => no_space(&error.to_string()),
-        TreeError::TooManyEntries { .. } => ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "TOO_MANY_FILES",
-            error.to_string(),
-        ),
-        TreeError::Io { .. } => ApiError::internal(error.to_string()),
-    }
-}
-
-/// Maps a history failure onto the API.
-pub fn history_error(error: HistoryError) -> ApiError {
-    match error {
-        // History ids come in request bodies: the URL's sandbox exists, the body is wrong.
-        HistoryError::UnknownId(id) => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "EXECUTION_NOT_FOUND",
-            format!("no change {id:?} in this sandbox's history"),
-        )
-        .with_details(json!({ "executionId": id })),
-        e if e.is_no_space() => no_space("the workspace history could not be written"),
-        HistoryError::Workspace(e) => tree_error(e),
-        e @ HistoryError::Git(_) => {
-            tracing::error!("workspace history: {e}");
-            ApiError::internal(scrub_paths(&e.to_string()))
-        }
+    pub fn history(&self) -> Result<History> {
+        Ok(History::open(&self.git_dir())?)
     }
 }
 
@@ -286,23 +275,21 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}{}", random_hex(12))
 }
 
-fn busy_error(id: &str, running: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::CONFLICT,
-        "SANDBOX_BUSY",
-        format!("sandbox {id} is running {running}; retry when it finishes (or cancel it)"),
-    )
-    .with_details(json!({ "containerId": id, "executionId": running }))
+fn busy_error(id: &str, running: &str) -> RuntimeError {
+    RuntimeError::SandboxBusy {
+        id: id.to_owned(),
+        running: running.to_owned(),
+    }
 }
 
 /// Maps a failure on the server's own files; the message never names a host path (an
 /// `io::Error` from the OS carries none).
-fn io_error(what: &str, error: &std::io::Error) -> ApiError {
+fn io_error(what: &str, error: &std::io::Error) -> RuntimeError {
     if matches!(error.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
-        return no_space(what);
+        return RuntimeError::no_space(what);
     }
     tracing::error!("{what}: {error}");
-    ApiError::internal(scrub_paths(&format!("{what}: {error}")))
+    RuntimeError::internal(scrub_paths(&format!("{what}: {error}")))
 }
 
 /// Sessions and running work a removed sandbox leaves for the caller to stop.
@@ -360,12 +347,7 @@ impl Registry {
     }
 
     /// Creates a sandbox with an empty, versioned workspace; durable when it returns.
-    pub fn create(
-        &self,
-        tenant: &str,
-        spec: &SandboxSpec,
-        quotas: &Quotas,
-    ) -> Result<Sandbox, ApiError> {
+    pub fn create(&self, tenant: &str, spec: &SandboxSpec, quotas: &Quotas) -> Result<Sandbox> {
         self.usage(tenant).check_sandbox(quotas)?;
         let id = new_id("sb_");
         let created_ms = now_ms();
@@ -387,7 +369,7 @@ impl Registry {
         let made = (|| {
             std::fs::create_dir_all(meta.workspace())
                 .map_err(|e| io_error("could not create the sandbox", &e))?;
-            History::init(&meta.git_dir(), &meta.tree()?).map_err(history_error)?;
+            History::init(&meta.git_dir(), &meta.tree()?)?;
             store::write_json(&meta.meta_path(), &meta)
                 .map_err(|e| io_error("could not create the sandbox", &e))
         })();
@@ -420,7 +402,7 @@ impl Registry {
         sandboxes: &'a mut HashMap<String, Entry>,
         tenant: &str,
         id: &str,
-    ) -> Result<&'a mut Entry, ApiError> {
+    ) -> Result<&'a mut Entry> {
         let now = now_ms();
         match sandboxes.get_mut(id) {
             Some(entry)
@@ -428,7 +410,7 @@ impl Registry {
             {
                 Ok(entry)
             }
-            _ => Err(ApiError::sandbox_not_found(id)),
+            _ => Err(RuntimeError::SandboxNotFound { id: id.to_owned() }),
         }
     }
 
@@ -441,7 +423,7 @@ impl Registry {
     }
 
     /// A live sandbox of `tenant` (another tenant's is "not found").
-    pub fn get(&self, tenant: &str, id: &str) -> Result<SandboxView, ApiError> {
+    pub fn get(&self, tenant: &str, id: &str) -> Result<SandboxView> {
         let mut sandboxes = self.lock();
         Registry::find(&mut sandboxes, tenant, id).map(|e| Registry::view(e))
     }
@@ -518,7 +500,7 @@ impl Registry {
         id: &str,
         work_id: &str,
         quotas: Option<&Quotas>,
-    ) -> Result<(Sandbox, oneshot::Receiver<()>, Usage), ApiError> {
+    ) -> Result<(Sandbox, oneshot::Receiver<()>, Usage)> {
         let mut sandboxes = self.lock();
         let usage = match quotas {
             Some(quotas) => {
@@ -549,7 +531,7 @@ impl Registry {
     /// Ends work started with [`Registry::begin`], counting an execution of `duration_ms`
     /// when `executed`. Fails with 409 `SANDBOX_DELETED` when the sandbox was deleted
     /// meanwhile (its folder goes now).
-    pub fn finish(&self, id: &str, executed: Option<u64>) -> Result<(), ApiError> {
+    pub fn finish(&self, id: &str, executed: Option<u64>) -> Result<()> {
         let mut sandboxes = self.lock();
         let Some(entry) = sandboxes.get_mut(id) else {
             return Ok(());
@@ -559,12 +541,7 @@ impl Registry {
             let entry = sandboxes.remove(id).expect("present");
             drop(sandboxes);
             remove_sandbox_dir(&entry.meta);
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "SANDBOX_DELETED",
-                format!("sandbox {id} was deleted while this ran; its result is gone"),
-            )
-            .with_details(json!({ "containerId": id })));
+            return Err(RuntimeError::SandboxDeleted { id: id.to_owned() });
         }
         if let Some(duration_ms) = executed {
             // Usage counters are statistics, not user data: they are written by
@@ -590,13 +567,13 @@ impl Registry {
             .collect();
         for id in ids {
             if let Err(e) = self.persist(&id) {
-                tracing::warn!("could not save the usage of {id}: {}", e.message);
+                tracing::warn!("could not save the usage of {id}: {e}");
             }
         }
     }
 
     /// Cancels the running work `work_id` (any, when `None`); false when nothing matched.
-    pub fn cancel(&self, tenant: &str, id: &str, work_id: Option<&str>) -> Result<bool, ApiError> {
+    pub fn cancel(&self, tenant: &str, id: &str, work_id: Option<&str>) -> Result<bool> {
         let mut sandboxes = self.lock();
         let entry = Registry::find(&mut sandboxes, tenant, id)?;
         match &mut entry.running {
@@ -610,7 +587,7 @@ impl Registry {
     /// Writes sandbox `id`'s record as it is now. Writers of one sandbox take turns, and
     /// each writes the state current when its turn comes, so the newest state is the one
     /// left on disk. A deleted sandbox is not written.
-    fn persist(&self, id: &str) -> Result<(), ApiError> {
+    fn persist(&self, id: &str) -> Result<()> {
         let writer = match self.lock().get(id) {
             Some(entry) if !entry.deleted => entry.writer.clone(),
             _ => return Ok(()),
@@ -625,7 +602,7 @@ impl Registry {
     }
 
     /// Extends a sandbox's life to `lifetime_ms` from now.
-    pub fn renew(&self, tenant: &str, id: &str, lifetime_ms: u64) -> Result<Sandbox, ApiError> {
+    pub fn renew(&self, tenant: &str, id: &str, lifetime_ms: u64) -> Result<Sandbox> {
         let mut sandboxes = self.lock();
         let entry = Registry::find(&mut sandboxes, tenant, id)?;
         entry.meta.expires_ms = now_ms().saturating_add(lifetime_ms);
@@ -643,18 +620,18 @@ impl Registry {
         session: SessionMeta,
         handle: SessionHandle,
         quotas: &Quotas,
-    ) -> Result<(), ApiError> {
+    ) -> Result<()> {
         let mut sandboxes = self.lock();
         let Some(tenant) = sandboxes
             .get(id)
             .filter(|e| !e.deleted)
             .map(|e| (e.meta.tenant.clone(), e.meta.memory_bytes))
         else {
-            return Err(ApiError::sandbox_not_found(id));
+            return Err(RuntimeError::SandboxNotFound { id: id.to_owned() });
         };
         Registry::usage_of(&sandboxes, &tenant.0).check_session(quotas, tenant.1)?;
         let Some(entry) = sandboxes.get_mut(id).filter(|e| !e.deleted) else {
-            return Err(ApiError::sandbox_not_found(id));
+            return Err(RuntimeError::SandboxNotFound { id: id.to_owned() });
         };
         entry.handles.insert(session.id.clone(), handle);
         entry.meta.sessions.insert(session.id.clone(), session);
@@ -669,16 +646,14 @@ impl Registry {
         tenant: &str,
         id: &str,
         session: &str,
-    ) -> Result<(SessionMeta, Option<SessionHandle>), ApiError> {
+    ) -> Result<(SessionMeta, Option<SessionHandle>)> {
         let mut sandboxes = self.lock();
         let entry = Registry::find(&mut sandboxes, tenant, id)?;
         let Some(meta) = entry.meta.sessions.get(session) else {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "SESSION_NOT_FOUND",
-                format!("sandbox {id} has no session {session:?}"),
-            )
-            .with_details(json!({ "containerId": id, "sessionId": session })));
+            return Err(RuntimeError::SessionNotFound {
+                id: id.to_owned(),
+                session: session.to_owned(),
+            });
         };
         Ok((meta.clone(), entry.handles.get(session).copied()))
     }
@@ -718,15 +693,14 @@ impl Registry {
         tenant: &str,
         id: &str,
         session: &str,
-    ) -> Result<Option<SessionHandle>, ApiError> {
+    ) -> Result<Option<SessionHandle>> {
         let mut sandboxes = self.lock();
         let entry = Registry::find(&mut sandboxes, tenant, id)?;
         if entry.meta.sessions.remove(session).is_none() {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "SESSION_NOT_FOUND",
-                format!("sandbox {id} has no session {session:?}"),
-            ));
+            return Err(RuntimeError::SessionNotFound {
+                id: id.to_owned(),
+                session: session.to_owned(),
+            });
         }
         let handle = entry.handles.remove(session);
         drop(sandboxes);
@@ -736,7 +710,7 @@ impl Registry {
 
     /// Deletes a sandbox: gone for every request from now on (durably). Running work is
     /// cancelled; its folder goes when that work ends.
-    pub fn delete(&self, tenant: &str, id: &str) -> Result<Removed, ApiError> {
+    pub fn delete(&self, tenant: &str, id: &str) -> Result<Removed> {
         // A record being written now must not bring meta.json back after it is removed: wait
         // for its writer (writer first, then the registry, as `persist` does).
         let writer = Registry::find(&mut self.lock(), tenant, id)?.writer.clone();
@@ -803,8 +777,8 @@ impl Registry {
 
 /// Checks a workspace-relative file name: relative, no `..`, no empty or `.` parts, no NUL,
 /// at most 255 bytes a part and 4 096 in all.
-pub fn workspace_path(name: &str) -> Result<RelPath, ApiError> {
-    RelPath::parse(name).map_err(tree_error)
+pub fn workspace_path(name: &str) -> Result<RelPath> {
+    Ok(RelPath::parse(name)?)
 }
 
 /// Removes a sandbox's folder (its workspace is removed without following any link in it).
@@ -867,7 +841,7 @@ mod tests {
             "a/",
         ] {
             let err = workspace_path(bad).unwrap_err();
-            assert_eq!(err.code, "INVALID_PATH", "{bad:?}");
+            assert_eq!(err.code(), "INVALID_PATH", "{bad:?}");
         }
     }
 

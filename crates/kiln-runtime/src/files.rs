@@ -1,0 +1,246 @@
+//! A sandbox's workspace files: list, read, write, delete. Each runs while the sandbox is busy
+//! with it (no code runs meanwhile, so links cannot be swapped under a check) and touches the
+//! workspace only through [`kiln_workspace::Tree`]. Writes and deletes are recorded in the
+//! history.
+
+use std::sync::Arc;
+
+use kiln_workspace::{Kind, RelPath, TreeError};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::Runtime;
+use crate::auth::Caller;
+use crate::error::{Result, RuntimeError};
+use crate::exec::{self, task_failed};
+use crate::sandbox::{Sandbox, new_id, rfc3339, workspace_path};
+
+/// Most entries one listing returns.
+pub const MAX_LISTING: usize = 10_000;
+
+/// A file or folder in a workspace.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FileEntry {
+    #[schema(example = "data/input.csv")]
+    pub path: String,
+    /// `file`, `dir`, `symlink` (never followed), or `special` (a fifo, socket or device).
+    #[schema(example = "file")]
+    pub kind: String,
+    pub size: u64,
+    pub modified_at: String,
+}
+
+/// A listing.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FileList {
+    pub files: Vec<FileEntry>,
+    /// Whether the listing stopped at 10 000 entries.
+    pub truncated: bool,
+}
+
+/// A written or deleted file.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FileChange {
+    #[schema(example = "data/input.csv")]
+    pub path: String,
+    pub size: u64,
+    /// The history entry recording the change (absent when nothing changed).
+    pub history_id: Option<String>,
+    pub commit_id: Option<String>,
+}
+
+/// Runs file work while the sandbox is busy with it, off the async threads; the sandbox is
+/// released when the work ends, even if the caller stops waiting.
+async fn with_sandbox<T: Send + 'static>(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    work_id: &str,
+    work: impl FnOnce(Sandbox) -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let (sandbox, _cancel, _) = rt.registry.begin(&caller.tenant, id, work_id, None)?;
+    let rt = rt.clone();
+    tokio::task::spawn_blocking(move || {
+        let id = sandbox.id.clone();
+        let done = work(sandbox);
+        rt.registry.finish(&id, None).and(done)
+    })
+    .await
+    .map_err(task_failed)?
+}
+
+/// Lists a workspace folder (recursive, at most [`MAX_LISTING`] entries; default the
+/// whole workspace).
+pub async fn list(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    folder: Option<String>,
+) -> Result<FileList> {
+    let work = new_id("list_");
+    with_sandbox(rt, caller, id, &work, move |sandbox| {
+        let start = match folder.as_deref() {
+            Some(path) if !path.is_empty() => workspace_path(path)?,
+            _ => RelPath::root(),
+        };
+        let tree = sandbox.tree()?;
+        match tree.stat(&start)? {
+            Some(meta) if meta.kind == Kind::Dir => {}
+            Some(meta) if meta.kind == Kind::Symlink => {
+                return Err(TreeError::Link {
+                    path: start.to_string(),
+                }
+                .into());
+            }
+            _ => {
+                return Err(RuntimeError::FolderNotFound {
+                    path: start.to_string(),
+                });
+            }
+        }
+        let mut files = Vec::new();
+        let truncated = tree.walk(&start, MAX_LISTING, &mut |path, meta| {
+            let kind = match meta.kind {
+                Kind::File => "file",
+                Kind::Dir => "dir",
+                Kind::Symlink => "symlink",
+                _ => "special",
+            };
+            let modified_ms = u64::try_from(meta.mtime_ns / 1_000_000).unwrap_or(0);
+            files.push(FileEntry {
+                path: path.to_owned(),
+                kind: kind.into(),
+                size: if meta.kind == Kind::File {
+                    meta.size
+                } else {
+                    0
+                },
+                modified_at: rfc3339(modified_ms),
+            });
+        })?;
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(FileList { files, truncated })
+    })
+    .await
+}
+
+/// Opens a workspace file for reading (a regular file, never through a link) while the
+/// sandbox is busy with nothing else; returns it and its size.
+pub async fn open(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    name: String,
+) -> Result<(std::fs::File, u64)> {
+    let work = new_id("read_");
+    with_sandbox(rt, caller, id, &work, move |sandbox| {
+        let rel = workspace_path(&name)?;
+        let (file, meta) = sandbox.tree()?.open_file(&rel).map_err(|e| match e {
+            TreeError::IsDir { .. } => RuntimeError::IsAFolder { path: name.clone() },
+            other => other.into(),
+        })?;
+        Ok((file, meta.size))
+    })
+    .await
+}
+
+/// A workspace file's bytes, at most `limit` (a larger file is refused with
+/// [`RuntimeError::FileTooLarge`]).
+pub async fn read(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    name: String,
+    limit: u64,
+) -> Result<Vec<u8>> {
+    let (file, size) = open(rt, caller, id, name.clone()).await?;
+    if size > limit {
+        return Err(RuntimeError::FileTooLarge {
+            id: id.to_owned(),
+            path: name,
+            size,
+            limit,
+        });
+    }
+    exec::blocking(move || {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(file, limit), &mut bytes)
+            .map(|_| bytes)
+            .map_err(|e| RuntimeError::internal(format!("could not read {name}: {e}")))
+    })
+    .await
+}
+
+/// Writes a workspace file (folders are made as needed) and records the change.
+pub async fn write(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    name: String,
+    body: Vec<u8>,
+) -> Result<FileChange> {
+    let history_id = new_id("upload_");
+    let work = history_id.clone();
+    let quotas = rt.quotas(caller);
+    let usage = rt.registry.usage(&caller.tenant);
+    if body.len() as u64 > usage.workspace_room(&quotas) {
+        return Err(crate::quota::exceeded(
+            "workspaceBytes",
+            quotas.workspace_bytes,
+            usage.workspace_bytes,
+            "bytes",
+        ));
+    }
+    let runtime = rt.clone();
+    with_sandbox(rt, caller, id, &work, move |sandbox| {
+        let path = workspace_path(&name)?;
+        let size = body.len() as u64;
+        exec::write_files(&sandbox.tree()?, &[(path, body)])?;
+        let commit_id = exec::record(
+            &runtime.registry,
+            &sandbox,
+            &format!("upload {name}"),
+            &history_id,
+        )?
+        .commit_id;
+        Ok(FileChange {
+            path: name,
+            size,
+            history_id: commit_id.as_ref().map(|_| history_id),
+            commit_id,
+        })
+    })
+    .await
+}
+
+/// Deletes a file or folder (recursively, never following a link) and records the change.
+pub async fn delete(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    name: String,
+) -> Result<FileChange> {
+    let history_id = new_id("delete_");
+    let work = history_id.clone();
+    let runtime = rt.clone();
+    with_sandbox(rt, caller, id, &work, move |sandbox| {
+        let path = workspace_path(&name)?;
+        sandbox.tree()?.remove(&path)?;
+        let commit_id = exec::record(
+            &runtime.registry,
+            &sandbox,
+            &format!("delete {name}"),
+            &history_id,
+        )?
+        .commit_id;
+        Ok(FileChange {
+            path: name,
+            size: 0,
+            history_id: commit_id.as_ref().map(|_| history_id),
+            commit_id,
+        })
+    })
+    .await
+}

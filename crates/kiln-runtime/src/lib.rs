@@ -1,0 +1,124 @@
+//! kiln's runtime: what every face (`kiln serve`'s two HTTP APIs, MCP, the chat agent) calls.
+//! It owns the sandbox registry, the template catalogue, workspaces and their git history,
+//! the durable store, API keys and quotas, sessions, and the exec, file and history paths;
+//! code runs in an [`ExecutorPool`]'s worker processes. Nothing here speaks HTTP: every
+//! operation returns a typed [`RuntimeError`] that each face maps once.
+//!
+//! ```no_run
+//! # async fn demo(
+//! #     pool: kiln_executor::ExecutorPool,
+//! #     catalogue: kiln_core::template::Catalogue,
+//! # ) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use kiln_runtime::{Runtime, RuntimeConfig, auth::Caller, exec};
+//! let config = RuntimeConfig::new("/tmp/kiln-data".into(), catalogue);
+//! let rt = Arc::new(Runtime::open(config, pool)?);
+//! let caller = Caller::local();
+//! let sandbox = exec::create_default_sandbox(&rt, &caller, kiln_core::Language::Python).await?;
+//! let code = exec::CodeExec { code: "print(6 * 7)".into(), ..Default::default() };
+//! let spec = exec::prepare(&rt, &caller, &sandbox.id, code)?;
+//! let ran = exec::run(&rt, &caller, &sandbox.id, spec, None).await?;
+//! assert_eq!(ran.result.stdout_text(), "42\n");
+//! # Ok(()) }
+//! ```
+
+pub mod auth;
+pub mod error;
+pub mod exec;
+pub mod files;
+pub mod history;
+pub mod metrics;
+pub mod quota;
+pub mod revisions;
+pub mod sandbox;
+pub mod sessions;
+pub mod store;
+
+use std::path::PathBuf;
+
+use kiln_core::template::Catalogue;
+use kiln_executor::ExecutorPool;
+
+pub use error::{Result, RuntimeError};
+
+/// What the runtime is made of, read once by the binary.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Folder for sandboxes, workspaces, history and keys.
+    pub data_dir: PathBuf,
+    /// Each tenant's quotas unless its key says otherwise.
+    pub quotas: quota::Quotas,
+    /// The templates the backends offer, in order of preference.
+    pub catalogue: Catalogue,
+}
+
+impl RuntimeConfig {
+    /// Default quotas and `catalogue`'s templates, over `data_dir`.
+    pub fn new(data_dir: PathBuf, catalogue: Catalogue) -> RuntimeConfig {
+        RuntimeConfig {
+            data_dir,
+            quotas: quota::Quotas::default(),
+            catalogue,
+        }
+    }
+}
+
+/// The runtime: sandboxes and their state, over an executor pool.
+pub struct Runtime {
+    pub registry: sandbox::Registry,
+    pub pool: ExecutorPool,
+    pub metrics: metrics::Metrics,
+    /// Each tenant's quotas unless its key says otherwise.
+    pub quotas: quota::Quotas,
+    /// The templates sandboxes are made from.
+    pub catalogue: Catalogue,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("registry", &self.registry)
+            .field("quotas", &self.quotas)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runtime {
+    /// Opens the runtime over `config.data_dir`, loading every sandbox recorded there and
+    /// recovering what a crash left.
+    pub fn open(config: RuntimeConfig, pool: ExecutorPool) -> std::io::Result<Runtime> {
+        Ok(Runtime {
+            registry: sandbox::Registry::open(config.data_dir)?,
+            pool,
+            metrics: metrics::Metrics::default(),
+            quotas: config.quotas,
+            catalogue: config.catalogue,
+        })
+    }
+
+    /// The quotas of `caller`: the runtime's, with its key's overrides.
+    pub fn quotas(&self, caller: &auth::Caller) -> quota::Quotas {
+        self.quotas.with(&caller.quotas)
+    }
+
+    /// Deletes a sandbox of `caller` and stops what it holds (running work is cancelled;
+    /// its sessions are closed).
+    pub async fn delete_sandbox(&self, caller: &auth::Caller, id: &str) -> Result<()> {
+        let removed = self.registry.delete(&caller.tenant, id)?;
+        for handle in removed.handles {
+            let _ = self.pool.close_session(&handle).await;
+        }
+        Ok(())
+    }
+
+    /// Housekeeping, every second while serving: writes changed usage counters and removes
+    /// expired sandboxes (closing their sessions).
+    pub async fn tick(self: &std::sync::Arc<Self>) {
+        let flusher = self.clone();
+        let _ = tokio::task::spawn_blocking(move || flusher.registry.flush_usage()).await;
+        let removed = self.registry.reap_expired();
+        for handle in removed.handles {
+            let _ = self.pool.close_session(&handle).await;
+        }
+    }
+}

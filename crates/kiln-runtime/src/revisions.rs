@@ -1,0 +1,98 @@
+//! A workspace's history: pages of changes, diffs between two points, rollback.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::Runtime;
+use crate::auth::Caller;
+use crate::error::{Result, RuntimeError};
+use crate::exec::{self, blocking};
+use crate::history::{HistoryEntry, HistoryError, MAX_HISTORY};
+use crate::sandbox::new_id;
+
+/// A page of changes, newest first (at most `limit`, 1 to [`MAX_HISTORY`]), starting after
+/// `cursor` (the previous page's last id); returns the next page's cursor too.
+pub async fn page(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+    limit: usize,
+    cursor: Option<String>,
+) -> Result<(Vec<HistoryEntry>, Option<String>)> {
+    if !(1..=MAX_HISTORY).contains(&limit) {
+        return Err(RuntimeError::InvalidRequest {
+            message: format!("limit must be 1 to {MAX_HISTORY}"),
+        });
+    }
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    blocking(move || {
+        sandbox
+            .history()?
+            .page(limit, cursor.as_deref())
+            .map_err(|e| match e {
+                HistoryError::UnknownId(cursor) => RuntimeError::InvalidCursor { cursor },
+                other => other.into(),
+            })
+    })
+    .await
+}
+
+/// Unified diffs, one per changed file, between history ids `from` and `to` (default the
+/// newest).
+pub async fn diff(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+    from: String,
+    to: Option<String>,
+) -> Result<BTreeMap<String, String>> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    blocking(move || {
+        let history = sandbox.history()?;
+        let to = match to {
+            Some(to) => to,
+            None => history.entries(1)?.pop().map(|e| e.id).unwrap_or_default(),
+        };
+        Ok(history.diff(&from, &to)?)
+    })
+    .await
+}
+
+/// A finished rollback.
+#[derive(Debug)]
+pub struct RolledBack {
+    /// The rollback's own history id.
+    pub id: String,
+    pub commit_id: Option<String>,
+}
+
+/// Restores the workspace to its state after history id `target`, recorded as a new entry.
+/// The sandbox must be idle; the rollback runs to its end even if the caller stops waiting.
+pub async fn rollback(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    target: String,
+) -> Result<RolledBack> {
+    let rollback_id = new_id("rollback_");
+    let (sandbox, _cancel, _) = rt.registry.begin(&caller.tenant, id, &rollback_id, None)?;
+    let new_id = rollback_id.clone();
+    let rt = rt.clone();
+    let recorded = blocking(move || {
+        let done = (|| {
+            Ok(sandbox
+                .history()?
+                .rollback(&sandbox.tree()?, &target, &new_id)?)
+        })();
+        if let Ok(recorded) = &done {
+            rt.registry.set_workspace_bytes(&sandbox.id, recorded.bytes);
+            exec::pack_in_background(&sandbox);
+        }
+        rt.registry.finish(&sandbox.id, None).and(done)
+    })
+    .await?;
+    Ok(RolledBack {
+        id: rollback_id,
+        commit_id: recorded.commit_id,
+    })
+}

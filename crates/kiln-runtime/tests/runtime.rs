@@ -1,0 +1,225 @@
+//! The runtime without any face: sandboxes, executions, files, sessions and history driven
+//! through `kiln_runtime`'s own API over a pool whose workers serve the fake backend in this
+//! process. Failures come back as typed `RuntimeError`s, never HTTP shapes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kiln_core::Language;
+use kiln_core::template::{Catalogue, TemplateInfo};
+use kiln_executor::ExecutorPool;
+use kiln_runtime::auth::Caller;
+use kiln_runtime::exec::{self, CodeExec};
+use kiln_runtime::sandbox::SandboxSpec;
+use kiln_runtime::{Runtime, RuntimeConfig, RuntimeError, files, revisions, sessions};
+use serde_json::json;
+
+struct Fixture {
+    rt: Arc<Runtime>,
+    _data: tempfile::TempDir,
+}
+
+fn runtime(quotas: Option<kiln_runtime::quota::Quotas>) -> Fixture {
+    let data = tempfile::tempdir().expect("a temporary folder");
+    let mut config = RuntimeConfig::new(
+        data.path().to_path_buf(),
+        Catalogue::new(vec![TemplateInfo::example_python()]),
+    );
+    if let Some(quotas) = quotas {
+        config.quotas = quotas;
+    }
+    let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
+    Fixture {
+        rt: Arc::new(Runtime::open(config, pool).expect("the runtime opens")),
+        _data: data,
+    }
+}
+
+fn tenant(name: &str) -> Caller {
+    Caller {
+        tenant: name.into(),
+        ..Caller::local()
+    }
+}
+
+fn code(text: &str) -> CodeExec {
+    CodeExec {
+        code: text.into(),
+        ..CodeExec::default()
+    }
+}
+
+#[tokio::test]
+async fn a_sandbox_runs_code_keeps_files_and_records_history() {
+    let Fixture { rt, _data } = runtime(None);
+    let caller = tenant("a");
+    let spec = SandboxSpec::resolve(&rt.catalogue, "python:3.12-slim", None, Some("256m"))
+        .expect("python:3.12 resolves");
+    assert_eq!(spec.template, "python");
+    let id = exec::create_sandbox(&rt, &caller, spec)
+        .await
+        .expect("created")
+        .id;
+
+    let mut run = code("print hello");
+    run.files = BTreeMap::from([("data/in.txt".to_owned(), b"42".to_vec())]);
+    let prepared = exec::prepare(&rt, &caller, &id, run).expect("a valid run");
+    let exec_id = prepared.exec_id.clone();
+    assert!(exec_id.starts_with("python_run_"), "{exec_id}");
+    let ran = exec::run(&rt, &caller, &id, prepared, None)
+        .await
+        .expect("it ran");
+    assert_eq!(ran.result.stdout_text(), "hello\n");
+    assert_eq!(ran.status(), "success");
+    assert!(ran.commit_id.is_some(), "the uploaded file is a change");
+
+    let bytes = files::read(&rt, &caller, &id, "data/in.txt".into(), 1024)
+        .await
+        .expect("the file is there");
+    assert_eq!(bytes, b"42");
+    let listing = files::list(&rt, &caller, &id, None)
+        .await
+        .expect("a listing");
+    let paths: Vec<_> = listing.files.iter().map(|f| f.path.as_str()).collect();
+    assert_eq!(paths, ["data", "data/in.txt"]);
+
+    let (page, next) = revisions::page(&rt, &caller, &id, 10, None)
+        .await
+        .expect("a page");
+    assert_eq!(page[0].id, exec_id);
+    assert_eq!(next, None);
+    let diff = revisions::diff(&rt, &caller, &id, "initial".into(), None)
+        .await
+        .expect("a diff");
+    assert_eq!(diff.keys().collect::<Vec<_>>(), ["data/in.txt"]);
+    let rolled = revisions::rollback(&rt, &caller, &id, "initial".into())
+        .await
+        .expect("rolled back");
+    assert!(rolled.id.starts_with("rollback_"));
+    let gone = files::read(&rt, &caller, &id, "data/in.txt".into(), 1024).await;
+    assert!(
+        matches!(
+            gone,
+            Err(RuntimeError::Workspace(
+                kiln_workspace::TreeError::NotFound { .. }
+            ))
+        ),
+        "{gone:?}"
+    );
+
+    rt.delete_sandbox(&caller, &id).await.expect("deleted");
+    let after = exec::prepare(&rt, &caller, &id, code("print x"));
+    assert!(
+        matches!(after, Err(RuntimeError::SandboxNotFound { .. })),
+        "{after:?}"
+    );
+}
+
+#[tokio::test]
+async fn refusals_are_typed_with_their_codes_and_details() {
+    let Fixture { rt, _data } = runtime(None);
+    let (owner, other) = (tenant("a"), tenant("b"));
+    let unknown = SandboxSpec::resolve(&rt.catalogue, "python:2.7", None, None).unwrap_err();
+    assert_eq!(unknown.code(), "UNKNOWN_IMAGE");
+    assert_eq!(unknown.details()["image"], "python:2.7");
+    assert_eq!(unknown.details()["templates"], json!(["python"]));
+    let memory = SandboxSpec::resolve(&rt.catalogue, "python", None, Some("1k")).unwrap_err();
+    assert_eq!(memory.code(), "INVALID_OPTION");
+
+    let id = exec::create_default_sandbox(&rt, &owner, Language::Python)
+        .await
+        .expect("created")
+        .id;
+    // Another tenant's sandbox does not exist for it.
+    let foreign = files::list(&rt, &other, &id, None).await.unwrap_err();
+    assert_eq!(foreign.code(), "SANDBOX_NOT_FOUND");
+    assert_eq!(foreign.details(), json!({ "containerId": id }));
+
+    let mut bad_env = code("print x");
+    bad_env.env = BTreeMap::from([("A=B".to_owned(), "1".to_owned())]);
+    let refused = exec::prepare(&rt, &owner, &id, bad_env).unwrap_err();
+    assert_eq!(refused.code(), "INVALID_ENV");
+    let mut slow = code("print x");
+    slow.timeout_ms = Some(exec::MAX_EXEC_MS + 1);
+    assert_eq!(
+        exec::prepare(&rt, &owner, &id, slow).unwrap_err().code(),
+        "INVALID_OPTION"
+    );
+    let mut escape = code("print x");
+    escape.files = BTreeMap::from([("../x".to_owned(), Vec::new())]);
+    let escaped = exec::prepare(&rt, &owner, &id, escape).unwrap_err();
+    assert_eq!(escaped.code(), "INVALID_PATH");
+
+    files::write(&rt, &owner, &id, "big.txt".into(), vec![b'x'; 4096])
+        .await
+        .expect("written");
+    let large = files::read(&rt, &owner, &id, "big.txt".into(), 100)
+        .await
+        .unwrap_err();
+    assert_eq!(large.code(), "FILE_TOO_LARGE");
+    assert_eq!(large.details()["size"], 4096);
+    files::write(&rt, &owner, &id, "dir/a".into(), Vec::new())
+        .await
+        .expect("written");
+    let folder = files::open(&rt, &owner, &id, "dir".into())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(folder, RuntimeError::IsAFolder { .. }),
+        "{folder:?}"
+    );
+    let cursor = revisions::page(&rt, &owner, &id, 5, Some("nope".into()))
+        .await
+        .unwrap_err();
+    assert_eq!(cursor.code(), "INVALID_CURSOR");
+    let missing = revisions::rollback(&rt, &owner, &id, "python_run_nope".into())
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), "EXECUTION_NOT_FOUND");
+    // The failed rollback left the sandbox idle.
+    files::list(&rt, &owner, &id, None)
+        .await
+        .expect("idle again");
+}
+
+#[tokio::test]
+async fn sessions_keep_state_and_their_quota_holds() {
+    let quotas = kiln_runtime::quota::Quotas {
+        sessions: 1,
+        ..Default::default()
+    };
+    let Fixture { rt, _data } = runtime(Some(quotas));
+    let caller = tenant("a");
+    let id = exec::create_default_sandbox(&rt, &caller, Language::Python)
+        .await
+        .expect("created")
+        .id;
+    let session = sessions::create(&rt, &caller, &id, None)
+        .await
+        .expect("opened");
+    assert_eq!(session.status, "ready");
+    let mut set = code("set n 7");
+    set.session = Some(session.session_id.clone());
+    let spec = exec::prepare(&rt, &caller, &id, set).expect("a turn");
+    exec::run(&rt, &caller, &id, spec, None).await.expect("ran");
+    let mut get = code("get n");
+    get.session = Some(session.session_id.clone());
+    let spec = exec::prepare(&rt, &caller, &id, get).expect("a turn");
+    let ran = exec::run(&rt, &caller, &id, spec, None).await.expect("ran");
+    assert_eq!(ran.result.stdout_text(), "7\n");
+
+    let over = sessions::create(&rt, &caller, &id, None).await.unwrap_err();
+    assert_eq!(over.code(), "QUOTA_EXCEEDED");
+    assert_eq!(over.details()["quota"], "sessions");
+
+    sessions::close(&rt, &caller, &id, &session.session_id)
+        .await
+        .expect("closed");
+    let closed = sessions::close(&rt, &caller, &id, &session.session_id)
+        .await
+        .unwrap_err();
+    assert_eq!(closed.code(), "SESSION_NOT_FOUND");
+    sessions::create(&rt, &caller, &id, None)
+        .await
+        .expect("room again after the close");
+}
