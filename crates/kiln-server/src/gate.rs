@@ -68,7 +68,7 @@ impl RateLimiter {
     }
 }
 
-fn request_id(request: &Request) -> String {
+fn request_id_of(request: &Request) -> String {
     request
         .headers()
         .get("x-request-id")
@@ -94,7 +94,7 @@ fn presented_key(request: &Request) -> Option<&str> {
     headers.get("x-api-key").and_then(|v| v.to_str().ok())
 }
 
-fn authenticate(state: &AppState, request: &Request) -> Result<Caller, ApiError> {
+fn check_key(state: &AppState, request: &Request) -> Result<Caller, ApiError> {
     match &state.auth {
         Auth::Off => Ok(Caller::local()),
         Auth::Keys(store) => {
@@ -116,7 +116,6 @@ fn authenticate(state: &AppState, request: &Request) -> Result<Caller, ApiError>
     }
 }
 
-/// The middleware.
 fn declared_length(request: &Request) -> Option<u64> {
     request
         .headers()
@@ -125,29 +124,95 @@ fn declared_length(request: &Request) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-pub async fn gate(
+/// The key a response was made for, for the access log (`-` when none was checked).
+#[derive(Debug, Clone)]
+pub struct KeyId(pub String);
+
+/// The route pattern a request matched (`unmatched` for none): metrics and logs name
+/// patterns, never raw paths.
+fn route_of(request: &Request) -> String {
+    request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned())
+}
+
+// The layers, outermost first, as `router` stacks them: request_id, access_log, metrics,
+// authenticate, rate_limit, body_limit, timeout. Each does one thing.
+
+/// Gives the request its id (the client's `x-request-id` when it is a sane token, else a new
+/// one) as a [`RequestId`] extension, and sends it back in `x-request-id`.
+pub async fn request_id(mut request: Request, next: Next) -> Response {
+    let id = request_id_of(&request);
+    request.extensions_mut().insert(RequestId(id.clone()));
+    let mut response = next.run(request).await;
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}
+
+/// One JSON log line per request: method, route pattern, status, latency, key id, request
+/// id and error code; never headers, bodies, query strings or keys.
+pub async fn access_log(request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = request.method().clone();
+    let route = route_of(&request);
+    let id = request
+        .extensions()
+        .get::<RequestId>()
+        .map_or_else(String::new, |r| r.0.clone());
+    let response = next.run(request).await;
+    let key = response
+        .extensions()
+        .get::<KeyId>()
+        .map_or("-", |k| k.0.as_str());
+    tracing::info!(
+        target: "kiln::http",
+        request_id = %id,
+        method = %method,
+        route = %route,
+        status = response.status().as_u16(),
+        ms = started.elapsed().as_secs_f64() * 1000.0,
+        key = %key,
+        error = response.extensions().get::<ErrorCode>().map_or("", |c| c.0),
+        "request"
+    );
+    response
+}
+
+/// Counts the request (by method, route pattern and status), its latency and its error
+/// code in the metrics.
+pub async fn metrics(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = request.method().clone();
+    let route = route_of(&request);
+    let response = next.run(request).await;
+    let metrics = &state.runtime.metrics;
+    metrics.request(
+        method.as_str(),
+        &route,
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    if let Some(code) = response.extensions().get::<ErrorCode>() {
+        metrics.error(code.0);
+    }
+    response
+}
+
+/// Checks the API key (every path but the public ones) and puts its [`Caller`] on the
+/// request; 401 with `WWW-Authenticate: Bearer` otherwise.
+pub async fn authenticate(
     State(state): State<Arc<AppState>>,
     mut request: Request,
     next: Next,
 ) -> Response {
-    let started = Instant::now();
-    let id = request_id(&request);
-    let method = request.method().to_string();
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
     let path = request.uri().path();
-    let public =
-        PUBLIC.contains(&path) || path.starts_with("/docs/") || path.starts_with("/redoc/");
-    request.extensions_mut().insert(RequestId(id.clone()));
-
-    let mut key_id = String::from("-");
-    let mut response = match if public {
-        Ok(None)
-    } else {
-        authenticate(&state, &request).map(Some)
-    } {
+    if PUBLIC.contains(&path) || path.starts_with("/docs/") || path.starts_with("/redoc/") {
+        return next.run(request).await;
+    }
+    match check_key(&state, &request) {
         Err(error) => {
             let mut response = error.into_response();
             response
@@ -156,82 +221,74 @@ pub async fn gate(
             response
         }
         Ok(caller) => {
-            let limited = caller.as_ref().map(|c| state.limiter.take(&c.key_id));
-            if let Some(caller) = caller {
-                key_id = caller.key_id.clone();
-                request.extensions_mut().insert(caller);
-            }
-            match limited {
-                Some(Err(wait)) => {
-                    let seconds = wait.ceil().max(1.0) as u64;
-                    let mut response = ApiError::new(
-                        StatusCode::TOO_MANY_REQUESTS,
-                        "RATE_LIMITED",
-                        format!("too many requests for this key; retry in {seconds} s"),
-                    )
-                    .with_details(json!({ "retryAfterSeconds": seconds }))
-                    .into_response();
-                    if let Ok(value) = HeaderValue::from_str(&seconds.to_string()) {
-                        response.headers_mut().insert("retry-after", value);
-                    }
-                    response
-                }
-                // A body declared larger than the limit is refused before it is read, so
-                // the client (with `Expect: 100-continue`, before it even sends it) learns
-                // at once and no bandwidth is spent.
-                _ if declared_length(&request)
-                    .is_some_and(|n| n > crate::MAX_BODY_BYTES as u64) =>
-                {
-                    ApiError::new(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        "BODY_TOO_LARGE",
-                        format!(
-                            "the body is larger than the limit of {} MiB",
-                            crate::MAX_BODY_BYTES >> 20
-                        ),
-                    )
-                    .into_response()
-                }
-                _ => match tokio::time::timeout(state.request_timeout, next.run(request)).await {
-                    Ok(response) => response,
-                    Err(_) => ApiError::new(
-                        StatusCode::REQUEST_TIMEOUT,
-                        "REQUEST_TIMEOUT",
-                        format!(
-                            "the request took longer than {} s",
-                            state.request_timeout.as_secs()
-                        ),
-                    )
-                    .into_response(),
-                },
-            }
+            let key = KeyId(caller.key_id.clone());
+            request.extensions_mut().insert(caller);
+            let mut response = next.run(request).await;
+            response.extensions_mut().insert(key);
+            response
         }
+    }
+}
+
+/// The per-key rate limit: 429 `RATE_LIMITED` with `Retry-After` when the key's bucket is
+/// empty. Requests without a key (the public paths) are not limited.
+pub async fn rate_limit(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let waited = request
+        .extensions()
+        .get::<Caller>()
+        .map(|caller| state.limiter.take(&caller.key_id));
+    let Some(Err(wait)) = waited else {
+        return next.run(request).await;
     };
-    if let Ok(value) = HeaderValue::from_str(&id) {
-        response.headers_mut().insert("x-request-id", value);
+    let seconds = wait.ceil().max(1.0) as u64;
+    let mut response = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "RATE_LIMITED",
+        format!("too many requests for this key; retry in {seconds} s"),
+    )
+    .with_details(json!({ "retryAfterSeconds": seconds }))
+    .into_response();
+    if let Ok(value) = HeaderValue::from_str(&seconds.to_string()) {
+        response.headers_mut().insert("retry-after", value);
     }
-    let status = response.status().as_u16();
-    let elapsed = started.elapsed();
-    state
-        .runtime
-        .metrics
-        .request(&method, &route, status, elapsed.as_secs_f64());
-    let code = response.extensions().get::<ErrorCode>().map(|c| c.0);
-    if let Some(code) = code {
-        state.runtime.metrics.error(code);
-    }
-    tracing::info!(
-        target: "kiln::http",
-        request_id = %id,
-        method = %method,
-        route = %route,
-        status,
-        ms = elapsed.as_secs_f64() * 1000.0,
-        key = %key_id,
-        error = code.unwrap_or(""),
-        "request"
-    );
     response
+}
+
+/// Refuses a body declared larger than the limit before it is read, so the client (with
+/// `Expect: 100-continue`, before it even sends it) learns at once and no bandwidth is spent.
+pub async fn body_limit(request: Request, next: Next) -> Response {
+    if declared_length(&request).is_some_and(|n| n > crate::MAX_BODY_BYTES as u64) {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "BODY_TOO_LARGE",
+            format!(
+                "the body is larger than the limit of {} MiB",
+                crate::MAX_BODY_BYTES >> 20
+            ),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+/// Answers 408 `REQUEST_TIMEOUT` when the request takes longer than the server's limit.
+pub async fn timeout(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    match tokio::time::timeout(state.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "REQUEST_TIMEOUT",
+            format!(
+                "the request took longer than {} s",
+                state.request_timeout.as_secs()
+            ),
+        )
+        .into_response(),
+    }
 }
 
 /// Default time a request may take before it is answered with 408: 10 minutes (an

@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
+use axum::middleware::{from_fn, from_fn_with_state};
 use axum::routing::{get, post};
 use kiln_core::template::Catalogue;
 use kiln_executor::ExecutorPool;
@@ -186,15 +187,16 @@ pub fn router(state: Arc<AppState>) -> Router {
             mcp::http_service(state.runtime.clone(), state.mcp_hosts.clone()),
         )
         .fallback(api::not_found)
-        .layer(axum::middleware::from_fn(gate::json_errors))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            gate::bind_mcp_sessions,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            gate::gate,
-        ))
+        // Innermost first: each layer wraps those above it.
+        .layer(from_fn(gate::json_errors))
+        .layer(from_fn_with_state(state.clone(), gate::bind_mcp_sessions))
+        .layer(from_fn_with_state(state.clone(), gate::timeout))
+        .layer(from_fn(gate::body_limit))
+        .layer(from_fn_with_state(state.clone(), gate::rate_limit))
+        .layer(from_fn_with_state(state.clone(), gate::authenticate))
+        .layer(from_fn_with_state(state.clone(), gate::metrics))
+        .layer(from_fn(gate::access_log))
+        .layer(from_fn(gate::request_id))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
