@@ -621,96 +621,131 @@ async fn answer(
     } else {
         None
     };
-    let answer = match cached {
-        Some(entry) => {
-            trace.cache = "hit";
-            trace.planner = entry.planner;
-            trace.pattern = Some(entry.pattern.clone());
-            let turn = python::execute(ctx, &entry.code, Some(&entry.pattern));
-            app.turn(tenant, guard, &session, turn, None, app.config.deadline)
+    let mut turns = Turns {
+        app,
+        tenant,
+        guard,
+        session,
+        ctx,
+    };
+    if let Some(entry) = cached {
+        trace.cache = "hit";
+        trace.planner = entry.planner;
+        trace.pattern = Some(entry.pattern.clone());
+        return turns.execute(&entry.code, Some(&entry.pattern)).await;
+    }
+    trace.cache = "miss";
+    trace.planner = app.config.planner.label();
+    let answer = match &app.config.planner {
+        Planner::Conventions => {
+            turns
+                .run(python::handle(ctx), None, app.config.deadline)
                 .await?
         }
-        None => {
-            trace.cache = "miss";
-            trace.planner = app.config.planner.label();
-            let answer = match &app.config.planner {
-                Planner::Conventions => {
-                    app.turn(
-                        tenant,
-                        guard,
-                        &session,
-                        python::handle(ctx),
-                        None,
-                        app.config.deadline,
-                    )
-                    .await?
-                }
-                Planner::Llm {
-                    model,
-                    timeout,
-                    retry,
-                } => {
-                    let usage = Arc::new(Mutex::new(Usage::default()));
-                    let door = llm_door(model.clone(), *timeout, *retry, usage.clone());
-                    let planning = *timeout * retry.attempts.max(1)
-                        + retry.base_delay * (1 << retry.attempts.min(8))
-                        + app.config.deadline;
-                    let planned = app
-                        .turn(
-                            tenant,
-                            guard,
-                            &session,
-                            python::plan(ctx),
-                            Some(door),
-                            planning,
-                        )
-                        .await;
-                    trace.usage = Some(*usage.lock().unwrap_or_else(|e| e.into_inner()));
-                    let planned = planned?;
-                    if planned["ok"] != Value::Bool(true) {
-                        planned
-                    } else {
-                        let code = planned["plan"]["code"].as_str().unwrap_or("").to_string();
-                        let pattern = planned["plan"]["pattern"].as_str().map(str::to_string);
-                        // The door is shut for this turn: the plan's code never reaches
-                        // the model or anything else outside.
-                        // (A planning turn that ended its session returned an error above.)
-                        let turn = python::execute(ctx, &code, pattern.as_deref());
-                        let mut answer = app
-                            .turn(tenant, guard, &session, turn, None, app.config.deadline)
-                            .await?;
-                        answer["plan"] = planned["plan"].clone();
-                        answer
-                    }
-                }
-            };
-            if app.config.plan_cache
-                && answer["ok"] == Value::Bool(true)
-                && let Some(pattern) = answer["plan"]["pattern"].as_str()
-                && let Some(code) = answer["plan"]["code"].as_str()
-            {
-                // Kept only when the pattern really fits this request.
-                if plans::Pattern::parse(pattern).is_some_and(|p| p.matches(method, segments)) {
-                    let planner = app.config.planner.label();
-                    let stored = {
-                        let app = app.clone();
-                        let (tenant, pattern, code) =
-                            (tenant.to_string(), pattern.to_string(), code.to_string());
-                        tokio::task::spawn_blocking(move || {
-                            app.plans.insert(&tenant, &pattern, &code, &planner)
-                        })
-                        .await
-                    };
-                    if matches!(stored, Ok(Ok(()))) {
-                        trace.cache = "stored";
-                        trace.pattern = Some(pattern.to_string());
-                    }
-                }
-            }
-            answer
-        }
+        Planner::Llm {
+            model,
+            timeout,
+            retry,
+        } => llm_answer(&mut turns, model, *timeout, *retry, trace).await?,
     };
+    if app.config.plan_cache {
+        store_plan(app, tenant, method, segments, &answer, trace).await;
+    }
     Ok(answer)
+}
+
+/// What a request's driver turns need: the tenant's session (its slot locked by the
+/// request) and the request's context.
+struct Turns<'a> {
+    app: &'a Arc<App>,
+    tenant: &'a str,
+    guard: &'a mut Option<SessionHandle>,
+    session: SessionHandle,
+    ctx: &'a str,
+}
+
+impl Turns<'_> {
+    /// One driver turn, with `door` granted to it alone.
+    async fn run(
+        &mut self,
+        code: String,
+        door: Option<Door>,
+        timeout: Duration,
+    ) -> Result<Value, HttpError> {
+        self.app
+            .turn(self.tenant, self.guard, &self.session, code, door, timeout)
+            .await
+    }
+
+    /// A plan's code, run with the door shut under the request's deadline.
+    async fn execute(&mut self, code: &str, pattern: Option<&str>) -> Result<Value, HttpError> {
+        let turn = python::execute(self.ctx, code, pattern);
+        self.run(turn, None, self.app.config.deadline).await
+    }
+}
+
+/// Plans with the model (reached through the door, granted to the planning turn alone),
+/// then runs the plan's code; the answer carries the plan.
+async fn llm_answer(
+    turns: &mut Turns<'_>,
+    model: &Arc<dyn ChatModel>,
+    timeout: Duration,
+    retry: RetryPolicy,
+    trace: &mut Trace,
+) -> Result<Value, HttpError> {
+    let usage = Arc::new(Mutex::new(Usage::default()));
+    let door = llm_door(model.clone(), timeout, retry, usage.clone());
+    let planning = timeout * retry.attempts.max(1)
+        + retry.base_delay * (1 << retry.attempts.min(8))
+        + turns.app.config.deadline;
+    let planning_turn = python::plan(turns.ctx);
+    let planned = turns.run(planning_turn, Some(door), planning).await;
+    trace.usage = Some(*usage.lock().unwrap_or_else(|e| e.into_inner()));
+    let planned = planned?;
+    if planned["ok"] != Value::Bool(true) {
+        return Ok(planned);
+    }
+    let code = planned["plan"]["code"].as_str().unwrap_or("").to_string();
+    let pattern = planned["plan"]["pattern"].as_str().map(str::to_string);
+    // The door is shut for this turn: the plan's code never reaches the model or anything
+    // else outside. (A planning turn that ended its session returned an error above.)
+    let mut answer = turns.execute(&code, pattern.as_deref()).await?;
+    answer["plan"] = planned["plan"].clone();
+    Ok(answer)
+}
+
+/// Keeps the plan of a successful answer in the tenant's plan cache, when its pattern
+/// really fits this request.
+async fn store_plan(
+    app: &Arc<App>,
+    tenant: &str,
+    method: &str,
+    segments: &[String],
+    answer: &Value,
+    trace: &mut Trace,
+) {
+    let (Some(pattern), Some(code)) = (
+        answer["plan"]["pattern"].as_str(),
+        answer["plan"]["code"].as_str(),
+    ) else {
+        return;
+    };
+    if answer["ok"] != Value::Bool(true)
+        || !plans::Pattern::parse(pattern).is_some_and(|p| p.matches(method, segments))
+    {
+        return;
+    }
+    let planner = app.config.planner.label();
+    let stored = {
+        let app = app.clone();
+        let (tenant, pattern, code) = (tenant.to_string(), pattern.to_string(), code.to_string());
+        tokio::task::spawn_blocking(move || app.plans.insert(&tenant, &pattern, &code, &planner))
+            .await
+    };
+    if matches!(stored, Ok(Ok(()))) {
+        trace.cache = "stored";
+        trace.pattern = Some(pattern.to_string());
+    }
 }
 
 /// The HTTP response for the driver's answer.

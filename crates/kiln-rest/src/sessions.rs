@@ -329,50 +329,16 @@ impl App {
                 ));
             }
         };
-        let ended = matches!(result.outcome, Outcome::TimedOut | Outcome::Crashed { .. });
+        // A deadline or a crash ended the session; one over its memory is not reused.
+        let ended = matches!(
+            result.outcome,
+            Outcome::TimedOut | Outcome::Crashed { .. } | Outcome::MemoryLimit
+        );
         if ended {
             self.drop_session(guard).await;
         }
-        match &result.outcome {
-            Outcome::TimedOut => {
-                return Err(HttpError::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "DEADLINE_EXCEEDED",
-                    format!(
-                        "the request ran past its deadline of {} ms and was stopped",
-                        timeout.as_millis()
-                    ),
-                ));
-            }
-            Outcome::MemoryLimit => {
-                self.drop_session(guard).await;
-                return Err(HttpError::new(
-                    StatusCode::INSUFFICIENT_STORAGE,
-                    "MEMORY_LIMIT",
-                    format!(
-                        "the request needed more than the sandbox's {} MiB of memory",
-                        self.config.memory_bytes >> 20
-                    ),
-                ));
-            }
-            Outcome::Crashed { trap } => {
-                return Err(HttpError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "SANDBOX_CRASHED",
-                    format!("the sandbox crashed ({trap})"),
-                ));
-            }
-            _ => {}
-        }
-        if result.stdout_truncated {
-            return Err(HttpError::new(
-                StatusCode::BAD_GATEWAY,
-                "RESULT_TOO_LARGE",
-                format!(
-                    "the response is larger than the cap of {} bytes",
-                    self.config.max_result_bytes
-                ),
-            ));
+        if let Some(error) = self.failed_turn(&result, timeout) {
+            return Err(error);
         }
         python::answer(&result.stdout_text()).ok_or_else(|| {
             HttpError::new(
@@ -385,6 +351,44 @@ impl App {
                 ),
             )
         })
+    }
+
+    /// The error of a turn the sandbox stopped (deadline, memory, crash) or whose output
+    /// went past the result cap; `None` for one that ran to its end.
+    fn failed_turn(&self, result: &ExecResult, timeout: Duration) -> Option<HttpError> {
+        let error = match &result.outcome {
+            Outcome::TimedOut => HttpError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "DEADLINE_EXCEEDED",
+                format!(
+                    "the request ran past its deadline of {} ms and was stopped",
+                    timeout.as_millis()
+                ),
+            ),
+            Outcome::MemoryLimit => HttpError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "MEMORY_LIMIT",
+                format!(
+                    "the request needed more than the sandbox's {} MiB of memory",
+                    self.config.memory_bytes >> 20
+                ),
+            ),
+            Outcome::Crashed { trap } => HttpError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "SANDBOX_CRASHED",
+                format!("the sandbox crashed ({trap})"),
+            ),
+            _ if result.stdout_truncated => HttpError::new(
+                StatusCode::BAD_GATEWAY,
+                "RESULT_TOO_LARGE",
+                format!(
+                    "the response is larger than the cap of {} bytes",
+                    self.config.max_result_bytes
+                ),
+            ),
+            _ => return None,
+        };
+        Some(error)
     }
 
     /// Closes the session, if any (its data stays).

@@ -280,6 +280,16 @@ fn read_result(
             details(json!({"stdoutTail": tail(&stdout, STDERR_TAIL_BYTES)})),
         ));
     };
+    read_report(report, script, details)
+}
+
+/// The wrapper's report line (after the marker): `R` and the result, or `E` and the
+/// script's error; `details` gives a failure's details.
+fn read_report(
+    report: &str,
+    script: &str,
+    details: impl Fn(Value) -> Value,
+) -> Result<Value, Failure> {
     let (kind, text) = report.split_at(report.len().min(1));
     let parsed: Result<Value, _> = serde_json::from_str(text);
     match (kind, parsed) {
