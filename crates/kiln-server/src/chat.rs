@@ -117,8 +117,8 @@ pub async fn chat(
     tokio::spawn(async move {
         if let Err(error) = agent::run(&state, &caller, model.as_ref(), input, &limits, &tx).await {
             let _ = tx.send(AgentEvent::Error {
-                code: error.code.to_owned(),
-                message: error.message,
+                code: error.code().to_owned(),
+                message: error.message().to_owned(),
             });
         }
     });

@@ -3,68 +3,61 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use kiln_http::HttpError;
+use serde_json::{Map, Value};
 
-/// An API error with a stable code.
+pub use kiln_http::error::ErrorCode;
+
+/// An API error with a stable code: kiln-http's one envelope ([`HttpError`]), in a type of
+/// this crate so that the runtime's errors map onto it here, once.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub code: &'static str,
-    pub message: String,
-    pub details: Value,
-}
+pub struct ApiError(pub HttpError);
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            code,
-            message: message.into(),
-            details: json!({}),
-        }
+        ApiError(HttpError::new(status, code, message))
     }
 
-    pub fn with_details(mut self, details: Value) -> ApiError {
-        self.details = details;
-        self
+    pub fn with_details(self, details: Value) -> ApiError {
+        ApiError(self.0.with_details(details))
     }
 
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, code, message)
     }
 
-    pub fn sandbox_not_found(id: &str) -> ApiError {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "SANDBOX_NOT_FOUND",
-            format!("no sandbox {id:?}: it never existed, was deleted, or expired"),
-        )
-        .with_details(json!({ "containerId": id }))
-    }
-
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", message)
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.0.status()
+    }
+
+    pub fn code(&self) -> &'static str {
+        self.0.code()
+    }
+
+    pub fn message(&self) -> &str {
+        self.0.message()
+    }
+
+    pub fn details(&self) -> &Map<String, Value> {
+        self.0.details()
+    }
+}
+
+impl From<HttpError> for ApiError {
+    fn from(error: HttpError) -> ApiError {
+        ApiError(error)
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({
-            "error": {
-                "code": self.code,
-                "message": self.message,
-                "details": self.details,
-            }
-        });
-        let mut response = (self.status, axum::Json(body)).into_response();
-        response.extensions_mut().insert(ErrorCode(self.code));
-        response
+        self.0.into_response()
     }
 }
-
-/// The code of an error response, for the metrics.
-#[derive(Debug, Clone, Copy)]
-pub struct ErrorCode(pub &'static str);
 
 /// The error body, for the API description.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]

@@ -296,47 +296,19 @@ pub async fn timeout(State(state): State<Arc<AppState>>, request: Request, next:
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Gives every error the router or an extractor answered on its own (405 with its `Allow`
-/// header, 413, 415, a WebSocket upgrade refused, ...) the documented JSON error shape. Errors
-/// kiln made itself carry an [`ErrorCode`] and pass untouched, as does everything under
-/// `/mcp` (JSON-RPC has its own error shape).
-pub async fn json_errors(request: Request, next: Next) -> Response {
-    let mcp = request.uri().path().starts_with("/mcp");
-    let response = next.run(request).await;
-    let status = response.status();
-    if mcp || status.as_u16() < 400 || response.extensions().get::<ErrorCode>().is_some() {
-        return response;
+/// header, 413, 415, a WebSocket upgrade refused, ...) the one envelope, with kiln-http's
+/// [`reshape_errors`](kiln_http::error::reshape_errors). Errors kiln made itself carry an
+/// [`ErrorCode`] and pass untouched, as does everything under `/mcp` (JSON-RPC has its own
+/// error shape).
+pub async fn json_errors(
+    State(errors): State<kiln_http::error::RouterErrors>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if request.uri().path().starts_with("/mcp") {
+        return next.run(request).await;
     }
-    let (code, message) = match status {
-        StatusCode::METHOD_NOT_ALLOWED => (
-            "METHOD_NOT_ALLOWED",
-            "this route does not take that method (see the Allow header)".to_owned(),
-        ),
-        StatusCode::NOT_FOUND => ("ROUTE_NOT_FOUND", "no such route".to_owned()),
-        StatusCode::PAYLOAD_TOO_LARGE => (
-            "BODY_TOO_LARGE",
-            format!("the body is larger than {} bytes", crate::MAX_BODY_BYTES),
-        ),
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => (
-            "UNSUPPORTED_MEDIA_TYPE",
-            "this content type is not accepted here".to_owned(),
-        ),
-        _ => (
-            "INVALID_REQUEST",
-            status
-                .canonical_reason()
-                .unwrap_or("the request was refused")
-                .to_owned(),
-        ),
-    };
-    let (parts, _) = response.into_parts();
-    let mut shaped = ApiError::new(status, code, message).into_response();
-    // Keep what the router said besides the body (Allow, request id, ...).
-    for (name, value) in parts.headers.iter() {
-        if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
-            shaped.headers_mut().insert(name.clone(), value.clone());
-        }
-    }
-    shaped
+    kiln_http::error::reshape_errors(State(errors), request, next).await
 }
 
 /// Who opened each MCP session on `/mcp` (its `Mcp-Session-Id`), so another tenant can neither

@@ -188,7 +188,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .fallback(api::not_found)
         // Innermost first: each layer wraps those above it.
-        .layer(from_fn(gate::json_errors))
+        .layer(from_fn_with_state(
+            kiln_http::error::RouterErrors::new(MAX_BODY_BYTES),
+            gate::json_errors,
+        ))
         .layer(from_fn_with_state(state.clone(), gate::bind_mcp_sessions))
         .layer(from_fn_with_state(state.clone(), gate::timeout))
         .layer(from_fn(gate::body_limit))

@@ -335,10 +335,9 @@ pub fn spec(
 ) -> Result<RunSpec, ApiError> {
     exec::prepare(&state.runtime, caller, id, body.into_code()?).map_err(|e| match e {
         // Named in the body: a bad request, not a missing URL.
-        e @ RuntimeError::SessionNotFound { .. } => ApiError {
-            status: StatusCode::BAD_REQUEST,
-            ..e.into()
-        },
+        e @ RuntimeError::SessionNotFound { .. } => {
+            ApiError::bad_request(e.code(), e.to_string()).with_details(e.details())
+        }
         other => other.into(),
     })
 }
@@ -425,7 +424,7 @@ impl StreamEvent {
             StreamEvent::Output { text, .. } => json!({ "data": text }),
             StreamEvent::Result(execution) => serde_json::to_value(execution).unwrap_or_default(),
             StreamEvent::Error(error) => json!({
-                "error": { "code": error.code, "message": error.message, "details": error.details }
+                "error": { "code": error.code(), "message": error.message(), "details": error.details() }
             }),
         }
     }
