@@ -151,7 +151,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         let started = Instant::now();
         kiln_server::agent::run(&state, &caller, &model, input, &limits, &tx)
             .await
-            .map_err(|e| anyhow::anyhow!("agent: {}", e.message))?;
+            .map_err(|e| anyhow::anyhow!("agent: {}", e.message()))?;
         let elapsed = started.elapsed();
         drop(tx);
         let mut results = 0;
