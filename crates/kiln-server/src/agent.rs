@@ -538,22 +538,35 @@ pub async fn run(
         });
         for call in &reply.tool_calls {
             budget.admit(call)?;
-            let (result, is_error) = run.call_tool(call).await;
-            let (result, truncated) = truncate(&result, limits.tool_result_chars);
-            let _ = events.send(AgentEvent::ToolResult {
-                id: call.id.clone(),
-                name: call.name.clone(),
-                result: result.clone(),
-                truncated,
-                is_error,
-            });
-            messages.push(Message::tool(call.id.clone(), result));
+            messages.push(run.answer_call(call, limits, events).await);
         }
     }
     Err(agent_error(
         "AGENT_BUDGET_EXCEEDED",
         format!("no final answer after {} model calls", limits.max_turns),
     ))
+}
+
+impl Run<'_> {
+    /// Runs one tool call; its (truncated) result is told to the client and becomes the
+    /// tool message for the model.
+    async fn answer_call(
+        &mut self,
+        call: &ToolCall,
+        limits: &AgentLimits,
+        events: &UnboundedSender<AgentEvent>,
+    ) -> Message {
+        let (result, is_error) = self.call_tool(call).await;
+        let (result, truncated) = truncate(&result, limits.tool_result_chars);
+        let _ = events.send(AgentEvent::ToolResult {
+            id: call.id.clone(),
+            name: call.name.clone(),
+            result: result.clone(),
+            truncated,
+            is_error,
+        });
+        Message::tool(call.id.clone(), result)
+    }
 }
 
 impl<'a> Run<'a> {

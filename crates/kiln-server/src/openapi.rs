@@ -88,115 +88,129 @@ fn operation_id(method: &str, path: &str) -> String {
 
 impl Modify for BearerAuth {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::link::LinkBuilder;
         let components = openapi.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
             "bearer",
             SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
         );
-        let public = ["/healthz", "/readyz", "/metrics"];
-        // Operations that take a sandbox id, for links from the creating operations.
-        let mut takes_id = Vec::new();
-        for (path, item) in openapi.paths.paths.iter_mut() {
-            for (method, operation) in [
-                ("get", &mut item.get),
-                ("post", &mut item.post),
-                ("put", &mut item.put),
-                ("delete", &mut item.delete),
-            ] {
-                let Some(operation) = operation else { continue };
-                let id = operation_id(method, path);
-                operation.operation_id = Some(id.clone());
-                if path.contains("{id}")
-                    && !path.contains("{execution_id}")
-                    && !path.contains("{session_id}")
-                    && !path.ends_with("/ws")
-                    && !path.contains("{path}")
-                {
-                    takes_id.push(id);
-                }
-                if public.contains(&path.as_str()) {
-                    continue;
-                }
-                operation.security =
-                    Some(vec![utoipa::openapi::security::SecurityRequirement::new(
-                        "bearer",
-                        Vec::<String>::new(),
-                    )]);
-                for (status, description) in COMMON_ERRORS {
-                    operation
-                        .responses
-                        .responses
-                        .entry((*status).to_owned())
-                        .or_insert_with(|| error_response(description));
-                }
-            }
-        }
-        // Links let clients (and schemathesis' stateful tests) follow a created sandbox's id
-        // into the operations that take it.
-        for (path, field) in [
-            ("/api/v1/sandboxes", "containerId"),
-            ("/api/sandbox", "containerId"),
+        let takes_id = name_and_secure(openapi);
+        link_created(openapi, &takes_id);
+        link_nested(openapi);
+    }
+}
+
+/// Names every operation, asks for the bearer key on all but the public ones and adds the
+/// common error answers; returns the operations that take a sandbox id.
+fn name_and_secure(openapi: &mut utoipa::openapi::OpenApi) -> Vec<String> {
+    let public = ["/healthz", "/readyz", "/metrics"];
+    // Operations that take a sandbox id, for links from the creating operations.
+    let mut takes_id = Vec::new();
+    for (path, item) in openapi.paths.paths.iter_mut() {
+        for (method, operation) in [
+            ("get", &mut item.get),
+            ("post", &mut item.post),
+            ("put", &mut item.put),
+            ("delete", &mut item.delete),
         ] {
-            let Some(item) = openapi.paths.paths.get_mut(path) else {
+            let Some(operation) = operation else { continue };
+            let id = operation_id(method, path);
+            operation.operation_id = Some(id.clone());
+            if path.contains("{id}")
+                && !path.contains("{execution_id}")
+                && !path.contains("{session_id}")
+                && !path.ends_with("/ws")
+                && !path.contains("{path}")
+            {
+                takes_id.push(id);
+            }
+            if public.contains(&path.as_str()) {
                 continue;
-            };
-            let Some(operation) = item.post.as_mut() else {
-                continue;
-            };
-            let Some(utoipa::openapi::RefOr::T(created)) =
-                operation.responses.responses.get_mut("201")
-            else {
-                continue;
-            };
-            for target in &takes_id {
-                let link = LinkBuilder::new()
-                    .operation_id(target.clone())
-                    .parameter("id", format!("$response.body#/{field}"))
-                    .build();
-                created.links.insert(target.clone(), link.into());
+            }
+            operation.security = Some(vec![utoipa::openapi::security::SecurityRequirement::new(
+                "bearer",
+                Vec::<String>::new(),
+            )]);
+            for (status, description) in COMMON_ERRORS {
+                operation
+                    .responses
+                    .responses
+                    .entry((*status).to_owned())
+                    .or_insert_with(|| error_response(description));
             }
         }
-        // A session's id leads to its restart and close; an execution's to its cancel.
-        let nested = [
-            (
-                "/api/v1/sandboxes/{id}/sessions",
-                "201",
-                "session_id",
-                "sessionId",
-                &[
-                    "post_api_v1_sandboxes_id_sessions_session_id_restart",
-                    "delete_api_v1_sandboxes_id_sessions_session_id",
-                ][..],
-            ),
-            (
-                "/api/v1/sandboxes/{id}/exec",
-                "200",
-                "execution_id",
-                "executionId",
-                &["post_api_v1_sandboxes_id_executions_execution_id_cancel"][..],
-            ),
-        ];
-        for (path, status, param, field, targets) in nested {
-            let Some(item) = openapi.paths.paths.get_mut(path) else {
-                continue;
-            };
-            let Some(operation) = item.post.as_mut() else {
-                continue;
-            };
-            let Some(utoipa::openapi::RefOr::T(response)) =
-                operation.responses.responses.get_mut(status)
-            else {
-                continue;
-            };
-            for target in targets {
-                let link = LinkBuilder::new()
-                    .operation_id(*target)
-                    .parameter("id", "$request.path.id")
-                    .parameter(param, format!("$response.body#/{field}"))
-                    .build();
-                response.links.insert((*target).to_owned(), link.into());
-            }
+    }
+    takes_id
+}
+
+/// Links let clients (and schemathesis' stateful tests) follow a created sandbox's id into
+/// the operations that take it.
+fn link_created(openapi: &mut utoipa::openapi::OpenApi, takes_id: &[String]) {
+    use utoipa::openapi::link::LinkBuilder;
+    for (path, field) in [
+        ("/api/v1/sandboxes", "containerId"),
+        ("/api/sandbox", "containerId"),
+    ] {
+        let Some(item) = openapi.paths.paths.get_mut(path) else {
+            continue;
+        };
+        let Some(operation) = item.post.as_mut() else {
+            continue;
+        };
+        let Some(utoipa::openapi::RefOr::T(created)) = operation.responses.responses.get_mut("201")
+        else {
+            continue;
+        };
+        for target in takes_id {
+            let link = LinkBuilder::new()
+                .operation_id(target.clone())
+                .parameter("id", format!("$response.body#/{field}"))
+                .build();
+            created.links.insert(target.clone(), link.into());
+        }
+    }
+}
+
+/// A session's id leads to its restart and close; an execution's to its cancel.
+fn link_nested(openapi: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::link::LinkBuilder;
+    let nested = [
+        (
+            "/api/v1/sandboxes/{id}/sessions",
+            "201",
+            "session_id",
+            "sessionId",
+            &[
+                "post_api_v1_sandboxes_id_sessions_session_id_restart",
+                "delete_api_v1_sandboxes_id_sessions_session_id",
+            ][..],
+        ),
+        (
+            "/api/v1/sandboxes/{id}/exec",
+            "200",
+            "execution_id",
+            "executionId",
+            &["post_api_v1_sandboxes_id_executions_execution_id_cancel"][..],
+        ),
+    ];
+    for (path, status, param, field, targets) in nested {
+        let Some(item) = openapi.paths.paths.get_mut(path) else {
+            continue;
+        };
+        let Some(operation) = item.post.as_mut() else {
+            continue;
+        };
+        let Some(utoipa::openapi::RefOr::T(response)) =
+            operation.responses.responses.get_mut(status)
+        else {
+            continue;
+        };
+        for target in targets {
+            let link = LinkBuilder::new()
+                .operation_id(*target)
+                .parameter("id", "$request.path.id")
+                .parameter(param, format!("$response.body#/{field}"))
+                .build();
+            response.links.insert((*target).to_owned(), link.into());
         }
     }
 }
