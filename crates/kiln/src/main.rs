@@ -21,7 +21,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use kiln_core::{ExecRequest, ExecResult, Language, Outcome};
-use kiln_wasm::{CacheDir, OutputChunk, StreamKind, WasmEngine};
+use kiln_wasm::{OutputChunk, StreamKind, WasmEngine};
 
 use crate::cli::{Cli, Command, ExecArgs, exit_codes};
 
@@ -181,7 +181,7 @@ fn run_file(file: &std::path::Path, args: &ExecArgs) -> anyhow::Result<ExitCode>
 }
 
 fn setup(lang: Option<Language>) -> anyhow::Result<ExitCode> {
-    let cache = CacheDir::from_env();
+    let cache = crate::config::cache_dir();
     let progress = progress::Bar::new();
     let engine = WasmEngine::new(cache.clone())?;
     let languages = match lang {
@@ -198,7 +198,7 @@ fn setup(lang: Option<Language>) -> anyhow::Result<ExitCode> {
 /// Fetches and compiles the runtimes here, once, before any worker needs them.
 fn prepare_runtimes() -> anyhow::Result<()> {
     let setup = WasmEngine::with_options(
-        CacheDir::from_env(),
+        crate::config::cache_dir(),
         &kiln_wasm::EngineOptions { max_instances: 1 },
     )?;
     for language in Language::ALL {
@@ -302,7 +302,7 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
 
 /// `kiln __worker`: serves the wasm backend to its pool over stdin and stdout.
 fn worker() -> anyhow::Result<ExitCode> {
-    let engine = WasmEngine::new(CacheDir::from_env())?;
+    let engine = WasmEngine::new(crate::config::cache_dir())?;
     let threads = std::env::var("KILN_WORKER_THREADS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -328,7 +328,7 @@ fn exec(language: Language, code: String, args: &ExecArgs) -> anyhow::Result<Exi
     }
     // One execution: a small slot pool starts faster than the server-sized default.
     let options = kiln_wasm::EngineOptions { max_instances: 4 };
-    let engine = WasmEngine::with_options(CacheDir::from_env(), &options)?;
+    let engine = WasmEngine::with_options(crate::config::cache_dir(), &options)?;
     engine.prepare(language, &progress::Bar::new())?;
     let result = if args.json {
         let result = runtime(1)?.block_on(engine.execute(&request))?;

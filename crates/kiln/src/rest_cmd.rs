@@ -8,7 +8,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use kiln_core::Language;
 use kiln_rest::{Planner, RestConfig};
-use kiln_wasm::{CacheDir, WasmEngine};
+use kiln_wasm::WasmEngine;
 
 #[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -134,7 +134,7 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     let dir = data_dir(args.data_dir)?;
     let planner = planner(args.planner)?;
     let setup = WasmEngine::with_options(
-        CacheDir::from_env(),
+        crate::config::cache_dir(),
         &kiln_wasm::EngineOptions { max_instances: 1 },
     )?;
     setup.prepare(Language::Python, &crate::progress::Bar::new())?;

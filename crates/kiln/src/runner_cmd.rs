@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kiln_core::Language;
-use kiln_wasm::{CacheDir, WasmEngine};
+use kiln_wasm::WasmEngine;
 
 use crate::cli::{parse_bytes, parse_duration_ms};
 
@@ -68,7 +68,7 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
     }
     // Fetch and compile the runtimes here, once, before any worker needs them.
     let setup = WasmEngine::with_options(
-        CacheDir::from_env(),
+        crate::config::cache_dir(),
         &kiln_wasm::EngineOptions { max_instances: 1 },
     )?;
     for language in Language::ALL {
