@@ -6,12 +6,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::rejection::JsonRejection;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use kiln_core::Language;
 use kiln_core::template::Catalogue;
+use kiln_http::{HttpError, Json as JsonBody};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -104,9 +104,9 @@ pub fn parse_create(
 pub async fn create(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
-    body: Result<Json<CreateBody>, JsonRejection>,
+    body: Result<JsonBody<CreateBody>, HttpError>,
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     let spec = parse_create(
         &state.runtime.catalogue,
         &body.image,
@@ -213,9 +213,9 @@ fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
 pub async fn exec(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
-    body: Result<Json<ExecBody>, JsonRejection>,
+    body: Result<JsonBody<ExecBody>, HttpError>,
 ) -> Result<Json<ExecReply>, ApiError> {
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     let (language, program) = parse_command(&body.command)?;
     let view = state
         .runtime
@@ -461,9 +461,9 @@ pub async fn diff(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-    body: Result<Json<DiffBody>, JsonRejection>,
+    body: Result<JsonBody<DiffBody>, HttpError>,
 ) -> Result<Json<DiffReply>, ApiError> {
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     let diff = kiln_runtime::revisions::diff(
         &state.runtime,
         &caller,
@@ -510,9 +510,9 @@ pub async fn rollback(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-    body: Result<Json<RollbackBody>, JsonRejection>,
+    body: Result<JsonBody<RollbackBody>, HttpError>,
 ) -> Result<Json<RollbackReply>, ApiError> {
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     let done =
         kiln_runtime::revisions::rollback(&state.runtime, &caller, &id, body.execution_id.clone())
             .await?;

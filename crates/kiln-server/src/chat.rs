@@ -3,11 +3,10 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::Json;
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
+use kiln_http::{HttpError, Json as JsonBody};
 use kiln_llm::{ChatModel, GenaiModel, Message, ModelConfig};
 use serde::Deserialize;
 use serde_json::Value;
@@ -66,9 +65,9 @@ fn not_configured(message: &str) -> ApiError {
 pub async fn chat(
     State(state): State<Arc<AppState>>,
     Extension(caller): Extension<Caller>,
-    body: Result<Json<ChatBody>, JsonRejection>,
+    body: Result<JsonBody<ChatBody>, HttpError>,
 ) -> Result<Sse<impl futures::Stream<Item = Result<Event, Infallible>>>, ApiError> {
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     if body.messages.is_empty() {
         return Err(ApiError::bad_request(
             "INVALID_REQUEST",

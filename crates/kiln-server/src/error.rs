@@ -76,21 +76,6 @@ pub struct ErrorDetail {
     pub details: Value,
 }
 
-impl From<axum::extract::rejection::JsonRejection> for ApiError {
-    fn from(rejection: axum::extract::rejection::JsonRejection) -> ApiError {
-        use axum::extract::rejection::JsonRejection as R;
-        let (status, code) = match &rejection {
-            R::MissingJsonContentType(_) => {
-                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "UNSUPPORTED_MEDIA_TYPE")
-            }
-            R::BytesRejection(_) => (StatusCode::PAYLOAD_TOO_LARGE, "BODY_TOO_LARGE"),
-            R::JsonSyntaxError(_) => (StatusCode::BAD_REQUEST, "MALFORMED_JSON"),
-            _ => (StatusCode::BAD_REQUEST, "INVALID_REQUEST"),
-        };
-        ApiError::new(status, code, rejection.body_text())
-    }
-}
-
 impl From<kiln_runtime::RuntimeError> for ApiError {
     /// The one mapping of runtime failures onto HTTP: a status by kind; the code, message
     /// and details are the runtime's own.

@@ -8,13 +8,14 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use kiln_executor::Chunk;
+use kiln_http::{HttpError, Json as JsonBody};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -75,9 +76,9 @@ pub struct NewSandbox {
 pub async fn create(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
-    body: Result<Json<NewSandbox>, JsonRejection>,
+    body: Result<JsonBody<NewSandbox>, HttpError>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     let image = body.language.unwrap_or_else(|| "python".into());
     let spec = api::parse_create(
         &state.runtime.catalogue,
@@ -199,10 +200,10 @@ pub async fn renew(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
-    body: Result<Json<Renew>, JsonRejection>,
+    body: Result<JsonBody<Renew>, HttpError>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     if !(api::MIN_LIFETIME_MS..=api::MAX_LIFETIME_MS).contains(&body.timeout_ms) {
         return Err(ApiError::bad_request(
             "INVALID_OPTION",
@@ -356,10 +357,10 @@ pub async fn execute(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
-    body: Result<Json<Execute>, JsonRejection>,
+    body: Result<JsonBody<Execute>, HttpError>,
 ) -> Result<Json<Execution>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     let spec = spec(&state, &caller, &id, body)?;
     let outcome = exec::run(&state.runtime, &caller, &id, spec, None).await?;
     Ok(Json(Execution::from_outcome(&outcome)))
@@ -487,10 +488,10 @@ pub async fn execute_stream(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
-    body: Result<Json<Execute>, JsonRejection>,
+    body: Result<JsonBody<Execute>, HttpError>,
 ) -> Result<Sse<impl futures::Stream<Item = Result<Event, Infallible>>>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     let spec = spec(&state, &caller, &id, body)?;
     // Refuse a busy sandbox before the stream starts, with a proper status.
     if let Some(running) = state.runtime.registry.get(&caller.tenant, &id)?.running {
@@ -663,10 +664,10 @@ pub async fn create_session(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<Path<String>, PathRejection>,
-    body: Result<Json<NewSession>, JsonRejection>,
+    body: Result<JsonBody<NewSession>, HttpError>,
 ) -> Result<(StatusCode, Json<SessionInfo>), ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    let Json(body) = body?;
+    let JsonBody(body) = body?;
     let language = body.language.as_deref().map(exec::language).transpose()?;
     let info = sessions::create(&state.runtime, &caller, &id, language).await?;
     Ok((StatusCode::CREATED, Json(info)))

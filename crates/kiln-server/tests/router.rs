@@ -309,3 +309,82 @@ async fn keys_are_required_when_auth_is_on() {
     let (status, _, _) = app.call("GET", "/healthz", None).await;
     assert_eq!(status, StatusCode::OK);
 }
+
+/// Bodies are read by kiln-http's JSON extractor: 415 without a JSON content type, 413 over
+/// the 32 MiB limit (declared or streamed), 400 naming the field that does not fit.
+#[tokio::test]
+async fn bodies_are_refused_with_clear_errors_in_the_one_shape() {
+    let app = app(false);
+    let send = |content_type: Option<&'static str>, length: Option<u64>, body: Vec<u8>| {
+        let state = app.state.clone();
+        async move {
+            let mut request = Request::builder().method("POST").uri("/api/v1/sandboxes");
+            if let Some(content_type) = content_type {
+                request = request.header(header::CONTENT_TYPE, content_type);
+            }
+            if let Some(length) = length {
+                request = request.header(header::CONTENT_LENGTH, length);
+            }
+            let response = router(state)
+                .oneshot(request.body(Body::from(body)).expect("a request"))
+                .await
+                .expect("the router answers");
+            let status = response.status();
+            let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+                .await
+                .expect("a body");
+            let json: Value = serde_json::from_slice(&bytes).expect("a JSON body");
+            (status, json)
+        }
+    };
+    let (status, body) = send(Some("text/plain"), None, b"{}".to_vec()).await;
+    assert_error(
+        status,
+        &body,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "UNSUPPORTED_MEDIA_TYPE",
+    );
+    assert_eq!(
+        body["error"]["message"],
+        "the body must be application/json (Content-Type: \"text/plain\")"
+    );
+    let (status, body) = send(None, None, b"{}".to_vec()).await;
+    assert_error(
+        status,
+        &body,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "UNSUPPORTED_MEDIA_TYPE",
+    );
+    // Declared too large: refused before a byte is read.
+    let (status, body) = send(Some("application/json"), Some(33 << 20), Vec::new()).await;
+    assert_error(
+        status,
+        &body,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "BODY_TOO_LARGE",
+    );
+    // Streamed too large, with no length declared.
+    let big = format!(r#"{{"language": "{}"}}"#, "p".repeat(33 << 20)).into_bytes();
+    let (status, body) = send(Some("application/json"), None, big).await;
+    assert_error(
+        status,
+        &body,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "BODY_TOO_LARGE",
+    );
+    let (status, body) = send(
+        Some("application/json; charset=utf-8"),
+        None,
+        br#"{"language": "python", "timeoutMs": "soon"}"#.to_vec(),
+    )
+    .await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, "INVALID_REQUEST");
+    assert_eq!(body["error"]["details"]["field"], "timeoutMs", "{body}");
+    let (status, body) = send(
+        Some("application/json"),
+        None,
+        br#"{"language": "python"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+}
