@@ -329,7 +329,10 @@ async fn run_in(
             request.stdin = spec.stdin.clone();
             request.env = spec.env.clone();
             request.limits = limits.clone();
-            state.pool.execute_with(request, options).await
+            state
+                .pool_for(sandbox.template())?
+                .execute_with(request, options)
+                .await
         }
         Some(session) => {
             let (_, handle) = state
@@ -339,7 +342,7 @@ async fn run_in(
                 return Err(RuntimeError::session_lost(&sandbox.id, session));
             };
             let ran = state
-                .pool
+                .pool_for(sandbox.template())?
                 .run_with(&handle, code, limits.clone(), options)
                 .await;
             match &ran {
@@ -350,7 +353,7 @@ async fn run_in(
                 // session's state.
                 _ => {
                     if let Some(handle) = state.registry.drop_session_state(&sandbox.id, session) {
-                        let _ = state.pool.close_session(&handle).await;
+                        state.close_session(sandbox.template(), &handle).await;
                     }
                 }
             }

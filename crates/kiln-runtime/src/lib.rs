@@ -12,7 +12,8 @@
 //! use std::sync::Arc;
 //! use kiln_runtime::{Runtime, RuntimeConfig, auth::Caller, exec};
 //! let config = RuntimeConfig::new("/tmp/kiln-data".into(), catalogue);
-//! let rt = Arc::new(Runtime::open(config, pool)?);
+//! let pools = kiln_runtime::Pools::new(kiln_core::template::BackendKind::Wasm, pool);
+//! let rt = Arc::new(Runtime::open(config, pools)?);
 //! let caller = Caller::local();
 //! let sandbox = exec::create_default_sandbox(&rt, &caller, kiln_core::Language::Python).await?;
 //! let code = exec::CodeExec { code: "print(6 * 7)".into(), ..Default::default() };
@@ -28,6 +29,7 @@ pub mod exec;
 pub mod files;
 pub mod history;
 pub mod metrics;
+pub mod pools;
 pub mod quota;
 pub mod revisions;
 pub mod sandbox;
@@ -36,10 +38,12 @@ pub mod store;
 
 use std::path::PathBuf;
 
+use kiln_core::Language;
 use kiln_core::template::Catalogue;
-use kiln_executor::ExecutorPool;
+use kiln_executor::{ExecutorPool, SessionHandle};
 
 pub use error::{Result, RuntimeError};
+pub use pools::Pools;
 
 /// What the runtime is made of, read once by the binary.
 #[derive(Debug, Clone)]
@@ -63,10 +67,11 @@ impl RuntimeConfig {
     }
 }
 
-/// The runtime: sandboxes and their state, over an executor pool.
+/// The runtime: sandboxes and their state, over an executor pool per backend.
 pub struct Runtime {
     pub registry: sandbox::Registry,
-    pub pool: ExecutorPool,
+    /// The executor pools; a sandbox runs in its template's backend's.
+    pub pools: Pools,
     pub metrics: metrics::Metrics,
     /// Each tenant's quotas unless its key says otherwise.
     pub quotas: quota::Quotas,
@@ -78,6 +83,7 @@ impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runtime")
             .field("registry", &self.registry)
+            .field("pools", &self.pools)
             .field("quotas", &self.quotas)
             .finish_non_exhaustive()
     }
@@ -86,10 +92,10 @@ impl std::fmt::Debug for Runtime {
 impl Runtime {
     /// Opens the runtime over `config.data_dir`, loading every sandbox recorded there and
     /// recovering what a crash left.
-    pub fn open(config: RuntimeConfig, pool: ExecutorPool) -> std::io::Result<Runtime> {
+    pub fn open(config: RuntimeConfig, pools: Pools) -> std::io::Result<Runtime> {
         Ok(Runtime {
             registry: sandbox::Registry::open(config.data_dir)?,
-            pool,
+            pools,
             metrics: metrics::Metrics::default(),
             quotas: config.quotas,
             catalogue: config.catalogue,
@@ -101,12 +107,46 @@ impl Runtime {
         self.quotas.with(&caller.quotas)
     }
 
+    /// The pool that runs sandboxes of `template` (its backend's).
+    pub fn pool_for(&self, template: &str) -> Result<&ExecutorPool> {
+        let info = self
+            .catalogue
+            .get(template)
+            .ok_or_else(|| RuntimeError::Unsupported {
+                message: format!(
+                    "the template {template:?} is not installed on this server (installed: {})",
+                    self.catalogue.available().join(", ")
+                ),
+            })?;
+        self.pools.get(info.backend)
+    }
+
+    /// The pool of the preferred template for `language` (code with no sandbox).
+    pub fn pool_for_language(&self, language: Language) -> Result<&ExecutorPool> {
+        let template = self
+            .catalogue
+            .templates()
+            .iter()
+            .find(|t| t.languages.contains(&language))
+            .ok_or_else(|| RuntimeError::UnsupportedLanguage {
+                message: format!("no installed template runs {language}"),
+            })?;
+        self.pools.get(template.backend)
+    }
+
+    /// Closes a live session of a sandbox made from `template` (a gone session is fine).
+    pub async fn close_session(&self, template: &str, handle: &SessionHandle) {
+        if let Ok(pool) = self.pool_for(template) {
+            let _ = pool.close_session(handle).await;
+        }
+    }
+
     /// Deletes a sandbox of `caller` and stops what it holds (running work is cancelled;
     /// its sessions are closed).
     pub async fn delete_sandbox(&self, caller: &auth::Caller, id: &str) -> Result<()> {
         let removed = self.registry.delete(&caller.tenant, id)?;
-        for handle in removed.handles {
-            let _ = self.pool.close_session(&handle).await;
+        for (template, handle) in removed.handles {
+            self.close_session(&template, &handle).await;
         }
         Ok(())
     }
@@ -117,8 +157,8 @@ impl Runtime {
         let flusher = self.clone();
         let _ = tokio::task::spawn_blocking(move || flusher.registry.flush_usage()).await;
         let removed = self.registry.reap_expired();
-        for handle in removed.handles {
-            let _ = self.pool.close_session(&handle).await;
+        for (template, handle) in removed.handles {
+            self.close_session(&template, &handle).await;
         }
     }
 }

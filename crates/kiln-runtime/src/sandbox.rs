@@ -295,7 +295,8 @@ fn io_error(what: &str, error: &std::io::Error) -> RuntimeError {
 /// Sessions and running work a removed sandbox leaves for the caller to stop.
 #[derive(Debug, Default)]
 pub struct Removed {
-    pub handles: Vec<SessionHandle>,
+    /// Live sessions to close, each with its sandbox's template (whose backend holds it).
+    pub handles: Vec<(String, SessionHandle)>,
 }
 
 impl Registry {
@@ -723,7 +724,11 @@ impl Registry {
             .map_err(|e| io_error("could not delete the sandbox", &e))?;
         let _ = store::sync_dir(&entry.meta.dir);
         let removed = Removed {
-            handles: entry.handles.drain().map(|(_, h)| h).collect(),
+            handles: entry
+                .handles
+                .drain()
+                .map(|(_, h)| (entry.meta.template().to_owned(), h))
+                .collect(),
         };
         if let Some(running) = &mut entry.running {
             entry.deleted = true;
@@ -754,9 +759,10 @@ impl Registry {
         for mut entry in expired {
             let _ = std::fs::remove_file(entry.meta.meta_path());
             remove_sandbox_dir(&entry.meta);
+            let template = entry.meta.template().to_owned();
             removed
                 .handles
-                .extend(entry.handles.drain().map(|(_, h)| h));
+                .extend(entry.handles.drain().map(|(_, h)| (template.clone(), h)));
         }
         removed
     }

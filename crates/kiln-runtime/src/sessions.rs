@@ -70,7 +70,11 @@ pub async fn open(
         .usage(&caller.tenant)
         .check_session(&quotas, view.meta.memory_bytes)?;
     let options = CallOptions::for_tenant(&caller.tenant, quotas.cpu_weight);
-    let handle = rt.pool.open_session_with(request, options).await?;
+    let template = view.meta.template();
+    let handle = rt
+        .pool_for(template)?
+        .open_session_with(request, options)
+        .await?;
     let meta = SessionMeta {
         id: session_id.clone(),
         language,
@@ -78,7 +82,7 @@ pub async fn open(
         turns: 0,
     };
     if let Err(error) = rt.registry.add_session(id, meta.clone(), handle, &quotas) {
-        let _ = rt.pool.close_session(&handle).await;
+        rt.close_session(template, &handle).await;
         return Err(error);
     }
     Ok(SessionInfo {
@@ -99,7 +103,8 @@ pub async fn restart(
     session: &str,
 ) -> Result<SessionInfo> {
     let work = new_id("restart_");
-    let (_, _cancel, _) = rt.registry.begin(&caller.tenant, id, &work, None)?;
+    let (sandbox, _cancel, _) = rt.registry.begin(&caller.tenant, id, &work, None)?;
+    let template = sandbox.template().to_owned();
     let (rt, caller, id, session) = (
         rt.clone(),
         caller.clone(),
@@ -111,7 +116,7 @@ pub async fn restart(
             let (meta, handle) = rt.registry.session(&caller.tenant, &id, &session)?;
             if let Some(handle) = handle {
                 rt.registry.drop_session_state(&id, &session);
-                let _ = rt.pool.close_session(&handle).await;
+                rt.close_session(&template, &handle).await;
             }
             open(&rt, &caller, &id, meta.language, session.clone()).await
         }
@@ -123,8 +128,14 @@ pub async fn restart(
 
 /// Closes a session and forgets it.
 pub async fn close(rt: &Runtime, caller: &Caller, id: &str, session: &str) -> Result<()> {
+    let template = rt
+        .registry
+        .get(&caller.tenant, id)?
+        .meta
+        .template()
+        .to_owned();
     if let Some(handle) = rt.registry.remove_session(&caller.tenant, id, session)? {
-        let _ = rt.pool.close_session(&handle).await;
+        rt.close_session(&template, &handle).await;
     }
     Ok(())
 }

@@ -6,12 +6,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kiln_core::Language;
-use kiln_core::template::{Catalogue, TemplateInfo};
+use kiln_core::template::{BackendKind, Catalogue, TemplateInfo};
 use kiln_executor::ExecutorPool;
 use kiln_runtime::auth::Caller;
 use kiln_runtime::exec::{self, CodeExec};
 use kiln_runtime::sandbox::SandboxSpec;
-use kiln_runtime::{Runtime, RuntimeConfig, RuntimeError, files, revisions, sessions};
+use kiln_runtime::{Pools, Runtime, RuntimeConfig, RuntimeError, files, revisions, sessions};
 use serde_json::json;
 
 struct Fixture {
@@ -30,7 +30,9 @@ fn runtime(quotas: Option<kiln_runtime::quota::Quotas>) -> Fixture {
     }
     let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
     Fixture {
-        rt: Arc::new(Runtime::open(config, pool).expect("the runtime opens")),
+        rt: Arc::new(
+            Runtime::open(config, Pools::new(BackendKind::Wasm, pool)).expect("the runtime opens"),
+        ),
         _data: data,
     }
 }
@@ -222,4 +224,50 @@ async fn sessions_keep_state_and_their_quota_holds() {
     sessions::create(&rt, &caller, &id, None)
         .await
         .expect("room again after the close");
+}
+
+#[tokio::test]
+async fn each_sandbox_runs_on_its_templates_backend_and_no_other() {
+    let data = tempfile::tempdir().expect("a temporary folder");
+    let mut native = TemplateInfo::example_python();
+    native.id = "debian-python".into();
+    native.backend = BackendKind::Native;
+    native.images.names = vec!["debian-python".into()];
+    native.images.repos = Vec::new();
+    let config = RuntimeConfig::new(
+        data.path().to_path_buf(),
+        Catalogue::new(vec![TemplateInfo::example_python(), native]),
+    );
+    // Only the wasm backend has workers here.
+    let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
+    let rt = Arc::new(Runtime::open(config, Pools::new(BackendKind::Wasm, pool)).expect("opens"));
+    let caller = tenant("a");
+    let spec = SandboxSpec::resolve(&rt.catalogue, "debian-python", None, None).expect("resolves");
+    assert_eq!(spec.template, "debian-python");
+    let id = exec::create_sandbox(&rt, &caller, spec)
+        .await
+        .expect("created")
+        .id;
+    let prepared = exec::prepare(&rt, &caller, &id, code("print x")).expect("a valid run");
+    let refused = exec::run(&rt, &caller, &id, prepared, None)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), "UNSUPPORTED");
+    assert_eq!(
+        refused.to_string(),
+        "no executor serves the native backend on this server"
+    );
+    let session = sessions::create(&rt, &caller, &id, None).await.unwrap_err();
+    assert_eq!(session.code(), "UNSUPPORTED");
+    // The refused run left the sandbox idle, and the wasm template still runs.
+    files::list(&rt, &caller, &id, None).await.expect("idle");
+    let python = exec::create_default_sandbox(&rt, &caller, Language::Python)
+        .await
+        .expect("created")
+        .id;
+    let prepared = exec::prepare(&rt, &caller, &python, code("print ok")).expect("a run");
+    let ran = exec::run(&rt, &caller, &python, prepared, None)
+        .await
+        .expect("ran");
+    assert_eq!(ran.result.stdout_text(), "ok\n");
 }

@@ -547,7 +547,7 @@ pub async fn healthz() -> Json<Health> {
         (status = 503, description = "Not ready", body = ErrorBody),
     ))]
 pub async fn readyz(State(state): Shared) -> Result<Json<Health>, ApiError> {
-    let workers = state.runtime.pool.start_all().is_ok();
+    let workers = state.runtime.pools.start_all().is_ok();
     let writable = state.runtime.registry.writable();
     if !workers || !writable {
         return Err(ApiError::new(
@@ -578,7 +578,7 @@ pub async fn metrics(
         )],
         state.runtime.metrics.render(
             state.runtime.registry.count(),
-            &state.runtime.pool.worker_loads(),
+            &state.runtime.pools.worker_loads(),
         ),
     )
 }

@@ -33,8 +33,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::middleware::{from_fn, from_fn_with_state};
 use axum::routing::{get, post};
 use kiln_core::template::Catalogue;
-use kiln_executor::ExecutorPool;
-use kiln_runtime::{Runtime, RuntimeConfig};
+use kiln_runtime::{Pools, Runtime, RuntimeConfig};
 
 pub use error::ApiError;
 
@@ -86,7 +85,7 @@ pub struct ServerConfig {
 
 impl AppState {
     /// State over the data directory of `config`.
-    pub fn open(config: &ServerConfig, pool: ExecutorPool) -> std::io::Result<AppState> {
+    pub fn open(config: &ServerConfig, pools: Pools) -> std::io::Result<AppState> {
         let model = config.llm.model();
         let runtime = Runtime::open(
             RuntimeConfig {
@@ -94,7 +93,7 @@ impl AppState {
                 quotas: config.quotas,
                 catalogue: config.catalogue.clone(),
             },
-            pool,
+            pools,
         )?;
         Ok(AppState {
             runtime: Arc::new(runtime),
@@ -205,8 +204,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// Runs the server until ctrl-c or SIGTERM; running requests finish first.
-pub async fn serve(config: ServerConfig, pool: ExecutorPool) -> std::io::Result<()> {
-    let state = Arc::new(AppState::open(&config, pool)?);
+pub async fn serve(config: ServerConfig, pools: Pools) -> std::io::Result<()> {
+    let state = Arc::new(AppState::open(&config, pools)?);
     let runtime = state.runtime.clone();
     tokio::spawn(async move {
         loop {

@@ -201,7 +201,11 @@ impl KilnMcp {
                     ..Limits::default()
                 };
                 let limits = request.limits.clone();
-                match self.runtime.pool.execute(request).await {
+                let pool = match self.runtime.pool_for_language(language) {
+                    Ok(pool) => pool,
+                    Err(e) => return refused(e),
+                };
+                match pool.execute(request).await {
                     Ok(result) => {
                         let mut stderr = result.stderr_text();
                         if let Some(reason) = result.outcome.reason(&limits) {

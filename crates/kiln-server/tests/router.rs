@@ -44,7 +44,13 @@ fn app(auth: bool) -> App {
             .1
     });
     let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
-    let state = Arc::new(AppState::open(&config, pool).expect("state"));
+    let state = Arc::new(
+        AppState::open(
+            &config,
+            kiln_runtime::Pools::new(kiln_core::template::BackendKind::Wasm, pool),
+        )
+        .expect("state"),
+    );
     App {
         state,
         key,

@@ -124,7 +124,10 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
     };
     let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);
     pool.start_all()?;
-    let state = Arc::new(kiln_server::AppState::open(&config, pool)?);
+    let state = Arc::new(kiln_server::AppState::open(
+        &config,
+        crate::wasm_pools(pool),
+    )?);
     let caller = kiln_runtime::auth::Caller {
         tenant: "bench".into(),
         key_id: "bench".into(),

@@ -237,7 +237,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     };
     runtime(2)?.block_on(async {
         pool.start_all()?;
-        kiln_server::serve(server, pool).await?;
+        kiln_server::serve(server, wasm_pools(pool)).await?;
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -250,7 +250,7 @@ fn mcp(dir: Option<std::path::PathBuf>, workers: usize) -> anyhow::Result<ExitCo
     let pool = kiln_executor::ExecutorPool::new(config);
     let config = kiln_runtime::RuntimeConfig::new(data_dir(dir)?, catalogue());
     runtime(2)?.block_on(async {
-        let runtime = std::sync::Arc::new(kiln_runtime::Runtime::open(config, pool)?);
+        let runtime = std::sync::Arc::new(kiln_runtime::Runtime::open(config, wasm_pools(pool))?);
         kiln_server::mcp::serve_stdio(runtime).await?;
         anyhow::Ok(())
     })?;
@@ -391,4 +391,9 @@ fn json_result(result: &ExecResult) -> serde_json::Value {
         "peak_memory_bytes": result.peak_memory_bytes,
         "fs_written_bytes": result.fs_written_bytes,
     })
+}
+
+/// The executor pools of this binary: every worker serves the wasm backend.
+pub fn wasm_pools(pool: kiln_executor::ExecutorPool) -> kiln_runtime::Pools {
+    kiln_runtime::Pools::new(kiln_core::template::BackendKind::Wasm, pool)
 }
