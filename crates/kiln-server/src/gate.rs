@@ -68,18 +68,11 @@ impl RateLimiter {
     }
 }
 
+/// The caller's `x-request-id` when it is a sane token (kiln-http's rule, shared by every
+/// face), else a new one.
 fn request_id_of(request: &Request) -> String {
-    request
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| {
-            !v.is_empty()
-                && v.len() <= 64
-                && v.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
-        })
-        .map_or_else(|| crate::sandbox::new_id("req_"), str::to_owned)
+    kiln_http::error::given_request_id(request.headers())
+        .unwrap_or_else(|| crate::sandbox::new_id("req_"))
 }
 
 fn presented_key(request: &Request) -> Option<&str> {
