@@ -46,6 +46,7 @@ pub enum Lifecycle {
 
 /// What a template's sandboxes can do besides running code.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Capabilities {
     /// Stateful code sessions (a REPL whose variables survive between turns).

@@ -35,35 +35,10 @@ pub struct TemplateView {
     /// Languages code cells may use; the first is the default.
     #[schema(example = json!(["python"]))]
     pub languages: Vec<String>,
-    pub capabilities: CapabilitiesView,
+    pub capabilities: Capabilities,
     /// Image names this template honours: exact names and `repo:versions`.
     #[schema(example = json!(["python", "python3", "python:3.0–3.15"]))]
     pub images: Vec<String>,
-}
-
-/// What a template's sandboxes can do besides running code.
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct CapabilitiesView {
-    pub sessions: bool,
-    pub commands: bool,
-    pub processes: bool,
-    pub terminals: bool,
-    pub ports: bool,
-    pub fork: bool,
-}
-
-impl From<Capabilities> for CapabilitiesView {
-    fn from(c: Capabilities) -> CapabilitiesView {
-        CapabilitiesView {
-            sessions: c.sessions,
-            commands: c.commands,
-            processes: c.processes,
-            terminals: c.terminals,
-            ports: c.ports,
-            fork: c.fork,
-        }
-    }
 }
 
 fn name<T: Serialize>(value: &T) -> String {
@@ -81,7 +56,7 @@ impl From<&TemplateInfo> for TemplateView {
             backend: name(&t.backend),
             lifecycle: name(&t.lifecycle),
             languages: t.languages.iter().map(|l| l.name().to_owned()).collect(),
-            capabilities: t.capabilities.into(),
+            capabilities: t.capabilities,
             images: kiln_core::template::accepted(t),
         }
     }
