@@ -62,7 +62,7 @@ pub struct AppState {
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Address to listen on. Default `127.0.0.1:8080`.
+    /// Address to listen on (the binary's default is `127.0.0.1:3000`).
     pub listen: SocketAddr,
     /// Folder for sandboxes, workspaces, history and keys.
     pub data_dir: PathBuf,

@@ -90,7 +90,7 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:8080", env = "KILN_LISTEN")]
+    #[arg(long, default_value = "127.0.0.1:3000", env = "KILN_LISTEN")]
     pub listen: std::net::SocketAddr,
     /// Folder for sandboxes, workspaces, history and keys (default: ~/.local/share/kiln).
     #[arg(long, env = "KILN_DATA_DIR")]

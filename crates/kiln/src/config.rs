@@ -8,7 +8,7 @@
 //! workers = 2                     # every command with --workers
 //!
 //! [serve]
-//! listen = "0.0.0.0:8080"
+//! listen = "0.0.0.0:3000"
 //! rate-limit = 50
 //! public-host = ["kiln.example.com"]
 //! ```

@@ -1187,7 +1187,7 @@ fn settings_come_from_flags_then_environment_then_kiln_toml() -> TestResult {
     for line in [
         "rate-limit = 7  # kiln.toml",
         "request-timeout = 33  # environment KILN_REQUEST_TIMEOUT",
-        "listen = \"127.0.0.1:8080\"  # default",
+        "listen = \"127.0.0.1:3000\"  # default",
         "public-host = [\"a.example\", \"b.example\"]  # kiln.toml",
         "KILN_LLM_API_KEY = \"<redacted>\"",
     ] {
@@ -1241,5 +1241,38 @@ fn bad_kiln_toml_files_get_one_clear_error() -> TestResult {
         .output()?;
     assert_eq!(out.status.code(), Some(120));
     assert!(text(&out.stderr).contains("could not read /nonexistent/kiln.toml"));
+    Ok(())
+}
+
+/// Issue 16: each face has a default address of its own (serve 3000 as in seed 003, rest
+/// 8090, runner 8080), so all three start side by side; `kiln config` shows them as defaults.
+#[test]
+fn issue16_each_face_listens_on_its_own_default_port() -> TestResult {
+    let empty = tempfile::tempdir()?;
+    let mut seen = Vec::new();
+    for (command, want) in [
+        ("serve", "listen = \"127.0.0.1:3000\"  # default"),
+        ("rest", "listen = \"127.0.0.1:8090\"  # default"),
+        ("runner", "port = 8080  # default"),
+    ] {
+        let shown = kiln()
+            .current_dir(empty.path())
+            .env_remove("KILN_CONFIG")
+            .env_remove("KILN_LISTEN")
+            .env_remove("KILN_REST_LISTEN")
+            .env_remove("UHLP_SANDBOX_PORT")
+            .args(["config", command])
+            .output()?;
+        assert!(shown.status.success(), "{}", text(&shown.stderr));
+        let shown = text(&shown.stdout);
+        assert!(shown.contains(want), "missing {want:?} in:\n{shown}");
+        let port = want
+            .rsplit(|c: char| !c.is_ascii_digit())
+            .find(|part| !part.is_empty())
+            .ok_or("a port")?
+            .to_owned();
+        assert!(!seen.contains(&port), "{command} shares port {port}");
+        seen.push(port);
+    }
     Ok(())
 }
