@@ -21,10 +21,9 @@ pub mod plans;
 mod python;
 mod sessions;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -133,29 +132,17 @@ impl RestConfig {
     }
 }
 
-/// A tenant's session (one request at a time holds it) and when it was last used.
-#[derive(Default)]
-struct TenantSlot {
-    session: tokio::sync::Mutex<Option<SessionHandle>>,
-    /// Milliseconds since the server started.
-    last_used_ms: AtomicU64,
-}
-
-type Slot = Arc<TenantSlot>;
+/// A tenant's slot in the runtime's table of live sessions (one request at a time holds it).
+type Slot = Arc<kiln_runtime::live::Slot>;
 
 struct App {
     config: RestConfig,
     pool: Arc<ExecutorPool>,
     plans: Arc<PlanCache>,
-    tenants: Mutex<HashMap<String, Slot>>,
+    /// The tenants' live sessions: a cap, least-recently-used eviction, the idle timeout.
+    live: kiln_runtime::live::LiveSessions,
     new_tenants: NewTenantLimiter,
     next_request: AtomicU64,
-    /// Sessions open or being opened; at most `max_sessions`.
-    open_sessions: AtomicUsize,
-    max_sessions: usize,
-    /// Idle sessions closed to make room for another tenant's, since start.
-    evictions: AtomicU64,
-    started: Instant,
 }
 
 /// Serves until SIGTERM or Ctrl-C; running requests finish first.
@@ -194,16 +181,12 @@ impl App {
         let plans = Arc::new(PlanCache::new(config.data_dir.join("plans"))?);
         sessions::sweep(&config.data_dir);
         Ok(Arc::new(App {
-            max_sessions: config.session_cap(),
+            live: kiln_runtime::live::LiveSessions::new(config.session_cap()),
             new_tenants: NewTenantLimiter::new(config.new_tenants_per_minute),
             config,
             pool,
             plans,
-            tenants: Mutex::default(),
             next_request: AtomicU64::new(1),
-            open_sessions: AtomicUsize::new(0),
-            evictions: AtomicU64::new(0),
-            started: Instant::now(),
         }))
     }
 }
@@ -219,7 +202,7 @@ fn announce(app: &App, address: SocketAddr) {
             "off (demo mode: any X-Session-ID is a tenant)"
         },
         app.config.data_dir.display(),
-        app.max_sessions,
+        app.live.max(),
         match app.config.new_tenants_per_minute {
             0 => "no limit".to_string(),
             n => format!("{n} a minute"),
@@ -271,9 +254,9 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
         "status": if workers > 0 { "ok" } else { "no executor workers" },
         "planner": app.config.planner.label(),
         "workers": workers,
-        "tenant_sessions": app.open_sessions.load(Ordering::Relaxed),
-        "max_tenant_sessions": app.max_sessions,
-        "evicted_sessions": app.evictions.load(Ordering::Relaxed),
+        "tenant_sessions": app.live.open_count(),
+        "max_tenant_sessions": app.live.max(),
+        "evicted_sessions": app.live.evictions(),
         "plan_cache": {"hits": hits, "misses": misses, "hit_rate": rate},
     });
     answered((status, axum::Json(body)).into_response())
@@ -586,9 +569,9 @@ async fn admitted(
 ) -> Result<Value, HttpError> {
     let slot = app.admit(tenant, peer.ip())?;
     let mut guard = slot.session.lock().await;
-    app.touch(&slot);
+    app.live.touch(&slot);
     let answer = answer(app, tenant, &mut guard, ctx, method, segments, trace).await;
-    app.touch(&slot);
+    app.live.touch(&slot);
     let ended = guard.is_none();
     if ended {
         // No session (refused, or a deadline ended it): nothing need stay for a tenant that
@@ -597,7 +580,7 @@ async fn admitted(
     }
     drop(guard);
     if ended {
-        app.forget_if_unused(tenant, &slot);
+        app.live.forget_if_unused(tenant, &slot);
     }
     answer
 }

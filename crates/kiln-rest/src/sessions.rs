@@ -2,13 +2,11 @@
 //! with least-recently-used eviction of idle ones, the idle timeout, the turns, and what a
 //! tenant leaves on disk when its session ends.
 //!
-//! A tenant's slot is in `App::tenants` while a request holds or waits for it or while it
-//! has a live session; a request holds the slot's lock for its whole run, so a locked slot
-//! is busy and never evicted. `App::open_sessions` counts sessions open or being opened and
-//! never passes `App::max_sessions`.
+//! The table of slots, the cap, eviction and the idle timeout are the runtime's
+//! ([`kiln_runtime::live::LiveSessions`], `App::live`); what ending a tenant's session means
+//! (closing it, removing what a tenant that stored nothing left) is kiln rest's
+//! [`Retire`](kiln_runtime::live::Retire), called with the tenant's lock held.
 
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
@@ -18,23 +16,14 @@ use serde_json::Value;
 
 use kiln_http::HttpError;
 
-use crate::{App, Slot, TenantSlot, python};
-
-/// Evictions one request may make before it gives up (others may take what it frees).
-const MAX_EVICTIONS_PER_OPEN: usize = 16;
+use crate::{App, Slot, python};
 
 impl App {
     /// The tenant's slot. A tenant with no slot here and no folder on disk is new and
     /// spends one of the client address's new tenants (429 when none is left; nothing is
     /// created then).
     pub(crate) fn admit(&self, tenant: &str, peer: std::net::IpAddr) -> Result<Slot, HttpError> {
-        let live = self
-            .tenants
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(tenant)
-            .cloned();
-        if let Some(slot) = live {
+        if let Some(slot) = self.live.get(tenant) {
             return Ok(slot);
         }
         if !self.tenant_dir(tenant).is_dir()
@@ -52,30 +41,7 @@ impl App {
             )
             .retry_after(retry.seconds()));
         }
-        Ok(self
-            .tenants
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(tenant.to_string())
-            .or_default()
-            .clone())
-    }
-
-    /// Drops the tenant's slot from the table when nobody else holds it (`slot` is the
-    /// caller's own clone; its lock must be released).
-    pub(crate) fn forget_if_unused(&self, tenant: &str, slot: &Slot) {
-        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-        if tenants
-            .get(tenant)
-            .is_some_and(|s| Arc::ptr_eq(s, slot) && Arc::strong_count(s) <= 2)
-        {
-            tenants.remove(tenant);
-        }
-    }
-
-    pub(crate) fn touch(&self, slot: &TenantSlot) {
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        slot.last_used_ms.store(now, Ordering::Relaxed);
+        Ok(self.live.get_or_insert(tenant))
     }
 
     fn tenant_dir(&self, tenant: &str) -> std::path::PathBuf {
@@ -85,107 +51,23 @@ impl App {
     /// Closes the sessions of tenants idle longer than `idle_timeout` (their data stays on
     /// disk; the next request opens a fresh session).
     pub(crate) async fn close_idle(&self) {
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let idle_ms = u64::try_from(self.config.idle_timeout.as_millis()).unwrap_or(u64::MAX);
-        // Weak, so that holding the list does not make every slot look in use.
-        let slots: Vec<(String, Weak<TenantSlot>)> = self
-            .tenants
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(t, s)| (t.clone(), Arc::downgrade(s)))
-            .collect();
-        for (tenant, slot) in slots {
-            let Some(slot) = slot.upgrade() else {
-                continue;
-            };
-            if now.saturating_sub(slot.last_used_ms.load(Ordering::Relaxed)) < idle_ms {
-                continue;
-            }
-            // A busy tenant is not idle; it is looked at again next time.
-            let Ok(mut guard) = slot.session.try_lock() else {
-                continue;
-            };
-            // Also for a slot whose session a deadline already ended.
-            self.retire(&tenant, &mut guard).await;
-            drop(guard);
-            self.forget_if_unused(&tenant, &slot);
-        }
+        self.live.close_idle(self, self.config.idle_timeout).await;
     }
 
-    /// Closes the least recently used idle session of another tenant; false when every
-    /// session is busy.
-    async fn evict_one(&self, except: &str) -> bool {
-        let mut candidates: Vec<(u64, String, Weak<TenantSlot>)> = self
-            .tenants
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|(t, _)| t.as_str() != except)
-            .map(|(t, s)| {
-                let used = s.last_used_ms.load(Ordering::Relaxed);
-                (used, t.clone(), Arc::downgrade(s))
-            })
-            .collect();
-        candidates.sort_by_key(|(used, _, _)| *used);
-        for (_, tenant, slot) in candidates {
-            let Some(slot) = slot.upgrade() else {
-                continue;
-            };
-            // Locked means a request holds or waits for it: never evicted.
-            let Ok(mut guard) = slot.session.try_lock() else {
-                continue;
-            };
-            if guard.is_none() {
-                continue;
-            }
-            self.retire(&tenant, &mut guard).await;
-            drop(guard);
-            self.forget_if_unused(&tenant, &slot);
-            self.evictions.fetch_add(1, Ordering::Relaxed);
-            let line = serde_json::json!({
-                "target": "kiln::rest",
-                "event": "session_evicted",
-                "tenant": tenant,
-                "for_tenant": except,
-            });
-            eprintln!("{line}");
-            return true;
-        }
-        false
-    }
-
-    /// Counts a session about to open against `max_sessions`, evicting idle ones to make
-    /// room; 503 when every live session is busy.
+    /// Counts a session about to open against the cap, evicting idle ones to make room;
+    /// 503 when every live session is busy.
     async fn reserve(&self, tenant: &str) -> Result<(), HttpError> {
-        let cap = self.max_sessions;
-        for _ in 0..=MAX_EVICTIONS_PER_OPEN {
-            let reserved = self
-                .open_sessions
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                    (n < cap).then_some(n + 1)
-                })
-                .is_ok();
-            if reserved {
-                return Ok(());
-            }
-            if !self.evict_one(tenant).await {
-                break;
-            }
-        }
-        Err(HttpError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "TOO_MANY_SESSIONS",
-            format!("all {cap} tenant sessions are busy serving requests; retry in a moment"),
-        )
-        .retry_after(1))
-    }
-
-    /// Ends a tenant's session (its lock held by the caller). A tenant that stored nothing
-    /// leaves nothing behind: its empty folder and its plan cache file are removed.
-    async fn retire(&self, tenant: &str, guard: &mut Option<SessionHandle>) {
-        self.drop_session(guard).await;
-        self.discard_if_empty(tenant).await;
+        self.live.reserve(self, tenant).await.map_err(|full| {
+            HttpError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "TOO_MANY_SESSIONS",
+                format!(
+                    "all {} tenant sessions are busy serving requests; retry in a moment",
+                    full.max
+                ),
+            )
+            .retry_after(1)
+        })
     }
 
     pub(crate) async fn discard_if_empty(&self, tenant: &str) {
@@ -232,7 +114,7 @@ impl App {
                 Ok(session)
             }
             Err(error) => {
-                self.open_sessions.fetch_sub(1, Ordering::AcqRel);
+                self.live.release();
                 self.discard_if_empty(tenant).await;
                 Err(error)
             }
@@ -394,9 +276,28 @@ impl App {
     /// Closes the session, if any (its data stays).
     pub(crate) async fn drop_session(&self, guard: &mut Option<SessionHandle>) {
         if let Some(session) = guard.take() {
-            self.open_sessions.fetch_sub(1, Ordering::AcqRel);
+            self.live.release();
             let _ = self.pool.close_session(&session).await;
         }
+    }
+}
+
+impl kiln_runtime::live::Retire for App {
+    /// Ends a tenant's session (its lock held by the caller). A tenant that stored nothing
+    /// leaves nothing behind: its empty folder and its plan cache file are removed.
+    async fn retire(&self, tenant: &str, guard: &mut Option<SessionHandle>) {
+        self.drop_session(guard).await;
+        self.discard_if_empty(tenant).await;
+    }
+
+    fn evicted(&self, tenant: &str, for_tenant: &str) {
+        let line = serde_json::json!({
+            "target": "kiln::rest",
+            "event": "session_evicted",
+            "tenant": tenant,
+            "for_tenant": for_tenant,
+        });
+        eprintln!("{line}");
     }
 }
 

@@ -1,4 +1,5 @@
-//! kiln's runtime: what every face (`kiln serve`'s two HTTP APIs, MCP, the chat agent) calls.
+//! kiln's runtime: what every face (`kiln serve`'s two HTTP APIs, MCP, the chat agent, and
+//! `kiln rest`'s live tenant sessions) calls.
 //! It owns the sandbox registry, the template catalogue, workspaces and their git history,
 //! the durable store, API keys and quotas, sessions, and the exec, file and history paths;
 //! code runs in an [`ExecutorPool`]'s worker processes. Nothing here speaks HTTP: every
@@ -28,6 +29,7 @@ pub mod error;
 pub mod exec;
 pub mod files;
 pub mod history;
+pub mod live;
 pub mod metrics;
 pub mod pools;
 pub mod quota;
