@@ -172,8 +172,8 @@ pub async fn run_function(
     };
     let limits = request.limits.clone();
     let result = runner
-        .pool
-        .execute(request)
+        .executors
+        .run_once(request)
         .await
         .map_err(|e| RunError::Internal(InternalError::Executor(e)))?;
     call.sandbox_us

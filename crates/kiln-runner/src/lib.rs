@@ -6,16 +6,21 @@
 //! the LLM and logging. See docs/runner.md.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn demo(
+//! #     catalogue: kiln_core::template::Catalogue,
+//! # ) -> Result<(), Box<dyn std::error::Error>> {
+//! use kiln_core::template::BackendKind;
 //! use kiln_executor::{ExecutorPool, PoolConfig};
 //! use kiln_runner::RunnerConfig;
+//! use kiln_runtime::{Executors, Pools};
 //!
 //! let config = RunnerConfig {
 //!     scripts: Some("/srv/shared".into()),
 //!     ..RunnerConfig::default()
 //! };
 //! let pool = ExecutorPool::new(PoolConfig::current_exe()?);
-//! kiln_runner::serve(config, pool).await?;
+//! let executors = Executors::new(Pools::new(BackendKind::Wasm, pool), catalogue);
+//! kiln_runner::serve(config, executors).await?;
 //! # Ok(()) }
 //! ```
 
@@ -32,7 +37,7 @@ use std::sync::Arc;
 pub use mcp::Level;
 pub use runner::{Runner, RunnerConfig};
 
-use kiln_executor::ExecutorPool;
+use kiln_runtime::Executors;
 use serde_json::Value;
 
 /// The runner could not be started.
@@ -55,12 +60,12 @@ pub enum ServeError {
 
 /// Serves the runner until SIGINT or SIGTERM. `/healthz` answers 200 once the workers are
 /// warm; requests that arrive earlier are served too, only slower.
-pub async fn serve(config: RunnerConfig, pool: ExecutorPool) -> Result<(), ServeError> {
+pub async fn serve(config: RunnerConfig, executors: Executors) -> Result<(), ServeError> {
     let addr = config.listen;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| ServeError::Bind { addr, source })?;
-    let runner = Arc::new(Runner::new(config, pool).map_err(ServeError::Client)?);
+    let runner = Arc::new(Runner::new(config, executors).map_err(ServeError::Client)?);
     let warming = runner.clone();
     tokio::spawn(async move {
         if let Err(error) = warming.warm_up().await {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kiln_executor::{ExecutorPool, PoolError};
+use kiln_runtime::Executors;
 use serde_json::{Map, Value, json};
 
 use crate::mcp::{Level, Logger, McpClient, McpError};
@@ -84,9 +84,9 @@ impl From<McpError> for Failure {
 /// Why a request could not be served at all (answered with HTTP 500).
 #[derive(Debug, thiserror::Error)]
 pub enum InternalError {
-    /// The executor pool failed (not the script).
+    /// The executors failed (not the script).
     #[error("the sandbox executor failed: {0}")]
-    Executor(#[source] PoolError),
+    Executor(#[source] kiln_runtime::RuntimeError),
     /// The runner task panicked.
     #[error("the runner failed unexpectedly: {0}")]
     Panic(String),
@@ -122,11 +122,13 @@ pub enum Produced {
     Step(WorkflowStepData),
 }
 
-/// The runner: the pool, the MCP client, the logger and the configuration.
+/// The runner: the runtime's executors, the MCP client, the logger and the configuration.
 #[derive(Debug)]
 pub struct Runner {
     pub config: RunnerConfig,
-    pub pool: ExecutorPool,
+    /// Scripts run as one-shots on the runtime's executors (routed by language to the
+    /// preferred template's backend).
+    pub executors: Executors,
     pub mcp: McpClient,
     pub logger: Logger,
     ready: AtomicBool,
@@ -176,13 +178,13 @@ impl Call {
 }
 
 impl Runner {
-    /// A runner over `pool`; needs a tokio runtime (the logger runs on it).
-    pub fn new(config: RunnerConfig, pool: ExecutorPool) -> Result<Runner, reqwest::Error> {
+    /// A runner over `executors`; needs a tokio runtime (the logger runs on it).
+    pub fn new(config: RunnerConfig, executors: Executors) -> Result<Runner, reqwest::Error> {
         let mcp = McpClient::new(config.mcp_timeout)?;
         let logger = Logger::start(mcp.clone(), config.log_level);
         Ok(Runner {
             config,
-            pool,
+            executors,
             mcp,
             logger,
             ready: AtomicBool::new(false),
@@ -202,11 +204,14 @@ impl Runner {
     /// Starts the workers and runs one sandbox of each language, so the first request is
     /// as fast as the others; then [`Runner::is_ready`] turns true.
     pub async fn warm_up(&self) -> Result<(), InternalError> {
-        self.pool.start_all().map_err(InternalError::Executor)?;
+        self.executors
+            .pools
+            .start_all()
+            .map_err(|e| InternalError::Executor(e.into()))?;
         for language in kiln_core::Language::ALL {
             let request = kiln_core::ExecRequest::new(language, "");
-            self.pool
-                .execute(request)
+            self.executors
+                .run_once(request)
                 .await
                 .map_err(InternalError::Executor)?;
         }

@@ -5,6 +5,8 @@
 //! scripts, templates and workflows are covered by the process-level tests in
 //! crates/kiln/tests.
 
+use kiln_core::template::{BackendKind, Catalogue, TemplateInfo};
+use kiln_runtime::{Executors, Pools};
 use std::sync::Arc;
 
 use axum::Router;
@@ -40,7 +42,14 @@ fn harness() -> Harness {
         ..RunnerConfig::default()
     };
     let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
-    let runner = Arc::new(Runner::new(config, pool).expect("a runner"));
+    let mut javascript = TemplateInfo::example_python();
+    javascript.id = "javascript".into();
+    javascript.languages = vec![kiln_core::Language::JavaScript];
+    let executors = Executors::new(
+        Pools::new(BackendKind::Wasm, pool),
+        Catalogue::new(vec![TemplateInfo::example_python(), javascript]),
+    );
+    let runner = Arc::new(Runner::new(config, executors).expect("a runner"));
     let router = kiln_runner::api::router(runner.clone());
     Harness {
         router,

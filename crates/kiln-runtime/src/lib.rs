@@ -40,12 +40,11 @@ pub mod store;
 
 use std::path::PathBuf;
 
-use kiln_core::Language;
 use kiln_core::template::Catalogue;
 use kiln_executor::{ExecutorPool, SessionHandle};
 
 pub use error::{Result, RuntimeError};
-pub use pools::Pools;
+pub use pools::{Executors, Pools};
 
 /// What the runtime is made of, read once by the binary.
 #[derive(Debug, Clone)]
@@ -72,20 +71,19 @@ impl RuntimeConfig {
 /// The runtime: sandboxes and their state, over an executor pool per backend.
 pub struct Runtime {
     pub registry: sandbox::Registry,
-    /// The executor pools; a sandbox runs in its template's backend's.
-    pub pools: Pools,
+    /// What runs code: a pool per backend, and the catalogue of templates that routes to
+    /// them. A sandbox runs in its template's backend's pool.
+    pub executors: Executors,
     pub metrics: metrics::Metrics,
     /// Each tenant's quotas unless its key says otherwise.
     pub quotas: quota::Quotas,
-    /// The templates sandboxes are made from.
-    pub catalogue: Catalogue,
 }
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runtime")
             .field("registry", &self.registry)
-            .field("pools", &self.pools)
+            .field("executors", &self.executors)
             .field("quotas", &self.quotas)
             .finish_non_exhaustive()
     }
@@ -97,10 +95,9 @@ impl Runtime {
     pub fn open(config: RuntimeConfig, pools: Pools) -> std::io::Result<Runtime> {
         Ok(Runtime {
             registry: sandbox::Registry::open(config.data_dir)?,
-            pools,
+            executors: Executors::new(pools, config.catalogue),
             metrics: metrics::Metrics::default(),
             quotas: config.quotas,
-            catalogue: config.catalogue,
         })
     }
 
@@ -111,29 +108,12 @@ impl Runtime {
 
     /// The pool that runs sandboxes of `template` (its backend's).
     pub fn pool_for(&self, template: &str) -> Result<&ExecutorPool> {
-        let info = self
-            .catalogue
-            .get(template)
-            .ok_or_else(|| RuntimeError::Unsupported {
-                message: format!(
-                    "the template {template:?} is not installed on this server (installed: {})",
-                    self.catalogue.available().join(", ")
-                ),
-            })?;
-        self.pools.get(info.backend)
+        self.executors.pool_for(template)
     }
 
-    /// The pool of the preferred template for `language` (code with no sandbox).
-    pub fn pool_for_language(&self, language: Language) -> Result<&ExecutorPool> {
-        let template = self
-            .catalogue
-            .templates()
-            .iter()
-            .find(|t| t.languages.contains(&language))
-            .ok_or_else(|| RuntimeError::UnsupportedLanguage {
-                message: format!("no installed template runs {language}"),
-            })?;
-        self.pools.get(template.backend)
+    /// The templates sandboxes are made from.
+    pub fn catalogue(&self) -> &Catalogue {
+        &self.executors.catalogue
     }
 
     /// Closes a live session of a sandbox made from `template` (a gone session is fine).

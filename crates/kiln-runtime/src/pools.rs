@@ -67,3 +67,52 @@ impl Pools {
             .collect()
     }
 }
+
+/// The executor pools and the catalogue that routes a template (or a language) to one: what
+/// runs code. The runtime's sandboxes use it, and so do faces that run code with no sandbox
+/// of their own (kiln runner's scripts, MCP's fresh runs).
+#[derive(Debug)]
+pub struct Executors {
+    pub pools: Pools,
+    /// The installed templates, in order of preference.
+    pub catalogue: kiln_core::template::Catalogue,
+}
+
+impl Executors {
+    pub fn new(pools: Pools, catalogue: kiln_core::template::Catalogue) -> Executors {
+        Executors { pools, catalogue }
+    }
+
+    /// The pool that runs sandboxes of `template` (its backend's).
+    pub fn pool_for(&self, template: &str) -> Result<&ExecutorPool> {
+        let info = self
+            .catalogue
+            .get(template)
+            .ok_or_else(|| RuntimeError::Unsupported {
+                message: format!(
+                    "the template {template:?} is not installed on this server (installed: {})",
+                    self.catalogue.available().join(", ")
+                ),
+            })?;
+        self.pools.get(info.backend)
+    }
+
+    /// The pool of the preferred template for `language`.
+    pub fn pool_for_language(&self, language: kiln_core::Language) -> Result<&ExecutorPool> {
+        let template = self
+            .catalogue
+            .templates()
+            .iter()
+            .find(|t| t.languages.contains(&language))
+            .ok_or_else(|| RuntimeError::UnsupportedLanguage {
+                message: format!("no installed template runs {language}"),
+            })?;
+        self.pools.get(template.backend)
+    }
+
+    /// Runs `request` once, in a fresh sandbox of the preferred template for its language.
+    pub async fn run_once(&self, request: kiln_core::ExecRequest) -> Result<kiln_core::ExecResult> {
+        let pool = self.pool_for_language(request.language)?;
+        Ok(pool.execute(request).await?)
+    }
+}

@@ -108,7 +108,7 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
     let JsonBody(body) = body?;
     let spec = parse_create(
-        &state.runtime.catalogue,
+        state.runtime.catalogue(),
         &body.image,
         body.options.timeout,
         body.options.memory_limit.as_deref(),
@@ -547,7 +547,7 @@ pub async fn healthz() -> Json<Health> {
         (status = 503, description = "Not ready", body = ErrorBody),
     ))]
 pub async fn readyz(State(state): Shared) -> Result<Json<Health>, ApiError> {
-    let workers = state.runtime.pools.start_all().is_ok();
+    let workers = state.runtime.executors.pools.start_all().is_ok();
     let writable = state.runtime.registry.writable();
     if !workers || !writable {
         return Err(ApiError::new(
@@ -578,7 +578,7 @@ pub async fn metrics(
         )],
         state.runtime.metrics.render(
             state.runtime.registry.count(),
-            &state.runtime.pools.worker_loads(),
+            &state.runtime.executors.pools.worker_loads(),
         ),
     )
 }

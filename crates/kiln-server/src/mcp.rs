@@ -201,11 +201,7 @@ impl KilnMcp {
                     ..Limits::default()
                 };
                 let limits = request.limits.clone();
-                let pool = match self.runtime.pool_for_language(language) {
-                    Ok(pool) => pool,
-                    Err(e) => return refused(e),
-                };
-                match pool.execute(request).await {
+                match self.runtime.executors.run_once(request).await {
                     Ok(result) => {
                         let mut stderr = result.stderr_text();
                         if let Some(reason) = result.outcome.reason(&limits) {
@@ -223,7 +219,7 @@ impl KilnMcp {
                             !result.success(),
                         )
                     }
-                    Err(error) => refused(error.into()),
+                    Err(error) => refused(error),
                 }
             }
             Some(id) => {

@@ -72,7 +72,7 @@ pub async fn list(State(state): State<Arc<AppState>>) -> Json<TemplateList> {
     Json(TemplateList {
         templates: state
             .runtime
-            .catalogue
+            .catalogue()
             .templates()
             .iter()
             .map(TemplateView::from)

@@ -81,7 +81,7 @@ pub async fn create(
     let JsonBody(body) = body?;
     let image = body.language.unwrap_or_else(|| "python".into());
     let spec = api::parse_create(
-        &state.runtime.catalogue,
+        state.runtime.catalogue(),
         &image,
         body.timeout_ms,
         body.memory_limit.as_deref(),

@@ -208,7 +208,7 @@ fn prepare_runtimes() -> anyhow::Result<()> {
 }
 
 /// The templates this binary's backends offer.
-fn catalogue() -> kiln_core::template::Catalogue {
+pub fn catalogue() -> kiln_core::template::Catalogue {
     kiln_core::template::Catalogue::new(kiln_wasm::templates())
 }
 

@@ -94,7 +94,8 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
     };
     crate::runtime(2)?.block_on(async {
         let pool = kiln_executor::ExecutorPool::new(pool);
-        kiln_runner::serve(config, pool).await?;
+        let executors = kiln_runtime::Executors::new(crate::wasm_pools(pool), crate::catalogue());
+        kiln_runner::serve(config, executors).await?;
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
