@@ -55,7 +55,7 @@ fn code(text: &str) -> CodeExec {
 async fn a_sandbox_runs_code_keeps_files_and_records_history() {
     let Fixture { rt, _data } = runtime(None);
     let caller = tenant("a");
-    let spec = SandboxSpec::resolve(&rt.catalogue(), "python:3.12-slim", None, Some("256m"))
+    let spec = SandboxSpec::resolve(rt.catalogue(), "python:3.12-slim", None, Some("256m"))
         .expect("python:3.12 resolves");
     assert_eq!(spec.template, "python");
     let id = exec::create_sandbox(&rt, &caller, spec)
@@ -121,11 +121,11 @@ async fn a_sandbox_runs_code_keeps_files_and_records_history() {
 async fn refusals_are_typed_with_their_codes_and_details() {
     let Fixture { rt, _data } = runtime(None);
     let (owner, other) = (tenant("a"), tenant("b"));
-    let unknown = SandboxSpec::resolve(&rt.catalogue(), "python:2.7", None, None).unwrap_err();
+    let unknown = SandboxSpec::resolve(rt.catalogue(), "python:2.7", None, None).unwrap_err();
     assert_eq!(unknown.code(), "UNKNOWN_IMAGE");
     assert_eq!(unknown.details()["image"], "python:2.7");
     assert_eq!(unknown.details()["templates"], json!(["python"]));
-    let memory = SandboxSpec::resolve(&rt.catalogue(), "python", None, Some("1k")).unwrap_err();
+    let memory = SandboxSpec::resolve(rt.catalogue(), "python", None, Some("1k")).unwrap_err();
     assert_eq!(memory.code(), "INVALID_OPTION");
 
     let id = exec::create_default_sandbox(&rt, &owner, Language::Python)
@@ -242,7 +242,7 @@ async fn each_sandbox_runs_on_its_templates_backend_and_no_other() {
     let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
     let rt = Arc::new(Runtime::open(config, Pools::new(BackendKind::Wasm, pool)).expect("opens"));
     let caller = tenant("a");
-    let spec = SandboxSpec::resolve(&rt.catalogue(), "debian-python", None, None).expect("resolves");
+    let spec = SandboxSpec::resolve(rt.catalogue(), "debian-python", None, None).expect("resolves");
     assert_eq!(spec.template, "debian-python");
     let id = exec::create_sandbox(&rt, &caller, spec)
         .await
