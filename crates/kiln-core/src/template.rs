@@ -33,6 +33,18 @@ pub enum BackendKind {
     Fake,
 }
 
+impl BackendKind {
+    /// Its name, as in the API (`wasm`, `native`, `vm`, `fake`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Wasm => "wasm",
+            BackendKind::Native => "native",
+            BackendKind::Vm => "vm",
+            BackendKind::Fake => "fake",
+        }
+    }
+}
+
 /// How a template's sandbox lives between executions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -42,6 +54,16 @@ pub enum Lifecycle {
     Ephemeral,
     /// A box that keeps running between executions (processes, open ports).
     Live,
+}
+
+impl Lifecycle {
+    /// Its name, as in the API (`ephemeral`, `live`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lifecycle::Ephemeral => "ephemeral",
+            Lifecycle::Live => "live",
+        }
+    }
 }
 
 /// What a template's sandboxes can do besides running code.
@@ -315,6 +337,21 @@ pub fn accepted(template: &TemplateInfo) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_are_the_serialised_ones() {
+        for kind in [
+            BackendKind::Wasm,
+            BackendKind::Native,
+            BackendKind::Vm,
+            BackendKind::Fake,
+        ] {
+            assert_eq!(serde_json::to_value(kind).unwrap(), kind.as_str());
+        }
+        for lifecycle in [Lifecycle::Ephemeral, Lifecycle::Live] {
+            assert_eq!(serde_json::to_value(lifecycle).unwrap(), lifecycle.as_str());
+        }
+    }
 
     fn catalogue() -> Catalogue {
         let javascript = TemplateInfo {

@@ -119,11 +119,17 @@ pub fn write_files(tree: &Tree, files: &[(RelPath, Vec<u8>)]) -> Result<()> {
 /// call it off the async threads.
 pub fn record(registry: &Registry, sandbox: &Sandbox, summary: &str, id: &str) -> Result<Recorded> {
     let recorded = sandbox.history()?.record(&sandbox.tree()?, summary, id)?;
+    note_recorded(registry, sandbox, &recorded);
+    Ok(recorded)
+}
+
+/// After a change was committed (a run, an upload, a rollback): notes the workspace's size
+/// for the tenant's quota, and packs the history in the background now and then.
+pub fn note_recorded(registry: &Registry, sandbox: &Sandbox, recorded: &Recorded) {
     registry.set_workspace_bytes(&sandbox.id, recorded.bytes);
     if recorded.commit_id.is_some() {
         pack_in_background(sandbox);
     }
-    Ok(recorded)
 }
 
 /// Packs a sandbox's history off the request path when it has gathered many loose objects.
@@ -164,6 +170,26 @@ pub async fn blocking<T: Send + 'static>(
         .map_err(task_failed)?
 }
 
+/// Runs blocking `work` on sandbox `id` of `caller` while the sandbox is busy with it (no
+/// code runs meanwhile, so links cannot be swapped under a check); the sandbox is released
+/// when the work ends, even if the caller stops waiting.
+pub async fn with_sandbox<T: Send + 'static>(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    work_id: &str,
+    work: impl FnOnce(&Runtime, Sandbox) -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let (sandbox, _cancel, _) = rt.registry.begin(&caller.tenant, id, work_id, None)?;
+    let rt = rt.clone();
+    blocking(move || {
+        let id = sandbox.id.clone();
+        let done = work(&rt, sandbox);
+        rt.registry.finish(&id, None).and(done)
+    })
+    .await
+}
+
 /// A task of the runtime's own panicked or was cancelled.
 pub fn task_failed(error: tokio::task::JoinError) -> RuntimeError {
     RuntimeError::internal(format!("a background task failed: {error}"))
@@ -178,10 +204,8 @@ pub async fn create_sandbox(
 ) -> Result<Sandbox> {
     let quotas = rt.quotas(caller);
     let (rt, tenant) = (rt.clone(), caller.tenant.clone());
-    detached(blocking(move || {
-        rt.registry.create(&tenant, &spec, &quotas)
-    }))
-    .await
+    // Blocking work runs to its end even when the caller stops waiting.
+    blocking(move || rt.registry.create(&tenant, &spec, &quotas)).await
 }
 
 /// Creates a sandbox with the default lifetime and memory.

@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 use crate::Runtime;
 use crate::auth::Caller;
 use crate::error::{Result, RuntimeError};
-use crate::exec::{self, task_failed};
+use crate::exec::{self, with_sandbox};
 use crate::sandbox::{Sandbox, new_id, rfc3339, workspace_path};
 
 /// Most entries one listing returns.
@@ -51,26 +51,6 @@ pub struct FileChange {
     pub commit_id: Option<String>,
 }
 
-/// Runs file work while the sandbox is busy with it, off the async threads; the sandbox is
-/// released when the work ends, even if the caller stops waiting.
-async fn with_sandbox<T: Send + 'static>(
-    rt: &Arc<Runtime>,
-    caller: &Caller,
-    id: &str,
-    work_id: &str,
-    work: impl FnOnce(Sandbox) -> Result<T> + Send + 'static,
-) -> Result<T> {
-    let (sandbox, _cancel, _) = rt.registry.begin(&caller.tenant, id, work_id, None)?;
-    let rt = rt.clone();
-    tokio::task::spawn_blocking(move || {
-        let id = sandbox.id.clone();
-        let done = work(sandbox);
-        rt.registry.finish(&id, None).and(done)
-    })
-    .await
-    .map_err(task_failed)?
-}
-
 /// Lists a workspace folder (recursive, at most [`MAX_LISTING`] entries; default the
 /// whole workspace).
 pub async fn list(
@@ -80,7 +60,7 @@ pub async fn list(
     folder: Option<String>,
 ) -> Result<FileList> {
     let work = new_id("list_");
-    with_sandbox(rt, caller, id, &work, move |sandbox| {
+    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
         let start = match folder.as_deref() {
             Some(path) if !path.is_empty() => workspace_path(path)?,
             _ => RelPath::root(),
@@ -135,7 +115,7 @@ pub async fn open(
     name: String,
 ) -> Result<(std::fs::File, u64)> {
     let work = new_id("read_");
-    with_sandbox(rt, caller, id, &work, move |sandbox| {
+    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
         let rel = workspace_path(&name)?;
         let (file, meta) = sandbox.tree()?.open_file(&rel).map_err(|e| match e {
             TreeError::IsDir { .. } => RuntimeError::IsAFolder { path: name.clone() },
@@ -193,24 +173,12 @@ pub async fn write(
             "bytes",
         ));
     }
-    let runtime = rt.clone();
-    with_sandbox(rt, caller, id, &work, move |sandbox| {
+    with_sandbox(rt, caller, id, &work, move |rt, sandbox| {
         let path = workspace_path(&name)?;
         let size = body.len() as u64;
         exec::write_files(&sandbox.tree()?, &[(path, body)])?;
-        let commit_id = exec::record(
-            &runtime.registry,
-            &sandbox,
-            &format!("upload {name}"),
-            &history_id,
-        )?
-        .commit_id;
-        Ok(FileChange {
-            path: name,
-            size,
-            history_id: commit_id.as_ref().map(|_| history_id),
-            commit_id,
-        })
+        let summary = format!("upload {name}");
+        recorded_change(rt, &sandbox, &summary, history_id, name, size)
     })
     .await
 }
@@ -224,23 +192,30 @@ pub async fn delete(
 ) -> Result<FileChange> {
     let history_id = new_id("delete_");
     let work = history_id.clone();
-    let runtime = rt.clone();
-    with_sandbox(rt, caller, id, &work, move |sandbox| {
+    with_sandbox(rt, caller, id, &work, move |rt, sandbox| {
         let path = workspace_path(&name)?;
         sandbox.tree()?.remove(&path)?;
-        let commit_id = exec::record(
-            &runtime.registry,
-            &sandbox,
-            &format!("delete {name}"),
-            &history_id,
-        )?
-        .commit_id;
-        Ok(FileChange {
-            path: name,
-            size: 0,
-            history_id: commit_id.as_ref().map(|_| history_id),
-            commit_id,
-        })
+        let summary = format!("delete {name}");
+        recorded_change(rt, &sandbox, &summary, history_id, name, 0)
     })
     .await
+}
+
+/// Records a file change in the history as entry `history_id` and describes it (no history
+/// id when nothing changed).
+fn recorded_change(
+    rt: &Runtime,
+    sandbox: &Sandbox,
+    summary: &str,
+    history_id: String,
+    path: String,
+    size: u64,
+) -> Result<FileChange> {
+    let commit_id = exec::record(&rt.registry, sandbox, summary, &history_id)?.commit_id;
+    Ok(FileChange {
+        path,
+        size,
+        history_id: commit_id.as_ref().map(|_| history_id),
+        commit_id,
+    })
 }

@@ -44,10 +44,7 @@ impl Pools {
             .ok_or_else(|| RuntimeError::Unsupported {
                 message: format!(
                     "no executor serves the {} backend on this server",
-                    serde_json::to_value(kind)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_owned))
-                        .unwrap_or_default()
+                    kind.as_str()
                 ),
             })
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::Runtime;
 use crate::auth::Caller;
 use crate::error::{Result, RuntimeError};
-use crate::exec::{self, blocking};
+use crate::exec::{self, blocking, with_sandbox};
 use crate::history::{HistoryEntry, HistoryError, MAX_HISTORY};
 use crate::sandbox::new_id;
 
@@ -75,20 +75,13 @@ pub async fn rollback(
     target: String,
 ) -> Result<RolledBack> {
     let rollback_id = new_id("rollback_");
-    let (sandbox, _cancel, _) = rt.registry.begin(&caller.tenant, id, &rollback_id, None)?;
     let new_id = rollback_id.clone();
-    let rt = rt.clone();
-    let recorded = blocking(move || {
-        let done = (|| {
-            Ok(sandbox
-                .history()?
-                .rollback(&sandbox.tree()?, &target, &new_id)?)
-        })();
-        if let Ok(recorded) = &done {
-            rt.registry.set_workspace_bytes(&sandbox.id, recorded.bytes);
-            exec::pack_in_background(&sandbox);
-        }
-        rt.registry.finish(&sandbox.id, None).and(done)
+    let recorded = with_sandbox(rt, caller, id, &rollback_id, move |rt, sandbox| {
+        let recorded = sandbox
+            .history()?
+            .rollback(&sandbox.tree()?, &target, &new_id)?;
+        exec::note_recorded(&rt.registry, &sandbox, &recorded);
+        Ok(recorded)
     })
     .await?;
     Ok(RolledBack {

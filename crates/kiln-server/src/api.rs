@@ -10,7 +10,6 @@ use axum::extract::rejection::QueryRejection;
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use kiln_core::Language;
-use kiln_core::template::Catalogue;
 use kiln_http::{HttpError, Json as JsonBody};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -21,12 +20,10 @@ use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, RunSpec, check_files, exec_prefix};
 use crate::history::{HistoryEntry, MAX_HISTORY};
 use crate::sandbox::{SandboxSpec, SandboxView, new_id, rfc3339, workspace_path};
-pub use kiln_runtime::sandbox::{DEFAULT_LIFETIME_MS, MAX_LIFETIME_MS, MIN_LIFETIME_MS};
+pub use kiln_runtime::sandbox::{MAX_LIFETIME_MS, MIN_LIFETIME_MS};
 pub use kiln_runtime::sessions::SessionInfo;
 
 type Shared = State<Arc<AppState>>;
-
-pub use kiln_runtime::exec::MAX_FILES_BYTES;
 
 /// Create a sandbox.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -79,21 +76,6 @@ pub struct Created {
     pub expires_at: String,
 }
 
-/// Parses create options: the template that honours `image`, the lifetime, the memory.
-pub fn parse_create(
-    catalogue: &Catalogue,
-    image: &str,
-    lifetime_ms: Option<u64>,
-    memory_limit: Option<&str>,
-) -> Result<SandboxSpec, ApiError> {
-    Ok(SandboxSpec::resolve(
-        catalogue,
-        image,
-        lifetime_ms,
-        memory_limit,
-    )?)
-}
-
 /// Create a sandbox with an empty, git-versioned workspace.
 #[utoipa::path(post, path = "/api/sandbox", tag = "sandbox", request_body = CreateBody,
     responses(
@@ -107,7 +89,7 @@ pub async fn create(
     body: Result<JsonBody<CreateBody>, HttpError>,
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
     let JsonBody(body) = body?;
-    let spec = parse_create(
+    let spec = SandboxSpec::resolve(
         state.runtime.catalogue(),
         &body.image,
         body.options.timeout,

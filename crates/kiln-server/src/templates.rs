@@ -41,20 +41,13 @@ pub struct TemplateView {
     pub images: Vec<String>,
 }
 
-fn name<T: Serialize>(value: &T) -> String {
-    serde_json::to_value(value)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default()
-}
-
 impl From<&TemplateInfo> for TemplateView {
     fn from(t: &TemplateInfo) -> TemplateView {
         TemplateView {
             id: t.id.clone(),
             description: t.description.clone(),
-            backend: name(&t.backend),
-            lifecycle: name(&t.lifecycle),
+            backend: t.backend.as_str().into(),
+            lifecycle: t.lifecycle.as_str().into(),
             languages: t.languages.iter().map(|l| l.name().to_owned()).collect(),
             capabilities: t.capabilities,
             images: kiln_core::template::accepted(t),

@@ -34,7 +34,6 @@ type Shared = State<Arc<AppState>>;
 
 /// Most sandboxes one page lists.
 pub const MAX_PAGE: usize = 500;
-pub use kiln_runtime::files::MAX_LISTING;
 /// Largest file one upload may carry: 32 MiB (the body limit).
 pub const MAX_FILE_BYTES: usize = crate::MAX_BODY_BYTES;
 
@@ -80,7 +79,7 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
     let JsonBody(body) = body?;
     let image = body.language.unwrap_or_else(|| "python".into());
-    let spec = api::parse_create(
+    let spec = kiln_runtime::sandbox::SandboxSpec::resolve(
         state.runtime.catalogue(),
         &image,
         body.timeout_ms,
