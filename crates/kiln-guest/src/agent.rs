@@ -1,0 +1,507 @@
+//! The agent: PID 1 inside a box. One thread reads the host's requests; each process's
+//! output, each port connection and each file operation gets its own thread, so a slow
+//! reader, a full pipe or a planted fifo never stalls the channel; one thread waits for
+//! signals, reaps every child (also orphans re-parented to PID 1) and forwards termination
+//! signals to the processes it started.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::files;
+use crate::proto::{
+    self, Failure, FrameError, Op, PROTOCOL_VERSION, Reply, Request, Response, Spawn, WindowSize,
+};
+
+/// How long output is still read after a process exits, for what a background child that
+/// kept the pipe open writes; then the process is reported exited.
+const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
+
+type Out = Arc<Mutex<Box<dyn Write + Send>>>;
+
+/// Sends one response; a failed write means the host is gone, which the reader notices.
+pub(crate) fn send(out: &Out, id: u64, reply: Reply) {
+    let Ok(frame) = proto::encode(&Response { id, reply }) else {
+        return;
+    };
+    let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
+    let _ = out.write_all(&frame).and_then(|()| out.flush());
+}
+
+/// A process the agent started.
+struct Proc {
+    pid: i32,
+    /// Where [`Op::Stdin`] bytes go (a pipe or the terminal), through a writer thread.
+    stdin: Option<mpsc::Sender<Vec<u8>>>,
+    /// The terminal's master side, for [`Op::Resize`].
+    terminal: Option<Arc<OwnedFd>>,
+    /// Output streams still open.
+    open_streams: u8,
+    status: Option<(Option<i32>, Option<i32>)>,
+    exited_at: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Table {
+    procs: HashMap<u64, Proc>,
+    by_pid: HashMap<i32, u64>,
+    /// Open port connections' write sides, by request id.
+    conns: HashMap<u64, mpsc::Sender<Vec<u8>>>,
+}
+
+struct Agent {
+    out: Out,
+    table: Mutex<Table>,
+}
+
+impl Agent {
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reports `id` exited once its status is known and its output drained.
+    fn maybe_finish(&self, id: u64) {
+        let mut table = self.table();
+        let Some(proc) = table.procs.get(&id) else {
+            return;
+        };
+        let (Some((code, signal)), 0) = (proc.status, proc.open_streams) else {
+            return;
+        };
+        let pid = proc.pid;
+        table.procs.remove(&id);
+        table.by_pid.remove(&pid);
+        drop(table);
+        send(&self.out, id, Reply::Exited { code, signal });
+    }
+
+    /// Whether `id`'s process exited long enough ago that its output is no longer waited for.
+    fn drained(&self, id: u64) -> bool {
+        self.table()
+            .procs
+            .get(&id)
+            .and_then(|p| p.exited_at)
+            .is_some_and(|at| at.elapsed() >= DRAIN_AFTER_EXIT)
+    }
+
+    fn stream_closed(&self, id: u64) {
+        if let Some(proc) = self.table().procs.get_mut(&id) {
+            proc.open_streams = proc.open_streams.saturating_sub(1);
+        }
+        self.maybe_finish(id);
+    }
+
+    /// Reaps every child that has exited.
+    fn reap(&self) {
+        loop {
+            let mut status = 0;
+            // The table is held while reaping so a spawn in progress (which holds it, and
+            // whose failure path waits for its own child) never loses its child to us.
+            let mut table = self.table();
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid <= 0 {
+                return;
+            }
+            let Some(id) = table.by_pid.get(&pid).copied() else {
+                continue; // an orphan re-parented to us
+            };
+            let outcome = if libc::WIFSIGNALED(status) {
+                (None, Some(libc::WTERMSIG(status)))
+            } else {
+                (Some(libc::WEXITSTATUS(status)), None)
+            };
+            if let Some(proc) = table.procs.get_mut(&id) {
+                proc.status = Some(outcome);
+                proc.exited_at = Some(Instant::now());
+            }
+            drop(table);
+            self.maybe_finish(id);
+        }
+    }
+
+    fn forward(&self, signal: i32) {
+        for proc in self.table().procs.values() {
+            unsafe { libc::kill(-proc.pid, signal) };
+        }
+    }
+}
+
+/// The signals the agent waits for on its signal thread (blocked everywhere else).
+fn watched_signals() -> libc::sigset_t {
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for signal in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, signal);
+        }
+        set
+    }
+}
+
+/// Serves the host on `input`/`output` until the host closes the channel; then every
+/// process the agent started is killed.
+pub fn serve(mut input: impl Read, output: impl Write + Send + 'static) -> Result<(), FrameError> {
+    let set = watched_signals();
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    let agent = Arc::new(Agent {
+        out: Arc::new(Mutex::new(Box::new(output))),
+        table: Mutex::new(Table::default()),
+    });
+    {
+        let agent = agent.clone();
+        std::thread::spawn(move || {
+            loop {
+                let mut signal = 0;
+                if unsafe { libc::sigwait(&set, &mut signal) } != 0 {
+                    continue;
+                }
+                match signal {
+                    libc::SIGCHLD => agent.reap(),
+                    other => agent.forward(other),
+                }
+            }
+        });
+    }
+    let result = loop {
+        match proto::read_frame::<_, Request>(&mut input) {
+            Ok(request) => handle(&agent, request),
+            Err(FrameError::Malformed(e)) => {
+                // The frame was read whole: answer it and go on.
+                send(
+                    &agent.out,
+                    0,
+                    Reply::Failed(Failure::new("invalid", format!("malformed request: {e}"))),
+                );
+            }
+            Err(FrameError::Closed) => break Ok(()),
+            Err(e) => break Err(e),
+        }
+    };
+    agent.forward(libc::SIGKILL);
+    result
+}
+
+fn handle(agent: &Arc<Agent>, Request { id, op }: Request) {
+    match op {
+        Op::Hello => send(
+            &agent.out,
+            id,
+            Reply::Hello {
+                version: PROTOCOL_VERSION,
+                pid: std::process::id(),
+            },
+        ),
+        Op::Spawn(spec) => {
+            if let Err(failure) = spawn(agent, id, spec) {
+                send(&agent.out, id, Reply::Failed(failure));
+            }
+        }
+        Op::Stdin { target, data, eof } => {
+            let mut table = agent.table();
+            let sender = match table.procs.get_mut(&target) {
+                Some(proc) if eof => proc.stdin.take(),
+                Some(proc) => proc.stdin.clone(),
+                None if eof => table.conns.remove(&target),
+                None => table.conns.get(&target).cloned(),
+            };
+            drop(table);
+            if let Some(sender) = sender
+                && !data.is_empty()
+            {
+                let _ = sender.send(data);
+            }
+        }
+        Op::Signal { target, signal } => {
+            if let Some(proc) = agent.table().procs.get(&target) {
+                unsafe { libc::kill(-proc.pid, signal) };
+            }
+        }
+        Op::Resize { target, size } => {
+            if let Some(fd) = agent
+                .table()
+                .procs
+                .get(&target)
+                .and_then(|p| p.terminal.clone())
+            {
+                set_window_size(fd.as_raw_fd(), size);
+            }
+        }
+        Op::Connect { port } => {
+            let agent = agent.clone();
+            std::thread::spawn(move || connect(&agent, id, port));
+        }
+        file_op => {
+            let out = agent.out.clone();
+            std::thread::spawn(move || files::serve(&out, id, file_op));
+        }
+    }
+}
+
+fn set_window_size(fd: i32, size: WindowSize) {
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) };
+}
+
+/// Opens a terminal pair: (master, slave).
+fn open_terminal(size: WindowSize) -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let (mut master, mut slave) = (-1, -1);
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &ws,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    unsafe {
+        libc::fcntl(master, libc::F_SETFD, libc::FD_CLOEXEC);
+        libc::fcntl(slave, libc::F_SETFD, libc::FD_CLOEXEC);
+        Ok((OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)))
+    }
+}
+
+fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
+    let Some(program) = spec.argv.first() else {
+        return Err(Failure::new("invalid", "spawn needs a program"));
+    };
+    let mut command = Command::new(program);
+    command
+        .args(&spec.argv[1..])
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(&spec.cwd);
+    let terminal = match spec.terminal {
+        Some(size) => {
+            let (master, slave) = open_terminal(size).map_err(|e| Failure::io("openpty", &e))?;
+            let clone = |fd: &OwnedFd| {
+                fd.try_clone()
+                    .map(Stdio::from)
+                    .map_err(|e| Failure::io("dup", &e))
+            };
+            command
+                .stdin(clone(&slave)?)
+                .stdout(clone(&slave)?)
+                .stderr(Stdio::from(slave));
+            Some(Arc::new(master))
+        }
+        None => {
+            command
+                .stdin(if spec.stdin {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            None
+        }
+    };
+    let user = spec.user;
+    let on_terminal = terminal.is_some();
+    unsafe {
+        command.pre_exec(move || {
+            let mut empty: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut empty);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if on_terminal && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if let Some(user) = user {
+                drop_privileges(user.uid, user.gid)?;
+            }
+            Ok(())
+        });
+    }
+    // Held across the fork so the reaper cannot take the child before it is in the table.
+    let mut table = agent.table();
+    let mut child = command.spawn().map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) => Failure::new(
+            "not_found",
+            format!("{program}: command not found (or the working directory is missing)"),
+        ),
+        _ => Failure::io(&format!("starting {program}"), &e),
+    })?;
+    let pid = child.id() as i32;
+    let mut streams = Vec::new();
+    let stdin = match (&terminal, child.stdin.take()) {
+        (Some(master), _) => Some(writer(master.try_clone().ok().map(std::fs::File::from))),
+        (None, Some(pipe)) => Some(writer(Some(std::fs::File::from(OwnedFd::from(pipe))))),
+        (None, None) => None,
+    };
+    match &terminal {
+        Some(master) => {
+            if let Ok(fd) = master.try_clone() {
+                streams.push((false, fd));
+            }
+        }
+        None => {
+            if let Some(out) = child.stdout.take() {
+                streams.push((false, OwnedFd::from(out)));
+            }
+            if let Some(err) = child.stderr.take() {
+                streams.push((true, OwnedFd::from(err)));
+            }
+        }
+    }
+    table.procs.insert(
+        id,
+        Proc {
+            pid,
+            stdin,
+            terminal,
+            open_streams: streams.len() as u8,
+            status: None,
+            exited_at: None,
+        },
+    );
+    table.by_pid.insert(pid, id);
+    drop(table);
+    send(&agent.out, id, Reply::Spawned { pid: pid as u32 });
+    for (stderr, fd) in streams {
+        let agent = agent.clone();
+        std::thread::spawn(move || pump(&agent, id, stderr, fd));
+    }
+    // The child is reaped by the signal thread; dropping `Child` does not wait.
+    drop(child);
+    Ok(())
+}
+
+/// In the child, before exec: no capabilities can come back, no supplementary groups, then
+/// the user's gid and uid.
+fn drop_privileges(uid: u32, gid: u32) -> std::io::Result<()> {
+    unsafe {
+        // Empties the bounding set so nothing (a setuid binary, file capabilities) regains
+        // a capability; fails harmlessly where the agent lacks CAP_SETPCAP.
+        for cap in 0..=63 {
+            libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0);
+        }
+        libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+        if libc::setgroups(0, std::ptr::null()) < 0
+            || libc::setresgid(gid, gid, gid) < 0
+            || libc::setresuid(uid, uid, uid) < 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// A thread that writes what it is sent to `file`; the sender's drop closes it.
+fn writer(file: Option<std::fs::File>) -> mpsc::Sender<Vec<u8>> {
+    let (tx, rx) = mpsc::channel::<Vec<u8>>();
+    if let Some(mut file) = file {
+        std::thread::spawn(move || {
+            for data in rx {
+                if file.write_all(&data).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    tx
+}
+
+/// Forwards one output stream of process `id` until it ends (or, after the process exited,
+/// until [`DRAIN_AFTER_EXIT`] passes).
+fn pump(agent: &Agent, id: u64, stderr: bool, fd: OwnedFd) {
+    let mut file = std::fs::File::from(fd);
+    let mut buf = vec![0u8; proto::CHUNK_BYTES];
+    loop {
+        let mut poll = libc::pollfd {
+            fd: file.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ready = unsafe { libc::poll(&mut poll, 1, 50) };
+        if ready == 0 {
+            if agent.drained(id) {
+                break;
+            }
+            continue;
+        }
+        match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => send(
+                &agent.out,
+                id,
+                Reply::Output {
+                    stderr,
+                    data: buf[..n].to_vec(),
+                },
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // EIO: the terminal's other side closed.
+            Err(_) => break,
+        }
+    }
+    agent.stream_closed(id);
+}
+
+/// Carries a TCP connection to a port inside the box.
+fn connect(agent: &Agent, id: u64, port: u16) {
+    let stream = match TcpStream::connect(("127.0.0.1", port)) {
+        Ok(stream) => stream,
+        Err(e) => {
+            send(
+                &agent.out,
+                id,
+                Reply::Failed(Failure::io(&format!("connecting to port {port}"), &e)),
+            );
+            return;
+        }
+    };
+    let (tx, rx) = mpsc::channel::<Vec<u8>>();
+    agent.table().conns.insert(id, tx);
+    send(&agent.out, id, Reply::Connected);
+    if let Ok(mut write_half) = stream.try_clone() {
+        std::thread::spawn(move || {
+            for data in rx {
+                if write_half.write_all(&data).is_err() {
+                    break;
+                }
+            }
+            let _ = write_half.shutdown(Shutdown::Write);
+        });
+    }
+    let mut read_half = stream;
+    let mut buf = vec![0u8; proto::CHUNK_BYTES];
+    loop {
+        match read_half.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => send(
+                &agent.out,
+                id,
+                Reply::Output {
+                    stderr: false,
+                    data: buf[..n].to_vec(),
+                },
+            ),
+        }
+    }
+    agent.table().conns.remove(&id);
+    send(&agent.out, id, Reply::Closed);
+}

@@ -1,0 +1,22 @@
+//! `kiln-guest`: the guest agent. It serves the host on its stdin and stdout until the host
+//! closes the channel, then kills what it started and exits (as PID 1, ending the box).
+
+use std::os::fd::FromRawFd;
+
+fn main() {
+    if std::env::args().nth(1).as_deref() == Some("--version") {
+        println!(
+            "kiln-guest {} (protocol {})",
+            env!("CARGO_PKG_VERSION"),
+            kiln_guest::proto::PROTOCOL_VERSION
+        );
+        return;
+    }
+    // Unbuffered: the agent writes whole frames and flushes each.
+    let input = unsafe { std::fs::File::from_raw_fd(0) };
+    let output = unsafe { std::fs::File::from_raw_fd(1) };
+    if let Err(e) = kiln_guest::agent::serve(input, output) {
+        eprintln!("kiln-guest: {e}");
+        std::process::exit(1);
+    }
+}
