@@ -337,7 +337,7 @@ mod b64 {
     }
 
     pub(super) fn decode(text: &[u8]) -> Option<Vec<u8>> {
-        if text.len() % 4 != 0 {
+        if !text.len().is_multiple_of(4) {
             return None;
         }
         let mut out = Vec::with_capacity(text.len() / 4 * 3);
