@@ -132,6 +132,21 @@ impl Agent {
     }
 }
 
+/// Starts a thread; in a box whose pids limit is reached this fails, and the caller answers
+/// the request with a failure instead of the agent dying.
+fn thread(f: impl FnOnce() + Send + 'static) -> Result<(), Failure> {
+    std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(f)
+        .map(drop)
+        .map_err(|e| {
+            Failure::new(
+                "no_resources",
+                format!("the box has no room for another thread (its pids limit?): {e}"),
+            )
+        })
+}
+
 /// The signals the agent waits for on its signal thread (blocked everywhere else).
 fn watched_signals() -> libc::sigset_t {
     unsafe {
@@ -233,12 +248,16 @@ fn handle(agent: &Arc<Agent>, Request { id, op }: Request) {
             }
         }
         Op::Connect { port } => {
-            let agent = agent.clone();
-            std::thread::spawn(move || connect(&agent, id, port));
+            let worker = agent.clone();
+            if let Err(failure) = thread(move || connect(&worker, id, port)) {
+                send(&agent.out, id, Reply::Failed(failure));
+            }
         }
         file_op => {
             let out = agent.out.clone();
-            std::thread::spawn(move || files::serve(&out, id, file_op));
+            if let Err(failure) = thread(move || files::serve(&out, id, file_op)) {
+                send(&agent.out, id, Reply::Failed(failure));
+            }
         }
     }
 }
@@ -380,13 +399,19 @@ fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
     );
     table.by_pid.insert(pid, id);
     drop(table);
-    send(&agent.out, id, Reply::Spawned { pid: pid as u32 });
-    for (stderr, fd) in streams {
-        let agent = agent.clone();
-        std::thread::spawn(move || pump(&agent, id, stderr, fd));
-    }
     // The child is reaped by the signal thread; dropping `Child` does not wait.
     drop(child);
+    send(&agent.out, id, Reply::Spawned { pid: pid as u32 });
+    for (stderr, fd) in streams {
+        let worker = agent.clone();
+        if let Err(failure) = thread(move || pump(&worker, id, stderr, fd)) {
+            // Without its output the process is no use: it ends, reported as the failure
+            // (after `Spawned`, before any exit).
+            agent.table().procs.remove(&id);
+            unsafe { libc::kill(-pid, libc::SIGKILL) };
+            return Err(failure);
+        }
+    }
     Ok(())
 }
 
@@ -414,7 +439,9 @@ fn drop_privileges(uid: u32, gid: u32) -> std::io::Result<()> {
 fn writer(file: Option<std::fs::File>) -> mpsc::Sender<Vec<u8>> {
     let (tx, rx) = mpsc::channel::<Vec<u8>>();
     if let Some(mut file) = file {
-        std::thread::spawn(move || {
+        // Without a writer thread the stdin bytes are dropped (the process reads end of
+        // file): a box at its pids limit.
+        let _ = thread(move || {
             for data in rx {
                 if file.write_all(&data).is_err() {
                     break;
@@ -478,7 +505,7 @@ fn connect(agent: &Agent, id: u64, port: u16) {
     agent.table().conns.insert(id, tx);
     send(&agent.out, id, Reply::Connected);
     if let Ok(mut write_half) = stream.try_clone() {
-        std::thread::spawn(move || {
+        let _ = thread(move || {
             for data in rx {
                 if write_half.write_all(&data).is_err() {
                     break;

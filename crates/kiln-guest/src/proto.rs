@@ -228,6 +228,20 @@ pub enum Reply {
     Failed(Failure),
 }
 
+impl Reply {
+    /// Whether this reply is the last for its request.
+    pub fn is_final(&self) -> bool {
+        matches!(
+            self,
+            Reply::Hello { .. }
+                | Reply::Exited { .. }
+                | Reply::Done
+                | Reply::Failed(_)
+                | Reply::Closed
+        )
+    }
+}
+
 /// A response frame.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Response {

@@ -1,0 +1,659 @@
+//! Live boxes: a jailed root filesystem with the guest agent as PID 1, started once by the
+//! container runtime; every command after that is a spawn through the agent.
+//!
+//! On the host a box is a folder under the state directory holding its bundle
+//! (`config.json`), the mount point of its root and a size-capped tmpfs with the overlay's
+//! upper layer (what the box writes outside its workspace; writes beyond the cap fail with
+//! ENOSPC inside the box). Closing a box kills every process it had, deletes its container
+//! and cgroup, unmounts both layers and removes the folder. A kiln that died leaves boxes
+//! behind: [`Boxes::new`] finds and removes them (they are cleaned, not resumed).
+
+use std::ffi::CString;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_guest::proto::{Credentials, Op, Reply, Spawn};
+
+use crate::builder::Template;
+use crate::channel::{Channel, ChannelClosed};
+use crate::jail::{self, BoxLimits, Cgroups};
+use crate::template::{USER_HOME, USER_NAME, USER_UID};
+
+/// How long a box's agent has to answer its first hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a killed command has to report its end.
+const KILL_GRACE: Duration = Duration::from_secs(3);
+/// The prefix of every box's container id, so leftovers are recognised.
+const ID_PREFIX: &str = "kiln-";
+
+/// Where boxes live and what starts them.
+#[derive(Debug, Clone)]
+pub struct BoxesConfig {
+    /// Runtime state: boxes' folders and the container runtime's state. Default `/run/kiln`.
+    pub state_dir: PathBuf,
+    /// The guest agent binary (static).
+    pub agent: PathBuf,
+    /// The container runtime (`runc`).
+    pub runtime: PathBuf,
+    /// Host uid that a box's root maps to.
+    pub uid_base: u32,
+}
+
+/// A box could not be made, or a command could not run in it.
+#[derive(Debug, thiserror::Error)]
+pub enum BoxError {
+    #[error("the Linux backend cannot run here: {0}")]
+    Unavailable(String),
+    #[error("starting the box failed at {step}: {message}")]
+    Start { step: &'static str, message: String },
+    #[error(transparent)]
+    Gone(#[from] ChannelClosed),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// The boxes of one kiln process.
+#[derive(Debug, Clone)]
+pub struct Boxes {
+    config: BoxesConfig,
+    cgroups: Cgroups,
+    boxes_dir: PathBuf,
+    runtime_root: PathBuf,
+}
+
+/// What a box is made of.
+#[derive(Debug, Clone)]
+pub struct BoxSpec {
+    pub template: Template,
+    /// A host folder bound at the template's working dir.
+    pub workspace: Option<PathBuf>,
+    pub limits: BoxLimits,
+}
+
+/// One command to run in a box.
+#[derive(Debug, Clone)]
+pub struct Exec {
+    pub argv: Vec<String>,
+    /// Added to the template's environment.
+    pub env: Vec<(String, String)>,
+    /// Default: the template's working dir.
+    pub cwd: Option<String>,
+    /// Run as the box's root (namespaced) instead of its user.
+    pub root: bool,
+    pub stdin: Vec<u8>,
+    pub timeout: Duration,
+    /// Bytes of stdout and of stderr kept.
+    pub max_output: usize,
+}
+
+impl Exec {
+    pub fn new(argv: Vec<String>) -> Exec {
+        Exec {
+            argv,
+            env: Vec::new(),
+            cwd: None,
+            root: false,
+            stdin: Vec::new(),
+            timeout: Duration::from_secs(30),
+            max_output: 1 << 20,
+        }
+    }
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    /// The exit code, when it exited.
+    pub exit_code: Option<i32>,
+    /// The signal that killed it.
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    /// Killed by the out-of-memory killer (the box's memory limit).
+    pub oom_killed: bool,
+}
+
+/// A running box.
+#[derive(Debug)]
+pub struct LiveBox {
+    pub id: String,
+    dir: PathBuf,
+    channel: Channel,
+    cgroup: String,
+    cgroups: Cgroups,
+    runtime: PathBuf,
+    runtime_root: PathBuf,
+    template: Template,
+    /// The agent's pid on the host.
+    pub host_pid: i32,
+}
+
+fn start_err(step: &'static str) -> impl Fn(String) -> BoxError {
+    move |message| BoxError::Start { step, message }
+}
+
+fn cstr(path: &Path) -> CString {
+    CString::new(path.as_os_str().as_encoded_bytes()).unwrap_or_default()
+}
+
+fn mount(
+    source: &str,
+    target: &Path,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> Result<(), String> {
+    let (source_c, fstype_c, data_c) = (
+        CString::new(source).unwrap_or_default(),
+        CString::new(fstype).unwrap_or_default(),
+        CString::new(data).map_err(|_| "a mount option holds a NUL".to_string())?,
+    );
+    let target_c = cstr(target);
+    let rc = unsafe {
+        libc::mount(
+            source_c.as_ptr(),
+            target_c.as_ptr(),
+            fstype_c.as_ptr(),
+            flags,
+            data_c.as_ptr().cast(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "mount {fstype} on {}: {}",
+            target.display(),
+            std::io::Error::last_os_error()
+        ))
+    }
+}
+
+fn unmount(target: &Path) {
+    let target = cstr(target);
+    unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+}
+
+fn random_id() -> String {
+    let mut bytes = [0u8; 8];
+    let _ = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+    format!("{ID_PREFIX}{}", hex::encode(bytes))
+}
+
+impl Boxes {
+    /// Checks that boxes can run here and removes what a previous kiln left behind.
+    pub fn new(config: BoxesConfig) -> Result<Boxes, BoxError> {
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(BoxError::Unavailable(
+                "Linux sandboxes need kiln to run as root (it maps each box to an unprivileged uid range)".into(),
+            ));
+        }
+        if !config.agent.is_file() {
+            return Err(BoxError::Unavailable(format!(
+                "the guest agent {} is missing (build it with scripts/build-guest)",
+                config.agent.display()
+            )));
+        }
+        let version = Command::new(&config.runtime).arg("--version").output();
+        if !version.is_ok_and(|o| o.status.success()) {
+            return Err(BoxError::Unavailable(format!(
+                "the container runtime {} does not run (apt-get install runc)",
+                config.runtime.display()
+            )));
+        }
+        // Box agents are orphaned when runc exits: they become kiln's children (and are
+        // reaped when their box closes) instead of the host init's.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+        let boxes_dir = config.state_dir.join("boxes");
+        let runtime_root = config.state_dir.join("runc");
+        for dir in [&config.state_dir, &boxes_dir, &runtime_root] {
+            std::fs::create_dir_all(dir)
+                .and_then(|()| {
+                    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+                })
+                .map_err(|e| BoxError::Unavailable(format!("{}: {e}", dir.display())))?;
+        }
+        let boxes = Boxes {
+            cgroups: Cgroups::detect(),
+            config,
+            boxes_dir,
+            runtime_root,
+        };
+        boxes.remove_leftovers();
+        Ok(boxes)
+    }
+
+    /// The host's cgroup layout.
+    pub fn cgroups(&self) -> Cgroups {
+        self.cgroups
+    }
+
+    /// Kills and removes every box a previous kiln process left (its containers, mounts and
+    /// folders). Boxes of a live kiln sharing this state directory would be removed too:
+    /// one state directory belongs to one kiln.
+    fn remove_leftovers(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.boxes_dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let id = entry.file_name().to_string_lossy().into_owned();
+            if !id.starts_with(ID_PREFIX) {
+                continue;
+            }
+            tracing::warn!(box_id = %id, "removing a box left by a previous kiln");
+            self.destroy(&id, &entry.path(), 0);
+        }
+    }
+
+    fn destroy(&self, id: &str, dir: &Path, host_pid: i32) {
+        destroy(&self.config.runtime, &self.runtime_root, id, dir, host_pid);
+    }
+
+    /// Starts a box.
+    pub async fn open(&self, spec: BoxSpec) -> Result<LiveBox, BoxError> {
+        let id = random_id();
+        let dir = self.boxes_dir.join(&id);
+        let made = Made {
+            boxes: self,
+            id: id.clone(),
+            dir: dir.clone(),
+            armed: true,
+        };
+        let (our_end, host_pid) = {
+            let (boxes, id, dir, spec) = (self.clone(), id.clone(), dir.clone(), spec.clone());
+            tokio::task::spawn_blocking(move || boxes.start(&id, &dir, &spec))
+                .await
+                .map_err(|e| start_err("runtime")(e.to_string()))??
+        };
+        let std_stream = std::os::unix::net::UnixStream::from(our_end);
+        std_stream
+            .set_nonblocking(true)
+            .map_err(|e| start_err("channel")(e.to_string()))?;
+        let stream = tokio::net::UnixStream::from_std(std_stream)
+            .map_err(|e| start_err("channel")(e.to_string()))?;
+        let (read, write) = stream.into_split();
+        let channel = Channel::new(read, write);
+        let mut hello = channel.call(Op::Hello).await?;
+        match tokio::time::timeout(HELLO_TIMEOUT, hello.next()).await {
+            Ok(Some(Reply::Hello { .. })) => {}
+            Ok(other) => {
+                return Err(start_err("agent")(format!(
+                    "the agent answered {other:?}; its log: {}",
+                    log_tail(&dir)
+                )));
+            }
+            Err(_) => {
+                return Err(start_err("agent")(format!(
+                    "no answer in {HELLO_TIMEOUT:?}; its log: {}",
+                    log_tail(&dir)
+                )));
+            }
+        }
+        let mut made = made;
+        made.armed = false;
+        Ok(LiveBox {
+            cgroup: cgroup_path(&id),
+            id,
+            dir,
+            channel,
+            cgroups: self.cgroups,
+            runtime: self.config.runtime.clone(),
+            runtime_root: self.runtime_root.clone(),
+            template: spec.template,
+            host_pid,
+        })
+    }
+
+    /// Makes the folder, mounts the layers, writes the bundle and runs the container; returns
+    /// the host's end of the agent's channel and the agent's host pid.
+    fn start(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(OwnedFd, i32), BoxError> {
+        let base = self.config.uid_base;
+        let layer = dir.join("layer");
+        let rootfs = dir.join("rootfs");
+        for path in [dir, &layer, &rootfs] {
+            std::fs::create_dir(path)
+                .map_err(|e| start_err("folder")(format!("{}: {e}", path.display())))?;
+        }
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| start_err("folder")(e.to_string()))?;
+        let nosuid = libc::MS_NOSUID | libc::MS_NODEV;
+        mount(
+            "kiln-layer",
+            &layer,
+            "tmpfs",
+            nosuid,
+            &format!("size={},mode=0711", spec.limits.disk_bytes),
+        )
+        .map_err(start_err("layer"))?;
+        let (upper, work) = (layer.join("upper"), layer.join("work"));
+        for path in [&upper, &work] {
+            std::fs::create_dir(path).map_err(|e| start_err("layer")(e.to_string()))?;
+        }
+        std::os::unix::fs::chown(&upper, Some(base), Some(base))
+            .and_then(|()| std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(0o755)))
+            .map_err(|e| start_err("layer")(e.to_string()))?;
+        mount(
+            "kiln-root",
+            &rootfs,
+            "overlay",
+            nosuid,
+            &format!(
+                "lowerdir={},upperdir={},workdir={}",
+                spec.template.rootfs.display(),
+                upper.display(),
+                work.display()
+            ),
+        )
+        .map_err(start_err("overlay"))?;
+        let workspace = spec
+            .workspace
+            .as_ref()
+            .map(|w| w.to_string_lossy().into_owned());
+        if let Some(workspace) = &spec.workspace {
+            // The box's user owns its workspace's top folder.
+            std::os::unix::fs::chown(workspace, Some(base + USER_UID), Some(base + USER_UID))
+                .map_err(|e| start_err("workspace")(format!("{}: {e}", workspace.display())))?;
+        }
+        let agent = self.config.agent.to_string_lossy().into_owned();
+        let cgroup = cgroup_path(id);
+        let config = jail::config(&jail::JailSpec {
+            hostname: "kiln",
+            agent: &agent,
+            workspace: workspace.as_deref(),
+            working_dir: &spec.template.definition.working_dir,
+            uid_base: base,
+            limits: spec.limits,
+            cgroup: &cgroup,
+        });
+        std::fs::write(dir.join("config.json"), config.to_string())
+            .map_err(|e| start_err("bundle")(e.to_string()))?;
+
+        let mut fds = [0; 2];
+        if unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+                0,
+                fds.as_mut_ptr(),
+            )
+        } != 0
+        {
+            return Err(start_err("channel")(
+                std::io::Error::last_os_error().to_string(),
+            ));
+        }
+        let (ours, theirs) =
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let log = std::fs::File::create(dir.join("agent.log"))
+            .map_err(|e| start_err("bundle")(e.to_string()))?;
+        let pid_file = dir.join("agent.pid");
+        let status = Command::new(&self.config.runtime)
+            .arg("--root")
+            .arg(&self.runtime_root)
+            .args(["run", "--detach", "--no-new-keyring", "--pid-file"])
+            .arg(&pid_file)
+            .arg("--bundle")
+            .arg(dir)
+            .arg(id)
+            .stdin(Stdio::from(
+                theirs
+                    .try_clone()
+                    .map_err(|e| start_err("channel")(e.to_string()))?,
+            ))
+            .stdout(Stdio::from(theirs))
+            .stderr(Stdio::from(log))
+            .status()
+            .map_err(|e| start_err("runtime")(e.to_string()))?;
+        if !status.success() {
+            return Err(start_err("runtime")(format!(
+                "{} exited with {status}: {}",
+                self.config.runtime.display(),
+                log_tail(dir)
+            )));
+        }
+        let host_pid = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or(0);
+        Ok((ours, host_pid))
+    }
+}
+
+/// Kills a box's processes, deletes its container (and cgroup), unmounts its layers and
+/// removes its folder (which then holds only kiln's bundle and empty mount points).
+fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: i32) {
+    let runc = |args: &[&str]| {
+        Command::new(runtime)
+            .arg("--root")
+            .arg(runtime_root)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+    };
+    let _ = runc(&["kill", "--all", id, "KILL"]);
+    let started = Instant::now();
+    // kiln is the agent's subreaper (see `Boxes::new`): reap it, so no zombie is left.
+    while host_pid > 0 && started.elapsed() < KILL_GRACE {
+        let rc = unsafe { libc::waitpid(host_pid, std::ptr::null_mut(), libc::WNOHANG) };
+        if rc != 0 {
+            break; // reaped, or not our child
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // `delete` without --force, once the processes are gone (runc's forced delete polls in
+    // 100 ms steps).
+    let mut deleted = false;
+    while !deleted && started.elapsed() < KILL_GRACE {
+        deleted = runc(&["delete", id]).is_ok_and(|s| s.success());
+        if !deleted {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    if !deleted {
+        let _ = runc(&["delete", "--force", id]);
+    }
+    unmount(&dir.join("rootfs"));
+    unmount(&dir.join("layer"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn cgroup_path(id: &str) -> String {
+    format!("/kiln/{id}")
+}
+
+fn log_tail(dir: &Path) -> String {
+    let text = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().rev().take(6).collect();
+    lines.into_iter().rev().collect::<Vec<_>>().join(" / ")
+}
+
+/// Removes a half-made box when starting it fails.
+struct Made<'a> {
+    boxes: &'a Boxes,
+    id: String,
+    dir: PathBuf,
+    armed: bool,
+}
+
+impl Drop for Made<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.boxes.destroy(&self.id, &self.dir, 0);
+        }
+    }
+}
+
+impl LiveBox {
+    /// The template the box runs.
+    pub fn template(&self) -> &Template {
+        &self.template
+    }
+
+    /// The environment a command starts with: the template's, the user's identity, then
+    /// the request's.
+    fn environment(&self, exec: &Exec) -> Vec<(String, String)> {
+        let (home, user) = if exec.root {
+            ("/root", "root")
+        } else {
+            (USER_HOME, USER_NAME)
+        };
+        let mut env = vec![
+            (
+                "PATH".to_string(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+            ),
+            ("HOME".into(), home.into()),
+            ("USER".into(), user.into()),
+            ("LOGNAME".into(), user.into()),
+            (
+                "SHELL".into(),
+                self.template.definition.default_shell.clone(),
+            ),
+            ("TMPDIR".into(), "/tmp".into()),
+        ];
+        let mut set = |key: &str, value: &str| {
+            env.retain(|(k, _)| k != key);
+            env.push((key.to_string(), value.to_string()));
+        };
+        for (key, value) in &self.template.definition.env {
+            set(key, value);
+        }
+        for (key, value) in &exec.env {
+            set(key, value);
+        }
+        env
+    }
+
+    /// Runs a command to its end (or its timeout), calling `on_output(stderr, bytes)` as
+    /// output arrives.
+    pub async fn exec(
+        &self,
+        exec: Exec,
+        mut on_output: impl FnMut(bool, &[u8]),
+    ) -> Result<ExecOutput, BoxError> {
+        if exec.argv.is_empty() {
+            return Err(BoxError::Refused("a command needs a program".into()));
+        }
+        let oom_before = self.cgroups.oom_kills(&self.cgroup);
+        let spawn = Spawn {
+            env: self.environment(&exec),
+            argv: exec.argv.clone(),
+            cwd: exec
+                .cwd
+                .clone()
+                .unwrap_or_else(|| self.template.definition.working_dir.clone()),
+            user: (!exec.root).then_some(Credentials {
+                uid: USER_UID,
+                gid: USER_UID,
+            }),
+            terminal: None,
+            stdin: !exec.stdin.is_empty(),
+        };
+        let mut replies = self.channel.call(Op::Spawn(spawn)).await?;
+        let target = replies.id;
+        if !exec.stdin.is_empty() {
+            for (i, chunk) in exec
+                .stdin
+                .chunks(kiln_guest::proto::CHUNK_BYTES)
+                .enumerate()
+            {
+                let last = (i + 1) * kiln_guest::proto::CHUNK_BYTES >= exec.stdin.len();
+                self.channel
+                    .tell(Op::Stdin {
+                        target,
+                        data: chunk.to_vec(),
+                        eof: last,
+                    })
+                    .await?;
+            }
+        }
+        let mut output = ExecOutput::default();
+        let deadline = tokio::time::Instant::now() + exec.timeout;
+        let mut killed_at = None;
+        loop {
+            let wait_until = killed_at.map_or(deadline, |at: tokio::time::Instant| at + KILL_GRACE);
+            let reply = match tokio::time::timeout_at(wait_until, replies.next()).await {
+                Ok(Some(reply)) => reply,
+                Ok(None) => {
+                    return Err(BoxError::Gone(ChannelClosed(
+                        "the box ended while the command ran".into(),
+                    )));
+                }
+                Err(_) if killed_at.is_none() => {
+                    output.timed_out = true;
+                    killed_at = Some(tokio::time::Instant::now());
+                    self.channel
+                        .tell(Op::Signal {
+                            target,
+                            signal: libc::SIGKILL,
+                        })
+                        .await?;
+                    continue;
+                }
+                Err(_) => {
+                    return Err(BoxError::Gone(ChannelClosed(
+                        "the command did not end after SIGKILL".into(),
+                    )));
+                }
+            };
+            match reply {
+                Reply::Spawned { .. } => {}
+                Reply::Output { stderr, data } => {
+                    on_output(stderr, &data);
+                    let (buf, truncated) = if stderr {
+                        (&mut output.stderr, &mut output.stderr_truncated)
+                    } else {
+                        (&mut output.stdout, &mut output.stdout_truncated)
+                    };
+                    let room = exec.max_output.saturating_sub(buf.len());
+                    buf.extend_from_slice(&data[..data.len().min(room)]);
+                    *truncated |= data.len() > room;
+                }
+                Reply::Exited { code, signal } => {
+                    output.exit_code = code;
+                    output.signal = signal;
+                    output.oom_killed = signal == Some(libc::SIGKILL)
+                        && !output.timed_out
+                        && self.cgroups.oom_kills(&self.cgroup) > oom_before;
+                    return Ok(output);
+                }
+                Reply::Failed(failure) => return Err(BoxError::Refused(failure.message)),
+                other => {
+                    return Err(BoxError::Refused(format!(
+                        "the agent answered a spawn with {other:?}"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Whether the box is still running.
+    pub fn is_alive(&self) -> bool {
+        self.channel.is_open()
+    }
+
+    /// Stops the box: every process in it is killed, its container, cgroup, layers and
+    /// folder removed.
+    pub async fn close(self) {
+        self.channel.close().await;
+        let (runtime, runtime_root, id, dir, pid) = (
+            self.runtime.clone(),
+            self.runtime_root.clone(),
+            self.id.clone(),
+            self.dir.clone(),
+            self.host_pid,
+        );
+        let _ =
+            tokio::task::spawn_blocking(move || destroy(&runtime, &runtime_root, &id, &dir, pid))
+                .await;
+    }
+}

@@ -1,0 +1,255 @@
+//! The jail of one box, as an OCI runtime configuration (`config.json` of a bundle): user,
+//! pid, mount, network, ipc, uts and cgroup namespaces; the box's uids mapped onto an
+//! unprivileged host range; a cgroup with memory (and swap), pids, cpu and io limits; fresh
+//! `/proc`, a minimal `/dev`, a size-capped `/tmp`, `/sys` read-only, `nosuid,nodev`
+//! everywhere; no_new_privs, a small capability set for the agent (the code's processes drop
+//! all of them) and a seccomp filter. A maintained runtime (runc) applies it.
+
+use serde_json::{Value, json};
+
+/// The limits of one box.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BoxLimits {
+    pub memory_bytes: u64,
+    /// CPUs' worth of time per period (1.5 = one and a half cores).
+    pub vcpus: f64,
+    pub pids: u64,
+    /// The size of the writable layer over the template (and of `/tmp`'s share of it).
+    pub disk_bytes: u64,
+    /// Relative CPU and io weight against other boxes (100 = normal).
+    pub weight: u16,
+}
+
+/// What the jail is built from.
+#[derive(Debug, Clone)]
+pub struct JailSpec<'a> {
+    pub hostname: &'a str,
+    /// Host path of the guest agent binary, bound read-only at `/.kiln/agent`.
+    pub agent: &'a str,
+    /// Host path of the workspace, bound read-write at `working_dir`.
+    pub workspace: Option<&'a str>,
+    pub working_dir: &'a str,
+    pub uid_base: u32,
+    pub limits: BoxLimits,
+    /// The cgroup path (relative to each hierarchy's root, or the v2 root).
+    pub cgroup: &'a str,
+}
+
+/// The capabilities the agent keeps (as the box's namespaced root), Docker's default set
+/// without NET_RAW, MKNOD, SYS_CHROOT and AUDIT_WRITE. Processes started as the box's user drop every capability;
+/// processes started as root (a per-sandbox option) keep these, inside the namespace only.
+const AGENT_CAPS: [&str; 10] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SETFCAP",
+];
+
+/// System calls refused with EPERM: mounting and namespace changes, kernel modules and
+/// kexec, bpf, perf, userfaultfd, the kernel keyring, ptrace and cross-process memory
+/// access, reboot and swap, clocks, handles that escape a mount namespace, accounting.
+pub const DENIED_SYSCALLS: [&str; 40] = [
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "iopl",
+    "ioperm",
+];
+
+const CLONE_NEWUSER: u64 = 0x1000_0000;
+const AF_PACKET: u64 = 17;
+
+fn seccomp() -> Value {
+    json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "syscalls": [
+            {"names": DENIED_SYSCALLS.to_vec(), "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM},
+            // New user namespaces, by clone's flags. clone3 hides its flags in memory a
+            // filter cannot read: it answers ENOSYS, and the C library falls back to clone.
+            {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
+             "args": [{"index": 0, "value": CLONE_NEWUSER, "valueTwo": CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]},
+            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS},
+            // Packet sockets see raw frames.
+            {"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
+             "args": [{"index": 0, "value": AF_PACKET, "op": "SCMP_CMP_EQ"}]},
+        ]
+    })
+}
+
+/// The bundle's `config.json`.
+pub fn config(spec: &JailSpec<'_>) -> Value {
+    let limits = spec.limits;
+    let period: u64 = 100_000;
+    let quota = (limits.vcpus * period as f64).round().max(1000.0) as u64;
+    let tmp_bytes = (limits.disk_bytes / 4).clamp(16 << 20, 1 << 30);
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc",
+               "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+               "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+               "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]}),
+        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+               "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
+        json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+               "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs",
+               "options": ["nosuid", "noexec", "nodev", "ro"]}),
+        json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+               "options": ["nosuid", "nodev", "mode=1777", format!("size={tmp_bytes}")]}),
+        json!({"destination": "/.kiln/agent", "type": "bind", "source": spec.agent,
+               "options": ["rbind", "ro", "nosuid", "nodev"]}),
+    ];
+    if let Some(workspace) = spec.workspace {
+        mounts.push(
+            json!({"destination": spec.working_dir, "type": "bind", "source": workspace,
+                           "options": ["rbind", "rw", "nosuid", "nodev"]}),
+        );
+    }
+    let caps = AGENT_CAPS.to_vec();
+    // A user namespace cannot raise a hard limit above kiln's own.
+    let nofile = {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+        limit.rlim_max.clamp(1024, 65536)
+    };
+    json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/.kiln/agent"],
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/",
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+            "rlimits": [
+                {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
+                {"type": "RLIMIT_CORE", "hard": 0u64, "soft": 0u64},
+            ],
+            "noNewPrivileges": true,
+            "oomScoreAdj": 500,
+        },
+        "root": {"path": "rootfs", "readonly": false},
+        "hostname": spec.hostname,
+        "mounts": mounts,
+        "linux": {
+            "uidMappings": [{"containerID": 0, "hostID": spec.uid_base, "size": 65536}],
+            "gidMappings": [{"containerID": 0, "hostID": spec.uid_base, "size": 65536}],
+            "namespaces": [
+                {"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "uts"},
+                {"type": "mount"}, {"type": "user"}, {"type": "cgroup"},
+            ],
+            "cgroupsPath": spec.cgroup,
+            "resources": {
+                "devices": [{"allow": false, "access": "rwm"}],
+                "memory": {"limit": limits.memory_bytes, "swap": limits.memory_bytes},
+                "pids": {"limit": limits.pids},
+                "cpu": {"quota": quota, "period": period,
+                        "shares": 1024 * u64::from(limits.weight.max(1)) / 100},
+                "blockIO": {"weight": limits.weight.clamp(10, 1000)},
+            },
+            "maskedPaths": [
+                "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+                "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+                "/sys/firmware", "/sys/devices/virtual/powercap",
+            ],
+            "readonlyPaths": [
+                "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+            ],
+            "seccomp": seccomp(),
+        },
+    })
+}
+
+/// Which cgroup hierarchy the host runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cgroups {
+    /// Only the unified v2 hierarchy (most production hosts).
+    V2,
+    /// v1 controllers (possibly beside a v2 mount with no controllers: "hybrid").
+    V1,
+}
+
+impl Cgroups {
+    /// Detects the host's layout.
+    pub fn detect() -> Cgroups {
+        if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            Cgroups::V2
+        } else {
+            Cgroups::V1
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cgroups::V2 => "v2",
+            Cgroups::V1 => "v1",
+        }
+    }
+
+    /// How many times the box's processes were killed for memory, from its cgroup.
+    pub fn oom_kills(self, cgroup: &str) -> u64 {
+        let cgroup = cgroup.trim_start_matches('/');
+        let (file, key) = match self {
+            Cgroups::V2 => (format!("/sys/fs/cgroup/{cgroup}/memory.events"), "oom_kill"),
+            Cgroups::V1 => (
+                format!("/sys/fs/cgroup/memory/{cgroup}/memory.oom_control"),
+                "oom_kill",
+            ),
+        };
+        std::fs::read_to_string(file)
+            .ok()
+            .and_then(|text| {
+                text.lines().find_map(|l| {
+                    let (k, v) = l.split_once(' ')?;
+                    (k == key).then(|| v.trim().parse().ok()).flatten()
+                })
+            })
+            .unwrap_or(0)
+    }
+}

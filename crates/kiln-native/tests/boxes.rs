@@ -1,0 +1,372 @@
+//! Live boxes, for real: a template built with debootstrap (cached in kiln's cache folder),
+//! boxes started by runc with the static agent as PID 1, commands through the agent, and
+//! attacks that must leave the host unharmed.
+//!
+//! These need root, runc, debootstrap and the static agent (`scripts/build-guest`);
+//! `scripts/test` provides them. Where they are missing the tests fail, saying what is
+//! missing, unless KILN_SKIP_LINUX=1 says to skip them.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use kiln_native::boxes::{BoxSpec, Boxes, BoxesConfig, Exec, ExecOutput, LiveBox};
+use kiln_native::builder::{Progress, Store, Template};
+use kiln_native::jail::BoxLimits;
+
+struct Stderr;
+
+impl Progress for Stderr {
+    fn step(&self, index: usize, total: usize, name: &str) {
+        eprintln!("[{index}/{total}] {name}");
+    }
+    fn line(&self, _: &str) {}
+}
+
+fn skip() -> bool {
+    std::env::var("KILN_SKIP_LINUX").is_ok_and(|v| v == "1")
+}
+
+fn cache() -> PathBuf {
+    std::env::var_os("KILN_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/kiln"))
+}
+
+fn store() -> Store {
+    Store {
+        root: cache().join("templates"),
+        mirror: Store::host_mirror(),
+        uid_base: 100_000,
+    }
+}
+
+/// The python template, built once (or found in the cache).
+fn python() -> &'static Template {
+    static TEMPLATE: OnceLock<Template> = OnceLock::new();
+    TEMPLATE.get_or_init(|| {
+        let definition = kiln_native::template::load(None)
+            .unwrap()
+            .into_iter()
+            .find(|d| d.name == "python")
+            .unwrap();
+        store().ensure(&definition, &Stderr).unwrap()
+    })
+}
+
+fn boxes() -> Boxes {
+    let agent = kiln_native::find_agent()
+        .or_else(|| {
+            let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../target/guest/release/kiln-guest");
+            kiln_native::is_static(&path).then_some(path)
+        })
+        .expect("the static guest agent is not built: run scripts/build-guest");
+    // One state folder per test: a new `Boxes` removes the boxes it finds in its folder.
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let state = std::env::temp_dir().join(format!(
+        "kiln-boxes-test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    Boxes::new(BoxesConfig {
+        state_dir: state,
+        agent,
+        runtime: "runc".into(),
+        uid_base: 100_000,
+    })
+    .unwrap()
+}
+
+fn limits() -> BoxLimits {
+    BoxLimits {
+        memory_bytes: 256 << 20,
+        vcpus: 1.0,
+        pids: 64,
+        disk_bytes: 64 << 20,
+        weight: 100,
+    }
+}
+
+async fn open(boxes: &Boxes, workspace: Option<PathBuf>) -> LiveBox {
+    boxes
+        .open(BoxSpec {
+            template: python().clone(),
+            workspace,
+            limits: limits(),
+        })
+        .await
+        .unwrap()
+}
+
+async fn sh(live: &LiveBox, script: &str) -> ExecOutput {
+    let mut exec = Exec::new(vec!["/bin/sh".into(), "-c".into(), script.into()]);
+    exec.timeout = Duration::from_secs(20);
+    live.exec(exec, |_, _| {}).await.unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_box_runs_python_as_its_user_in_its_workspace() {
+    if skip() {
+        return;
+    }
+    let boxes = boxes();
+    let workspace = tempfile::tempdir().unwrap();
+    let live = open(&boxes, Some(workspace.path().to_path_buf())).await;
+    let out = sh(&live, "echo hi").await;
+    assert_eq!(
+        (text(&out.stdout).as_str(), out.exit_code),
+        ("hi\n", Some(0))
+    );
+
+    let out = sh(
+        &live,
+        "python3 -c 'import os,sys; print(sys.version_info[:2], os.getuid(), os.getcwd())' \
+         && echo made > note.txt && id -un && exit 7",
+    )
+    .await;
+    assert_eq!(
+        text(&out.stdout),
+        "(3, 11) 1000 /workspace\nuser\n",
+        "{out:?}"
+    );
+    assert_eq!(out.exit_code, Some(7));
+    // The file is in the host's workspace folder.
+    assert_eq!(
+        std::fs::read_to_string(workspace.path().join("note.txt")).unwrap(),
+        "made\n"
+    );
+
+    // stdin reaches the command; stderr is kept apart.
+    let mut exec = Exec::new(vec![
+        "python3".into(),
+        "-c".into(),
+        "import sys; d=sys.stdin.read(); print(d.upper()); print('e', file=sys.stderr)".into(),
+    ]);
+    exec.stdin = b"piped in".to_vec();
+    let out = live.exec(exec, |_, _| {}).await.unwrap();
+    assert_eq!(
+        (text(&out.stdout), text(&out.stderr)),
+        ("PIPED IN\n".into(), "e\n".into())
+    );
+
+    // A timeout kills the command.
+    let mut exec = Exec::new(vec!["sleep".into(), "30".into()]);
+    exec.timeout = Duration::from_millis(300);
+    let out = live.exec(exec, |_, _| {}).await.unwrap();
+    assert!(
+        out.timed_out && out.signal == Some(libc::SIGKILL),
+        "{out:?}"
+    );
+
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_jail_holds_privileges_namespaces_and_syscalls() {
+    if skip() {
+        return;
+    }
+    let boxes = boxes();
+    let live = open(&boxes, None).await;
+    let out = sh(
+        &live,
+        "grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status; cat /proc/self/uid_map; \
+         hostname; ls /sys/class/net",
+    )
+    .await;
+    let got = text(&out.stdout);
+    for needle in [
+        "CapEff:\t0000000000000000",
+        "CapBnd:\t0000000000000000",
+        "NoNewPrivs:\t1",
+        "Seccomp:\t2",
+        "100000",
+        "kiln\n",
+        "lo\n",
+    ] {
+        assert!(got.contains(needle), "{needle:?} not in {got}");
+    }
+    assert!(!got.contains("eth"), "{got}");
+
+    // Refused, to the user and to the box's (namespaced) root alike: mount, new user
+    // namespaces, ptrace, device nodes, writes to /proc/sys and /sys, packet and raw
+    // sockets, setuid to root, the host's shadow file.
+    for root in [false, true] {
+        for (script, why) in [
+            (&syscall("mount(b'x', b'/tmp', b'tmpfs', 0, None)"), "mount"),
+            (&syscall("unshare(0x10000000)"), "userns"),
+            (&syscall("unshare(0x00020000)"), "mount ns"),
+            (&"mknod /tmp/null c 1 3".to_string(), "mknod"),
+            (&"echo 1 > /proc/sys/kernel/panic".to_string(), "proc/sys"),
+            (&"echo x > /sys/kernel/uevent_helper".to_string(), "sys"),
+            (
+                &"python3 -c 'import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)'"
+                    .to_string(),
+                "packet",
+            ),
+            (
+                &"python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)'"
+                    .to_string(),
+                "raw",
+            ),
+            (&syscall("ptrace(16, 1, 0, 0)"), "ptrace"),
+        ] {
+            let mut exec = Exec::new(vec!["/bin/sh".into(), "-c".into(), script.to_string()]);
+            exec.root = root;
+            let out = live.exec(exec, |_, _| {}).await.unwrap();
+            assert_ne!(
+                out.exit_code,
+                Some(0),
+                "{why} (root: {root}): {script} succeeded: {out:?}"
+            );
+            let said = text(&out.stderr).to_lowercase();
+            assert!(
+                [
+                    "not permitted",
+                    "permission denied",
+                    "read-only",
+                    "must be superuser"
+                ]
+                .iter()
+                .any(|n| said.contains(n)),
+                "{why} (root: {root}): {script} failed for another reason: {said}"
+            );
+        }
+    }
+    for script in [
+        "python3 -c 'import os; os.setuid(0)'",
+        "cat /etc/shadow",
+        "su -c id root < /dev/null",
+    ] {
+        let out = sh(&live, script).await;
+        assert_ne!(out.exit_code, Some(0), "{script} succeeded: {out:?}");
+    }
+    // No network: no route, no name resolution.
+    let out = sh(
+        &live,
+        "curl -sS -m 3 http://1.1.1.1/ || curl -sS -m 3 http://deb.debian.org/",
+    )
+    .await;
+    assert_ne!(out.exit_code, Some(0), "{out:?}");
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_hold_fork_bomb_memory_bomb_and_disk_fill() {
+    if skip() {
+        return;
+    }
+    let boxes = boxes();
+    let live = open(&boxes, None).await;
+
+    // Fork bomb: the pids limit stops it (the host can still start processes), the
+    // command's timeout kills its whole process group, and the box answers again.
+    let mut exec = Exec::new(vec![
+        "bash".into(),
+        "-c".into(),
+        "f(){ f|f & }; f; sleep 10".into(),
+    ]);
+    exec.timeout = Duration::from_secs(3);
+    let out = live.exec(exec, |_, _| {}).await.unwrap();
+    assert!(out.timed_out, "{out:?}");
+    assert!(
+        std::process::Command::new("true")
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = sh(&live, "echo alive").await;
+    assert_eq!(text(&out.stdout), "alive\n", "{out:?}");
+
+    // Memory bomb: only the allocating process dies, reported as out of memory.
+    let out = sh(
+        &live,
+        "python3 -c 'x = bytearray(400 << 20); print(len(x))'",
+    )
+    .await;
+    assert!(out.oom_killed || out.exit_code != Some(0), "{out:?}");
+    let mut exec = Exec::new(vec![
+        "python3".into(),
+        "-c".into(),
+        "x = bytearray(400 << 20)".into(),
+    ]);
+    exec.timeout = Duration::from_secs(20);
+    let out = live.exec(exec, |_, _| {}).await.unwrap();
+    assert!(out.oom_killed, "{out:?}");
+    assert_eq!(text(&sh(&live, "echo still").await.stdout), "still\n");
+
+    // Disk fill: ENOSPC inside, the host's free space unchanged.
+    let before = free_bytes("/");
+    let out = sh(
+        &live,
+        "dd if=/dev/zero of=/home/user/fill bs=1M count=200 2>&1; echo rc=$?",
+    )
+    .await;
+    let got = text(&out.stdout);
+    assert!(got.contains("No space left on device"), "{got}");
+    let after = free_bytes("/");
+    assert!(
+        before.abs_diff(after) < 32 << 20,
+        "host free space moved: {before} → {after}"
+    );
+
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_a_box_leaves_nothing_behind_and_boxes_do_not_see_each_other() {
+    if skip() {
+        return;
+    }
+    let boxes = boxes();
+    let a = open(&boxes, None).await;
+    let b = open(&boxes, None).await;
+    sh(&a, "echo secret > /home/user/a.txt; sleep 100 &").await;
+    let out = sh(&b, "ls /home/user; ps -e -o comm=").await;
+    let got = text(&out.stdout);
+    assert!(!got.contains("a.txt") && !got.contains("sleep"), "{got}");
+    // /proc/*/root leads only into the box itself.
+    let out = sh(
+        &b,
+        "ls /proc/1/root/home/user; ls /proc/*/root/ 2>/dev/null | grep -c kiln-boxes-test || true",
+    )
+    .await;
+    assert!(!text(&out.stdout).contains("a.txt"), "{out:?}");
+
+    let (pid, id) = (a.host_pid, a.id.clone());
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+    a.close().await;
+    b.close().await;
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the agent outlived close"
+    );
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&id), "a mount of {id} is left: {mounts}");
+    let leftover = std::process::Command::new("pgrep")
+        .args(["-f", "sleep 100"])
+        .output()
+        .unwrap();
+    assert!(leftover.stdout.is_empty(), "a box process outlived close");
+}
+
+/// A shell command calling libc's `call` through Python's ctypes; it fails with the errno's
+/// text when the call fails.
+fn syscall(call: &str) -> String {
+    format!(
+        "python3 -c \"import ctypes,os,sys; l=ctypes.CDLL(None, use_errno=True); \
+         sys.exit(os.strerror(ctypes.get_errno()) if l.{call} != 0 else 0)\""
+    )
+}
+
+fn free_bytes(path: &str) -> u64 {
+    let c = std::ffi::CString::new(path).unwrap();
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut stat) }, 0);
+    stat.f_bavail as u64 * stat.f_frsize as u64
+}
