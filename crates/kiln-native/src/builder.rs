@@ -76,6 +76,21 @@ impl Progress for Quiet {
     fn line(&self, _: &str) {}
 }
 
+const NODOC: &str = "path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/locale/*
+path-include /usr/share/locale/locale.alias
+";
+
+/// What debootstrap installed before the exclusions applied.
+const CLEAN: &str = "find /usr/share/doc -depth -type f ! -name copyright -delete; \
+    find /usr/share/doc -depth -type d -empty -delete; \
+    rm -rf /usr/share/man/* /usr/share/info/*; \
+    find /usr/share/locale -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} +; \
+    apt-get clean";
+
 const STEPS: [&str; 7] = [
     "debootstrap",
     "apt-get install",
@@ -199,6 +214,12 @@ impl Store {
             format!("deb {} {suite} main\n", self.mirror),
         )
         .map_err(|e| fail("apt-get install")(e.to_string()))?;
+        // Documentation, manual pages and translations are left out (copyright files stay).
+        std::fs::write(
+            rootfs.join("etc/dpkg/dpkg.cfg.d/01-kiln-nodoc"),
+            NODOC,
+        )
+        .map_err(|e| fail("apt-get install")(e.to_string()))?;
         if !definition.packages.is_empty() {
             let script = format!(
                 "apt-get update -q && apt-get install -y -q --no-install-recommends {}",
@@ -229,6 +250,7 @@ impl Store {
             installed_versions(&rootfs, &definition.versions).map_err(fail("post-install"))?;
 
         next("clean");
+        in_root(&rootfs, &debs, CLEAN, progress).map_err(fail("clean"))?;
         clean(&rootfs).map_err(fail("clean"))?;
 
         next("ownership");

@@ -226,16 +226,29 @@ impl Definition {
         let mut packages = self.packages.clone();
         packages.sort();
         packages.dedup();
-        let key = serde_json::json!({
-            "builder": BUILDER_VERSION,
-            "base": self.base,
-            "packages": packages,
-            "post_install": self.post_install,
-            "mirror": mirror,
-            "uid_base": uid_base,
-            "user": USER_UID,
-        });
-        hex::encode(Sha256::digest(key.to_string().as_bytes()))
+        // A struct, not a JSON map: its field order is fixed whatever serde_json features
+        // the build unifies (`preserve_order` would reorder a map and change the hash).
+        #[derive(Serialize)]
+        struct Key<'a> {
+            builder: u32,
+            base: &'a str,
+            packages: Vec<String>,
+            post_install: Option<&'a str>,
+            mirror: &'a str,
+            uid_base: u32,
+            user: u32,
+        }
+        let key = serde_json::to_string(&Key {
+            builder: BUILDER_VERSION,
+            base: &self.base,
+            packages,
+            post_install: self.post_install.as_deref(),
+            mirror,
+            uid_base,
+            user: USER_UID,
+        })
+        .unwrap_or_default();
+        hex::encode(Sha256::digest(key.as_bytes()))
     }
 }
 

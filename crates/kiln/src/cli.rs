@@ -41,11 +41,21 @@ pub enum Command {
         #[command(flatten)]
         exec: ExecArgs,
     },
-    /// Fetch, check and compile the runtimes now (otherwise done on first use).
+    /// Fetch, check and compile the runtimes now (otherwise done on first use); with
+    /// --template, build Linux templates instead (debootstrap and apt-get, as root).
     Setup {
         /// Only this language.
         #[arg(long, value_parser = parse_language)]
         lang: Option<Language>,
+        /// Build this Linux template (`debian`, `python`, `node`, `go`, an operator's, or
+        /// `all`); repeatable. An unchanged template is never rebuilt.
+        #[arg(long = "template")]
+        templates: Vec<String>,
+        /// Rebuild even if the template is built.
+        #[arg(long, requires = "templates")]
+        rebuild: bool,
+        #[command(flatten)]
+        linux: LinuxArgs,
     },
     /// Serve the platform HTTP API (sandboxes, exec, sessions, files, history; docs at /docs).
     Serve(ServeArgs),
@@ -243,6 +253,41 @@ pub struct ExecArgs {
     /// Print the whole result as JSON instead of the guest's output.
     #[arg(long)]
     pub json: bool,
+    /// Run in a fresh Linux box of this template (`debian`, `python`, `node`, `go`, …)
+    /// instead of WebAssembly: a command after `--`, or code with -c (python, javascript
+    /// via node, bash).
+    #[arg(long)]
+    pub template: Option<String>,
+    /// Run as the box's root (namespaced: it owns nothing outside the box) instead of its
+    /// unprivileged user.
+    #[arg(long, requires = "template")]
+    pub root: bool,
+    #[command(flatten)]
+    pub linux: LinuxArgs,
+    /// The command to run in the Linux box, after `--`.
+    #[arg(last = true, requires = "template")]
+    pub command: Vec<String>,
+}
+
+/// Where Linux templates and boxes live.
+#[derive(Debug, Clone, Args)]
+pub struct LinuxArgs {
+    /// A folder of template definitions (*.yaml) besides the shipped ones.
+    #[arg(long, env = "KILN_TEMPLATES_DIR")]
+    pub templates_dir: Option<PathBuf>,
+    /// Runtime state of live boxes (their bundles and mount points).
+    #[arg(long, env = "KILN_STATE_DIR", default_value = "/run/kiln")]
+    pub state_dir: PathBuf,
+    /// The host uid (and gid) a box's root maps to; a box's uids are this and the 65535
+    /// above it, owned by no one on the host.
+    #[arg(long, env = "KILN_UID_BASE", default_value_t = 100_000)]
+    pub uid_base: u32,
+    /// The OCI container runtime that starts boxes.
+    #[arg(long, env = "KILN_CONTAINER_RUNTIME", default_value = "runc")]
+    pub container_runtime: PathBuf,
+    /// The Debian mirror templates are built from (default: the host's apt mirror).
+    #[arg(long, env = "KILN_DEBIAN_MIRROR")]
+    pub debian_mirror: Option<String>,
 }
 
 impl ExecArgs {

@@ -11,6 +11,7 @@ mod bench_rest;
 mod bench_runner;
 mod cli;
 mod config;
+mod linux_cmd;
 mod progress;
 mod rest_cmd;
 mod runner_cmd;
@@ -137,6 +138,7 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
             print!("{}", config::show(file, &command)?);
             Ok(ExitCode::SUCCESS)
         }
+        Command::Exec(args) if args.template.is_some() => linux_cmd::exec(&args),
         Command::Exec(args) => {
             let code = args
                 .code
@@ -146,7 +148,13 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
             exec(language, code, &args)
         }
         Command::Run { file, exec: args } => run_file(&file, &args),
-        Command::Setup { lang } => setup(lang),
+        Command::Setup {
+            templates,
+            rebuild,
+            linux,
+            ..
+        } if !templates.is_empty() => linux_cmd::setup(&templates, rebuild, &linux),
+        Command::Setup { lang, .. } => setup(lang),
         Command::Bench(args) => bench::run(args),
         Command::Rest(args) => rest_cmd::run(args),
         Command::Runner(args) => runner_cmd::run(args),

@@ -1,0 +1,296 @@
+//! `kiln setup --template` and `kiln exec --template`: Linux templates and boxes from the
+//! terminal.
+
+use std::io::{IsTerminal, Read, Write};
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use kiln_native::boxes::{BoxSpec, Boxes, BoxesConfig, Exec};
+use kiln_native::builder::{Store, Template};
+use kiln_native::jail::BoxLimits;
+use kiln_native::template::Definition;
+
+use crate::cli::{ExecArgs, LinuxArgs};
+
+/// The template store in kiln's cache folder.
+pub fn store(linux: &LinuxArgs) -> Store {
+    Store {
+        root: crate::config::cache_dir().root().join("templates"),
+        mirror: linux
+            .debian_mirror
+            .clone()
+            .unwrap_or_else(Store::host_mirror),
+        uid_base: linux.uid_base,
+    }
+}
+
+/// Every template definition: the shipped ones and the operator's folder.
+pub fn definitions(linux: &LinuxArgs) -> anyhow::Result<Vec<Definition>> {
+    Ok(kiln_native::template::load(linux.templates_dir.as_deref())?)
+}
+
+fn definition(linux: &LinuxArgs, name: &str) -> anyhow::Result<Definition> {
+    let all = definitions(linux)?;
+    let names: Vec<String> = all.iter().map(|d| d.name.clone()).collect();
+    all.into_iter().find(|d| d.name == name).with_context(|| {
+        format!(
+            "no Linux template is named {name:?}; defined: {}",
+            names.join(", ")
+        )
+    })
+}
+
+/// The live boxes of this process.
+pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
+    let agent = kiln_native::find_agent().context(
+        "the guest agent is not built: run scripts/build-guest (or set KILN_GUEST to a static kiln-guest)",
+    )?;
+    Ok(Boxes::new(BoxesConfig {
+        state_dir: linux.state_dir.clone(),
+        agent,
+        runtime: linux.container_runtime.clone(),
+        uid_base: linux.uid_base,
+    })?)
+}
+
+/// A build's progress: a spinner with the step and the tool's last line on a terminal,
+/// one line per step otherwise.
+struct BuildProgress {
+    name: String,
+    bar: Mutex<Option<ProgressBar>>,
+}
+
+impl BuildProgress {
+    fn new(name: &str) -> BuildProgress {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new_spinner();
+            bar.set_style(
+                ProgressStyle::with_template("{spinner:.cyan} {prefix} {wide_msg} [{elapsed}]")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            );
+            bar.enable_steady_tick(Duration::from_millis(120));
+            bar
+        });
+        BuildProgress {
+            name: name.to_string(),
+            bar: Mutex::new(bar),
+        }
+    }
+
+    fn finish(&self, message: &str) {
+        match self.bar.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(bar) => bar.finish_with_message(message.to_string()),
+            None => eprintln!("kiln: {message}"),
+        }
+    }
+}
+
+impl kiln_native::builder::Progress for BuildProgress {
+    fn step(&self, index: usize, total: usize, step: &str) {
+        let prefix = format!("building the {} template [{index}/{total}] {step}", self.name);
+        match &*self.bar.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(bar) => {
+                bar.set_prefix(prefix);
+                bar.set_message("");
+            }
+            None => eprintln!("kiln: {prefix}"),
+        }
+    }
+
+    fn line(&self, line: &str) {
+        if let Some(bar) = &*self.bar.lock().unwrap_or_else(|e| e.into_inner()) {
+            bar.set_message(line.chars().take(100).collect::<String>());
+        }
+    }
+}
+
+fn ensure(store: &Store, definition: &Definition, rebuild: bool) -> anyhow::Result<Template> {
+    if !rebuild && let Some(template) = store.find(definition) {
+        return Ok(template);
+    }
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "building the {} template needs root (debootstrap, chroot and the uid shift)",
+            definition.name
+        );
+    }
+    let progress = BuildProgress::new(&definition.name);
+    match store.build(definition, &progress) {
+        Ok(template) => {
+            progress.finish(&format!(
+                "✓ {} template built in {:.0} s ({} MiB)",
+                definition.name,
+                template.built.build_seconds,
+                template.built.size_bytes >> 20
+            ));
+            Ok(template)
+        }
+        Err(e) => {
+            progress.finish(&format!("✗ {} template", definition.name));
+            Err(e.into())
+        }
+    }
+}
+
+/// `kiln setup --template NAME…`.
+pub fn setup(names: &[String], rebuild: bool, linux: &LinuxArgs) -> anyhow::Result<ExitCode> {
+    let store = store(linux);
+    let wanted: Vec<Definition> = if names.iter().any(|n| n == "all") {
+        definitions(linux)?
+    } else {
+        names
+            .iter()
+            .map(|name| definition(linux, name))
+            .collect::<anyhow::Result<_>>()?
+    };
+    for definition in &wanted {
+        let template = ensure(&store, definition, rebuild)?;
+        let versions: Vec<String> = template
+            .built
+            .versions
+            .iter()
+            .map(|(package, version)| format!("{package} {version}"))
+            .collect();
+        eprintln!(
+            "kiln: template {} ready: {} ({})",
+            definition.name,
+            template.rootfs.display(),
+            versions.join(", ")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The argv that runs `code` in a template's default language.
+fn code_argv(definition: &Definition, args: &ExecArgs, code: &str) -> anyhow::Result<Vec<String>> {
+    let language = match args.lang {
+        Some(language) => language.name().to_string(),
+        None => definition
+            .languages
+            .first()
+            .cloned()
+            .unwrap_or_else(|| "bash".into()),
+    };
+    let argv: Vec<&str> = match language.as_str() {
+        "python" => vec!["python3", "-c", code],
+        "javascript" => vec!["node", "-e", code],
+        "bash" => vec!["bash", "-c", code],
+        "go" => bail!(
+            "Go code needs a file: put main.go in a --workspace and run `-- go run main.go`"
+        ),
+        other => bail!("the {} template does not run {other} code", definition.name),
+    };
+    Ok(argv.into_iter().map(String::from).collect())
+}
+
+/// `kiln exec --template NAME -- COMMAND…` (or `-c CODE`): one command in a fresh box.
+pub fn exec(args: &ExecArgs) -> anyhow::Result<ExitCode> {
+    let name = args.template.as_deref().unwrap_or_default();
+    let definition = definition(&args.linux, name)?;
+    let argv = match (&args.code, args.command.is_empty()) {
+        (Some(_), false) => bail!("give a command after -- or code with -c, not both"),
+        (Some(code), true) => code_argv(&definition, args, code)?,
+        (None, false) => args.command.clone(),
+        (None, true) => bail!("nothing to run: give a command after -- or code with -c"),
+    };
+    if !args.mounts.is_empty() {
+        bail!("--mount is not supported in Linux boxes yet; use --workspace");
+    }
+    let template = ensure(&store(&args.linux), &definition, false)?;
+    let boxes = boxes(&args.linux)?;
+    let resources = definition.resources;
+    let limits = BoxLimits {
+        memory_bytes: args.memory.unwrap_or(resources.memory_mb << 20),
+        vcpus: resources.vcpus,
+        pids: resources.pids,
+        disk_bytes: resources.disk_mb << 20,
+        weight: 100,
+    };
+    let mut exec = Exec::new(argv);
+    exec.env = args.env_pairs()?;
+    exec.root = args.root;
+    exec.timeout = Duration::from_millis(args.timeout.unwrap_or(30_000));
+    exec.max_output = args.max_output.unwrap_or(1 << 20) as usize;
+    if !std::io::stdin().is_terminal() {
+        std::io::stdin()
+            .read_to_end(&mut exec.stdin)
+            .context("reading stdin")?;
+    }
+    let workspace = match &args.workspace {
+        Some(dir) => Some(
+            dir.canonicalize()
+                .with_context(|| format!("the workspace {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let json = args.json;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let output = runtime.block_on(async {
+        let live = boxes
+            .open(BoxSpec {
+                template,
+                workspace,
+                limits,
+            })
+            .await?;
+        let result = live
+            .exec(exec, |stderr, data| {
+                if json {
+                    return;
+                }
+                let _ = if stderr {
+                    std::io::stderr().write_all(data)
+                } else {
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(data).and_then(|()| out.flush())
+                };
+            })
+            .await;
+        live.close().await;
+        anyhow::Ok(result?)
+    })?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "stdout": String::from_utf8_lossy(&output.stdout),
+                "stderr": String::from_utf8_lossy(&output.stderr),
+                "exit_code": output.exit_code,
+                "signal": output.signal,
+                "timed_out": output.timed_out,
+                "oom_killed": output.oom_killed,
+                "stdout_truncated": output.stdout_truncated,
+                "stderr_truncated": output.stderr_truncated,
+                "template": definition.name,
+            })
+        );
+    }
+    if output.timed_out {
+        eprintln!(
+            "kiln: the command ran past its time limit ({} ms) and was killed",
+            exec_timeout(args)
+        );
+        return Ok(ExitCode::from(crate::exit_codes::TIMED_OUT));
+    }
+    if output.oom_killed {
+        eprintln!(
+            "kiln: the command was killed for memory: the box's limit is {} MiB",
+            limits.memory_bytes >> 20
+        );
+        return Ok(ExitCode::from(crate::exit_codes::MEMORY_LIMIT));
+    }
+    Ok(ExitCode::from(match (output.exit_code, output.signal) {
+        (Some(code), _) => (code & 0xff) as u8,
+        (None, Some(signal)) => (128 + signal).min(255) as u8,
+        (None, None) => crate::exit_codes::CRASHED,
+    }))
+}
+
+fn exec_timeout(args: &ExecArgs) -> u64 {
+    args.timeout.unwrap_or(30_000)
+}
