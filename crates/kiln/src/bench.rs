@@ -52,7 +52,7 @@ fn private_memory_bytes() -> anyhow::Result<u64> {
     Ok(kib * 1024)
 }
 
-type Report = serde_json::Map<String, serde_json::Value>;
+pub(crate) type Report = serde_json::Map<String, serde_json::Value>;
 
 /// Whether a figure was asked for: by a prefix in `--only`, or by default (no `--only`).
 fn wanted(args: &BenchArgs, name: &str) -> bool {
@@ -101,6 +101,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         cli_process(n, &mut report)?;
     }
     servers(&args, n, &mut report)?;
+    // Linux boxes: only when asked for (they need root and a built template).
+    if named(&args, "native") {
+        crate::bench_native::run(&args, n, &mut report)?;
+    }
     println!(
         "{}",
         serde_json::to_string_pretty(&serde_json::Value::Object(report))?

@@ -353,6 +353,11 @@ pub struct BenchArgs {
     /// `python_oneshot,cli`.
     #[arg(long)]
     pub only: Option<String>,
+    /// Linux boxes held open for the idle-memory measurement (`--only native`).
+    #[arg(long, default_value_t = 200)]
+    pub boxes: usize,
+    #[command(flatten)]
+    pub linux: LinuxArgs,
 }
 
 fn parse_language(text: &str) -> Result<Language, String> {

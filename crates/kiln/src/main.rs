@@ -6,6 +6,7 @@ mod bench_agent;
 mod bench_child;
 mod bench_fair;
 mod bench_history;
+mod bench_native;
 mod bench_http;
 mod bench_rest;
 mod bench_runner;

@@ -1,0 +1,206 @@
+//! `kiln bench --only native`: Linux boxes. Creating a box from a built template, `echo hi`
+//! and `python3 -c 'print(1)'` in a live box, closing it, host memory per idle box, the
+//! template's build time (first and cached), `kiln exec --template` as a whole process, and
+//! plain `python3` on the host in the same run for comparison.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use kiln_native::boxes::{BoxSpec, Exec, LiveBox};
+use kiln_native::jail::BoxLimits;
+use serde_json::json;
+
+use crate::bench::{Report, micros, summary};
+use crate::cli::BenchArgs;
+
+fn mem_available() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}
+
+fn pss(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("Pss:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}
+
+async fn run_ok(live: &LiveBox, argv: &[&str], expect: &str) -> anyhow::Result<Duration> {
+    let exec = Exec::new(argv.iter().map(|s| s.to_string()).collect());
+    let t = Instant::now();
+    let out = live.exec(exec, |_, _| {}).await?;
+    let took = t.elapsed();
+    anyhow::ensure!(
+        out.stdout == expect.as_bytes() && out.exit_code == Some(0),
+        "{argv:?} gave {out:?}"
+    );
+    Ok(took)
+}
+
+pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        report.insert(
+            "native".into(),
+            json!({"skipped": "Linux boxes need kiln to run as root"}),
+        );
+        return Ok(());
+    }
+    let linux = &args.linux;
+    let store = crate::linux_cmd::store(linux);
+    let definition = crate::linux_cmd::definitions(linux)?
+        .into_iter()
+        .find(|d| d.name == "python")
+        .context("no python template is defined")?;
+    let Some(template) = store.find(&definition) else {
+        report.insert(
+            "native".into(),
+            json!({"skipped": "the python template is not built: kiln setup --template python"}),
+        );
+        return Ok(());
+    };
+    let mut lookups = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        anyhow::ensure!(store.find(&definition).is_some());
+        lookups.push(micros(t.elapsed()));
+    }
+    report.insert(
+        "native_template_build".into(),
+        json!({
+            "template": "python",
+            "first_build_s": (template.built.build_seconds * 10.0).round() / 10.0,
+            "size_mib": template.built.size_bytes >> 20,
+            "cached_lookup": summary(lookups),
+        }),
+    );
+    let boxes = crate::linux_cmd::boxes(linux)?;
+    let limits = BoxLimits {
+        memory_bytes: 256 << 20,
+        vcpus: 1.0,
+        pids: 128,
+        disk_bytes: 256 << 20,
+        weight: 100,
+    };
+    let spec = BoxSpec {
+        template,
+        workspace: None,
+        limits,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let idle = args.boxes;
+    rt.block_on(async {
+        // Create and close.
+        let (mut creates, mut closes) = (Vec::new(), Vec::new());
+        for i in 0..(n / 4).clamp(10, 50) + 2 {
+            let t = Instant::now();
+            let live = boxes.open(spec.clone()).await?;
+            let created = t.elapsed();
+            let t = Instant::now();
+            live.close().await;
+            if i >= 2 {
+                creates.push(micros(created));
+                closes.push(micros(t.elapsed()));
+            }
+        }
+        report.insert("native_create".into(), summary(creates));
+        report.insert("native_close".into(), summary(closes));
+
+        // Commands in a live box.
+        let live = boxes.open(spec.clone()).await?;
+        let mut echo = Vec::new();
+        for i in 0..n + 5 {
+            let took = run_ok(&live, &["echo", "hi"], "hi\n").await?;
+            if i >= 5 {
+                echo.push(micros(took));
+            }
+        }
+        report.insert("native_echo".into(), summary(echo));
+        let mut python = Vec::new();
+        for i in 0..(n / 4).max(10) + 3 {
+            let took = run_ok(&live, &["python3", "-c", "print(1)"], "1\n").await?;
+            if i >= 3 {
+                python.push(micros(took));
+            }
+        }
+        report.insert("native_python".into(), summary(python));
+        live.close().await;
+
+        // Idle boxes: host memory per box (MemAvailable's drop, which counts the kernel's
+        // share too) and the agents' proportional set size.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let before = mem_available();
+        let mut open = Vec::new();
+        for _ in 0..idle {
+            open.push(boxes.open(spec.clone()).await?);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let after = mem_available();
+        let agents: u64 = open.iter().map(|b| pss(b.host_pid)).sum();
+        let t = Instant::now();
+        for live in open {
+            live.close().await;
+        }
+        let close_all = t.elapsed();
+        let per_box = before.saturating_sub(after) / idle.max(1) as u64;
+        report.insert(
+            "native_idle_boxes".into(),
+            json!({
+                "boxes": idle,
+                "host_memory_per_box_mib": (per_box as f64 / 1048576.0 * 100.0).round() / 100.0,
+                "agent_pss_per_box_mib": (agents as f64 / idle.max(1) as f64 / 1048576.0 * 100.0).round() / 100.0,
+                "close_all_s": (close_all.as_secs_f64() * 100.0).round() / 100.0,
+            }),
+        );
+        anyhow::Ok(())
+    })?;
+
+    // Whole processes: kiln exec in a fresh box, and plain python3 on the host.
+    let exe = std::env::current_exe()?;
+    let mut cli = Vec::new();
+    let mut plain = Vec::new();
+    for i in 0..(n / 10).max(10) + 2 {
+        let t = Instant::now();
+        let status = Command::new(&exe)
+            .args(["exec", "--template", "python", "--", "python3", "-c", "print(1)"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .status()?;
+        anyhow::ensure!(status.success(), "kiln exec --template failed: {status}");
+        let took = t.elapsed();
+        let t = Instant::now();
+        let host = Command::new(if std::path::Path::new("/usr/bin/python3").exists() { "/usr/bin/python3" } else { "python3" })
+            .args(["-c", "print(1)"])
+            .stdout(Stdio::null())
+            .status();
+        let host_took = t.elapsed();
+        if i >= 2 {
+            cli.push(micros(took));
+            if host.is_ok_and(|s| s.success()) {
+                plain.push(micros(host_took));
+            }
+        }
+    }
+    report.insert("native_cli_exec_process".into(), summary(cli));
+    if !plain.is_empty() {
+        report.insert("host_python3_process".into(), summary(plain));
+    }
+    Ok(())
+}
