@@ -215,11 +215,8 @@ impl Store {
         )
         .map_err(|e| fail("apt-get install")(e.to_string()))?;
         // Documentation, manual pages and translations are left out (copyright files stay).
-        std::fs::write(
-            rootfs.join("etc/dpkg/dpkg.cfg.d/01-kiln-nodoc"),
-            NODOC,
-        )
-        .map_err(|e| fail("apt-get install")(e.to_string()))?;
+        std::fs::write(rootfs.join("etc/dpkg/dpkg.cfg.d/01-kiln-nodoc"), NODOC)
+            .map_err(|e| fail("apt-get install")(e.to_string()))?;
         if !definition.packages.is_empty() {
             let script = format!(
                 "apt-get update -q && apt-get install -y -q --no-install-recommends {}",

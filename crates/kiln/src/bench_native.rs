@@ -179,17 +179,29 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
     for i in 0..(n / 10).max(10) + 2 {
         let t = Instant::now();
         let status = Command::new(&exe)
-            .args(["exec", "--template", "python", "--", "python3", "-c", "print(1)"])
+            .args([
+                "exec",
+                "--template",
+                "python",
+                "--",
+                "python3",
+                "-c",
+                "print(1)",
+            ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .status()?;
         anyhow::ensure!(status.success(), "kiln exec --template failed: {status}");
         let took = t.elapsed();
         let t = Instant::now();
-        let host = Command::new(if std::path::Path::new("/usr/bin/python3").exists() { "/usr/bin/python3" } else { "python3" })
-            .args(["-c", "print(1)"])
-            .stdout(Stdio::null())
-            .status();
+        let host = Command::new(if std::path::Path::new("/usr/bin/python3").exists() {
+            "/usr/bin/python3"
+        } else {
+            "python3"
+        })
+        .args(["-c", "print(1)"])
+        .stdout(Stdio::null())
+        .status();
         let host_took = t.elapsed();
         if i >= 2 {
             cli.push(micros(took));

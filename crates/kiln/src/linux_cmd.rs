@@ -90,7 +90,10 @@ impl BuildProgress {
 
 impl kiln_native::builder::Progress for BuildProgress {
     fn step(&self, index: usize, total: usize, step: &str) {
-        let prefix = format!("building the {} template [{index}/{total}] {step}", self.name);
+        let prefix = format!(
+            "building the {} template [{index}/{total}] {step}",
+            self.name
+        );
         match &*self.bar.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(bar) => {
                 bar.set_prefix(prefix);
@@ -178,9 +181,9 @@ fn code_argv(definition: &Definition, args: &ExecArgs, code: &str) -> anyhow::Re
         "python" => vec!["python3", "-c", code],
         "javascript" => vec!["node", "-e", code],
         "bash" => vec!["bash", "-c", code],
-        "go" => bail!(
-            "Go code needs a file: put main.go in a --workspace and run `-- go run main.go`"
-        ),
+        "go" => {
+            bail!("Go code needs a file: put main.go in a --workspace and run `-- go run main.go`")
+        }
         other => bail!("the {} template does not run {other} code", definition.name),
     };
     Ok(argv.into_iter().map(String::from).collect())
