@@ -249,10 +249,34 @@ fn handle(agent: &Arc<Agent>, Request { id, op }: Request) {
         }
         Op::Connect { port } => {
             let worker = agent.clone();
-            if let Err(failure) = thread(move || connect(&worker, id, port)) {
+            if let Err(failure) = thread(move || match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(stream) => {
+                    send(&worker.out, id, Reply::Connected);
+                    carry(&worker, id, stream);
+                }
+                Err(e) => send(
+                    &worker.out,
+                    id,
+                    Reply::Failed(Failure::io(&format!("connecting to port {port}"), &e)),
+                ),
+            }) {
                 send(&agent.out, id, Reply::Failed(failure));
             }
         }
+        Op::Listen { port } => match std::net::TcpListener::bind(("127.0.0.1", port)) {
+            Ok(listener) => {
+                send(&agent.out, id, Reply::Listening);
+                let worker = agent.clone();
+                if let Err(failure) = thread(move || accept(&worker, id, listener)) {
+                    send(&agent.out, id, Reply::Failed(failure));
+                }
+            }
+            Err(e) => send(
+                &agent.out,
+                id,
+                Reply::Failed(Failure::io(&format!("listening on port {port}"), &e)),
+            ),
+        },
         file_op => {
             let out = agent.out.clone();
             if let Err(failure) = thread(move || files::serve(&out, id, file_op)) {
@@ -488,22 +512,25 @@ fn pump(agent: &Agent, id: u64, stderr: bool, fd: OwnedFd) {
     agent.stream_closed(id);
 }
 
-/// Carries a TCP connection to a port inside the box.
-fn connect(agent: &Agent, id: u64, port: u16) {
-    let stream = match TcpStream::connect(("127.0.0.1", port)) {
-        Ok(stream) => stream,
-        Err(e) => {
-            send(
-                &agent.out,
-                id,
-                Reply::Failed(Failure::io(&format!("connecting to port {port}"), &e)),
-            );
-            return;
-        }
-    };
+/// Accepts connections on a listener, each carried as a stream of its own.
+fn accept(agent: &Arc<Agent>, id: u64, listener: std::net::TcpListener) {
+    let mut next = 0u64;
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        next += 1;
+        let conn = proto::AGENT_ID_BIT | (id << 24) | (next & 0xff_ffff);
+        send(&agent.out, id, Reply::Accepted { conn });
+        let worker = agent.clone();
+        // A box at its pids limit: the connection is dropped (its client sees it close).
+        let _ = thread(move || carry(&worker, conn, stream));
+    }
+}
+
+/// Carries a TCP connection over the channel as stream `id`: the peer's bytes go out as
+/// `Output`, `Stdin` frames to `id` come in, and `Closed` ends it.
+fn carry(agent: &Agent, id: u64, stream: TcpStream) {
     let (tx, rx) = mpsc::channel::<Vec<u8>>();
     agent.table().conns.insert(id, tx);
-    send(&agent.out, id, Reply::Connected);
     if let Ok(mut write_half) = stream.try_clone() {
         let _ = thread(move || {
             for data in rx {

@@ -117,7 +117,17 @@ pub enum Op {
     /// [`Reply::Connected`], then [`Reply::Output`] with what the peer sends, then
     /// [`Reply::Closed`]. The host writes to it with [`Op::Stdin`].
     Connect { port: u16 },
+    /// Listens on `127.0.0.1:port` inside the box: answered [`Reply::Listening`], then a
+    /// [`Reply::Accepted`] for each connection a process in the box makes. Each accepted
+    /// connection is a stream of its own, with the id the agent gives it: its bytes come as
+    /// [`Reply::Output`] with that id, its end as [`Reply::Closed`]; the host writes to it
+    /// with [`Op::Stdin`] to that id. (Kiln carries the box's proxied connections so.)
+    Listen { port: u16 },
 }
+
+/// Ids the agent gives accepted connections have this bit set; the host's request ids never
+/// do.
+pub const AGENT_ID_BIT: u64 = 1 << 63;
 
 fn default_mode() -> u32 {
     0o644
@@ -222,6 +232,10 @@ pub enum Reply {
     Connected,
     /// A connection is closed.
     Closed,
+    /// The agent listens.
+    Listening,
+    /// A connection arrived on a listener: its stream's id.
+    Accepted { conn: u64 },
     /// The request succeeded (and needs no other answer).
     Done,
     /// The request failed.

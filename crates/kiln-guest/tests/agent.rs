@@ -353,3 +353,65 @@ fn malformed_and_oversized_frames_are_answered_or_end_the_channel() {
     let status = agent.child.wait().unwrap();
     assert!(!status.success());
 }
+
+#[test]
+fn a_listener_carries_each_accepted_connection_as_its_own_stream() {
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let mut agent = Agent::start();
+    let listen = agent.send(Op::Listen { port });
+    assert_eq!(
+        agent.recv(),
+        Response {
+            id: listen,
+            reply: Reply::Listening
+        }
+    );
+    let client = std::thread::spawn(move || {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream.write_all(b"ping").unwrap();
+        let mut back = String::new();
+        std::io::Read::read_to_string(&mut stream, &mut back).unwrap();
+        back
+    });
+    let Response {
+        id,
+        reply: Reply::Accepted { conn },
+    } = agent.recv()
+    else {
+        panic!("no accept")
+    };
+    assert_eq!(id, listen);
+    assert_ne!(conn & proto::AGENT_ID_BIT, 0);
+    let mut got = Vec::new();
+    while got.len() < 4 {
+        let Response { id, reply } = agent.recv();
+        assert_eq!(id, conn);
+        let Reply::Output { data, .. } = reply else {
+            panic!("{reply:?}")
+        };
+        got.extend(data);
+    }
+    assert_eq!(got, b"ping");
+    agent.send(Op::Stdin {
+        target: conn,
+        data: b"pong".to_vec(),
+        eof: true,
+    });
+    assert_eq!(client.join().unwrap(), "pong");
+    assert_eq!(
+        agent.recv(),
+        Response {
+            id: conn,
+            reply: Reply::Closed
+        }
+    );
+
+    // A port in use is a clear failure.
+    let again = agent.send(Op::Listen { port });
+    assert!(
+        matches!(&agent.until_end(again)[..], [Reply::Failed(f)] if f.message.contains("listening"))
+    );
+}

@@ -15,11 +15,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use kiln_guest::proto::{Credentials, Op, Reply, Spawn};
 
 use crate::builder::Template;
 use crate::channel::{Channel, ChannelClosed};
 use crate::jail::{self, BoxLimits, Cgroups};
+use crate::proxy::{self, Allowlist};
 use crate::template::{USER_HOME, USER_NAME, USER_UID};
 
 /// How long a box's agent has to answer its first hello.
@@ -71,7 +74,27 @@ pub struct BoxSpec {
     /// A host folder bound at the template's working dir.
     pub workspace: Option<PathBuf>,
     pub limits: BoxLimits,
+    /// `None`: no network at all. Otherwise the names its proxy lets it reach.
+    pub network: Option<Arc<Allowlist>>,
+    /// A host CA bundle bound over the box's (for hosts behind a TLS-inspecting proxy).
+    pub ca_bundle: Option<PathBuf>,
 }
+
+impl BoxSpec {
+    /// A box of `template` with no workspace and no network.
+    pub fn new(template: Template, limits: BoxLimits) -> BoxSpec {
+        BoxSpec {
+            template,
+            workspace: None,
+            limits,
+            network: None,
+            ca_bundle: None,
+        }
+    }
+}
+
+/// Where a box's CA bundle is (Debian's).
+const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 /// One command to run in a box.
 #[derive(Debug, Clone)]
@@ -124,7 +147,9 @@ pub struct ExecOutput {
 pub struct LiveBox {
     pub id: String,
     dir: PathBuf,
-    channel: Channel,
+    channel: Arc<Channel>,
+    /// Proxy variables and CA paths every command gets.
+    network_env: Vec<(String, String)>,
     cgroup: String,
     cgroups: Cgroups,
     runtime: PathBuf,
@@ -279,7 +304,7 @@ impl Boxes {
         let stream = tokio::net::UnixStream::from_std(std_stream)
             .map_err(|e| start_err("channel")(e.to_string()))?;
         let (read, write) = stream.into_split();
-        let channel = Channel::new(read, write);
+        let channel = Arc::new(Channel::new(read, write));
         let mut hello = channel.call(Op::Hello).await?;
         match tokio::time::timeout(HELLO_TIMEOUT, hello.next()).await {
             Ok(Some(Reply::Hello { .. })) => {}
@@ -296,9 +321,32 @@ impl Boxes {
                 )));
             }
         }
+        let mut network_env = Vec::new();
+        if let Some(allow) = &spec.network {
+            let accepted = channel.listen(proxy::PROXY_PORT).await?;
+            tokio::spawn(proxy::serve(channel.clone(), accepted, allow.clone()));
+            let url = format!("http://127.0.0.1:{}", proxy::PROXY_PORT);
+            for key in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"] {
+                network_env.push((key.to_string(), url.clone()));
+            }
+            for key in ["no_proxy", "NO_PROXY"] {
+                network_env.push((key.to_string(), "localhost,127.0.0.1,::1".to_string()));
+            }
+        }
+        if spec.ca_bundle.is_some() {
+            for key in [
+                "SSL_CERT_FILE",
+                "REQUESTS_CA_BUNDLE",
+                "PIP_CERT",
+                "NODE_EXTRA_CA_CERTS",
+            ] {
+                network_env.push((key.to_string(), CA_BUNDLE.to_string()));
+            }
+        }
         let mut made = made;
         made.armed = false;
         Ok(LiveBox {
+            network_env,
             cgroup: cgroup_path(&id),
             id,
             dir,
@@ -363,9 +411,14 @@ impl Boxes {
         }
         let agent = self.config.agent.to_string_lossy().into_owned();
         let cgroup = cgroup_path(id);
+        let ca_bundle = spec
+            .ca_bundle
+            .as_ref()
+            .map(|p| (p.to_string_lossy().into_owned(), CA_BUNDLE.to_string()));
         let config = jail::config(&jail::JailSpec {
             hostname: "kiln",
             agent: &agent,
+            read_only: ca_bundle.as_slice(),
             workspace: workspace.as_deref(),
             working_dir: &spec.template.definition.working_dir,
             uid_base: base,
@@ -509,7 +562,9 @@ impl LiveBox {
         let mut env = vec![
             (
                 "PATH".to_string(),
-                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+                format!(
+                    "{home}/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+                ),
             ),
             ("HOME".into(), home.into()),
             ("USER".into(), user.into()),
@@ -525,6 +580,9 @@ impl LiveBox {
             env.push((key.to_string(), value.to_string()));
         };
         for (key, value) in &self.template.definition.env {
+            set(key, value);
+        }
+        for (key, value) in &self.network_env {
             set(key, value);
         }
         for (key, value) in &exec.env {

@@ -9,7 +9,13 @@ use kiln_guest::proto::{self, FrameError, Op, Reply, Request, Response};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-type Routes = std::sync::Arc<Mutex<Option<HashMap<u64, mpsc::UnboundedSender<Reply>>>>>;
+/// Where one request's replies go; a listener's also get each accepted connection's stream.
+struct Route {
+    tx: mpsc::UnboundedSender<Reply>,
+    accepts: Option<mpsc::UnboundedSender<Replies>>,
+}
+
+type Routes = std::sync::Arc<Mutex<Option<HashMap<u64, Route>>>>;
 
 /// One agent's channel.
 pub struct Channel {
@@ -76,8 +82,17 @@ impl Channel {
                     let mut guard = routes.lock().unwrap_or_else(|e| e.into_inner());
                     let Some(table) = guard.as_mut() else { break };
                     let last = reply.is_final();
-                    if let Some(tx) = table.get(&id) {
-                        let _ = tx.send(reply);
+                    if let Reply::Accepted { conn } = reply {
+                        // The connection's route exists before its first byte is read.
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        table.insert(conn, Route { tx, accepts: None });
+                        if let Some(accepts) = table.get(&id).and_then(|r| r.accepts.as_ref()) {
+                            let _ = accepts.send(Replies { id: conn, rx });
+                        }
+                        continue;
+                    }
+                    if let Some(route) = table.get(&id) {
+                        let _ = route.tx.send(reply);
                     }
                     if last {
                         table.remove(&id);
@@ -97,6 +112,14 @@ impl Channel {
 
     /// Sends a request whose replies are wanted.
     pub async fn call(&self, op: Op) -> Result<Replies, ChannelClosed> {
+        self.call_routed(op, None).await
+    }
+
+    async fn call_routed(
+        &self,
+        op: Op,
+        accepts: Option<mpsc::UnboundedSender<Replies>>,
+    ) -> Result<Replies, ChannelClosed> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         self.routes
@@ -104,9 +127,31 @@ impl Channel {
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
             .ok_or_else(|| ChannelClosed("the channel ended".into()))?
-            .insert(id, tx);
+            .insert(id, Route { tx, accepts });
         self.send_frame(&Request { id, op }).await?;
         Ok(Replies { id, rx })
+    }
+
+    /// Listens on `port` inside the box: each connection a process there makes arrives as
+    /// the replies of a stream of its own (its bytes as `Output`, its end as `Closed`);
+    /// write to it with [`Channel::write`].
+    pub async fn listen(
+        &self,
+        port: u16,
+    ) -> Result<mpsc::UnboundedReceiver<Replies>, ChannelClosed> {
+        let (accepts, accepted) = mpsc::unbounded_channel();
+        let mut replies = self.call_routed(Op::Listen { port }, Some(accepts)).await?;
+        match replies.next().await {
+            Some(Reply::Listening) => Ok(accepted),
+            other => Err(ChannelClosed(format!(
+                "the agent could not listen on port {port}: {other:?}"
+            ))),
+        }
+    }
+
+    /// Writes to a stream (a process's stdin, a connection); `eof` closes it after.
+    pub async fn write(&self, target: u64, data: Vec<u8>, eof: bool) -> Result<(), ChannelClosed> {
+        self.tell(Op::Stdin { target, data, eof }).await
     }
 
     /// Sends a request that gets no reply (stdin, signal, resize).

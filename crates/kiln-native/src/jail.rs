@@ -26,6 +26,8 @@ pub struct JailSpec<'a> {
     pub hostname: &'a str,
     /// Host path of the guest agent binary, bound read-only at `/.kiln/agent`.
     pub agent: &'a str,
+    /// Host files bound read-only: (host path, path in the box).
+    pub read_only: &'a [(String, String)],
     /// Host path of the workspace, bound read-write at `working_dir`.
     pub workspace: Option<&'a str>,
     pub working_dir: &'a str,
@@ -142,6 +144,12 @@ pub fn config(spec: &JailSpec<'_>) -> Value {
         json!({"destination": "/.kiln/agent", "type": "bind", "source": spec.agent,
                "options": ["rbind", "ro", "nosuid", "nodev"]}),
     ];
+    for (host, inside) in spec.read_only {
+        mounts.push(
+            json!({"destination": inside, "type": "bind", "source": host,
+                           "options": ["rbind", "ro", "nosuid", "nodev"]}),
+        );
+    }
     if let Some(workspace) = spec.workspace {
         mounts.push(
             json!({"destination": spec.working_dir, "type": "bind", "source": workspace,

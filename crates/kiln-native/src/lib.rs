@@ -13,6 +13,7 @@ pub mod boxes;
 pub mod builder;
 pub mod channel;
 pub mod jail;
+pub mod proxy;
 pub mod template;
 
 use std::path::{Path, PathBuf};

@@ -91,9 +91,8 @@ fn limits() -> BoxLimits {
 async fn open(boxes: &Boxes, workspace: Option<PathBuf>) -> LiveBox {
     boxes
         .open(BoxSpec {
-            template: python().clone(),
             workspace,
-            limits: limits(),
+            ..BoxSpec::new(python().clone(), limits())
         })
         .await
         .unwrap()
@@ -369,4 +368,88 @@ fn free_bytes(path: &str) -> u64 {
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
     assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut stat) }, 0);
     stat.f_bavail as u64 * stat.f_frsize as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_allowlist_lets_pip_reach_the_index_and_nothing_else() {
+    if skip() {
+        return;
+    }
+    let boxes = boxes();
+    let allow = kiln_native::proxy::Allowlist::new(&kiln_native::proxy::DEFAULT_NAMES).unwrap();
+    let host_bundle = PathBuf::from("/etc/ssl/certs/ca-certificates.crt");
+    let live = boxes
+        .open(BoxSpec {
+            network: Some(std::sync::Arc::new(allow)),
+            // This host reaches the indexes through a TLS-inspecting proxy whose CA only
+            // the host's bundle has.
+            ca_bundle: host_bundle.exists().then_some(host_bundle),
+            ..BoxSpec::new(
+                python().clone(),
+                BoxLimits {
+                    disk_bytes: 256 << 20,
+                    ..limits()
+                },
+            )
+        })
+        .await
+        .unwrap();
+    let mut exec = Exec::new(vec![
+        "python3".into(),
+        "-m".into(),
+        "pip".into(),
+        "install".into(),
+        "--user".into(),
+        "--no-cache-dir".into(),
+        "--index-url".into(),
+        "https://pypi.org/simple".into(),
+        "six==1.16.0".into(),
+    ]);
+    exec.timeout = Duration::from_secs(120);
+    let out = live.exec(exec, |_, _| {}).await.unwrap();
+    assert_eq!(
+        out.exit_code,
+        Some(0),
+        "pip install failed: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let out = sh(&live, "python3 -c 'import six; print(six.__version__)'").await;
+    assert_eq!(text(&out.stdout), "1.16.0\n", "{out:?}");
+
+    // A name not on the list: refused by the proxy, with the reason.
+    let out = sh(
+        &live,
+        "curl -sS https://example.com/ 2>&1; curl -sS -x '' http://example.com/ 2>&1",
+    )
+    .await;
+    let got = text(&out.stdout);
+    assert!(got.contains("403"), "{got}");
+    // Around the proxy: no route, no DNS.
+    let out = sh(
+        &live,
+        "curl -sS -m 5 --noproxy '*' https://pypi.org/ 2>&1; echo rc=$?",
+    )
+    .await;
+    assert!(!text(&out.stdout).contains("rc=0"), "{out:?}");
+    // The proxy never leads to the host itself.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let out = sh(&live, &format!("curl -sS -m 5 http://127.0.0.1:{port}/ 2>&1; curl -sS -m 5 --noproxy '*' http://127.0.0.1:{port}/ 2>&1; echo rc=$?")).await;
+    assert!(!text(&out.stdout).contains("rc=0"), "{out:?}");
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_allowlist_a_box_has_no_network_at_all() {
+    if skip() {
+        return;
+    }
+    let boxes = boxes();
+    let live = open(&boxes, None).await;
+    let out = sh(&live, "python3 -m pip download --no-deps -d /tmp six 2>&1 | tail -2; getent hosts pypi.org; echo rc=$?").await;
+    let got = text(&out.stdout);
+    assert!(got.contains("rc=2") || got.contains("rc=1"), "{got}");
+    assert!(!got.contains("Saved"), "{got}");
+    live.close().await;
 }

@@ -96,11 +96,7 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
         disk_bytes: 256 << 20,
         weight: 100,
     };
-    let spec = BoxSpec {
-        template,
-        workspace: None,
-        limits,
-    };
+    let spec = BoxSpec::new(template, limits);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -262,6 +262,10 @@ pub struct ExecArgs {
     /// unprivileged user.
     #[arg(long, requires = "template")]
     pub root: bool,
+    /// The box's network: `none`, or `allowlist` (only the names of --network-allow, through
+    /// kiln's proxy: enough for pip install and npm install).
+    #[arg(long, default_value = "none", requires = "template")]
+    pub network: String,
     #[command(flatten)]
     pub linux: LinuxArgs,
     /// The command to run in the Linux box, after `--`.
@@ -288,6 +292,17 @@ pub struct LinuxArgs {
     /// The Debian mirror templates are built from (default: the host's apt mirror).
     #[arg(long, env = "KILN_DEBIAN_MIRROR")]
     pub debian_mirror: Option<String>,
+    /// A host name (or *.domain) boxes with `network: allowlist` may reach on ports 80 and
+    /// 443; repeatable. Default: pypi.org, files.pythonhosted.org, registry.npmjs.org.
+    #[arg(
+        long = "network-allow",
+        env = "KILN_NETWORK_ALLOW",
+        value_delimiter = ','
+    )]
+    pub network_allow: Vec<String>,
+    /// A CA bundle bound over the boxes' own, for hosts behind a TLS-inspecting proxy.
+    #[arg(long, env = "KILN_BOX_CA_BUNDLE")]
+    pub box_ca_bundle: Option<PathBuf>,
 }
 
 impl ExecArgs {

@@ -43,6 +43,19 @@ fn definition(linux: &LinuxArgs, name: &str) -> anyhow::Result<Definition> {
     })
 }
 
+/// The names boxes with `network: allowlist` may reach.
+pub fn allowlist(linux: &LinuxArgs) -> anyhow::Result<kiln_native::proxy::Allowlist> {
+    let names: Vec<String> = if linux.network_allow.is_empty() {
+        kiln_native::proxy::DEFAULT_NAMES
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    } else {
+        linux.network_allow.clone()
+    };
+    kiln_native::proxy::Allowlist::new(&names).map_err(|e| anyhow::anyhow!("--network-allow: {e}"))
+}
+
 /// The live boxes of this process.
 pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
     let agent = kiln_native::find_agent().context(
@@ -230,15 +243,21 @@ pub fn exec(args: &ExecArgs) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let json = args.json;
+    let network = match args.network.as_str() {
+        "none" => None,
+        "allowlist" => Some(std::sync::Arc::new(allowlist(&args.linux)?)),
+        other => bail!("--network is none or allowlist, not {other:?}"),
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let output = runtime.block_on(async {
         let live = boxes
             .open(BoxSpec {
-                template,
                 workspace,
-                limits,
+                network,
+                ca_bundle: args.linux.box_ca_bundle.clone(),
+                ..BoxSpec::new(template, limits)
             })
             .await?;
         let result = live
