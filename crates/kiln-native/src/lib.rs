@@ -9,6 +9,7 @@
 //! - [`boxes`]: live boxes started by runc with the guest agent (`kiln-guest`) as PID 1;
 //!   commands run through the agent.
 
+pub mod backend;
 pub mod boxes;
 pub mod builder;
 pub mod channel;

@@ -39,6 +39,8 @@ pub struct RunSpec {
     pub code_file: Option<RelPath>,
     /// Run as a turn of this session instead of a fresh one-shot.
     pub session: Option<String>,
+    /// Run this argv instead of code, where the sandbox's template runs commands (Linux).
+    pub command: Option<Vec<String>>,
     /// The history message.
     pub summary: String,
     /// Told once the sandbox is busy with this run (from then on a cancel reaches it).
@@ -349,6 +351,12 @@ async fn run_in(
     let result = match &spec.session {
         None => {
             let mut request = ExecRequest::new(spec.language, code);
+            request.template = Some(sandbox.template().to_owned());
+            request.command = spec.command.clone().map(|argv| kiln_core::Command {
+                argv,
+                cwd: None,
+                terminal: None,
+            });
             request.workspace = Some(sandbox.workspace());
             request.stdin = spec.stdin.clone();
             request.env = spec.env.clone();
@@ -519,6 +527,7 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
         files,
         code_file: None,
         session: exec.session,
+        command: None,
         summary,
         begun: None,
     })

@@ -94,13 +94,16 @@ impl Executors {
         self.pools.get(info.backend)
     }
 
-    /// The pool of the preferred template for `language`.
+    /// The pool of the preferred template for `language`: the first ephemeral template
+    /// that speaks it (the WebAssembly fast path), else the first that does.
     pub fn pool_for_language(&self, language: kiln_core::Language) -> Result<&ExecutorPool> {
-        let template = self
-            .catalogue
-            .templates()
+        let speaks = |t: &&kiln_core::template::TemplateInfo| t.languages.contains(&language);
+        let templates = self.catalogue.templates();
+        let template = templates
             .iter()
-            .find(|t| t.languages.contains(&language))
+            .filter(speaks)
+            .find(|t| t.lifecycle == kiln_core::template::Lifecycle::Ephemeral)
+            .or_else(|| templates.iter().find(speaks))
             .ok_or_else(|| RuntimeError::UnsupportedLanguage {
                 message: format!("no installed template runs {language}"),
             })?;

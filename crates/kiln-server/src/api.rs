@@ -153,6 +153,8 @@ pub struct ExecReply {
 enum Program {
     File(String),
     Inline(String),
+    /// An argv, run as given (Linux templates).
+    Command(Vec<String>),
 }
 
 fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
@@ -198,12 +200,28 @@ pub async fn exec(
     body: Result<JsonBody<ExecBody>, HttpError>,
 ) -> Result<Json<ExecReply>, ApiError> {
     let JsonBody(body) = body?;
-    let (language, program) = parse_command(&body.command)?;
     let view = state
         .runtime
         .registry
         .get(&caller.tenant, &body.container_id)?;
     let sandbox = &view.meta;
+    // A Linux sandbox runs the command as given, in its live box.
+    let live = state
+        .runtime
+        .catalogue()
+        .get(sandbox.template())
+        .is_some_and(|t| t.capabilities.commands);
+    let (language, program) = if live {
+        if body.command.is_empty() || body.command.iter().any(|a| a.contains('\0')) {
+            return Err(ApiError::bad_request(
+                "UNSUPPORTED_COMMAND",
+                "a command is a non-empty array of strings without NUL bytes",
+            ));
+        }
+        (sandbox.language, Program::Command(body.command.clone()))
+    } else {
+        parse_command(&body.command)?
+    };
     if language != sandbox.language {
         return Err(ApiError::bad_request(
             "UNSUPPORTED_COMMAND",
@@ -214,9 +232,10 @@ pub async fn exec(
         ));
     }
     let files = check_files(body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
-    let (code, code_file) = match program {
-        Program::Inline(code) => (code, None),
-        Program::File(name) => (String::new(), Some(workspace_path(&name)?)),
+    let (code, code_file, command) = match program {
+        Program::Inline(code) => (code, None, None),
+        Program::File(name) => (String::new(), Some(workspace_path(&name)?), None),
+        Program::Command(argv) => (String::new(), None, Some(argv)),
     };
     let spec = RunSpec {
         exec_id: new_id(exec_prefix(language)),
@@ -228,6 +247,7 @@ pub async fn exec(
         files,
         code_file,
         session: None,
+        command,
         summary: body.command.join(" "),
         begun: None,
     };

@@ -129,6 +129,13 @@ pub struct ServeArgs {
     /// Each tenant's quotas (a key may have its own: `kiln keys create --max-…`).
     #[command(flatten)]
     pub quotas: QuotaArgs,
+    /// Also serve Linux templates (`linux-python`, `linux-node`, `linux-go`, `linux-debian`,
+    /// and Docker images such as python:3.11 and node:18) in live boxes. Needs root and the
+    /// templates built (`kiln setup --template all`); templates not built are left out.
+    #[arg(long, env = "KILN_LINUX")]
+    pub linux: bool,
+    #[command(flatten)]
+    pub linux_args: LinuxArgs,
 }
 
 /// Per-tenant quotas. For `kiln serve`, the defaults every key gets; for `kiln keys create`,

@@ -69,6 +69,49 @@ pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
     })?)
 }
 
+/// The Linux backend of `kiln serve --linux`: every built template (those not built are
+/// left out, said on stderr).
+pub fn backend(linux: &LinuxArgs) -> anyhow::Result<kiln_native::backend::NativeBackend> {
+    let store = store(linux);
+    let mut templates = Vec::new();
+    for definition in definitions(linux)? {
+        match store.find(&definition) {
+            Some(template) => templates.push(template),
+            None => eprintln!(
+                "kiln: the Linux template {0} is not built and is left out (kiln setup --template {0})",
+                definition.name
+            ),
+        }
+    }
+    anyhow::ensure!(
+        !templates.is_empty(),
+        "--linux: no Linux template is built; run kiln setup --template all (as root)"
+    );
+    Ok(kiln_native::backend::NativeBackend::new(
+        boxes(linux)?,
+        templates,
+        None,
+        linux.box_ca_bundle.clone(),
+    ))
+}
+
+/// An executor pool serving the Linux backend in this process (it holds the boxes' agent
+/// channels; the boxes themselves are separate, jailed processes).
+pub fn pool_config(backend: kiln_native::backend::NativeBackend) -> kiln_executor::PoolConfig {
+    let mut config = kiln_executor::PoolConfig::new("in-process".into(), Vec::new());
+    config.workers = 1;
+    config.in_process = Some(kiln_executor::InProcess(std::sync::Arc::new(
+        move |stream| {
+            let backend = backend.clone();
+            Box::pin(async move {
+                let (input, output) = tokio::io::split(stream);
+                kiln_executor::worker::serve(backend, input, output).await;
+            })
+        },
+    )));
+    config
+}
+
 /// A build's progress: a spinner with the step and the tool's last line on a terminal,
 /// one line per step otherwise.
 struct BuildProgress {

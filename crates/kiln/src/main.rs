@@ -233,6 +233,18 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     let format = if logs_json(&args) { "json" } else { "text" };
     config.env.push(("KILN_LOG_FORMAT".into(), format.into()));
     let pool = kiln_executor::ExecutorPool::new(config);
+    let linux = if args.linux {
+        Some(linux_cmd::backend(&args.linux_args)?)
+    } else {
+        None
+    };
+    let mut templates = linux
+        .as_ref()
+        .map(kiln_core::backend::Backend::templates)
+        .unwrap_or_default();
+    // Linux templates first: Docker-style images (python:3.11, node:18) resolve to real
+    // Linux; a language's default stays its WebAssembly template (the first ephemeral one).
+    templates.extend(kiln_wasm::templates());
     let server = kiln_server::ServerConfig {
         listen: args.listen,
         data_dir,
@@ -241,12 +253,22 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
         public_hosts: args.public_hosts,
         quotas: kiln_runtime::quota::Quotas::default().with(&args.quotas.overrides()),
-        catalogue: catalogue(),
+        catalogue: kiln_core::template::Catalogue::new(templates),
         llm: kiln_llm::LlmEnv::from_env(),
     };
     runtime(2)?.block_on(async {
         pool.start_all()?;
-        kiln_server::serve(server, wasm_pools(pool)).await?;
+        let mut pools = wasm_pools(pool);
+        if let Some(backend) = &linux {
+            backend.start_reaper(std::time::Duration::from_secs(15 * 60));
+            let native = kiln_executor::ExecutorPool::new(linux_cmd::pool_config(backend.clone()));
+            native.start_all()?;
+            pools = pools.with(kiln_core::template::BackendKind::Native, native);
+        }
+        kiln_server::serve(server, pools).await?;
+        if let Some(backend) = &linux {
+            backend.close_all().await;
+        }
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)

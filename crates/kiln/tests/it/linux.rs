@@ -237,3 +237,105 @@ fn a_box_left_by_a_killed_kiln_is_removed_by_the_next_one() {
         .count();
     assert_eq!(runc, 0, "runc still knows the left box");
 }
+
+/// Seed 003's flow on a Linux template through `kiln serve --linux`: Docker images resolve to
+/// Linux templates, commands run as given in the sandbox's live box (multi-file Python,
+/// node), history records what they write, a missing program is exit 127, the default
+/// language stays WebAssembly, and deleting the sandbox closes its box.
+#[test]
+fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::serve::TestResult {
+    if skip() {
+        return Ok(());
+    }
+    use crate::common::serve::{Options, start};
+    use serde_json::json;
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let (status, created) = server.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"image": "python:3.11-slim"})),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let (_, info) = server.call("GET", &format!("/api/sandbox/{id}"), None)?;
+    assert_eq!(info["template"], "linux-python", "{info}");
+
+    let (status, ran) = server.call(
+        "POST",
+        "/api/sandbox/exec",
+        Some(json!({"containerId": id, "command": ["python", "main.py", "arg"],
+                    "files": {"main.py": "import sys, helper; print(helper.x, sys.version_info[:2], sys.argv[1:])",
+                              "helper.py": "x = 42"}})),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(ran["stdout"], "42 (3, 11) ['arg']\n", "{ran}");
+    assert_eq!(ran["status"], "success");
+
+    let (_, ran) = server.call(
+        "POST",
+        "/api/sandbox/exec",
+        Some(json!({"containerId": id, "command": ["sh", "-c", "echo made > out.txt; id -un"]})),
+    )?;
+    assert_eq!(ran["stdout"], "user\n", "{ran}");
+    let (_, history) = server.call("GET", &format!("/api/sandbox/{id}/history"), None)?;
+    assert_eq!(
+        history["history"][0]["files"],
+        json!(["out.txt"]),
+        "{history}"
+    );
+
+    let (_, ran) = server.call(
+        "POST",
+        "/api/sandbox/exec",
+        Some(json!({"containerId": id, "command": ["no-such-tool"]})),
+    )?;
+    assert_eq!(ran["exitCode"], 127, "{ran}");
+    assert!(
+        ran["stderr"]
+            .as_str()
+            .unwrap_or("")
+            .contains("command not found"),
+        "{ran}"
+    );
+    let (status, ran) = server.call(
+        "POST",
+        "/api/sandbox/exec",
+        Some(json!({"containerId": id, "command": []})),
+    )?;
+    assert_eq!(status, 400, "{ran}");
+
+    // node:18 is Linux Node.js; a sandbox by language stays WebAssembly.
+    let (_, node) = server.call("POST", "/api/sandbox", Some(json!({"image": "node:18"})))?;
+    let node_id = node["containerId"].as_str().ok_or("no id")?;
+    let (_, ran) = server.call(
+        "POST",
+        "/api/sandbox/exec",
+        Some(json!({"containerId": node_id, "command": ["node", "-e", "console.log({a: [1]}, process.version.split('.')[0])"]})),
+    )?;
+    assert_eq!(ran["stdout"], "{ a: [ 1 ] } v18\n", "{ran}");
+    let wasm = server.new_sandbox("python")?;
+    let (_, info) = server.call("GET", &format!("/api/sandbox/{wasm}"), None)?;
+    assert_eq!(info["template"], "python", "{info}");
+
+    // Deleting the sandboxes closes their boxes (the backend reaps within seconds).
+    for sandbox in [id.as_str(), node_id] {
+        let (status, _) = server.call("DELETE", &format!("/api/sandbox/{sandbox}"), None)?;
+        assert_eq!(status, 200);
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !box_dirs(state.path()).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "boxes outlived their sandboxes: {:?}",
+            box_dirs(state.path())
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
