@@ -22,6 +22,8 @@ use kiln_core::template::{
 };
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
 
+use kiln_guest::proto::Reply;
+
 use crate::boxes::{BoxSpec, Boxes, Exec, LiveBox};
 use crate::builder::Template;
 use crate::jail::BoxLimits;
@@ -58,6 +60,8 @@ pub fn template_info(template: &Template) -> TemplateInfo {
         languages,
         capabilities: Capabilities {
             commands: true,
+            // A session is a Python interpreter kept running in the box.
+            sessions: definition.languages.iter().any(|l| l == "python"),
             ..Capabilities::default()
         },
         images: ImageRule {
@@ -399,28 +403,292 @@ impl Backend for NativeBackend {
 
     async fn open_session(&self, request: ExecRequest) -> Result<NativeSession, BackendError> {
         let template = self.template(&request)?;
-        Err(BackendError::unsupported(format!(
-            "sessions on the {} template are not supported yet: run commands or code in the sandbox instead",
-            catalogue_id(&template.definition.name)
-        )))
+        if request.language != Language::Python
+            || !template.definition.languages.iter().any(|l| l == "python")
+        {
+            return Err(BackendError::unsupported(format!(
+                "sessions on the {} template run Python only",
+                catalogue_id(&template.definition.name)
+            )));
+        }
+        let live = match &request.workspace {
+            Some(workspace) => self.held_box(template, &request, workspace).await?,
+            None => Arc::new(
+                self.inner
+                    .boxes
+                    .open(self.spec(template, &request))
+                    .await
+                    .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?,
+            ),
+        };
+        NativeSession::start(live, &request).await
     }
 }
 
-/// Sessions on Linux templates (not built yet: opening one is refused).
-#[derive(Debug)]
-pub struct NativeSession;
+/// The interpreter of a Python session: it reads `LENGTH\n` and that many bytes of code on
+/// stdin, runs them in one namespace, then writes the turn's end marker (with its status) to
+/// stdout and to stderr, so each stream is known to be drained.
+const PYTHON_DRIVER: &str = r#"
+import sys, traceback
+token = sys.argv[1].encode()
+ns = {"__name__": "__main__", "__builtins__": __builtins__}
+stdin = sys.stdin.buffer
+while True:
+    head = stdin.readline()
+    if not head:
+        break
+    code = stdin.read(int(head)).decode("utf-8", "replace")
+    status = 0
+    try:
+        exec(compile(code, "<cell>", "exec"), ns)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:
+        # The cell's frames only, not the driver's.
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+            stream.buffer.write(b"\0" + token + b":" + str(status).encode() + b"\0\n")
+            stream.flush()
+        except Exception:
+            pass
+"#;
+
+/// One output stream of a session turn: output passes through until the turn's end marker.
+#[derive(Debug, Default)]
+struct TurnStream {
+    pending: Vec<u8>,
+    status: Option<i32>,
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+impl TurnStream {
+    /// Takes `data`; returns what can be passed on now (a possible start of the marker is
+    /// held back until it is decided).
+    fn feed(&mut self, data: &[u8], marker: &[u8]) -> Vec<u8> {
+        self.pending.extend_from_slice(data);
+        if let Some(at) = find(&self.pending, marker) {
+            let after = at + marker.len();
+            if let Some(end) = find(&self.pending[after..], b"\0\n") {
+                let status = std::str::from_utf8(&self.pending[after..after + end])
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(1);
+                self.status = Some(status);
+                let out = self.pending[..at].to_vec();
+                self.pending.clear();
+                return out;
+            }
+            let out = self.pending[..at].to_vec();
+            self.pending.drain(..at);
+            return out;
+        }
+        let keep = (1..marker.len().min(self.pending.len() + 1))
+            .rev()
+            .find(|&n| self.pending.ends_with(&marker[..n]))
+            .unwrap_or(0);
+        let cut = self.pending.len() - keep;
+        self.pending.drain(..cut).collect()
+    }
+}
+
+/// A Python session in a Linux box: one interpreter process that keeps its variables.
+pub struct NativeSession {
+    live: Arc<LiveBox>,
+    target: u64,
+    replies: crate::channel::Replies,
+    /// `\0TOKEN:`, the start of a turn's end marker.
+    marker: Vec<u8>,
+    ended: Option<String>,
+}
+
+impl std::fmt::Debug for NativeSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NativeSession")
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NativeSession {
+    async fn start(
+        live: Arc<LiveBox>,
+        request: &ExecRequest,
+    ) -> Result<NativeSession, BackendError> {
+        let mut bytes = [0u8; 12];
+        let _ = std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+        let token = format!("kiln-turn-{}", hex::encode(bytes));
+        let mut exec = Exec::new(vec![
+            "python3".into(),
+            "-u".into(),
+            "-c".into(),
+            PYTHON_DRIVER.into(),
+            token.clone(),
+        ]);
+        exec.env = request.env.clone();
+        let replies = live
+            .spawn(&exec)
+            .await
+            .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?;
+        Ok(NativeSession {
+            target: replies.id,
+            live,
+            replies,
+            marker: format!("\0{token}:").into_bytes(),
+            ended: None,
+        })
+    }
+
+    fn end(&mut self, why: &str) {
+        self.ended = Some(why.to_string());
+    }
+}
 
 impl BackendSession for NativeSession {
     async fn run(
         &mut self,
-        _code: &str,
-        _limits: &Limits,
-        _output: Option<OutputSink>,
+        code: &str,
+        limits: &Limits,
+        output: Option<OutputSink>,
         _door: Option<Door>,
     ) -> Result<ExecResult, BackendError> {
-        Err(BackendError::new(
-            ErrorKind::SessionEnded,
-            "sessions on Linux templates are not supported yet",
-        ))
+        if let Some(why) = &self.ended {
+            return Err(BackendError::new(
+                ErrorKind::SessionEnded,
+                format!("the session ended earlier ({why}); open a new one"),
+            ));
+        }
+        let started = Instant::now();
+        let oom_before = self.live.oom_kills();
+        let mut input = format!("{}\n", code.len()).into_bytes();
+        input.extend_from_slice(code.as_bytes());
+        self.live
+            .write_stdin(self.target, input)
+            .await
+            .map_err(|e| BackendError::new(ErrorKind::SessionEnded, e.to_string()))?;
+        let caps = [
+            usize::try_from(limits.stdout_bytes).unwrap_or(usize::MAX),
+            usize::try_from(limits.stderr_bytes).unwrap_or(usize::MAX),
+        ];
+        let mut streams = [TurnStream::default(), TurnStream::default()];
+        let mut kept: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
+        let mut truncated = [false, false];
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
+        let mut outcome = Outcome::Completed;
+        let mut exit_code = 0;
+        while streams.iter().any(|s| s.status.is_none()) {
+            let reply = match tokio::time::timeout_at(deadline, self.replies.next()).await {
+                Ok(Some(reply)) => reply,
+                Ok(None) => {
+                    self.end("its box ended");
+                    return Err(BackendError::new(
+                        ErrorKind::SessionEnded,
+                        "the session's box ended",
+                    ));
+                }
+                Err(_) => {
+                    let _ = self.live.signal(self.target, libc::SIGKILL).await;
+                    self.end("a turn ran past its time limit");
+                    outcome = Outcome::TimedOut;
+                    exit_code = -1;
+                    break;
+                }
+            };
+            match reply {
+                Reply::Output { stderr, data } => {
+                    let i = usize::from(stderr);
+                    let out = streams[i].feed(&data, &self.marker);
+                    if out.is_empty() {
+                        continue;
+                    }
+                    if let Some(sink) = &output {
+                        let _ = sink.send(OutputChunk {
+                            stream: if stderr {
+                                StreamKind::Stderr
+                            } else {
+                                StreamKind::Stdout
+                            },
+                            data: bytes::Bytes::copy_from_slice(&out),
+                        });
+                    }
+                    let room = caps[i].saturating_sub(kept[i].len());
+                    kept[i].extend_from_slice(&out[..out.len().min(room)]);
+                    truncated[i] |= out.len() > room;
+                }
+                Reply::Exited { code, signal } => {
+                    // The interpreter died mid-turn (killed for memory, os._exit, a crash).
+                    let oom = signal == Some(libc::SIGKILL) && self.live.oom_kills() > oom_before;
+                    outcome = if oom {
+                        Outcome::MemoryLimit
+                    } else {
+                        Outcome::Crashed {
+                            trap: format!("the interpreter exited ({code:?}, signal {signal:?})"),
+                        }
+                    };
+                    exit_code = code.unwrap_or(-1);
+                    self.end("its interpreter exited");
+                    break;
+                }
+                _ => {}
+            }
+        }
+        if outcome == Outcome::Completed {
+            exit_code = streams[0].status.or(streams[1].status).unwrap_or(0);
+            if truncated.iter().any(|t| *t) {
+                outcome = Outcome::OutputTruncated;
+            }
+        }
+        let [stdout, stderr] = kept;
+        Ok(ExecResult {
+            stdout,
+            stderr,
+            exit_code,
+            outcome,
+            stdout_truncated: truncated[0],
+            stderr_truncated: truncated[1],
+            duration_us: started.elapsed().as_micros() as u64,
+            peak_memory_bytes: 0,
+            fs_written_bytes: 0,
+        })
+    }
+}
+
+impl Drop for NativeSession {
+    fn drop(&mut self) {
+        // Closing a session ends its interpreter.
+        let (live, target) = (self.live.clone(), self.target);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = live.signal(target, libc::SIGKILL).await;
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_turn_stream_passes_output_and_finds_its_marker_across_chunks() {
+        let marker = b"\0tok:";
+        let mut stream = TurnStream::default();
+        let mut out = Vec::new();
+        for piece in [&b"hello \0"[..], b"to", b"k:", b"0", b"\0\n"] {
+            out.extend(stream.feed(piece, marker));
+        }
+        assert_eq!(out, b"hello ");
+        assert_eq!(stream.status, Some(0));
+        let mut stream = TurnStream::default();
+        assert_eq!(stream.feed(b"a\0b\0to", marker), b"a\0b");
+        assert_eq!(stream.feed(b"x", marker), b"\0tox");
+        assert_eq!(stream.feed(b"\0tok:3\0\n", marker), b"");
+        assert_eq!(stream.status, Some(3));
     }
 }

@@ -591,6 +591,48 @@ impl LiveBox {
         env
     }
 
+    /// Starts a command that keeps running (a session's interpreter), its stdin open: its
+    /// replies (output, then its exit), to be read by the caller.
+    pub async fn spawn(&self, exec: &Exec) -> Result<crate::channel::Replies, BoxError> {
+        let spawn = Spawn {
+            env: self.environment(exec),
+            argv: exec.argv.clone(),
+            cwd: exec
+                .cwd
+                .clone()
+                .unwrap_or_else(|| self.template.definition.working_dir.clone()),
+            user: (!exec.root).then_some(Credentials {
+                uid: USER_UID,
+                gid: USER_UID,
+            }),
+            terminal: None,
+            stdin: true,
+        };
+        let mut replies = self.channel.call(Op::Spawn(spawn)).await?;
+        match replies.next().await {
+            Some(Reply::Spawned { .. }) => Ok(replies),
+            Some(Reply::Failed(failure)) => Err(BoxError::Refused(failure.message)),
+            other => Err(BoxError::Refused(format!(
+                "the agent answered a spawn with {other:?}"
+            ))),
+        }
+    }
+
+    /// Writes to a spawned command's stdin.
+    pub async fn write_stdin(&self, target: u64, data: Vec<u8>) -> Result<(), BoxError> {
+        Ok(self.channel.write(target, data, false).await?)
+    }
+
+    /// Sends a signal to a spawned command's process group.
+    pub async fn signal(&self, target: u64, signal: i32) -> Result<(), BoxError> {
+        Ok(self.channel.tell(Op::Signal { target, signal }).await?)
+    }
+
+    /// How many times the box's processes were killed for memory.
+    pub fn oom_kills(&self) -> u64 {
+        self.cgroups.oom_kills(&self.cgroup)
+    }
+
     /// Runs a command to its end (or its timeout), calling `on_output(stderr, bytes)` as
     /// output arrives.
     pub async fn exec(

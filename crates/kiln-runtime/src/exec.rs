@@ -474,6 +474,44 @@ pub struct CodeExec {
     pub files: std::collections::BTreeMap<String, Vec<u8>>,
     /// Run as a turn of this session instead of a fresh one-shot.
     pub session: Option<String>,
+    /// An argv to run instead of code, where the sandbox's template runs commands (Linux).
+    pub command: Option<Vec<String>>,
+}
+
+/// Checks a command against the sandbox's template.
+fn check_command(rt: &Runtime, template: &str, exec: &CodeExec) -> Result<()> {
+    let Some(argv) = &exec.command else {
+        return Ok(());
+    };
+    let invalid = |message: &str| RuntimeError::InvalidOption {
+        message: message.to_string(),
+    };
+    if argv.is_empty() || argv.iter().any(|a| a.contains('\0')) {
+        return Err(invalid(
+            "command must be a non-empty array of strings without NUL bytes",
+        ));
+    }
+    if argv.len() > 4096 || argv.iter().map(String::len).sum::<usize>() > 1 << 20 {
+        return Err(invalid("command is larger than 4096 arguments or 1 MiB"));
+    }
+    if !exec.code.is_empty() {
+        return Err(invalid("give code or command, not both"));
+    }
+    if exec.session.is_some() {
+        return Err(invalid("a command runs on its own, not as a session turn"));
+    }
+    let commands = rt
+        .catalogue()
+        .get(template)
+        .is_some_and(|t| t.capabilities.commands);
+    if !commands {
+        return Err(RuntimeError::Unsupported {
+            message: format!(
+                "the {template} template runs code, not commands; create the sandbox from a Linux template (linux-python, python:3.11, node:18, …) to run commands"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Checks `exec` against sandbox `id` of `caller` and turns it into a run.
@@ -511,12 +549,16 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
             });
         }
     }
+    check_command(rt, view.meta.template(), &exec)?;
     let files = check_files(exec.files.iter().map(|(k, v)| (k, v.as_slice())))?;
-    let summary = format!(
-        "{} {}",
-        language.name(),
-        exec.code.lines().next().unwrap_or_default()
-    );
+    let summary = match &exec.command {
+        Some(argv) => argv.join(" "),
+        None => format!(
+            "{} {}",
+            language.name(),
+            exec.code.lines().next().unwrap_or_default()
+        ),
+    };
     Ok(RunSpec {
         exec_id: crate::sandbox::new_id(exec_prefix(language)),
         language,
@@ -527,7 +569,7 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
         files,
         code_file: None,
         session: exec.session,
-        command: None,
+        command: exec.command,
         summary,
         begun: None,
     })

@@ -229,8 +229,11 @@ pub async fn renew(
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schema(example = json!({"code": "import sys\nprint(sys.version)", "timeoutMs": 10000}))]
 pub struct Execute {
-    /// The program text.
-    pub code: String,
+    /// The program text (or give `command`).
+    pub code: Option<String>,
+    /// A command to run instead of code, as an argv (`["python3", "main.py"]`,
+    /// `["bash", "-c", "ls"]`): Linux templates only.
+    pub command: Option<Vec<String>>,
     /// `python` or `javascript`; default the sandbox's.
     pub language: Option<String>,
     /// Standard input, as text.
@@ -310,9 +313,17 @@ impl Execution {
 impl Execute {
     /// The runtime's request for this body.
     pub fn into_code(self) -> Result<CodeExec, ApiError> {
+        if self.code.is_none() && self.command.is_none() {
+            return Err(ApiError::bad_request(
+                "INVALID_REQUEST",
+                "give `code` to run, or `command` (an argv, on Linux templates)",
+            )
+            .with_details(serde_json::json!({"field": "code"})));
+        }
         Ok(CodeExec {
             language: self.language.as_deref().map(exec::language).transpose()?,
-            code: self.code,
+            code: self.code.unwrap_or_default(),
+            command: self.command,
             stdin: self.stdin.into_bytes(),
             env: self.env,
             timeout_ms: self.timeout_ms,

@@ -323,6 +323,58 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
     let (_, info) = server.call("GET", &format!("/api/sandbox/{wasm}"), None)?;
     assert_eq!(info["template"], "python", "{info}");
 
+    // /api/v1: commands, and a Python session that keeps its variables in the box.
+    let (_, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"command": ["bash", "-c", "echo $GREETING from $(uname -s)"], "env": {"GREETING": "hi"}})),
+    )?;
+    assert_eq!(ran["stdout"], "hi from Linux\n", "{ran}");
+    let (status, session) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({})),
+    )?;
+    assert_eq!(status, 201, "{session}");
+    let session = session["sessionId"]
+        .as_str()
+        .ok_or("no session")?
+        .to_string();
+    let turn = |code: &str, timeout: u64| {
+        server.call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/exec"),
+            Some(json!({"code": code, "sessionId": session, "timeoutMs": timeout})),
+        )
+    };
+    turn("import os\nx = 41", 10_000)?;
+    let (_, ran) = turn("x += 1\nprint(x, os.getuid())", 10_000)?;
+    assert_eq!(ran["stdout"], "42 1000\n", "{ran}");
+    let (_, ran) = turn("1/0", 10_000)?;
+    assert_eq!(ran["exitCode"], 1, "{ran}");
+    let stderr = ran["stderr"].as_str().unwrap_or("");
+    assert!(
+        stderr.contains("ZeroDivisionError") && !stderr.contains("<string>"),
+        "{ran}"
+    );
+    let (_, ran) = turn("print(x)", 10_000)?;
+    assert_eq!(ran["stdout"], "42\n", "{ran}");
+    let (_, ran) = turn("import time; time.sleep(5)", 300)?;
+    assert_eq!(ran["outcome"], "timed_out", "{ran}");
+    let (status, ran) = turn("print(x)", 10_000)?;
+    assert_eq!(status, 409, "a timed-out session ends: {ran}");
+    // A command on a WebAssembly sandbox is refused, not run elsewhere.
+    let (status, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{wasm}/exec"),
+        Some(json!({"command": ["ls"]})),
+    )?;
+    assert_eq!(
+        (status, ran["error"]["code"].as_str()),
+        (400, Some("UNSUPPORTED")),
+        "{ran}"
+    );
+
     // Deleting the sandboxes closes their boxes (the backend reaps within seconds).
     for sandbox in [id.as_str(), node_id] {
         let (status, _) = server.call("DELETE", &format!("/api/sandbox/{sandbox}"), None)?;
