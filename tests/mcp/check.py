@@ -20,7 +20,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 
 KILN = os.path.abspath(sys.argv[1])
 EXPECTED_TOOLS = {
-    "run_python", "run_javascript", "sandbox_create", "session_create", "session_run",
+    "run_python", "run_javascript", "run_go", "run_bash", "sandbox_create", "session_create", "session_run",
     "session_close", "write_file", "read_file", "list_files",
 }
 
@@ -51,6 +51,10 @@ async def exercise(client, name):
     check(not result.is_error and data(result)["stdout"] == "42\n", f"{name}: run_python {text(result)}")
     result = await client.call_tool("run_javascript", {"code": "console.log([1, 2, 3].map(x => x * 2).join(','))"})
     check(data(result)["stdout"] == "2,4,6\n", f"{name}: run_javascript {text(result)}")
+
+    # Go and bash need Linux templates, which this server does not serve: a clear refusal.
+    result = await client.call_tool("run_bash", {"code": "echo hi"})
+    check(result.is_error and "Linux template" in text(result), f"{name}: run_bash without Linux {text(result)}")
 
     # Failing code and limits are tool errors the model can read, not protocol errors.
     result = await client.call_tool("run_python", {"code": "1/0"})

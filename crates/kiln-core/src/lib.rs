@@ -23,28 +23,45 @@ pub mod template;
 pub enum Language {
     /// CPython 3.15 on WebAssembly, with numpy, pandas, scipy, scikit-learn and matplotlib.
     Python,
-    /// QuickJS-NG on WebAssembly (ES2023, no Node.js APIs).
+    /// QuickJS-NG on WebAssembly (ES2023, no Node.js APIs); Node.js on Linux templates.
     #[serde(alias = "js")]
     JavaScript,
+    /// Go, compiled and run with `go run` (Linux templates only).
+    Go,
+    /// A bash script (Linux templates only).
+    Bash,
 }
 
 impl Language {
     /// Every language, in a stable order.
-    pub const ALL: [Language; 2] = [Language::Python, Language::JavaScript];
+    pub const ALL: [Language; 4] = [
+        Language::Python,
+        Language::JavaScript,
+        Language::Go,
+        Language::Bash,
+    ];
+
+    /// The languages the WebAssembly backend runs (its runtimes are fetched for these).
+    pub const WASM: [Language; 2] = [Language::Python, Language::JavaScript];
 
     /// The language's canonical name, as accepted by [`Language::from_name`].
     pub fn name(self) -> &'static str {
         match self {
             Language::Python => "python",
             Language::JavaScript => "javascript",
+            Language::Go => "go",
+            Language::Bash => "bash",
         }
     }
 
-    /// Parses a language name: `python`, `py`, `javascript`, `js` (any case).
+    /// Parses a language name: `python`, `py`, `javascript`, `js`, `go`, `bash`, `sh` (any
+    /// case).
     pub fn from_name(name: &str) -> Option<Language> {
         match name.to_ascii_lowercase().as_str() {
             "python" | "py" | "python3" => Some(Language::Python),
             "javascript" | "js" | "node" | "quickjs" => Some(Language::JavaScript),
+            "go" | "golang" => Some(Language::Go),
+            "bash" | "sh" | "shell" => Some(Language::Bash),
             _ => None,
         }
     }
@@ -52,17 +69,34 @@ impl Language {
     /// The smallest memory limit the runtime starts with (Python's snapshot alone is 40 MiB).
     pub fn min_memory_bytes(self) -> u64 {
         match self {
-            Language::Python => 64 << 20,
-            Language::JavaScript => 16 << 20,
+            Language::Python | Language::Go => 64 << 20,
+            Language::JavaScript | Language::Bash => 16 << 20,
         }
     }
 
-    /// Chooses a language from a file name's extension: `.py` or `.js`/`.mjs`.
+    /// Whether the WebAssembly backend runs it.
+    pub fn is_wasm(self) -> bool {
+        Language::WASM.contains(&self)
+    }
+
+    /// Chooses a language from a file name's extension: `.py`, `.js`/`.mjs`, `.go`, `.sh`.
     pub fn from_path(path: &std::path::Path) -> Option<Language> {
         match path.extension()?.to_str()? {
             "py" => Some(Language::Python),
             "js" | "mjs" | "cjs" => Some(Language::JavaScript),
+            "go" => Some(Language::Go),
+            "sh" | "bash" => Some(Language::Bash),
             _ => None,
+        }
+    }
+
+    /// The file extension of a program in this language.
+    pub fn extension(self) -> &'static str {
+        match self {
+            Language::Python => "py",
+            Language::JavaScript => "js",
+            Language::Go => "go",
+            Language::Bash => "sh",
         }
     }
 }
@@ -406,6 +440,14 @@ mod tests {
             assert_eq!(Language::from_name(language.name()), Some(language));
         }
         assert_eq!(Language::from_name("JS"), Some(Language::JavaScript));
+        assert_eq!(Language::from_name("golang"), Some(Language::Go));
+        assert_eq!(Language::from_name("sh"), Some(Language::Bash));
+        assert_eq!(
+            Language::from_path(std::path::Path::new("main.go")),
+            Some(Language::Go)
+        );
+        assert!(Language::WASM.iter().all(|l| l.is_wasm()));
+        assert!(!Language::Go.is_wasm() && !Language::Bash.is_wasm());
         assert_eq!(Language::from_name("ruby"), None);
         assert_eq!(
             Language::from_path(std::path::Path::new("a/b.py")),

@@ -40,11 +40,7 @@ pub fn template_info(template: &Template) -> TemplateInfo {
     let languages = definition
         .languages
         .iter()
-        .filter_map(|l| match l.as_str() {
-            "python" => Some(Language::Python),
-            "javascript" => Some(Language::JavaScript),
-            _ => None,
-        })
+        .filter_map(|l| Language::from_name(l))
         .collect();
     let versions: Vec<String> = template
         .built
@@ -259,21 +255,44 @@ fn close_later(live: Arc<LiveBox>) {
     });
 }
 
-/// The argv that runs a request: its command, or its code in the request's language.
-fn argv(
-    template: &Template,
-    request: &ExecRequest,
-) -> Result<(Vec<String>, Option<String>), BackendError> {
+/// Code up to this size is passed on the command line (`python3 -c`, `node -e`, `bash -c`),
+/// so the program's folder is the working dir as in a terminal; larger code (and all Go) is
+/// written to a file in the box's `/tmp` first.
+const INLINE_CODE_BYTES: usize = 96 << 10;
+
+/// What a request runs: its command, or its code in the request's language.
+enum Program {
+    Argv {
+        argv: Vec<String>,
+        cwd: Option<String>,
+    },
+    /// Code written to `file` in the box first, then run by `argv`.
+    File {
+        file: String,
+        code: String,
+        argv: Vec<String>,
+    },
+}
+
+fn program(template: &Template, request: &ExecRequest) -> Result<Program, BackendError> {
     if let Some(command) = &request.command {
         if command.terminal.is_some() {
             return Err(BackendError::unsupported(
                 "terminals on Linux templates are not supported yet",
             ));
         }
-        return Ok((command.argv.clone(), command.cwd.clone()));
+        return Ok(Program::Argv {
+            argv: command.argv.clone(),
+            cwd: command.cwd.clone(),
+        });
     }
-    let language = request.language.name();
-    if !template.definition.languages.iter().any(|l| l == language) {
+    let language = request.language;
+    if !template
+        .definition
+        .languages
+        .iter()
+        .any(|l| l == language.name())
+    {
         return Err(BackendError::unsupported(format!(
             "the {} template runs {} code, not {language}; send a `command` instead",
             catalogue_id(&template.definition.name),
@@ -281,11 +300,49 @@ fn argv(
         )));
     }
     let code = request.code.clone();
-    let argv = match request.language {
-        Language::Python => vec!["python3".into(), "-c".into(), code],
-        Language::JavaScript => vec!["node".into(), "-e".into(), code],
+    let (program, flag) = match language {
+        Language::Python => ("python3", "-c"),
+        Language::JavaScript => ("node", "-e"),
+        Language::Bash => ("bash", "-c"),
+        Language::Go => ("go", "run"),
     };
-    Ok((argv, None))
+    if language != Language::Go && code.len() <= INLINE_CODE_BYTES {
+        return Ok(Program::Argv {
+            argv: vec![program.into(), flag.into(), code],
+            cwd: None,
+        });
+    }
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let file = format!("/tmp/kiln-cell-{n}.{}", language.extension());
+    let argv = match language {
+        Language::Go => vec!["go".into(), "run".into(), file.clone()],
+        _ => vec![program.into(), file.clone()],
+    };
+    Ok(Program::File { file, code, argv })
+}
+
+/// Runs `program` in `live`.
+async fn run_program(
+    live: &LiveBox,
+    program: Program,
+    mut exec: Exec,
+    on_output: impl FnMut(bool, &[u8]),
+) -> Result<crate::boxes::ExecOutput, crate::boxes::BoxError> {
+    match program {
+        Program::Argv { argv, cwd } => {
+            exec.argv = argv;
+            exec.cwd = cwd;
+            live.exec(exec, on_output).await
+        }
+        Program::File { file, code, argv } => {
+            live.write_file(&file, code.into_bytes()).await?;
+            exec.argv = argv;
+            let result = live.exec(exec, on_output).await;
+            live.remove_file(&file).await;
+            result
+        }
+    }
 }
 
 impl Backend for NativeBackend {
@@ -312,11 +369,10 @@ impl Backend for NativeBackend {
                 "mounts are not supported on Linux templates yet; use the workspace",
             ));
         }
-        let (argv, cwd) = argv(template, request)?;
+        let program = program(template, request)?;
         let limits = &request.limits;
-        let mut exec = Exec::new(argv);
+        let mut exec = Exec::new(Vec::new());
         exec.env = request.env.clone();
-        exec.cwd = cwd;
         exec.stdin = request.stdin.clone();
         exec.timeout = Duration::from_millis(limits.timeout_ms);
         exec.max_output =
@@ -336,7 +392,7 @@ impl Backend for NativeBackend {
         let result = match &request.workspace {
             Some(workspace) => {
                 let live = self.held_box(template, request, workspace).await?;
-                live.exec(exec, on_output).await
+                run_program(&live, program, exec, on_output).await
             }
             None => {
                 let live = self
@@ -345,7 +401,7 @@ impl Backend for NativeBackend {
                     .open(self.spec(template, request))
                     .await
                     .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?;
-                let result = live.exec(exec, on_output).await;
+                let result = run_program(&live, program, exec, on_output).await;
                 live.close().await;
                 result
             }

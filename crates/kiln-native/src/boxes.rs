@@ -618,6 +618,43 @@ impl LiveBox {
         }
     }
 
+    /// Writes a file inside the box (owned by the box's user), through the agent.
+    pub async fn write_file(&self, path: &str, data: Vec<u8>) -> Result<(), BoxError> {
+        let mut replies = self
+            .channel
+            .call(Op::WriteFile {
+                path: path.to_string(),
+                data,
+                append: false,
+                mode: 0o644,
+                owner: Some(Credentials {
+                    uid: USER_UID,
+                    gid: USER_UID,
+                }),
+            })
+            .await?;
+        match replies.next().await {
+            Some(Reply::Done) => Ok(()),
+            Some(Reply::Failed(failure)) => Err(BoxError::Refused(failure.message)),
+            other => Err(BoxError::Refused(format!(
+                "the agent answered a write with {other:?}"
+            ))),
+        }
+    }
+
+    /// Removes a file inside the box, through the agent (errors are ignored).
+    pub async fn remove_file(&self, path: &str) {
+        if let Ok(mut replies) = self
+            .channel
+            .call(Op::Remove {
+                path: path.to_string(),
+            })
+            .await
+        {
+            let _ = replies.next().await;
+        }
+    }
+
     /// Writes to a spawned command's stdin.
     pub async fn write_stdin(&self, target: u64, data: Vec<u8>) -> Result<(), BoxError> {
         Ok(self.channel.write(target, data, false).await?)

@@ -154,6 +154,14 @@ pub async fn run_function(
     let wrapper = match language {
         Language::Python => PYTHON_WRAPPER,
         Language::JavaScript => JAVASCRIPT_WRAPPER,
+        other => {
+            return Err(Failure::new(
+                "SCRIPT_NOT_FOUND",
+                format!("{other} scripts are not run by the runner; use .py or .js"),
+                json!({"script": script}),
+            )
+            .into());
+        }
     };
     let mut request = ExecRequest::new(language, wrapper);
     request.stdin = payload.to_string().into_bytes();
@@ -354,7 +362,9 @@ pub fn resolve_script(root: &Path, name: &str) -> Result<(String, Language), Fai
     if !path.components().all(|c| matches!(c, Component::Normal(_))) || name.ends_with('/') {
         return Err(refuse("it must be a relative path without '..' or '.'"));
     }
-    let candidates: Vec<String> = match Language::from_path(path) {
+    // Scripts are Python or JavaScript (what the runner's sandboxes run).
+    let language_of = |p: &Path| Language::from_path(p).filter(|l| l.is_wasm());
+    let candidates: Vec<String> = match language_of(path) {
         Some(_) => vec![name.to_owned()],
         None => vec![format!("{name}.py"), format!("{name}.js")],
     };
@@ -375,7 +385,7 @@ pub fn resolve_script(root: &Path, name: &str) -> Result<(String, Language), Fai
         if !file.is_file() {
             continue;
         }
-        let Some(language) = Language::from_path(&file) else {
+        let Some(language) = language_of(&file) else {
             continue;
         };
         // The guest sees the volume, not the host's resolved path: use the resolved

@@ -208,7 +208,7 @@ impl Runner {
             .pools
             .start_all()
             .map_err(|e| InternalError::Executor(e.into()))?;
-        for language in kiln_core::Language::ALL {
+        for language in kiln_core::Language::WASM {
             let request = kiln_core::ExecRequest::new(language, "");
             self.executors
                 .run_once(request)

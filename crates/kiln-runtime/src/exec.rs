@@ -210,15 +210,17 @@ pub async fn create_sandbox(
     blocking(move || rt.registry.create(&tenant, &spec, &quotas)).await
 }
 
-/// Creates a sandbox with the default lifetime and memory.
+/// Creates a sandbox of `language`'s preferred template (the WebAssembly one for python and
+/// javascript, a Linux one for go and bash) with the default lifetime and memory.
 pub async fn create_default_sandbox(
     rt: &Arc<Runtime>,
     caller: &Caller,
     language: kiln_core::Language,
 ) -> Result<Sandbox> {
+    let template = rt.executors.preferred_template(language)?.id.clone();
     let spec = SandboxSpec {
         image: language.name().into(),
-        template: language.name().into(),
+        template,
         language,
         lifetime_ms: crate::sandbox::DEFAULT_LIFETIME_MS,
         memory_bytes: Limits::default().memory_bytes,
@@ -455,6 +457,8 @@ pub fn exec_prefix(language: Language) -> &'static str {
     match language {
         Language::Python => "python_run_",
         Language::JavaScript => "node_run_",
+        Language::Go => "go_run_",
+        Language::Bash => "bash_run_",
     }
 }
 

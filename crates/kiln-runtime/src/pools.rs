@@ -94,25 +94,42 @@ impl Executors {
         self.pools.get(info.backend)
     }
 
-    /// The pool of the preferred template for `language`: the first ephemeral template
-    /// that speaks it (the WebAssembly fast path), else the first that does.
-    pub fn pool_for_language(&self, language: kiln_core::Language) -> Result<&ExecutorPool> {
+    /// The preferred template for `language`: the first ephemeral template that speaks it
+    /// (the WebAssembly fast path), else the first that does (a Linux template for `go` and
+    /// `bash`).
+    pub fn preferred_template(
+        &self,
+        language: kiln_core::Language,
+    ) -> Result<&kiln_core::template::TemplateInfo> {
         let speaks = |t: &&kiln_core::template::TemplateInfo| t.languages.contains(&language);
         let templates = self.catalogue.templates();
-        let template = templates
+        templates
             .iter()
             .filter(speaks)
             .find(|t| t.lifecycle == kiln_core::template::Lifecycle::Ephemeral)
             .or_else(|| templates.iter().find(speaks))
             .ok_or_else(|| RuntimeError::UnsupportedLanguage {
-                message: format!("no installed template runs {language}"),
-            })?;
-        self.pools.get(template.backend)
+                message: if language.is_wasm() {
+                    format!("no installed template runs {language}")
+                } else {
+                    format!("no installed template runs {language}: it needs a Linux template (kiln serve --linux, with the template built)")
+                },
+            })
+    }
+
+    /// The pool of the preferred template for `language`.
+    pub fn pool_for_language(&self, language: kiln_core::Language) -> Result<&ExecutorPool> {
+        self.pools.get(self.preferred_template(language)?.backend)
     }
 
     /// Runs `request` once, in a fresh sandbox of the preferred template for its language.
-    pub async fn run_once(&self, request: kiln_core::ExecRequest) -> Result<kiln_core::ExecResult> {
-        let pool = self.pool_for_language(request.language)?;
+    pub async fn run_once(
+        &self,
+        mut request: kiln_core::ExecRequest,
+    ) -> Result<kiln_core::ExecResult> {
+        let template = self.preferred_template(request.language)?;
+        let pool = self.pools.get(template.backend)?;
+        request.template.get_or_insert_with(|| template.id.clone());
         Ok(pool.execute(request).await?)
     }
 }

@@ -167,14 +167,10 @@ fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
         )
     };
     let (program, rest) = command.split_first().ok_or_else(unsupported)?;
-    let language = match program.as_str() {
-        "python" | "python3" => Language::Python,
-        "node" | "nodejs" => Language::JavaScript,
+    let (language, inline_flag) = match program.as_str() {
+        "python" | "python3" => (Language::Python, "-c"),
+        "node" | "nodejs" => (Language::JavaScript, "-e"),
         _ => return Err(unsupported()),
-    };
-    let inline_flag = match language {
-        Language::Python => "-c",
-        Language::JavaScript => "-e",
     };
     match rest {
         [flag, code] if flag == inline_flag => Ok((language, Program::Inline(code.clone()))),

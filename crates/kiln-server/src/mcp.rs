@@ -296,6 +296,30 @@ impl KilnMcp {
     }
 
     #[tool(
+        description = "Run Go code (a main package, run with `go run`; Go 1.19 and its standard library) in a jailed Linux box with no network. Needs kiln's Linux templates (kiln serve --linux); refused otherwise. Pass sandbox_id to run in a Linux sandbox's persistent workspace."
+    )]
+    async fn run_go(
+        &self,
+        Parameters(input): Parameters<RunCode>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        Ok(self.run_code(&caller, Language::Go, input).await)
+    }
+
+    #[tool(
+        description = "Run a bash script (coreutils, git, curl; python3 where the template has it) in a jailed Linux box with no network. Needs kiln's Linux templates (kiln serve --linux); refused otherwise. Pass sandbox_id to run in a Linux sandbox's persistent workspace."
+    )]
+    async fn run_bash(
+        &self,
+        Parameters(input): Parameters<RunCode>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        Ok(self.run_code(&caller, Language::Bash, input).await)
+    }
+
+    #[tool(
         description = "Create a sandbox with a persistent, git-versioned workspace (lives 30 minutes). Returns its sandbox_id for the other tools."
     )]
     async fn sandbox_create(

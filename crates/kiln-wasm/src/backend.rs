@@ -73,6 +73,7 @@ impl From<ExecError> for BackendError {
                 ErrorKind::TooLarge
             }
             ExecError::SessionEnded { .. } => ErrorKind::SessionEnded,
+            ExecError::Unsupported { .. } => ErrorKind::Unsupported,
             ExecError::Busy { .. } => ErrorKind::Busy,
             ExecError::Tmp(_) | ExecError::Instantiate { .. } => ErrorKind::Instantiate,
         };

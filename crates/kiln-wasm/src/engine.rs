@@ -86,6 +86,11 @@ pub enum ExecError {
     /// The guest could not be started.
     #[error("could not start the {language} guest: {detail}")]
     Instantiate { language: Language, detail: String },
+    /// WebAssembly does not run this language.
+    #[error(
+        "WebAssembly runs python and javascript; {language} runs on a Linux template (kiln serve --linux)"
+    )]
+    Unsupported { language: Language },
 }
 
 /// The most source code one execution accepts: 16 MiB.
@@ -287,6 +292,8 @@ impl WasmEngine {
         match language {
             Language::Python => self.python(progress).map(drop),
             Language::JavaScript => self.javascript(progress).map(drop),
+            // Nothing of WebAssembly runs them; requests for them are refused.
+            Language::Go | Language::Bash => Ok(()),
         }
     }
 
@@ -404,6 +411,9 @@ impl WasmEngine {
                 let runtime = self.javascript(&Quiet)?;
                 javascript::run_once(self, &runtime, request, listener).await?
             }
+            language @ (Language::Go | Language::Bash) => {
+                return Err(ExecError::Unsupported { language });
+            }
         };
         result.duration_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         Ok(result)
@@ -433,6 +443,11 @@ pub(crate) fn instantiation_error(
 }
 
 pub(crate) fn check_request(request: &ExecRequest) -> Result<(), ExecError> {
+    if !request.language.is_wasm() {
+        return Err(ExecError::Unsupported {
+            language: request.language,
+        });
+    }
     request.limits.validate()?;
     let min = request.language.min_memory_bytes();
     if request.limits.memory_bytes < min {

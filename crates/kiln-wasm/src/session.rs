@@ -129,6 +129,9 @@ impl WasmEngine {
                 let runtime = self.javascript(&Quiet)?;
                 Guest::JavaScript(JsSession::open(self, &runtime, &request).await?)
             }
+            language @ (Language::Go | Language::Bash) => {
+                return Err(ExecError::Unsupported { language });
+            }
         };
         Ok(Session { language, guest })
     }

@@ -16,7 +16,7 @@ fn engine() -> &'static WasmEngine {
     static ENGINE: OnceLock<WasmEngine> = OnceLock::new();
     ENGINE.get_or_init(|| {
         let engine = WasmEngine::new(test_cache()).expect("engine");
-        for language in Language::ALL {
+        for language in Language::WASM {
             engine.prepare(language, &Quiet).expect("runtime setup");
         }
         engine
@@ -370,7 +370,7 @@ async fn session_turns_each_get_a_fresh_file_budget() -> TestResult {
 
 #[tokio::test]
 async fn session_turns_have_their_own_deadline_and_a_timed_out_session_ends() -> TestResult {
-    for language in Language::ALL {
+    for language in Language::WASM {
         let mut session = engine()
             .open_session(language, &SessionOptions::default())
             .await?;
@@ -380,13 +380,31 @@ async fn session_turns_have_their_own_deadline_and_a_timed_out_session_ends() ->
         };
         let spin = match language {
             Language::Python => "while True: pass",
-            Language::JavaScript => "for (;;) {}",
+            _ => "for (;;) {}",
         };
         let result = session.run(spin, &short).await?;
         assert_eq!(result.outcome, Outcome::TimedOut, "{language}");
         assert!(session.ended().is_some());
         let err = session.run("1", &short).await.unwrap_err();
         assert!(matches!(err, ExecError::SessionEnded { .. }), "{err}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn go_and_bash_are_refused_as_languages_webassembly_does_not_run() -> TestResult {
+    for language in [Language::Go, Language::Bash] {
+        let err = engine()
+            .execute(&ExecRequest::new(language, "echo hi"))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ExecError::Unsupported { .. }), "{err}");
+        assert!(err.to_string().contains("Linux template"), "{err}");
+        let err = engine()
+            .open_session(language, &SessionOptions::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ExecError::Unsupported { .. }), "{err}");
     }
     Ok(())
 }

@@ -80,7 +80,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let cache = crate::config::cache_dir();
     let engine = WasmEngine::new(cache.clone())?;
     let progress = crate::progress::Bar::new();
-    for language in Language::ALL {
+    for language in Language::WASM {
         engine.prepare(language, &progress)?;
     }
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -195,7 +195,7 @@ fn setup(lang: Option<Language>) -> anyhow::Result<ExitCode> {
     let engine = WasmEngine::new(cache.clone())?;
     let languages = match lang {
         Some(language) => vec![language],
-        None => Language::ALL.to_vec(),
+        None => Language::WASM.to_vec(),
     };
     for language in languages {
         engine.prepare(language, &progress)?;
@@ -210,7 +210,7 @@ fn prepare_runtimes() -> anyhow::Result<()> {
         crate::config::cache_dir(),
         &kiln_wasm::EngineOptions { max_instances: 1 },
     )?;
-    for language in Language::ALL {
+    for language in Language::WASM {
         setup.prepare(language, &progress::Bar::new())?;
     }
     Ok(())

@@ -71,7 +71,7 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
         crate::config::cache_dir(),
         &kiln_wasm::EngineOptions { max_instances: 1 },
     )?;
-    for language in Language::ALL {
+    for language in Language::WASM {
         setup.prepare(language, &crate::progress::Bar::new())?;
     }
     drop(setup);

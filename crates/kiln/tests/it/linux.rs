@@ -375,6 +375,36 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
         "{ran}"
     );
 
+    // Go and bash: a sandbox by language is a Linux one; code runs as the language runs it.
+    let (status, go) = server.call("POST", "/api/v1/sandboxes", Some(json!({"language": "go"})))?;
+    assert_eq!(
+        (status, go["template"].as_str()),
+        (201, Some("linux-go")),
+        "{go}"
+    );
+    let go_id = go["containerId"].as_str().ok_or("no id")?.to_string();
+    let (_, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{go_id}/exec"),
+        Some(json!({"code": "package main\nimport \"fmt\"\nfunc main() { fmt.Println(\"go\", 6*7) }"})),
+    )?;
+    assert_eq!(ran["stdout"], "go 42\n", "{ran}");
+    let (_, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{go_id}/exec"),
+        Some(json!({"code": "echo $((2+3)) $(id -un)", "language": "bash"})),
+    )?;
+    assert_eq!(ran["stdout"], "5 user\n", "{ran}");
+    let (_, bash) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"language": "bash"})),
+    )?;
+    assert_eq!(bash["template"], "linux-debian", "{bash}");
+    server.call("DELETE", &format!("/api/v1/sandboxes/{go_id}"), None)?;
+    let bash_id = bash["containerId"].as_str().ok_or("no id")?;
+    server.call("DELETE", &format!("/api/v1/sandboxes/{bash_id}"), None)?;
+
     // Deleting the sandboxes closes their boxes (the backend reaps within seconds).
     for sandbox in [id.as_str(), node_id] {
         let (status, _) = server.call("DELETE", &format!("/api/sandbox/{sandbox}"), None)?;
