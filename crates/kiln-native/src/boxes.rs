@@ -65,6 +65,8 @@ pub struct Boxes {
     cgroups: Cgroups,
     boxes_dir: PathBuf,
     runtime_root: PathBuf,
+    /// This process's claim on its folder of the state directory, held while it lives.
+    _claim: Arc<std::fs::File>,
 }
 
 /// What a box is made of.
@@ -236,45 +238,42 @@ impl Boxes {
         // Box agents are orphaned when runc exits: they become kiln's children (and are
         // reaped when their box closes) instead of the host init's.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        let boxes_dir = config.state_dir.join("boxes");
-        let runtime_root = config.state_dir.join("runc");
-        for dir in [&config.state_dir, &boxes_dir, &runtime_root] {
+        let unavailable = |dir: &Path, e: std::io::Error| {
+            BoxError::Unavailable(format!("{}: {e}", dir.display()))
+        };
+        let make = |dir: &Path| {
             std::fs::create_dir_all(dir)
                 .and_then(|()| {
                     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
                 })
-                .map_err(|e| BoxError::Unavailable(format!("{}: {e}", dir.display())))?;
-        }
-        let boxes = Boxes {
+                .map_err(|e| unavailable(dir, e))
+        };
+        make(&config.state_dir)?;
+        remove_abandoned(&config.runtime, &config.state_dir);
+        // Each kiln process has a folder of its own in the state directory, claimed with a
+        // lock held for its life: kilns sharing the directory never touch each other's
+        // boxes, and a folder whose lock is free belongs to a kiln that died.
+        let mine = config
+            .state_dir
+            .join(format!("{PROCESS_PREFIX}{}", std::process::id()));
+        make(&mine)?;
+        let claim = claim(&mine).map_err(|e| unavailable(&mine, e))?;
+        let boxes_dir = mine.join("boxes");
+        let runtime_root = mine.join("runc");
+        make(&boxes_dir)?;
+        make(&runtime_root)?;
+        Ok(Boxes {
             cgroups: Cgroups::detect(),
             config,
             boxes_dir,
             runtime_root,
-        };
-        boxes.remove_leftovers();
-        Ok(boxes)
+            _claim: Arc::new(claim),
+        })
     }
 
     /// The host's cgroup layout.
     pub fn cgroups(&self) -> Cgroups {
         self.cgroups
-    }
-
-    /// Kills and removes every box a previous kiln process left (its containers, mounts and
-    /// folders). Boxes of a live kiln sharing this state directory would be removed too:
-    /// one state directory belongs to one kiln.
-    fn remove_leftovers(&self) {
-        let Ok(entries) = std::fs::read_dir(&self.boxes_dir) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let id = entry.file_name().to_string_lossy().into_owned();
-            if !id.starts_with(ID_PREFIX) {
-                continue;
-            }
-            tracing::warn!(box_id = %id, "removing a box left by a previous kiln");
-            self.destroy(&id, &entry.path(), 0);
-        }
     }
 
     fn destroy(&self, id: &str, dir: &Path, host_pid: i32) {
@@ -476,6 +475,53 @@ impl Boxes {
             .and_then(|p| p.trim().parse().ok())
             .unwrap_or(0);
         Ok((ours, host_pid))
+    }
+}
+
+/// The prefix of each kiln process's folder in the state directory.
+const PROCESS_PREFIX: &str = "kiln-process-";
+
+/// Takes the lock that says `folder` belongs to a live kiln: `Ok` holds it (an open file
+/// with an exclusive `flock`), an error says another live process holds it.
+fn claim(folder: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(folder.join("lock"))?;
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+/// Kills and removes every box of the kiln processes that died leaving them (their
+/// containers, mounts and folders); the folders of live kilns are left alone.
+fn remove_abandoned(runtime: &Path, state_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let folder = entry.path();
+        if !name.starts_with(PROCESS_PREFIX) || !folder.is_dir() {
+            continue;
+        }
+        let Ok(_lock) = claim(&folder) else {
+            continue; // a live kiln's
+        };
+        let runtime_root = folder.join("runc");
+        if let Ok(boxes) = std::fs::read_dir(folder.join("boxes")) {
+            for left in boxes.flatten() {
+                let id = left.file_name().to_string_lossy().into_owned();
+                if id.starts_with(ID_PREFIX) {
+                    tracing::warn!(box_id = %id, "removing a box left by a kiln that died");
+                    destroy(runtime, &runtime_root, &id, &left.path(), 0);
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&folder);
     }
 }
 

@@ -159,14 +159,19 @@ fn kiln_exec_runs_commands_and_code_in_a_fresh_box_with_its_limits() {
     assert!(err.contains("--network is none or allowlist"), "{err}");
 }
 
+/// The boxes in a state folder, of every kiln process's folder in it.
 fn box_dirs(state: &Path) -> Vec<String> {
-    std::fs::read_dir(state.join("boxes"))
-        .map(|d| {
+    let Ok(processes) = std::fs::read_dir(state) else {
+        return Vec::new();
+    };
+    processes
+        .flatten()
+        .filter_map(|p| std::fs::read_dir(p.path().join("boxes")).ok())
+        .flat_map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
         })
-        .unwrap_or_default()
+        .collect()
 }
 
 /// Host processes whose command line is exactly `argv`.
@@ -177,6 +182,41 @@ fn processes(argv: &str) -> usize {
         .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
         .filter(|c| String::from_utf8_lossy(c).replace('\0', " ").trim() == argv)
         .count()
+}
+
+#[test]
+fn kilns_sharing_a_state_folder_leave_each_others_boxes_alone() {
+    if skip() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let marker = "sleep 86398.5";
+    let mut first = kiln()
+        .args(["exec", "--template", "debian", "--", "sleep", "86398.5"])
+        .env("KILN_STATE_DIR", state.path())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while processes(marker) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the box never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A second kiln on the same folder runs its own box and leaves the first one running.
+    let (code, out, err) = run(
+        state.path(),
+        &["--template", "debian", "--", "echo", "second"],
+    );
+    assert_eq!((code, out.as_str()), (0, "second\n"), "{err}");
+    assert_eq!(
+        processes(marker),
+        1,
+        "the second kiln removed the first one's box"
+    );
+    first.kill().unwrap();
+    first.wait().unwrap();
 }
 
 #[test]
@@ -232,10 +272,13 @@ fn a_box_left_by_a_killed_kiln_is_removed_by_the_next_one() {
         !mounts.contains(&left[0]),
         "a mount of the left box remains"
     );
-    let runc = std::fs::read_dir(state.path().join("runc"))
+    // The dead kiln's folder (its runc state with it) is gone; only the last kiln's is left.
+    let folders: Vec<_> = std::fs::read_dir(state.path()).unwrap().flatten().collect();
+    assert_eq!(folders.len(), 1, "{folders:?}");
+    let runc = std::fs::read_dir(folders[0].path().join("runc"))
         .unwrap()
         .count();
-    assert_eq!(runc, 0, "runc still knows the left box");
+    assert_eq!(runc, 0, "runc still knows a box");
 }
 
 /// Seed 003's flow on a Linux template through `kiln serve --linux`: Docker images resolve to
