@@ -716,6 +716,11 @@ impl LiveBox {
         self.cgroups.oom_kills(&self.cgroup)
     }
 
+    /// CPU time the box's processes have used, in microseconds.
+    pub fn cpu_usage_us(&self) -> u64 {
+        self.cgroups.cpu_usage_us(&self.cgroup)
+    }
+
     /// Runs a command to its end (or its timeout), calling `on_output(stderr, bytes)` as
     /// output arrives.
     pub async fn exec(

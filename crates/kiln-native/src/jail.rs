@@ -260,4 +260,26 @@ impl Cgroups {
             })
             .unwrap_or(0)
     }
+
+    /// CPU time the box's processes have used, in microseconds, from its cgroup.
+    pub fn cpu_usage_us(self, cgroup: &str) -> u64 {
+        let cgroup = cgroup.trim_start_matches('/');
+        match self {
+            Cgroups::V2 => std::fs::read_to_string(format!("/sys/fs/cgroup/{cgroup}/cpu.stat"))
+                .ok()
+                .and_then(|text| {
+                    text.lines().find_map(|l| {
+                        l.strip_prefix("usage_usec ")
+                            .and_then(|v| v.trim().parse().ok())
+                    })
+                })
+                .unwrap_or(0),
+            Cgroups::V1 => {
+                std::fs::read_to_string(format!("/sys/fs/cgroup/cpuacct/{cgroup}/cpuacct.usage"))
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map_or(0, |ns| ns / 1000)
+            }
+        }
+    }
 }

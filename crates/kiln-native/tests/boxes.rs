@@ -318,6 +318,54 @@ async fn limits_hold_fork_bomb_memory_bomb_and_disk_fill() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cpu_spin_is_held_to_its_quota_while_another_box_answers() {
+    if skip() {
+        return;
+    }
+    let boxes = boxes();
+    let spinner = boxes
+        .open(BoxSpec::new(
+            python().clone(),
+            BoxLimits {
+                vcpus: 0.25,
+                ..limits()
+            },
+        ))
+        .await
+        .unwrap();
+    let other = open(&boxes, None).await;
+    // Two spinning processes: without the quota they would take both cores.
+    let mut spin = Exec::new(vec![
+        "sh".into(),
+        "-c".into(),
+        "python3 -c 'while True: pass' & python3 -c 'while True: pass' & wait".into(),
+    ]);
+    spin.timeout = Duration::from_secs(4);
+    let spinning = spinner.exec(spin, |_, _| {});
+    let measure = async {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let (used, wall) = (spinner.cpu_usage_us(), std::time::Instant::now());
+        // Meanwhile the other box runs commands.
+        for _ in 0..5 {
+            assert_eq!(text(&sh(&other, "echo fine").await.stdout), "fine\n");
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let used = spinner.cpu_usage_us() - used;
+        (used as f64 / wall.elapsed().as_micros() as f64, used)
+    };
+    let (out, (share, used)) = tokio::join!(spinning, measure);
+    assert!(out.unwrap().timed_out);
+    // A quarter of a CPU, with room for the scheduler's periods: never the two cores.
+    assert!(used > 0, "no CPU use was read from the box's cgroup");
+    assert!(
+        share < 0.4,
+        "the spinning box used {share:.2} CPUs against a quota of 0.25"
+    );
+    spinner.close().await;
+    other.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closing_a_box_leaves_nothing_behind_and_boxes_do_not_see_each_other() {
     if skip() {
         return;
@@ -361,6 +409,30 @@ fn syscall(call: &str) -> String {
         "python3 -c \"import ctypes,os,sys; l=ctypes.CDLL(None, use_errno=True); \
          sys.exit(os.strerror(ctypes.get_errno()) if l.{call} != 0 else 0)\""
     )
+}
+
+#[test]
+fn a_failed_build_says_which_step_failed_and_leaves_nothing() {
+    if skip() {
+        return;
+    }
+    let definition = kiln_native::template::Definition::parse(
+        "name: broken\nbase: debian:bookworm\npost_install: |\n  echo about to fail\n  exit 3\n",
+        "test",
+    )
+    .unwrap();
+    let store = store();
+    let err = store.build(&definition, &Stderr).unwrap_err();
+    assert_eq!(err.step, "post-install", "{err}");
+    assert!(err.to_string().contains("about to fail"), "{err}");
+    assert!(store.find(&definition).is_none());
+    let left: Vec<_> = std::fs::read_dir(&store.root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("broken"))
+        .collect();
+    assert!(left.is_empty(), "a failed build left {left:?}");
 }
 
 fn free_bytes(path: &str) -> u64 {
