@@ -270,6 +270,35 @@ pub struct ExecRequest {
     /// ([`template::Capabilities::commands`]); others refuse it as unsupported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<Command>,
+    /// The sandbox's network (Linux templates; WebAssembly guests have none at all).
+    #[serde(default, skip_serializing_if = "Network::is_none")]
+    pub network: Network,
+}
+
+/// A sandbox's network.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Network {
+    /// Only the sandbox's own loopback: no route, no DNS.
+    #[default]
+    None,
+    /// The host names on the server's allowlist, through its proxy (Linux templates).
+    Allowlist,
+}
+
+impl Network {
+    pub fn is_none(&self) -> bool {
+        *self == Network::None
+    }
+
+    /// Parses `none` or `allowlist`.
+    pub fn from_name(name: &str) -> Option<Network> {
+        match name {
+            "none" => Some(Network::None),
+            "allowlist" => Some(Network::Allowlist),
+            _ => None,
+        }
+    }
 }
 
 /// A program given as an argv, as a shell would run it after word splitting.
@@ -313,6 +342,7 @@ impl ExecRequest {
             limits: Limits::default(),
             template: None,
             command: None,
+            network: Network::None,
         }
     }
 

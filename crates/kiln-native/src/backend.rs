@@ -83,7 +83,8 @@ struct Inner {
     templates: Vec<(TemplateInfo, Template)>,
     /// Live boxes by workspace (one per sandbox).
     held: tokio::sync::Mutex<HashMap<PathBuf, Held>>,
-    network: Option<Arc<Allowlist>>,
+    /// What boxes of sandboxes with `network: allowlist` may reach.
+    allowlist: Arc<Allowlist>,
     ca_bundle: Option<PathBuf>,
 }
 
@@ -114,12 +115,12 @@ fn limits(template: &Template, request: &Limits) -> BoxLimits {
 }
 
 impl NativeBackend {
-    /// A backend over built `templates`. `network`: the allowlist of the boxes it opens
-    /// (`None`: no network).
+    /// A backend over built `templates`. `allowlist`: what the boxes of sandboxes with
+    /// `network: allowlist` may reach (the others have no network).
     pub fn new(
         boxes: Boxes,
         templates: Vec<Template>,
-        network: Option<Arc<Allowlist>>,
+        allowlist: Arc<Allowlist>,
         ca_bundle: Option<PathBuf>,
     ) -> NativeBackend {
         NativeBackend {
@@ -130,7 +131,7 @@ impl NativeBackend {
                     .map(|t| (template_info(&t), t))
                     .collect(),
                 held: tokio::sync::Mutex::new(HashMap::new()),
-                network,
+                allowlist,
                 ca_bundle,
             }),
         }
@@ -151,7 +152,10 @@ impl NativeBackend {
     fn spec(&self, template: &Template, request: &ExecRequest) -> BoxSpec {
         BoxSpec {
             workspace: request.workspace.clone(),
-            network: self.inner.network.clone(),
+            network: match request.network {
+                kiln_core::Network::None => None,
+                kiln_core::Network::Allowlist => Some(self.inner.allowlist.clone()),
+            },
             ca_bundle: self.inner.ca_bundle.clone(),
             ..BoxSpec::new(template.clone(), limits(template, &request.limits))
         }

@@ -224,6 +224,7 @@ pub async fn create_default_sandbox(
         language,
         lifetime_ms: crate::sandbox::DEFAULT_LIFETIME_MS,
         memory_bytes: Limits::default().memory_bytes,
+        network: kiln_core::Network::None,
     };
     create_sandbox(rt, caller, spec).await
 }
@@ -354,6 +355,7 @@ async fn run_in(
         None => {
             let mut request = ExecRequest::new(spec.language, code);
             request.template = Some(sandbox.template().to_owned());
+            request.network = sandbox.network;
             request.command = spec.command.clone().map(|argv| kiln_core::Command {
                 argv,
                 cwd: None,

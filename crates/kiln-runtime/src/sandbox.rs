@@ -36,6 +36,8 @@ pub struct SandboxSpec {
     pub language: Language,
     pub lifetime_ms: u64,
     pub memory_bytes: u64,
+    /// Its network (see [`SandboxSpec::with_network`]).
+    pub network: kiln_core::Network,
 }
 
 /// Default sandbox lifetime: 30 minutes.
@@ -90,7 +92,37 @@ impl SandboxSpec {
             language,
             lifetime_ms,
             memory_bytes,
+            network: kiln_core::Network::None,
         })
+    }
+
+    /// The sandbox with the network `name` (`none` or `allowlist`), which only templates
+    /// that run live boxes (Linux) have; WebAssembly guests have no network at all.
+    pub fn with_network(
+        mut self,
+        catalogue: &kiln_core::template::Catalogue,
+        name: Option<&str>,
+    ) -> Result<SandboxSpec> {
+        let Some(name) = name else {
+            return Ok(self);
+        };
+        let network =
+            kiln_core::Network::from_name(name).ok_or_else(|| RuntimeError::InvalidOption {
+                message: format!("network is \"none\" or \"allowlist\", not {name:?}"),
+            })?;
+        let live = catalogue
+            .get(&self.template)
+            .is_some_and(|t| t.lifecycle == kiln_core::template::Lifecycle::Live);
+        if network == kiln_core::Network::Allowlist && !live {
+            return Err(RuntimeError::Unsupported {
+                message: format!(
+                    "the {} template has no network at all; network \"allowlist\" needs a Linux template (python:3.11, linux-python, …)",
+                    self.template
+                ),
+            });
+        }
+        self.network = network;
+        Ok(self)
     }
 }
 
@@ -157,6 +189,9 @@ pub struct Sandbox {
     /// Bytes in the workspace when its history last recorded it (for the tenant's quota).
     #[serde(default)]
     pub workspace_bytes: u64,
+    /// Its network (Linux templates).
+    #[serde(default, skip_serializing_if = "kiln_core::Network::is_none")]
+    pub network: kiln_core::Network,
     /// Runtime only: the folder the sandbox lives in.
     #[serde(skip)]
     pub dir: PathBuf,
@@ -365,6 +400,7 @@ impl Registry {
             cpu_time_ms: 0,
             sessions: BTreeMap::new(),
             workspace_bytes: 0,
+            network: spec.network,
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {

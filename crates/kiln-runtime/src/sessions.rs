@@ -72,6 +72,7 @@ pub async fn open(
     let options = CallOptions::for_tenant(&caller.tenant, quotas.cpu_weight);
     let template = view.meta.template();
     request.template = Some(template.to_owned());
+    request.network = view.meta.network;
     let handle = rt
         .pool_for(template)?
         .open_session_with(request, options)

@@ -52,6 +52,10 @@ pub struct CreateOptions {
     /// runs on one core).
     #[schema(example = "0.5")]
     pub cpu_limit: Option<CpuLimit>,
+    /// `none` (the default: no network at all) or `allowlist` (Linux templates only: the
+    /// host names on the server's allowlist, such as the package indexes, through its proxy).
+    #[schema(example = "none")]
+    pub network: Option<String>,
 }
 
 /// A CPU share, as a number or text (`0.5`, `"0.5"`).
@@ -94,7 +98,8 @@ pub async fn create(
         &body.image,
         body.options.timeout,
         body.options.memory_limit.as_deref(),
-    )?;
+    )?
+    .with_network(state.runtime.catalogue(), body.options.network.as_deref())?;
     let sandbox = exec::create_sandbox(&state.runtime, &caller, spec).await?;
     Ok((
         StatusCode::CREATED,
@@ -271,9 +276,12 @@ pub struct SandboxInfo {
     /// The template the image resolved to (see `GET /api/v1/templates`).
     #[schema(example = "python")]
     pub template: String,
-    /// `python` or `javascript`.
+    /// `python`, `javascript`, `go` or `bash`.
     #[schema(example = "python")]
     pub language: String,
+    /// `none` or `allowlist`.
+    #[schema(example = "none")]
+    pub network: String,
     /// `idle` or `running`.
     #[schema(example = "idle")]
     pub status: String,
@@ -303,6 +311,11 @@ impl SandboxInfo {
             image: sandbox.image.clone(),
             template: sandbox.template().into(),
             language: sandbox.language.name().into(),
+            network: match sandbox.network {
+                kiln_core::Network::None => "none",
+                kiln_core::Network::Allowlist => "allowlist",
+            }
+            .into(),
             status: if view.running.is_some() {
                 "running"
             } else {

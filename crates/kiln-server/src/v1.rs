@@ -63,6 +63,9 @@ pub struct NewSandbox {
     pub timeout_ms: Option<u64>,
     /// Memory cap per execution, e.g. "512m".
     pub memory_limit: Option<String>,
+    /// `none` (default) or `allowlist` (Linux templates: the server's allowlisted host
+    /// names, such as the package indexes, through its proxy).
+    pub network: Option<String>,
 }
 
 /// Create a sandbox.
@@ -84,7 +87,8 @@ pub async fn create(
         &image,
         body.timeout_ms,
         body.memory_limit.as_deref(),
-    )?;
+    )?
+    .with_network(state.runtime.catalogue(), body.network.as_deref())?;
     let id = exec::create_sandbox(&state.runtime, &caller, spec)
         .await?
         .id;

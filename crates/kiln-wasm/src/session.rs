@@ -118,6 +118,7 @@ impl WasmEngine {
             limits: options.limits.clone(),
             template: None,
             command: None,
+            network: kiln_core::Network::None,
         };
         check_request(&request)?;
         let guest = match language {

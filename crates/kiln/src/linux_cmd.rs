@@ -90,7 +90,7 @@ pub fn backend(linux: &LinuxArgs) -> anyhow::Result<kiln_native::backend::Native
     Ok(kiln_native::backend::NativeBackend::new(
         boxes(linux)?,
         templates,
-        None,
+        std::sync::Arc::new(allowlist(linux)?),
         linux.box_ca_bundle.clone(),
     ))
 }

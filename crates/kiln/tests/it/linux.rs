@@ -294,9 +294,15 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
     use serde_json::json;
     let state = tempfile::tempdir()?;
     let state_dir = state.path().to_str().ok_or("path")?;
+    // This host reaches the package index through a TLS-inspecting proxy whose CA only the
+    // host's bundle has.
+    let bundle = "/etc/ssl/certs/ca-certificates.crt";
     let server = start(Options {
         extra: &["--linux"],
-        env: &[("KILN_STATE_DIR", state_dir)],
+        env: &[
+            ("KILN_STATE_DIR", state_dir),
+            ("KILN_BOX_CA_BUNDLE", bundle),
+        ],
         ..Options::default()
     })?;
     let (status, created) = server.call(
@@ -447,6 +453,52 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
     server.call("DELETE", &format!("/api/v1/sandboxes/{go_id}"), None)?;
     let bash_id = bash["containerId"].as_str().ok_or("no id")?;
     server.call("DELETE", &format!("/api/v1/sandboxes/{bash_id}"), None)?;
+
+    // network: allowlist reaches the package index through kiln's proxy; none is the default;
+    // WebAssembly has no network to allow.
+    let (status, net) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"image": "python:3.11", "network": "allowlist"})),
+    )?;
+    assert_eq!(
+        (status, net["network"].as_str()),
+        (201, Some("allowlist")),
+        "{net}"
+    );
+    let net_id = net["containerId"].as_str().ok_or("no id")?.to_string();
+    let (_, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{net_id}/exec"),
+        Some(json!({"command": ["sh", "-c", "pip download -q --no-deps -d /tmp six==1.16.0 && ls /tmp | grep -c six"], "timeoutMs": 120000})),
+    )?;
+    assert_eq!(ran["stdout"], "1\n", "{ran}");
+    let (_, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"command": ["sh", "-c", "pip download -q --no-deps -d /tmp six==1.16.0 2>&1 | tail -1; echo rc=$?"], "timeoutMs": 60000})),
+    )?;
+    assert!(
+        !ran["stdout"].as_str().unwrap_or("").contains("Saved"),
+        "no network by default: {ran}"
+    );
+    server.call("DELETE", &format!("/api/v1/sandboxes/{net_id}"), None)?;
+    let (status, refused) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"language": "python", "network": "allowlist"})),
+    )?;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (400, Some("UNSUPPORTED")),
+        "{refused}"
+    );
+    let (status, refused) = server.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"image": "python:3.11", "options": {"network": "everything"}})),
+    )?;
+    assert_eq!(status, 400, "{refused}");
 
     // Deleting the sandboxes closes their boxes (the backend reaps within seconds).
     for sandbox in [id.as_str(), node_id] {
