@@ -354,7 +354,7 @@ async fn run_in(
     let result = match &spec.session {
         None => {
             let mut request = ExecRequest::new(spec.language, code);
-            request.template = Some(sandbox.template().to_owned());
+            request.template = state.request_template(sandbox.template());
             request.network = sandbox.network;
             request.command = spec.command.clone().map(|argv| kiln_core::Command {
                 argv,

@@ -112,6 +112,16 @@ impl Runtime {
     }
 
     /// The templates sandboxes are made from.
+    /// The template an execution in a sandbox of `template` names to its backend: the
+    /// sandbox's own for live templates (a Linux box runs its template's programs), none for
+    /// WebAssembly (a wasm sandbox runs either language in its workspace).
+    pub fn request_template(&self, template: &str) -> Option<String> {
+        self.catalogue()
+            .get(template)
+            .filter(|t| t.lifecycle == kiln_core::template::Lifecycle::Live)
+            .map(|t| t.id.clone())
+    }
+
     pub fn catalogue(&self) -> &Catalogue {
         &self.executors.catalogue
     }

@@ -71,7 +71,7 @@ pub async fn open(
         .check_session(&quotas, view.meta.memory_bytes)?;
     let options = CallOptions::for_tenant(&caller.tenant, quotas.cpu_weight);
     let template = view.meta.template();
-    request.template = Some(template.to_owned());
+    request.template = rt.request_template(template);
     request.network = view.meta.network;
     let handle = rt
         .pool_for(template)?

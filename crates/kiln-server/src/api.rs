@@ -74,6 +74,12 @@ pub struct Created {
     pub container_id: String,
     #[schema(example = "created")]
     pub status: String,
+    /// The template the image resolved to, and what it runs (with package versions for
+    /// Linux templates).
+    #[schema(example = "python")]
+    pub template: String,
+    #[schema(example = "CPython 3.15 on WebAssembly")]
+    pub template_description: String,
     #[schema(example = "2026-11-22T14:03:32.120Z")]
     pub created_at: String,
     #[schema(example = "2026-11-22T14:33:32.120Z")]
@@ -104,6 +110,13 @@ pub async fn create(
     Ok((
         StatusCode::CREATED,
         Json(Created {
+            template_description: state
+                .runtime
+                .catalogue()
+                .get(sandbox.template())
+                .map(|t| t.description.clone())
+                .unwrap_or_default(),
+            template: sandbox.template().into(),
             container_id: sandbox.id,
             status: "created".into(),
             created_at: rfc3339(sandbox.created_ms),
@@ -276,6 +289,11 @@ pub struct SandboxInfo {
     /// The template the image resolved to (see `GET /api/v1/templates`).
     #[schema(example = "python")]
     pub template: String,
+    /// What that template runs, with the versions of its main packages for Linux templates
+    /// (`Debian 12 with CPython 3.11, pip and venv (python3 3.11.2-1+b1, …)`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "CPython 3.15 on WebAssembly")]
+    pub template_description: Option<String>,
     /// `python`, `javascript`, `go` or `bash`.
     #[schema(example = "python")]
     pub language: String,
@@ -304,12 +322,19 @@ pub struct ResourceUsage {
 }
 
 impl SandboxInfo {
+    /// With its template's description from `catalogue`.
+    pub fn described(mut self, catalogue: &kiln_core::template::Catalogue) -> SandboxInfo {
+        self.template_description = catalogue.get(&self.template).map(|t| t.description.clone());
+        self
+    }
+
     pub fn from_view(view: &SandboxView) -> SandboxInfo {
         let sandbox = &view.meta;
         SandboxInfo {
             container_id: sandbox.id.clone(),
             image: sandbox.image.clone(),
             template: sandbox.template().into(),
+            template_description: None,
             language: sandbox.language.name().into(),
             network: match sandbox.network {
                 kiln_core::Network::None => "none",
@@ -363,7 +388,9 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let view = state.runtime.registry.get(&caller.tenant, &id)?;
-    Ok(Json(SandboxInfo::from_view(&view)))
+    Ok(Json(
+        SandboxInfo::from_view(&view).described(state.runtime.catalogue()),
+    ))
 }
 
 /// A deleted sandbox.

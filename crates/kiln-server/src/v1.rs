@@ -93,7 +93,10 @@ pub async fn create(
         .await?
         .id;
     let view = state.runtime.registry.get(&caller.tenant, &id)?;
-    Ok((StatusCode::CREATED, Json(SandboxInfo::from_view(&view))))
+    Ok((
+        StatusCode::CREATED,
+        Json(SandboxInfo::from_view(&view).described(state.runtime.catalogue())),
+    ))
 }
 
 /// Paging.
@@ -159,9 +162,10 @@ pub async fn get(
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    Ok(Json(SandboxInfo::from_view(
-        &state.runtime.registry.get(&caller.tenant, &id)?,
-    )))
+    Ok(Json(
+        SandboxInfo::from_view(&state.runtime.registry.get(&caller.tenant, &id)?)
+            .described(state.runtime.catalogue()),
+    ))
 }
 
 /// Delete a sandbox (a running execution is cancelled).

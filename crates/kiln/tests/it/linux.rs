@@ -312,8 +312,12 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
     )?;
     assert_eq!(status, 201, "{created}");
     let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    assert_eq!(created["template"], "linux-python", "{created}");
     let (_, info) = server.call("GET", &format!("/api/sandbox/{id}"), None)?;
     assert_eq!(info["template"], "linux-python", "{info}");
+    // What the sandbox really got, with the installed versions.
+    let described = info["templateDescription"].as_str().unwrap_or("");
+    assert!(described.contains("python3 3.11"), "{info}");
 
     let (status, ran) = server.call(
         "POST",
