@@ -247,36 +247,8 @@ fn handle(agent: &Arc<Agent>, Request { id, op }: Request) {
                 set_window_size(fd.as_raw_fd(), size);
             }
         }
-        Op::Connect { port } => {
-            let worker = agent.clone();
-            if let Err(failure) = thread(move || match TcpStream::connect(("127.0.0.1", port)) {
-                Ok(stream) => {
-                    send(&worker.out, id, Reply::Connected);
-                    carry(&worker, id, stream);
-                }
-                Err(e) => send(
-                    &worker.out,
-                    id,
-                    Reply::Failed(Failure::io(&format!("connecting to port {port}"), &e)),
-                ),
-            }) {
-                send(&agent.out, id, Reply::Failed(failure));
-            }
-        }
-        Op::Listen { port } => match std::net::TcpListener::bind(("127.0.0.1", port)) {
-            Ok(listener) => {
-                send(&agent.out, id, Reply::Listening);
-                let worker = agent.clone();
-                if let Err(failure) = thread(move || accept(&worker, id, listener)) {
-                    send(&agent.out, id, Reply::Failed(failure));
-                }
-            }
-            Err(e) => send(
-                &agent.out,
-                id,
-                Reply::Failed(Failure::io(&format!("listening on port {port}"), &e)),
-            ),
-        },
+        Op::Connect { port } => connect(agent, id, port),
+        Op::Listen { port } => listen(agent, id, port),
         file_op => {
             let out = agent.out.clone();
             if let Err(failure) = thread(move || files::serve(&out, id, file_op)) {
@@ -324,7 +296,9 @@ fn open_terminal(size: WindowSize) -> std::io::Result<(OwnedFd, OwnedFd)> {
     }
 }
 
-fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
+/// The command for `spec`: its argv, environment and working directory, stdio (pipes, or a
+/// terminal whose master side is answered), and what the child does before exec.
+fn command(spec: &Spawn) -> Result<(Command, Option<Arc<OwnedFd>>), Failure> {
     let Some(program) = spec.argv.first() else {
         return Err(Failure::new("invalid", "spawn needs a program"));
     };
@@ -379,6 +353,12 @@ fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
             Ok(())
         });
     }
+    Ok((command, terminal))
+}
+
+fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
+    let (mut command, terminal) = command(&spec)?;
+    let program = &spec.argv[0];
     // Held across the fork so the reaper cannot take the child before it is in the table.
     let mut table = agent.table();
     let mut child = command.spawn().map_err(|e| match e.raw_os_error() {
@@ -510,6 +490,43 @@ fn pump(agent: &Agent, id: u64, stderr: bool, fd: OwnedFd) {
         }
     }
     agent.stream_closed(id);
+}
+
+/// Connects to a port inside the box, on a thread of its own.
+fn connect(agent: &Arc<Agent>, id: u64, port: u16) {
+    let worker = agent.clone();
+    let started = thread(move || match TcpStream::connect(("127.0.0.1", port)) {
+        Ok(stream) => {
+            send(&worker.out, id, Reply::Connected);
+            carry(&worker, id, stream);
+        }
+        Err(e) => send(
+            &worker.out,
+            id,
+            Reply::Failed(Failure::io(&format!("connecting to port {port}"), &e)),
+        ),
+    });
+    if let Err(failure) = started {
+        send(&agent.out, id, Reply::Failed(failure));
+    }
+}
+
+/// Listens on a port inside the box; each connection becomes a stream of its own.
+fn listen(agent: &Arc<Agent>, id: u64, port: u16) {
+    match std::net::TcpListener::bind(("127.0.0.1", port)) {
+        Ok(listener) => {
+            send(&agent.out, id, Reply::Listening);
+            let worker = agent.clone();
+            if let Err(failure) = thread(move || accept(&worker, id, listener)) {
+                send(&agent.out, id, Reply::Failed(failure));
+            }
+        }
+        Err(e) => send(
+            &agent.out,
+            id,
+            Reply::Failed(Failure::io(&format!("listening on port {port}"), &e)),
+        ),
+    }
 }
 
 /// Accepts connections on a listener, each carried as a stream of its own.

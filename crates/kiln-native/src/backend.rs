@@ -349,6 +349,41 @@ async fn run_program(
     }
 }
 
+/// A box's command output as an execution's result, within the request's caps.
+fn to_result(out: crate::boxes::ExecOutput, limits: &Limits, started: Instant) -> ExecResult {
+    let stdout_cap = usize::try_from(limits.stdout_bytes).unwrap_or(usize::MAX);
+    let stderr_cap = usize::try_from(limits.stderr_bytes).unwrap_or(usize::MAX);
+    let (mut stdout, mut stderr) = (out.stdout, out.stderr);
+    let stdout_truncated = out.stdout_truncated || stdout.len() > stdout_cap;
+    let stderr_truncated = out.stderr_truncated || stderr.len() > stderr_cap;
+    stdout.truncate(stdout_cap);
+    stderr.truncate(stderr_cap);
+    let outcome = if out.timed_out {
+        Outcome::TimedOut
+    } else if out.oom_killed {
+        Outcome::MemoryLimit
+    } else if stdout_truncated || stderr_truncated {
+        Outcome::OutputTruncated
+    } else {
+        Outcome::Completed
+    };
+    ExecResult {
+        stdout,
+        stderr,
+        exit_code: match (out.exit_code, out.signal) {
+            (Some(code), _) => code,
+            (None, Some(signal)) => 128 + signal,
+            (None, None) => -1,
+        },
+        outcome,
+        stdout_truncated,
+        stderr_truncated,
+        duration_us: started.elapsed().as_micros() as u64,
+        peak_memory_bytes: 0,
+        fs_written_bytes: 0,
+    }
+}
+
 impl Backend for NativeBackend {
     type Session = NativeSession;
 
@@ -412,53 +447,15 @@ impl Backend for NativeBackend {
         };
         let out = match result {
             Ok(out) => out,
-            Err(crate::boxes::BoxError::Refused(message)) => {
-                // The program could not start (not found, not executable): as a shell says it.
-                return Ok(ExecResult {
-                    stdout: Vec::new(),
-                    stderr: format!("{message}\n").into_bytes(),
-                    exit_code: 127,
-                    outcome: Outcome::Completed,
-                    stdout_truncated: false,
-                    stderr_truncated: false,
-                    duration_us: started.elapsed().as_micros() as u64,
-                    peak_memory_bytes: 0,
-                    fs_written_bytes: 0,
-                });
-            }
+            // The program could not start (not found, not executable): as a shell says it.
+            Err(crate::boxes::BoxError::Refused(message)) => crate::boxes::ExecOutput {
+                stderr: format!("{message}\n").into_bytes(),
+                exit_code: Some(127),
+                ..Default::default()
+            },
             Err(e) => return Err(BackendError::new(ErrorKind::Instantiate, e.to_string())),
         };
-        let stdout_cap = usize::try_from(limits.stdout_bytes).unwrap_or(usize::MAX);
-        let stderr_cap = usize::try_from(limits.stderr_bytes).unwrap_or(usize::MAX);
-        let (mut stdout, mut stderr) = (out.stdout, out.stderr);
-        let stdout_truncated = out.stdout_truncated || stdout.len() > stdout_cap;
-        let stderr_truncated = out.stderr_truncated || stderr.len() > stderr_cap;
-        stdout.truncate(stdout_cap);
-        stderr.truncate(stderr_cap);
-        let outcome = if out.timed_out {
-            Outcome::TimedOut
-        } else if out.oom_killed {
-            Outcome::MemoryLimit
-        } else if stdout_truncated || stderr_truncated {
-            Outcome::OutputTruncated
-        } else {
-            Outcome::Completed
-        };
-        Ok(ExecResult {
-            stdout,
-            stderr,
-            exit_code: match (out.exit_code, out.signal) {
-                (Some(code), _) => code,
-                (None, Some(signal)) => 128 + signal,
-                (None, None) => -1,
-            },
-            outcome,
-            stdout_truncated,
-            stderr_truncated,
-            duration_us: started.elapsed().as_micros() as u64,
-            peak_memory_bytes: 0,
-            fs_written_bytes: 0,
-        })
+        Ok(to_result(out, limits, started))
     }
 
     async fn open_session(&self, request: ExecRequest) -> Result<NativeSession, BackendError> {
@@ -632,17 +629,11 @@ impl BackendSession for NativeSession {
             .write_stdin(self.target, input)
             .await
             .map_err(|e| BackendError::new(ErrorKind::SessionEnded, e.to_string()))?;
-        let caps = [
-            usize::try_from(limits.stdout_bytes).unwrap_or(usize::MAX),
-            usize::try_from(limits.stderr_bytes).unwrap_or(usize::MAX),
-        ];
-        let mut streams = [TurnStream::default(), TurnStream::default()];
-        let mut kept: [Vec<u8>; 2] = [Vec::new(), Vec::new()];
-        let mut truncated = [false, false];
+        let mut turn = Turn::new(limits);
         let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.timeout_ms);
         let mut outcome = Outcome::Completed;
         let mut exit_code = 0;
-        while streams.iter().any(|s| s.status.is_none()) {
+        while !turn.done() {
             let reply = match tokio::time::timeout_at(deadline, self.replies.next()).await {
                 Ok(Some(reply)) => reply,
                 Ok(None) => {
@@ -662,36 +653,12 @@ impl BackendSession for NativeSession {
             };
             match reply {
                 Reply::Output { stderr, data } => {
-                    let i = usize::from(stderr);
-                    let out = streams[i].feed(&data, &self.marker);
-                    if out.is_empty() {
-                        continue;
-                    }
-                    if let Some(sink) = &output {
-                        let _ = sink.send(OutputChunk {
-                            stream: if stderr {
-                                StreamKind::Stderr
-                            } else {
-                                StreamKind::Stdout
-                            },
-                            data: bytes::Bytes::copy_from_slice(&out),
-                        });
-                    }
-                    let room = caps[i].saturating_sub(kept[i].len());
-                    kept[i].extend_from_slice(&out[..out.len().min(room)]);
-                    truncated[i] |= out.len() > room;
+                    turn.output(stderr, &data, &self.marker, output.as_ref());
                 }
                 Reply::Exited { code, signal } => {
                     // The interpreter died mid-turn (killed for memory, os._exit, a crash).
                     let oom = signal == Some(libc::SIGKILL) && self.live.oom_kills() > oom_before;
-                    outcome = if oom {
-                        Outcome::MemoryLimit
-                    } else {
-                        Outcome::Crashed {
-                            trap: format!("the interpreter exited ({code:?}, signal {signal:?})"),
-                        }
-                    };
-                    exit_code = code.unwrap_or(-1);
+                    (outcome, exit_code) = died(code, signal, oom);
                     self.end("its interpreter exited");
                     break;
                 }
@@ -699,23 +666,91 @@ impl BackendSession for NativeSession {
             }
         }
         if outcome == Outcome::Completed {
-            exit_code = streams[0].status.or(streams[1].status).unwrap_or(0);
-            if truncated.iter().any(|t| *t) {
+            exit_code = turn.status();
+            if turn.truncated.iter().any(|t| *t) {
                 outcome = Outcome::OutputTruncated;
             }
         }
-        let [stdout, stderr] = kept;
+        let [stdout, stderr] = turn.kept;
         Ok(ExecResult {
             stdout,
             stderr,
             exit_code,
             outcome,
-            stdout_truncated: truncated[0],
-            stderr_truncated: truncated[1],
+            stdout_truncated: turn.truncated[0],
+            stderr_truncated: turn.truncated[1],
             duration_us: started.elapsed().as_micros() as u64,
             peak_memory_bytes: 0,
             fs_written_bytes: 0,
         })
+    }
+}
+
+/// How a turn ended whose interpreter exited.
+fn died(code: Option<i32>, signal: Option<i32>, oom: bool) -> (Outcome, i32) {
+    let outcome = if oom {
+        Outcome::MemoryLimit
+    } else {
+        Outcome::Crashed {
+            trap: format!("the interpreter exited ({code:?}, signal {signal:?})"),
+        }
+    };
+    (outcome, code.unwrap_or(-1))
+}
+
+/// One session turn's output: both streams up to their end markers, kept within the caps.
+struct Turn {
+    streams: [TurnStream; 2],
+    kept: [Vec<u8>; 2],
+    truncated: [bool; 2],
+    caps: [usize; 2],
+}
+
+impl Turn {
+    fn new(limits: &Limits) -> Turn {
+        Turn {
+            streams: [TurnStream::default(), TurnStream::default()],
+            kept: [Vec::new(), Vec::new()],
+            truncated: [false, false],
+            caps: [
+                usize::try_from(limits.stdout_bytes).unwrap_or(usize::MAX),
+                usize::try_from(limits.stderr_bytes).unwrap_or(usize::MAX),
+            ],
+        }
+    }
+
+    /// Both streams reached the turn's end marker.
+    fn done(&self) -> bool {
+        self.streams.iter().all(|s| s.status.is_some())
+    }
+
+    /// The cell's status (from the end marker).
+    fn status(&self) -> i32 {
+        self.streams[0]
+            .status
+            .or(self.streams[1].status)
+            .unwrap_or(0)
+    }
+
+    fn output(&mut self, stderr: bool, data: &[u8], marker: &[u8], sink: Option<&OutputSink>) {
+        let i = usize::from(stderr);
+        let out = self.streams[i].feed(data, marker);
+        if out.is_empty() {
+            return;
+        }
+        if let Some(sink) = sink {
+            let _ = sink.send(OutputChunk {
+                stream: if stderr {
+                    StreamKind::Stderr
+                } else {
+                    StreamKind::Stdout
+                },
+                data: bytes::Bytes::copy_from_slice(&out),
+            });
+        }
+        let room = self.caps[i].saturating_sub(self.kept[i].len());
+        self.kept[i].extend_from_slice(&out[..out.len().min(room)]);
+        self.truncated[i] |= out.len() > room;
     }
 }
 

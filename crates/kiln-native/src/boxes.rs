@@ -144,6 +144,42 @@ pub struct ExecOutput {
     pub oom_killed: bool,
 }
 
+impl ExecOutput {
+    /// Takes one reply of a running command, keeping at most `max_output` bytes of each
+    /// stream; true once the command exited.
+    fn take(
+        &mut self,
+        reply: Reply,
+        max_output: usize,
+        on_output: &mut impl FnMut(bool, &[u8]),
+    ) -> Result<bool, BoxError> {
+        match reply {
+            Reply::Spawned { .. } => Ok(false),
+            Reply::Output { stderr, data } => {
+                on_output(stderr, &data);
+                let (buf, truncated) = if stderr {
+                    (&mut self.stderr, &mut self.stderr_truncated)
+                } else {
+                    (&mut self.stdout, &mut self.stdout_truncated)
+                };
+                let room = max_output.saturating_sub(buf.len());
+                buf.extend_from_slice(&data[..data.len().min(room)]);
+                *truncated |= data.len() > room;
+                Ok(false)
+            }
+            Reply::Exited { code, signal } => {
+                self.exit_code = code;
+                self.signal = signal;
+                Ok(true)
+            }
+            Reply::Failed(failure) => Err(BoxError::Refused(failure.message)),
+            other => Err(BoxError::Refused(format!(
+                "the agent answered a spawn with {other:?}"
+            ))),
+        }
+    }
+}
+
 /// A running box.
 #[derive(Debug)]
 pub struct LiveBox {
@@ -361,15 +397,22 @@ impl Boxes {
     /// Makes the folder, mounts the layers, writes the bundle and runs the container; returns
     /// the host's end of the agent's channel and the agent's host pid.
     fn start(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(OwnedFd, i32), BoxError> {
-        let base = self.config.uid_base;
-        let layer = dir.join("layer");
-        let rootfs = dir.join("rootfs");
-        for path in [dir, &layer, &rootfs] {
+        for path in [dir, &dir.join("layer"), &dir.join("rootfs")] {
             std::fs::create_dir(path)
                 .map_err(|e| start_err("folder")(format!("{}: {e}", path.display())))?;
         }
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
             .map_err(|e| start_err("folder")(e.to_string()))?;
+        self.mount_layers(dir, spec)?;
+        self.write_bundle(id, dir, spec)?;
+        self.run_container(id, dir)
+    }
+
+    /// Mounts the size-capped tmpfs of the upper layer and the overlay root over the
+    /// template.
+    fn mount_layers(&self, dir: &Path, spec: &BoxSpec) -> Result<(), BoxError> {
+        let base = self.config.uid_base;
+        let (layer, rootfs) = (dir.join("layer"), dir.join("rootfs"));
         let nosuid = libc::MS_NOSUID | libc::MS_NODEV;
         mount(
             "kiln-layer",
@@ -398,16 +441,21 @@ impl Boxes {
                 work.display()
             ),
         )
-        .map_err(start_err("overlay"))?;
+        .map_err(start_err("overlay"))
+    }
+
+    /// Writes the bundle's `config.json` (and gives the box's user its workspace's top
+    /// folder).
+    fn write_bundle(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(), BoxError> {
+        let base = self.config.uid_base;
+        if let Some(workspace) = &spec.workspace {
+            std::os::unix::fs::chown(workspace, Some(base + USER_UID), Some(base + USER_UID))
+                .map_err(|e| start_err("workspace")(format!("{}: {e}", workspace.display())))?;
+        }
         let workspace = spec
             .workspace
             .as_ref()
             .map(|w| w.to_string_lossy().into_owned());
-        if let Some(workspace) = &spec.workspace {
-            // The box's user owns its workspace's top folder.
-            std::os::unix::fs::chown(workspace, Some(base + USER_UID), Some(base + USER_UID))
-                .map_err(|e| start_err("workspace")(format!("{}: {e}", workspace.display())))?;
-        }
         let agent = self.config.agent.to_string_lossy().into_owned();
         let cgroup = cgroup_path(id);
         let ca_bundle = spec
@@ -425,8 +473,12 @@ impl Boxes {
             cgroup: &cgroup,
         });
         std::fs::write(dir.join("config.json"), config.to_string())
-            .map_err(|e| start_err("bundle")(e.to_string()))?;
+            .map_err(|e| start_err("bundle")(e.to_string()))
+    }
 
+    /// Runs the container, its agent's stdin and stdout one end of a socket pair; answers
+    /// the other end and the agent's host pid.
+    fn run_container(&self, id: &str, dir: &Path) -> Result<(OwnedFd, i32), BoxError> {
         let mut fds = [0; 2];
         if unsafe {
             libc::socketpair(
@@ -640,20 +692,7 @@ impl LiveBox {
     /// Starts a command that keeps running (a session's interpreter), its stdin open: its
     /// replies (output, then its exit), to be read by the caller.
     pub async fn spawn(&self, exec: &Exec) -> Result<crate::channel::Replies, BoxError> {
-        let spawn = Spawn {
-            env: self.environment(exec),
-            argv: exec.argv.clone(),
-            cwd: exec
-                .cwd
-                .clone()
-                .unwrap_or_else(|| self.template.definition.working_dir.clone()),
-            user: (!exec.root).then_some(Credentials {
-                uid: USER_UID,
-                gid: USER_UID,
-            }),
-            terminal: None,
-            stdin: true,
-        };
+        let spawn = self.spawn_request(exec, true);
         let mut replies = self.channel.call(Op::Spawn(spawn)).await?;
         match replies.next().await {
             Some(Reply::Spawned { .. }) => Ok(replies),
@@ -721,6 +760,24 @@ impl LiveBox {
         self.cgroups.cpu_usage_us(&self.cgroup)
     }
 
+    /// The agent's spawn request for `exec`.
+    fn spawn_request(&self, exec: &Exec, stdin: bool) -> Spawn {
+        Spawn {
+            env: self.environment(exec),
+            argv: exec.argv.clone(),
+            cwd: exec
+                .cwd
+                .clone()
+                .unwrap_or_else(|| self.template.definition.working_dir.clone()),
+            user: (!exec.root).then_some(Credentials {
+                uid: USER_UID,
+                gid: USER_UID,
+            }),
+            terminal: None,
+            stdin,
+        }
+    }
+
     /// Runs a command to its end (or its timeout), calling `on_output(stderr, bytes)` as
     /// output arrives.
     pub async fn exec(
@@ -732,37 +789,15 @@ impl LiveBox {
             return Err(BoxError::Refused("a command needs a program".into()));
         }
         let oom_before = self.cgroups.oom_kills(&self.cgroup);
-        let spawn = Spawn {
-            env: self.environment(&exec),
-            argv: exec.argv.clone(),
-            cwd: exec
-                .cwd
-                .clone()
-                .unwrap_or_else(|| self.template.definition.working_dir.clone()),
-            user: (!exec.root).then_some(Credentials {
-                uid: USER_UID,
-                gid: USER_UID,
-            }),
-            terminal: None,
-            stdin: !exec.stdin.is_empty(),
-        };
+        let spawn = self.spawn_request(&exec, !exec.stdin.is_empty());
         let mut replies = self.channel.call(Op::Spawn(spawn)).await?;
         let target = replies.id;
-        if !exec.stdin.is_empty() {
-            for (i, chunk) in exec
-                .stdin
-                .chunks(kiln_guest::proto::CHUNK_BYTES)
-                .enumerate()
-            {
-                let last = (i + 1) * kiln_guest::proto::CHUNK_BYTES >= exec.stdin.len();
-                self.channel
-                    .tell(Op::Stdin {
-                        target,
-                        data: chunk.to_vec(),
-                        eof: last,
-                    })
-                    .await?;
-            }
+        let chunks = exec.stdin.chunks(kiln_guest::proto::CHUNK_BYTES);
+        let count = chunks.len();
+        for (i, chunk) in chunks.enumerate() {
+            self.channel
+                .write(target, chunk.to_vec(), i + 1 == count)
+                .await?;
         }
         let mut output = ExecOutput::default();
         let deadline = tokio::time::Instant::now() + exec.timeout;
@@ -779,12 +814,7 @@ impl LiveBox {
                 Err(_) if killed_at.is_none() => {
                     output.timed_out = true;
                     killed_at = Some(tokio::time::Instant::now());
-                    self.channel
-                        .tell(Op::Signal {
-                            target,
-                            signal: libc::SIGKILL,
-                        })
-                        .await?;
+                    self.signal(target, libc::SIGKILL).await?;
                     continue;
                 }
                 Err(_) => {
@@ -793,33 +823,11 @@ impl LiveBox {
                     )));
                 }
             };
-            match reply {
-                Reply::Spawned { .. } => {}
-                Reply::Output { stderr, data } => {
-                    on_output(stderr, &data);
-                    let (buf, truncated) = if stderr {
-                        (&mut output.stderr, &mut output.stderr_truncated)
-                    } else {
-                        (&mut output.stdout, &mut output.stdout_truncated)
-                    };
-                    let room = exec.max_output.saturating_sub(buf.len());
-                    buf.extend_from_slice(&data[..data.len().min(room)]);
-                    *truncated |= data.len() > room;
-                }
-                Reply::Exited { code, signal } => {
-                    output.exit_code = code;
-                    output.signal = signal;
-                    output.oom_killed = signal == Some(libc::SIGKILL)
-                        && !output.timed_out
-                        && self.cgroups.oom_kills(&self.cgroup) > oom_before;
-                    return Ok(output);
-                }
-                Reply::Failed(failure) => return Err(BoxError::Refused(failure.message)),
-                other => {
-                    return Err(BoxError::Refused(format!(
-                        "the agent answered a spawn with {other:?}"
-                    )));
-                }
+            if output.take(reply, exec.max_output, &mut on_output)? {
+                output.oom_killed = output.signal == Some(libc::SIGKILL)
+                    && !output.timed_out
+                    && self.cgroups.oom_kills(&self.cgroup) > oom_before;
+                return Ok(output);
             }
         }
     }

@@ -170,8 +170,46 @@ impl Store {
             }
         };
         let started = Instant::now();
-        std::fs::create_dir_all(&self.root)
-            .map_err(|e| fail("prepare")(format!("{}: {e}", self.root.display())))?;
+        let mut guard = self.staging(definition).map_err(fail("prepare"))?;
+        let staging = guard.0.clone().unwrap_or_default();
+        let job = Job {
+            store: self,
+            definition,
+            progress,
+            rootfs: staging.join("rootfs"),
+            debs: self.root.join("debs"),
+            suite: definition.suite().map_err(fail("prepare"))?.to_string(),
+            step: std::cell::Cell::new(0),
+        };
+        std::fs::create_dir_all(&job.debs)
+            .map_err(|e| fail("prepare")(format!("{}: {e}", job.debs.display())))?;
+        job.bootstrap().map_err(fail("debootstrap"))?;
+        job.install().map_err(fail("apt-get install"))?;
+        job.add_user().map_err(fail("user"))?;
+        let versions = job.post_install().map_err(fail("post-install"))?;
+        job.clean().map_err(fail("clean"))?;
+        job.next("ownership");
+        shift_ownership(&job.rootfs, self.uid_base).map_err(fail("ownership"))?;
+        job.next("seal");
+        let built = Built {
+            name: definition.name.clone(),
+            hash: definition.build_hash(&self.mirror, self.uid_base),
+            suite: job.suite.clone(),
+            versions,
+            uid_base: self.uid_base,
+            size_bytes: disk_usage(&job.rootfs),
+            build_seconds: started.elapsed().as_secs_f64(),
+        };
+        let template = self
+            .seal(definition, &staging, built)
+            .map_err(fail("seal"))?;
+        guard.0 = None;
+        Ok(template)
+    }
+
+    /// A fresh hidden folder to build in, removed unless the build succeeds.
+    fn staging(&self, definition: &Definition) -> Result<RemoveOnDrop, String> {
+        std::fs::create_dir_all(&self.root).map_err(|e| format!("{}: {e}", self.root.display()))?;
         self.remove_abandoned_builds();
         let hash = definition.build_hash(&self.mirror, self.uid_base);
         let staging = self.root.join(format!(
@@ -181,99 +219,24 @@ impl Store {
             std::process::id()
         ));
         let _ = std::fs::remove_dir_all(&staging);
-        std::fs::create_dir_all(&staging)
-            .map_err(|e| fail("prepare")(format!("{}: {e}", staging.display())))?;
-        let guard = RemoveOnDrop(Some(staging.clone()));
-        let rootfs = staging.join("rootfs");
-        let debs = self.root.join("debs");
-        std::fs::create_dir_all(&debs)
-            .map_err(|e| fail("prepare")(format!("{}: {e}", debs.display())))?;
-        let suite = definition.suite().map_err(fail("prepare"))?.to_string();
-        let total = STEPS.len();
-        let mut step = 0;
-        let mut next = |name: &str| {
-            step += 1;
-            progress.step(step, total, name);
-        };
+        std::fs::create_dir_all(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
+        Ok(RemoveOnDrop(Some(staging)))
+    }
 
-        next("debootstrap");
-        run(
-            Command::new("debootstrap")
-                .arg("--variant=minbase")
-                .arg(format!("--cache-dir={}", debs.display()))
-                .arg(&suite)
-                .arg(&rootfs)
-                .arg(&self.mirror),
-            progress,
-        )
-        .map_err(fail("debootstrap"))?;
-
-        next("apt-get install");
-        std::fs::write(
-            rootfs.join("etc/apt/sources.list"),
-            format!("deb {} {suite} main\n", self.mirror),
-        )
-        .map_err(|e| fail("apt-get install")(e.to_string()))?;
-        // Documentation, manual pages and translations are left out (copyright files stay).
-        std::fs::write(rootfs.join("etc/dpkg/dpkg.cfg.d/01-kiln-nodoc"), NODOC)
-            .map_err(|e| fail("apt-get install")(e.to_string()))?;
-        if !definition.packages.is_empty() {
-            let script = format!(
-                "apt-get update -q && apt-get install -y -q --no-install-recommends {}",
-                definition.packages.join(" ")
-            );
-            in_root(&rootfs, &debs, &script, progress).map_err(fail("apt-get install"))?;
-        }
-
-        next("user");
-        in_root(
-            &rootfs,
-            &debs,
-            &format!(
-                "useradd --uid {USER_UID} --user-group --create-home --home-dir {USER_HOME} \
-                 --shell {shell} {USER_NAME} && mkdir -p {dir} && chown {USER_NAME}:{USER_NAME} {dir}",
-                shell = definition.default_shell,
-                dir = definition.working_dir,
-            ),
-            progress,
-        )
-        .map_err(fail("user"))?;
-
-        next("post-install");
-        if let Some(script) = &definition.post_install {
-            in_root(&rootfs, &debs, script, progress).map_err(fail("post-install"))?;
-        }
-        let versions =
-            installed_versions(&rootfs, &definition.versions).map_err(fail("post-install"))?;
-
-        next("clean");
-        in_root(&rootfs, &debs, CLEAN, progress).map_err(fail("clean"))?;
-        clean(&rootfs).map_err(fail("clean"))?;
-
-        next("ownership");
-        shift_ownership(&rootfs, self.uid_base).map_err(fail("ownership"))?;
-
-        next("seal");
-        let built = Built {
-            name: definition.name.clone(),
-            hash: hash.clone(),
-            suite,
-            versions,
-            uid_base: self.uid_base,
-            size_bytes: disk_usage(&rootfs),
-            build_seconds: started.elapsed().as_secs_f64(),
-        };
-        let json = serde_json::to_vec_pretty(&built).map_err(|e| fail("seal")(e.to_string()))?;
-        std::fs::write(staging.join("template.json"), json)
-            .map_err(|e| fail("seal")(e.to_string()))?;
+    /// Records what was built and renames the staging folder into place.
+    fn seal(
+        &self,
+        definition: &Definition,
+        staging: &Path,
+        built: Built,
+    ) -> Result<Template, String> {
+        let json = serde_json::to_vec_pretty(&built).map_err(|e| e.to_string())?;
+        std::fs::write(staging.join("template.json"), json).map_err(|e| e.to_string())?;
         let folder = self.folder(definition);
         if folder.exists() {
-            std::fs::remove_dir_all(&folder)
-                .map_err(|e| fail("seal")(format!("{}: {e}", folder.display())))?;
+            std::fs::remove_dir_all(&folder).map_err(|e| format!("{}: {e}", folder.display()))?;
         }
-        std::fs::rename(&staging, &folder)
-            .map_err(|e| fail("seal")(format!("{}: {e}", folder.display())))?;
-        std::mem::forget(guard);
+        std::fs::rename(staging, &folder).map_err(|e| format!("{}: {e}", folder.display()))?;
         Ok(Template {
             definition: definition.clone(),
             built,
@@ -314,6 +277,86 @@ impl Store {
             .collect();
         all.sort_by(|a, b| a.name.cmp(&b.name));
         all
+    }
+}
+
+/// One build's steps, in order.
+struct Job<'a> {
+    store: &'a Store,
+    definition: &'a Definition,
+    progress: &'a dyn Progress,
+    rootfs: PathBuf,
+    /// The package cache shared by every build.
+    debs: PathBuf,
+    suite: String,
+    step: std::cell::Cell<usize>,
+}
+
+impl Job<'_> {
+    fn next(&self, name: &str) {
+        self.step.set(self.step.get() + 1);
+        self.progress.step(self.step.get(), STEPS.len(), name);
+    }
+
+    fn in_root(&self, script: &str) -> Result<(), String> {
+        in_root(&self.rootfs, &self.debs, script, self.progress)
+    }
+
+    fn bootstrap(&self) -> Result<(), String> {
+        self.next("debootstrap");
+        run(
+            Command::new("debootstrap")
+                .arg("--variant=minbase")
+                .arg(format!("--cache-dir={}", self.debs.display()))
+                .arg(&self.suite)
+                .arg(&self.rootfs)
+                .arg(&self.store.mirror),
+            self.progress,
+        )
+    }
+
+    fn install(&self) -> Result<(), String> {
+        self.next("apt-get install");
+        std::fs::write(
+            self.rootfs.join("etc/apt/sources.list"),
+            format!("deb {} {} main\n", self.store.mirror, self.suite),
+        )
+        .map_err(|e| e.to_string())?;
+        // Documentation, manual pages and translations are left out (copyright files stay).
+        std::fs::write(self.rootfs.join("etc/dpkg/dpkg.cfg.d/01-kiln-nodoc"), NODOC)
+            .map_err(|e| e.to_string())?;
+        if self.definition.packages.is_empty() {
+            return Ok(());
+        }
+        self.in_root(&format!(
+            "apt-get update -q && apt-get install -y -q --no-install-recommends {}",
+            self.definition.packages.join(" ")
+        ))
+    }
+
+    fn add_user(&self) -> Result<(), String> {
+        self.next("user");
+        self.in_root(&format!(
+            "useradd --uid {USER_UID} --user-group --create-home --home-dir {USER_HOME} \
+             --shell {shell} {USER_NAME} && mkdir -p {dir} && chown {USER_NAME}:{USER_NAME} {dir}",
+            shell = self.definition.default_shell,
+            dir = self.definition.working_dir,
+        ))
+    }
+
+    /// Runs the template's script; answers the installed versions of its `versions`.
+    fn post_install(&self) -> Result<std::collections::BTreeMap<String, String>, String> {
+        self.next("post-install");
+        if let Some(script) = &self.definition.post_install {
+            self.in_root(script)?;
+        }
+        installed_versions(&self.rootfs, &self.definition.versions)
+    }
+
+    fn clean(&self) -> Result<(), String> {
+        self.next("clean");
+        self.in_root(CLEAN)?;
+        clean(&self.rootfs)
     }
 }
 

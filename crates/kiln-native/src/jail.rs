@@ -120,12 +120,14 @@ fn seccomp() -> Value {
     })
 }
 
-/// The bundle's `config.json`.
-pub fn config(spec: &JailSpec<'_>) -> Value {
-    let limits = spec.limits;
-    let period: u64 = 100_000;
-    let quota = (limits.vcpus * period as f64).round().max(1000.0) as u64;
-    let tmp_bytes = (limits.disk_bytes / 4).clamp(16 << 20, 1 << 30);
+/// The box's mounts: fresh `/proc`, a minimal `/dev`, read-only `/sys`, a size-capped
+/// `/tmp`, the agent, read-only host files and the workspace; `nosuid,nodev` on all.
+fn mounts(spec: &JailSpec<'_>) -> Vec<Value> {
+    let tmp_bytes = (spec.limits.disk_bytes / 4).clamp(16 << 20, 1 << 30);
+    let bind = |source: &str, destination: &str, mode: &str| {
+        json!({"destination": destination, "type": "bind", "source": source,
+               "options": ["rbind", mode, "nosuid", "nodev"]})
+    };
     let mut mounts = vec![
         json!({"destination": "/proc", "type": "proc", "source": "proc",
                "options": ["nosuid", "noexec", "nodev"]}),
@@ -141,21 +143,19 @@ pub fn config(spec: &JailSpec<'_>) -> Value {
                "options": ["nosuid", "noexec", "nodev", "ro"]}),
         json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
                "options": ["nosuid", "nodev", "mode=1777", format!("size={tmp_bytes}")]}),
-        json!({"destination": "/.kiln/agent", "type": "bind", "source": spec.agent,
-               "options": ["rbind", "ro", "nosuid", "nodev"]}),
+        bind(spec.agent, "/.kiln/agent", "ro"),
     ];
     for (host, inside) in spec.read_only {
-        mounts.push(
-            json!({"destination": inside, "type": "bind", "source": host,
-                           "options": ["rbind", "ro", "nosuid", "nodev"]}),
-        );
+        mounts.push(bind(host, inside, "ro"));
     }
     if let Some(workspace) = spec.workspace {
-        mounts.push(
-            json!({"destination": spec.working_dir, "type": "bind", "source": workspace,
-                           "options": ["rbind", "rw", "nosuid", "nodev"]}),
-        );
+        mounts.push(bind(workspace, spec.working_dir, "rw"));
     }
+    mounts
+}
+
+/// The agent's process: the box's root with [`AGENT_CAPS`], no_new_privs, no core dumps.
+fn process() -> Value {
     let caps = AGENT_CAPS.to_vec();
     // A user namespace cannot raise a hard limit above kiln's own.
     let nofile = {
@@ -167,24 +167,44 @@ pub fn config(spec: &JailSpec<'_>) -> Value {
         limit.rlim_max.clamp(1024, 65536)
     };
     json!({
+        "terminal": false,
+        "user": {"uid": 0, "gid": 0},
+        "args": ["/.kiln/agent"],
+        "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+        "cwd": "/",
+        "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+        "rlimits": [
+            {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
+            {"type": "RLIMIT_CORE", "hard": 0u64, "soft": 0u64},
+        ],
+        "noNewPrivileges": true,
+        "oomScoreAdj": 500,
+    })
+}
+
+/// The cgroup's limits: memory (swap included), pids, cpu quota and shares, io weight, and
+/// no devices.
+fn resources(limits: BoxLimits) -> Value {
+    let period: u64 = 100_000;
+    let quota = (limits.vcpus * period as f64).round().max(1000.0) as u64;
+    json!({
+        "devices": [{"allow": false, "access": "rwm"}],
+        "memory": {"limit": limits.memory_bytes, "swap": limits.memory_bytes},
+        "pids": {"limit": limits.pids},
+        "cpu": {"quota": quota, "period": period,
+                "shares": 1024 * u64::from(limits.weight.max(1)) / 100},
+        "blockIO": {"weight": limits.weight.clamp(10, 1000)},
+    })
+}
+
+/// The bundle's `config.json`.
+pub fn config(spec: &JailSpec<'_>) -> Value {
+    json!({
         "ociVersion": "1.0.2",
-        "process": {
-            "terminal": false,
-            "user": {"uid": 0, "gid": 0},
-            "args": ["/.kiln/agent"],
-            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-            "cwd": "/",
-            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
-            "rlimits": [
-                {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
-                {"type": "RLIMIT_CORE", "hard": 0u64, "soft": 0u64},
-            ],
-            "noNewPrivileges": true,
-            "oomScoreAdj": 500,
-        },
+        "process": process(),
         "root": {"path": "rootfs", "readonly": false},
         "hostname": spec.hostname,
-        "mounts": mounts,
+        "mounts": mounts(spec),
         "linux": {
             "uidMappings": [{"containerID": 0, "hostID": spec.uid_base, "size": 65536}],
             "gidMappings": [{"containerID": 0, "hostID": spec.uid_base, "size": 65536}],
@@ -193,14 +213,7 @@ pub fn config(spec: &JailSpec<'_>) -> Value {
                 {"type": "mount"}, {"type": "user"}, {"type": "cgroup"},
             ],
             "cgroupsPath": spec.cgroup,
-            "resources": {
-                "devices": [{"allow": false, "access": "rwm"}],
-                "memory": {"limit": limits.memory_bytes, "swap": limits.memory_bytes},
-                "pids": {"limit": limits.pids},
-                "cpu": {"quota": quota, "period": period,
-                        "shares": 1024 * u64::from(limits.weight.max(1)) / 100},
-                "blockIO": {"weight": limits.weight.clamp(10, 1000)},
-            },
+            "resources": resources(spec.limits),
             "maskedPaths": [
                 "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
                 "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",

@@ -208,16 +208,18 @@ fn forbidden(ip: IpAddr) -> bool {
     }
 }
 
-async fn handle(channel: &Channel, mut stream: Replies, allow: &Allowlist) -> Result<(), Refusal> {
-    let conn = stream.id;
+/// Reads a request head (up to its blank line); `None` when the client went away first.
+/// Answers the head and what followed it in the same reads.
+async fn read_head(stream: &mut Replies) -> Result<Option<(Vec<u8>, Vec<u8>)>, Refusal> {
     let mut head = Vec::new();
-    let end = loop {
+    loop {
         match stream.next().await {
             Some(Reply::Output { data, .. }) => head.extend_from_slice(&data),
-            _ => return Ok(()), // the client went away
+            _ => return Ok(None),
         }
         if let Some(at) = head.windows(4).position(|w| w == b"\r\n\r\n") {
-            break at + 4;
+            let early = head.split_off(at + 4);
+            return Ok(Some((head, early)));
         }
         if head.len() > MAX_HEAD {
             return Err(refuse(
@@ -225,9 +227,11 @@ async fn handle(channel: &Channel, mut stream: Replies, allow: &Allowlist) -> Re
                 "the request head is too large",
             ));
         }
-    };
-    let early = head.split_off(end);
-    let target = parse_head(&head)?;
+    }
+}
+
+/// Connects to an allowed target from the host, never to the host itself.
+async fn connect_upstream(target: &Target, allow: &Allowlist) -> Result<TcpStream, Refusal> {
     if !allow.allows(&target.host, target.port) {
         return Err(refuse(
             "403 Forbidden",
@@ -257,7 +261,7 @@ async fn handle(channel: &Channel, mut stream: Replies, allow: &Allowlist) -> Re
             ),
         ));
     };
-    let upstream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+    tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
         .await
         .map_err(|_| {
             refuse(
@@ -270,9 +274,18 @@ async fn handle(channel: &Channel, mut stream: Replies, allow: &Allowlist) -> Re
                 "502 Bad Gateway",
                 format!("cannot connect to {}: {e}", target.host),
             )
-        })?;
-    let (mut up_read, mut up_write) = upstream.into_split();
-    match target.forward {
+        })
+}
+
+async fn handle(channel: &Channel, mut stream: Replies, allow: &Allowlist) -> Result<(), Refusal> {
+    let conn = stream.id;
+    let Some((head, early)) = read_head(&mut stream).await? else {
+        return Ok(()); // the client went away
+    };
+    let target = parse_head(&head)?;
+    let upstream = connect_upstream(&target, allow).await?;
+    let (up_read, mut up_write) = upstream.into_split();
+    let first = match target.forward {
         None => {
             channel
                 .write(
@@ -282,17 +295,28 @@ async fn handle(channel: &Channel, mut stream: Replies, allow: &Allowlist) -> Re
                 )
                 .await
                 .map_err(|e| refuse("502 Bad Gateway", e.to_string()))?;
+            early
         }
-        Some(forward) => {
-            up_write
-                .write_all(&forward)
-                .await
-                .map_err(|e| refuse("502 Bad Gateway", e.to_string()))?;
+        Some(mut forward) => {
+            forward.extend_from_slice(&early);
+            forward
         }
-    }
-    if !early.is_empty() && up_write.write_all(&early).await.is_err() {
+    };
+    if !first.is_empty() && up_write.write_all(&first).await.is_err() {
         return Ok(());
     }
+    relay(channel, stream, up_read, up_write).await;
+    Ok(())
+}
+
+/// Carries bytes both ways until each side has ended.
+async fn relay(
+    channel: &Channel,
+    mut stream: Replies,
+    mut up_read: tokio::net::tcp::OwnedReadHalf,
+    mut up_write: tokio::net::tcp::OwnedWriteHalf,
+) {
+    let conn = stream.id;
     // Box → upstream.
     let to_upstream = async move {
         while let Some(Reply::Output { data, .. }) = stream.next().await {
@@ -318,7 +342,6 @@ async fn handle(channel: &Channel, mut stream: Replies, allow: &Allowlist) -> Re
         let _ = channel.write(conn, Vec::new(), true).await;
     };
     tokio::join!(to_upstream, to_box);
-    Ok(())
 }
 
 #[cfg(test)]

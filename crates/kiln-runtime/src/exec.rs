@@ -353,18 +353,7 @@ async fn run_in(
     };
     let result = match &spec.session {
         None => {
-            let mut request = ExecRequest::new(spec.language, code);
-            request.template = state.request_template(sandbox.template());
-            request.network = sandbox.network;
-            request.command = spec.command.clone().map(|argv| kiln_core::Command {
-                argv,
-                cwd: None,
-                terminal: None,
-            });
-            request.workspace = Some(sandbox.workspace());
-            request.stdin = spec.stdin.clone();
-            request.env = spec.env.clone();
-            request.limits = limits.clone();
+            let request = one_shot(state, sandbox, spec, code, &limits);
             state
                 .pool_for(sandbox.template())?
                 .execute_with(request, options)
@@ -398,6 +387,29 @@ async fn run_in(
     };
     let result = result?;
     Ok((result, limits))
+}
+
+/// The request of a one-shot run in `sandbox`.
+fn one_shot(
+    state: &Runtime,
+    sandbox: &Sandbox,
+    spec: &RunSpec,
+    code: String,
+    limits: &Limits,
+) -> ExecRequest {
+    let mut request = ExecRequest::new(spec.language, code);
+    request.template = state.request_template(sandbox.template());
+    request.network = sandbox.network;
+    request.command = spec.command.clone().map(|argv| kiln_core::Command {
+        argv,
+        cwd: None,
+        terminal: None,
+    });
+    request.workspace = Some(sandbox.workspace());
+    request.stdin = spec.stdin.clone();
+    request.env = spec.env.clone();
+    request.limits = limits.clone();
+    request
 }
 
 /// The most bytes of a program file kiln reads to run it.

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use kiln_native::boxes::{BoxSpec, Exec, LiveBox};
+use kiln_native::boxes::{BoxSpec, Boxes, Exec, LiveBox};
 use kiln_native::jail::BoxLimits;
 use serde_json::json;
 
@@ -101,74 +101,104 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let idle = args.boxes;
     rt.block_on(async {
-        // Create and close.
-        let (mut creates, mut closes) = (Vec::new(), Vec::new());
-        for i in 0..(n / 4).clamp(10, 50) + 2 {
-            let t = Instant::now();
-            let live = boxes.open(spec.clone()).await?;
-            let created = t.elapsed();
-            let t = Instant::now();
-            live.close().await;
-            if i >= 2 {
-                creates.push(micros(created));
-                closes.push(micros(t.elapsed()));
-            }
-        }
-        report.insert("native_create".into(), summary(creates));
-        report.insert("native_close".into(), summary(closes));
-
-        // Commands in a live box.
-        let live = boxes.open(spec.clone()).await?;
-        let mut echo = Vec::new();
-        for i in 0..n + 5 {
-            let took = run_ok(&live, &["echo", "hi"], "hi\n").await?;
-            if i >= 5 {
-                echo.push(micros(took));
-            }
-        }
-        report.insert("native_echo".into(), summary(echo));
-        let mut python = Vec::new();
-        for i in 0..(n / 4).max(10) + 3 {
-            let took = run_ok(&live, &["python3", "-c", "print(1)"], "1\n").await?;
-            if i >= 3 {
-                python.push(micros(took));
-            }
-        }
-        report.insert("native_python".into(), summary(python));
-        live.close().await;
-
-        // Idle boxes: host memory per box (MemAvailable's drop, which counts the kernel's
-        // share too) and the agents' proportional set size.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let before = mem_available();
-        let mut open = Vec::new();
-        for _ in 0..idle {
-            open.push(boxes.open(spec.clone()).await?);
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let after = mem_available();
-        let agents: u64 = open.iter().map(|b| pss(b.host_pid)).sum();
-        let t = Instant::now();
-        for live in open {
-            live.close().await;
-        }
-        let close_all = t.elapsed();
-        let per_box = before.saturating_sub(after) / idle.max(1) as u64;
-        report.insert(
-            "native_idle_boxes".into(),
-            json!({
-                "boxes": idle,
-                "host_memory_per_box_mib": (per_box as f64 / 1048576.0 * 100.0).round() / 100.0,
-                "agent_pss_per_box_mib": (agents as f64 / idle.max(1) as f64 / 1048576.0 * 100.0).round() / 100.0,
-                "close_all_s": (close_all.as_secs_f64() * 100.0).round() / 100.0,
-            }),
-        );
-        anyhow::Ok(())
+        create_and_close(&boxes, &spec, n, report).await?;
+        commands(&boxes, &spec, n, report).await?;
+        idle_boxes(&boxes, &spec, args.boxes, report).await
     })?;
+    processes(n, report)
+}
 
-    // Whole processes: kiln exec in a fresh box, and plain python3 on the host.
+/// Creating a box (until its agent answers) and closing it.
+async fn create_and_close(
+    boxes: &Boxes,
+    spec: &BoxSpec,
+    n: usize,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let (mut creates, mut closes) = (Vec::new(), Vec::new());
+    for i in 0..(n / 4).clamp(10, 50) + 2 {
+        let t = Instant::now();
+        let live = boxes.open(spec.clone()).await?;
+        let created = t.elapsed();
+        let t = Instant::now();
+        live.close().await;
+        if i >= 2 {
+            creates.push(micros(created));
+            closes.push(micros(t.elapsed()));
+        }
+    }
+    report.insert("native_create".into(), summary(creates));
+    report.insert("native_close".into(), summary(closes));
+    Ok(())
+}
+
+/// `echo hi` and `python3 -c 'print(1)'` in a live box.
+async fn commands(
+    boxes: &Boxes,
+    spec: &BoxSpec,
+    n: usize,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let live = boxes.open(spec.clone()).await?;
+    let mut echo = Vec::new();
+    for i in 0..n + 5 {
+        let took = run_ok(&live, &["echo", "hi"], "hi\n").await?;
+        if i >= 5 {
+            echo.push(micros(took));
+        }
+    }
+    report.insert("native_echo".into(), summary(echo));
+    let mut python = Vec::new();
+    for i in 0..(n / 4).max(10) + 3 {
+        let took = run_ok(&live, &["python3", "-c", "print(1)"], "1\n").await?;
+        if i >= 3 {
+            python.push(micros(took));
+        }
+    }
+    report.insert("native_python".into(), summary(python));
+    live.close().await;
+    Ok(())
+}
+
+/// Host memory per idle box (MemAvailable's drop, which counts the kernel's share too) and
+/// the agents' proportional set size.
+async fn idle_boxes(
+    boxes: &Boxes,
+    spec: &BoxSpec,
+    idle: usize,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = mem_available();
+    let mut open = Vec::new();
+    for _ in 0..idle {
+        open.push(boxes.open(spec.clone()).await?);
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = mem_available();
+    let agents: u64 = open.iter().map(|b| pss(b.host_pid)).sum();
+    let t = Instant::now();
+    for live in open {
+        live.close().await;
+    }
+    let close_all = t.elapsed();
+    let per_box = before.saturating_sub(after) / idle.max(1) as u64;
+    let mib = |bytes: f64| (bytes / 1048576.0 * 100.0).round() / 100.0;
+    report.insert(
+        "native_idle_boxes".into(),
+        json!({
+            "boxes": idle,
+            "host_memory_per_box_mib": mib(per_box as f64),
+            "agent_pss_per_box_mib": mib(agents as f64 / idle.max(1) as f64),
+            "close_all_s": (close_all.as_secs_f64() * 100.0).round() / 100.0,
+        }),
+    );
+    Ok(())
+}
+
+/// Whole processes: kiln exec in a fresh box, and plain python3 on the host.
+fn processes(n: usize, report: &mut Report) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let mut cli = Vec::new();
     let mut plain = Vec::new();

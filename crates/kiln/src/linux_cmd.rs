@@ -258,51 +258,16 @@ pub fn exec(args: &ExecArgs) -> anyhow::Result<ExitCode> {
     if !args.mounts.is_empty() {
         bail!("--mount is not supported in Linux boxes yet; use --workspace");
     }
-    let template = ensure(&store(&args.linux), &definition, false)?;
+    let exec = exec_of(args, argv)?;
+    let spec = box_spec(args, &definition)?;
     let boxes = boxes(&args.linux)?;
-    let resources = definition.resources;
-    let limits = BoxLimits {
-        memory_bytes: args.memory.unwrap_or(resources.memory_mb << 20),
-        vcpus: resources.vcpus,
-        pids: resources.pids,
-        disk_bytes: resources.disk_mb << 20,
-        weight: 100,
-    };
-    let mut exec = Exec::new(argv);
-    exec.env = args.env_pairs()?;
-    exec.root = args.root;
-    exec.timeout = Duration::from_millis(args.timeout.unwrap_or(30_000));
-    exec.max_output = args.max_output.unwrap_or(1 << 20) as usize;
-    if !std::io::stdin().is_terminal() {
-        std::io::stdin()
-            .read_to_end(&mut exec.stdin)
-            .context("reading stdin")?;
-    }
-    let workspace = match &args.workspace {
-        Some(dir) => Some(
-            dir.canonicalize()
-                .with_context(|| format!("the workspace {}", dir.display()))?,
-        ),
-        None => None,
-    };
     let json = args.json;
-    let network = match args.network.as_str() {
-        "none" => None,
-        "allowlist" => Some(std::sync::Arc::new(allowlist(&args.linux)?)),
-        other => bail!("--network is none or allowlist, not {other:?}"),
-    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let memory_bytes = spec.limits.memory_bytes;
     let output = runtime.block_on(async {
-        let live = boxes
-            .open(BoxSpec {
-                workspace,
-                network,
-                ca_bundle: args.linux.box_ca_bundle.clone(),
-                ..BoxSpec::new(template, limits)
-            })
-            .await?;
+        let live = boxes.open(spec).await?;
         let result = live
             .exec(exec, |stderr, data| {
                 if json {
@@ -319,7 +284,65 @@ pub fn exec(args: &ExecArgs) -> anyhow::Result<ExitCode> {
         live.close().await;
         anyhow::Ok(result?)
     })?;
-    if json {
+    Ok(report(args, &definition.name, &output, memory_bytes))
+}
+
+/// The command to run, with the flags' environment, user, limits and stdin.
+fn exec_of(args: &ExecArgs, argv: Vec<String>) -> anyhow::Result<Exec> {
+    let mut exec = Exec::new(argv);
+    exec.env = args.env_pairs()?;
+    exec.root = args.root;
+    exec.timeout = Duration::from_millis(exec_timeout(args));
+    exec.max_output = args.max_output.unwrap_or(1 << 20) as usize;
+    if !std::io::stdin().is_terminal() {
+        std::io::stdin()
+            .read_to_end(&mut exec.stdin)
+            .context("reading stdin")?;
+    }
+    Ok(exec)
+}
+
+/// The box: the template (built first if needed), its resources (memory from --memory),
+/// the workspace and the network.
+fn box_spec(args: &ExecArgs, definition: &Definition) -> anyhow::Result<BoxSpec> {
+    let template = ensure(&store(&args.linux), definition, false)?;
+    let resources = definition.resources;
+    let limits = BoxLimits {
+        memory_bytes: args.memory.unwrap_or(resources.memory_mb << 20),
+        vcpus: resources.vcpus,
+        pids: resources.pids,
+        disk_bytes: resources.disk_mb << 20,
+        weight: 100,
+    };
+    let workspace = match &args.workspace {
+        Some(dir) => Some(
+            dir.canonicalize()
+                .with_context(|| format!("the workspace {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let network = match args.network.as_str() {
+        "none" => None,
+        "allowlist" => Some(std::sync::Arc::new(allowlist(&args.linux)?)),
+        other => bail!("--network is none or allowlist, not {other:?}"),
+    };
+    Ok(BoxSpec {
+        workspace,
+        network,
+        ca_bundle: args.linux.box_ca_bundle.clone(),
+        ..BoxSpec::new(template, limits)
+    })
+}
+
+/// Prints the JSON result if asked, says why a command was killed, and answers kiln's exit
+/// code (the command's own, or 124 for the time limit, 125 for memory).
+fn report(
+    args: &ExecArgs,
+    template: &str,
+    output: &kiln_native::boxes::ExecOutput,
+    memory_bytes: u64,
+) -> ExitCode {
+    if args.json {
         println!(
             "{}",
             serde_json::json!({
@@ -331,7 +354,7 @@ pub fn exec(args: &ExecArgs) -> anyhow::Result<ExitCode> {
                 "oom_killed": output.oom_killed,
                 "stdout_truncated": output.stdout_truncated,
                 "stderr_truncated": output.stderr_truncated,
-                "template": definition.name,
+                "template": template,
             })
         );
     }
@@ -340,20 +363,20 @@ pub fn exec(args: &ExecArgs) -> anyhow::Result<ExitCode> {
             "kiln: the command ran past its time limit ({} ms) and was killed",
             exec_timeout(args)
         );
-        return Ok(ExitCode::from(crate::exit_codes::TIMED_OUT));
+        return ExitCode::from(crate::exit_codes::TIMED_OUT);
     }
     if output.oom_killed {
         eprintln!(
             "kiln: the command was killed for memory: the box's limit is {} MiB",
-            limits.memory_bytes >> 20
+            memory_bytes >> 20
         );
-        return Ok(ExitCode::from(crate::exit_codes::MEMORY_LIMIT));
+        return ExitCode::from(crate::exit_codes::MEMORY_LIMIT);
     }
-    Ok(ExitCode::from(match (output.exit_code, output.signal) {
+    ExitCode::from(match (output.exit_code, output.signal) {
         (Some(code), _) => (code & 0xff) as u8,
         (None, Some(signal)) => (128 + signal).min(255) as u8,
         (None, None) => crate::exit_codes::CRASHED,
-    }))
+    })
 }
 
 fn exec_timeout(args: &ExecArgs) -> u64 {
