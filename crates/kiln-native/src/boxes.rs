@@ -195,6 +195,25 @@ pub struct LiveBox {
     template: Template,
     /// The agent's pid on the host.
     pub host_pid: i32,
+    /// Set once [`LiveBox::close`] has removed the box.
+    closed: bool,
+}
+
+impl Drop for LiveBox {
+    /// A box dropped without [`LiveBox::close`] (a panic, an early return) is still removed:
+    /// its agent sees the channel close and kills what it started, and its container,
+    /// cgroup, layers and folder go here (blocking, briefly).
+    fn drop(&mut self) {
+        if !self.closed {
+            destroy(
+                &self.runtime,
+                &self.runtime_root,
+                &self.id,
+                &self.dir,
+                self.host_pid,
+            );
+        }
+    }
 }
 
 fn start_err(step: &'static str) -> impl Fn(String) -> BoxError {
@@ -391,6 +410,7 @@ impl Boxes {
             runtime_root: self.runtime_root.clone(),
             template: spec.template,
             host_pid,
+            closed: false,
         })
     }
 
@@ -755,6 +775,11 @@ impl LiveBox {
         self.cgroups.oom_kills(&self.cgroup)
     }
 
+    /// The box's cgroup folder (gone once the box is closed).
+    pub fn cgroup_dir(&self) -> PathBuf {
+        self.cgroups.dir(&self.cgroup)
+    }
+
     /// CPU time the box's processes have used, in microseconds.
     pub fn cpu_usage_us(&self) -> u64 {
         self.cgroups.cpu_usage_us(&self.cgroup)
@@ -839,8 +864,9 @@ impl LiveBox {
 
     /// Stops the box: every process in it is killed, its container, cgroup, layers and
     /// folder removed.
-    pub async fn close(self) {
+    pub async fn close(mut self) {
         self.channel.close().await;
+        self.closed = true;
         let (runtime, runtime_root, id, dir, pid) = (
             self.runtime.clone(),
             self.runtime_root.clone(),

@@ -253,6 +253,15 @@ impl Cgroups {
         }
     }
 
+    /// The box's cgroup folder: its memory controller's on v1, the unified one on v2.
+    pub fn dir(self, cgroup: &str) -> std::path::PathBuf {
+        let cgroup = cgroup.trim_start_matches('/');
+        match self {
+            Cgroups::V2 => std::path::Path::new("/sys/fs/cgroup").join(cgroup),
+            Cgroups::V1 => std::path::Path::new("/sys/fs/cgroup/memory").join(cgroup),
+        }
+    }
+
     /// How many times the box's processes were killed for memory, from its cgroup.
     pub fn oom_kills(self, cgroup: &str) -> u64 {
         let cgroup = cgroup.trim_start_matches('/');

@@ -385,10 +385,20 @@ async fn closing_a_box_leaves_nothing_behind_and_boxes_do_not_see_each_other() {
     .await;
     assert!(!text(&out.stdout).contains("a.txt"), "{out:?}");
 
-    let (pid, id) = (a.host_pid, a.id.clone());
+    let (pid, id, cgroup) = (a.host_pid, a.id.clone(), a.cgroup_dir());
     assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+    assert!(cgroup.exists(), "{}", cgroup.display());
     a.close().await;
-    b.close().await;
+    // A box dropped without close (a panic, an early return) is removed all the same.
+    let b_cgroup = b.cgroup_dir();
+    drop(b);
+    for gone in [&cgroup, &b_cgroup] {
+        assert!(
+            !gone.exists(),
+            "a cgroup outlived its box: {}",
+            gone.display()
+        );
+    }
     assert!(
         !std::path::Path::new(&format!("/proc/{pid}")).exists(),
         "the agent outlived close"

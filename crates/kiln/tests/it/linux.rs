@@ -217,6 +217,14 @@ fn kilns_sharing_a_state_folder_leave_each_others_boxes_alone() {
     );
     first.kill().unwrap();
     first.wait().unwrap();
+    // The first kiln died: the next one on the folder removes what it left.
+    let (code, _, err) = run(state.path(), &["--template", "debian", "--", "true"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        box_dirs(state.path()).is_empty(),
+        "{:?}",
+        box_dirs(state.path())
+    );
 }
 
 #[test]
@@ -272,6 +280,14 @@ fn a_box_left_by_a_killed_kiln_is_removed_by_the_next_one() {
         !mounts.contains(&left[0]),
         "a mount of the left box remains"
     );
+    for cgroup in ["/sys/fs/cgroup/memory/kiln", "/sys/fs/cgroup/kiln"] {
+        let dir = Path::new(cgroup).join(&left[0]);
+        assert!(
+            !dir.exists(),
+            "the left box's cgroup remains: {}",
+            dir.display()
+        );
+    }
     // The dead kiln's folder (its runc state with it) is gone; only the last kiln's is left.
     let folders: Vec<_> = std::fs::read_dir(state.path()).unwrap().flatten().collect();
     assert_eq!(folders.len(), 1, "{folders:?}");
