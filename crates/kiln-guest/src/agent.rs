@@ -496,10 +496,7 @@ fn pump(agent: &Agent, id: u64, stderr: bool, fd: OwnedFd) {
 fn connect(agent: &Arc<Agent>, id: u64, port: u16) {
     let worker = agent.clone();
     let started = thread(move || match TcpStream::connect(("127.0.0.1", port)) {
-        Ok(stream) => {
-            send(&worker.out, id, Reply::Connected);
-            carry(&worker, id, stream);
-        }
+        Ok(stream) => carry(&worker, id, stream, (id, Reply::Connected)),
         Err(e) => send(
             &worker.out,
             id,
@@ -536,18 +533,19 @@ fn accept(agent: &Arc<Agent>, id: u64, listener: std::net::TcpListener) {
         let Ok(stream) = stream else { continue };
         next += 1;
         let conn = proto::AGENT_ID_BIT | (id << 24) | (next & 0xff_ffff);
-        send(&agent.out, id, Reply::Accepted { conn });
         let worker = agent.clone();
         // A box at its pids limit: the connection is dropped (its client sees it close).
-        let _ = thread(move || carry(&worker, conn, stream));
+        let _ = thread(move || carry(&worker, conn, stream, (id, Reply::Accepted { conn })));
     }
 }
 
 /// Carries a TCP connection over the channel as stream `id`: the peer's bytes go out as
-/// `Output`, `Stdin` frames to `id` come in, and `Closed` ends it.
-fn carry(agent: &Agent, id: u64, stream: TcpStream) {
+/// `Output`, `Stdin` frames to `id` come in, and `Closed` ends it. `announce` (`Connected`,
+/// `Accepted`) is sent once the stream can take the host's bytes, never before.
+fn carry(agent: &Agent, id: u64, stream: TcpStream, announce: (u64, Reply)) {
     let (tx, rx) = mpsc::channel::<Vec<u8>>();
     agent.table().conns.insert(id, tx);
+    send(&agent.out, announce.0, announce.1);
     if let Ok(mut write_half) = stream.try_clone() {
         let _ = thread(move || {
             for data in rx {

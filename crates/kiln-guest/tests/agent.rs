@@ -20,6 +20,13 @@ impl Agent {
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
+        // A test waiting on an answer that never comes fails (its read sees the channel
+        // close) instead of hanging the suite.
+        let pid = child.id() as i32;
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        });
         Agent {
             input: child.stdin.take().unwrap(),
             output: child.stdout.take().unwrap(),
