@@ -335,28 +335,14 @@ pub fn write_frame<W: Write, T: Serialize>(out: &mut W, value: &T) -> Result<(),
     out.flush().map_err(FrameError::Io)
 }
 
-/// Bytes as base64 in JSON.
+/// Bytes as base64 in JSON (standard alphabet, padded).
 mod b64 {
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD;
     use serde::{Deserialize, Deserializer, Serializer};
 
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
     pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-        for chunk in bytes.chunks(3) {
-            let n = chunk
-                .iter()
-                .enumerate()
-                .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-            for i in 0..4 {
-                if i <= chunk.len() {
-                    out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-                } else {
-                    out.push('=');
-                }
-            }
-        }
-        s.serialize_str(&out)
+        s.serialize_str(&STANDARD.encode(bytes))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
@@ -365,24 +351,7 @@ mod b64 {
     }
 
     pub(super) fn decode(text: &[u8]) -> Option<Vec<u8>> {
-        if !text.len().is_multiple_of(4) {
-            return None;
-        }
-        let mut out = Vec::with_capacity(text.len() / 4 * 3);
-        for (index, quad) in text.chunks(4).enumerate() {
-            let last = index + 1 == text.len() / 4;
-            let pad = quad.iter().rev().take_while(|c| **c == b'=').count();
-            if pad > 2 || (pad > 0 && !last) {
-                return None;
-            }
-            let mut n = 0u32;
-            for (i, c) in quad[..4 - pad].iter().enumerate() {
-                let v = ALPHABET.iter().position(|a| a == c)? as u32;
-                n |= v << (18 - 6 * i);
-            }
-            out.extend_from_slice(&n.to_be_bytes()[1..4 - pad]);
-        }
-        Some(out)
+        STANDARD.decode(text).ok()
     }
 }
 

@@ -42,15 +42,13 @@ pub fn template_info(template: &Template) -> TemplateInfo {
         .iter()
         .filter_map(|l| Language::from_name(l))
         .collect();
-    let versions: Vec<String> = template
-        .built
-        .versions
-        .iter()
-        .map(|(package, version)| format!("{package} {version}"))
-        .collect();
     TemplateInfo {
         id: catalogue_id(&definition.name),
-        description: format!("{} ({})", definition.description, versions.join(", ")),
+        description: format!(
+            "{} ({})",
+            definition.description,
+            template.built.versions_line()
+        ),
         backend: BackendKind::Native,
         lifecycle: Lifecycle::Live,
         languages,

@@ -469,7 +469,7 @@ impl Boxes {
     fn write_bundle(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(), BoxError> {
         let base = self.config.uid_base;
         if let Some(workspace) = &spec.workspace {
-            std::os::unix::fs::chown(workspace, Some(base + USER_UID), Some(base + USER_UID))
+            std::os::unix::fs::lchown(workspace, Some(base + USER_UID), Some(base + USER_UID))
                 .map_err(|e| start_err("workspace")(format!("{}: {e}", workspace.display())))?;
         }
         let workspace = spec

@@ -41,6 +41,17 @@ pub struct Built {
     pub build_seconds: f64,
 }
 
+impl Built {
+    /// The installed versions, as `package version, …`.
+    pub fn versions_line(&self) -> String {
+        self.versions
+            .iter()
+            .map(|(package, version)| format!("{package} {version}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 /// A built template on disk.
 #[derive(Debug, Clone)]
 pub struct Template {

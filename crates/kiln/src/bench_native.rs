@@ -14,12 +14,13 @@ use serde_json::json;
 use crate::bench::{Report, micros, summary};
 use crate::cli::BenchArgs;
 
-fn mem_available() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
+/// The value in KiB of `key` (`MemAvailable:`, `Pss:`) in a /proc file, in bytes.
+fn proc_bytes(path: &str, key: &str) -> u64 {
+    std::fs::read_to_string(path)
         .ok()
         .and_then(|t| {
             t.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
+                .find(|l| l.starts_with(key))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|v| v.parse::<u64>().ok())
         })
@@ -27,17 +28,12 @@ fn mem_available() -> u64 {
         * 1024
 }
 
+fn mem_available() -> u64 {
+    proc_bytes("/proc/meminfo", "MemAvailable:")
+}
+
 fn pss(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("Pss:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
+    proc_bytes(&format!("/proc/{pid}/smaps_rollup"), "Pss:")
 }
 
 async fn run_ok(live: &LiveBox, argv: &[&str], expect: &str) -> anyhow::Result<Duration> {

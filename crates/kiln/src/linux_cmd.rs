@@ -207,17 +207,11 @@ pub fn setup(names: &[String], rebuild: bool, linux: &LinuxArgs) -> anyhow::Resu
     };
     for definition in &wanted {
         let template = ensure(&store, definition, rebuild)?;
-        let versions: Vec<String> = template
-            .built
-            .versions
-            .iter()
-            .map(|(package, version)| format!("{package} {version}"))
-            .collect();
         eprintln!(
             "kiln: template {} ready: {} ({})",
             definition.name,
             template.rootfs.display(),
-            versions.join(", ")
+            template.built.versions_line()
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -159,6 +159,24 @@ fn kiln_exec_runs_commands_and_code_in_a_fresh_box_with_its_limits() {
     assert!(err.contains("--network is none or allowlist"), "{err}");
 }
 
+/// A `kiln exec` whose box runs `sleep SECONDS`, once the sleep runs.
+fn sleep_in_a_box(state: &Path, seconds: &str) -> std::process::Child {
+    let child = kiln()
+        .args(["exec", "--template", "debian", "--", "sleep", seconds])
+        .env("KILN_STATE_DIR", state)
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while processes(&format!("sleep {seconds}")) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the box never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
 /// The boxes in a state folder, of every kiln process's folder in it.
 fn box_dirs(state: &Path) -> Vec<String> {
     let Ok(processes) = std::fs::read_dir(state) else {
@@ -191,19 +209,7 @@ fn kilns_sharing_a_state_folder_leave_each_others_boxes_alone() {
     }
     let state = tempfile::tempdir().unwrap();
     let marker = "sleep 86398.5";
-    let mut first = kiln()
-        .args(["exec", "--template", "debian", "--", "sleep", "86398.5"])
-        .env("KILN_STATE_DIR", state.path())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while processes(marker) == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the box never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut first = sleep_in_a_box(state.path(), "86398.5");
     // A second kiln on the same folder runs its own box and leaves the first one running.
     let (code, out, err) = run(
         state.path(),
@@ -234,19 +240,7 @@ fn a_box_left_by_a_killed_kiln_is_removed_by_the_next_one() {
     }
     let state = tempfile::tempdir().unwrap();
     let marker = "sleep 86399.5";
-    let mut child = kiln()
-        .args(["exec", "--template", "debian", "--", "sleep", "86399.5"])
-        .env("KILN_STATE_DIR", state.path())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while processes(marker) == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the box never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut child = sleep_in_a_box(state.path(), "86399.5");
     let left = box_dirs(state.path());
     assert_eq!(left.len(), 1, "{left:?}");
     // kill -9: kiln cannot clean up. Its end of the agent's channel closes, so the agent
