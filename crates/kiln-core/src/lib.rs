@@ -241,7 +241,7 @@ pub struct Mount {
 ///
 /// Deny by default: with only `language` and `code` set, the guest sees no host files but a
 /// private empty `/tmp`, no environment variables but the runtime's own, no network.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExecRequest {
     /// Which runtime runs the code.
     pub language: Language,
@@ -273,6 +273,9 @@ pub struct ExecRequest {
     /// The sandbox's network (Linux templates; WebAssembly guests have none at all).
     #[serde(default, skip_serializing_if = "Network::is_none")]
     pub network: Network,
+    /// The live box's resources (Linux templates); `None`: the template's defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<template::Resources>,
 }
 
 /// A sandbox's network.
@@ -343,6 +346,7 @@ impl ExecRequest {
             template: None,
             command: None,
             network: Network::None,
+            resources: None,
         }
     }
 

@@ -125,8 +125,69 @@ impl std::fmt::Display for VersionRange {
     }
 }
 
+/// Seed 002's resource limits of a live box: a template's defaults, which a sandbox may
+/// change at create.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Resources {
+    /// CPUs' worth of time per period (a quota; `0.5` is half a CPU).
+    #[serde(default = "one")]
+    pub vcpus: f64,
+    /// Memory and swap, together.
+    #[serde(default = "default_memory_mb")]
+    pub memory_mb: u64,
+    /// The workspace's volume, and separately the box's writable layer.
+    #[serde(default = "default_disk_mb")]
+    pub disk_mb: u64,
+    /// Processes and threads.
+    #[serde(default = "default_pids")]
+    pub pids: u64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn default_memory_mb() -> u64 {
+    512
+}
+fn default_disk_mb() -> u64 {
+    1024
+}
+fn default_pids() -> u64 {
+    256
+}
+
+impl Default for Resources {
+    fn default() -> Resources {
+        Resources {
+            vcpus: one(),
+            memory_mb: default_memory_mb(),
+            disk_mb: default_disk_mb(),
+            pids: default_pids(),
+        }
+    }
+}
+
+/// The resources a create request asks for (seed 002's `vcpus`, `memory_mb`, `disk_mb`,
+/// `pids`); what it leaves out is the template's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ResourceRequest {
+    /// CPUs' worth of time (0.05 up to the host's CPUs; Linux templates).
+    pub vcpus: Option<f64>,
+    /// Memory cap in MiB (the same cap as `memoryLimit`; give one or the other).
+    pub memory_mb: Option<u64>,
+    /// Size of the workspace's volume and of the box's writable layer, in MiB (16..=65536;
+    /// Linux templates).
+    pub disk_mb: Option<u64>,
+    /// Processes and threads (16..=32768; Linux templates).
+    pub pids: Option<u64>,
+}
+
 /// One template, as a backend declares it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TemplateInfo {
     /// The template's name, as clients pass it (`python`).
@@ -140,6 +201,10 @@ pub struct TemplateInfo {
     pub capabilities: Capabilities,
     /// The image names it honours.
     pub images: ImageRule,
+    /// A live box's default resources (Linux templates); `None` for guests that have no
+    /// box (WebAssembly).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Resources>,
 }
 
 impl TemplateInfo {
@@ -180,6 +245,7 @@ impl TemplateInfo {
                     max: (3, 15),
                 }),
             },
+            resources: None,
         }
     }
 }
@@ -234,7 +300,7 @@ pub struct UnknownImage {
 
 /// The templates a kiln installation offers, in order of preference: when two honour an
 /// image, the first wins.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Catalogue {
     templates: Vec<TemplateInfo>,
 }
@@ -363,6 +429,7 @@ mod tests {
                 repos: vec!["node".into()],
                 versions: None,
             },
+            resources: None,
             ..TemplateInfo::example_python()
         };
         Catalogue::new(vec![TemplateInfo::example_python(), javascript])

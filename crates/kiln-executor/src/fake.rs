@@ -74,6 +74,7 @@ impl Backend for FakeBackend {
                 repos: vec!["fake".into()],
                 versions: None,
             },
+            resources: None,
         }]
     }
 

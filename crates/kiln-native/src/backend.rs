@@ -68,6 +68,7 @@ pub fn template_info(template: &Template) -> TemplateInfo {
                 .and_then(crate::template::parse_range)
                 .map(|(min, max)| VersionRange { min, max }),
         },
+        resources: Some(definition.resources),
     }
 }
 
@@ -100,11 +101,12 @@ impl std::fmt::Debug for NativeBackend {
     }
 }
 
-/// A box's limits from a request and its template.
-fn limits(template: &Template, request: &Limits) -> BoxLimits {
-    let resources = template.definition.resources;
+/// A box's limits: the sandbox's resources (the template's when it has none) and the
+/// request's memory cap.
+fn limits(template: &Template, request: &ExecRequest) -> BoxLimits {
+    let resources = request.resources.unwrap_or(template.definition.resources);
     BoxLimits {
-        memory_bytes: request.memory_bytes,
+        memory_bytes: request.limits.memory_bytes,
         vcpus: resources.vcpus,
         pids: resources.pids,
         disk_bytes: resources.disk_mb << 20,
@@ -155,7 +157,7 @@ impl NativeBackend {
                 kiln_core::Network::Allowlist => Some(self.inner.allowlist.clone()),
             },
             ca_bundle: self.inner.ca_bundle.clone(),
-            ..BoxSpec::new(template.clone(), limits(template, &request.limits))
+            ..BoxSpec::new(template.clone(), limits(template, request))
         }
     }
 

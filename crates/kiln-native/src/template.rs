@@ -29,43 +29,7 @@ pub const BUILDER_VERSION: u32 = 1;
 /// The largest definition file read.
 const MAX_DEFINITION_BYTES: u64 = 64 << 10;
 
-/// Seed 002's resource limits, the defaults for a template's sandboxes.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Resources {
-    #[serde(default = "one")]
-    pub vcpus: f64,
-    #[serde(default = "default_memory_mb")]
-    pub memory_mb: u64,
-    #[serde(default = "default_disk_mb")]
-    pub disk_mb: u64,
-    #[serde(default = "default_pids")]
-    pub pids: u64,
-}
-
-fn one() -> f64 {
-    1.0
-}
-fn default_memory_mb() -> u64 {
-    512
-}
-fn default_disk_mb() -> u64 {
-    1024
-}
-fn default_pids() -> u64 {
-    256
-}
-
-impl Default for Resources {
-    fn default() -> Resources {
-        Resources {
-            vcpus: one(),
-            memory_mb: default_memory_mb(),
-            disk_mb: default_disk_mb(),
-            pids: default_pids(),
-        }
-    }
-}
+pub use kiln_core::template::Resources;
 
 /// The image names a template honours (see `kiln_core::template::ImageRule`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

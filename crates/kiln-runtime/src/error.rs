@@ -72,6 +72,11 @@ pub enum RuntimeError {
     InvalidCursor { cursor: String },
     #[error("the server's disk is full: {what}; nothing was changed; retry when space is freed")]
     NoSpace { what: String },
+    /// A Linux sandbox's workspace volume is full (its `resources.disk_mb`).
+    #[error(
+        "the sandbox's disk is full ({disk_mb} MiB, its resources.disk_mb): remove files from its workspace, or create the sandbox with a larger resources.disk_mb; nothing was changed"
+    )]
+    SandboxDiskFull { disk_mb: u64 },
     #[error("{message}")]
     UnsupportedLanguage { message: String },
     /// An option out of its range (a timeout, a lifetime, a memory size).
@@ -147,6 +152,7 @@ impl RuntimeError {
             E::ExecutionNotFound { .. } => "EXECUTION_NOT_FOUND",
             E::InvalidCursor { .. } => "INVALID_CURSOR",
             E::NoSpace { .. } => "INSUFFICIENT_STORAGE",
+            E::SandboxDiskFull { .. } => "SANDBOX_DISK_FULL",
             E::UnsupportedLanguage { .. } => "UNSUPPORTED_LANGUAGE",
             E::InvalidOption { .. } => "INVALID_OPTION",
             E::InvalidEnv { .. } => "INVALID_ENV",
@@ -197,6 +203,7 @@ impl RuntimeError {
                 _ => json!({ "path": tree.path().unwrap_or_default() }),
             },
             E::ProgramUnreadable { path, .. } => json!({ "path": path }),
+            E::SandboxDiskFull { disk_mb } => json!({ "diskMb": disk_mb }),
             E::FileTooLarge {
                 path, size, limit, ..
             } => json!({ "path": path, "size": size, "limitBytes": limit }),

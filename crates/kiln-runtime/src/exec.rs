@@ -217,14 +217,19 @@ pub async fn create_default_sandbox(
     caller: &Caller,
     language: kiln_core::Language,
 ) -> Result<Sandbox> {
-    let template = rt.executors.preferred_template(language)?.id.clone();
+    let template = rt.executors.preferred_template(language)?;
+    let memory_bytes = Limits::default().memory_bytes;
     let spec = SandboxSpec {
         image: language.name().into(),
-        template,
+        template: template.id.clone(),
         language,
         lifetime_ms: crate::sandbox::DEFAULT_LIFETIME_MS,
-        memory_bytes: Limits::default().memory_bytes,
+        memory_bytes,
         network: kiln_core::Network::None,
+        resources: template.resources.map(|r| kiln_core::template::Resources {
+            memory_mb: memory_bytes >> 20,
+            ..r
+        }),
     };
     create_sandbox(rt, caller, spec).await
 }
@@ -400,6 +405,7 @@ fn one_shot(
     let mut request = ExecRequest::new(spec.language, code);
     request.template = state.request_template(sandbox.template());
     request.network = sandbox.network;
+    request.resources = sandbox.resources;
     request.command = spec.command.clone().map(|argv| kiln_core::Command {
         argv,
         cwd: None,

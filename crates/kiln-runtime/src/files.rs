@@ -176,7 +176,7 @@ pub async fn write(
     with_sandbox(rt, caller, id, &work, move |rt, sandbox| {
         let path = workspace_path(&name)?;
         let size = body.len() as u64;
-        exec::write_files(&sandbox.tree()?, &[(path, body)])?;
+        exec::write_files(&sandbox.tree()?, &[(path, body)]).map_err(|e| disk_full(&sandbox, e))?;
         let summary = format!("upload {name}");
         recorded_change(rt, &sandbox, &summary, history_id, name, size)
     })
@@ -218,4 +218,18 @@ fn recorded_change(
         history_id: commit_id.as_ref().map(|_| history_id),
         commit_id,
     })
+}
+
+/// A full volume said as the sandbox's own disk being full, not the server's.
+fn disk_full(sandbox: &crate::sandbox::Sandbox, error: RuntimeError) -> RuntimeError {
+    let full = matches!(
+        &error,
+        RuntimeError::NoSpace { .. } | RuntimeError::Workspace(kiln_workspace::TreeError::NoSpace { .. })
+    );
+    match sandbox.resources {
+        Some(resources) if full && sandbox.volume => RuntimeError::SandboxDiskFull {
+            disk_mb: resources.disk_mb,
+        },
+        _ => error,
+    }
 }

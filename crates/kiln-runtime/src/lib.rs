@@ -37,6 +37,7 @@ pub mod revisions;
 pub mod sandbox;
 pub mod sessions;
 pub mod store;
+pub mod volume;
 
 use std::path::PathBuf;
 

@@ -29,7 +29,7 @@ use kiln_workspace::{RelPath, Tree};
 
 /// What a new sandbox is: the image the client named, the template that honours it, and
 /// its bounds.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SandboxSpec {
     pub image: String,
     pub template: String,
@@ -38,6 +38,10 @@ pub struct SandboxSpec {
     pub memory_bytes: u64,
     /// Its network (see [`SandboxSpec::with_network`]).
     pub network: kiln_core::Network,
+    /// Its live box's resources: the template's, changed by
+    /// [`SandboxSpec::with_resources`]; `None` for templates without boxes (WebAssembly).
+    /// Its `memory_mb` is always `memory_bytes`'s.
+    pub resources: Option<kiln_core::template::Resources>,
 }
 
 /// Default sandbox lifetime: 30 minutes.
@@ -93,7 +97,81 @@ impl SandboxSpec {
             lifetime_ms,
             memory_bytes,
             network: kiln_core::Network::None,
+            resources: template.resources.map(|r| kiln_core::template::Resources {
+                memory_mb: memory_bytes >> 20,
+                ..r
+            }),
         })
+    }
+
+    /// The sandbox with the resources `asked` changes (seed 002's limits): CPU, processes
+    /// and disk only where its template runs live boxes (Linux); memory anywhere, as
+    /// `memory_mb` or the `memory_limit` it was resolved with, not both.
+    pub fn with_resources(
+        mut self,
+        asked: Option<&kiln_core::template::ResourceRequest>,
+        memory_limit_given: bool,
+    ) -> Result<SandboxSpec> {
+        let Some(asked) = asked else {
+            return Ok(self);
+        };
+        let invalid = |message: String| RuntimeError::InvalidOption { message };
+        if let Some(mb) = asked.memory_mb {
+            if memory_limit_given {
+                return Err(invalid(
+                    "give the memory cap once: resources.memory_mb or memoryLimit, not both".into(),
+                ));
+            }
+            let bytes = mb.saturating_mul(1 << 20);
+            let min = self.language.min_memory_bytes();
+            if !(min..=4 << 30).contains(&bytes) {
+                return Err(invalid(format!(
+                    "resources.memory_mb must be {}..=4096, got {mb}",
+                    min >> 20
+                )));
+            }
+            self.memory_bytes = bytes;
+        }
+        let box_only = asked.vcpus.is_some() || asked.disk_mb.is_some() || asked.pids.is_some();
+        let Some(resources) = &mut self.resources else {
+            if box_only {
+                return Err(RuntimeError::Unsupported {
+                    message: format!(
+                        "the {} template runs WebAssembly guests, which have one thread, no processes and a per-run write budget; resources.vcpus, disk_mb and pids need a Linux template (python:3.11, linux-python, …)",
+                        self.template
+                    ),
+                });
+            }
+            return Ok(self);
+        };
+        resources.memory_mb = self.memory_bytes >> 20;
+        if let Some(vcpus) = asked.vcpus {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+            if !(vcpus.is_finite() && (0.05..=cpus).contains(&vcpus)) {
+                return Err(invalid(format!(
+                    "resources.vcpus must be 0.05..={cpus} (this host's CPUs), got {vcpus}"
+                )));
+            }
+            resources.vcpus = vcpus;
+        }
+        if let Some(mb) = asked.disk_mb {
+            let (min, max) = (crate::volume::MIN_BYTES >> 20, crate::volume::MAX_BYTES >> 20);
+            if !(min..=max).contains(&mb) {
+                return Err(invalid(format!(
+                    "resources.disk_mb must be {min}..={max}, got {mb}"
+                )));
+            }
+            resources.disk_mb = mb;
+        }
+        if let Some(pids) = asked.pids {
+            if !(16..=32_768).contains(&pids) {
+                return Err(invalid(format!(
+                    "resources.pids must be 16..=32768, got {pids}"
+                )));
+            }
+            resources.pids = pids;
+        }
+        Ok(self)
     }
 
     /// The sandbox with the network `name` (`none` or `allowlist`), which only templates
@@ -192,6 +270,13 @@ pub struct Sandbox {
     /// Its network (Linux templates).
     #[serde(default, skip_serializing_if = "kiln_core::Network::is_none")]
     pub network: kiln_core::Network,
+    /// Its live box's resources (Linux templates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<kiln_core::template::Resources>,
+    /// Whether its workspace lives on a size-capped volume of `resources.disk_mb`
+    /// ([`crate::volume`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub volume: bool,
     /// Runtime only: the folder the sandbox lives in.
     #[serde(skip)]
     pub dir: PathBuf,
@@ -203,9 +288,33 @@ impl Sandbox {
         self.template.as_deref().unwrap_or(self.language.name())
     }
 
-    /// The folder the code sees as `/workspace`.
+    /// The folder the code sees as `/workspace` (on its volume where it has one).
     pub fn workspace(&self) -> PathBuf {
-        self.dir.join("workspace")
+        self.data_root().join("workspace")
+    }
+
+    /// Where the workspace's volume is mounted.
+    pub fn volume_dir(&self) -> PathBuf {
+        self.dir.join("volume")
+    }
+
+    /// The folder holding the workspace and its scratch: the volume, or the sandbox's own.
+    fn data_root(&self) -> PathBuf {
+        if self.volume {
+            self.volume_dir()
+        } else {
+            self.dir.clone()
+        }
+    }
+
+    /// Mounts the workspace's volume (made first if new); nothing for one without.
+    pub fn attach_volume(&self) -> std::io::Result<()> {
+        match self.resources {
+            Some(resources) if self.volume => {
+                crate::volume::attach(&self.volume_dir(), resources.disk_mb << 20)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The git repository recording the workspace's history.
@@ -213,9 +322,10 @@ impl Sandbox {
         self.dir.join("history.git")
     }
 
-    /// Where writes into the workspace are staged: beside it, out of the guest's reach.
+    /// Where writes into the workspace are staged: beside it (on the same file system), out
+    /// of the guest's reach.
     pub fn scratch_dir(&self) -> PathBuf {
-        self.dir.join(".tmp")
+        self.data_root().join(".tmp")
     }
 
     fn meta_path(&self) -> PathBuf {
@@ -350,12 +460,19 @@ impl Registry {
                     "removing {}: a sandbox folder with no meta.json (a create or delete cut short)",
                     path.display()
                 );
+                let _ = crate::volume::detach(&path.join("volume"));
                 let _ = kiln_workspace::remove_host_tree(&path);
                 continue;
             }
             match store::read_json::<Sandbox>(&meta_path) {
                 Ok(mut meta) => {
                     meta.dir = path;
+                    if let Err(e) = meta.attach_volume() {
+                        tracing::error!(
+                            sandbox = %meta.id,
+                            "could not mount the workspace's volume (its files are out of reach until it mounts): {e}"
+                        );
+                    }
                     recover(&meta);
                     sandboxes.insert(
                         meta.id.clone(),
@@ -401,9 +518,15 @@ impl Registry {
             sessions: BTreeMap::new(),
             workspace_bytes: 0,
             network: spec.network,
+            resources: spec.resources,
+            volume: spec.resources.is_some(),
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {
+            std::fs::create_dir_all(&meta.dir)
+                .map_err(|e| io_error("could not create the sandbox", &e))?;
+            meta.attach_volume()
+                .map_err(|e| io_error("could not make the workspace's volume", &e))?;
             std::fs::create_dir_all(meta.workspace())
                 .map_err(|e| io_error("could not create the sandbox", &e))?;
             History::init(&meta.git_dir(), &meta.tree()?)?;
@@ -823,9 +946,13 @@ pub fn workspace_path(name: &str) -> Result<RelPath> {
     Ok(RelPath::parse(name)?)
 }
 
-/// Removes a sandbox's folder (its workspace is removed without following any link in it).
+/// Removes a sandbox's folder (its workspace is removed without following any link in it;
+/// its volume is unmounted first).
 fn remove_sandbox_dir(meta: &Sandbox) {
     crate::history::forget(&meta.git_dir());
+    if let Err(e) = crate::volume::detach(&meta.volume_dir()) {
+        tracing::warn!(sandbox = %meta.id, "could not unmount the workspace's volume: {e}");
+    }
     if let Err(e) = kiln_workspace::remove_host_tree(&meta.dir) {
         tracing::warn!(sandbox = %meta.id, "could not remove the sandbox's folder: {e}");
     }

@@ -73,6 +73,7 @@ pub async fn open(
     let template = view.meta.template();
     request.template = rt.request_template(template);
     request.network = view.meta.network;
+    request.resources = view.meta.resources;
     let handle = rt
         .pool_for(template)?
         .open_session_with(request, options)

@@ -271,3 +271,91 @@ async fn each_sandbox_runs_on_its_templates_backend_and_no_other() {
         .expect("ran");
     assert_eq!(ran.result.stdout_text(), "ok\n");
 }
+
+/// Whether this machine can loop-mount volumes (root, e2fsprogs); `KILN_SKIP_LINUX=1` skips.
+fn volumes_available() -> bool {
+    if std::env::var_os("KILN_SKIP_LINUX").is_some() {
+        eprintln!("skipped: KILN_SKIP_LINUX is set");
+        return false;
+    }
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    assert!(
+        root,
+        "volumes need root (loop mounts); run as root or set KILN_SKIP_LINUX=1"
+    );
+    true
+}
+
+#[tokio::test]
+async fn a_linux_sandboxs_workspace_lives_on_a_capped_volume_that_outlives_a_restart() {
+    if !volumes_available() {
+        return;
+    }
+    let data = tempfile::tempdir().expect("a temporary folder");
+    let mut linux = TemplateInfo::example_python();
+    linux.id = "linux-python".into();
+    linux.images.names = vec!["linux-python".into()];
+    linux.images.repos = Vec::new();
+    linux.resources = Some(kiln_core::template::Resources::default());
+    let open = || {
+        let config = RuntimeConfig::new(
+            data.path().to_path_buf(),
+            Catalogue::new(vec![TemplateInfo::example_python(), linux.clone()]),
+        );
+        let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
+        Arc::new(Runtime::open(config, Pools::new(BackendKind::Wasm, pool)).expect("opens"))
+    };
+    let rt = open();
+    let caller = tenant("a");
+    let asked = kiln_core::template::ResourceRequest {
+        disk_mb: Some(16),
+        pids: Some(64),
+        ..Default::default()
+    };
+    let spec = SandboxSpec::resolve(rt.catalogue(), "linux-python", None, None)
+        .and_then(|s| s.with_resources(Some(&asked), false))
+        .expect("resolves");
+    let resources = spec.resources.expect("a Linux template's resources");
+    assert_eq!((resources.disk_mb, resources.pids, resources.vcpus), (16, 64, 1.0));
+    let sandbox = exec::create_sandbox(&rt, &caller, spec).await.expect("created");
+    let volume = sandbox.volume_dir();
+    assert!(kiln_runtime::volume::is_mounted(&volume), "the volume is mounted");
+    assert!(sandbox.workspace().starts_with(&volume));
+    // The host's writes land on the volume and stop at its size with a clear error.
+    let chunk = vec![7u8; 4 << 20];
+    let mut written = 0;
+    let full = loop {
+        match files::write(&rt, &caller, &sandbox.id, format!("f{written}"), chunk.clone()).await {
+            Ok(_) => written += 1,
+            Err(e) => break e,
+        }
+        assert!(written < 8, "16 MiB took more than 8 files of 4 MiB");
+    };
+    assert!(written >= 1, "at least one 4 MiB file fits");
+    assert_eq!(full.code(), "SANDBOX_DISK_FULL", "{full}");
+    // The volume keeps the files across a restart (the runtime opens it again, mounted or not).
+    drop(rt);
+    kiln_runtime::volume::detach(&volume).expect("unmounted");
+    assert!(!kiln_runtime::volume::is_mounted(&volume));
+    let rt = open();
+    assert!(kiln_runtime::volume::is_mounted(&volume), "mounted again at open");
+    let listed = files::list(&rt, &caller, &sandbox.id, None).await.expect("listed");
+    assert_eq!(listed.files.len(), written, "{listed:?}");
+    // Deleting the sandbox unmounts its volume and removes its image.
+    rt.delete_sandbox(&caller, &sandbox.id).await.expect("deleted");
+    assert!(!volume.exists() && !kiln_runtime::volume::image_of(&volume).exists());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    assert!(!mounts.contains(&*volume.to_string_lossy()), "{mounts}");
+    // A WebAssembly template has no box: CPU, disk and processes are refused, memory is not.
+    let wasm = SandboxSpec::resolve(rt.catalogue(), "python", None, None).expect("resolves");
+    let refused = wasm.clone().with_resources(Some(&asked), false).unwrap_err();
+    assert_eq!(refused.code(), "UNSUPPORTED", "{refused}");
+    let memory = kiln_core::template::ResourceRequest {
+        memory_mb: Some(256),
+        ..Default::default()
+    };
+    assert_eq!(wasm.clone().with_resources(Some(&memory), false).unwrap().memory_bytes, 256 << 20);
+    let twice = wasm.with_resources(Some(&memory), true).unwrap_err();
+    assert_eq!(twice.code(), "INVALID_OPTION", "{twice}");
+}

@@ -48,10 +48,14 @@ pub struct CreateOptions {
     /// Memory cap for each execution, e.g. "512m" (default 512 MiB, at most 4 GiB).
     #[schema(example = "512m")]
     pub memory_limit: Option<String>,
-    /// Accepted for compatibility with container sandboxes; not enforced (each execution
+    /// CPUs' worth of time: the box's CPU quota on Linux templates (as
+    /// `resources.vcpus`); accepted and not enforced on WebAssembly ones (each execution
     /// runs on one core).
     #[schema(example = "0.5")]
     pub cpu_limit: Option<CpuLimit>,
+    /// Seed 002's limits of the sandbox's box (Linux templates; `memory_mb` anywhere):
+    /// what it leaves out is the template's.
+    pub resources: Option<kiln_core::template::ResourceRequest>,
     /// `none` (the default: no network at all) or `allowlist` (Linux templates only: the
     /// host names on the server's allowlist, such as the package indexes, through its proxy).
     #[schema(example = "none")]
@@ -64,6 +68,21 @@ pub struct CreateOptions {
 pub enum CpuLimit {
     Number(f64),
     Text(String),
+}
+
+impl CpuLimit {
+    /// The share as a number; text that is not one is refused.
+    fn value(&self) -> Result<f64, ApiError> {
+        match self {
+            CpuLimit::Number(n) => Ok(*n),
+            CpuLimit::Text(text) => text.trim().parse().map_err(|_| {
+                kiln_runtime::RuntimeError::InvalidOption {
+                    message: format!("cpuLimit {text:?} is not a number of CPUs (e.g. 0.5)"),
+                }
+                .into()
+            }),
+        }
+    }
 }
 
 /// A created sandbox.
@@ -80,6 +99,9 @@ pub struct Created {
     pub template: String,
     #[schema(example = "CPython 3.15 on WebAssembly")]
     pub template_description: String,
+    /// The limits its box really got (Linux templates).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resources: Option<kiln_core::template::Resources>,
     #[schema(example = "2026-11-22T14:03:32.120Z")]
     pub created_at: String,
     #[schema(example = "2026-11-22T14:33:32.120Z")]
@@ -99,13 +121,22 @@ pub async fn create(
     body: Result<JsonBody<CreateBody>, HttpError>,
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
     let JsonBody(body) = body?;
+    let options = &body.options;
     let spec = SandboxSpec::resolve(
         state.runtime.catalogue(),
         &body.image,
-        body.options.timeout,
-        body.options.memory_limit.as_deref(),
+        options.timeout,
+        options.memory_limit.as_deref(),
     )?
-    .with_network(state.runtime.catalogue(), body.options.network.as_deref())?;
+    .with_network(state.runtime.catalogue(), options.network.as_deref())?;
+    let mut asked = options.resources;
+    if let Some(cpu) = &options.cpu_limit
+        && spec.resources.is_some()
+    {
+        let asked = asked.get_or_insert_with(Default::default);
+        asked.vcpus = asked.vcpus.or(Some(cpu.value()?));
+    }
+    let spec = spec.with_resources(asked.as_ref(), options.memory_limit.is_some())?;
     let sandbox = exec::create_sandbox(&state.runtime, &caller, spec).await?;
     Ok((
         StatusCode::CREATED,
@@ -117,6 +148,7 @@ pub async fn create(
                 .map(|t| t.description.clone())
                 .unwrap_or_default(),
             template: sandbox.template().into(),
+            resources: sandbox.resources,
             container_id: sandbox.id,
             status: "created".into(),
             created_at: rfc3339(sandbox.created_ms),
@@ -300,6 +332,9 @@ pub struct SandboxInfo {
     /// `none` or `allowlist`.
     #[schema(example = "none")]
     pub network: String,
+    /// Its box's limits (Linux templates).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resources: Option<kiln_core::template::Resources>,
     /// `idle` or `running`.
     #[schema(example = "idle")]
     pub status: String,
@@ -341,6 +376,7 @@ impl SandboxInfo {
                 kiln_core::Network::Allowlist => "allowlist",
             }
             .into(),
+            resources: sandbox.resources,
             status: if view.running.is_some() {
                 "running"
             } else {

@@ -104,7 +104,7 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
             E::FileTooLarge { .. } | E::TooManyFiles { .. } | E::FilesTooLarge { .. } => {
                 StatusCode::PAYLOAD_TOO_LARGE
             }
-            E::NoSpace { .. } => StatusCode::INSUFFICIENT_STORAGE,
+            E::NoSpace { .. } | E::SandboxDiskFull { .. } => StatusCode::INSUFFICIENT_STORAGE,
             E::ProgramUnreadable { .. }
             | E::ExecutionNotFound { .. }
             | E::InvalidCursor { .. }

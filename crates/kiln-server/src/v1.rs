@@ -66,6 +66,9 @@ pub struct NewSandbox {
     /// `none` (default) or `allowlist` (Linux templates: the server's allowlisted host
     /// names, such as the package indexes, through its proxy).
     pub network: Option<String>,
+    /// Seed 002's limits of the sandbox's box (`vcpus`, `disk_mb`, `pids`: Linux templates;
+    /// `memory_mb` anywhere, instead of `memoryLimit`): what it leaves out is the template's.
+    pub resources: Option<kiln_core::template::ResourceRequest>,
 }
 
 /// Create a sandbox.
@@ -88,7 +91,8 @@ pub async fn create(
         body.timeout_ms,
         body.memory_limit.as_deref(),
     )?
-    .with_network(state.runtime.catalogue(), body.network.as_deref())?;
+    .with_network(state.runtime.catalogue(), body.network.as_deref())?
+    .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?;
     let id = exec::create_sandbox(&state.runtime, &caller, spec)
         .await?
         .id;

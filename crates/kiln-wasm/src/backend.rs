@@ -39,6 +39,7 @@ pub fn templates() -> Vec<TemplateInfo> {
                     max: (3, 15),
                 }),
             },
+            resources: None,
         },
         TemplateInfo {
             id: "javascript".into(),
@@ -59,6 +60,7 @@ pub fn templates() -> Vec<TemplateInfo> {
                 repos: names(&["node", "nodejs", "javascript"]),
                 versions: None,
             },
+            resources: None,
         },
     ]
 }

@@ -119,6 +119,7 @@ impl WasmEngine {
             template: None,
             command: None,
             network: kiln_core::Network::None,
+            resources: None,
         };
         check_request(&request)?;
         let guest = match language {
