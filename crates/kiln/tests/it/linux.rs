@@ -530,3 +530,110 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
     }
     Ok(())
 }
+
+#[test]
+fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
+-> crate::common::serve::TestResult {
+    if skip() {
+        return Ok(());
+    }
+    use crate::common::serve::{Options, start};
+    use serde_json::json;
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    // Seed 002's limits at create, shown in the answer as the box really got them.
+    let (status, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"image": "debian", "resources": {"vcpus": 0.5, "memory_mb": 256, "disk_mb": 32, "pids": 64}})),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(
+        created["resources"],
+        json!({"vcpus": 0.5, "memory_mb": 256, "disk_mb": 32, "pids": 64}),
+        "{created}"
+    );
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let exec = |command: &str| {
+        server.call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/exec"),
+            Some(json!({"command": ["sh", "-c", command], "timeoutMs": 60000})),
+        )
+    };
+    // Disk: a write past 32 MiB fails with ENOSPC inside the box; the host loses nothing.
+    let host_free = || {
+        let path = std::ffi::CString::new(server.data.to_str().unwrap_or("/")).expect("a path");
+        // SAFETY: statvfs fills the zeroed struct; `path` outlives the call.
+        let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::statvfs(path.as_ptr(), &mut stat) }, 0);
+        stat.f_bavail * stat.f_frsize
+    };
+    let before = host_free();
+    let (_, ran) = exec("dd if=/dev/zero of=big bs=1M count=300 2>&1 | grep -o 'No space left on device'; stat -c %s big")?;
+    let out = ran["stdout"].as_str().unwrap_or("");
+    assert!(out.starts_with("No space left on device\n"), "{ran}");
+    let size: u64 = out.lines().nth(1).unwrap_or("").parse().unwrap_or(u64::MAX);
+    assert!(size <= 32 << 20, "the file outgrew the disk: {size}");
+    let lost = before.saturating_sub(host_free());
+    assert!(lost < 100 << 20, "the host lost {lost} bytes to a 32 MiB disk");
+    // Files the host writes are held to the same disk, with an answer that says so.
+    let (status, full) = server.call(
+        "PUT",
+        &format!("/api/v1/sandboxes/{id}/files/more.bin"),
+        Some(json!("x".repeat(1 << 20))),
+    )?;
+    assert_eq!(
+        (status, full["error"]["code"].as_str()),
+        (507, Some("SANDBOX_DISK_FULL")),
+        "{full}"
+    );
+    // Freeing space makes room again.
+    let (_, ran) = exec("rm big && echo hi > small && cat small")?;
+    assert_eq!(ran["stdout"], "hi\n", "{ran}");
+    // Processes: the box holds at most 64 (tasks, its agent's threads included). The shell
+    // that forks stops at the first fork refused; then the box counts what runs.
+    let (_, ran) = exec(
+        "(i=0; while [ $i -lt 200 ]; do sleep 3 </dev/null >/dev/null 2>&1 & i=$((i+1)); done) 2>/dev/null; set -- /proc/[0-9]*; echo $#",
+    )?;
+    let running: u64 = ran["stdout"].as_str().unwrap_or("").trim().parse().unwrap_or(0);
+    assert!((30..=64).contains(&running), "{running} processes: {ran}");
+    // Bad resources are refused with the reason; WebAssembly takes memory only.
+    for (body, code) in [
+        (json!({"image": "debian", "resources": {"pids": 1}}), "INVALID_OPTION"),
+        (json!({"image": "debian", "resources": {"disk_mb": 1 << 30}}), "INVALID_OPTION"),
+        (json!({"image": "debian", "resources": {"vcpus": 1000}}), "INVALID_OPTION"),
+        (json!({"image": "debian", "resources": {"cpus": 1}}), "INVALID_REQUEST"),
+        (json!({"language": "python", "resources": {"pids": 64}}), "UNSUPPORTED"),
+        (json!({"image": "debian", "memoryLimit": "256m", "resources": {"memory_mb": 256}}), "INVALID_OPTION"),
+    ] {
+        let (status, refused) = server.call("POST", "/api/v1/sandboxes", Some(body.clone()))?;
+        assert_eq!((status, refused["error"]["code"].as_str()), (400, Some(code)), "{body}: {refused}");
+    }
+    // Seed 003's cpuLimit is the box's CPU quota on a Linux template.
+    let (status, seed) = server.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"image": "debian", "options": {"cpuLimit": "0.25"}})),
+    )?;
+    assert_eq!((status, &seed["resources"]["vcpus"]), (201, &json!(0.25)), "{seed}");
+    let (status, bad) = server.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"image": "debian", "options": {"cpuLimit": "lots"}})),
+    )?;
+    assert_eq!(status, 400, "{bad}");
+    for sandbox in [id.as_str(), seed["containerId"].as_str().unwrap_or_default()] {
+        let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{sandbox}"), None)?;
+        assert!(status == 200 || status == 204, "{status}");
+    }
+    // Nothing of the volumes is left mounted.
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
+    assert!(!mounts.contains(&*server.data.to_string_lossy()), "{mounts}");
+    Ok(())
+}
