@@ -15,6 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub mod backend;
+pub mod jail;
 pub mod template;
 
 /// A language kiln can run.

@@ -13,6 +13,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod confine;
 pub mod fair;
 #[cfg(any(test, feature = "fake-backend"))]
 pub mod fake;

@@ -52,6 +52,10 @@ pub struct PoolConfig {
     pub args: Vec<OsString>,
     /// The only environment variables a worker gets.
     pub env: Vec<(OsString, OsString)>,
+    /// The folders a worker may write (it confines itself: see [`crate::confine`]);
+    /// everything else is read-only to it. Default: the temporary folder. Add the folders
+    /// of every workspace and mount its guests are granted.
+    pub writable: Vec<PathBuf>,
     /// Sessions one worker holds at most. Default 900 of a worker's 1 000 guest slots: the
     /// rest stay free for one-shots.
     pub session_slots: usize,
@@ -94,6 +98,7 @@ impl PoolConfig {
             program,
             args,
             env: Vec::new(),
+            writable: vec![std::env::temp_dir()],
             session_slots: 900,
             grace: Duration::from_secs(1),
             stall_after: Duration::from_secs(1),
@@ -105,8 +110,8 @@ impl PoolConfig {
     }
 
     /// Workers that run this very binary with `__worker`, one per CPU, with only
-    /// `KILN_CACHE_DIR`, `PATH`, `HOME`, `KILN_LOG`, `KILN_LOG_FORMAT`, `TMPDIR` and
-    /// `KILN_WORKER_THREADS` passed through.
+    /// `KILN_CACHE_DIR`, `PATH`, `HOME`, `KILN_LOG`, `KILN_LOG_FORMAT`, `TMPDIR`,
+    /// `KILN_WORKER_THREADS` and `KILN_WORKER_JAIL` passed through.
     pub fn current_exe() -> std::io::Result<PoolConfig> {
         let env = [
             "KILN_CACHE_DIR",
@@ -116,6 +121,7 @@ impl PoolConfig {
             "KILN_LOG_FORMAT",
             "TMPDIR",
             "KILN_WORKER_THREADS",
+            crate::confine::JAIL_ENV,
         ]
         .iter()
         .filter_map(|name| std::env::var_os(name).map(|v| (OsString::from(name), v)))
@@ -747,6 +753,10 @@ impl Inner {
             .env_clear()
             .envs(self.config.env.iter().cloned())
             .env("TMPDIR", tmp)
+            .env(
+                crate::confine::WRITABLE_ENV,
+                serde_json::to_string(&self.config.writable).unwrap_or_default(),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

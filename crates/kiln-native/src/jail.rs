@@ -53,61 +53,14 @@ const AGENT_CAPS: [&str; 10] = [
     "CAP_SETFCAP",
 ];
 
-/// System calls refused with EPERM: mounting and namespace changes, kernel modules and
-/// kexec, bpf, perf, userfaultfd, the kernel keyring, ptrace and cross-process memory
-/// access, reboot and swap, clocks, handles that escape a mount namespace, accounting.
-pub const DENIED_SYSCALLS: [&str; 40] = [
-    "mount",
-    "umount2",
-    "pivot_root",
-    "chroot",
-    "unshare",
-    "setns",
-    "move_mount",
-    "open_tree",
-    "fsopen",
-    "fsconfig",
-    "fsmount",
-    "fspick",
-    "mount_setattr",
-    "kexec_load",
-    "kexec_file_load",
-    "init_module",
-    "finit_module",
-    "delete_module",
-    "bpf",
-    "perf_event_open",
-    "userfaultfd",
-    "keyctl",
-    "add_key",
-    "request_key",
-    "ptrace",
-    "process_vm_readv",
-    "process_vm_writev",
-    "kcmp",
-    "reboot",
-    "swapon",
-    "swapoff",
-    "acct",
-    "settimeofday",
-    "clock_settime",
-    "clock_adjtime",
-    "adjtimex",
-    "open_by_handle_at",
-    "name_to_handle_at",
-    "iopl",
-    "ioperm",
-];
-
-const CLONE_NEWUSER: u64 = 0x1000_0000;
-const AF_PACKET: u64 = 17;
+use kiln_core::jail::{AF_PACKET, CLONE_NEWUSER};
 
 fn seccomp() -> Value {
     json!({
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
         "syscalls": [
-            {"names": DENIED_SYSCALLS.to_vec(), "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM},
+            {"names": kiln_core::jail::denied_syscalls().map(|(name, _)| name).collect::<Vec<_>>(), "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM},
             // New user namespaces, by clone's flags. clone3 hides its flags in memory a
             // filter cannot read: it answers ENOSYS, and the C library falls back to clone.
             {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,

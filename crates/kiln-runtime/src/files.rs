@@ -224,7 +224,8 @@ fn recorded_change(
 fn disk_full(sandbox: &crate::sandbox::Sandbox, error: RuntimeError) -> RuntimeError {
     let full = matches!(
         &error,
-        RuntimeError::NoSpace { .. } | RuntimeError::Workspace(kiln_workspace::TreeError::NoSpace { .. })
+        RuntimeError::NoSpace { .. }
+            | RuntimeError::Workspace(kiln_workspace::TreeError::NoSpace { .. })
     );
     match sandbox.resources {
         Some(resources) if full && sandbox.volume => RuntimeError::SandboxDiskFull {

@@ -155,7 +155,10 @@ impl SandboxSpec {
             resources.vcpus = vcpus;
         }
         if let Some(mb) = asked.disk_mb {
-            let (min, max) = (crate::volume::MIN_BYTES >> 20, crate::volume::MAX_BYTES >> 20);
+            let (min, max) = (
+                crate::volume::MIN_BYTES >> 20,
+                crate::volume::MAX_BYTES >> 20,
+            );
             if !(min..=max).contains(&mb) {
                 return Err(invalid(format!(
                     "resources.disk_mb must be {min}..={max}, got {mb}"

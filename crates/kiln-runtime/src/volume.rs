@@ -95,7 +95,16 @@ fn make_image(image: &Path, bytes: u64) -> io::Result<()> {
     drop(file);
     let made = run(
         Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-m", "0", "-J", "size=4", "-E", "root_owner=0:0"])
+            .args([
+                "-q",
+                "-F",
+                "-m",
+                "0",
+                "-J",
+                "size=4",
+                "-E",
+                "root_owner=0:0",
+            ])
             .arg(&staging),
         "mkfs.ext4",
     )

@@ -317,16 +317,32 @@ async fn a_linux_sandboxs_workspace_lives_on_a_capped_volume_that_outlives_a_res
         .and_then(|s| s.with_resources(Some(&asked), false))
         .expect("resolves");
     let resources = spec.resources.expect("a Linux template's resources");
-    assert_eq!((resources.disk_mb, resources.pids, resources.vcpus), (16, 64, 1.0));
-    let sandbox = exec::create_sandbox(&rt, &caller, spec).await.expect("created");
+    assert_eq!(
+        (resources.disk_mb, resources.pids, resources.vcpus),
+        (16, 64, 1.0)
+    );
+    let sandbox = exec::create_sandbox(&rt, &caller, spec)
+        .await
+        .expect("created");
     let volume = sandbox.volume_dir();
-    assert!(kiln_runtime::volume::is_mounted(&volume), "the volume is mounted");
+    assert!(
+        kiln_runtime::volume::is_mounted(&volume),
+        "the volume is mounted"
+    );
     assert!(sandbox.workspace().starts_with(&volume));
     // The host's writes land on the volume and stop at its size with a clear error.
     let chunk = vec![7u8; 4 << 20];
     let mut written = 0;
     let full = loop {
-        match files::write(&rt, &caller, &sandbox.id, format!("f{written}"), chunk.clone()).await {
+        match files::write(
+            &rt,
+            &caller,
+            &sandbox.id,
+            format!("f{written}"),
+            chunk.clone(),
+        )
+        .await
+        {
             Ok(_) => written += 1,
             Err(e) => break e,
         }
@@ -339,23 +355,39 @@ async fn a_linux_sandboxs_workspace_lives_on_a_capped_volume_that_outlives_a_res
     kiln_runtime::volume::detach(&volume).expect("unmounted");
     assert!(!kiln_runtime::volume::is_mounted(&volume));
     let rt = open();
-    assert!(kiln_runtime::volume::is_mounted(&volume), "mounted again at open");
-    let listed = files::list(&rt, &caller, &sandbox.id, None).await.expect("listed");
+    assert!(
+        kiln_runtime::volume::is_mounted(&volume),
+        "mounted again at open"
+    );
+    let listed = files::list(&rt, &caller, &sandbox.id, None)
+        .await
+        .expect("listed");
     assert_eq!(listed.files.len(), written, "{listed:?}");
     // Deleting the sandbox unmounts its volume and removes its image.
-    rt.delete_sandbox(&caller, &sandbox.id).await.expect("deleted");
+    rt.delete_sandbox(&caller, &sandbox.id)
+        .await
+        .expect("deleted");
     assert!(!volume.exists() && !kiln_runtime::volume::image_of(&volume).exists());
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
     assert!(!mounts.contains(&*volume.to_string_lossy()), "{mounts}");
     // A WebAssembly template has no box: CPU, disk and processes are refused, memory is not.
     let wasm = SandboxSpec::resolve(rt.catalogue(), "python", None, None).expect("resolves");
-    let refused = wasm.clone().with_resources(Some(&asked), false).unwrap_err();
+    let refused = wasm
+        .clone()
+        .with_resources(Some(&asked), false)
+        .unwrap_err();
     assert_eq!(refused.code(), "UNSUPPORTED", "{refused}");
     let memory = kiln_core::template::ResourceRequest {
         memory_mb: Some(256),
         ..Default::default()
     };
-    assert_eq!(wasm.clone().with_resources(Some(&memory), false).unwrap().memory_bytes, 256 << 20);
+    assert_eq!(
+        wasm.clone()
+            .with_resources(Some(&memory), false)
+            .unwrap()
+            .memory_bytes,
+        256 << 20
+    );
     let twice = wasm.with_resources(Some(&memory), true).unwrap_err();
     assert_eq!(twice.code(), "INVALID_OPTION", "{twice}");
 }

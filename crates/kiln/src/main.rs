@@ -119,6 +119,12 @@ fn data_dir(given: Option<std::path::PathBuf>) -> anyhow::Result<std::path::Path
     }
 }
 
+/// `dir`, made if missing (a worker may write only folders that exist when it starts).
+pub(crate) fn made_dir(dir: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(dir.to_path_buf())
+}
+
 fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     let mut builder = if threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
@@ -228,6 +234,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     if let Some(workers) = args.workers {
         config.workers = workers.max(1);
     }
+    config.writable.push(made_dir(&data_dir)?);
     // Workers' log lines (KILN_LOG applies to them too) match the server's.
     config.env.retain(|(name, _)| name != "KILN_LOG_FORMAT");
     let format = if logs_json(&args) { "json" } else { "text" };
@@ -276,10 +283,12 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
 
 fn mcp(dir: Option<std::path::PathBuf>, workers: usize) -> anyhow::Result<ExitCode> {
     prepare_runtimes()?;
+    let data_dir = data_dir(dir)?;
     let mut config = kiln_executor::PoolConfig::current_exe()?;
     config.workers = workers.max(1);
+    config.writable.push(made_dir(&data_dir)?);
     let pool = kiln_executor::ExecutorPool::new(config);
-    let config = kiln_runtime::RuntimeConfig::new(data_dir(dir)?, catalogue());
+    let config = kiln_runtime::RuntimeConfig::new(data_dir, catalogue());
     runtime(2)?.block_on(async {
         let runtime = std::sync::Arc::new(kiln_runtime::Runtime::open(config, wasm_pools(pool))?);
         kiln_server::mcp::serve_stdio(runtime).await?;
@@ -333,7 +342,15 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
 
 /// `kiln __worker`: serves the wasm backend to its pool over stdin and stdout.
 fn worker() -> anyhow::Result<ExitCode> {
-    let engine = WasmEngine::new(crate::config::cache_dir())?;
+    use kiln_executor::confine;
+    // Confined before any thread starts (namespaces need one), filtered once loaded.
+    let policy = confine::Policy::from_env();
+    let cache = crate::config::cache_dir();
+    let mut writable = confine::writable_from_env();
+    writable.push(cache.root().to_path_buf());
+    confine::confine_isolate(policy, &writable)?;
+    let engine = WasmEngine::new(cache)?;
+    confine::confine_restrict(policy)?;
     let threads = std::env::var("KILN_WORKER_THREADS")
         .ok()
         .and_then(|v| v.parse().ok())

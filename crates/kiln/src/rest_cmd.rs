@@ -143,6 +143,7 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     if let Some(workers) = args.workers {
         pool_config.workers = workers.max(1);
     }
+    pool_config.writable.push(crate::made_dir(&dir)?);
     let pool = Arc::new(kiln_executor::ExecutorPool::new(pool_config));
     let mut config = RestConfig::new(args.listen, dir, planner);
     config.auth_token = args

@@ -575,13 +575,18 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
         stat.f_bavail * stat.f_frsize
     };
     let before = host_free();
-    let (_, ran) = exec("dd if=/dev/zero of=big bs=1M count=300 2>&1 | grep -o 'No space left on device'; stat -c %s big")?;
+    let (_, ran) = exec(
+        "dd if=/dev/zero of=big bs=1M count=300 2>&1 | grep -o 'No space left on device'; stat -c %s big",
+    )?;
     let out = ran["stdout"].as_str().unwrap_or("");
     assert!(out.starts_with("No space left on device\n"), "{ran}");
     let size: u64 = out.lines().nth(1).unwrap_or("").parse().unwrap_or(u64::MAX);
     assert!(size <= 32 << 20, "the file outgrew the disk: {size}");
     let lost = before.saturating_sub(host_free());
-    assert!(lost < 100 << 20, "the host lost {lost} bytes to a 32 MiB disk");
+    assert!(
+        lost < 100 << 20,
+        "the host lost {lost} bytes to a 32 MiB disk"
+    );
     // Files the host writes are held to the same disk, with an answer that says so.
     let (status, full) = server.call(
         "PUT",
@@ -601,19 +606,46 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
     let (_, ran) = exec(
         "(i=0; while [ $i -lt 200 ]; do sleep 3 </dev/null >/dev/null 2>&1 & i=$((i+1)); done) 2>/dev/null; set -- /proc/[0-9]*; echo $#",
     )?;
-    let running: u64 = ran["stdout"].as_str().unwrap_or("").trim().parse().unwrap_or(0);
+    let running: u64 = ran["stdout"]
+        .as_str()
+        .unwrap_or("")
+        .trim()
+        .parse()
+        .unwrap_or(0);
     assert!((30..=64).contains(&running), "{running} processes: {ran}");
     // Bad resources are refused with the reason; WebAssembly takes memory only.
     for (body, code) in [
-        (json!({"image": "debian", "resources": {"pids": 1}}), "INVALID_OPTION"),
-        (json!({"image": "debian", "resources": {"disk_mb": 1 << 30}}), "INVALID_OPTION"),
-        (json!({"image": "debian", "resources": {"vcpus": 1000}}), "INVALID_OPTION"),
-        (json!({"image": "debian", "resources": {"cpus": 1}}), "INVALID_REQUEST"),
-        (json!({"language": "python", "resources": {"pids": 64}}), "UNSUPPORTED"),
-        (json!({"image": "debian", "memoryLimit": "256m", "resources": {"memory_mb": 256}}), "INVALID_OPTION"),
+        (
+            json!({"image": "debian", "resources": {"pids": 1}}),
+            "INVALID_OPTION",
+        ),
+        (
+            json!({"image": "debian", "resources": {"disk_mb": 1 << 30}}),
+            "INVALID_OPTION",
+        ),
+        (
+            json!({"image": "debian", "resources": {"vcpus": 1000}}),
+            "INVALID_OPTION",
+        ),
+        (
+            json!({"image": "debian", "resources": {"cpus": 1}}),
+            "INVALID_REQUEST",
+        ),
+        (
+            json!({"language": "python", "resources": {"pids": 64}}),
+            "UNSUPPORTED",
+        ),
+        (
+            json!({"image": "debian", "memoryLimit": "256m", "resources": {"memory_mb": 256}}),
+            "INVALID_OPTION",
+        ),
     ] {
         let (status, refused) = server.call("POST", "/api/v1/sandboxes", Some(body.clone()))?;
-        assert_eq!((status, refused["error"]["code"].as_str()), (400, Some(code)), "{body}: {refused}");
+        assert_eq!(
+            (status, refused["error"]["code"].as_str()),
+            (400, Some(code)),
+            "{body}: {refused}"
+        );
     }
     // Seed 003's cpuLimit is the box's CPU quota on a Linux template.
     let (status, seed) = server.call(
@@ -621,19 +653,29 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
         "/api/sandbox",
         Some(json!({"image": "debian", "options": {"cpuLimit": "0.25"}})),
     )?;
-    assert_eq!((status, &seed["resources"]["vcpus"]), (201, &json!(0.25)), "{seed}");
+    assert_eq!(
+        (status, &seed["resources"]["vcpus"]),
+        (201, &json!(0.25)),
+        "{seed}"
+    );
     let (status, bad) = server.call(
         "POST",
         "/api/sandbox",
         Some(json!({"image": "debian", "options": {"cpuLimit": "lots"}})),
     )?;
     assert_eq!(status, 400, "{bad}");
-    for sandbox in [id.as_str(), seed["containerId"].as_str().unwrap_or_default()] {
+    for sandbox in [
+        id.as_str(),
+        seed["containerId"].as_str().unwrap_or_default(),
+    ] {
         let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{sandbox}"), None)?;
         assert!(status == 200 || status == 204, "{status}");
     }
     // Nothing of the volumes is left mounted.
     let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
-    assert!(!mounts.contains(&*server.data.to_string_lossy()), "{mounts}");
+    assert!(
+        !mounts.contains(&*server.data.to_string_lossy()),
+        "{mounts}"
+    );
     Ok(())
 }

@@ -10,3 +10,4 @@ mod rest;
 mod runner;
 mod serve;
 mod storage;
+mod worker_jail;
