@@ -56,6 +56,8 @@ pub struct RuntimeConfig {
     pub quotas: quota::Quotas,
     /// The templates the backends offer, in order of preference.
     pub catalogue: Catalogue,
+    /// Languages routed to a template of the operator's choice ([`Executors::with_routes`]).
+    pub routes: Vec<(kiln_core::Language, String)>,
 }
 
 impl RuntimeConfig {
@@ -65,6 +67,7 @@ impl RuntimeConfig {
             data_dir,
             quotas: quota::Quotas::default(),
             catalogue,
+            routes: Vec::new(),
         }
     }
 }
@@ -94,9 +97,12 @@ impl Runtime {
     /// Opens the runtime over `config.data_dir`, loading every sandbox recorded there and
     /// recovering what a crash left.
     pub fn open(config: RuntimeConfig, pools: Pools) -> std::io::Result<Runtime> {
+        let executors = Executors::new(pools, config.catalogue)
+            .with_routes(config.routes)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         Ok(Runtime {
             registry: sandbox::Registry::open(config.data_dir)?,
-            executors: Executors::new(pools, config.catalogue),
+            executors,
             metrics: metrics::Metrics::default(),
             quotas: config.quotas,
         })

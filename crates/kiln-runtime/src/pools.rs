@@ -73,11 +73,48 @@ pub struct Executors {
     pub pools: Pools,
     /// The installed templates, in order of preference.
     pub catalogue: kiln_core::template::Catalogue,
+    /// Languages the operator sends to a template of their choice (`python` →
+    /// `linux-python`), ahead of the catalogue's order (see [`Executors::with_routes`]).
+    pub routes: Vec<(kiln_core::Language, String)>,
 }
 
 impl Executors {
     pub fn new(pools: Pools, catalogue: kiln_core::template::Catalogue) -> Executors {
-        Executors { pools, catalogue }
+        Executors {
+            pools,
+            catalogue,
+            routes: Vec::new(),
+        }
+    }
+
+    /// With `routes`: each language's preferred template (where code in it runs when a
+    /// request names no sandbox or template: MCP's run tools, the agent, default sandboxes).
+    /// A route to a template that is not installed, or that does not speak the language,
+    /// is refused with the reason.
+    pub fn with_routes(
+        mut self,
+        routes: Vec<(kiln_core::Language, String)>,
+    ) -> std::result::Result<Executors, String> {
+        for (language, id) in &routes {
+            let template = self.catalogue.get(id).ok_or_else(|| {
+                format!(
+                    "the route {language}={id} names no installed template (installed: {})",
+                    self.catalogue
+                        .templates()
+                        .iter()
+                        .map(|t| t.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?;
+            if !template.languages.contains(language) {
+                return Err(format!(
+                    "the route {language}={id}: the {id} template does not run {language}"
+                ));
+            }
+        }
+        self.routes = routes;
+        Ok(self)
     }
 
     /// The pool that runs sandboxes of `template` (its backend's).
@@ -94,13 +131,21 @@ impl Executors {
         self.pools.get(info.backend)
     }
 
-    /// The preferred template for `language`: the first ephemeral template that speaks it
-    /// (the WebAssembly fast path), else the first that does (a Linux template for `go` and
-    /// `bash`).
+    /// The preferred template for `language`: the one the operator routed it to, else the
+    /// first ephemeral template that speaks it (the WebAssembly fast path), else the first
+    /// that does (a Linux template for `go` and `bash`).
     pub fn preferred_template(
         &self,
         language: kiln_core::Language,
     ) -> Result<&kiln_core::template::TemplateInfo> {
+        if let Some(routed) = self
+            .routes
+            .iter()
+            .find(|(l, _)| *l == language)
+            .and_then(|(_, id)| self.catalogue.get(id))
+        {
+            return Ok(routed);
+        }
         let speaks = |t: &&kiln_core::template::TemplateInfo| t.languages.contains(&language);
         let templates = self.catalogue.templates();
         templates

@@ -136,16 +136,37 @@ pub struct AgentInput {
     pub sandbox: Option<String>,
 }
 
-/// The tools offered to the model.
-pub fn tools() -> Vec<ToolSpec> {
+/// The languages `execute_code` offers on this server: those some template runs (go and
+/// bash need Linux templates), each with what runs it.
+pub fn languages(executors: &kiln_runtime::Executors) -> Vec<(Language, String)> {
+    Language::ALL
+        .iter()
+        .filter_map(|&language| {
+            let template = executors.preferred_template(language).ok()?;
+            Some((language, template.description.clone()))
+        })
+        .collect()
+}
+
+/// The tools offered to the model, for the languages this server runs.
+pub fn tools(executors: &kiln_runtime::Executors) -> Vec<ToolSpec> {
+    let languages = languages(executors);
+    let names: Vec<&str> = languages.iter().map(|(l, _)| l.name()).collect();
+    let runs: Vec<String> = languages
+        .iter()
+        .map(|(l, description)| format!("{l}: {description}"))
+        .collect();
     vec![
         ToolSpec {
             name: "execute_code".into(),
-            description: "Run code in a sandbox with no network. Python 3.15 (numpy, pandas, scipy, scikit-learn, matplotlib) or JavaScript (QuickJS). State persists between calls of one language: variables, imports, files in the working directory. Files you write (plots, CSVs) are returned as artifacts. Print what you need to see.".into(),
+            description: format!(
+                "Run code in a sandbox with no network. Languages — {}. Python and JavaScript keep their state between calls of one language where the sandbox has sessions: variables, imports; files in the working directory are kept. Files you write (plots, CSVs) are returned as artifacts. Print what you need to see.",
+                runs.join("; ")
+            ),
             parameters: json!({
                 "type": "object",
                 "properties": {
-                    "language": {"type": "string", "enum": ["python", "javascript"]},
+                    "language": {"type": "string", "enum": names},
                     "code": {"type": "string"},
                     "timeout_seconds": {"type": "number", "minimum": 1, "maximum": 300}
                 },
@@ -154,7 +175,9 @@ pub fn tools() -> Vec<ToolSpec> {
         },
         ToolSpec {
             name: "write_file".into(),
-            description: "Write a text file into the sandbox's workspace (the code's working directory).".into(),
+            description:
+                "Write a text file into the sandbox's workspace (the code's working directory)."
+                    .into(),
             parameters: json!({"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}, "required": ["path", "content"]}),
         },
         ToolSpec {
@@ -190,7 +213,11 @@ struct Run<'a> {
     state: &'a Arc<AppState>,
     caller: &'a Caller,
     sandbox: String,
+    /// Sessions by language, each in the sandbox that runs its language.
     sessions: BTreeMap<&'static str, String>,
+    /// Sandboxes of this run for languages the run's sandbox's template does not speak
+    /// (`go` beside a Python sandbox): made on first use, deleted when the run ends.
+    others: BTreeMap<&'static str, String>,
     events: &'a UnboundedSender<AgentEvent>,
 }
 
@@ -203,27 +230,54 @@ fn error_text(error: &RuntimeError) -> String {
 }
 
 impl Run<'_> {
-    async fn session(&mut self, language: Language) -> Result<String, RuntimeError> {
+    /// The sandbox that runs `language`: the run's own where its template speaks it, else
+    /// one of the language's preferred template, made on first use.
+    async fn sandbox_for(&mut self, language: Language) -> Result<String, RuntimeError> {
+        let runtime = &self.state.runtime;
+        let view = runtime.registry.get(&self.caller.tenant, &self.sandbox)?;
+        let speaks = runtime
+            .catalogue()
+            .get(view.meta.template())
+            .is_some_and(|t| t.languages.contains(&language));
+        if speaks {
+            return Ok(self.sandbox.clone());
+        }
+        if let Some(id) = self.others.get(language.name()) {
+            return Ok(id.clone());
+        }
+        let made = exec::create_default_sandbox(runtime, self.caller, language).await?;
+        self.others.insert(language.name(), made.id.clone());
+        Ok(made.id)
+    }
+
+    /// Deletes the sandboxes made for other languages.
+    async fn close_others(&mut self) {
+        for (_, id) in std::mem::take(&mut self.others) {
+            let _ = self.state.runtime.delete_sandbox(self.caller, &id).await;
+        }
+    }
+
+    async fn session(&mut self, language: Language, sandbox: &str) -> Result<String, RuntimeError> {
         if let Some(id) = self.sessions.get(language.name()) {
             let (_, handle) =
                 self.state
                     .runtime
                     .registry
-                    .session(&self.caller.tenant, &self.sandbox, id)?;
+                    .session(&self.caller.tenant, sandbox, id)?;
             if handle.is_some() {
                 return Ok(id.clone());
             }
             // Its state ended (a timeout, a crash): start over in a fresh one.
-            let _ =
-                self.state
-                    .runtime
-                    .registry
-                    .remove_session(&self.caller.tenant, &self.sandbox, id);
+            let _ = self
+                .state
+                .runtime
+                .registry
+                .remove_session(&self.caller.tenant, sandbox, id);
         }
         let info = sessions::open(
             &self.state.runtime,
             self.caller,
-            &self.sandbox,
+            sandbox,
             language,
             new_id("ses_"),
         )
@@ -238,10 +292,16 @@ impl Run<'_> {
             Ok(args) => args,
             Err(message) => return tool_error(message),
         };
+        let sandbox = match self.sandbox_for(language).await {
+            Ok(sandbox) => sandbox,
+            Err(e) => return tool_error(error_text(&e)),
+        };
         // Over the tenant's session quota the code still runs, as a one-shot in the same
-        // workspace; the model is told that variables are not kept.
-        let (session, note) = match self.session(language).await {
+        // workspace; the model is told that variables are not kept. A template without
+        // sessions for the language (Go, bash) runs each call as a one-shot.
+        let (session, note) = match self.session(language, &sandbox).await {
             Ok(session) => (Some(session), None),
+            Err(RuntimeError::Unsupported { .. }) => (None, None),
             Err(e @ RuntimeError::QuotaExceeded { .. }) => (
                 None,
                 Some(format!(
@@ -257,7 +317,7 @@ impl Run<'_> {
             session,
             ..CodeExec::default()
         };
-        let spec = match exec::prepare(&self.state.runtime, self.caller, &self.sandbox, code) {
+        let spec = match exec::prepare(&self.state.runtime, self.caller, &sandbox, code) {
             Ok(spec) => spec,
             Err(e) => return tool_error(error_text(&e)),
         };
@@ -266,7 +326,7 @@ impl Run<'_> {
         let ran = exec::run(
             &self.state.runtime,
             self.caller,
-            &self.sandbox,
+            &sandbox,
             spec,
             Some(chunks_tx),
         )
@@ -276,7 +336,7 @@ impl Run<'_> {
             Ok(outcome) => outcome,
             Err(e) => return tool_error(error_text(&e)),
         };
-        if outcome.commit_id.is_some() {
+        if outcome.commit_id.is_some() && sandbox == self.sandbox {
             self.report_artifacts(&exec_id).await;
         }
         (describe(&outcome, note), outcome.status() != "success")
@@ -406,7 +466,7 @@ impl Run<'_> {
 fn execute_args(args: &Value) -> Result<(String, Language, Option<u64>), &'static str> {
     let Some(code) = args.get("code").and_then(Value::as_str) else {
         return Err(
-            "execute_code needs {\"language\": \"python\"|\"javascript\", \"code\": \"...\"}; `code` is missing or not a string",
+            "execute_code needs {\"language\": \"python\", \"code\": \"...\"}; `code` is missing or not a string",
         );
     };
     let language = match args
@@ -416,7 +476,9 @@ fn execute_args(args: &Value) -> Result<(String, Language, Option<u64>), &'stati
     {
         None => Language::Python,
         Some(Some(language)) => language,
-        Some(None) => return Err("language must be \"python\" or \"javascript\""),
+        Some(None) => {
+            return Err("language must be one of python, javascript, go, bash (as the tool lists)");
+        }
     };
     let timeout_ms = match args.get("timeout_seconds") {
         None | Some(Value::Null) => Some(30_000),
@@ -481,10 +543,28 @@ pub async fn run(
     limits: &AgentLimits,
     events: &UnboundedSender<AgentEvent>,
 ) -> Result<(), ApiError> {
-    let mut run = Run::open(state, caller, input.sandbox, events).await?;
+    let mut run = Run::open(state, caller, input.sandbox.clone(), events).await?;
+    let result = converse(&mut run, model, input, limits, events).await;
+    run.close_others().await;
+    result
+}
+
+/// The model's turns and their tool calls, to the final answer.
+async fn converse(
+    run: &mut Run<'_>,
+    model: &dyn ChatModel,
+    input: AgentInput,
+    limits: &AgentLimits,
+    events: &UnboundedSender<AgentEvent>,
+) -> Result<(), ApiError> {
+    let tools = tools(&run.state.runtime.executors);
     let mut messages = input.messages;
     if !messages.iter().any(|m| m.role == Role::System) {
-        messages.insert(0, Message::system("You can run code with the execute_code tool (Python or JavaScript, no network). Use it for anything you would otherwise compute in your head. Keep printed output short."));
+        let names: Vec<&str> = languages(&run.state.runtime.executors)
+            .iter()
+            .map(|(l, _)| l.name())
+            .collect();
+        messages.insert(0, Message::system(format!("You can run code with the execute_code tool ({}; no network). Use it for anything you would otherwise compute in your head. Keep printed output short.", names.join(", "))));
     }
     let mut usage = Usage::default();
     let mut budget = Budget::new(limits);
@@ -492,7 +572,7 @@ pub async fn run(
     for _turn in 0..limits.max_turns {
         let request = ModelRequest {
             messages: messages.clone(),
-            tools: tools(),
+            tools: tools.clone(),
             output_schema: input.output_schema.clone(),
         };
         let reply = ask_model(model, &request, limits, events).await?;
@@ -525,7 +605,7 @@ pub async fn run(
                 message,
                 structured,
                 messages,
-                sandbox_id: run.sandbox,
+                sandbox_id: run.sandbox.clone(),
                 usage,
             });
             return Ok(());
@@ -605,6 +685,7 @@ impl<'a> Run<'a> {
             caller,
             sandbox,
             sessions,
+            others: BTreeMap::new(),
             events,
         })
     }

@@ -81,6 +81,8 @@ pub struct ServerConfig {
     pub catalogue: Catalogue,
     /// The model settings, read once from the environment by the binary.
     pub llm: kiln_llm::LlmEnv,
+    /// Languages routed to a template of the operator's choice (`python` → `linux-python`).
+    pub routes: Vec<(kiln_core::Language, String)>,
 }
 
 impl AppState {
@@ -92,6 +94,7 @@ impl AppState {
                 data_dir: config.data_dir.clone(),
                 quotas: config.quotas,
                 catalogue: config.catalogue.clone(),
+                routes: config.routes.clone(),
             },
             pools,
         )?;

@@ -37,6 +37,7 @@ fn app(auth: bool) -> App {
         quotas: Quotas::default(),
         catalogue: Catalogue::new(vec![TemplateInfo::example_python(), javascript]),
         llm: kiln_llm::LlmEnv::default(),
+        routes: Vec::new(),
     };
     let key = auth.then(|| {
         kiln_runtime::auth::create_key(data.path(), "test", None, Default::default())

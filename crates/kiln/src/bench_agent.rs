@@ -115,6 +115,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         public_hosts: Vec::new(),
         catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
         llm: kiln_llm::LlmEnv::from_env(),
+        routes: Vec::new(),
         // Overhead, not quotas, is measured: every run keeps a session.
         quotas: kiln_runtime::quota::Quotas {
             sessions: 10_000,

@@ -134,8 +134,23 @@ pub struct ServeArgs {
     /// templates built (`kiln setup --template all`); templates not built are left out.
     #[arg(long, env = "KILN_LINUX")]
     pub linux: bool,
+    /// Run a language's code in a template of your choice where a request names no sandbox
+    /// (MCP's run tools, the chat agent, default sandboxes): `python=linux-python`,
+    /// `javascript=linux-node`; repeatable. Default: the WebAssembly templates.
+    #[arg(long = "route", env = "KILN_ROUTE", value_delimiter = ',', value_name = "LANG=TEMPLATE", value_parser = parse_route)]
+    pub routes: Vec<(Language, String)>,
     #[command(flatten)]
     pub linux_args: LinuxArgs,
+}
+
+/// `LANG=TEMPLATE`.
+fn parse_route(text: &str) -> Result<(Language, String), String> {
+    let (language, template) = text
+        .split_once('=')
+        .ok_or_else(|| format!("a route is LANG=TEMPLATE (python=linux-python), not {text:?}"))?;
+    let language = Language::from_name(language.trim())
+        .ok_or_else(|| format!("unknown language {language:?}: python, javascript, go or bash"))?;
+    Ok((language, template.trim().to_owned()))
 }
 
 /// Per-tenant quotas. For `kiln serve`, the defaults every key gets; for `kiln keys create`,

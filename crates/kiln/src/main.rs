@@ -262,6 +262,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         quotas: kiln_runtime::quota::Quotas::default().with(&args.quotas.overrides()),
         catalogue: kiln_core::template::Catalogue::new(templates),
         llm: kiln_llm::LlmEnv::from_env(),
+        routes: args.routes,
     };
     runtime(2)?.block_on(async {
         pool.start_all()?;

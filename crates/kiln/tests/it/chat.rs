@@ -335,3 +335,124 @@ async fn without_a_model_chat_says_how_to_configure_one() {
         "{body}"
     );
 }
+
+/// With Linux templates and `--route python=linux-python`, the agent's `execute_code` runs
+/// Python (with its session) and bash in a Linux box, Go in a Linux sandbox of its own, and
+/// JavaScript where it still runs (WebAssembly); the extra sandboxes go with the run.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_runs_go_and_bash_and_routes_python_to_linux() {
+    if std::env::var("KILN_SKIP_LINUX").is_ok_and(|v| v == "1") {
+        return;
+    }
+    let go = "package main\n\nimport \"fmt\"\n\nfunc main() { fmt.Println(\"hello from go\") }\n";
+    let fake = FakeProvider::start(vec![
+        Step::tool(
+            "a",
+            "execute_code",
+            json!({"language": "python", "code": "import sys\nx = 5\nprint(sys.version_info[:2])"}),
+        ),
+        Step::tool(
+            "b",
+            "execute_code",
+            json!({"language": "python", "code": "print(x * 2)"}),
+        ),
+        Step::tool(
+            "c",
+            "execute_code",
+            json!({"language": "bash", "code": "echo $((6*7)) > b.txt; cat b.txt; id -un"}),
+        ),
+        Step::tool(
+            "d",
+            "execute_code",
+            json!({"language": "go", "code": go, "timeout_seconds": 120}),
+        ),
+        Step::tool(
+            "e",
+            "execute_code",
+            json!({"language": "javascript", "code": "console.log(1 + 1)"}),
+        ),
+        Step::Text("done".into()),
+    ])
+    .await
+    .unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let mut env = openai(&fake);
+    env.push(("KILN_LINUX", "true".into()));
+    env.push(("KILN_ROUTE", "python=linux-python".into()));
+    env.push((
+        "KILN_STATE_DIR",
+        state.path().to_string_lossy().into_owned(),
+    ));
+    let server = tokio::task::spawn_blocking(move || serve(&env))
+        .await
+        .unwrap();
+    let (server, (status, events)) = tokio::task::spawn_blocking(move || {
+        let reply = chat(&server, user("run things"));
+        (server, reply)
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    let results: Vec<String> = events
+        .iter()
+        .filter(|(n, _)| n == "tool_result")
+        .map(|(_, v)| v["result"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(results.len(), 5, "{events:?}");
+    assert!(
+        results[0].contains("stdout:\n(3, 11)\n"),
+        "python ran in Linux: {}",
+        results[0]
+    );
+    assert!(
+        results[1].contains("stdout:\n10\n"),
+        "the session kept x: {}",
+        results[1]
+    );
+    assert!(
+        results[2].contains("stdout:\n42\nuser\n"),
+        "bash: {}",
+        results[2]
+    );
+    assert!(
+        results[3].contains("stdout:\nhello from go\n"),
+        "go: {}",
+        results[3]
+    );
+    assert!(
+        results[4].contains("stdout:\n2\n"),
+        "javascript: {}",
+        results[4]
+    );
+    let (name, done) = last(&events);
+    assert_eq!(name, "final", "{events:?}");
+    // The model was offered every language this server runs.
+    let first = fake.requests()[0].to_string();
+    for language in ["\"go\"", "\"bash\"", "\"python\"", "\"javascript\""] {
+        assert!(first.contains(language), "{language} not offered: {first}");
+    }
+    // Only the run's own sandbox is left; the Go and JavaScript ones went with the run.
+    let sandbox = done["sandbox_id"].as_str().unwrap().to_owned();
+    let listed: Value = ureq::get(&format!("{}/api/v1/sandboxes", server.base))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let ids: Vec<&str> = listed["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["containerId"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [sandbox.as_str()], "{listed}");
+    let (_, info) = (
+        (),
+        ureq::get(&format!("{}/api/v1/sandboxes/{sandbox}", server.base))
+            .call()
+            .unwrap()
+            .into_json::<Value>()
+            .unwrap(),
+    );
+    assert_eq!(info["template"], "linux-python", "{info}");
+    drop(server);
+}

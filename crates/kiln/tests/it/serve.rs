@@ -1692,3 +1692,45 @@ fn issue14_images_resolve_through_the_template_catalogue() -> TestResult {
     );
     Ok(())
 }
+
+#[test]
+fn kiln_serve_refuses_a_route_it_cannot_honour() {
+    let data = tempfile::tempdir().unwrap();
+    for (route, said) in [
+        (
+            "python=linux-nope",
+            "the route python=linux-nope names no installed template (installed: python, javascript)",
+        ),
+        (
+            "javascript=python",
+            "the route javascript=python: the python template does not run javascript",
+        ),
+        (
+            "cobol=python",
+            "unknown language \"cobol\": python, javascript, go or bash",
+        ),
+        (
+            "python",
+            "a route is LANG=TEMPLATE (python=linux-python), not \"python\"",
+        ),
+    ] {
+        let out = crate::common::serve::kiln()
+            .args([
+                "serve",
+                "--no-auth",
+                "--listen",
+                "127.0.0.1:0",
+                "--route",
+                route,
+                "--data-dir",
+            ])
+            .arg(data.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(said),
+            "{route}: {err}"
+        );
+    }
+}
