@@ -84,6 +84,7 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
             "cached_lookup": summary(lookups),
         }),
     );
+    volumes(n, report)?;
     let boxes = crate::linux_cmd::boxes(linux)?;
     let limits = BoxLimits {
         memory_bytes: 256 << 20,
@@ -103,6 +104,27 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
         idle_boxes(&boxes, &spec, args.boxes, report).await
     })?;
     processes(n, report)
+}
+
+/// A Linux sandbox's workspace volume (1 GiB): made and mounted at create, unmounted and
+/// removed at delete.
+fn volumes(n: usize, report: &mut Report) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (mut attaches, mut removes) = (Vec::new(), Vec::new());
+    for i in 0..(n / 4).clamp(10, 50) {
+        let point = dir.path().join(format!("v{i}"));
+        let t = Instant::now();
+        kiln_runtime::volume::attach(&point, 1 << 30)?;
+        attaches.push(micros(t.elapsed()));
+        let t = Instant::now();
+        kiln_runtime::volume::detach(&point)?;
+        std::fs::remove_dir_all(&point)?;
+        std::fs::remove_file(kiln_runtime::volume::image_of(&point))?;
+        removes.push(micros(t.elapsed()));
+    }
+    report.insert("native_volume_create".into(), summary(attaches));
+    report.insert("native_volume_remove".into(), summary(removes));
+    Ok(())
 }
 
 /// Creating a box (until its agent answers) and closing it.
