@@ -205,6 +205,10 @@ pub struct TemplateInfo {
     /// box (WebAssembly).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<Resources>,
+    /// The host uid and gid its sandboxes' workspaces belong to (a Linux box's user, so the
+    /// files the host writes there are the box's to change); `None`: kiln's own.
+    #[serde(skip)]
+    pub workspace_owner: Option<(u32, u32)>,
 }
 
 impl TemplateInfo {
@@ -246,6 +250,7 @@ impl TemplateInfo {
                 }),
             },
             resources: None,
+            workspace_owner: None,
         }
     }
 }
@@ -430,6 +435,7 @@ mod tests {
                 versions: None,
             },
             resources: None,
+            workspace_owner: None,
             ..TemplateInfo::example_python()
         };
         Catalogue::new(vec![TemplateInfo::example_python(), javascript])

@@ -75,6 +75,7 @@ impl Backend for FakeBackend {
                 versions: None,
             },
             resources: None,
+            workspace_owner: None,
         }]
     }
 

@@ -69,6 +69,7 @@ pub fn template_info(template: &Template) -> TemplateInfo {
                 .map(|(min, max)| VersionRange { min, max }),
         },
         resources: Some(definition.resources),
+        workspace_owner: None,
     }
 }
 
@@ -123,12 +124,17 @@ impl NativeBackend {
         allowlist: Arc<Allowlist>,
         ca_bundle: Option<PathBuf>,
     ) -> NativeBackend {
+        let owner = boxes.user_owner();
         NativeBackend {
             inner: Arc::new(Inner {
                 boxes,
                 templates: templates
                     .into_iter()
-                    .map(|t| (template_info(&t), t))
+                    .map(|t| {
+                        let mut info = template_info(&t);
+                        info.workspace_owner = Some(owner);
+                        (info, t)
+                    })
                     .collect(),
                 held: tokio::sync::Mutex::new(HashMap::new()),
                 allowlist,

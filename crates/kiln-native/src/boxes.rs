@@ -271,6 +271,13 @@ fn random_id() -> String {
 
 impl Boxes {
     /// Checks that boxes can run here and removes what a previous kiln left behind.
+    /// The host uid and gid of a box's user (`user`, uid 1000 inside): who a sandbox's
+    /// workspace belongs to.
+    pub fn user_owner(&self) -> (u32, u32) {
+        let id = self.config.uid_base + USER_UID;
+        (id, id)
+    }
+
     pub fn new(config: BoxesConfig) -> Result<Boxes, BoxError> {
         if unsafe { libc::geteuid() } != 0 {
             return Err(BoxError::Unavailable(

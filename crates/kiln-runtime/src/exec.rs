@@ -230,6 +230,7 @@ pub async fn create_default_sandbox(
             memory_mb: memory_bytes >> 20,
             ..r
         }),
+        workspace_owner: template.workspace_owner,
     };
     create_sandbox(rt, caller, spec).await
 }

@@ -42,6 +42,8 @@ pub struct SandboxSpec {
     /// [`SandboxSpec::with_resources`]; `None` for templates without boxes (WebAssembly).
     /// Its `memory_mb` is always `memory_bytes`'s.
     pub resources: Option<kiln_core::template::Resources>,
+    /// Who its workspace belongs to on the host (its template's `workspace_owner`).
+    pub workspace_owner: Option<(u32, u32)>,
 }
 
 /// Default sandbox lifetime: 30 minutes.
@@ -101,6 +103,7 @@ impl SandboxSpec {
                 memory_mb: memory_bytes >> 20,
                 ..r
             }),
+            workspace_owner: template.workspace_owner,
         })
     }
 
@@ -498,6 +501,16 @@ impl Registry {
         })
     }
 
+    /// Unmounts every workspace volume (at shutdown: nothing of kiln's stays mounted while
+    /// it is not running; the next start mounts them again).
+    pub fn detach_volumes(&self) {
+        for entry in self.lock().values().filter(|e| e.meta.volume) {
+            if let Err(e) = crate::volume::detach(&entry.meta.volume_dir()) {
+                tracing::warn!(sandbox = %entry.meta.id, "could not unmount the workspace's volume: {e}");
+            }
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
         self.sandboxes.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -532,6 +545,10 @@ impl Registry {
                 .map_err(|e| io_error("could not make the workspace's volume", &e))?;
             std::fs::create_dir_all(meta.workspace())
                 .map_err(|e| io_error("could not create the sandbox", &e))?;
+            if let Some((uid, gid)) = spec.workspace_owner {
+                std::os::unix::fs::lchown(meta.workspace(), Some(uid), Some(gid))
+                    .map_err(|e| io_error("could not give the workspace to its box's user", &e))?;
+            }
             History::init(&meta.git_dir(), &meta.tree()?)?;
             store::write_json(&meta.meta_path(), &meta)
                 .map_err(|e| io_error("could not create the sandbox", &e))

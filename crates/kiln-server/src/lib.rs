@@ -253,6 +253,7 @@ pub async fn serve(config: ServerConfig, pools: Pools) -> std::io::Result<()> {
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     state.runtime.registry.flush_usage();
+    state.runtime.registry.detach_volumes();
     Ok(())
 }
 

@@ -40,6 +40,7 @@ pub fn templates() -> Vec<TemplateInfo> {
                 }),
             },
             resources: None,
+            workspace_owner: None,
         },
         TemplateInfo {
             id: "javascript".into(),
@@ -61,6 +62,7 @@ pub fn templates() -> Vec<TemplateInfo> {
                 versions: None,
             },
             resources: None,
+            workspace_owner: None,
         },
     ]
 }

@@ -30,7 +30,7 @@ pub mod store;
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -342,6 +342,9 @@ const DIR_FLAGS: OFlags = OFlags::RDONLY
 #[derive(Debug)]
 pub struct Dir {
     fd: OwnedFd,
+    /// Who files and folders the host makes here are given to (the tree's root's owner,
+    /// where that is not kiln's own user: a Linux box's user).
+    owner: Option<(u32, u32)>,
 }
 
 impl Dir {
@@ -349,14 +352,27 @@ impl Dir {
     /// link).
     pub fn open_host(path: &Path) -> std::io::Result<Dir> {
         let fd = rustix::fs::open(path, DIR_FLAGS, Mode::empty())?;
-        Ok(Dir { fd })
+        Ok(Dir { fd, owner: None })
     }
 
     /// A second handle on the same folder.
     pub fn try_clone(&self) -> std::io::Result<Dir> {
         Ok(Dir {
             fd: self.fd.try_clone()?,
+            owner: self.owner,
         })
+    }
+
+    /// Gives what the host made (through the handle `fd`) to this tree's owner, if it has one.
+    fn give(&self, fd: &impl AsFd, name: &OsStr) -> Result<(), TreeError> {
+        let Some((uid, gid)) = self.owner else {
+            return Ok(());
+        };
+        let (uid, gid) = (
+            rustix::fs::Uid::from_raw(uid),
+            rustix::fs::Gid::from_raw(gid),
+        );
+        rustix::fs::fchown(fd, Some(uid), Some(gid)).map_err(|e| errno_error("give", name, e))
     }
 
     /// This folder's own metadata.
@@ -399,7 +415,10 @@ impl Dir {
     pub fn open_dir(&self, name: &OsStr) -> Result<Dir, TreeError> {
         check_name(name)?;
         match rustix::fs::openat(&self.fd, name, DIR_FLAGS, Mode::empty()) {
-            Ok(fd) => Ok(Dir { fd }),
+            Ok(fd) => Ok(Dir {
+                fd,
+                owner: self.owner,
+            }),
             Err(Errno::NOTDIR | Errno::LOOP) => match self.entry(name)? {
                 Some(meta) if meta.kind == Kind::Symlink => {
                     Err(TreeError::Link { path: show(name) })
@@ -417,11 +436,18 @@ impl Dir {
     /// Opens the sub-folder `name`, making it first if there is none.
     pub fn make_dir(&self, name: &OsStr) -> Result<Dir, TreeError> {
         check_name(name)?;
-        match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(0o755)) {
-            Ok(()) | Err(Errno::EXIST) => {}
+        let made = match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(0o755)) {
+            Ok(()) => true,
+            Err(Errno::EXIST) => false,
             Err(e) => return Err(errno_error("make the folder", name, e)),
+        };
+        let dir = self.open_dir(name)?;
+        if made {
+            // Through the opened handle: whatever the name points at now, only this
+            // folder (checked a folder, never a link) changes hands.
+            self.give(&dir.fd, name)?;
         }
-        self.open_dir(name)
+        Ok(dir)
     }
 
     /// Opens the regular file `name` for reading. Links, fifos and devices are refused before
@@ -472,7 +498,23 @@ impl Dir {
     pub fn symlink(&self, target: &[u8], name: &OsStr) -> Result<(), TreeError> {
         check_name(name)?;
         rustix::fs::symlinkat(OsStr::from_bytes(target), &self.fd, name)
-            .map_err(|e| errno_error("make the link", name, e))
+            .map_err(|e| errno_error("make the link", name, e))?;
+        if let Some((uid, gid)) = self.owner {
+            let (uid, gid) = (
+                rustix::fs::Uid::from_raw(uid),
+                rustix::fs::Gid::from_raw(gid),
+            );
+            // The link itself (SYMLINK_NOFOLLOW), never what it points at.
+            rustix::fs::chownat(
+                &self.fd,
+                name,
+                Some(uid),
+                Some(gid),
+                AtFlags::SYMLINK_NOFOLLOW,
+            )
+            .map_err(|e| errno_error("give", name, e))?;
+        }
+        Ok(())
     }
 
     /// Removes `name`: a file or link is unlinked (a link's target is untouched), a folder is
@@ -542,6 +584,18 @@ pub struct Tree {
     resolver: Resolver,
 }
 
+/// Who the host's new entries in a tree rooted at `root` go to: the root's owner, where kiln
+/// runs as root and the root belongs to someone else (a Linux box's user), so what the host
+/// writes there the box may change in place. Otherwise nobody: they stay kiln's.
+fn owner_of(root: &Dir) -> Option<(u32, u32)> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return None;
+    }
+    let stat = rustix::fs::fstat(&root.fd).ok()?;
+    (stat.st_uid != 0).then_some((stat.st_uid, stat.st_gid))
+}
+
 /// Random hex from the kernel.
 fn random_name() -> String {
     let mut bytes = [0u8; 12];
@@ -572,8 +626,9 @@ impl Tree {
     /// `scratch` is where writes are staged: a host-owned folder on the same file system that
     /// no guest can reach; it is made if missing. Without one, the tree is read-only.
     pub fn open(root: &Path, scratch: Option<&Path>) -> Result<Tree, TreeError> {
-        let root =
+        let mut root =
             Dir::open_host(root).map_err(|e| io_error("open", OsStr::new("the workspace"), e))?;
+        root.owner = owner_of(&root);
         let scratch = match scratch {
             Some(path) => {
                 std::fs::create_dir_all(path)
@@ -617,7 +672,10 @@ impl Tree {
             match rustix::fs::openat2(&self.root.fd, rel.as_str(), DIR_FLAGS, Mode::empty(), how) {
                 Ok(fd) => {
                     OPENAT2.store(1, Ordering::Relaxed);
-                    return Ok(Dir { fd });
+                    return Ok(Dir {
+                        fd,
+                        owner: self.root.owner,
+                    });
                 }
                 Err(Errno::NOSYS | Errno::PERM) => OPENAT2.store(2, Ordering::Relaxed),
                 Err(Errno::INVAL) if OPENAT2.load(Ordering::Relaxed) == 0 => {
@@ -729,6 +787,7 @@ impl Tree {
         let fd = rustix::fs::openat(&scratch.fd, temp.as_str(), flags, mode)
             .map_err(|e| errno_error("write", name, e))?;
         let written = (|| {
+            dir.give(&fd, name)?;
             let mut file = File::from(fd);
             let n = std::io::copy(data, &mut file).map_err(|e| io_error("write", name, e))?;
             file.flush().map_err(|e| io_error("write", name, e))?;

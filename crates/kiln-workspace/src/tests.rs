@@ -299,3 +299,41 @@ fn a_read_only_tree_refuses_writes() {
     assert!(err.to_string().contains("read-only"), "{err}");
     assert!(!Path::new(&s.ws.join("a.txt")).exists());
 }
+
+#[test]
+fn what_the_host_makes_in_a_box_users_tree_is_the_box_users() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: giving files away needs root");
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    for resolver in BOTH {
+        let dir = tempfile::tempdir().unwrap();
+        let ws = dir.path().join("workspace");
+        std::fs::create_dir(&ws).unwrap();
+        std::os::unix::fs::lchown(&ws, Some(101_000), Some(101_000)).unwrap();
+        // A link the guest planted at a name the host then writes under is refused, and
+        // nothing it points at changes hands.
+        symlink(dir.path(), ws.join("planted")).unwrap();
+        let tree = Tree::open(&ws, Some(&dir.path().join(".tmp")))
+            .unwrap()
+            .with_resolver(resolver);
+        tree.write(&rel("a/b/file.txt"), &mut &b"x"[..]).unwrap();
+        tree.root()
+            .symlink(b"a/b/file.txt", OsStr::new("link"))
+            .unwrap();
+        for made in ["a", "a/b", "a/b/file.txt", "link"] {
+            let meta = std::fs::symlink_metadata(ws.join(made)).unwrap();
+            assert_eq!((meta.uid(), meta.gid()), (101_000, 101_000), "{made}");
+        }
+        assert!(tree.write(&rel("planted/x"), &mut &b"x"[..]).is_err());
+        assert_eq!(std::fs::metadata(dir.path()).unwrap().uid(), 0);
+        // A tree of kiln's own user gives nothing away.
+        let own = dir.path().join("own");
+        std::fs::create_dir(&own).unwrap();
+        let tree = Tree::open(&own, Some(&dir.path().join(".tmp"))).unwrap();
+        tree.write(&rel("f"), &mut &b"x"[..]).unwrap();
+        assert_eq!(std::fs::metadata(own.join("f")).unwrap().uid(), 0);
+    }
+}

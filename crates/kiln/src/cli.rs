@@ -110,7 +110,7 @@ pub struct ServeArgs {
     pub workers: Option<usize>,
     /// Serve without API keys: every caller is one tenant, `local`. For a machine of your
     /// own only; the server says so loudly at start.
-    #[arg(long, env = "KILN_NO_AUTH")]
+    #[arg(long, env = "KILN_NO_AUTH", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_auth: bool,
     /// Requests a second allowed per API key (bursts of twice that); 0 turns it off.
     #[arg(long, default_value_t = 200, env = "KILN_RATE_LIMIT")]
@@ -132,7 +132,7 @@ pub struct ServeArgs {
     /// Also serve Linux templates (`linux-python`, `linux-node`, `linux-go`, `linux-debian`,
     /// and Docker images such as python:3.11 and node:18) in live boxes. Needs root and the
     /// templates built (`kiln setup --template all`); templates not built are left out.
-    #[arg(long, env = "KILN_LINUX")]
+    #[arg(long, env = "KILN_LINUX", value_parser = clap::builder::BoolishValueParser::new())]
     pub linux: bool,
     /// Run a language's code in a template of your choice where a request names no sandbox
     /// (MCP's run tools, the chat agent, default sandboxes): `python=linux-python`,

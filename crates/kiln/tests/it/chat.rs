@@ -377,7 +377,7 @@ async fn the_agent_runs_go_and_bash_and_routes_python_to_linux() {
     .unwrap();
     let state = tempfile::tempdir().unwrap();
     let mut env = openai(&fake);
-    env.push(("KILN_LINUX", "true".into()));
+    env.push(("KILN_LINUX", "1".into()));
     env.push(("KILN_ROUTE", "python=linux-python".into()));
     env.push((
         "KILN_STATE_DIR",
@@ -454,5 +454,8 @@ async fn the_agent_runs_go_and_bash_and_routes_python_to_linux() {
             .unwrap(),
     );
     assert_eq!(info["template"], "linux-python", "{info}");
+    ureq::delete(&format!("{}/api/v1/sandboxes/{sandbox}", server.base))
+        .call()
+        .unwrap();
     drop(server);
 }

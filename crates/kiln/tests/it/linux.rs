@@ -566,6 +566,17 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
             Some(json!({"command": ["sh", "-c", command], "timeoutMs": 60000})),
         )
     };
+    // Files the host writes (and the folders it makes for them) are the box user's, so the
+    // code may change them in place.
+    let (status, put) = server.call(
+        "PUT",
+        &format!("/api/v1/sandboxes/{id}/files/notes/up.txt"),
+        Some(json!("one")),
+    )?;
+    assert!(status == 200 || status == 201, "{put}");
+    let (_, ran) =
+        exec("echo two >> notes/up.txt && stat -c %U notes notes/up.txt && cat notes/up.txt")?;
+    assert_eq!(ran["stdout"], "user\nuser\n\"one\"two\n", "{ran}");
     // Disk: a write past 32 MiB fails with ENOSPC inside the box; the host loses nothing.
     let host_free = || {
         let path = std::ffi::CString::new(server.data.to_str().unwrap_or("/")).expect("a path");
@@ -613,6 +624,18 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
         .parse()
         .unwrap_or(0);
     assert!((30..=64).contains(&running), "{running} processes: {ran}");
+    // Links the box plants lead nowhere on the host: reading through them is refused.
+    let (_, ran) = exec("ln -s /etc/passwd leak && ln -s / up && echo planted")?;
+    assert_eq!(ran["stdout"], "planted\n", "{ran}");
+    for path in ["leak", "up/etc/passwd"] {
+        let (status, refused) =
+            server.call("GET", &format!("/api/v1/sandboxes/{id}/files/{path}"), None)?;
+        assert_eq!(
+            (status, refused["error"]["code"].as_str()),
+            (400, Some("INVALID_PATH")),
+            "{path}: {refused}"
+        );
+    }
     // Bad resources are refused with the reason; WebAssembly takes memory only.
     for (body, code) in [
         (
@@ -664,18 +687,27 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
         Some(json!({"image": "debian", "options": {"cpuLimit": "lots"}})),
     )?;
     assert_eq!(status, 400, "{bad}");
-    for sandbox in [
-        id.as_str(),
-        seed["containerId"].as_str().unwrap_or_default(),
-    ] {
-        let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{sandbox}"), None)?;
-        assert!(status == 200 || status == 204, "{status}");
-    }
-    // Nothing of the volumes is left mounted.
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
-    assert!(
-        !mounts.contains(&*server.data.to_string_lossy()),
-        "{mounts}"
+    // A deleted sandbox's volume is unmounted at once; a kept one when kiln stops.
+    let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert!(status == 200 || status == 204, "{status}");
+    let data = server.data.to_string_lossy().into_owned();
+    let mounted = || {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(&data))
+            .count()
+    };
+    assert_eq!(
+        mounted(),
+        1,
+        "only the seed 003 sandbox's volume is mounted"
     );
+    let mut server = server;
+    // SAFETY: kill sends a signal to the server's pid, which this test started.
+    unsafe { libc::kill(server.child.0.id() as i32, libc::SIGTERM) };
+    let status = server.child.0.wait()?;
+    assert!(status.success(), "kiln serve stopped with {status}");
+    assert_eq!(mounted(), 0, "a volume stayed mounted after kiln stopped");
     Ok(())
 }
