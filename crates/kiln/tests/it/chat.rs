@@ -457,5 +457,12 @@ async fn the_agent_runs_go_and_bash_and_routes_python_to_linux() {
     ureq::delete(&format!("{}/api/v1/sandboxes/{sandbox}", server.base))
         .call()
         .unwrap();
+    // Stopped, not killed: kiln closes its boxes and unmounts what it mounted.
+    let mut server = server;
+    // SAFETY: kill sends a signal to the server's pid, which this test started.
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    assert!(server.child.wait().unwrap().success());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&*state.path().to_string_lossy()), "{mounts}");
     drop(server);
 }
