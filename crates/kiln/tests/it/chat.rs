@@ -463,6 +463,9 @@ async fn the_agent_runs_go_and_bash_and_routes_python_to_linux() {
     unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
     assert!(server.child.wait().unwrap().success());
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(!mounts.contains(&*state.path().to_string_lossy()), "{mounts}");
+    assert!(
+        !mounts.contains(&*state.path().to_string_lossy()),
+        "{mounts}"
+    );
     drop(server);
 }
