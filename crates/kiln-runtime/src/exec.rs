@@ -35,8 +35,11 @@ pub struct RunSpec {
     /// Files to write into the workspace first (already checked paths).
     pub files: Vec<(RelPath, Vec<u8>)>,
     /// Run the program in this workspace file instead of `code` (read once the sandbox is
-    /// busy with this run).
+    /// busy with this run). A Python program runs as `python FILE ARGS…` would
+    /// ([`python_launcher`]).
     pub code_file: Option<RelPath>,
+    /// The program file's arguments (`sys.argv[1:]`).
+    pub args: Vec<String>,
     /// Run as a turn of this session instead of a fresh one-shot.
     pub session: Option<String>,
     /// Run this argv instead of code, where the sandbox's template runs commands (Linux).
@@ -338,7 +341,14 @@ async fn run_in(
     }
     let code = match &spec.code_file {
         None => spec.code.clone(),
-        Some(name) => read_program(&sandbox.tree()?, name)?,
+        Some(name) => {
+            let source = read_program(&sandbox.tree()?, name)?;
+            if spec.language == Language::Python {
+                python_launcher(&PythonProgram::Script(name.as_str()), &spec.args)
+            } else {
+                source
+            }
+        }
     };
     let remaining_ms = sandbox.expires_ms.saturating_sub(now_ms()).max(1);
     let mut limits = Limits {
@@ -417,6 +427,77 @@ fn one_shot(
     request.env = spec.env.clone();
     request.limits = limits.clone();
     request
+}
+
+/// What `python …` runs: a script, `-c` code or a `-m` module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PythonProgram<'a> {
+    /// A workspace file, relative to the workspace.
+    Script(&'a str),
+    Inline(&'a str),
+    Module(&'a str),
+}
+
+/// Code that runs `program` with `args` as CPython's command line would in `/workspace`:
+/// `sys.argv` as given; for a script, its folder first on `sys.path`, `__file__` its absolute
+/// path, `__name__ == "__main__"` and tracebacks naming the file and its lines; for `-c`,
+/// `<string>`; for `-m`, the workspace on `sys.path` and `runpy` as CPython does.
+pub fn python_launcher(program: &PythonProgram<'_>, args: &[String]) -> String {
+    let literal = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "''".into());
+    let rest: Vec<String> = args.iter().map(|a| literal(a)).collect();
+    let rest = rest.join(", ");
+    let (argv0, path_entry, run) = match program {
+        PythonProgram::Script(path) => {
+            let absolute = format!("/workspace/{path}");
+            let folder = absolute
+                .rsplit_once('/')
+                .map_or("/workspace", |(dir, _)| dir);
+            let file = literal(&absolute);
+            (
+                literal(path),
+                literal(folder),
+                format!(
+                    "exec(compile(open({file}, 'rb').read(), {file}, 'exec'), {{'__name__': '__main__', '__file__': {file}, '__builtins__': __builtins__}})"
+                ),
+            )
+        }
+        PythonProgram::Inline(code) => (
+            literal("-c"),
+            literal(""),
+            format!(
+                "exec(compile({}, '<string>', 'exec'), {{'__name__': '__main__', '__builtins__': __builtins__}})",
+                literal(code)
+            ),
+        ),
+        PythonProgram::Module(module) => (
+            literal(module),
+            literal("/workspace"),
+            format!(
+                "__import__('runpy').run_module({}, run_name='__main__', alter_sys=True)",
+                literal(module)
+            ),
+        ),
+    };
+    // A failure's traceback starts at the program's own frames, as CPython's does: this
+    // launcher's and runpy's are left out.
+    format!(
+        "import sys as _kiln_sys\n\
+         _kiln_sys.argv = [{argv0}, {rest}]\n\
+         _kiln_sys.path.insert(0, {path_entry})\n\
+         def _kiln_main():\n    \
+             try:\n        \
+                 {run}\n    \
+             except SystemExit:\n        \
+                 raise\n    \
+             except BaseException as e:\n        \
+                 tb = e.__traceback__\n        \
+                 while tb is not None and (tb.tb_frame.f_code.co_filename.startswith('<turn') or tb.tb_frame.f_code.co_filename == '<frozen runpy>' or tb.tb_frame.f_code.co_filename.endswith('/runpy.py')):\n            \
+                     tb = tb.tb_next\n        \
+                 __import__('traceback').print_exception(type(e), e, tb)\n        \
+                 raise SystemExit(1) from None\n\
+         del _kiln_sys\n\
+         _kiln_main()\n"
+    )
 }
 
 /// The most bytes of a program file kiln reads to run it.
@@ -593,6 +674,7 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
         timeout_ms: exec.timeout_ms,
         files,
         code_file: None,
+        args: Vec::new(),
         session: exec.session,
         command: exec.command,
         summary,

@@ -17,7 +17,7 @@ use utoipa::ToSchema;
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::exec::{self, RunSpec, check_files, exec_prefix};
+use crate::exec::{self, PythonProgram, RunSpec, check_files, exec_prefix, python_launcher};
 use crate::history::{HistoryEntry, MAX_HISTORY};
 use crate::sandbox::{SandboxSpec, SandboxView, new_id, rfc3339, workspace_path};
 pub use kiln_runtime::sandbox::{MAX_LIFETIME_MS, MIN_LIFETIME_MS};
@@ -201,7 +201,8 @@ pub struct ExecReply {
 
 /// What a command asks to run.
 enum Program {
-    File(String),
+    /// A workspace file, with its arguments.
+    File(String, Vec<String>),
     Inline(String),
     /// An argv, run as given (Linux templates).
     Command(Vec<String>),
@@ -212,7 +213,7 @@ fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
         ApiError::bad_request(
             "UNSUPPORTED_COMMAND",
             format!(
-                "unsupported command {command:?}; use [\"python\", FILE], [\"python\", \"-c\", CODE], [\"node\", FILE] or [\"node\", \"-e\", CODE]"
+                "unsupported command {command:?}; use [\"python\", FILE, ARG…], [\"python\", \"-c\", CODE, ARG…], [\"python\", \"-m\", MODULE, ARG…], [\"node\", FILE] or [\"node\", \"-e\", CODE]"
             ),
         )
     };
@@ -222,9 +223,35 @@ fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
         "node" | "nodejs" => (Language::JavaScript, "-e"),
         _ => return Err(unsupported()),
     };
+    let python = language == Language::Python;
+    let launch = |program: PythonProgram<'_>, args: &[String]| {
+        Program::Inline(python_launcher(&program, args))
+    };
     match rest {
         [flag, code] if flag == inline_flag => Ok((language, Program::Inline(code.clone()))),
-        [file] if !file.starts_with('-') => Ok((language, Program::File(file.clone()))),
+        [flag, code, args @ ..] if python && flag == "-c" => {
+            Ok((language, launch(PythonProgram::Inline(code), args)))
+        }
+        [flag, module, args @ ..] if python && flag == "-m" => {
+            let dotted = !module.is_empty()
+                && module.split('.').all(|part| {
+                    part.chars()
+                        .next()
+                        .is_some_and(|c| c.is_alphabetic() || c == '_')
+                        && part.chars().all(|c| c.is_alphanumeric() || c == '_')
+                });
+            if !dotted {
+                return Err(ApiError::bad_request(
+                    "UNSUPPORTED_COMMAND",
+                    format!("{module:?} is not a module name (pkg.mod)"),
+                ));
+            }
+            Ok((language, launch(PythonProgram::Module(module), args)))
+        }
+        [file] if !file.starts_with('-') => Ok((language, Program::File(file.clone(), Vec::new()))),
+        [file, args @ ..] if python && !file.starts_with('-') => {
+            Ok((language, Program::File(file.clone(), args.to_vec())))
+        }
         _ => Err(unsupported()),
     }
 }
@@ -278,10 +305,10 @@ pub async fn exec(
         ));
     }
     let files = check_files(body.files.iter().map(|(k, v)| (k, v.as_bytes())))?;
-    let (code, code_file, command) = match program {
-        Program::Inline(code) => (code, None, None),
-        Program::File(name) => (String::new(), Some(workspace_path(&name)?), None),
-        Program::Command(argv) => (String::new(), None, Some(argv)),
+    let (code, code_file, args, command) = match program {
+        Program::Inline(code) => (code, None, Vec::new(), None),
+        Program::File(name, args) => (String::new(), Some(workspace_path(&name)?), args, None),
+        Program::Command(argv) => (String::new(), None, Vec::new(), Some(argv)),
     };
     let spec = RunSpec {
         exec_id: new_id(exec_prefix(language)),
@@ -292,6 +319,7 @@ pub async fn exec(
         timeout_ms: None,
         files,
         code_file,
+        args,
         session: None,
         command,
         summary: body.command.join(" "),

@@ -1734,3 +1734,73 @@ fn kiln_serve_refuses_a_route_it_cannot_honour() {
         );
     }
 }
+
+/// Issue 16: `["python", FILE, ARG…]`, `-c` and `-m` in a WebAssembly sandbox behave as
+/// CPython's command line does on a laptop.
+#[test]
+fn python_commands_behave_as_on_a_laptop() -> TestResult {
+    let server = start(Options::default())?;
+    let (_, created) = server.call("POST", "/api/sandbox", Some(json!({"image": "python"})))?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let run = |command: Value, files: Value| {
+        server.call(
+            "POST",
+            "/api/sandbox/exec",
+            Some(json!({"containerId": id, "command": command, "files": files})),
+        )
+    };
+    let (status, ran) = run(
+        json!(["python", "app/main.py", "a", "b c"]),
+        json!({
+            "app/main.py": "import sys, util\nprint(util.x, __file__, sys.argv, __name__)\nif __name__ == '__main__':\n    print('main ran')\n",
+            "app/util.py": "x = 42\n",
+            "pkg/__init__.py": "",
+            "pkg/mod.py": "import sys\nprint('mod', __name__, sys.argv[1:])\n",
+            "bad.py": "x = 1\nraise ValueError('boom')\n",
+        }),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(
+        ran["stdout"], "42 /workspace/app/main.py ['app/main.py', 'a', 'b c'] __main__\nmain ran\n",
+        "{ran}"
+    );
+    let (_, ran) = run(json!(["python", "-m", "pkg.mod", "x"]), json!({}))?;
+    assert_eq!(ran["stdout"], "mod __main__ ['x']\n", "{ran}");
+    // A module's failure is told from its own frames, as CPython tells it.
+    let (_, ran) = run(
+        json!(["python", "-m", "pkg.fails"]),
+        json!({"pkg/fails.py": "1/0\n"}),
+    )?;
+    let stderr = ran["stderr"].as_str().unwrap_or_default();
+    assert!(
+        stderr.starts_with(
+            "Traceback (most recent call last):\n  File \"/workspace/pkg/fails.py\", line 1"
+        ),
+        "{ran}"
+    );
+    let (_, ran) = run(
+        json!(["python", "-c", "import sys; print(sys.argv)", "q"]),
+        json!({}),
+    )?;
+    assert_eq!(ran["stdout"], "['-c', 'q']\n", "{ran}");
+    let (_, ran) = run(json!(["python", "bad.py"]), json!({}))?;
+    let stderr = ran["stderr"].as_str().unwrap_or_default();
+    assert_eq!(
+        stderr,
+        "Traceback (most recent call last):\n  File \"/workspace/bad.py\", line 2, in <module>\n    raise ValueError('boom')\nValueError: boom\n",
+        "{ran}"
+    );
+    assert_eq!(ran["exitCode"], 1, "{ran}");
+    for bad in [
+        json!(["python", "-m", "../x"]),
+        json!(["node", "x.js", "arg"]),
+    ] {
+        let (status, refused) = run(bad.clone(), json!({}))?;
+        assert_eq!(
+            (status, refused["error"]["code"].as_str()),
+            (400, Some("UNSUPPORTED_COMMAND")),
+            "{bad}: {refused}"
+        );
+    }
+    Ok(())
+}
