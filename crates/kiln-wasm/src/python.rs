@@ -61,6 +61,10 @@ _kiln_linecache()
 del _kiln_linecache
 "#;
 
+/// Run before a guest's first streamed turn: stdout and stderr flush at every newline.
+const LINE_BUFFERED: &str =
+    "import sys as _kiln_sys\n_kiln_sys.stdout.reconfigure(line_buffering=True)\n_kiln_sys.stderr.reconfigure(line_buffering=True)\ndel _kiln_sys";
+
 struct Exports {
     memory: Memory,
     host_alloc: TypedFunc<i32, i32>,
@@ -80,6 +84,8 @@ pub(crate) struct PythonGuest {
     /// Turns run through [`PythonGuest::turn`] (sessions run [`SESSION_PRELUDE`] before
     /// the second).
     turns: u64,
+    /// Whether stdout and stderr flush at each line (set for the first streamed turn).
+    line_buffered: bool,
 }
 
 impl PythonGuest {
@@ -146,6 +152,7 @@ impl PythonGuest {
             ended: None,
             echo: true,
             turns: 0,
+            line_buffered: false,
         };
         guest.echo = echo;
         if request.workspace.is_some() {
@@ -199,6 +206,21 @@ impl PythonGuest {
                     ),
                 ));
             }
+        }
+        if listener.is_some() && !self.line_buffered {
+            // A streamed turn's output reaches its client line by line, as in a terminal
+            // (`print` without `flush=True`); unstreamed turns keep block buffering.
+            let result = self.run_turn(LINE_BUFFERED, limits, None).await?;
+            if !result.success() {
+                return Err(instantiate_error(
+                    Language::Python,
+                    format!(
+                        "setting up streamed output failed: {}",
+                        result.stderr_text().trim()
+                    ),
+                ));
+            }
+            self.line_buffered = true;
         }
         self.run_turn(code, limits, listener).await
     }

@@ -704,7 +704,8 @@ fn read_events(reader: impl Read) -> Res<Vec<(String, Value)>> {
 fn exec_streams_over_sse_and_websocket_and_can_be_cancelled() -> TestResult {
     let server = start(Options::default())?;
     let id = server.new_sandbox("python")?;
-    let code = "import sys, time\nfor i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(0.2)\nprint('oops', file=sys.stderr)";
+    // No flush=True: a streamed execution's output is line-buffered, as in a terminal.
+    let code = "import sys, time\nfor i in range(3):\n    print('tick', i)\n    time.sleep(0.2)\nprint('oops', file=sys.stderr)";
     let response = ureq::post(&server.url(&format!("/api/v1/sandboxes/{id}/exec/stream")))
         .send_json(json!({"code": code}))?;
     assert_eq!(response.header("content-type"), Some("text/event-stream"));
