@@ -62,8 +62,7 @@ del _kiln_linecache
 "#;
 
 /// Run before a guest's first streamed turn: stdout and stderr flush at every newline.
-const LINE_BUFFERED: &str =
-    "import sys as _kiln_sys\n_kiln_sys.stdout.reconfigure(line_buffering=True)\n_kiln_sys.stderr.reconfigure(line_buffering=True)\ndel _kiln_sys";
+const LINE_BUFFERED: &str = "import sys as _kiln_sys\n_kiln_sys.stdout.reconfigure(line_buffering=True)\n_kiln_sys.stderr.reconfigure(line_buffering=True)\ndel _kiln_sys";
 
 struct Exports {
     memory: Memory,
@@ -196,33 +195,34 @@ impl PythonGuest {
     ) -> Result<ExecResult, ExecError> {
         self.turns += 1;
         if self.echo && self.turns == 2 {
-            let result = self.run_turn(SESSION_PRELUDE, limits, None).await?;
-            if !result.success() {
-                return Err(instantiate_error(
-                    Language::Python,
-                    format!(
-                        "setting up the session failed: {}",
-                        result.stderr_text().trim()
-                    ),
-                ));
-            }
+            self.setup_turn(SESSION_PRELUDE, limits, "the session")
+                .await?;
         }
         if listener.is_some() && !self.line_buffered {
             // A streamed turn's output reaches its client line by line, as in a terminal
             // (`print` without `flush=True`); unstreamed turns keep block buffering.
-            let result = self.run_turn(LINE_BUFFERED, limits, None).await?;
-            if !result.success() {
-                return Err(instantiate_error(
-                    Language::Python,
-                    format!(
-                        "setting up streamed output failed: {}",
-                        result.stderr_text().trim()
-                    ),
-                ));
-            }
+            self.setup_turn(LINE_BUFFERED, limits, "streamed output")
+                .await?;
             self.line_buffered = true;
         }
         self.run_turn(code, limits, listener).await
+    }
+
+    /// Runs kiln's own setup `code` as a turn of its own; a failure says what it set up.
+    async fn setup_turn(
+        &mut self,
+        code: &str,
+        limits: &Limits,
+        what: &str,
+    ) -> Result<(), ExecError> {
+        let result = self.run_turn(code, limits, None).await?;
+        if result.success() {
+            return Ok(());
+        }
+        Err(instantiate_error(
+            Language::Python,
+            format!("setting up {what} failed: {}", result.stderr_text().trim()),
+        ))
     }
 
     async fn run_turn(
