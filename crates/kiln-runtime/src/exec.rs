@@ -432,7 +432,7 @@ fn one_shot(
 /// What `python …` runs: a script, `-c` code or a `-m` module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PythonProgram<'a> {
-    /// A workspace file, relative to the workspace.
+    /// A file: relative to the workspace, or an absolute guest path.
     Script(&'a str),
     Inline(&'a str),
     Module(&'a str),
@@ -448,7 +448,11 @@ pub fn python_launcher(program: &PythonProgram<'_>, args: &[String]) -> String {
     let rest = rest.join(", ");
     let (argv0, path_entry, run) = match program {
         PythonProgram::Script(path) => {
-            let absolute = format!("/workspace/{path}");
+            let absolute = if path.starts_with('/') {
+                (*path).to_owned()
+            } else {
+                format!("/workspace/{path}")
+            };
             let folder = absolute
                 .rsplit_once('/')
                 .map_or("/workspace", |(dir, _)| dir);

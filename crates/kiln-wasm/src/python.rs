@@ -156,16 +156,9 @@ impl PythonGuest {
         guest.echo = echo;
         if request.workspace.is_some() {
             let setup = format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k");
-            let result = guest.run_turn(&setup, &request.limits, None).await?;
-            if !result.success() {
-                return Err(instantiate_error(
-                    Language::Python,
-                    format!(
-                        "entering {WORKSPACE_GUEST} failed: {}",
-                        result.stderr_text().trim()
-                    ),
-                ));
-            }
+            guest
+                .setup_turn(&setup, &request.limits, WORKSPACE_GUEST)
+                .await?;
         }
         Ok(guest)
     }

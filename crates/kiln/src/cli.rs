@@ -290,8 +290,9 @@ pub struct ExecArgs {
     pub network: String,
     #[command(flatten)]
     pub linux: LinuxArgs,
-    /// The command to run in the Linux box, after `--`.
-    #[arg(last = true, requires = "template")]
+    /// After `--`: the command to run in the Linux box (`exec --template`), or the
+    /// script's arguments (`run FILE -- ARG…`, Python).
+    #[arg(last = true)]
     pub command: Vec<String>,
 }
 

@@ -20,7 +20,7 @@ mod runner_cmd;
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::Parser;
 use kiln_core::{ExecRequest, ExecResult, Language, Outcome};
 use kiln_wasm::{OutputChunk, StreamKind, WasmEngine};
@@ -147,12 +147,17 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
         }
         Command::Exec(args) if args.template.is_some() => linux_cmd::exec(&args),
         Command::Exec(args) => {
+            if !args.command.is_empty() {
+                bail!(
+                    "a command after `--` runs in a Linux box: add --template NAME (for a script's arguments, use `kiln run FILE -- ARG…`)"
+                );
+            }
             let code = args
                 .code
                 .clone()
                 .context("nothing to run: pass code with -c")?;
             let language = args.lang.unwrap_or(Language::Python);
-            exec(language, code, &args)
+            exec(language, code, &args, None)
         }
         Command::Run { file, exec: args } => run_file(&file, &args),
         Command::Setup {
@@ -189,11 +194,65 @@ fn run_file(file: &std::path::Path, args: &ExecArgs) -> anyhow::Result<ExitCode>
             )
         })?,
     };
+    if args.template.is_some() {
+        bail!(
+            "kiln run runs a file on WebAssembly; in a Linux box run it as a command: kiln exec --template NAME --workspace DIR -- python3 FILE"
+        );
+    }
     let code = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
     let code = String::from_utf8(code)
         .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", file.display()))?;
-    exec(language, code, args)
+    match language {
+        Language::Python => {
+            let (launcher, mount) = python_script(file, args)?;
+            exec(language, launcher, args, mount)
+        }
+        _ if !args.command.is_empty() => {
+            bail!("arguments after `--` are passed to Python scripts only")
+        }
+        _ => exec(language, code, args, None),
+    }
 }
+
+/// `kiln run script.py -- ARG…` as CPython runs it: inside `--workspace` as its own path
+/// there; elsewhere from its folder, granted read-only at `/script`. Either way its folder
+/// comes first on `sys.path` (sibling modules import), with `__file__`, `sys.argv` and
+/// `__name__ == "__main__"`.
+fn python_script(
+    file: &std::path::Path,
+    args: &ExecArgs,
+) -> anyhow::Result<(String, Option<kiln_core::Mount>)> {
+    use kiln_runtime::exec::{PythonProgram, python_launcher};
+    let path = file
+        .canonicalize()
+        .with_context(|| format!("cannot find {}", file.display()))?;
+    if let Some(workspace) = &args.workspace {
+        let workspace = workspace
+            .canonicalize()
+            .with_context(|| format!("the workspace {}", workspace.display()))?;
+        if let Ok(inside) = path.strip_prefix(&workspace) {
+            let inside = inside.to_str().context("the script's path is not UTF-8")?;
+            let code = python_launcher(&PythonProgram::Script(inside), &args.command);
+            return Ok((code, None));
+        }
+    }
+    let folder = path.parent().context("the script has no folder")?;
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("the script's name is not UTF-8")?;
+    let guest = format!("{SCRIPT_GUEST}/{name}");
+    let code = python_launcher(&PythonProgram::Script(&guest), &args.command);
+    let mount = kiln_core::Mount {
+        host: folder.to_path_buf(),
+        guest: SCRIPT_GUEST.into(),
+        writable: false,
+    };
+    Ok((code, Some(mount)))
+}
+
+/// Where `kiln run` grants a script's folder (read-only) when it is not in the workspace.
+const SCRIPT_GUEST: &str = "/script";
 
 fn setup(lang: Option<Language>) -> anyhow::Result<ExitCode> {
     let cache = crate::config::cache_dir();
@@ -364,12 +423,26 @@ fn worker() -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn exec(language: Language, code: String, args: &ExecArgs) -> anyhow::Result<ExitCode> {
+fn exec(
+    language: Language,
+    code: String,
+    args: &ExecArgs,
+    script: Option<kiln_core::Mount>,
+) -> anyhow::Result<ExitCode> {
     let mut request = ExecRequest::new(language, code);
     request.limits = args.limits()?;
     request.env = args.env_pairs()?;
     request.workspace = args.workspace.clone();
     request.mounts = args.mounts()?;
+    if let Some(script) = script {
+        if request.mounts.iter().any(|m| m.guest == script.guest) {
+            bail!(
+                "{} is where kiln run grants the script's folder; mount something else there",
+                script.guest
+            );
+        }
+        request.mounts.push(script);
+    }
     if !std::io::stdin().is_terminal() {
         std::io::stdin()
             .read_to_end(&mut request.stdin)

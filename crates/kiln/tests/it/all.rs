@@ -90,6 +90,61 @@ fn run_picks_the_language_by_extension_and_passes_stdin_through() -> TestResult 
     Ok(())
 }
 
+/// Issue 16: `kiln run app/main.py -- ARG…` runs a multi-file project as CPython would.
+#[test]
+fn run_runs_a_python_project_as_cpython_would() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let app = dir.path().join("app");
+    std::fs::create_dir(&app)?;
+    std::fs::write(
+        app.join("main.py"),
+        "import sys, util\nprint(util.x, __file__, sys.argv, __name__)\nif __name__ == '__main__':\n    print(open('data.txt').read() if len(sys.argv) > 2 else 'main')\n",
+    )?;
+    std::fs::write(app.join("util.py"), "x = 42\n")?;
+    std::fs::write(dir.path().join("data.txt"), "from the workspace")?;
+    // Outside a workspace: its folder is granted read-only at /script.
+    let out = kiln()
+        .args(["run"])
+        .arg(app.join("main.py"))
+        .args(["--", "a"])
+        .output()?;
+    assert_eq!(
+        text(&out.stdout),
+        "42 /script/main.py ['/script/main.py', 'a'] __main__\nmain\n",
+        "{}",
+        text(&out.stderr)
+    );
+    // Inside the workspace: its own path there, and the workspace is the working folder.
+    let out = kiln()
+        .args(["run"])
+        .arg(app.join("main.py"))
+        .arg("--workspace")
+        .arg(dir.path())
+        .args(["--", "b", "c"])
+        .output()?;
+    assert_eq!(
+        text(&out.stdout),
+        "42 /workspace/app/main.py ['app/main.py', 'b', 'c'] __main__\nfrom the workspace\n",
+        "{}",
+        text(&out.stderr)
+    );
+    // The script's folder is read-only to it outside a workspace.
+    std::fs::write(app.join("writer.py"), "open('/script/new.txt', 'w')\n")?;
+    let out = kiln().args(["run"]).arg(app.join("writer.py")).output()?;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(!app.join("new.txt").exists());
+    // Arguments after `--` go to scripts; `kiln exec` says where they belong.
+    let out = kiln()
+        .args(["exec", "-c", "print(1)", "--", "a"])
+        .output()?;
+    assert!(
+        text(&out.stderr).contains("a command after `--` runs in a Linux box"),
+        "{}",
+        text(&out.stderr)
+    );
+    Ok(())
+}
+
 #[test]
 fn limits_give_distinct_exit_codes_and_one_line_reasons() -> TestResult {
     let cases: [(&[&str], i32, &str); 5] = [
