@@ -24,6 +24,9 @@ struct Inner {
     /// A marker that, at the start of a write, is the guest talking to kiln, not output:
     /// the rest of that write goes to the sender.
     control: Option<(Vec<u8>, mpsc::UnboundedSender<Vec<u8>>)>,
+    /// A runtime message kiln words for its own sandbox: a write holding the first has it
+    /// replaced by the second.
+    reword: Option<(&'static str, &'static str)>,
 }
 
 /// One capped stream, shared between the store (which writes) and the host (which reads).
@@ -43,6 +46,7 @@ impl CappedPipe {
                 truncated: false,
                 listener: None,
                 control: None,
+                reword: None,
             })),
         }
     }
@@ -66,6 +70,11 @@ impl CappedPipe {
         self.lock().control = Some((marker, sender));
     }
 
+    /// Replaces `from` with `to` in any one write that holds it whole.
+    pub fn set_reword(&self, from: &'static str, to: &'static str) {
+        self.lock().reword = Some((from, to));
+    }
+
     /// Takes what was kept so far and whether anything was dropped.
     pub fn take(&self) -> (Vec<u8>, bool) {
         let mut inner = self.lock();
@@ -75,6 +84,16 @@ impl CappedPipe {
 
     fn push(&self, bytes: &[u8]) {
         let mut inner = self.lock();
+        let reworded;
+        let bytes = match inner.reword {
+            Some((from, to)) if contains(bytes, from.as_bytes()) => {
+                reworded = String::from_utf8_lossy(bytes)
+                    .replace(from, to)
+                    .into_bytes();
+                &reworded[..]
+            }
+            _ => bytes,
+        };
         if let Some((marker, sender)) = &inner.control
             && bytes.starts_with(marker)
         {
@@ -100,6 +119,10 @@ impl CappedPipe {
             }
         }
     }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 impl IsTerminal for CappedPipe {

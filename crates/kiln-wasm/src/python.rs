@@ -64,6 +64,13 @@ del _kiln_linecache
 /// Run before a guest's first streamed turn: stdout and stderr flush at every newline.
 const LINE_BUFFERED: &str = "import sys as _kiln_sys\n_kiln_sys.stdout.reconfigure(line_buffering=True)\n_kiln_sys.stderr.reconfigure(line_buffering=True)\ndel _kiln_sys";
 
+/// CPython's hint on a missing module when site initialisation is off, which misleads here:
+/// there is no site-packages to add.
+const SITE_HINT: &str = ". Site initialization is disabled, did you forget to add the site-packages directory to sys.path or to enable your virtual environment?";
+/// What kiln says instead: what this Python has, where modules come from, and where
+/// packages can be installed.
+const PACKAGES_HINT: &str = ". kiln's Python on WebAssembly has the standard library plus numpy, pandas, scipy, scikit-learn and matplotlib (GET /api/v1/templates describes each template), and imports your own modules from the workspace and the script's folder; nothing can be installed in it: a Linux template (image python:3.11, network \"allowlist\") can pip install";
+
 struct Exports {
     memory: Memory,
     host_alloc: TypedFunc<i32, i32>,
@@ -99,6 +106,7 @@ impl PythonGuest {
     ) -> Result<PythonGuest, ExecError> {
         let tmp = engine.private_tmp().map_err(ExecError::Tmp)?;
         let stdio = Stdio::new(&request.limits);
+        stdio.stderr.set_reword(SITE_HINT, PACKAGES_HINT);
         let mut preopens = vec![
             Preopen {
                 host: &runtime.lib_dir,

@@ -53,6 +53,25 @@ async fn python_prints_and_exits() -> TestResult {
     Ok(())
 }
 
+/// Issue 16: a missing module says what this Python has and where packages can be
+/// installed, not CPython's site-packages hint (there is none to add).
+#[tokio::test]
+async fn a_missing_module_says_what_there_is_and_where_to_install() -> TestResult {
+    let result = run(py("import requests")).await;
+    let stderr = result.stderr_text();
+    assert!(
+        stderr.contains("ModuleNotFoundError: No module named 'requests'. kiln's Python on WebAssembly has the standard library plus numpy, pandas"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("can pip install"), "{stderr}");
+    assert!(
+        !stderr.contains("Site initialization is disabled"),
+        "{stderr}"
+    );
+    assert_eq!(result.exit_code, 1);
+    Ok(())
+}
+
 #[tokio::test]
 async fn python_keeps_stdout_and_stderr_apart_and_reports_exit_codes() -> TestResult {
     let result = run(py(
