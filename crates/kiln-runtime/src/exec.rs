@@ -17,7 +17,9 @@ use crate::history::{LeftOut, Recorded};
 use crate::sandbox::{Registry, Sandbox, SandboxSpec, now_ms};
 use kiln_workspace::{RelPath, Tree};
 
-/// Longest single execution: 5 minutes (bounded by the sandbox's remaining lifetime).
+/// The default longest single execution: 5 minutes (bounded by the sandbox's remaining
+/// lifetime). An operator sets another in `RuntimeConfig::max_exec_ms`
+/// (`kiln serve --max-exec-time`).
 pub const MAX_EXEC_MS: u64 = 5 * 60 * 1000;
 
 /// What to run.
@@ -30,7 +32,7 @@ pub struct RunSpec {
     pub stdin: Vec<u8>,
     pub env: Vec<(String, String)>,
     /// Per-execution time limit; default (and most) the sandbox's remaining life, at most
-    /// [`MAX_EXEC_MS`].
+    /// the runtime's `max_exec_ms` ([`MAX_EXEC_MS`] unless configured).
     pub timeout_ms: Option<u64>,
     /// Files to write into the workspace first (already checked paths).
     pub files: Vec<(RelPath, Vec<u8>)>,
@@ -353,7 +355,7 @@ async fn run_in(
     let remaining_ms = sandbox.expires_ms.saturating_sub(now_ms()).max(1);
     let mut limits = Limits {
         memory_bytes: sandbox.memory_bytes,
-        timeout_ms: remaining_ms.min(MAX_EXEC_MS),
+        timeout_ms: remaining_ms.min(state.max_exec_ms),
         ..Limits::default()
     };
     if let Some(timeout_ms) = spec.timeout_ms {
@@ -629,10 +631,13 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
     let view = rt.registry.get(&caller.tenant, id)?;
     let language = exec.language.unwrap_or(view.meta.language);
     if let Some(timeout) = exec.timeout_ms
-        && (timeout == 0 || timeout > MAX_EXEC_MS)
+        && (timeout == 0 || timeout > rt.max_exec_ms)
     {
         return Err(RuntimeError::InvalidOption {
-            message: format!("timeoutMs must be 1..={MAX_EXEC_MS}"),
+            message: format!(
+                "timeoutMs must be 1..={} (this server's longest execution; its operator sets it with --max-exec-time)",
+                rt.max_exec_ms
+            ),
         });
     }
     if let Some((name, _)) = exec

@@ -58,6 +58,9 @@ pub struct RuntimeConfig {
     pub catalogue: Catalogue,
     /// Languages routed to a template of the operator's choice ([`Executors::with_routes`]).
     pub routes: Vec<(kiln_core::Language, String)>,
+    /// The longest one execution may run (and the largest `timeoutMs`); default
+    /// [`exec::MAX_EXEC_MS`], 5 minutes.
+    pub max_exec_ms: u64,
 }
 
 impl RuntimeConfig {
@@ -68,6 +71,7 @@ impl RuntimeConfig {
             quotas: quota::Quotas::default(),
             catalogue,
             routes: Vec::new(),
+            max_exec_ms: exec::MAX_EXEC_MS,
         }
     }
 }
@@ -81,6 +85,8 @@ pub struct Runtime {
     pub metrics: metrics::Metrics,
     /// Each tenant's quotas unless its key says otherwise.
     pub quotas: quota::Quotas,
+    /// The longest one execution may run.
+    pub max_exec_ms: u64,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -105,6 +111,7 @@ impl Runtime {
             executors,
             metrics: metrics::Metrics::default(),
             quotas: config.quotas,
+            max_exec_ms: config.max_exec_ms.max(1),
         })
     }
 

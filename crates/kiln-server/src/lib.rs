@@ -83,6 +83,8 @@ pub struct ServerConfig {
     pub llm: kiln_llm::LlmEnv,
     /// Languages routed to a template of the operator's choice (`python` → `linux-python`).
     pub routes: Vec<(kiln_core::Language, String)>,
+    /// The longest one execution may run (default 5 minutes).
+    pub max_exec_ms: u64,
 }
 
 impl AppState {
@@ -95,6 +97,7 @@ impl AppState {
                 quotas: config.quotas,
                 catalogue: config.catalogue.clone(),
                 routes: config.routes.clone(),
+                max_exec_ms: config.max_exec_ms,
             },
             pools,
         )?;

@@ -38,6 +38,7 @@ fn app(auth: bool) -> App {
         catalogue: Catalogue::new(vec![TemplateInfo::example_python(), javascript]),
         llm: kiln_llm::LlmEnv::default(),
         routes: Vec::new(),
+        max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
     };
     let key = auth.then(|| {
         kiln_runtime::auth::create_key(data.path(), "test", None, Default::default())

@@ -134,6 +134,10 @@ pub struct ServeArgs {
     /// templates built (`kiln setup --template all`); templates not built are left out.
     #[arg(long, env = "KILN_LINUX", value_parser = clap::builder::BoolishValueParser::new())]
     pub linux: bool,
+    /// The longest one execution may run, and the largest `timeoutMs` a request may ask
+    /// (each execution is also bounded by its sandbox's remaining life).
+    #[arg(long, env = "KILN_MAX_EXEC_TIME", default_value = "5m", value_parser = parse_duration_ms)]
+    pub max_exec_time: u64,
     /// Run a language's code in a template of your choice where a request names no sandbox
     /// (MCP's run tools, the chat agent, default sandboxes): `python=linux-python`,
     /// `javascript=linux-node`; repeatable. Default: the WebAssembly templates.

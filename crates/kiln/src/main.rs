@@ -322,6 +322,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         catalogue: kiln_core::template::Catalogue::new(templates),
         llm: kiln_llm::LlmEnv::from_env(),
         routes: args.routes,
+        max_exec_ms: args.max_exec_time,
     };
     runtime(2)?.block_on(async {
         pool.start_all()?;

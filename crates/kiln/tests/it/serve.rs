@@ -1805,3 +1805,40 @@ fn python_commands_behave_as_on_a_laptop() -> TestResult {
     }
     Ok(())
 }
+
+/// Issue 16: the per-execution time cap is the operator's to set (`--max-exec-time`).
+#[test]
+fn the_longest_execution_is_configurable() -> TestResult {
+    let server = start(Options {
+        extra: &["--max-exec-time", "2s"],
+        ..Options::default()
+    })?;
+    let id = server.new_sandbox("python")?;
+    let (status, refused) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"code": "print(1)", "timeoutMs": 3000})),
+    )?;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (400, Some("INVALID_OPTION")),
+        "{refused}"
+    );
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("1..=2000"),
+        "{refused}"
+    );
+    // With no timeout asked, an endless loop stops at the server's cap.
+    let (_, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"code": "while True: pass"})),
+    )?;
+    assert_eq!(ran["status"], "timeout", "{ran}");
+    let took = ran["durationMs"].as_f64().unwrap_or(f64::MAX);
+    assert!((1900.0..10_000.0).contains(&took), "{ran}");
+    Ok(())
+}
