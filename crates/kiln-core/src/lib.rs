@@ -427,9 +427,24 @@ pub struct ExecResult {
     pub peak_memory_bytes: u64,
     /// Bytes the guest wrote to files.
     pub fs_written_bytes: u64,
+    /// Whether a write or file creation was refused (`ENOSPC`) because the execution's
+    /// file budget ([`Limits::fs_write_bytes`], [`Limits::fs_create_count`]) was spent.
+    #[serde(default)]
+    pub fs_refused: bool,
 }
 
 impl ExecResult {
+    /// A one-line reason when the file budget stopped a write or a creation.
+    pub fn fs_reason(&self, limits: &Limits) -> Option<String> {
+        self.fs_refused.then(|| {
+            format!(
+                "file writes stopped at this execution's budget ({} MiB written, {} files created at most): writes beyond it failed with ENOSPC",
+                limits.fs_write_bytes >> 20,
+                limits.fs_create_count
+            )
+        })
+    }
+
     /// stdout as text (invalid UTF-8 replaced).
     pub fn stdout_text(&self) -> String {
         String::from_utf8_lossy(&self.stdout).into_owned()

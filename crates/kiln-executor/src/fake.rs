@@ -210,6 +210,7 @@ impl Run {
             duration_us: u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX),
             peak_memory_bytes: 0,
             fs_written_bytes: 0,
+            fs_refused: false,
         }
     }
 }

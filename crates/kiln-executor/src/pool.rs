@@ -898,6 +898,7 @@ fn overrun(waited: Duration, grace: Duration) -> ExecResult {
         duration_us: u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
         peak_memory_bytes: 0,
         fs_written_bytes: 0,
+        fs_refused: false,
     }
 }
 

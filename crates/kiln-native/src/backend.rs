@@ -387,6 +387,7 @@ fn to_result(out: crate::boxes::ExecOutput, limits: &Limits, started: Instant) -
         duration_us: started.elapsed().as_micros() as u64,
         peak_memory_bytes: 0,
         fs_written_bytes: 0,
+        fs_refused: false,
     }
 }
 
@@ -688,6 +689,7 @@ impl BackendSession for NativeSession {
             duration_us: started.elapsed().as_micros() as u64,
             peak_memory_bytes: 0,
             fs_written_bytes: 0,
+            fs_refused: false,
         })
     }
 }

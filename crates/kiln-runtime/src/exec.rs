@@ -106,6 +106,16 @@ impl RunOutcome {
         if let Some(reason) = self.result.outcome.reason(&self.limits) {
             stderr.push_str(&format!("kiln: {reason}\n"));
         }
+        let budget = Limits::default().fs_write_bytes;
+        if self.result.fs_refused && self.limits.fs_write_bytes < budget {
+            // The tenant's workspace quota, not the per-execution budget, was what ran out.
+            stderr.push_str(&format!(
+                "kiln: the workspace quota is reached: this execution could write {} MiB more, and writes beyond failed with ENOSPC; remove files from your sandboxes, or ask for a larger quota\n",
+                self.limits.fs_write_bytes >> 20
+            ));
+        } else if let Some(reason) = self.result.fs_reason(&self.limits) {
+            stderr.push_str(&format!("kiln: {reason}\n"));
+        }
         stderr
     }
 }

@@ -22,6 +22,8 @@ pub(crate) struct Stats {
     /// Set when a memory growth was refused: the guest hit its cap.
     pub memory_hit: AtomicBool,
     pub fs_written_bytes: AtomicU64,
+    /// Set when a write or file creation was refused for the budget.
+    pub fs_refused: AtomicBool,
 }
 
 impl Stats {
@@ -29,6 +31,7 @@ impl Stats {
     pub fn start_turn(&self) {
         self.memory_hit.store(false, Ordering::Relaxed);
         self.fs_written_bytes.store(0, Ordering::Relaxed);
+        self.fs_refused.store(false, Ordering::Relaxed);
     }
 
     pub fn hit(&self) -> bool {
@@ -536,6 +539,7 @@ pub(crate) fn finish(
         duration_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
         peak_memory_bytes: stats.peak(),
         fs_written_bytes: stats.written(),
+        fs_refused: stats.fs_refused.load(Ordering::Relaxed),
     }
 }
 

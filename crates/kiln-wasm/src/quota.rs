@@ -19,6 +19,12 @@ use crate::guest::GuestState;
 /// WASI errno values kiln answers with itself.
 const ERRNO_BADF: i32 = 8;
 const ERRNO_NOSPC: i32 = 51;
+
+/// Refuses a write or a creation over the budget: `ENOSPC`, noted for the result.
+fn refuse(state: &GuestState) -> i32 {
+    state.memory.stats.fs_refused.store(true, Ordering::Relaxed);
+    ERRNO_NOSPC
+}
 const OFLAGS_CREAT: i32 = 1;
 
 /// Runs `body` with the guest's memory and WASI context, as the generated bindings do.
@@ -181,7 +187,7 @@ async fn budgeted_write(
     // A negative offset reaches wasmtime-wasi as the u64 of the same bits, as here.
     let hole = hole_before_write(state, mem, fd, at.map(i64::cast_unsigned)).await;
     if write_charge(hole, len) > state.fs.write_bytes_left() {
-        return Ok(ERRNO_NOSPC);
+        return Ok(refuse(state));
     }
     let errno = write_through(state, mem, (fd, iovs, count, nwritten), at).await?;
     if errno == 0 {
@@ -232,7 +238,7 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
                     let current = file_size(state, &mut mem, fd).await.unwrap_or(0);
                     let growth = growth(current, size.cast_unsigned());
                     if growth > state.fs.write_bytes_left() {
-                        return Ok(ERRNO_NOSPC);
+                        return Ok(refuse(state));
                     }
                     let errno =
                         p1::fd_filestat_set_size(&mut state.wasi, &mut mem, fd, size).await?;
@@ -291,7 +297,7 @@ fn shadow_path_open(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
                     if oflags & OFLAGS_CREAT != 0 {
                         let exists = path_exists(state, &mut mem, dirfd, path, path_len).await;
                         if !exists && !state.fs.take_create() {
-                            return Ok(ERRNO_NOSPC);
+                            return Ok(refuse(state));
                         }
                     }
                     p1::path_open(
@@ -324,7 +330,7 @@ fn shadow_create_directory(linker: &mut Linker<GuestState>) -> wasmtime::Result<
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
                     if !state.fs.take_create() {
-                        return Ok(ERRNO_NOSPC);
+                        return Ok(refuse(state));
                     }
                     p1::path_create_directory(&mut state.wasi, &mut mem, dirfd, path, path_len)
                         .await
@@ -345,7 +351,7 @@ fn shadow_symlink(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
                     if !state.fs.take_create() {
-                        return Ok(ERRNO_NOSPC);
+                        return Ok(refuse(state));
                     }
                     p1::path_symlink(&mut state.wasi, &mut mem, old, old_len, dirfd, new, new_len)
                         .await
@@ -374,7 +380,7 @@ fn shadow_link(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
                     if !state.fs.take_create() {
-                        return Ok(ERRNO_NOSPC);
+                        return Ok(refuse(state));
                     }
                     p1::path_link(
                         &mut state.wasi,

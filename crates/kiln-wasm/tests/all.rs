@@ -53,6 +53,24 @@ async fn python_prints_and_exits() -> TestResult {
     Ok(())
 }
 
+/// Issue 16: a write the file budget refuses is flagged, with a reason to show.
+#[tokio::test]
+async fn a_write_over_the_budget_is_flagged_with_its_reason() -> TestResult {
+    let mut request = py("open('/tmp/big', 'wb').write(b'x' * (8 << 20))");
+    request.limits.fs_write_bytes = 4 << 20;
+    let result = run(request.clone()).await;
+    assert!(result.fs_refused, "{}", result.stderr_text());
+    assert_eq!(
+        result.fs_reason(&request.limits).as_deref(),
+        Some(
+            "file writes stopped at this execution's budget (4 MiB written, 1000 files created at most): writes beyond it failed with ENOSPC"
+        )
+    );
+    let fine = run(py("open('/tmp/small', 'w').write('x')")).await;
+    assert!(!fine.fs_refused);
+    Ok(())
+}
+
 /// Issue 16: a missing module says what this Python has and where packages can be
 /// installed, not CPython's site-packages hint (there is none to add).
 #[tokio::test]

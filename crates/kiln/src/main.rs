@@ -480,13 +480,17 @@ fn exec(
             result
         })?
     };
-    if !args.json
-        && let Some(reason) = result.outcome.reason(&request.limits)
-    {
-        if !result.stderr.is_empty() && !result.stderr.ends_with(b"\n") {
-            eprintln!();
+    if !args.json {
+        let reasons = [
+            result.outcome.reason(&request.limits),
+            result.fs_reason(&request.limits),
+        ];
+        for reason in reasons.into_iter().flatten() {
+            if !result.stderr.is_empty() && !result.stderr.ends_with(b"\n") {
+                eprintln!();
+            }
+            eprintln!("kiln: {reason}");
         }
-        eprintln!("kiln: {reason}");
     }
     Ok(ExitCode::from(exit_code(&result)))
 }

@@ -1842,3 +1842,25 @@ fn the_longest_execution_is_configurable() -> TestResult {
     assert!((1900.0..10_000.0).contains(&took), "{ran}");
     Ok(())
 }
+
+/// Issue 16: a write the workspace quota stops says so, not just "No space left on device".
+#[test]
+fn a_full_workspace_quota_says_so() -> TestResult {
+    let server = start(Options {
+        extra: &["--max-workspace", "8MiB"],
+        ..Options::default()
+    })?;
+    let id = server.new_sandbox("python")?;
+    let (_, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"code": "open('big.bin', 'wb').write(b'x' * (20 << 20))"})),
+    )?;
+    let stderr = ran["stderr"].as_str().unwrap_or_default();
+    assert!(stderr.contains("No space left on device"), "{ran}");
+    assert!(
+        stderr.ends_with("kiln: the workspace quota is reached: this execution could write 8 MiB more, and writes beyond failed with ENOSPC; remove files from your sandboxes, or ask for a larger quota\n"),
+        "{ran}"
+    );
+    Ok(())
+}
