@@ -355,7 +355,13 @@ async fn run_in(
         None => spec.code.clone(),
         Some(name) => {
             let source = read_program(&sandbox.tree()?, name)?;
-            if spec.language == Language::Python {
+            // CPython's command-line semantics, where CPython runs it (WebAssembly); a Linux
+            // template runs the command itself, and a test backend reads the source.
+            let cpython = state
+                .catalogue()
+                .get(sandbox.template())
+                .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm);
+            if spec.language == Language::Python && cpython {
                 python_launcher(&PythonProgram::Script(name.as_str()), &spec.args)
             } else {
                 source

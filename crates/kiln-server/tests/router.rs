@@ -21,7 +21,10 @@ struct App {
 
 fn app(auth: bool) -> App {
     let data = tempfile::tempdir().expect("a temporary folder");
-    let mut javascript = TemplateInfo::example_python();
+    // The fake backend serves these templates (its "python" is a toy language, not CPython).
+    let mut python = TemplateInfo::example_python();
+    python.backend = kiln_core::template::BackendKind::Fake;
+    let mut javascript = python.clone();
     javascript.id = "javascript".into();
     javascript.languages = vec![kiln_core::Language::JavaScript];
     javascript.images.names = vec!["node".into()];
@@ -35,7 +38,7 @@ fn app(auth: bool) -> App {
         request_timeout: std::time::Duration::from_secs(30),
         public_hosts: Vec::new(),
         quotas: Quotas::default(),
-        catalogue: Catalogue::new(vec![TemplateInfo::example_python(), javascript]),
+        catalogue: Catalogue::new(vec![python, javascript]),
         llm: kiln_llm::LlmEnv::default(),
         routes: Vec::new(),
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
@@ -49,7 +52,7 @@ fn app(auth: bool) -> App {
     let state = Arc::new(
         AppState::open(
             &config,
-            kiln_runtime::Pools::new(kiln_core::template::BackendKind::Wasm, pool),
+            kiln_runtime::Pools::new(kiln_core::template::BackendKind::Fake, pool),
         )
         .expect("state"),
     );
