@@ -74,6 +74,8 @@ pub fn isolate(writable: &[PathBuf]) -> io::Result<()> {
                 libc::unshare(libc::CLONE_NEWUSER),
                 "unshare a user namespace",
             )?;
+            // The worker's own procfs files, written before any guest exists: kernel
+            // interfaces of this process, not a tree a guest can write.
             std::fs::write("/proc/self/setgroups", "deny")?;
             std::fs::write("/proc/self/uid_map", format!("{uid} {uid} 1"))?;
             std::fs::write("/proc/self/gid_map", format!("{gid} {gid} 1"))?;
@@ -81,35 +83,23 @@ pub fn isolate(writable: &[PathBuf]) -> io::Result<()> {
         let flags =
             libc::CLONE_NEWNS | libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
         check(libc::unshare(flags), "unshare namespaces")?;
-        let root = c"/";
-        check(
-            libc::mount(
-                std::ptr::null(),
-                root.as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_SLAVE,
-                std::ptr::null(),
-            ),
-            "make mounts private",
-        )?;
     }
+    mount(
+        None,
+        c"/",
+        libc::MS_REC | libc::MS_SLAVE,
+        "make mounts private",
+    )?;
     let writable: Vec<CString> = writable
         .iter()
         .filter_map(|p| p.canonicalize().ok())
         .filter_map(|p| CString::new(p.as_os_str().as_bytes()).ok())
         .collect();
     for path in &writable {
-        // SAFETY: `path` is a live NUL-terminated string.
-        check(
-            unsafe {
-                libc::mount(
-                    path.as_ptr(),
-                    path.as_ptr(),
-                    std::ptr::null(),
-                    libc::MS_BIND | libc::MS_REC,
-                    std::ptr::null(),
-                )
-            },
+        mount(
+            Some(path),
+            path,
+            libc::MS_BIND | libc::MS_REC,
             "bind a writable folder",
         )?;
     }
@@ -202,6 +192,27 @@ struct MountAttr {
     attr_clr: u64,
     propagation: u64,
     userns_fd: u64,
+}
+
+/// mount(2) with no file system type and no data: a bind (`source`) or a propagation change.
+fn mount(
+    source: Option<&std::ffi::CStr>,
+    target: &std::ffi::CStr,
+    flags: libc::c_ulong,
+    what: &str,
+) -> io::Result<()> {
+    let source = source.map_or(std::ptr::null(), std::ffi::CStr::as_ptr);
+    // SAFETY: the strings outlive the call; null pointers are allowed for the unused ones.
+    let rc = unsafe {
+        libc::mount(
+            source,
+            target.as_ptr(),
+            std::ptr::null(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    check(rc, what)
 }
 
 /// Sets and clears mount attributes on `path` and every mount below it.

@@ -233,19 +233,15 @@ pub async fn create_default_sandbox(
     language: kiln_core::Language,
 ) -> Result<Sandbox> {
     let template = rt.executors.preferred_template(language)?;
-    let memory_bytes = Limits::default().memory_bytes;
     let spec = SandboxSpec {
-        image: language.name().into(),
-        template: template.id.clone(),
+        // The language asked for, which need not be the template's first.
         language,
-        lifetime_ms: crate::sandbox::DEFAULT_LIFETIME_MS,
-        memory_bytes,
-        network: kiln_core::Network::None,
-        resources: template.resources.map(|r| kiln_core::template::Resources {
-            memory_mb: memory_bytes >> 20,
-            ..r
-        }),
-        workspace_owner: template.workspace_owner,
+        ..SandboxSpec::of_template(
+            language.name(),
+            template,
+            crate::sandbox::DEFAULT_LIFETIME_MS,
+            Limits::default().memory_bytes,
+        )
     };
     create_sandbox(rt, caller, spec).await
 }

@@ -92,10 +92,27 @@ impl SandboxSpec {
                     ),
                 })?,
         };
-        Ok(SandboxSpec {
-            image: image.trim().to_owned(),
+        Ok(SandboxSpec::of_template(
+            image.trim(),
+            template,
+            lifetime_ms,
+            memory_bytes,
+        ))
+    }
+
+    /// A sandbox of `template` in its default language with no network, its box's
+    /// resources the template's (memory as `memory_bytes`), its workspace the template's
+    /// owner's.
+    pub fn of_template(
+        image: &str,
+        template: &kiln_core::template::TemplateInfo,
+        lifetime_ms: u64,
+        memory_bytes: u64,
+    ) -> SandboxSpec {
+        SandboxSpec {
+            image: image.to_owned(),
             template: template.id.clone(),
-            language,
+            language: template.default_language(),
             lifetime_ms,
             memory_bytes,
             network: kiln_core::Network::None,
@@ -104,7 +121,7 @@ impl SandboxSpec {
                 ..r
             }),
             workspace_owner: template.workspace_owner,
-        })
+        }
     }
 
     /// The sandbox with the resources `asked` changes (seed 002's limits): CPU, processes
