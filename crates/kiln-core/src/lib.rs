@@ -16,7 +16,23 @@ use serde::{Deserialize, Serialize};
 
 pub mod backend;
 pub mod jail;
+pub mod process;
 pub mod template;
+
+/// Where a guest sees its workspace unless a request says otherwise.
+pub const WORKSPACE_GUEST: &str = "/workspace";
+
+/// Whether `path` may be where a guest sees its workspace: absolute, normalised (no `.`,
+/// `..` or empty parts), not `/`, at most 256 bytes, no NUL.
+pub fn valid_workspace_at(path: &str) -> bool {
+    path.len() <= 256
+        && path.len() > 1
+        && path.starts_with('/')
+        && !path.contains('\0')
+        && path[1..]
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..")
+}
 
 /// A language kiln can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -254,10 +270,14 @@ pub struct ExecRequest {
     /// Environment variables the guest sees, besides the runtime's own (`HOME`, `TMPDIR`).
     #[serde(default)]
     pub env: Vec<(String, String)>,
-    /// A host directory the guest sees read-write at `/workspace`, which is also its
-    /// working directory.
+    /// A host directory the guest sees read-write at `/workspace` (or [`Self::workspace_at`]),
+    /// which is also its working directory.
     #[serde(default)]
     pub workspace: Option<PathBuf>,
+    /// Where the guest sees the workspace; `None`: `/workspace`. (E2B's sandboxes keep it
+    /// at `/home/user`.) An absolute, normalised path other than `/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_at: Option<String>,
     /// Further host directories granted to the guest.
     #[serde(default)]
     pub mounts: Vec<Mount>,
@@ -342,6 +362,7 @@ impl ExecRequest {
             stdin: Vec::new(),
             env: Vec::new(),
             workspace: None,
+            workspace_at: None,
             mounts: Vec::new(),
             limits: Limits::default(),
             template: None,
@@ -349,6 +370,11 @@ impl ExecRequest {
             network: Network::None,
             resources: None,
         }
+    }
+
+    /// Where the guest sees its workspace: [`Self::workspace_at`] or `/workspace`.
+    pub fn workspace_guest(&self) -> &str {
+        self.workspace_at.as_deref().unwrap_or(WORKSPACE_GUEST)
     }
 
     /// What the request runs: its command if it has one, else its code.

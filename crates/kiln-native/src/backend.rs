@@ -143,7 +143,7 @@ impl NativeBackend {
         }
     }
 
-    fn template(&self, request: &ExecRequest) -> Result<&Template, BackendError> {
+    pub(crate) fn template(&self, request: &ExecRequest) -> Result<&Template, BackendError> {
         let wanted = request.template.as_deref().unwrap_or_default();
         self.inner
             .templates
@@ -156,6 +156,15 @@ impl NativeBackend {
     }
 
     fn spec(&self, template: &Template, request: &ExecRequest) -> BoxSpec {
+        // The workspace (and the commands' default folder) where the request wants it.
+        let template = match &request.workspace_at {
+            Some(at) => {
+                let mut moved = template.clone();
+                moved.definition.working_dir = at.clone();
+                moved
+            }
+            None => template.clone(),
+        };
         BoxSpec {
             workspace: request.workspace.clone(),
             network: match request.network {
@@ -163,12 +172,12 @@ impl NativeBackend {
                 kiln_core::Network::Allowlist => Some(self.inner.allowlist.clone()),
             },
             ca_bundle: self.inner.ca_bundle.clone(),
-            ..BoxSpec::new(template.clone(), limits(template, request))
+            ..BoxSpec::new(template.clone(), limits(&template, request))
         }
     }
 
     /// The live box of the request's workspace, started if there is none (or it died).
-    async fn held_box(
+    pub(crate) async fn held_box(
         &self,
         template: &Template,
         request: &ExecRequest,
@@ -231,6 +240,14 @@ impl NativeBackend {
                 NativeBackend { inner }.reap(idle).await;
             }
         });
+    }
+
+    /// The live box of `workspace`, if one runs.
+    pub async fn live_box(&self, workspace: &std::path::Path) -> Option<Arc<LiveBox>> {
+        let held = self.inner.held.lock().await;
+        held.get(workspace)
+            .filter(|entry| entry.live.is_alive())
+            .map(|entry| entry.live.clone())
     }
 
     /// Live boxes held for sandboxes.

@@ -730,6 +730,44 @@ impl LiveBox {
         }
     }
 
+    /// Starts a live process (see [`kiln_core::process`]): its pid inside the box, the
+    /// request id that names it for [`LiveBox::write_stdin`] and [`LiveBox::signal`], and
+    /// its replies (output, then its exit).
+    pub async fn start_process(
+        &self,
+        exec: &Exec,
+        terminal: Option<kiln_guest::proto::WindowSize>,
+        stdin: bool,
+    ) -> Result<(u32, u64, crate::channel::Replies), BoxError> {
+        if exec.argv.is_empty() {
+            return Err(BoxError::Refused("a command needs a program".into()));
+        }
+        let mut spawn = self.spawn_request(exec, stdin || terminal.is_some());
+        spawn.terminal = terminal;
+        let mut replies = self.channel.call(Op::Spawn(spawn)).await?;
+        match replies.next().await {
+            Some(Reply::Spawned { pid }) => Ok((pid, replies.id, replies)),
+            Some(Reply::Failed(failure)) => Err(BoxError::Refused(failure.message)),
+            other => Err(BoxError::Refused(format!(
+                "the agent answered a spawn with {other:?}"
+            ))),
+        }
+    }
+
+    /// Closes a spawned command's stdin.
+    pub async fn close_stdin(&self, target: u64) -> Result<(), BoxError> {
+        Ok(self.channel.write(target, Vec::new(), true).await?)
+    }
+
+    /// Resizes a spawned command's terminal.
+    pub async fn resize(
+        &self,
+        target: u64,
+        size: kiln_guest::proto::WindowSize,
+    ) -> Result<(), BoxError> {
+        Ok(self.channel.tell(Op::Resize { target, size }).await?)
+    }
+
     /// Writes a file inside the box (owned by the box's user), through the agent.
     pub async fn write_file(&self, path: &str, data: Vec<u8>) -> Result<(), BoxError> {
         let mut replies = self
@@ -785,6 +823,11 @@ impl LiveBox {
     /// The box's cgroup folder (gone once the box is closed).
     pub fn cgroup_dir(&self) -> PathBuf {
         self.cgroups.dir(&self.cgroup)
+    }
+
+    /// Memory the box's processes use now, in bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        self.cgroups.memory_bytes(&self.cgroup)
     }
 
     /// CPU time the box's processes have used, in microseconds.

@@ -237,6 +237,19 @@ impl Cgroups {
     }
 
     /// CPU time the box's processes have used, in microseconds, from its cgroup.
+    /// Memory the cgroup's processes use now, in bytes (page cache included).
+    pub fn memory_bytes(self, cgroup: &str) -> u64 {
+        let cgroup = cgroup.trim_start_matches('/');
+        let path = match self {
+            Cgroups::V2 => format!("/sys/fs/cgroup/{cgroup}/memory.current"),
+            Cgroups::V1 => format!("/sys/fs/cgroup/memory/{cgroup}/memory.usage_in_bytes"),
+        };
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
     pub fn cpu_usage_us(self, cgroup: &str) -> u64 {
         let cgroup = cgroup.trim_start_matches('/');
         match self {

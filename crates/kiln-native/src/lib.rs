@@ -14,6 +14,7 @@ pub mod boxes;
 pub mod builder;
 pub mod channel;
 pub mod jail;
+pub mod process;
 pub mod proxy;
 pub mod template;
 

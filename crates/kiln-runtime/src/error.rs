@@ -98,6 +98,11 @@ pub enum RuntimeError {
     /// The sandbox's backend cannot do this (a command on wasm, a foreign template).
     #[error("{message}")]
     Unsupported { message: String },
+    #[error("sandbox {id} runs no process with {process}; it ended or never ran")]
+    ProcessNotFound { id: String, process: String },
+    /// A process could not be started (its program is missing, the box would not start).
+    #[error("{message}")]
+    ProcessFailed { message: String },
     #[error("the execution was cancelled")]
     Cancelled,
     #[error("the executor running this code died ({detail}); it has been replaced, retry")]
@@ -159,6 +164,8 @@ impl RuntimeError {
             E::UnknownImage { .. } => "UNKNOWN_IMAGE",
             E::InvalidRequest { .. } => "INVALID_REQUEST",
             E::Unsupported { .. } => "UNSUPPORTED",
+            E::ProcessNotFound { .. } => "PROCESS_NOT_FOUND",
+            E::ProcessFailed { .. } => "PROCESS_FAILED",
             E::Cancelled => "EXECUTION_CANCELLED",
             E::ExecutorLost { .. } => "EXECUTOR_LOST",
             E::Saturated { .. } => "BUSY",

@@ -358,7 +358,11 @@ async fn run_in(
                 .get(sandbox.template())
                 .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm);
             if spec.language == Language::Python && cpython {
-                python_launcher(&PythonProgram::Script(name.as_str()), &spec.args)
+                let home = sandbox
+                    .workspace_at
+                    .as_deref()
+                    .unwrap_or(kiln_core::WORKSPACE_GUEST);
+                python_launcher_at(&PythonProgram::Script(name.as_str()), &spec.args, home)
             } else {
                 source
             }
@@ -437,10 +441,23 @@ fn one_shot(
         terminal: None,
     });
     request.workspace = Some(sandbox.workspace());
+    request.workspace_at = sandbox.workspace_at.clone();
     request.stdin = spec.stdin.clone();
-    request.env = spec.env.clone();
+    request.env = sandbox_env(sandbox, &spec.env);
     request.limits = limits.clone();
     request
+}
+
+/// The sandbox's environment, with `extra` over it.
+pub fn sandbox_env(sandbox: &Sandbox, extra: &[(String, String)]) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = sandbox
+        .env
+        .iter()
+        .filter(|(k, _)| !extra.iter().any(|(e, _)| e == *k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    env.extend(extra.iter().cloned());
+    env
 }
 
 /// What `python …` runs: a script, `-c` code or a `-m` module.
@@ -457,6 +474,11 @@ pub enum PythonProgram<'a> {
 /// path, `__name__ == "__main__"` and tracebacks naming the file and its lines; for `-c`,
 /// `<string>`; for `-m`, the workspace on `sys.path` and `runpy` as CPython does.
 pub fn python_launcher(program: &PythonProgram<'_>, args: &[String]) -> String {
+    python_launcher_at(program, args, kiln_core::WORKSPACE_GUEST)
+}
+
+/// [`python_launcher`] for a guest that sees its workspace at `home`.
+pub fn python_launcher_at(program: &PythonProgram<'_>, args: &[String], home: &str) -> String {
     let literal = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "''".into());
     let rest: Vec<String> = args.iter().map(|a| literal(a)).collect();
     let rest = rest.join(", ");
@@ -465,11 +487,9 @@ pub fn python_launcher(program: &PythonProgram<'_>, args: &[String]) -> String {
             let absolute = if path.starts_with('/') {
                 (*path).to_owned()
             } else {
-                format!("/workspace/{path}")
+                format!("{home}/{path}")
             };
-            let folder = absolute
-                .rsplit_once('/')
-                .map_or("/workspace", |(dir, _)| dir);
+            let folder = absolute.rsplit_once('/').map_or(home, |(dir, _)| dir);
             let file = literal(&absolute);
             (
                 literal(path),
@@ -489,7 +509,7 @@ pub fn python_launcher(program: &PythonProgram<'_>, args: &[String]) -> String {
         ),
         PythonProgram::Module(module) => (
             literal(module),
-            literal("/workspace"),
+            literal(home),
             format!(
                 "__import__('runpy').run_module({}, run_name='__main__', alter_sys=True)",
                 literal(module)

@@ -234,3 +234,145 @@ fn disk_full(sandbox: &crate::sandbox::Sandbox, error: RuntimeError) -> RuntimeE
         _ => error,
     }
 }
+
+/// One workspace entry, described (never followed if it is a link).
+#[derive(Debug, Clone)]
+pub struct Described {
+    /// Relative to the workspace (`""`: the workspace itself).
+    pub path: String,
+    pub meta: kiln_workspace::Meta,
+    /// Where a link points.
+    pub link: Option<String>,
+}
+
+fn describe_at(tree: &kiln_workspace::Tree, rel: &RelPath, meta: kiln_workspace::Meta) -> Described {
+    let link = (meta.kind == Kind::Symlink)
+        .then(|| tree.read_link(rel).ok())
+        .flatten()
+        .map(|t| String::from_utf8_lossy(&t).into_owned());
+    Described {
+        path: rel.as_str().to_owned(),
+        meta,
+        link,
+    }
+}
+
+/// Describes one workspace path; `FILE_NOT_FOUND` when there is none.
+pub async fn describe(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    name: String,
+) -> Result<Described> {
+    let work = new_id("stat_");
+    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
+        let rel = relative(&name)?;
+        let tree = sandbox.tree()?;
+        match tree.stat(&rel)? {
+            Some(meta) => Ok(describe_at(&tree, &rel, meta)),
+            None => Err(TreeError::NotFound { path: name }.into()),
+        }
+    })
+    .await
+}
+
+/// `name` as a workspace path; `""` is the workspace itself.
+fn relative(name: &str) -> Result<RelPath> {
+    if name.is_empty() {
+        Ok(RelPath::root())
+    } else {
+        workspace_path(name)
+    }
+}
+
+/// The entries of a workspace folder down to `depth` levels (1: its own entries), in name
+/// order, a folder's entries after it; at most [`MAX_LISTING`]. A missing folder is
+/// `FOLDER_NOT_FOUND`; a file or link there is refused.
+pub async fn entries(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    folder: String,
+    depth: usize,
+) -> Result<Vec<Described>> {
+    let work = new_id("list_");
+    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
+        let start = relative(&folder)?;
+        let tree = sandbox.tree()?;
+        match tree.stat(&start)? {
+            Some(meta) if meta.kind == Kind::Dir => {}
+            Some(_) => {
+                return Err(TreeError::NotDir {
+                    path: start.to_string(),
+                }
+                .into());
+            }
+            None => {
+                return Err(RuntimeError::FolderNotFound {
+                    path: start.to_string(),
+                });
+            }
+        }
+        let base = start.parts().count();
+        let mut found = Vec::new();
+        tree.walk(&start, MAX_LISTING, &mut |path, meta| {
+            if let Ok(rel) = RelPath::parse(path)
+                && rel.parts().count() - base <= depth.max(1)
+            {
+                found.push((rel, *meta));
+            }
+        })?;
+        found.sort_by(|a, b| a.0.parts().cmp(b.0.parts()));
+        Ok(found
+            .into_iter()
+            .map(|(rel, meta)| describe_at(&tree, &rel, meta))
+            .collect())
+    })
+    .await
+}
+
+/// Makes a workspace folder and the folders on the way; `false` if it already was one.
+pub async fn make_dir(rt: &Arc<Runtime>, caller: &Caller, id: &str, name: String) -> Result<bool> {
+    let work = new_id("mkdir_");
+    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
+        let rel = relative(&name)?;
+        let tree = sandbox.tree()?;
+        match tree.stat(&rel)? {
+            Some(meta) if meta.kind == Kind::Dir => return Ok(false),
+            Some(_) => {
+                return Err(TreeError::NotDir {
+                    path: rel.to_string(),
+                }
+                .into());
+            }
+            None => {}
+        }
+        tree.make_dirs(&rel)?;
+        Ok(true)
+    })
+    .await
+}
+
+/// Renames a workspace entry, and records the change.
+pub async fn rename(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    from: String,
+    to: String,
+) -> Result<Described> {
+    let history_id = new_id("move_");
+    let work = history_id.clone();
+    with_sandbox(rt, caller, id, &work, move |rt, sandbox| {
+        let (source, target) = (relative(&from)?, relative(&to)?);
+        let tree = sandbox.tree()?;
+        tree.rename(&source, &target)?;
+        let moved = tree.stat(&target)?.ok_or_else(|| TreeError::NotFound {
+            path: to.clone(),
+        })?;
+        let described = describe_at(&tree, &target, moved);
+        recorded_change(rt, &sandbox, &format!("move {from} to {to}"), history_id, to, 0)?;
+        Ok(described)
+    })
+    .await
+}

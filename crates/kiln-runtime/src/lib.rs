@@ -32,6 +32,7 @@ pub mod history;
 pub mod live;
 pub mod metrics;
 pub mod pools;
+pub mod processes;
 pub mod quota;
 pub mod revisions;
 pub mod sandbox;
@@ -61,6 +62,9 @@ pub struct RuntimeConfig {
     /// The longest one execution may run (and the largest `timeoutMs`); default
     /// [`exec::MAX_EXEC_MS`], 5 minutes.
     pub max_exec_ms: u64,
+    /// What starts live processes in sandboxes of templates that run commands (the Linux
+    /// backend); `None`: no sandbox runs live processes.
+    pub process_host: Option<std::sync::Arc<dyn kiln_core::process::ProcessHost>>,
 }
 
 impl RuntimeConfig {
@@ -72,6 +76,7 @@ impl RuntimeConfig {
             catalogue,
             routes: Vec::new(),
             max_exec_ms: exec::MAX_EXEC_MS,
+            process_host: None,
         }
     }
 }
@@ -87,6 +92,8 @@ pub struct Runtime {
     pub quotas: quota::Quotas,
     /// The longest one execution may run.
     pub max_exec_ms: u64,
+    /// Live processes in sandboxes (Linux templates).
+    pub processes: processes::Processes,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -112,6 +119,7 @@ impl Runtime {
             metrics: metrics::Metrics::default(),
             quotas: config.quotas,
             max_exec_ms: config.max_exec_ms.max(1),
+            processes: processes::Processes::new(config.process_host),
         })
     }
 
@@ -147,9 +155,37 @@ impl Runtime {
         }
     }
 
+    /// What sandbox `sandbox` uses now: CPU since the last look (or since it started), its
+    /// box's memory (a WebAssembly sandbox has no box: 0), its workspace's bytes.
+    pub async fn usage_of(&self, sandbox: &sandbox::Sandbox) -> processes::SandboxUsage {
+        let workspace = sandbox.workspace();
+        let live = match &self.processes.host() {
+            Some(host) => host.usage(&workspace).await,
+            None => None,
+        };
+        let disk_bytes = {
+            let sandbox = sandbox.clone();
+            exec::blocking(move || Ok(processes::disk_used(&sandbox)))
+                .await
+                .unwrap_or(0)
+        };
+        let cpus = sandbox.resources.map_or(1.0, |r| r.vcpus.max(0.01));
+        let cpu_used_pct = live.map_or(0.0, |live| {
+            self.processes
+                .cpu_percent(&sandbox.id, live.cpu_us, sandbox.created_ms, cpus)
+        });
+        processes::SandboxUsage {
+            cpu_used_pct,
+            memory_bytes: live.map_or(0, |l| l.memory_bytes),
+            disk_bytes,
+        }
+    }
+
     /// Deletes a sandbox of `caller` and stops what it holds (running work is cancelled;
     /// its sessions are closed).
     pub async fn delete_sandbox(&self, caller: &auth::Caller, id: &str) -> Result<()> {
+        self.registry.get(&caller.tenant, id)?;
+        self.processes.kill_all(id).await;
         let removed = self.registry.delete(&caller.tenant, id)?;
         for (template, handle) in removed.handles {
             self.close_session(&template, &handle).await;
@@ -163,6 +199,9 @@ impl Runtime {
         let flusher = self.clone();
         let _ = tokio::task::spawn_blocking(move || flusher.registry.flush_usage()).await;
         let removed = self.registry.reap_expired();
+        for id in &removed.ids {
+            self.processes.kill_all(id).await;
+        }
         for (template, handle) in removed.handles {
             self.close_session(&template, &handle).await;
         }

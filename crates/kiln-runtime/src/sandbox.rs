@@ -44,6 +44,14 @@ pub struct SandboxSpec {
     pub resources: Option<kiln_core::template::Resources>,
     /// Who its workspace belongs to on the host (its template's `workspace_owner`).
     pub workspace_owner: Option<(u32, u32)>,
+    /// Where its code sees the workspace; `None`: `/workspace`.
+    pub workspace_at: Option<String>,
+    /// Labels the client keeps with it (E2B's metadata).
+    pub metadata: BTreeMap<String, String>,
+    /// Environment variables every execution, session and process in it sees.
+    pub env: BTreeMap<String, String>,
+    /// A token of its own that reaches it without an API key (E2B's envd access token).
+    pub access_token: Option<String>,
 }
 
 /// Default sandbox lifetime: 30 minutes.
@@ -121,6 +129,10 @@ impl SandboxSpec {
                 ..r
             }),
             workspace_owner: template.workspace_owner,
+            workspace_at: None,
+            metadata: BTreeMap::new(),
+            env: BTreeMap::new(),
+            access_token: None,
         }
     }
 
@@ -300,6 +312,18 @@ pub struct Sandbox {
     /// ([`crate::volume`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub volume: bool,
+    /// Where its code sees the workspace; `None`: `/workspace`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_at: Option<String>,
+    /// Labels the client keeps with it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+    /// Environment variables every execution, session and process in it sees.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// A token of its own that reaches it without an API key (E2B's envd access token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access_token: Option<String>,
     /// Runtime only: the folder the sandbox lives in.
     #[serde(skip)]
     pub dir: PathBuf,
@@ -465,6 +489,8 @@ fn io_error(what: &str, error: &std::io::Error) -> RuntimeError {
 pub struct Removed {
     /// Live sessions to close, each with its sandbox's template (whose backend holds it).
     pub handles: Vec<(String, SessionHandle)>,
+    /// The ids of the sandboxes removed.
+    pub ids: Vec<String>,
 }
 
 impl Registry {
@@ -553,6 +579,10 @@ impl Registry {
             network: spec.network,
             resources: spec.resources,
             volume: spec.resources.is_some(),
+            workspace_at: spec.workspace_at.clone(),
+            metadata: spec.metadata.clone(),
+            env: spec.env.clone(),
+            access_token: spec.access_token.clone(),
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {
@@ -623,6 +653,17 @@ impl Registry {
     pub fn get(&self, tenant: &str, id: &str) -> Result<SandboxView> {
         let mut sandboxes = self.lock();
         Registry::find(&mut sandboxes, tenant, id).map(|e| Registry::view(e))
+    }
+
+    /// A live sandbox by id alone, whoever's it is (for a request that proves itself with
+    /// the sandbox's own access token, checked by the caller).
+    pub fn lookup(&self, id: &str) -> Option<SandboxView> {
+        let now = now_ms();
+        let sandboxes = self.lock();
+        sandboxes
+            .get(id)
+            .filter(|e| e.meta.expires_ms > now && !e.deleted)
+            .map(Registry::view)
     }
 
     /// A tenant's sandboxes, oldest first, `limit` after the one with id `after`.
@@ -920,6 +961,7 @@ impl Registry {
             .map_err(|e| io_error("could not delete the sandbox", &e))?;
         let _ = store::sync_dir(&entry.meta.dir);
         let removed = Removed {
+            ids: vec![id.to_owned()],
             handles: entry
                 .handles
                 .drain()
@@ -953,6 +995,7 @@ impl Registry {
             ids.iter().filter_map(|id| sandboxes.remove(id)).collect()
         };
         for mut entry in expired {
+            removed.ids.push(entry.meta.id.clone());
             let _ = std::fs::remove_file(entry.meta.meta_path());
             remove_sandbox_dir(&entry.meta);
             let template = entry.meta.template().to_owned();

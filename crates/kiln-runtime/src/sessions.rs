@@ -61,6 +61,8 @@ pub async fn open(
     let view = rt.registry.get(&caller.tenant, id)?;
     let mut request = ExecRequest::new(language, "");
     request.workspace = Some(view.meta.workspace());
+    request.workspace_at = view.meta.workspace_at.clone();
+    request.env = crate::exec::sandbox_env(&view.meta, &[]);
     request.limits = Limits {
         memory_bytes: view.meta.memory_bytes,
         ..Limits::default()

@@ -83,9 +83,10 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
         use kiln_runtime::RuntimeError as E;
         use kiln_workspace::TreeError;
         let status = match &error {
-            E::SandboxNotFound { .. } | E::SessionNotFound { .. } | E::FolderNotFound { .. } => {
-                StatusCode::NOT_FOUND
-            }
+            E::SandboxNotFound { .. }
+            | E::SessionNotFound { .. }
+            | E::FolderNotFound { .. }
+            | E::ProcessNotFound { .. } => StatusCode::NOT_FOUND,
             E::SandboxBusy { .. }
             | E::SandboxDeleted { .. }
             | E::SessionEnded { .. }
@@ -114,7 +115,9 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
             | E::UnknownImage { .. }
             | E::InvalidRequest { .. }
             | E::Unsupported { .. } => StatusCode::BAD_REQUEST,
-            E::ExecutorLost { .. } | E::Saturated { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            E::ExecutorLost { .. } | E::Saturated { .. } | E::ProcessFailed { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             E::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError::new(status, error.code(), error.to_string()).with_details(error.details())

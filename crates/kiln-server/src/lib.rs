@@ -13,6 +13,7 @@
 pub mod agent;
 pub mod api;
 pub mod chat;
+pub mod e2b;
 pub mod error;
 pub mod gate;
 pub mod mcp;
@@ -85,6 +86,10 @@ pub struct ServerConfig {
     pub routes: Vec<(kiln_core::Language, String)>,
     /// The longest one execution may run (default 5 minutes).
     pub max_exec_ms: u64,
+    /// What starts live processes in sandboxes (the Linux backend), if anything does.
+    pub process_host: Option<Arc<dyn kiln_core::process::ProcessHost>>,
+    /// Where the E2B facade listens, and its settings; `None`: no facade.
+    pub e2b: Option<(SocketAddr, e2b::E2bConfig)>,
 }
 
 impl AppState {
@@ -98,6 +103,7 @@ impl AppState {
                 catalogue: config.catalogue.clone(),
                 routes: config.routes.clone(),
                 max_exec_ms: config.max_exec_ms,
+                process_host: config.process_host.clone(),
             },
             pools,
         )?;
@@ -252,9 +258,29 @@ pub async fn serve(config: ServerConfig, pools: Pools) -> std::io::Result<()> {
             tracing::debug!("could not set TCP_NODELAY: {e}");
         }
     });
+    let facade = match &config.e2b {
+        Some((address, e2b_config)) => {
+            let listener = tokio::net::TcpListener::bind(address).await?;
+            tracing::info!(
+                target: "kiln::serve",
+                "E2B facade on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
+                listener.local_addr()?
+            );
+            Some(tokio::spawn(e2b::serve(
+                listener,
+                state.clone(),
+                e2b_config.clone(),
+                shutdown_signal(),
+            )))
+        }
+        None => None,
+    };
     axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    if let Some(facade) = facade {
+        let _ = facade.await;
+    }
     state.runtime.registry.flush_usage();
     state.runtime.registry.detach_volumes();
     Ok(())

@@ -42,6 +42,8 @@ fn app(auth: bool) -> App {
         llm: kiln_llm::LlmEnv::default(),
         routes: Vec::new(),
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
+        process_host: None,
+        e2b: None,
     };
     let key = auth.then(|| {
         kiln_runtime::auth::create_key(data.path(), "test", None, Default::default())

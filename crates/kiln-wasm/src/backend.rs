@@ -131,6 +131,7 @@ impl Backend for WasmEngine {
         let options = SessionOptions {
             env: request.env,
             workspace: request.workspace,
+            workspace_at: request.workspace_at,
             mounts: request.mounts,
             limits: request.limits,
         };

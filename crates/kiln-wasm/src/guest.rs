@@ -13,7 +13,6 @@ use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 use crate::output::{CappedPipe, StreamKind};
 
 /// The guest's working directory when a workspace is granted.
-pub const WORKSPACE_GUEST: &str = "/workspace";
 
 /// What a store used, readable by the host while the guest runs elsewhere.
 #[derive(Debug, Default)]
@@ -492,12 +491,13 @@ async fn door_call(
     Some(0)
 }
 
-/// Appends the request's own grants: its workspace at `/workspace`, then its mounts.
+/// Appends the request's own grants: its workspace (at `/workspace` unless it says where),
+/// then its mounts.
 pub(crate) fn push_grants<'a>(request: &'a ExecRequest, preopens: &mut Vec<Preopen<'a>>) {
     if let Some(workspace) = &request.workspace {
         preopens.push(Preopen {
             host: workspace,
-            guest: WORKSPACE_GUEST,
+            guest: request.workspace_guest(),
             writable: true,
         });
     }

@@ -113,7 +113,7 @@ const TIMERS: &str = "globalThis.setTimeout=os.setTimeout;globalThis.clearTimeou
 fn prelude(request: &ExecRequest) -> String {
     let mut prelude = String::from(TIMERS);
     if request.workspace.is_some() {
-        prelude.push_str("os.chdir(\"/workspace\");");
+        prelude.push_str(&format!("os.chdir({:?});", request.workspace_guest()));
     }
     prelude
 }

@@ -14,7 +14,7 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, PythonRuntime, WasmEngine, instantiate_error, instantiation_error};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, WORKSPACE_GUEST, arm_deadline, bounded_call,
+    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, arm_deadline, bounded_call,
     ensure_alive, finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
@@ -163,9 +163,10 @@ impl PythonGuest {
         };
         guest.echo = echo;
         if request.workspace.is_some() {
-            let setup = format!("import os as _k; _k.chdir({WORKSPACE_GUEST:?}); del _k");
+            let at = request.workspace_guest();
+            let setup = format!("import os as _k; _k.chdir({at:?}); del _k");
             guest
-                .setup_turn(&setup, &request.limits, WORKSPACE_GUEST)
+                .setup_turn(&setup, &request.limits, at)
                 .await?;
         }
         Ok(guest)

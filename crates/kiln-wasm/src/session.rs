@@ -20,6 +20,8 @@ pub struct SessionOptions {
     pub env: Vec<(String, String)>,
     /// A host directory seen read-write at `/workspace`, the working directory.
     pub workspace: Option<PathBuf>,
+    /// Where the guest sees the workspace instead of `/workspace`.
+    pub workspace_at: Option<String>,
     /// Further host directories granted.
     pub mounts: Vec<Mount>,
     /// Limits (see above).
@@ -114,6 +116,7 @@ impl WasmEngine {
             stdin: Vec::new(),
             env: options.env.clone(),
             workspace: options.workspace.clone(),
+            workspace_at: options.workspace_at.clone(),
             mounts: options.mounts.clone(),
             limits: options.limits.clone(),
             template: None,

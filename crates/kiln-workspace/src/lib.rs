@@ -808,6 +808,47 @@ impl Tree {
         }
     }
 
+    /// Renames the entry at `from` to `to` (folders to `to` made as needed), replacing a
+    /// file at `to`; neither final name is followed if it is a link. Both folders are
+    /// fsynced.
+    pub fn rename(&self, from: &RelPath, to: &RelPath) -> Result<(), TreeError> {
+        let root = || TreeError::InvalidName {
+            path: String::new(),
+            why: "the workspace itself cannot be moved or replaced",
+        };
+        let (from_parent, from_leaf) = from.split_last().ok_or_else(root)?;
+        let (to_parent, to_leaf) = to.split_last().ok_or_else(root)?;
+        if to.as_str().starts_with(&format!("{}/", from.as_str())) {
+            return Err(TreeError::InvalidName {
+                path: to.to_string(),
+                why: "a folder cannot be moved into itself",
+            });
+        }
+        let source = self.dir(&from_parent)?;
+        if source.entry(OsStr::new(from_leaf))?.is_none() {
+            return Err(TreeError::NotFound {
+                path: from.to_string(),
+            });
+        }
+        let target = self.make_dirs(&to_parent)?;
+        rustix::fs::renameat(&source.fd, from_leaf, &target.fd, to_leaf)
+            .map_err(|e| errno_error("rename", OsStr::new(from_leaf), e).within(from_parent.as_str()))?;
+        source.sync()?;
+        target.sync()
+    }
+
+    /// Where the link at `rel` points.
+    pub fn read_link(&self, rel: &RelPath) -> Result<Vec<u8>, TreeError> {
+        let Some((parent, leaf)) = rel.split_last() else {
+            return Err(TreeError::NotFound {
+                path: String::new(),
+            });
+        };
+        self.dir(&parent)?
+            .read_link(OsStr::new(leaf))
+            .map_err(|e| e.within(parent.as_str()))
+    }
+
     /// Removes the entry at `rel` (a folder with everything in it); returns what it was.
     pub fn remove(&self, rel: &RelPath) -> Result<Kind, TreeError> {
         let Some((parent, leaf)) = rel.split_last() else {

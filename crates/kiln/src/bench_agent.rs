@@ -117,6 +117,8 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         llm: kiln_llm::LlmEnv::from_env(),
         routes: Vec::new(),
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
+        process_host: None,
+        e2b: None,
         // Overhead, not quotas, is measured: every run keeps a session.
         quotas: kiln_runtime::quota::Quotas {
             sessions: 10_000,

@@ -143,6 +143,15 @@ pub struct ServeArgs {
     /// `javascript=linux-node`; repeatable. Default: the WebAssembly templates.
     #[arg(long = "route", env = "KILN_ROUTE", value_delimiter = ',', value_name = "LANG=TEMPLATE", value_parser = parse_route)]
     pub routes: Vec<(Language, String)>,
+    /// Also speak E2B's protocol on this address, so code written for E2B's SDKs runs
+    /// here unchanged: point E2B_API_URL and E2B_SANDBOX_URL at it (see "Coming from E2B"
+    /// in the README).
+    #[arg(long, env = "KILN_E2B_LISTEN", value_name = "ADDRESS")]
+    pub e2b_listen: Option<std::net::SocketAddr>,
+    /// The domain of E2B_DOMAIN-style host names (`{port}-{id}.DOMAIN`) the E2B facade
+    /// routes by; needs wildcard DNS (and TLS in front). Header routing needs none.
+    #[arg(long, env = "KILN_E2B_DOMAIN", value_name = "DOMAIN", requires = "e2b_listen")]
+    pub e2b_domain: Option<String>,
     #[command(flatten)]
     pub linux_args: LinuxArgs,
 }

@@ -323,6 +323,17 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         llm: kiln_llm::LlmEnv::from_env(),
         routes: args.routes,
         max_exec_ms: args.max_exec_time,
+        process_host: linux
+            .clone()
+            .map(|b| std::sync::Arc::new(b) as std::sync::Arc<dyn kiln_core::process::ProcessHost>),
+        e2b: args.e2b_listen.map(|address| {
+            (
+                address,
+                kiln_server::e2b::E2bConfig {
+                    domain: args.e2b_domain.clone(),
+                },
+            )
+        }),
     };
     runtime(2)?.block_on(async {
         pool.start_all()?;

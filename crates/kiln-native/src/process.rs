@@ -1,0 +1,147 @@
+//! Live processes in a sandbox's box ([`kiln_core::process::ProcessHost`]): started through
+//! the agent in the box its workspace holds, followed as they write, fed stdin, signalled.
+//! A running process holds its box, so the idle reaper leaves the box alone meanwhile.
+
+use std::sync::Arc;
+
+use kiln_core::backend::{BackendError, ErrorKind};
+use kiln_core::process::{
+    BoxFuture, BoxUsage, Process, ProcessEvent, ProcessEvents, ProcessHost, ProcessSpec,
+};
+use kiln_core::{ExecRequest, TerminalSize};
+use kiln_guest::proto::{Reply, WindowSize};
+
+use crate::backend::NativeBackend;
+use crate::boxes::{BoxError, Exec, LiveBox};
+
+/// A process in a live box.
+struct BoxProcess {
+    live: Arc<LiveBox>,
+    /// The agent's id of the spawn request.
+    target: u64,
+    pid: u32,
+}
+
+fn gone(e: BoxError) -> BackendError {
+    BackendError::new(ErrorKind::SessionEnded, e.to_string())
+}
+
+impl Process for BoxProcess {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    fn write_stdin(&self, data: Vec<u8>, eof: bool) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async move {
+            for chunk in data.chunks(kiln_guest::proto::CHUNK_BYTES) {
+                self.live
+                    .write_stdin(self.target, chunk.to_vec())
+                    .await
+                    .map_err(gone)?;
+            }
+            if eof {
+                self.live.close_stdin(self.target).await.map_err(gone)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn signal(&self, signal: i32) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async move { self.live.signal(self.target, signal).await.map_err(gone) })
+    }
+
+    fn resize(&self, size: TerminalSize) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async move {
+            let size = WindowSize {
+                rows: size.rows,
+                cols: size.cols,
+            };
+            self.live.resize(self.target, size).await.map_err(gone)
+        })
+    }
+}
+
+impl ProcessHost for NativeBackend {
+    fn start<'a>(
+        &'a self,
+        request: &'a ExecRequest,
+        spec: ProcessSpec,
+    ) -> BoxFuture<'a, Result<(Box<dyn Process>, ProcessEvents), BackendError>> {
+        Box::pin(async move {
+            let template = self.template(request)?;
+            let Some(workspace) = &request.workspace else {
+                return Err(BackendError::new(
+                    ErrorKind::Grant,
+                    "a live process runs in a sandbox: the request needs its workspace",
+                ));
+            };
+            if spec.argv.is_empty() {
+                return Err(BackendError::new(
+                    ErrorKind::Limits,
+                    "a process needs a program",
+                ));
+            }
+            let live = self.held_box(template, request, workspace).await?;
+            let mut exec = Exec::new(spec.argv);
+            exec.env = request.env.iter().chain(&spec.env).cloned().collect();
+            exec.cwd = spec.cwd;
+            let terminal = spec.terminal.map(|size| WindowSize {
+                rows: size.rows,
+                cols: size.cols,
+            });
+            let (pid, target, mut replies) = live
+                .start_process(&exec, terminal, spec.stdin)
+                .await
+                .map_err(|e| match e {
+                    BoxError::Refused(message) => BackendError::new(ErrorKind::Instantiate, message),
+                    other => BackendError::new(ErrorKind::Instantiate, other.to_string()),
+                })?;
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let on_terminal = terminal.is_some();
+            tokio::spawn(async move {
+                loop {
+                    let event = match replies.next().await {
+                        Some(Reply::Output { stderr, data }) => {
+                            let data = bytes::Bytes::from(data);
+                            if on_terminal {
+                                ProcessEvent::Terminal(data)
+                            } else if stderr {
+                                ProcessEvent::Stderr(data)
+                            } else {
+                                ProcessEvent::Stdout(data)
+                            }
+                        }
+                        Some(Reply::Exited { code, signal }) => {
+                            let _ = tx.send(ProcessEvent::Exited { code, signal });
+                            return;
+                        }
+                        Some(_) => continue,
+                        // The box ended under the process: it was killed with it.
+                        None => {
+                            let _ = tx.send(ProcessEvent::Exited {
+                                code: None,
+                                signal: Some(libc::SIGKILL),
+                            });
+                            return;
+                        }
+                    };
+                    if tx.send(event).is_err() {
+                        return;
+                    }
+                }
+            });
+            let process: Box<dyn Process> = Box::new(BoxProcess { live, target, pid });
+            Ok((process, rx))
+        })
+    }
+
+    fn usage<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, Option<BoxUsage>> {
+        Box::pin(async move {
+            let live = self.live_box(workspace).await?;
+            Some(BoxUsage {
+                cpu_us: live.cpu_usage_us(),
+                memory_bytes: live.memory_bytes(),
+            })
+        })
+    }
+}

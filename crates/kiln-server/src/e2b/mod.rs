@@ -1,0 +1,238 @@
+//! The E2B facade: kiln speaking E2B's wire protocol on a port of its own, so code written
+//! for E2B's official SDKs (PyPI `e2b`, `e2b-code-interpreter`; npm `e2b`,
+//! `@e2b/code-interpreter`) runs against kiln with only environment variables changed
+//! (`E2B_API_URL` and `E2B_SANDBOX_URL` pointing here, `E2B_API_KEY` a kiln key).
+//!
+//! One listener serves three planes; a request is routed by what the SDK sends:
+//! - `E2b-Sandbox-Id` (or a `Host` of `{port}-{id}.{domain}`) names a sandbox: port 49999
+//!   is the code interpreter ([`jupyter`]), any other port envd ([`envd`], [`process`]);
+//! - anything else is the control plane ([`control`]), authenticated by `X-API-KEY`.
+//!
+//! Sandbox-plane requests prove themselves with the sandbox's own access token (issued at
+//! create, always), or a signed URL for `/files`. A sandbox is a kiln sandbox of the key's
+//! tenant, so quotas, metrics and the access log are kiln's own; its id is the kiln id
+//! without `sb_`, and its workspace is `/home/user`.
+
+pub mod connect;
+pub mod control;
+pub mod envd;
+pub mod jupyter;
+pub mod process;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{from_fn, from_fn_with_state};
+use axum::response::{IntoResponse, Response};
+use kiln_runtime::auth::Caller;
+use kiln_runtime::sandbox::Sandbox;
+use serde_json::json;
+use tower::ServiceExt;
+
+use crate::{AppState, gate};
+
+/// The envd version kiln advertises: the SDKs turn features on by it (0.5.7: stdin close,
+/// octet-stream and gzip uploads; not yet file metadata, which needs 0.6.2).
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// Where an E2B sandbox's code sees its workspace, and relative paths start.
+pub const HOME: &str = "/home/user";
+
+/// The code interpreter's port; every other port is envd's.
+pub const JUPYTER_PORT: u16 = 49999;
+
+/// The facade's settings.
+#[derive(Debug, Clone, Default)]
+pub struct E2bConfig {
+    /// The domain for `{port}-{id}.{domain}` host names (E2B_DOMAIN mode), returned in
+    /// the sandbox's `domain`; `None`: clients route by header (E2B_SANDBOX_URL).
+    pub domain: Option<String>,
+}
+
+/// The facade's state.
+pub struct E2b {
+    pub app: Arc<AppState>,
+    pub config: E2bConfig,
+}
+
+/// The three planes, for the dispatcher.
+struct Planes {
+    domain: Option<String>,
+    control: Router,
+    envd: Router,
+    jupyter: Router,
+}
+
+/// The sandbox a sandbox-plane request is for, and who owns it (set once its token
+/// checked out).
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// E2B's id (kiln's without `sb_`).
+    pub e2b_id: String,
+    pub port: u16,
+}
+
+/// A checked sandbox-plane request's sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxCtx {
+    pub caller: Caller,
+    pub sandbox: Sandbox,
+}
+
+impl SandboxCtx {
+    pub fn id(&self) -> &str {
+        &self.sandbox.id
+    }
+}
+
+/// kiln's sandbox id of an E2B id.
+pub fn kiln_id(e2b_id: &str) -> String {
+    format!("sb_{e2b_id}")
+}
+
+/// E2B's id of a kiln sandbox id.
+pub fn e2b_id(kiln_id: &str) -> &str {
+    kiln_id.strip_prefix("sb_").unwrap_or(kiln_id)
+}
+
+/// The facade's routes over `app`.
+pub fn router(app: Arc<AppState>, config: E2bConfig) -> Router {
+    let e2b = Arc::new(E2b {
+        app: app.clone(),
+        config: config.clone(),
+    });
+    let planes = Arc::new(Planes {
+        domain: config.domain,
+        control: control::router(e2b.clone()),
+        envd: envd::router(e2b.clone()),
+        jupyter: jupyter::router(e2b),
+    });
+    Router::new()
+        .fallback(dispatch)
+        .with_state(planes)
+        .layer(from_fn_with_state(app.clone(), gate::metrics))
+        .layer(from_fn(gate::access_log))
+        .layer(from_fn(gate::request_id))
+}
+
+/// Sends a request to the plane it is for.
+async fn dispatch(State(planes): State<Arc<Planes>>, mut request: Request) -> Response {
+    let target = target(request.headers(), planes.domain.as_deref());
+    let plane = match &target {
+        None => planes.control.clone(),
+        Some(t) if t.port == JUPYTER_PORT => planes.jupyter.clone(),
+        Some(_) => planes.envd.clone(),
+    };
+    if let Some(target) = target {
+        request.extensions_mut().insert(target);
+    }
+    match plane.oneshot(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    }
+}
+
+/// The sandbox a request names: by `E2b-Sandbox-Id` (and `E2b-Sandbox-Port`), or by a
+/// `Host` of `{port}-{id}.{domain}`.
+fn target(headers: &HeaderMap, domain: Option<&str>) -> Option<Target> {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    if let Some(id) = header("e2b-sandbox-id") {
+        let port = header("e2b-sandbox-port")
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or(49983);
+        return Some(Target {
+            e2b_id: id.trim().to_owned(),
+            port,
+        });
+    }
+    let domain = domain?;
+    let host = header("host")?;
+    let host = host.split(':').next().unwrap_or(host);
+    let label = host.strip_suffix(domain)?.strip_suffix('.')?;
+    let (port, id) = label.split_once('-')?;
+    Some(Target {
+        e2b_id: id.to_owned(),
+        port: port.parse().ok()?,
+    })
+}
+
+/// E2B's error body: `{"code": status, "message": …}`.
+pub fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        axum::Json(json!({"code": status.as_u16(), "message": message.into()})),
+    )
+        .into_response()
+}
+
+/// What every sandbox-plane route answers for a sandbox that is gone: 502 with "was not
+/// found", which the SDKs turn into "sandbox not running".
+pub fn not_running(e2b_id: &str) -> Response {
+    error(
+        StatusCode::BAD_GATEWAY,
+        format!("The sandbox {e2b_id} was not found"),
+    )
+}
+
+/// Compares secrets in time independent of where they differ.
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Checks a sandbox-plane request: the sandbox lives and the request carries its token
+/// (in one of `headers`), or `signed` says it is a valid signed URL. Puts a
+/// [`SandboxCtx`] on the request.
+pub fn check_sandbox(
+    e2b: &E2b,
+    request: &mut Request,
+    token_headers: &[&str],
+    signed: impl Fn(&Sandbox) -> bool,
+) -> Result<(), Response> {
+    let Some(target) = request.extensions().get::<Target>().cloned() else {
+        return Err(error(StatusCode::BAD_REQUEST, "no sandbox named"));
+    };
+    let Some(view) = e2b.app.runtime.registry.lookup(&kiln_id(&target.e2b_id)) else {
+        return Err(not_running(&target.e2b_id));
+    };
+    let sandbox = view.meta;
+    let Some(token) = sandbox.access_token.clone() else {
+        // Not an E2B sandbox: kiln's own API reaches it, not this facade.
+        return Err(not_running(&target.e2b_id));
+    };
+    let presented = token_headers
+        .iter()
+        .filter_map(|name| request.headers().get(*name))
+        .any(|v| same_secret(v.as_bytes(), token.as_bytes()));
+    if !presented && !signed(&sandbox) {
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "this sandbox needs its access token (X-Access-Token) or a signed URL",
+        ));
+    }
+    let caller = Caller {
+        tenant: sandbox.tenant.clone(),
+        key_id: format!("sandbox:{}", target.e2b_id),
+        quotas: Default::default(),
+    };
+    request
+        .extensions_mut()
+        .insert(SandboxCtx { caller, sandbox });
+    Ok(())
+}
+
+/// Serves the facade on `listener` until shutdown.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Arc<AppState>,
+    config: E2bConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let listener = axum::serve::ListenerExt::tap_io(listener, |stream| {
+        let _ = stream.set_nodelay(true);
+    });
+    axum::serve(listener, router(app, config))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
