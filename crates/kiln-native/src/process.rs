@@ -93,7 +93,9 @@ impl ProcessHost for NativeBackend {
                 .start_process(&exec, terminal, spec.stdin)
                 .await
                 .map_err(|e| match e {
-                    BoxError::Refused(message) => BackendError::new(ErrorKind::Instantiate, message),
+                    BoxError::Refused(message) => {
+                        BackendError::new(ErrorKind::Instantiate, message)
+                    }
                     other => BackendError::new(ErrorKind::Instantiate, other.to_string()),
                 })?;
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();

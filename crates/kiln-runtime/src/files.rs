@@ -245,7 +245,11 @@ pub struct Described {
     pub link: Option<String>,
 }
 
-fn describe_at(tree: &kiln_workspace::Tree, rel: &RelPath, meta: kiln_workspace::Meta) -> Described {
+fn describe_at(
+    tree: &kiln_workspace::Tree,
+    rel: &RelPath,
+    meta: kiln_workspace::Meta,
+) -> Described {
     let link = (meta.kind == Kind::Symlink)
         .then(|| tree.read_link(rel).ok())
         .flatten()
@@ -367,11 +371,18 @@ pub async fn rename(
         let (source, target) = (relative(&from)?, relative(&to)?);
         let tree = sandbox.tree()?;
         tree.rename(&source, &target)?;
-        let moved = tree.stat(&target)?.ok_or_else(|| TreeError::NotFound {
-            path: to.clone(),
-        })?;
+        let moved = tree
+            .stat(&target)?
+            .ok_or_else(|| TreeError::NotFound { path: to.clone() })?;
         let described = describe_at(&tree, &target, moved);
-        recorded_change(rt, &sandbox, &format!("move {from} to {to}"), history_id, to, 0)?;
+        recorded_change(
+            rt,
+            &sandbox,
+            &format!("move {from} to {to}"),
+            history_id,
+            to,
+            0,
+        )?;
         Ok(described)
     })
     .await

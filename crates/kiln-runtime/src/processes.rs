@@ -192,7 +192,10 @@ impl Processes {
         let table = self.lock();
         let found = table.get(id).and_then(|all| match (pid, tag) {
             (Some(pid), _) => all.get(&pid).cloned(),
-            (None, Some(tag)) => all.values().find(|p| p.tag.as_deref() == Some(tag)).cloned(),
+            (None, Some(tag)) => all
+                .values()
+                .find(|p| p.tag.as_deref() == Some(tag))
+                .cloned(),
             (None, None) => None,
         });
         found.ok_or_else(|| RuntimeError::ProcessNotFound {
@@ -264,15 +267,19 @@ pub async fn start(
     };
     let spec = ProcessSpec {
         argv: asked.argv.clone(),
-        env: asked.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        env: asked
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
         cwd: asked.cwd.clone(),
         terminal: asked.terminal,
         stdin: asked.stdin,
     };
     let (control, mut events) = host.start(&request, spec).await.map_err(|e| match e.kind {
-        kiln_core::backend::ErrorKind::Instantiate => RuntimeError::ProcessFailed {
-            message: e.message,
-        },
+        kiln_core::backend::ErrorKind::Instantiate => {
+            RuntimeError::ProcessFailed { message: e.message }
+        }
         _ => RuntimeError::Unsupported { message: e.message },
     })?;
     let (sender, receiver) = broadcast::channel(FOLLOW_BUFFER);
@@ -304,7 +311,12 @@ pub async fn start(
             }
             let _ = pump.events.send(event);
         }
-        if pump.exited.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
+        if pump
+            .exited
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
             let end = ProcessEvent::Exited {
                 code: None,
                 signal: Some(libc::SIGKILL),
@@ -321,7 +333,10 @@ pub async fn start(
 fn forget(table: &Table, id: &str, process: &Arc<Running>) {
     let mut table = table.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(all) = table.get_mut(id) {
-        if all.get(&process.pid).is_some_and(|p| Arc::ptr_eq(p, process)) {
+        if all
+            .get(&process.pid)
+            .is_some_and(|p| Arc::ptr_eq(p, process))
+        {
             all.remove(&process.pid);
         }
         if all.is_empty() {
@@ -342,7 +357,9 @@ fn check_start(asked: &StartProcess) -> Result<()> {
         return Err(invalid("arguments may not hold NUL bytes"));
     }
     if asked.argv.len() > 4096 || asked.argv.iter().map(String::len).sum::<usize>() > 1 << 20 {
-        return Err(invalid("the command is larger than 4096 arguments or 1 MiB"));
+        return Err(invalid(
+            "the command is larger than 4096 arguments or 1 MiB",
+        ));
     }
     if let Some((name, _)) = asked
         .env

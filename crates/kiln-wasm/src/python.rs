@@ -14,8 +14,8 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, PythonRuntime, WasmEngine, instantiate_error, instantiation_error};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, arm_deadline, bounded_call,
-    ensure_alive, finish, new_store, push_grants, wasi_context,
+    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, arm_deadline, bounded_call, ensure_alive,
+    finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
 
@@ -165,9 +165,7 @@ impl PythonGuest {
         if request.workspace.is_some() {
             let at = request.workspace_guest();
             let setup = format!("import os as _k; _k.chdir({at:?}); del _k");
-            guest
-                .setup_turn(&setup, &request.limits, at)
-                .await?;
+            guest.setup_turn(&setup, &request.limits, at).await?;
         }
         Ok(guest)
     }

@@ -831,8 +831,9 @@ impl Tree {
             });
         }
         let target = self.make_dirs(&to_parent)?;
-        rustix::fs::renameat(&source.fd, from_leaf, &target.fd, to_leaf)
-            .map_err(|e| errno_error("rename", OsStr::new(from_leaf), e).within(from_parent.as_str()))?;
+        rustix::fs::renameat(&source.fd, from_leaf, &target.fd, to_leaf).map_err(|e| {
+            errno_error("rename", OsStr::new(from_leaf), e).within(from_parent.as_str())
+        })?;
         source.sync()?;
         target.sync()
     }

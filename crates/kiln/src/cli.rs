@@ -150,7 +150,12 @@ pub struct ServeArgs {
     pub e2b_listen: Option<std::net::SocketAddr>,
     /// The domain of E2B_DOMAIN-style host names (`{port}-{id}.DOMAIN`) the E2B facade
     /// routes by; needs wildcard DNS (and TLS in front). Header routing needs none.
-    #[arg(long, env = "KILN_E2B_DOMAIN", value_name = "DOMAIN", requires = "e2b_listen")]
+    #[arg(
+        long,
+        env = "KILN_E2B_DOMAIN",
+        value_name = "DOMAIN",
+        requires = "e2b_listen"
+    )]
     pub e2b_domain: Option<String>,
     #[command(flatten)]
     pub linux_args: LinuxArgs,

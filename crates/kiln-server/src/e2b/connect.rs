@@ -73,9 +73,9 @@ impl From<kiln_runtime::RuntimeError> for RpcError {
                 "not_found"
             }
             E::Workspace(TreeError::NotFound { .. }) => "not_found",
-            E::Workspace(TreeError::NoSpace { .. }) | E::NoSpace { .. } | E::SandboxDiskFull { .. } => {
-                "resource_exhausted"
-            }
+            E::Workspace(TreeError::NoSpace { .. })
+            | E::NoSpace { .. }
+            | E::SandboxDiskFull { .. } => "resource_exhausted",
             E::Workspace(TreeError::Io { .. }) | E::Internal { .. } => "internal",
             E::Workspace(_) | E::IsAFolder { .. } => "invalid_argument",
             E::QuotaExceeded { .. } | E::TooManySessions { .. } => "resource_exhausted",
@@ -126,7 +126,11 @@ pub fn decode<T: DeserializeOwned>(body: &[u8], streaming: bool) -> Result<T, Rp
     } else {
         body
     };
-    let json = if json.is_empty() { b"{}" as &[u8] } else { json };
+    let json = if json.is_empty() {
+        b"{}" as &[u8]
+    } else {
+        json
+    };
     serde_json::from_slice(json).map_err(|e| RpcError::invalid(format!("malformed message: {e}")))
 }
 
@@ -170,7 +174,10 @@ fn split_envelope(body: &[u8]) -> Result<Option<(u8, &[u8], &[u8])>, RpcError> {
 
 /// One enveloped message.
 pub fn envelope<T: Serialize>(message: &T) -> Bytes {
-    frame(0, &serde_json::to_vec(message).unwrap_or_else(|_| b"{}".to_vec()))
+    frame(
+        0,
+        &serde_json::to_vec(message).unwrap_or_else(|_| b"{}".to_vec()),
+    )
 }
 
 /// The end of a stream: `{}`, or the error that ended it.
@@ -191,10 +198,9 @@ fn frame(flags: u8, json: &[u8]) -> Bytes {
 }
 
 /// A streaming response of `frames` (enveloped messages, then an end-stream).
-pub fn stream_response(
-    frames: impl futures::Stream<Item = Bytes> + Send + 'static,
-) -> Response {
-    let body = axum::body::Body::from_stream(futures::StreamExt::map(frames, Ok::<_, std::io::Error>));
+pub fn stream_response(frames: impl futures::Stream<Item = Bytes> + Send + 'static) -> Response {
+    let body =
+        axum::body::Body::from_stream(futures::StreamExt::map(frames, Ok::<_, std::io::Error>));
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/connect+json")],
@@ -205,7 +211,9 @@ pub fn stream_response(
 
 /// A streaming call that failed before it began: just the end-stream with the error.
 pub fn stream_error(error: RpcError) -> Response {
-    stream_response(futures::stream::once(async move { end_stream(Some(&error)) }))
+    stream_response(futures::stream::once(
+        async move { end_stream(Some(&error)) },
+    ))
 }
 
 /// Proto3 JSON's int64: a string or a number.

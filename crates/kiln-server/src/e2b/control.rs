@@ -54,6 +54,9 @@ pub fn router(e2b: Arc<E2b>) -> Router {
 
 /// Checks `X-API-KEY` (or `Authorization: Bearer`) and puts its [`Caller`] on the request.
 async fn authenticate(State(e2b): Shared, mut request: Request, next: Next) -> Response {
+    if request.uri().path() == "/health" {
+        return next.run(request).await;
+    }
     let caller = match &e2b.app.auth {
         Auth::Off => Some(Caller::local()),
         Auth::Keys(store) => presented(&request).and_then(|key| {
@@ -116,8 +119,12 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Response> {
     } else {
         body
     };
-    serde_json::from_slice(body)
-        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("invalid request body: {e}")))
+    serde_json::from_slice(body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("invalid request body: {e}"),
+        )
+    })
 }
 
 /// What `POST /sandboxes` and `POST /v2/sandboxes` take. Fields kiln does not use
@@ -175,7 +182,11 @@ pub fn template_for(e2b: &E2b, name: &str) -> Result<TemplateInfo, Response> {
 fn check_labels(what: &str, labels: &BTreeMap<String, String>) -> Result<(), Response> {
     let bad = labels.len() > MAX_METADATA
         || labels.iter().any(|(k, v)| {
-            k.is_empty() || k.len() > MAX_METADATA_KEY || v.len() > MAX_METADATA_VALUE || k.contains('\0') || v.contains('\0')
+            k.is_empty()
+                || k.len() > MAX_METADATA_KEY
+                || v.len() > MAX_METADATA_VALUE
+                || k.contains('\0')
+                || v.contains('\0')
         });
     if bad {
         return Err(error(
@@ -188,18 +199,30 @@ fn check_labels(what: &str, labels: &BTreeMap<String, String>) -> Result<(), Res
     Ok(())
 }
 
-async fn create(State(e2b): Shared, Extension(caller): Extension<Caller>, body: bytes::Bytes) -> Response {
+async fn create(
+    State(e2b): Shared,
+    Extension(caller): Extension<Caller>,
+    body: bytes::Bytes,
+) -> Response {
     let asked: NewSandbox = match parse(&body) {
         Ok(asked) => asked,
         Err(response) => return response,
     };
     match create_sandbox(&e2b, &caller, asked).await {
-        Ok(sandbox) => (StatusCode::CREATED, axum::Json(sandbox_json(&e2b, &sandbox))).into_response(),
+        Ok(sandbox) => (
+            StatusCode::CREATED,
+            axum::Json(sandbox_json(&e2b, &sandbox)),
+        )
+            .into_response(),
         Err(response) => response,
     }
 }
 
-async fn create_sandbox(e2b: &E2b, caller: &Caller, asked: NewSandbox) -> Result<Sandbox, Response> {
+async fn create_sandbox(
+    e2b: &E2b,
+    caller: &Caller,
+    asked: NewSandbox,
+) -> Result<Sandbox, Response> {
     let template = template_for(e2b, &asked.template_id)?;
     let timeout_s = asked.timeout.unwrap_or(300);
     let lifetime_ms = lifetime(timeout_s)?;
@@ -208,18 +231,19 @@ async fn create_sandbox(e2b: &E2b, caller: &Caller, asked: NewSandbox) -> Result
     check_labels("metadata", &metadata)?;
     check_labels("envVars", &env)?;
     if let Some(name) = env.keys().find(|k| k.contains('=')) {
-        return Err(error(StatusCode::BAD_REQUEST, format!("envVars: the name {name:?} holds '='")));
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("envVars: the name {name:?} holds '='"),
+        ));
     }
     let rt = &e2b.app.runtime;
     let mut spec = SandboxSpec::of_template(
         &asked.template_id,
         &template,
         lifetime_ms,
-        kiln_core::Limits::default().memory_bytes.max(
-            template
-                .resources
-                .map_or(0, |r| r.memory_mb << 20),
-        ),
+        kiln_core::Limits::default()
+            .memory_bytes
+            .max(template.resources.map_or(0, |r| r.memory_mb << 20)),
     );
     if asked.allow_internet_access == Some(true) {
         spec = spec
@@ -312,14 +336,22 @@ fn find(e2b: &E2b, caller: &Caller, id: &str) -> Result<Sandbox, Response> {
     Ok(view.meta)
 }
 
-async fn info(State(e2b): Shared, Extension(caller): Extension<Caller>, Path(id): Path<String>) -> Response {
+async fn info(
+    State(e2b): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Response {
     match find(&e2b, &caller, &id) {
         Ok(sandbox) => axum::Json(listed_json(&e2b, &caller, &sandbox, true)).into_response(),
         Err(response) => response,
     }
 }
 
-async fn kill(State(e2b): Shared, Extension(caller): Extension<Caller>, Path(id): Path<String>) -> Response {
+async fn kill(
+    State(e2b): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Response {
     if let Err(response) = find(&e2b, &caller, &id) {
         return response;
     }
@@ -354,7 +386,12 @@ async fn set_timeout(
     if let Err(response) = find(&e2b, &caller, &id) {
         return response;
     }
-    match e2b.app.runtime.registry.renew(&caller.tenant, &kiln_id(&id), ms) {
+    match e2b
+        .app
+        .runtime
+        .registry
+        .renew(&caller.tenant, &kiln_id(&id), ms)
+    {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => failed(e),
     }
@@ -382,7 +419,12 @@ async fn connect(
             Err(response) => return response,
         };
         if now_ms().saturating_add(ms) > sandbox.expires_ms {
-            match e2b.app.runtime.registry.renew(&caller.tenant, &kiln_id(&id), ms) {
+            match e2b
+                .app
+                .runtime
+                .registry
+                .renew(&caller.tenant, &kiln_id(&id), ms)
+            {
                 Ok(renewed) => sandbox = renewed,
                 Err(e) => return failed(e),
             }
@@ -391,7 +433,11 @@ async fn connect(
     axum::Json(sandbox_json(&e2b, &sandbox)).into_response()
 }
 
-async fn pause(State(e2b): Shared, Extension(caller): Extension<Caller>, Path(id): Path<String>) -> Response {
+async fn pause(
+    State(e2b): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Response {
     if let Err(response) = find(&e2b, &caller, &id) {
         return response;
     }
@@ -402,7 +448,11 @@ async fn pause(State(e2b): Shared, Extension(caller): Extension<Caller>, Path(id
 }
 
 /// `GET /sandboxes/{id}/metrics`: one sample, now.
-async fn metrics(State(e2b): Shared, Extension(caller): Extension<Caller>, Path(id): Path<String>) -> Response {
+async fn metrics(
+    State(e2b): Shared,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Response {
     let sandbox = match find(&e2b, &caller, &id) {
         Ok(sandbox) => sandbox,
         Err(response) => return response,
@@ -461,10 +511,19 @@ async fn list(
     let after_ms = match query.started_after.as_deref().map(parse_rfc3339) {
         None => None,
         Some(Some(ms)) => Some(ms),
-        Some(None) => return error(StatusCode::BAD_REQUEST, "startedAfter is not an RFC 3339 time"),
+        Some(None) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "startedAfter is not an RFC 3339 time",
+            );
+        }
     };
     let limit = query.limit.unwrap_or(100).clamp(1, 1000);
-    let (views, _) = e2b.app.runtime.registry.list(&caller.tenant, None, usize::MAX);
+    let (views, _) = e2b
+        .app
+        .runtime
+        .registry
+        .list(&caller.tenant, None, usize::MAX);
     let mut all: Vec<Sandbox> = views
         .into_iter()
         .map(|v| v.meta)
@@ -485,12 +544,20 @@ async fn list(
         None | Some("") => 0,
         Some(token) => match all.iter().position(|s| e2b_id(&s.id) == token) {
             Some(at) => at + 1,
-            None => return error(StatusCode::BAD_REQUEST, "nextToken is not a token this server gave"),
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "nextToken is not a token this server gave",
+                );
+            }
         },
     };
     let page: Vec<&Sandbox> = all[start.min(all.len())..].iter().take(limit).collect();
     let more = start + page.len() < all.len();
-    let body: Vec<Value> = page.iter().map(|s| listed_json(&e2b, &caller, s, false)).collect();
+    let body: Vec<Value> = page
+        .iter()
+        .map(|s| listed_json(&e2b, &caller, s, false))
+        .collect();
     let mut response = axum::Json(body).into_response();
     if more
         && let Some(last) = page.last()
@@ -515,7 +582,10 @@ pub fn parse_rfc3339(text: &str) -> Option<u64> {
         let (clock, zone) = rest.split_at(at);
         let sign = if zone.starts_with('-') { -1 } else { 1 };
         let (h, m) = zone[1..].split_once(':').unwrap_or((&zone[1..], "0"));
-        (clock, sign * (h.parse::<i64>().ok()? * 3600 + m.parse::<i64>().ok()? * 60))
+        (
+            clock,
+            sign * (h.parse::<i64>().ok()? * 3600 + m.parse::<i64>().ok()? * 60),
+        )
     } else {
         (rest, 0)
     };
@@ -548,7 +618,10 @@ mod tests {
         let z = parse_rfc3339("2026-11-25T10:00:00Z").unwrap();
         assert_eq!(rfc3339(z), "2026-11-25T10:00:00.000Z");
         assert_eq!(parse_rfc3339("2026-11-25T11:00:00+01:00"), Some(z));
-        assert_eq!(parse_rfc3339("2026-11-25T09:30:00.250-00:30"), Some(z + 250));
+        assert_eq!(
+            parse_rfc3339("2026-11-25T09:30:00.250-00:30"),
+            Some(z + 250)
+        );
         assert_eq!(parse_rfc3339("2026-11-25T10:00:00.123456"), Some(z + 123));
         for bad in ["", "yesterday", "2026-13-01T00:00:00Z", "2026-11-25"] {
             assert_eq!(parse_rfc3339(bad), None, "{bad:?}");

@@ -11,9 +11,9 @@ def _kiln_e2b_make():
     import json
     import os
     import traceback
-    import types
+    import warnings
 
-    mark = "\x00kiln-e2b:"
+    mark = "\x1ekiln-e2b:"
     formats = (
         ("_repr_html_", "html"),
         ("_repr_markdown_", "markdown"),
@@ -81,24 +81,18 @@ def _kiln_e2b_make():
             result.update(type="result", is_main_result=False)
             emit(result)
 
-    # matplotlib draws off screen here; plt.show() shows the open figures as results.
-    backend = types.ModuleType("_kiln_e2b_matplotlib")
+    # matplotlib draws off screen (Agg): open figures are shown as results when a cell
+    # ends, and plt.show() shows them at once (it is patched once pyplot is imported).
+    warnings.filterwarnings("ignore", message=".*non-interactive, and thus cannot be shown")
 
-    def backend_attribute(name):
-        if name == "FigureCanvas":
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
+    def patch_show():
+        pyplot = _sys.modules.get("matplotlib.pyplot")
+        if pyplot is not None and getattr(pyplot.show, "__name__", "") != "kiln_show":
 
-            return FigureCanvasAgg
-        if name == "FigureManager":
-            from matplotlib.backend_bases import FigureManagerBase
+            def kiln_show(*args, **kwargs):
+                figures()
 
-            return FigureManagerBase
-        raise AttributeError(name)
-
-    backend.__getattr__ = backend_attribute
-    backend.show = lambda *args, **kwargs: figures()
-    _sys.modules["_kiln_e2b_matplotlib"] = backend
-    os.environ.setdefault("MPLBACKEND", "module://_kiln_e2b_matplotlib")
+            pyplot.show = kiln_show
 
     class Driver:
         count = 0
@@ -111,7 +105,9 @@ def _kiln_e2b_make():
             saved = {name: os.environ.get(name) for name in env}
             os.environ.update(env)
             try:
+                patch_show()
                 self.cell(code, namespace)
+                patch_show()
             finally:
                 for name, value in saved.items():
                     if value is None:

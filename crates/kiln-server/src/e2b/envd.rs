@@ -39,7 +39,11 @@ pub fn router(e2b: Arc<E2b>) -> Router {
         .fallback(|request: Request| async move {
             error(
                 StatusCode::NOT_FOUND,
-                format!("envd has no route {} {}", request.method(), request.uri().path()),
+                format!(
+                    "envd has no route {} {}",
+                    request.method(),
+                    request.uri().path()
+                ),
             )
         })
         .with_state(e2b.clone())
@@ -107,7 +111,9 @@ fn signature_ok(sandbox: &Sandbox, query: &str, method: &axum::http::Method) -> 
 pub fn workspace_rel(sandbox: &Sandbox, path: &str) -> Result<String, RpcError> {
     let home = sandbox.workspace_at.as_deref().unwrap_or(HOME);
     if path.contains('\0') || path.len() > 4096 {
-        return Err(RpcError::invalid("the path is longer than 4096 bytes or holds NUL"));
+        return Err(RpcError::invalid(
+            "the path is longer than 4096 bytes or holds NUL",
+        ));
     }
     let full = if path.starts_with('/') {
         path.to_owned()
@@ -257,18 +263,20 @@ async fn filesystem_call(
         "Stat" => {
             let asked: PathRequest = connect::decode(body, false)?;
             let rel = workspace_rel(sandbox, &asked.path)?;
-            let found = files::describe(rt, caller, id, rel).await.map_err(|e| {
-                not_found_as(e, &format!("path '{}' does not exist", asked.path))
-            })?;
+            let found = files::describe(rt, caller, id, rel)
+                .await
+                .map_err(|e| not_found_as(e, &format!("path '{}' does not exist", asked.path)))?;
             Ok(json!({"entry": entry_info(sandbox, &found)}))
         }
         "ListDir" => {
             let asked: PathRequest = connect::decode(body, false)?;
             let rel = workspace_rel(sandbox, &asked.path)?;
             let depth = asked.depth.unwrap_or(1).clamp(1, 64) as usize;
-            let all = files::entries(rt, caller, id, rel, depth).await.map_err(|e| {
-                not_found_as(e, &format!("directory '{}' does not exist", asked.path))
-            })?;
+            let all = files::entries(rt, caller, id, rel, depth)
+                .await
+                .map_err(|e| {
+                    not_found_as(e, &format!("directory '{}' does not exist", asked.path))
+                })?;
             let entries: Vec<EntryInfo> = all.iter().map(|d| entry_info(sandbox, d)).collect();
             Ok(json!({"entries": entries}))
         }
@@ -288,20 +296,22 @@ async fn filesystem_call(
             let asked: MoveRequest = connect::decode(body, false)?;
             let from = workspace_rel(sandbox, &asked.source)?;
             let to = workspace_rel(sandbox, &asked.destination)?;
-            let moved = files::rename(rt, caller, id, from, to).await.map_err(|e| {
-                not_found_as(e, &format!("path '{}' does not exist", asked.source))
-            })?;
+            let moved = files::rename(rt, caller, id, from, to)
+                .await
+                .map_err(|e| not_found_as(e, &format!("path '{}' does not exist", asked.source)))?;
             Ok(json!({"entry": entry_info(sandbox, &moved)}))
         }
         "Remove" => {
             let asked: PathRequest = connect::decode(body, false)?;
             let rel = workspace_rel(sandbox, &asked.path)?;
             if rel.is_empty() {
-                return Err(RpcError::invalid("the home folder itself cannot be removed"));
+                return Err(RpcError::invalid(
+                    "the home folder itself cannot be removed",
+                ));
             }
-            files::delete(rt, caller, id, rel).await.map_err(|e| {
-                not_found_as(e, &format!("path '{}' does not exist", asked.path))
-            })?;
+            files::delete(rt, caller, id, rel)
+                .await
+                .map_err(|e| not_found_as(e, &format!("path '{}' does not exist", asked.path)))?;
             Ok(json!({}))
         }
         "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" | "WatchDir" => Err(RpcError::new(
@@ -411,11 +421,15 @@ fn file_error(e: kiln_runtime::RuntimeError, path: &str) -> Response {
     use kiln_runtime::RuntimeError as E;
     match &e {
         E::Workspace(kiln_workspace::TreeError::NotFound { .. }) | E::FolderNotFound { .. } => {
-            error(StatusCode::NOT_FOUND, format!("path '{path}' does not exist"))
+            error(
+                StatusCode::NOT_FOUND,
+                format!("path '{path}' does not exist"),
+            )
         }
-        E::IsAFolder { .. } | E::Workspace(kiln_workspace::TreeError::IsDir { .. }) => {
-            error(StatusCode::BAD_REQUEST, format!("path '{path}' is a directory"))
-        }
+        E::IsAFolder { .. } | E::Workspace(kiln_workspace::TreeError::IsDir { .. }) => error(
+            StatusCode::BAD_REQUEST,
+            format!("path '{path}' is a directory"),
+        ),
         E::QuotaExceeded { .. } | E::SandboxDiskFull { .. } | E::NoSpace { .. } => error(
             StatusCode::INSUFFICIENT_STORAGE,
             kiln_runtime::sandbox::scrub_paths(&e.to_string()),
@@ -450,21 +464,32 @@ async fn upload(
     let mut written = Vec::new();
     if content_type.starts_with("multipart/form-data") {
         let Ok(boundary) = multer::parse_boundary(&content_type) else {
-            return error(StatusCode::BAD_REQUEST, "the multipart body has no boundary");
+            return error(
+                StatusCode::BAD_REQUEST,
+                "the multipart body has no boundary",
+            );
         };
         let mut parts = multer::Multipart::new(body.into_data_stream(), boundary);
         loop {
             let mut part = match parts.next_field().await {
                 Ok(Some(part)) => part,
                 Ok(None) => break,
-                Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed multipart body: {e}")),
+                Err(e) => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        format!("malformed multipart body: {e}"),
+                    );
+                }
             };
             let name = part
                 .file_name()
                 .map(str::to_owned)
                 .or_else(|| query.path.clone());
             let Some(path) = name.filter(|p| !p.is_empty()) else {
-                return error(StatusCode::BAD_REQUEST, "each file part needs a file name (its path)");
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "each file part needs a file name (its path)",
+                );
             };
             let mut data = Vec::new();
             loop {
@@ -476,7 +501,12 @@ async fn upload(
                         data.extend_from_slice(&chunk);
                     }
                     Ok(None) => break,
-                    Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed multipart body: {e}")),
+                    Err(e) => {
+                        return error(
+                            StatusCode::BAD_REQUEST,
+                            format!("malformed multipart body: {e}"),
+                        );
+                    }
                 }
             }
             match write_one(&e2b, &ctx, &path, data).await {
@@ -486,7 +516,10 @@ async fn upload(
         }
     } else {
         let Some(path) = query.path.clone().filter(|p| !p.is_empty()) else {
-            return error(StatusCode::BAD_REQUEST, "path is required for an octet-stream upload");
+            return error(
+                StatusCode::BAD_REQUEST,
+                "path is required for an octet-stream upload",
+            );
         };
         let data = match read_body(body, gzip).await {
             Ok(data) => data,
@@ -506,7 +539,10 @@ async fn upload(
 fn too_large() -> Response {
     error(
         StatusCode::PAYLOAD_TOO_LARGE,
-        format!("a file is larger than {} MiB, the most one upload writes", MAX_UPLOAD_BYTES >> 20),
+        format!(
+            "a file is larger than {} MiB, the most one upload writes",
+            MAX_UPLOAD_BYTES >> 20
+        ),
     )
 }
 
@@ -516,7 +552,8 @@ async fn read_body(body: axum::body::Body, gzip: bool) -> Result<Vec<u8>, Respon
     let mut stream = body.into_data_stream();
     let mut raw = Vec::new();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| error(StatusCode::BAD_REQUEST, format!("the body broke off: {e}")))?;
+        let chunk = chunk
+            .map_err(|e| error(StatusCode::BAD_REQUEST, format!("the body broke off: {e}")))?;
         if raw.len() + chunk.len() > MAX_UPLOAD_BYTES {
             return Err(too_large());
         }
@@ -533,7 +570,12 @@ async fn read_body(body: axum::body::Body, gzip: bool) -> Result<Vec<u8>, Respon
         decoder
             .take(MAX_UPLOAD_BYTES as u64 + 1)
             .read_to_end(&mut out)
-            .map_err(|e| error(StatusCode::BAD_REQUEST, format!("the gzip body is malformed: {e}")))?;
+            .map_err(|e| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    format!("the gzip body is malformed: {e}"),
+                )
+            })?;
         if out.len() > MAX_UPLOAD_BYTES {
             return Err(too_large());
         }
@@ -551,7 +593,10 @@ async fn write_one(
 ) -> Result<serde_json::Value, Response> {
     let rel = workspace_rel(&ctx.sandbox, path).map_err(|e| error(e.status(), e.message))?;
     if rel.is_empty() {
-        return Err(error(StatusCode::BAD_REQUEST, format!("path '{path}' is a directory")));
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("path '{path}' is a directory"),
+        ));
     }
     files::write(&e2b.app.runtime, &ctx.caller, ctx.id(), rel.clone(), data)
         .await
@@ -585,7 +630,13 @@ mod tests {
         assert_eq!(workspace_rel(&s, "/home/user").unwrap(), "");
         assert_eq!(workspace_rel(&s, "./d/../b").unwrap(), "b");
         assert_eq!(workspace_rel(&s, "~/x").unwrap(), "x");
-        for outside in ["/etc/passwd", "../x", "/home/user/../../etc", "/home/username/x", "/tmp"] {
+        for outside in [
+            "/etc/passwd",
+            "../x",
+            "/home/user/../../etc",
+            "/home/username/x",
+            "/tmp",
+        ] {
             let e = workspace_rel(&s, outside).unwrap_err();
             assert_eq!(e.code, "permission_denied", "{outside}");
         }

@@ -12,13 +12,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Extension;
 use axum::Router;
 use axum::extract::{Path, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use axum::Extension;
 use bytes::Bytes;
 use kiln_core::Language;
 use kiln_runtime::RuntimeError;
@@ -35,7 +35,7 @@ use super::{E2b, HOME, SandboxCtx, check_sandbox};
 const KEEPALIVE: Duration = Duration::from_secs(5);
 
 /// What starts a driver line on stdout.
-const MARK: &str = "\u{0}kiln-e2b:";
+const MARK: &str = "\u{1e}kiln-e2b:";
 
 /// The largest cell: 1 MiB.
 const MAX_CODE_BYTES: usize = 1 << 20;
@@ -70,15 +70,24 @@ async fn authenticate(State(e2b): State<Arc<E2b>>, mut request: Request, next: N
 }
 
 fn text(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message.into()).into_response()
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        message.into(),
+    )
+        .into_response()
 }
 
 fn failed(e: RuntimeError) -> Response {
     let status = match &e {
         RuntimeError::SessionNotFound { .. } => StatusCode::NOT_FOUND,
-        RuntimeError::SandboxNotFound { .. } | RuntimeError::SandboxDeleted { .. } => StatusCode::BAD_GATEWAY,
+        RuntimeError::SandboxNotFound { .. } | RuntimeError::SandboxDeleted { .. } => {
+            StatusCode::BAD_GATEWAY
+        }
         RuntimeError::SandboxBusy { .. } => StatusCode::CONFLICT,
-        RuntimeError::Saturated { .. } | RuntimeError::ExecutorLost { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        RuntimeError::Saturated { .. } | RuntimeError::ExecutorLost { .. } => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         RuntimeError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         _ => StatusCode::BAD_REQUEST,
     };
@@ -109,53 +118,85 @@ fn default_context(language: Language) -> &'static str {
 fn has_sessions(e2b: &E2b, ctx: &SandboxCtx, language: Language) -> bool {
     let template = e2b.app.runtime.catalogue().get(ctx.sandbox.template());
     match template {
-        Some(t) if t.backend == kiln_core::template::BackendKind::Native => language == Language::Python,
+        Some(t) if t.backend == kiln_core::template::BackendKind::Native => {
+            language == Language::Python
+        }
         Some(_) => kiln_core::Language::WASM.contains(&language),
         None => false,
     }
 }
 
-/// Makes the default contexts the sandbox lacks.
-async fn ensure_defaults(e2b: &E2b, ctx: &SandboxCtx) -> Result<(), RuntimeError> {
+/// The languages whose default contexts the sandbox has (made on first use: a session
+/// holds memory, and most sandboxes never run JavaScript).
+fn default_languages(e2b: &E2b, ctx: &SandboxCtx) -> Vec<Language> {
+    [Language::Python, Language::JavaScript]
+        .into_iter()
+        .filter(|l| has_sessions(e2b, ctx, *l))
+        .collect()
+}
+
+/// Makes `language`'s default context if the sandbox lacks it.
+async fn ensure_default(
+    e2b: &E2b,
+    ctx: &SandboxCtx,
+    language: Language,
+) -> Result<(), RuntimeError> {
     let rt = &e2b.app.runtime;
-    for language in [Language::Python, Language::JavaScript] {
-        if !has_sessions(e2b, ctx, language) {
-            continue;
-        }
-        let id = default_context(language);
-        let view = rt.registry.get(&ctx.caller.tenant, ctx.id())?;
-        if !view.meta.sessions.contains_key(id) {
-            match sessions::open(rt, &ctx.caller, ctx.id(), language, id.to_owned()).await {
-                Ok(_) => {}
-                // Made by a request beside this one meanwhile.
-                Err(_) if rt.registry.get(&ctx.caller.tenant, ctx.id())?.meta.sessions.contains_key(id) => {}
-                Err(e) => return Err(e),
-            }
-        }
+    let id = default_context(language);
+    let made = |rt: &kiln_runtime::Runtime| -> Result<bool, RuntimeError> {
+        Ok(rt
+            .registry
+            .get(&ctx.caller.tenant, ctx.id())?
+            .meta
+            .sessions
+            .contains_key(id))
+    };
+    if made(rt)? {
+        return Ok(());
     }
-    Ok(())
+    match sessions::open(rt, &ctx.caller, ctx.id(), language, id.to_owned()).await {
+        Ok(_) => Ok(()),
+        // Made by a request beside this one meanwhile.
+        Err(_) if made(rt)? => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 fn context_json(id: &str, language: Language) -> Value {
     json!({"id": id, "language": language.name(), "cwd": HOME})
 }
 
-async fn list_contexts(State(e2b): State<Arc<E2b>>, Extension(ctx): Extension<SandboxCtx>) -> Response {
-    if let Err(e) = ensure_defaults(&e2b, &ctx).await {
-        return failed(e);
-    }
+async fn list_contexts(
+    State(e2b): State<Arc<E2b>>,
+    Extension(ctx): Extension<SandboxCtx>,
+) -> Response {
     match e2b.app.runtime.registry.get(&ctx.caller.tenant, ctx.id()) {
         Ok(view) => {
-            let all: Vec<Value> = view
-                .meta
-                .sessions
-                .values()
-                .map(|s| context_json(&s.id, s.language))
+            let sessions = &view.meta.sessions;
+            let mut all: Vec<Value> = default_languages(&e2b, &ctx)
+                .into_iter()
+                .filter(|l| !sessions.contains_key(default_context(*l)))
+                .map(|l| context_json(default_context(l), l))
                 .collect();
+            all.extend(sessions.values().map(|s| context_json(&s.id, s.language)));
             axum::Json(all).into_response()
         }
         Err(e) => failed(e),
     }
+}
+
+/// A default context's language, if `id` names one the sandbox has not made yet.
+fn unmade_default(e2b: &E2b, ctx: &SandboxCtx, id: &str) -> Option<Language> {
+    let language = default_languages(e2b, ctx)
+        .into_iter()
+        .find(|l| default_context(*l) == id)?;
+    let made = e2b
+        .app
+        .runtime
+        .registry
+        .get(&ctx.caller.tenant, ctx.id())
+        .is_ok_and(|v| v.meta.sessions.contains_key(id));
+    (!made).then_some(language)
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -193,7 +234,10 @@ async fn create_context(
         Ok(info) => info,
         Err(e) => return failed(e),
     };
-    let cwd = asked.cwd.filter(|c| !c.is_empty()).unwrap_or_else(|| HOME.to_owned());
+    let cwd = asked
+        .cwd
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| HOME.to_owned());
     if cwd != HOME && language == Language::Python {
         let code = format!("import os as _k; _k.chdir({}); del _k", py_literal(&cwd));
         if let Err(e) = run_plain(&e2b, &ctx, &info.session_id, code).await {
@@ -201,11 +245,17 @@ async fn create_context(
             return failed(e);
         }
     }
-    axum::Json(json!({"id": info.session_id, "language": language.name(), "cwd": cwd})).into_response()
+    axum::Json(json!({"id": info.session_id, "language": language.name(), "cwd": cwd}))
+        .into_response()
 }
 
 /// Runs a turn whose output nobody reads.
-async fn run_plain(e2b: &E2b, ctx: &SandboxCtx, session: &str, code: String) -> Result<(), RuntimeError> {
+async fn run_plain(
+    e2b: &E2b,
+    ctx: &SandboxCtx,
+    session: &str,
+    code: String,
+) -> Result<(), RuntimeError> {
     let exec = CodeExec {
         code,
         session: Some(session.to_owned()),
@@ -227,6 +277,9 @@ async fn remove_context(
     Extension(ctx): Extension<SandboxCtx>,
     Path(id): Path<String>,
 ) -> Response {
+    if unmade_default(&e2b, &ctx, &id).is_some() {
+        return StatusCode::OK.into_response();
+    }
     match sessions::close(&e2b.app.runtime, &ctx.caller, ctx.id(), &id).await {
         Ok(()) => StatusCode::OK.into_response(),
         Err(e) => failed(e),
@@ -238,6 +291,9 @@ async fn restart_context(
     Extension(ctx): Extension<SandboxCtx>,
     Path(id): Path<String>,
 ) -> Response {
+    if unmade_default(&e2b, &ctx, &id).is_some() {
+        return StatusCode::OK.into_response();
+    }
     match sessions::restart(&e2b.app.runtime, &ctx.caller, ctx.id(), &id).await {
         Ok(_) => StatusCode::OK.into_response(),
         Err(e) => failed(e),
@@ -272,19 +328,53 @@ fn python_cell(code: &str, env: &std::collections::BTreeMap<String, String>) -> 
     )
 }
 
-async fn execute(State(e2b): State<Arc<E2b>>, Extension(ctx): Extension<SandboxCtx>, body: Bytes) -> Response {
+/// What a JavaScript cell runs: the cell through indirect `eval` (its `var`s and
+/// functions stay global), its value a result, an exception an error, as marked lines.
+fn javascript_cell(code: &str) -> String {
+    let literal = serde_json::to_string(code).unwrap_or_else(|_| "''".into());
+    format!(
+        "(function () {{ var M = \"\\u001ekiln-e2b:\"; var g = globalThis; \
+         g.__kiln_e2b_count = (g.__kiln_e2b_count || 0) + 1; \
+         function emit(o) {{ print(M + JSON.stringify(o)); }} \
+         try {{ var v = (0, eval)({literal}); \
+           if (v !== undefined) {{ var t; if (typeof v === 'string') t = v; else {{ try {{ t = JSON.stringify(v); }} catch (e) {{ t = undefined; }} if (t === undefined || typeof v === 'function') t = String(v); }} \
+             emit({{type: 'result', text: t, is_main_result: true}}); }} \
+         }} catch (e) {{ var name = (e && e.name) || 'Error'; var value = (e && e.message !== undefined) ? String(e.message) : String(e); \
+           emit({{type: 'error', name: name, value: value, traceback: name + ': ' + value + '\\n' + ((e && e.stack) || '')}}); }} \
+         emit({{type: 'number_of_executions', execution_count: g.__kiln_e2b_count}}); }})();\n"
+    )
+}
+
+async fn execute(
+    State(e2b): State<Arc<E2b>>,
+    Extension(ctx): Extension<SandboxCtx>,
+    body: Bytes,
+) -> Response {
     let asked: ExecuteRequest = match serde_json::from_slice(&body) {
         Ok(asked) => asked,
         Err(e) => return text(StatusCode::BAD_REQUEST, format!("invalid body: {e}")),
     };
     if asked.code.len() > MAX_CODE_BYTES {
-        return text(StatusCode::PAYLOAD_TOO_LARGE, "the code is larger than 1 MiB");
+        return text(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "the code is larger than 1 MiB",
+        );
     }
     if asked.context_id.is_some() && asked.language.is_some() {
-        return text(StatusCode::BAD_REQUEST, "give context_id or language, not both");
+        return text(
+            StatusCode::BAD_REQUEST,
+            "give context_id or language, not both",
+        );
     }
     let rt = &e2b.app.runtime;
     let (session, language) = match &asked.context_id {
+        Some(id) if unmade_default(&e2b, &ctx, id).is_some() => {
+            let language = unmade_default(&e2b, &ctx, id).unwrap_or(Language::Python);
+            if let Err(e) = ensure_default(&e2b, &ctx, language).await {
+                return failed(e);
+            }
+            (id.clone(), language)
+        }
         Some(id) => match rt.registry.session(&ctx.caller.tenant, ctx.id(), id) {
             Ok((meta, _)) => (id.clone(), meta.language),
             Err(e) => return failed(e),
@@ -300,7 +390,7 @@ async fn execute(State(e2b): State<Arc<E2b>>, Extension(ctx): Extension<SandboxC
                     format!("this sandbox's template runs no {language} code interpreter"),
                 );
             }
-            if let Err(e) = ensure_defaults(&e2b, &ctx).await {
+            if let Err(e) = ensure_default(&e2b, &ctx, language).await {
                 return failed(e);
             }
             (default_context(language).to_owned(), language)
@@ -310,9 +400,12 @@ async fn execute(State(e2b): State<Arc<E2b>>, Extension(ctx): Extension<SandboxC
     let code = match language {
         Language::Python => python_cell(&asked.code, &env),
         _ if !env.is_empty() => {
-            return text(StatusCode::BAD_REQUEST, "env_vars apply to python cells only here");
+            return text(
+                StatusCode::BAD_REQUEST,
+                "env_vars apply to python cells only here",
+            );
         }
-        _ => asked.code,
+        _ => javascript_cell(&asked.code),
     };
     let exec = CodeExec {
         code,
@@ -337,7 +430,10 @@ async fn execute(State(e2b): State<Arc<E2b>>, Extension(ctx): Extension<SandboxC
     if begun_rx.await.is_err() {
         return match run.await {
             Ok(Err(e)) => failed(e),
-            _ => text(StatusCode::INTERNAL_SERVER_ERROR, "the cell could not start"),
+            _ => text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the cell could not start",
+            ),
         };
     }
     let (lines_tx, lines) = mpsc::channel::<Bytes>(256);
@@ -385,7 +481,10 @@ impl CancelOnDrop {
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.rt.registry.cancel(&self.tenant, &self.id, Some(&self.exec_id));
+            let _ = self
+                .rt
+                .registry
+                .cancel(&self.tenant, &self.id, Some(&self.exec_id));
         }
     }
 }
@@ -407,7 +506,11 @@ struct Lines {
 impl Lines {
     /// Takes a chunk; returns the lines it completed.
     fn take(&mut self, stderr: bool, data: &[u8]) -> Vec<String> {
-        let buf = if stderr { &mut self.stderr } else { &mut self.stdout };
+        let buf = if stderr {
+            &mut self.stderr
+        } else {
+            &mut self.stdout
+        };
         buf.extend_from_slice(data);
         let mut done = Vec::new();
         while let Some(at) = buf.iter().position(|b| *b == b'\n') {
@@ -424,7 +527,11 @@ impl Lines {
     }
 
     fn rest(&mut self, stderr: bool) -> Option<String> {
-        let buf = if stderr { &mut self.stderr } else { &mut self.stdout };
+        let buf = if stderr {
+            &mut self.stderr
+        } else {
+            &mut self.stdout
+        };
         (!buf.is_empty()).then(|| String::from_utf8_lossy(&std::mem::take(buf)).into_owned())
     }
 }
@@ -482,7 +589,10 @@ async fn pump(
         Ok(Ok(outcome)) if !outcome.result.success() && !saw_error => {
             let reason = outcome.stderr_with_reason();
             let (name, value) = match outcome.result.outcome {
-                kiln_core::Outcome::TimedOut => ("TimeoutError", "the cell ran past its time limit".to_owned()),
+                kiln_core::Outcome::TimedOut => (
+                    "TimeoutError",
+                    "the cell ran past its time limit".to_owned(),
+                ),
                 _ if language == Language::JavaScript => {
                     let first = reason.lines().next().unwrap_or("Error").to_owned();
                     let (name, value) = first.split_once(": ").unwrap_or(("Error", first.as_str()));
@@ -490,7 +600,14 @@ async fn pump(
                     let value = value.to_owned();
                     return finish(&out, Some(json!({"type": "error", "name": name, "value": value, "traceback": reason}))).await;
                 }
-                _ => ("KernelError", reason.lines().last().unwrap_or("the cell failed").to_owned()),
+                _ => (
+                    "KernelError",
+                    reason
+                        .lines()
+                        .last()
+                        .unwrap_or("the cell failed")
+                        .to_owned(),
+                ),
             };
             Some(json!({"type": "error", "name": name, "value": value, "traceback": reason}))
         }
@@ -501,7 +618,9 @@ async fn pump(
             "value": kiln_runtime::sandbox::scrub_paths(&e.to_string()),
             "traceback": "",
         })),
-        Err(_) => Some(json!({"type": "error", "name": "KernelError", "value": "the cell's task failed", "traceback": ""})),
+        Err(_) => Some(
+            json!({"type": "error", "name": "KernelError", "value": "the cell's task failed", "traceback": ""}),
+        ),
     };
     finish(&out, error).await;
 }
@@ -523,7 +642,10 @@ mod tests {
         assert!(lines.take(false, b"Hel").is_empty());
         assert_eq!(lines.take(false, b"lo\nwor"), vec!["Hello\n"]);
         assert_eq!(lines.rest(false).as_deref(), Some("wor"));
-        let event = output_line(false, format!("{MARK}{{\"type\":\"result\",\"text\":\"2\"}}\n"));
+        let event = output_line(
+            false,
+            format!("{MARK}{{\"type\":\"result\",\"text\":\"2\"}}\n"),
+        );
         assert_eq!(event, json!({"type": "result", "text": "2"}));
         let plain = output_line(true, "oops\n".into());
         assert_eq!(plain["type"], "stderr");

@@ -10,13 +10,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use axum::Extension;
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
-use axum::Extension;
 use bytes::Bytes;
-use kiln_core::process::ProcessEvent;
 use kiln_core::TerminalSize;
+use kiln_core::process::ProcessEvent;
 use kiln_runtime::exec::{self, CodeExec, PythonProgram};
 use kiln_runtime::processes::{self, Follow, Running, StartProcess};
 use serde::Deserialize;
@@ -112,7 +112,9 @@ pub async fn rpc(
         .get("keepalive-ping-interval")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
-        .map_or(Duration::from_secs(50), |s| Duration::from_secs(s.clamp(1, 3600)));
+        .map_or(Duration::from_secs(50), |s| {
+            Duration::from_secs(s.clamp(1, 3600))
+        });
     let deadline = headers
         .get("connect-timeout-ms")
         .and_then(|v| v.to_str().ok())
@@ -171,7 +173,10 @@ async fn unary(e2b: &E2b, ctx: &SandboxCtx, method: &str, body: &[u8]) -> Result
             let processes: Vec<Value> = all
                 .iter()
                 .map(|p| {
-                    let (cmd, args) = p.argv.split_first().map_or((String::new(), &[][..]), |(c, a)| (c.clone(), a));
+                    let (cmd, args) = p
+                        .argv
+                        .split_first()
+                        .map_or((String::new(), &[][..]), |(c, a)| (c.clone(), a));
                     json!({
                         "config": {"cmd": cmd, "args": args, "envs": p.env, "cwd": p.cwd},
                         "pid": p.pid,
@@ -191,7 +196,9 @@ async fn unary(e2b: &E2b, ctx: &SandboxCtx, method: &str, body: &[u8]) -> Result
         }
         "CloseStdin" => {
             let asked: SelectRequest = connect::decode(body, false)?;
-            find(e2b, ctx, &asked.process)?.write_stdin(Vec::new(), true).await?;
+            find(e2b, ctx, &asked.process)?
+                .write_stdin(Vec::new(), true)
+                .await?;
             Ok(json!({}))
         }
         "SendSignal" => {
@@ -203,8 +210,14 @@ async fn unary(e2b: &E2b, ctx: &SandboxCtx, method: &str, body: &[u8]) -> Result
                     "SIGNAL_SIGTERM" => 15,
                     _ => return Err(RpcError::invalid(format!("unknown signal {name}"))),
                 },
-                Some(Value::Number(n)) if matches!(n.as_u64(), Some(9 | 15)) => n.as_u64().unwrap_or(9) as i32,
-                _ => return Err(RpcError::invalid("signal is SIGNAL_SIGKILL or SIGNAL_SIGTERM")),
+                Some(Value::Number(n)) if matches!(n.as_u64(), Some(9 | 15)) => {
+                    n.as_u64().unwrap_or(9) as i32
+                }
+                _ => {
+                    return Err(RpcError::invalid(
+                        "signal is SIGNAL_SIGKILL or SIGNAL_SIGTERM",
+                    ));
+                }
             };
             running.signal(signal).await?;
             Ok(json!({}))
@@ -214,7 +227,10 @@ async fn unary(e2b: &E2b, ctx: &SandboxCtx, method: &str, body: &[u8]) -> Result
             let running = find(e2b, ctx, &asked.process)?;
             if let Some(size) = asked.pty.and_then(|p| p.size) {
                 if !running.terminal {
-                    return Err(RpcError::new("failed_precondition", "the process has no terminal"));
+                    return Err(RpcError::new(
+                        "failed_precondition",
+                        "the process has no terminal",
+                    ));
                 }
                 running.resize(terminal_size(&size)?).await?;
             }
@@ -326,7 +342,8 @@ fn follow(
         };
         let give_up = tokio::time::sleep(deadline.unwrap_or(Duration::from_secs(u64::MAX >> 2)));
         tokio::pin!(give_up);
-        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+        let mut ticks =
+            tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
         loop {
             let frame = tokio::select! {
                 event = events.recv() => match event {
@@ -418,7 +435,10 @@ async fn wasm_command(
         let frames = vec![
             start,
             event_frame(&ProcessEvent::Stderr(Bytes::from(why))),
-            event_frame(&ProcessEvent::Exited { code: Some(127), signal: None }),
+            event_frame(&ProcessEvent::Exited {
+                code: Some(127),
+                signal: None,
+            }),
             connect::end_stream(None),
         ];
         return connect::stream_response(futures::stream::iter(frames));
@@ -447,14 +467,23 @@ async fn wasm_command(
             }
             Err(e) => {
                 let message = format!("kiln: {e}\n");
-                let _ = tx.send(event_frame(&ProcessEvent::Stderr(Bytes::from(message)))).await;
-                let _ = tx.send(event_frame(&ProcessEvent::Exited { code: Some(1), signal: None })).await;
+                let _ = tx
+                    .send(event_frame(&ProcessEvent::Stderr(Bytes::from(message))))
+                    .await;
+                let _ = tx
+                    .send(event_frame(&ProcessEvent::Exited {
+                        code: Some(1),
+                        signal: None,
+                    }))
+                    .await;
                 let _ = tx.send(connect::end_stream(None)).await;
                 return;
             }
         };
-        let run = tokio::spawn(async move { exec::run(&rt, &caller, &id, spec, Some(chunks_tx)).await });
-        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+        let run =
+            tokio::spawn(async move { exec::run(&rt, &caller, &id, spec, Some(chunks_tx)).await });
+        let mut ticks =
+            tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
         loop {
             tokio::select! {
                 chunk = chunks.recv() => match chunk {
@@ -480,7 +509,11 @@ async fn wasm_command(
                 let reason = outcome.stderr_with_reason();
                 let own = outcome.result.stderr_text();
                 if let Some(extra) = reason.strip_prefix(own.as_str()).filter(|r| !r.is_empty()) {
-                    let _ = tx.send(event_frame(&ProcessEvent::Stderr(Bytes::from(extra.to_owned())))).await;
+                    let _ = tx
+                        .send(event_frame(&ProcessEvent::Stderr(Bytes::from(
+                            extra.to_owned(),
+                        ))))
+                        .await;
                 }
                 ProcessEvent::Exited {
                     code: Some(outcome.result.exit_code),
@@ -488,11 +521,22 @@ async fn wasm_command(
                 }
             }
             Ok(Err(e)) => {
-                let message = format!("kiln: {}\n", kiln_runtime::sandbox::scrub_paths(&e.to_string()));
-                let _ = tx.send(event_frame(&ProcessEvent::Stderr(Bytes::from(message)))).await;
-                ProcessEvent::Exited { code: Some(1), signal: None }
+                let message = format!(
+                    "kiln: {}\n",
+                    kiln_runtime::sandbox::scrub_paths(&e.to_string())
+                );
+                let _ = tx
+                    .send(event_frame(&ProcessEvent::Stderr(Bytes::from(message))))
+                    .await;
+                ProcessEvent::Exited {
+                    code: Some(1),
+                    signal: None,
+                }
             }
-            Err(_) => ProcessEvent::Exited { code: None, signal: Some(9) },
+            Err(_) => ProcessEvent::Exited {
+                code: None,
+                signal: Some(9),
+            },
         };
         let _ = tx.send(event_frame(&end)).await;
         let _ = tx.send(connect::end_stream(None)).await;
@@ -525,7 +569,10 @@ fn python_command(argv: &[String]) -> Option<(BTreeMap<String, String>, PythonCo
     let mut words = words.into_iter().peekable();
     while let Some(word) = words.peek() {
         match word.split_once('=') {
-            Some((name, value)) if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') => {
+            Some((name, value))
+                if !name.is_empty()
+                    && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') =>
+            {
                 env.insert(name.to_owned(), value.to_owned());
                 words.next();
             }
@@ -616,7 +663,8 @@ fn split_words(line: &str) -> Option<Vec<String>> {
                     in_word = false;
                 }
             }
-            '|' | '&' | ';' | '<' | '>' | '(' | ')' | '$' | '`' | '*' | '?' | '[' | '{' | '}' | '#' | '~' => return None,
+            '|' | '&' | ';' | '<' | '>' | '(' | ')' | '$' | '`' | '*' | '?' | '[' | '{' | '}'
+            | '#' | '~' => return None,
             c => {
                 in_word = true;
                 word.push(c);
@@ -639,10 +687,28 @@ mod tests {
 
     #[test]
     fn words_split_as_a_shell_splits_them() {
-        assert_eq!(split_words("python3 -c 'print(1)'").unwrap(), strings(&["python3", "-c", "print(1)"]));
-        assert_eq!(split_words(r#"a "b c" d\ e ''"#).unwrap(), strings(&["a", "b c", "d e", ""]));
-        assert_eq!(split_words(r#""say \"hi\"""#).unwrap(), strings(&["say \"hi\""]));
-        for shell in ["a | b", "a > f", "echo $HOME", "a; b", "a && b", "\"$(x)\"", "ls *", "'open"] {
+        assert_eq!(
+            split_words("python3 -c 'print(1)'").unwrap(),
+            strings(&["python3", "-c", "print(1)"])
+        );
+        assert_eq!(
+            split_words(r#"a "b c" d\ e ''"#).unwrap(),
+            strings(&["a", "b c", "d e", ""])
+        );
+        assert_eq!(
+            split_words(r#""say \"hi\"""#).unwrap(),
+            strings(&["say \"hi\""])
+        );
+        for shell in [
+            "a | b",
+            "a > f",
+            "echo $HOME",
+            "a; b",
+            "a && b",
+            "\"$(x)\"",
+            "ls *",
+            "'open",
+        ] {
             assert_eq!(split_words(shell), None, "{shell}");
         }
     }
@@ -650,14 +716,22 @@ mod tests {
     #[test]
     fn python_commands_are_recognised_and_others_are_not() {
         let bash = |line: &str| strings(&["/bin/bash", "-l", "-c", line]);
-        let (env, cmd) = python_command(&bash("FOO=bar python3 -c 'import os; print(1)' x")).unwrap();
+        let (env, cmd) =
+            python_command(&bash("FOO=bar python3 -c 'import os; print(1)' x")).unwrap();
         assert_eq!(env.get("FOO").map(String::as_str), Some("bar"));
         assert!(cmd.code.contains("import os; print(1)") && cmd.file.is_none());
         let (_, cmd) = python_command(&bash("python /home/user/app.py a b")).unwrap();
         assert_eq!(cmd.file.unwrap().as_str(), "app.py");
         assert_eq!(cmd.args, strings(&["a", "b"]));
         assert!(python_command(&bash("python -m json.tool")).is_some());
-        for other in ["echo hi", "ls", "python3 -V", "python3 -c", "node -e 1", "pip install x"] {
+        for other in [
+            "echo hi",
+            "ls",
+            "python3 -V",
+            "python3 -c",
+            "node -e 1",
+            "pip install x",
+        ] {
             assert!(python_command(&bash(other)).is_none(), "{other}");
         }
         assert!(python_command(&strings(&["python3", "-c", "print(2)"])).is_some());
