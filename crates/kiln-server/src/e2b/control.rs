@@ -245,7 +245,9 @@ async fn create_sandbox(
             .memory_bytes
             .max(template.resources.map_or(0, |r| r.memory_mb << 20)),
     );
-    if asked.allow_internet_access == Some(true) {
+    // E2B's SDKs ask for the internet by default; a Linux sandbox gets the operator's
+    // allowlist, and a WebAssembly one has no network to grant (it is not an error).
+    if asked.allow_internet_access == Some(true) && template.backend == BackendKind::Native {
         spec = spec
             .with_network(rt.catalogue(), Some("allowlist"))
             .map_err(failed)?;

@@ -396,6 +396,19 @@ async fn execute(
             (default_context(language).to_owned(), language)
         }
     };
+    // Cells queue as a kernel's do: wait (a while) for the sandbox's running work to end.
+    if let Err(response) = wait_idle(&e2b, &ctx).await {
+        return response;
+    }
+    // A context whose state ended (an interrupted or timed-out cell, a restart of kiln)
+    // starts afresh, as a restarted kernel would, and the cell says so.
+    let mut restarted = false;
+    if let Ok((_, None)) = rt.registry.session(&ctx.caller.tenant, ctx.id(), &session) {
+        if let Err(e) = sessions::restart(rt, &ctx.caller, ctx.id(), &session).await {
+            return failed(e);
+        }
+        restarted = true;
+    }
     let env = asked.env_vars.unwrap_or_default();
     let code = match language {
         Language::Python => python_cell(&asked.code, &env),
@@ -437,6 +450,10 @@ async fn execute(
         };
     }
     let (lines_tx, lines) = mpsc::channel::<Bytes>(256);
+    if restarted {
+        let note = "kiln: this context's earlier state was lost (a cell was interrupted or timed out, or the server restarted); it was restarted\n";
+        let _ = lines_tx.try_send(line(&output_line(true, note.to_owned())));
+    }
     let cancel = CancelOnDrop {
         rt,
         tenant: caller.tenant.clone(),
@@ -460,6 +477,34 @@ async fn execute(
         axum::body::Body::from_stream(stream),
     )
         .into_response()
+}
+
+/// The longest a cell waits for the sandbox's running work before it is refused.
+const QUEUE_WAIT: Duration = Duration::from_secs(60);
+
+async fn wait_idle(e2b: &E2b, ctx: &SandboxCtx) -> Result<(), Response> {
+    let until = tokio::time::Instant::now() + QUEUE_WAIT;
+    loop {
+        let view = e2b
+            .app
+            .runtime
+            .registry
+            .get(&ctx.caller.tenant, ctx.id())
+            .map_err(failed)?;
+        let Some(running) = view.running else {
+            return Ok(());
+        };
+        if tokio::time::Instant::now() >= until {
+            return Err(text(
+                StatusCode::CONFLICT,
+                format!(
+                    "the sandbox has been busy with {running} for over {} s",
+                    QUEUE_WAIT.as_secs()
+                ),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Cancels the cell when its client goes away before the end (E2B's interrupt).
