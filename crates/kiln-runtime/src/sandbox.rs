@@ -666,6 +666,17 @@ impl Registry {
             .map(Registry::view)
     }
 
+    /// The first live sandbox (of any tenant) `wanted` picks.
+    pub fn find_live(&self, wanted: impl Fn(&Sandbox) -> bool) -> Option<SandboxView> {
+        let now = now_ms();
+        let sandboxes = self.lock();
+        sandboxes
+            .values()
+            .filter(|e| e.meta.expires_ms > now && !e.deleted)
+            .find(|e| wanted(&e.meta))
+            .map(Registry::view)
+    }
+
     /// A tenant's sandboxes, oldest first, `limit` after the one with id `after`.
     pub fn list(
         &self,

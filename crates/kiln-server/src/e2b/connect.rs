@@ -131,6 +131,14 @@ pub fn decode<T: DeserializeOwned>(body: &[u8], streaming: bool) -> Result<T, Rp
     } else {
         json
     };
+    message(json)
+}
+
+/// A message: a JSON object (serde would also take an array for a struct).
+fn message<T: DeserializeOwned>(json: &[u8]) -> Result<T, RpcError> {
+    if json.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(RpcError::invalid("a message is a JSON object"));
+    }
     serde_json::from_slice(json).map_err(|e| RpcError::invalid(format!("malformed message: {e}")))
 }
 
@@ -142,10 +150,11 @@ pub fn decode_all<T: DeserializeOwned>(mut body: &[u8]) -> Result<Vec<T>, RpcErr
         if flags & 2 != 0 {
             break;
         }
-        all.push(
-            serde_json::from_slice(if message.is_empty() { b"{}" } else { message })
-                .map_err(|e| RpcError::invalid(format!("malformed message: {e}")))?,
-        );
+        all.push(self::message(if message.is_empty() {
+            b"{}"
+        } else {
+            message
+        })?);
     }
     Ok(all)
 }

@@ -67,7 +67,7 @@ async fn authenticate(State(e2b): State<Arc<E2b>>, mut request: Request, next: N
 }
 
 /// Whether `query` carries a valid, unexpired v1 signature for its path and this method.
-fn signature_ok(sandbox: &Sandbox, query: &str, method: &axum::http::Method) -> bool {
+pub(crate) fn signature_ok(sandbox: &Sandbox, query: &str, method: &axum::http::Method) -> bool {
     let Ok(params) = serde_urlencoded::from_str::<Vec<(String, String)>>(query) else {
         return false;
     };

@@ -59,6 +59,7 @@ pub struct E2b {
 
 /// The three planes, for the dispatcher.
 struct Planes {
+    e2b: Arc<E2b>,
     domain: Option<String>,
     control: Router,
     envd: Router,
@@ -107,7 +108,8 @@ pub fn router(app: Arc<AppState>, config: E2bConfig) -> Router {
         domain: config.domain,
         control: control::router(e2b.clone()),
         envd: envd::router(e2b.clone()),
-        jupyter: jupyter::router(e2b),
+        jupyter: jupyter::router(e2b.clone()),
+        e2b,
     });
     Router::new()
         .fallback(dispatch)
@@ -119,7 +121,17 @@ pub fn router(app: Arc<AppState>, config: E2bConfig) -> Router {
 
 /// Sends a request to the plane it is for.
 async fn dispatch(State(planes): State<Arc<Planes>>, mut request: Request) -> Response {
-    let target = target(request.headers(), planes.domain.as_deref());
+    // Control-plane paths never overlap the sandbox planes'; some SDKs send the sandbox
+    // headers on control-plane calls too (connect, in e2b 2.26).
+    let path = request.uri().path();
+    let control =
+        path.starts_with("/sandboxes") || path.starts_with("/v2/") || path.starts_with("/v1/");
+    let target = if control {
+        None
+    } else {
+        target(request.headers(), planes.domain.as_deref())
+            .or_else(|| signed_target(&planes.e2b, &request))
+    };
     let plane = match &target {
         None => planes.control.clone(),
         Some(t) if t.port == JUPYTER_PORT => planes.jupyter.clone(),
@@ -155,6 +167,26 @@ fn target(headers: &HeaderMap, domain: Option<&str>) -> Option<Target> {
     Some(Target {
         e2b_id: id.to_owned(),
         port: port.parse().ok()?,
+    })
+}
+
+/// The sandbox a signed file URL is for: a URL the SDK signs names no sandbox (it is meant
+/// for a browser), but its signature holds the sandbox's token, which only one sandbox has.
+fn signed_target(e2b: &E2b, request: &Request) -> Option<Target> {
+    if request.uri().path() != "/files" {
+        return None;
+    }
+    let query = request.uri().query()?;
+    if !query.contains("signature=") {
+        return None;
+    }
+    let method = request.method();
+    let view = e2b.app.runtime.registry.find_live(|sandbox| {
+        sandbox.access_token.is_some() && envd::signature_ok(sandbox, query, method)
+    })?;
+    Some(Target {
+        e2b_id: e2b_id(&view.meta.id).to_owned(),
+        port: 49983,
     })
 }
 
