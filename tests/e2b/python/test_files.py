@@ -9,7 +9,7 @@ import pytest
 from e2b.exceptions import FileNotFoundException, InvalidArgumentException, SandboxException
 from e2b.sandbox.filesystem.filesystem import FileType
 
-from conftest import sdk_at_least
+
 
 
 def test_write_then_read_text_and_bytes(sandbox):
@@ -46,13 +46,11 @@ def test_write_files_writes_several(sandbox):
     assert sandbox.files.read("m/two.txt") == "2"
 
 
-@sdk_at_least("2.40.0", "streamed (octet-stream) uploads of file objects")
 def test_a_file_object_is_streamed_up(sandbox):
     sandbox.files.write("streamed.bin", io.BytesIO(b"x" * 200_000))
     assert len(sandbox.files.read("streamed.bin", format="bytes")) == 200_000
 
 
-@sdk_at_least("2.40.0", "gzip uploads and downloads")
 def test_gzip_both_ways(sandbox):
     text = "compress me " * 1000
     sandbox.files.write("zipped.txt", text, gzip=True)
