@@ -118,3 +118,12 @@ def test_commands_on_the_webassembly_code_interpreter(sandbox_factory):
         sbx.commands.run("ls -la")
     assert raised.value.exit_code == 127
     assert "no shell" in raised.value.stderr
+
+
+def test_running_as_another_user_is_refused(sandbox):
+    with pytest.raises(Exception) as raised:
+        sandbox.commands.run("whoami", user="root")
+    assert "not supported" in str(raised.value)
+    assert sandbox.commands.run("whoami", user="user").stdout == "user\n"
+    with pytest.raises(Exception):
+        sandbox.files.read("x", user="root")

@@ -63,7 +63,43 @@ async fn authenticate(State(e2b): State<Arc<E2b>>, mut request: Request, next: N
             return response;
         }
     }
+    if let Some(user) = asked_user(&request, &query)
+        && user != "user"
+    {
+        let message = format!(
+            "kiln's sandboxes run everything as \"user\"; running as {user:?} is not supported"
+        );
+        return if files {
+            error(StatusCode::UNAUTHORIZED, message)
+        } else {
+            RpcError::new("permission_denied", message).unary()
+        };
+    }
     next.run(request).await
+}
+
+/// The user a request asks to act as: Basic auth's user name (`user=` in the SDKs), or
+/// `/files`'s `username`.
+fn asked_user(request: &Request, query: &str) -> Option<String> {
+    let basic = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b| {
+            base64::engine::general_purpose::STANDARD
+                .decode(b.trim())
+                .ok()
+        })
+        .and_then(|raw| String::from_utf8(raw).ok())
+        .map(|pair| pair.split(':').next().unwrap_or_default().to_owned());
+    basic.filter(|u| !u.is_empty()).or_else(|| {
+        serde_urlencoded::from_str::<Vec<(String, String)>>(query)
+            .ok()?
+            .into_iter()
+            .find(|(k, v)| k == "username" && !v.is_empty())
+            .map(|(_, v)| v)
+    })
 }
 
 /// Whether `query` carries a valid, unexpired v1 signature for its path and this method.

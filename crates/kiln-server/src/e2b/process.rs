@@ -342,9 +342,10 @@ fn follow(
         };
         // Said a little before the client's own deadline, so the client reads the reason
         // rather than a bare read timeout.
-        let give_up = tokio::time::sleep(deadline.map_or(Duration::from_secs(u64::MAX >> 2), |d| {
-            d.saturating_sub((d / 20).max(Duration::from_millis(50)))
-        }));
+        let give_up =
+            tokio::time::sleep(deadline.map_or(Duration::from_secs(u64::MAX >> 2), |d| {
+                d.saturating_sub((d / 20).max(Duration::from_millis(50)))
+            }));
         tokio::pin!(give_up);
         let mut ticks =
             tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
