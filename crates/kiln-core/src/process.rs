@@ -57,6 +57,9 @@ pub trait Process: Send + Sync {
 /// The events of a started process.
 pub type ProcessEvents = tokio::sync::mpsc::UnboundedReceiver<ProcessEvent>;
 
+/// A started process and its events.
+pub type Started = (Box<dyn Process>, ProcessEvents);
+
 /// What a sandbox's box uses now.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BoxUsage {
@@ -74,7 +77,7 @@ pub trait ProcessHost: Send + Sync + 'static {
         &'a self,
         request: &'a ExecRequest,
         spec: ProcessSpec,
-    ) -> BoxFuture<'a, Result<(Box<dyn Process>, ProcessEvents), BackendError>>;
+    ) -> BoxFuture<'a, Result<Started, BackendError>>;
 
     /// What the live box of `workspace` uses now; `None` when none runs.
     fn usage<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, Option<BoxUsage>>;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kiln_core::backend::{BackendError, ErrorKind};
 use kiln_core::process::{
-    BoxFuture, BoxUsage, Process, ProcessEvent, ProcessEvents, ProcessHost, ProcessSpec,
+    BoxFuture, BoxUsage, Process, ProcessEvent, ProcessHost, ProcessSpec, Started,
 };
 use kiln_core::{ExecRequest, TerminalSize};
 use kiln_guest::proto::{Reply, WindowSize};
@@ -66,7 +66,7 @@ impl ProcessHost for NativeBackend {
         &'a self,
         request: &'a ExecRequest,
         spec: ProcessSpec,
-    ) -> BoxFuture<'a, Result<(Box<dyn Process>, ProcessEvents), BackendError>> {
+    ) -> BoxFuture<'a, Result<Started, BackendError>> {
         Box::pin(async move {
             let template = self.template(request)?;
             let Some(workspace) = &request.workspace else {

@@ -120,7 +120,7 @@ pub struct SandboxUsage {
 /// size as last recorded where it has no volume of its own.
 pub fn disk_used(sandbox: &crate::sandbox::Sandbox) -> u64 {
     if sandbox.volume
-        && let Ok(stat) = rustix::fs::statvfs(&sandbox.volume_dir())
+        && let Ok(stat) = rustix::fs::statvfs(sandbox.volume_dir())
     {
         return (stat.f_blocks - stat.f_bfree) * stat.f_frsize;
     }

@@ -12,8 +12,6 @@ use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 
 use crate::output::{CappedPipe, StreamKind};
 
-/// The guest's working directory when a workspace is granted.
-
 /// What a store used, readable by the host while the guest runs elsewhere.
 #[derive(Debug, Default)]
 pub(crate) struct Stats {

@@ -160,7 +160,10 @@ pub fn decode_all<T: DeserializeOwned>(mut body: &[u8]) -> Result<Vec<T>, RpcErr
 }
 
 /// The first envelope of `body`: its flags, its message and what follows; `None` if empty.
-fn split_envelope(body: &[u8]) -> Result<Option<(u8, &[u8], &[u8])>, RpcError> {
+/// An envelope's flags, its message and what follows it.
+type Envelope<'a> = (u8, &'a [u8], &'a [u8]);
+
+fn split_envelope(body: &[u8]) -> Result<Option<Envelope<'_>>, RpcError> {
     if body.is_empty() {
         return Ok(None);
     }
