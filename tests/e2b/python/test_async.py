@@ -39,3 +39,20 @@ async def test_async_code(async_interpreter):
     assert lines == ["streamed\n"]
     failed = await async_interpreter.run_code("undefined_name")
     assert failed.error.name == "NameError"
+
+
+async def test_async_watch_dir_streams_events(async_sandbox):
+    import asyncio
+
+    from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+
+    await async_sandbox.files.make_dir("live")
+    seen = []
+    handle = await async_sandbox.files.watch_dir("live", on_event=seen.append)
+    await async_sandbox.files.write("live/a.txt", "a")
+    for _ in range(50):
+        if any(e.name == "a.txt" and e.type == FilesystemEventType.CREATE for e in seen):
+            break
+        await asyncio.sleep(0.1)
+    await handle.stop()
+    assert any(e.name == "a.txt" and e.type == FilesystemEventType.CREATE for e in seen)

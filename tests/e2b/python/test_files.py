@@ -199,3 +199,34 @@ def test_oversized_and_malformed_uploads_are_refused(sandbox):
         headers={**headers, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
     )
     assert response.status_code == 400
+
+
+def test_watch_dir_sees_writes_and_removes(sandbox):
+    from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+
+    sandbox.files.make_dir("watched")
+    handle = sandbox.files.watch_dir("watched")
+    sandbox.files.write("watched/new.txt", "content")
+    sandbox.commands.run("echo more >> /home/user/watched/new.txt; touch /home/user/watched/other")
+    events = handle.get_new_events()
+    said = {(e.name, e.type) for e in events}
+    assert ("new.txt", FilesystemEventType.CREATE) in said
+    assert ("new.txt", FilesystemEventType.WRITE) in said
+    assert ("other", FilesystemEventType.CREATE) in said
+    sandbox.files.remove("watched/new.txt")
+    assert ("new.txt", FilesystemEventType.REMOVE) in {(e.name, e.type) for e in handle.get_new_events()}
+    assert handle.get_new_events() == []
+    handle.stop()
+
+
+def test_watch_dir_recursive_and_a_missing_folder(sandbox):
+    from e2b.exceptions import NotFoundException
+    from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+
+    sandbox.files.make_dir("tree/sub")
+    handle = sandbox.files.watch_dir("tree", recursive=True)
+    sandbox.files.write("tree/sub/deep.txt", "x")
+    assert ("sub/deep.txt", FilesystemEventType.CREATE) in {(e.name, e.type) for e in handle.get_new_events()}
+    handle.stop()
+    with pytest.raises((NotFoundException, SandboxException)):
+        sandbox.files.watch_dir("no-such-folder")

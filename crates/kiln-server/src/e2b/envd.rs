@@ -275,13 +275,20 @@ async fn filesystem(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let streaming = connect::is_streaming(&headers);
-    if streaming {
+    if method == "WatchDir" {
+        let keepalive = headers
+            .get("keepalive-ping-interval")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(std::time::Duration::from_secs(50), |s| {
+                std::time::Duration::from_secs(s.clamp(1, 3600))
+            });
+        return super::watch::stream(e2b, ctx, &body, keepalive).await;
+    }
+    if connect::is_streaming(&headers) {
         return connect::stream_error(RpcError::new(
             "unimplemented",
-            format!(
-                "kiln does not watch folders yet (filesystem.Filesystem/{method}); poll with files.list"
-            ),
+            format!("filesystem.Filesystem/{method} is not a streaming call"),
         ));
     }
     connect::unary(filesystem_call(&e2b, &ctx, &method, &body).await)
@@ -350,10 +357,9 @@ async fn filesystem_call(
                 .map_err(|e| not_found_as(e, &format!("path '{}' does not exist", asked.path)))?;
             Ok(json!({}))
         }
-        "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" | "WatchDir" => Err(RpcError::new(
-            "unimplemented",
-            "kiln does not watch folders yet; poll with files.list",
-        )),
+        "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {
+            super::watch::unary(e2b, ctx, method, body).await
+        }
         other => Err(RpcError::new(
             "unimplemented",
             format!("filesystem.Filesystem has no method {other}"),

@@ -22,6 +22,7 @@ pub mod control;
 pub mod envd;
 pub mod jupyter;
 pub mod process;
+pub mod watch;
 
 use std::sync::Arc;
 
@@ -59,6 +60,8 @@ pub struct E2bConfig {
 pub struct E2b {
     pub app: Arc<AppState>,
     pub config: E2bConfig,
+    /// Folder watchers (envd's CreateWatcher).
+    pub watchers: watch::Watchers,
 }
 
 /// The three planes, for the dispatcher.
@@ -107,6 +110,7 @@ pub fn router(app: Arc<AppState>, config: E2bConfig) -> Router {
     let e2b = Arc::new(E2b {
         app: app.clone(),
         config: config.clone(),
+        watchers: watch::Watchers::default(),
     });
     let planes = Arc::new(Planes {
         domain: config.domain,
