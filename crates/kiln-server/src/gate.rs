@@ -121,6 +121,19 @@ fn declared_length(request: &Request) -> Option<u64> {
 #[derive(Debug, Clone)]
 pub struct KeyId(pub String);
 
+/// The route a response answered, where an inner router matched it (the E2B facade's
+/// planes): it names the route in logs and metrics instead of `unmatched`.
+#[derive(Debug, Clone)]
+pub struct RouteLabel(pub String);
+
+/// The route the response names, else the one the request matched.
+fn answered_route(route: String, response: &Response) -> String {
+    response
+        .extensions()
+        .get::<RouteLabel>()
+        .map_or(route, |label| label.0.clone())
+}
+
 /// The route pattern a request matched (`unmatched` for none): metrics and logs name
 /// patterns, never raw paths.
 fn route_of(request: &Request) -> String {
@@ -156,6 +169,7 @@ pub async fn access_log(request: Request, next: Next) -> Response {
         .get::<RequestId>()
         .map_or_else(String::new, |r| r.0.clone());
     let response = next.run(request).await;
+    let route = answered_route(route, &response);
     let key = response
         .extensions()
         .get::<KeyId>()
@@ -181,6 +195,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>, request: Request, next:
     let method = request.method().clone();
     let route = route_of(&request);
     let response = next.run(request).await;
+    let route = answered_route(route, &response);
     let metrics = &state.runtime.metrics;
     metrics.request(
         method.as_str(),

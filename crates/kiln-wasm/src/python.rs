@@ -219,9 +219,17 @@ impl PythonGuest {
         if result.success() {
             return Ok(());
         }
+        // The guest's own words, else how the turn ended (a deadline, a trap, the memory cap).
+        let stderr = result.stderr_text();
+        let why = match stderr.trim() {
+            "" => result.outcome.reason(limits).unwrap_or_else(|| {
+                format!("exit code {} ({:?})", result.exit_code, result.outcome)
+            }),
+            said => said.to_owned(),
+        };
         Err(instantiate_error(
             Language::Python,
-            format!("setting up {what} failed: {}", result.stderr_text().trim()),
+            format!("setting up {what} failed: {why}"),
         ))
     }
 

@@ -230,3 +230,11 @@ def test_watch_dir_recursive_and_a_missing_folder(sandbox):
     handle.stop()
     with pytest.raises((NotFoundException, SandboxException)):
         sandbox.files.watch_dir("no-such-folder")
+
+
+def test_unicode_names_and_content(sandbox):
+    name = "dünne Luft/日本語 file.txt"
+    sandbox.files.write(name, "Grüße, 世界 ✓")
+    assert sandbox.files.read(name) == "Grüße, 世界 ✓"
+    assert "日本語 file.txt" in [e.name for e in sandbox.files.list("dünne Luft")]
+    assert sandbox.commands.run(f"cat '/home/user/{name}'").stdout == "Grüße, 世界 ✓"

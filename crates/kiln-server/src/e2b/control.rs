@@ -47,6 +47,7 @@ pub fn router(e2b: Arc<E2b>) -> Router {
                 ),
             )
         })
+        .route_layer(from_fn_with_state("control", super::label))
         .with_state(e2b.clone())
         .layer(from_fn_with_state(app, gate::rate_limit))
         .layer(from_fn_with_state(e2b, authenticate))

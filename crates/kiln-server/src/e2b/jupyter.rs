@@ -54,6 +54,7 @@ pub fn router(e2b: Arc<E2b>) -> Router {
                 format!("no route {} {}", request.method(), request.uri().path()),
             )
         })
+        .route_layer(from_fn_with_state("interpreter", super::label))
         .with_state(e2b.clone())
         .layer(from_fn_with_state(e2b, authenticate))
 }

@@ -154,6 +154,37 @@ async fn dispatch(State(planes): State<Arc<Planes>>, mut request: Request) -> Re
     }
 }
 
+/// Names the route a plane matched (`e2b envd /files`) for the access log and metrics, and
+/// the key or sandbox that acted.
+pub async fn label(
+    State(plane): State<&'static str>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|p| format!("e2b {plane} {}", p.as_str()));
+    let actor = request
+        .extensions()
+        .get::<Caller>()
+        .map(|c| c.key_id.clone())
+        .or_else(|| {
+            request
+                .extensions()
+                .get::<SandboxCtx>()
+                .map(|c| c.caller.key_id.clone())
+        });
+    let mut response = next.run(request).await;
+    if let Some(route) = route {
+        response.extensions_mut().insert(gate::RouteLabel(route));
+    }
+    if let Some(actor) = actor {
+        response.extensions_mut().insert(gate::KeyId(actor));
+    }
+    response
+}
+
 /// The sandbox a request names: by `E2b-Sandbox-Id` (and `E2b-Sandbox-Port`), or by a
 /// `Host` of `{port}-{id}.{domain}`.
 fn target(headers: &HeaderMap, domain: Option<&str>) -> Option<Target> {
