@@ -145,3 +145,24 @@ def test_cells_on_a_linux_sandbox(test_id):
         assert sbx.run_code("1/0").error.name == "ZeroDivisionError"
     finally:
         sbx.kill()
+
+
+def test_json_and_markdown_formats(interpreter):
+    execution = interpreter.run_code(
+        "class Report:\n"
+        "    def _repr_json_(self):\n"
+        "        return {'rows': 2, 'ok': True}\n"
+        "    def _repr_markdown_(self):\n"
+        "        return '**two rows**'\n"
+        "Report()"
+    )
+    result = execution.results[0]
+    assert result.json == {"rows": 2, "ok": True}
+    assert result.markdown == "**two rows**"
+    assert set(result.formats()) >= {"json", "markdown"}
+
+
+def test_a_long_cell_is_kept_alive(interpreter):
+    # The stream carries keepalives every 5 s while the cell runs; the SDK skips them.
+    execution = interpreter.run_code("import time\ntime.sleep(6)\n'still here'", timeout=30)
+    assert execution.text == "still here"
