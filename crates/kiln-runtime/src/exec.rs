@@ -333,6 +333,33 @@ async fn run_attached(
     })
 }
 
+/// What a run executes: its code, or its program file (read now, while the sandbox is busy
+/// with the run).
+fn program_code(state: &Runtime, sandbox: &Sandbox, spec: &RunSpec) -> Result<String> {
+    let Some(name) = &spec.code_file else {
+        return Ok(spec.code.clone());
+    };
+    let source = read_program(&sandbox.tree()?, name)?;
+    // CPython's command-line semantics, where CPython runs it (WebAssembly); a Linux
+    // template runs the command itself, and a test backend reads the source.
+    let cpython = state
+        .catalogue()
+        .get(sandbox.template())
+        .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm);
+    if spec.language != Language::Python || !cpython {
+        return Ok(source);
+    }
+    let home = sandbox
+        .workspace_at
+        .as_deref()
+        .unwrap_or(kiln_core::WORKSPACE_GUEST);
+    Ok(python_launcher_at(
+        &PythonProgram::Script(name.as_str()),
+        &spec.args,
+        home,
+    ))
+}
+
 async fn run_in(
     state: &Runtime,
     sandbox: &Sandbox,
@@ -347,27 +374,7 @@ async fn run_in(
     if !spec.files.is_empty() {
         write_files(&sandbox.tree()?, &spec.files)?;
     }
-    let code = match &spec.code_file {
-        None => spec.code.clone(),
-        Some(name) => {
-            let source = read_program(&sandbox.tree()?, name)?;
-            // CPython's command-line semantics, where CPython runs it (WebAssembly); a Linux
-            // template runs the command itself, and a test backend reads the source.
-            let cpython = state
-                .catalogue()
-                .get(sandbox.template())
-                .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm);
-            if spec.language == Language::Python && cpython {
-                let home = sandbox
-                    .workspace_at
-                    .as_deref()
-                    .unwrap_or(kiln_core::WORKSPACE_GUEST);
-                python_launcher_at(&PythonProgram::Script(name.as_str()), &spec.args, home)
-            } else {
-                source
-            }
-        }
-    };
+    let code = program_code(state, sandbox, spec)?;
     let remaining_ms = sandbox.expires_ms.saturating_sub(now_ms()).max(1);
     let mut limits = Limits {
         memory_bytes: sandbox.memory_bytes,

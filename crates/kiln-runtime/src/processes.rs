@@ -57,6 +57,16 @@ pub enum Follow {
 }
 
 impl Running {
+    /// Says its end to its followers, once: kept and sent under one lock, so a follower
+    /// arriving now either finds it kept or receives it.
+    fn end(&self, event: ProcessEvent) {
+        let mut exited = self.exited.lock().unwrap_or_else(|e| e.into_inner());
+        if exited.is_none() {
+            *exited = Some(event.clone());
+            let _ = self.events.send(event);
+        }
+    }
+
     /// Follows it from now on.
     pub fn follow(&self) -> Follow {
         let exited = self.exited.lock().unwrap_or_else(|e| e.into_inner());
@@ -229,23 +239,8 @@ pub async fn start(
     id: &str,
     asked: StartProcess,
 ) -> Result<(Arc<Running>, broadcast::Receiver<ProcessEvent>)> {
-    let view = rt.registry.get(&caller.tenant, id)?;
-    let sandbox = view.meta;
-    let template = sandbox.template().to_owned();
-    let runs_processes = rt
-        .catalogue()
-        .get(&template)
-        .is_some_and(|t| t.capabilities.commands);
-    let host = match &rt.processes.host {
-        Some(host) if runs_processes => host.clone(),
-        _ => {
-            return Err(RuntimeError::Unsupported {
-                message: format!(
-                    "the {template} template runs code, not processes; create the sandbox from a Linux template to run commands"
-                ),
-            });
-        }
-    };
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    let host = host_for(rt, &sandbox)?;
     check_start(&asked)?;
     if rt.processes.lock().get(id).map_or(0, BTreeMap::len) >= MAX_PROCESSES_PER_SANDBOX {
         return Err(RuntimeError::Saturated {
@@ -254,17 +249,7 @@ pub async fn start(
             ),
         });
     }
-    let mut request = ExecRequest::new(sandbox.language, "");
-    request.template = rt.request_template(&template);
-    request.network = sandbox.network;
-    request.resources = sandbox.resources;
-    request.workspace = Some(sandbox.workspace());
-    request.workspace_at = sandbox.workspace_at.clone();
-    request.env = crate::exec::sandbox_env(&sandbox, &[]);
-    request.limits = Limits {
-        memory_bytes: sandbox.memory_bytes,
-        ..Limits::default()
-    };
+    let request = box_request(rt, &sandbox);
     let spec = ProcessSpec {
         argv: asked.argv.clone(),
         env: asked
@@ -305,28 +290,53 @@ pub async fn start(
     tokio::spawn(async move {
         while let Some(event) = events.recv().await {
             if matches!(event, ProcessEvent::Exited { .. }) {
-                *pump.exited.lock().unwrap_or_else(|e| e.into_inner()) = Some(event.clone());
-                let _ = pump.events.send(event);
+                pump.end(event);
                 break;
             }
             let _ = pump.events.send(event);
         }
-        if pump
-            .exited
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
-        {
-            let end = ProcessEvent::Exited {
-                code: None,
-                signal: Some(libc::SIGKILL),
-            };
-            *pump.exited.lock().unwrap_or_else(|e| e.into_inner()) = Some(end.clone());
-            let _ = pump.events.send(end);
-        }
+        // Events that stop without an exit: the box went, and the process with it.
+        pump.end(ProcessEvent::Exited {
+            code: None,
+            signal: Some(libc::SIGKILL),
+        });
         forget(&table, &sandbox_id, &pump);
     });
     Ok((running, receiver))
+}
+
+/// What starts processes in `sandbox`, or why nothing does.
+fn host_for(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<Arc<dyn ProcessHost>> {
+    let template = sandbox.template();
+    let runs_processes = rt
+        .catalogue()
+        .get(template)
+        .is_some_and(|t| t.capabilities.commands);
+    match &rt.processes.host {
+        Some(host) if runs_processes => Ok(host.clone()),
+        _ => Err(RuntimeError::Unsupported {
+            message: format!(
+                "the {template} template runs code, not processes; create the sandbox from a Linux template to run commands"
+            ),
+        }),
+    }
+}
+
+/// The request that names sandbox `sandbox`'s box to the process host: its template,
+/// workspace (and where the guest sees it), network, resources, environment and memory.
+fn box_request(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> ExecRequest {
+    let mut request = ExecRequest::new(sandbox.language, "");
+    request.template = rt.request_template(sandbox.template());
+    request.network = sandbox.network;
+    request.resources = sandbox.resources;
+    request.workspace = Some(sandbox.workspace());
+    request.workspace_at = sandbox.workspace_at.clone();
+    request.env = crate::exec::sandbox_env(sandbox, &[]);
+    request.limits = Limits {
+        memory_bytes: sandbox.memory_bytes,
+        ..Limits::default()
+    };
+    request
 }
 
 /// Removes an ended process from the table (unless another took its pid since).

@@ -504,58 +504,10 @@ async fn upload(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("gzip"));
     let body = request.into_body();
-    let mut written = Vec::new();
-    if content_type.starts_with("multipart/form-data") {
-        let Ok(boundary) = multer::parse_boundary(&content_type) else {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "the multipart body has no boundary",
-            );
-        };
-        let mut parts = multer::Multipart::new(body.into_data_stream(), boundary);
-        loop {
-            let mut part = match parts.next_field().await {
-                Ok(Some(part)) => part,
-                Ok(None) => break,
-                Err(e) => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        format!("malformed multipart body: {e}"),
-                    );
-                }
-            };
-            let name = part
-                .file_name()
-                .map(str::to_owned)
-                .or_else(|| query.path.clone());
-            let Some(path) = name.filter(|p| !p.is_empty()) else {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "each file part needs a file name (its path)",
-                );
-            };
-            let mut data = Vec::new();
-            loop {
-                match part.chunk().await {
-                    Ok(Some(chunk)) => {
-                        if data.len() + chunk.len() > MAX_UPLOAD_BYTES {
-                            return too_large();
-                        }
-                        data.extend_from_slice(&chunk);
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        return error(
-                            StatusCode::BAD_REQUEST,
-                            format!("malformed multipart body: {e}"),
-                        );
-                    }
-                }
-            }
-            match write_one(&e2b, &ctx, &path, data).await {
-                Ok(info) => written.push(info),
-                Err(response) => return response,
-            }
+    let written = if content_type.starts_with("multipart/form-data") {
+        match upload_parts(&e2b, &ctx, &content_type, query.path.clone(), body).await {
+            Ok(written) => written,
+            Err(response) => return response,
         }
     } else {
         let Some(path) = query.path.clone().filter(|p| !p.is_empty()) else {
@@ -569,14 +521,57 @@ async fn upload(
             Err(response) => return response,
         };
         match write_one(&e2b, &ctx, &path, data).await {
-            Ok(info) => written.push(info),
+            Ok(info) => vec![info],
             Err(response) => return response,
         }
-    }
+    };
     if written.is_empty() {
         return error(StatusCode::BAD_REQUEST, "the upload holds no file");
     }
     axum::Json(written).into_response()
+}
+
+/// Writes each file part of a multipart body (its file name is its path; `path` for one
+/// without); answers what was written.
+async fn upload_parts(
+    e2b: &E2b,
+    ctx: &SandboxCtx,
+    content_type: &str,
+    path: Option<String>,
+    body: axum::body::Body,
+) -> Result<Vec<serde_json::Value>, Response> {
+    let malformed = |e: multer::Error| {
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("malformed multipart body: {e}"),
+        )
+    };
+    let boundary = multer::parse_boundary(content_type).map_err(|_| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "the multipart body has no boundary",
+        )
+    })?;
+    let mut parts = multer::Multipart::new(body.into_data_stream(), boundary);
+    let mut written = Vec::new();
+    while let Some(mut part) = parts.next_field().await.map_err(malformed)? {
+        let name = part.file_name().map(str::to_owned).or_else(|| path.clone());
+        let Some(name) = name.filter(|p| !p.is_empty()) else {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "each file part needs a file name (its path)",
+            ));
+        };
+        let mut data = Vec::new();
+        while let Some(chunk) = part.chunk().await.map_err(malformed)? {
+            if data.len() + chunk.len() > MAX_UPLOAD_BYTES {
+                return Err(too_large());
+            }
+            data.extend_from_slice(&chunk);
+        }
+        written.push(write_one(e2b, ctx, &name, data).await?);
+    }
+    Ok(written)
 }
 
 fn too_large() -> Response {

@@ -368,34 +368,9 @@ async fn execute(
         );
     }
     let rt = &e2b.app.runtime;
-    let (session, language) = match &asked.context_id {
-        Some(id) if unmade_default(&e2b, &ctx, id).is_some() => {
-            let language = unmade_default(&e2b, &ctx, id).unwrap_or(Language::Python);
-            if let Err(e) = ensure_default(&e2b, &ctx, language).await {
-                return failed(e);
-            }
-            (id.clone(), language)
-        }
-        Some(id) => match rt.registry.session(&ctx.caller.tenant, ctx.id(), id) {
-            Ok((meta, _)) => (id.clone(), meta.language),
-            Err(e) => return failed(e),
-        },
-        None => {
-            let language = match language(asked.language.as_deref()) {
-                Ok(language) => language,
-                Err(response) => return response,
-            };
-            if !has_sessions(&e2b, &ctx, language) {
-                return text(
-                    StatusCode::BAD_REQUEST,
-                    format!("this sandbox's template runs no {language} code interpreter"),
-                );
-            }
-            if let Err(e) = ensure_default(&e2b, &ctx, language).await {
-                return failed(e);
-            }
-            (default_context(language).to_owned(), language)
-        }
+    let (session, language) = match context_of(&e2b, &ctx, &asked).await {
+        Ok(found) => found,
+        Err(response) => return response,
     };
     // Cells queue as a kernel's do: wait (a while) for the sandbox's running work to end.
     if let Err(response) = wait_idle(&e2b, &ctx).await {
@@ -421,6 +396,49 @@ async fn execute(
         }
         _ => javascript_cell(&asked.code),
     };
+    stream_cell(&e2b, &ctx, session, language, code, restarted).await
+}
+
+/// The context a cell runs in (made if it is a default one not made yet), and its language.
+async fn context_of(
+    e2b: &E2b,
+    ctx: &SandboxCtx,
+    asked: &ExecuteRequest,
+) -> Result<(String, Language), Response> {
+    if let Some(id) = &asked.context_id {
+        if let Some(language) = unmade_default(e2b, ctx, id) {
+            ensure_default(e2b, ctx, language).await.map_err(failed)?;
+            return Ok((id.clone(), language));
+        }
+        let (meta, _) = e2b
+            .app
+            .runtime
+            .registry
+            .session(&ctx.caller.tenant, ctx.id(), id)
+            .map_err(failed)?;
+        return Ok((id.clone(), meta.language));
+    }
+    let language = language(asked.language.as_deref())?;
+    if !has_sessions(e2b, ctx, language) {
+        return Err(text(
+            StatusCode::BAD_REQUEST,
+            format!("this sandbox's template runs no {language} code interpreter"),
+        ));
+    }
+    ensure_default(e2b, ctx, language).await.map_err(failed)?;
+    Ok((default_context(language).to_owned(), language))
+}
+
+/// Runs a cell's code in `session` and answers its output as NDJSON, as it comes.
+async fn stream_cell(
+    e2b: &E2b,
+    ctx: &SandboxCtx,
+    session: String,
+    language: Language,
+    code: String,
+    restarted: bool,
+) -> Response {
+    let rt = &e2b.app.runtime;
     let exec = CodeExec {
         code,
         language: Some(language),

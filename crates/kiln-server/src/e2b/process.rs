@@ -457,98 +457,95 @@ async fn wasm_command(
         if tx.send(start).await.is_err() {
             return;
         }
-        let (chunks_tx, mut chunks) = mpsc::unbounded_channel();
-        let exec = CodeExec {
-            code: program.code,
-            language: Some(kiln_core::Language::Python),
-            env,
-            ..CodeExec::default()
-        };
-        let spec = match exec::prepare(&rt, &caller, &id, exec) {
-            Ok(mut spec) => {
-                spec.code_file = program.file;
-                spec.args = program.args;
-                spec
-            }
-            Err(e) => {
-                let message = format!("kiln: {e}\n");
-                let _ = tx
-                    .send(event_frame(&ProcessEvent::Stderr(Bytes::from(message))))
-                    .await;
-                let _ = tx
-                    .send(event_frame(&ProcessEvent::Exited {
-                        code: Some(1),
-                        signal: None,
-                    }))
-                    .await;
-                let _ = tx.send(connect::end_stream(None)).await;
-                return;
-            }
-        };
-        let run =
-            tokio::spawn(async move { exec::run(&rt, &caller, &id, spec, Some(chunks_tx)).await });
-        let mut ticks =
-            tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
-        loop {
-            tokio::select! {
-                chunk = chunks.recv() => match chunk {
-                    Some(chunk) => {
-                        let chunk: kiln_executor::Chunk = chunk;
-                        let data = Bytes::from(chunk.data);
-                        let event = if chunk.stderr {
-                            ProcessEvent::Stderr(data)
-                        } else {
-                            ProcessEvent::Stdout(data)
-                        };
-                        let _ = tx.send(event_frame(&event)).await;
-                    }
-                    None => break,
-                },
-                _ = ticks.tick() => {
-                    let _ = tx.send(envelope(&json!({"event": {"keepalive": {}}}))).await;
-                }
-            }
+        let (extra, end) = run_python_command(rt, caller, id, program, env, keepalive, &tx).await;
+        if let Some(extra) = extra {
+            let _ = tx
+                .send(event_frame(&ProcessEvent::Stderr(Bytes::from(extra))))
+                .await;
         }
-        let end = match run.await {
-            Ok(Ok(outcome)) => {
-                let reason = outcome.stderr_with_reason();
-                let own = outcome.result.stderr_text();
-                if let Some(extra) = reason.strip_prefix(own.as_str()).filter(|r| !r.is_empty()) {
-                    let _ = tx
-                        .send(event_frame(&ProcessEvent::Stderr(Bytes::from(
-                            extra.to_owned(),
-                        ))))
-                        .await;
-                }
-                ProcessEvent::Exited {
-                    code: Some(outcome.result.exit_code),
-                    signal: None,
-                }
-            }
-            Ok(Err(e)) => {
-                let message = format!(
-                    "kiln: {}\n",
-                    kiln_runtime::sandbox::scrub_paths(&e.to_string())
-                );
-                let _ = tx
-                    .send(event_frame(&ProcessEvent::Stderr(Bytes::from(message))))
-                    .await;
-                ProcessEvent::Exited {
-                    code: Some(1),
-                    signal: None,
-                }
-            }
-            Err(_) => ProcessEvent::Exited {
-                code: None,
-                signal: Some(9),
-            },
-        };
         let _ = tx.send(event_frame(&end)).await;
         let _ = tx.send(connect::end_stream(None)).await;
     });
     connect::stream_response(futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|frame| (frame, rx))
     }))
+}
+
+/// Runs a Python command as a one-shot execution, sending its output to `tx` as it comes
+/// (with keepalives); answers what stderr still needs to say (kiln's reason for an end that
+/// was not the program's own) and the end.
+async fn run_python_command(
+    rt: Arc<kiln_runtime::Runtime>,
+    caller: kiln_runtime::auth::Caller,
+    id: String,
+    program: PythonCommand,
+    env: BTreeMap<String, String>,
+    keepalive: Duration,
+    tx: &mpsc::Sender<Bytes>,
+) -> (Option<String>, ProcessEvent) {
+    let failed = |message: String| {
+        let end = ProcessEvent::Exited {
+            code: Some(1),
+            signal: None,
+        };
+        (
+            Some(format!(
+                "kiln: {}\n",
+                kiln_runtime::sandbox::scrub_paths(&message)
+            )),
+            end,
+        )
+    };
+    let exec = CodeExec {
+        code: program.code,
+        language: Some(kiln_core::Language::Python),
+        env,
+        ..CodeExec::default()
+    };
+    let mut spec = match exec::prepare(&rt, &caller, &id, exec) {
+        Ok(spec) => spec,
+        Err(e) => return failed(e.to_string()),
+    };
+    spec.code_file = program.file;
+    spec.args = program.args;
+    let (chunks_tx, mut chunks) = mpsc::unbounded_channel::<kiln_executor::Chunk>();
+    let run =
+        tokio::spawn(async move { exec::run(&rt, &caller, &id, spec, Some(chunks_tx)).await });
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+    loop {
+        let frame = tokio::select! {
+            chunk = chunks.recv() => match chunk {
+                Some(chunk) if chunk.stderr => event_frame(&ProcessEvent::Stderr(Bytes::from(chunk.data))),
+                Some(chunk) => event_frame(&ProcessEvent::Stdout(Bytes::from(chunk.data))),
+                None => break,
+            },
+            _ = ticks.tick() => envelope(&json!({"event": {"keepalive": {}}})),
+        };
+        let _ = tx.send(frame).await;
+    }
+    match run.await {
+        Ok(Ok(outcome)) => {
+            let reason = outcome.stderr_with_reason();
+            let own = outcome.result.stderr_text();
+            let extra = reason
+                .strip_prefix(own.as_str())
+                .filter(|r| !r.is_empty())
+                .map(str::to_owned);
+            let end = ProcessEvent::Exited {
+                code: Some(outcome.result.exit_code),
+                signal: None,
+            };
+            (extra, end)
+        }
+        Ok(Err(e)) => failed(e.to_string()),
+        Err(_) => (
+            None,
+            ProcessEvent::Exited {
+                code: None,
+                signal: Some(9),
+            },
+        ),
+    }
 }
 
 /// A Python program a command names.
