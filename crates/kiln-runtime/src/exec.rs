@@ -665,6 +665,22 @@ fn check_command(rt: &Runtime, template: &str, exec: &CodeExec) -> Result<()> {
     Ok(())
 }
 
+/// Refuses an environment variable whose name is empty or holds `=` or NUL, or whose value
+/// holds NUL.
+pub fn check_env(env: &std::collections::BTreeMap<String, String>) -> Result<()> {
+    match env
+        .iter()
+        .find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0'))
+    {
+        Some((name, _)) => Err(RuntimeError::InvalidEnv {
+            message: format!(
+                "the environment variable {name:?} is not allowed: names are non-empty and hold no `=` or NUL; values hold no NUL"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Checks `exec` against sandbox `id` of `caller` and turns it into a run.
 pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Result<RunSpec> {
     let view = rt.registry.get(&caller.tenant, id)?;
@@ -679,17 +695,7 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
             ),
         });
     }
-    if let Some((name, _)) = exec
-        .env
-        .iter()
-        .find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0'))
-    {
-        return Err(RuntimeError::InvalidEnv {
-            message: format!(
-                "the environment variable {name:?} is not allowed: names are non-empty and hold no `=` or NUL; values hold no NUL"
-            ),
-        });
-    }
+    check_env(&exec.env)?;
     if exec.session.is_some() && !exec.env.is_empty() {
         return Err(RuntimeError::InvalidEnv {
             message: "env applies to one-shot executions; a session keeps the environment it was opened with".into(),

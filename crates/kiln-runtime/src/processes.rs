@@ -371,17 +371,7 @@ fn check_start(asked: &StartProcess) -> Result<()> {
             "the command is larger than 4096 arguments or 1 MiB",
         ));
     }
-    if let Some((name, _)) = asked
-        .env
-        .iter()
-        .find(|(name, value)| name.is_empty() || name.contains(['=', '\0']) || value.contains('\0'))
-    {
-        return Err(RuntimeError::InvalidEnv {
-            message: format!(
-                "the environment variable {name:?} is not allowed: names are non-empty and hold no `=` or NUL; values hold no NUL"
-            ),
-        });
-    }
+    crate::exec::check_env(&asked.env)?;
     if asked.env.len() > kiln_core::MAX_ENV_VARS {
         return Err(invalid("too many environment variables"));
     }

@@ -786,6 +786,21 @@ pub async fn list_files(
     ))
 }
 
+/// A file's bytes as a body stream, 64 KiB at a time.
+pub(crate) fn file_chunks(
+    file: impl tokio::io::AsyncRead + Unpin + Send + 'static,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+    futures::stream::try_unfold(file, |mut file| async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let n = tokio::io::AsyncReadExt::read(&mut file, &mut buf).await?;
+        if n == 0 {
+            return Ok::<_, std::io::Error>(None);
+        }
+        buf.truncate(n);
+        Ok(Some((Bytes::from(buf), file)))
+    })
+}
+
 /// Download a file, byte for byte (streamed from disk). Links, fifos and devices answer 400
 /// `INVALID_PATH`; nothing follows a link.
 #[utoipa::path(get, path = "/api/v1/sandboxes/{id}/files/{path}", tag = "v1 files",
@@ -805,15 +820,7 @@ pub async fn read_file(
     let (file, size) = files::open(&state.runtime, &caller, &id, name).await?;
     // At most the size announced in Content-Length, whatever happens to the file meanwhile.
     let file = tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(file), size);
-    let chunks = futures::stream::try_unfold(file, |mut file| async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        let n = tokio::io::AsyncReadExt::read(&mut file, &mut buf).await?;
-        if n == 0 {
-            return Ok::<_, std::io::Error>(None);
-        }
-        buf.truncate(n);
-        Ok(Some((Bytes::from(buf), file)))
-    });
+    let chunks = file_chunks(file);
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_owned()),

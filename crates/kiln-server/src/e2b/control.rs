@@ -369,21 +369,21 @@ struct Timeout {
     timeout: Option<u64>,
 }
 
+/// The `{"timeout": seconds}` of a body, as a lifetime in milliseconds, if it has one.
+fn timeout_ms(body: &[u8]) -> Result<Option<u64>, Response> {
+    let asked: Timeout = parse(body)?;
+    asked.timeout.map(lifetime).transpose()
+}
+
 async fn set_timeout(
     State(e2b): Shared,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: bytes::Bytes,
 ) -> Response {
-    let asked: Timeout = match parse(&body) {
-        Ok(asked) => asked,
-        Err(response) => return response,
-    };
-    let Some(timeout) = asked.timeout else {
-        return error(StatusCode::BAD_REQUEST, "timeout (seconds) is required");
-    };
-    let ms = match lifetime(timeout) {
-        Ok(ms) => ms,
+    let ms = match timeout_ms(&body) {
+        Ok(Some(ms)) => ms,
+        Ok(None) => return error(StatusCode::BAD_REQUEST, "timeout (seconds) is required"),
         Err(response) => return response,
     };
     if let Err(response) = find(&e2b, &caller, &id) {
@@ -408,7 +408,7 @@ async fn connect(
     Path(id): Path<String>,
     body: bytes::Bytes,
 ) -> Response {
-    let asked: Timeout = match parse(&body) {
+    let asked = match timeout_ms(&body) {
         Ok(asked) => asked,
         Err(response) => return response,
     };
@@ -416,21 +416,17 @@ async fn connect(
         Ok(sandbox) => sandbox,
         Err(response) => return response,
     };
-    if let Some(timeout) = asked.timeout {
-        let ms = match lifetime(timeout) {
-            Ok(ms) => ms,
-            Err(response) => return response,
-        };
-        if now_ms().saturating_add(ms) > sandbox.expires_ms {
-            match e2b
-                .app
-                .runtime
-                .registry
-                .renew(&caller.tenant, &kiln_id(&id), ms)
-            {
-                Ok(renewed) => sandbox = renewed,
-                Err(e) => return failed(e),
-            }
+    if let Some(ms) = asked
+        && now_ms().saturating_add(ms) > sandbox.expires_ms
+    {
+        match e2b
+            .app
+            .runtime
+            .registry
+            .renew(&caller.tenant, &kiln_id(&id), ms)
+        {
+            Ok(renewed) => sandbox = renewed,
+            Err(e) => return failed(e),
         }
     }
     axum::Json(sandbox_json(&e2b, &sandbox)).into_response()

@@ -417,15 +417,7 @@ async fn download(
         )
             .into_response();
     }
-    let chunks = futures::stream::try_unfold(file, |mut file| async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        let n = tokio::io::AsyncReadExt::read(&mut file, &mut buf).await?;
-        if n == 0 {
-            return Ok::<_, std::io::Error>(None);
-        }
-        buf.truncate(n);
-        Ok(Some((Bytes::from(buf), file)))
-    });
+    let chunks = crate::v1::file_chunks(file);
     (
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
