@@ -268,8 +268,7 @@ pub async fn describe(
     id: &str,
     name: String,
 ) -> Result<Described> {
-    let work = new_id("stat_");
-    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
+    read_only(rt, caller, id, move |sandbox| {
         let rel = relative(&name)?;
         let tree = sandbox.tree()?;
         match tree.stat(&rel)? {
@@ -278,6 +277,21 @@ pub async fn describe(
         }
     })
     .await
+}
+
+/// Runs blocking read-only `work` on sandbox `id` of `caller` beside whatever it runs: it
+/// describes entries through the workspace's handles and never follows a link, so code
+/// changing the tree meanwhile can make it see an older or newer state, never outside the
+/// workspace. (Taking the sandbox busy would make a watcher's polls refuse the sandbox's
+/// own work.)
+async fn read_only<T: Send + 'static>(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    id: &str,
+    work: impl FnOnce(crate::sandbox::Sandbox) -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    exec::blocking(move || work(sandbox)).await
 }
 
 /// `name` as a workspace path; `""` is the workspace itself.
@@ -299,8 +313,7 @@ pub async fn entries(
     folder: String,
     depth: usize,
 ) -> Result<Vec<Described>> {
-    let work = new_id("list_");
-    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
+    read_only(rt, caller, id, move |sandbox| {
         let start = relative(&folder)?;
         let tree = sandbox.tree()?;
         match tree.stat(&start)? {

@@ -305,15 +305,20 @@ pub async fn start(
     Ok((running, receiver))
 }
 
+/// Whether `sandbox`'s template runs live processes (a Linux box; WebAssembly has none).
+pub fn runs_processes(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> bool {
+    rt.processes.host.is_some()
+        && rt
+            .catalogue()
+            .get(sandbox.template())
+            .is_some_and(|t| t.capabilities.commands)
+}
+
 /// What starts processes in `sandbox`, or why nothing does.
 fn host_for(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<Arc<dyn ProcessHost>> {
     let template = sandbox.template();
-    let runs_processes = rt
-        .catalogue()
-        .get(template)
-        .is_some_and(|t| t.capabilities.commands);
     match &rt.processes.host {
-        Some(host) if runs_processes => Ok(host.clone()),
+        Some(host) if runs_processes(rt, sandbox) => Ok(host.clone()),
         _ => Err(RuntimeError::Unsupported {
             message: format!(
                 "the {template} template runs code, not processes; create the sandbox from a Linux template to run commands"

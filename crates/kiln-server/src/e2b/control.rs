@@ -295,14 +295,15 @@ fn cpu_count(sandbox: &Sandbox) -> u64 {
         .map_or(1, |r| (r.vcpus.ceil() as u64).max(1))
 }
 
-fn disk_mb(e2b: &E2b, caller_quota: u64, sandbox: &Sandbox) -> u64 {
-    let _ = e2b;
-    sandbox.resources.map_or(caller_quota >> 20, |r| r.disk_mb)
+/// A sandbox's disk: its volume's size, or the tenant's workspace quota where it has none.
+fn disk_mb(workspace_quota: u64, sandbox: &Sandbox) -> u64 {
+    sandbox
+        .resources
+        .map_or(workspace_quota >> 20, |r| r.disk_mb)
 }
 
 /// E2B's `ListedSandbox` (and, with the token, `SandboxDetail`).
-fn listed_json(e2b: &E2b, caller: &Caller, sandbox: &Sandbox, detail: bool) -> Value {
-    let quota = e2b.app.runtime.quotas(caller).workspace_bytes;
+fn listed_json(e2b: &E2b, workspace_quota: u64, sandbox: &Sandbox, detail: bool) -> Value {
     let mut value = json!({
         "templateID": sandbox.image,
         "alias": sandbox.template(),
@@ -312,7 +313,7 @@ fn listed_json(e2b: &E2b, caller: &Caller, sandbox: &Sandbox, detail: bool) -> V
         "endAt": rfc3339(sandbox.expires_ms),
         "cpuCount": cpu_count(sandbox),
         "memoryMB": sandbox.memory_bytes >> 20,
-        "diskSizeMB": disk_mb(e2b, quota, sandbox),
+        "diskSizeMB": disk_mb(workspace_quota, sandbox),
         "state": "running",
         "envdVersion": ENVD_VERSION,
         "metadata": sandbox.metadata,
@@ -345,7 +346,10 @@ async fn info(
     Path(id): Path<String>,
 ) -> Response {
     match find(&e2b, &caller, &id) {
-        Ok(sandbox) => axum::Json(listed_json(&e2b, &caller, &sandbox, true)).into_response(),
+        Ok(sandbox) => {
+            let quota = e2b.app.runtime.quotas(&caller).workspace_bytes;
+            axum::Json(listed_json(&e2b, quota, &sandbox, true)).into_response()
+        }
         Err(response) => response,
     }
 }
@@ -469,7 +473,7 @@ async fn metrics(
         "memTotal": sandbox.memory_bytes,
         "memCache": 0,
         "diskUsed": usage.disk_bytes,
-        "diskTotal": disk_mb(&e2b, quota, &sandbox) << 20,
+        "diskTotal": disk_mb(quota, &sandbox) << 20,
     }]))
     .into_response()
 }
@@ -553,9 +557,10 @@ async fn list(
     };
     let page: Vec<&Sandbox> = all[start.min(all.len())..].iter().take(limit).collect();
     let more = start + page.len() < all.len();
+    let quota = e2b.app.runtime.quotas(&caller).workspace_bytes;
     let body: Vec<Value> = page
         .iter()
-        .map(|s| listed_json(&e2b, &caller, s, false))
+        .map(|s| listed_json(&e2b, quota, s, false))
         .collect();
     let mut response = axum::Json(body).into_response();
     if more

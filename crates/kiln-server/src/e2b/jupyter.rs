@@ -576,12 +576,14 @@ impl Lines {
             &mut self.stdout
         };
         buf.extend_from_slice(data);
-        let mut done = Vec::new();
-        while let Some(at) = buf.iter().position(|b| *b == b'\n') {
-            let rest = buf.split_off(at + 1);
-            done.push(String::from_utf8_lossy(buf).into_owned());
-            *buf = rest;
-        }
+        // Whole lines out, in one drain (not a copy of the rest per line).
+        let whole = buf.iter().rposition(|b| *b == b'\n').map_or(0, |at| at + 1);
+        let mut done: Vec<String> = buf
+            .drain(..whole)
+            .as_slice()
+            .split_inclusive(|b| *b == b'\n')
+            .map(|line| String::from_utf8_lossy(line).into_owned())
+            .collect();
         // A very long line without an end goes out in pieces.
         if buf.len() > 64 << 10 {
             done.push(String::from_utf8_lossy(buf).into_owned());

@@ -284,13 +284,7 @@ async fn start(
 ) -> Response {
     let mut argv = vec![asked.process.cmd.clone()];
     argv.extend(asked.process.args.iter().cloned());
-    let runs_processes = e2b
-        .app
-        .runtime
-        .catalogue()
-        .get(ctx.sandbox.template())
-        .is_some_and(|t| t.capabilities.commands);
-    if !runs_processes {
+    if !processes::runs_processes(&e2b.app.runtime, &ctx.sandbox) {
         return wasm_command(e2b, ctx, &argv, asked.process.envs, keepalive).await;
     }
     let terminal = match asked.pty.as_ref().and_then(|p| p.size.as_ref()) {
