@@ -21,10 +21,13 @@ use crate::template::TemplateInfo;
 use crate::{ExecRequest, ExecResult, Limits};
 
 /// Which stream a chunk came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum StreamKind {
     Stdout,
     Stderr,
+    /// A rich result ([`crate::RichResult`]) as JSON, one per chunk.
+    Display,
 }
 
 /// A piece of output as the guest wrote it, for streaming to a client.

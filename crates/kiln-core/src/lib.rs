@@ -457,6 +457,49 @@ pub struct ExecResult {
     /// file budget ([`Limits::fs_write_bytes`], [`Limits::fs_create_count`]) was spent.
     #[serde(default)]
     pub fs_refused: bool,
+    /// Rich results, in the order the guest produced them: a cell's final value, each
+    /// `display(...)`, each matplotlib figure. Empty for runtimes that produce none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub results: Vec<RichResult>,
+}
+
+/// The most rich results one execution keeps.
+pub const MAX_RICH_RESULTS: usize = 64;
+/// The most bytes of rich results (all forms, PNGs as base64) one execution keeps: 16 MiB.
+pub const MAX_RICH_RESULT_BYTES: usize = 16 << 20;
+
+/// A value shown as a notebook shows it: one or more forms of it by MIME type
+/// (`text/plain`, `text/html`, `image/png` as base64, ...).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct RichResult {
+    /// Whether this is the cell's own value (its final expression), rather than something
+    /// it displayed along the way (a figure, a `display(...)` call).
+    #[serde(default)]
+    pub main: bool,
+    /// The forms, by MIME type; binary forms are base64.
+    #[cfg_attr(feature = "schema", schema(example = json!({"text/plain": "42"})))]
+    pub data: std::collections::BTreeMap<String, String>,
+}
+
+impl RichResult {
+    /// Reads the frame a guest sends for one result: a JSON object
+    /// `{"main": bool, "data": {mime: string}}` with at least one form. `None` if malformed.
+    pub fn from_frame(frame: &[u8]) -> Option<RichResult> {
+        let result: RichResult = serde_json::from_slice(frame).ok()?;
+        let valid = !result.data.is_empty()
+            && result.data.keys().all(|mime| {
+                mime.len() <= 100
+                    && mime.contains('/')
+                    && mime.bytes().all(|b| b.is_ascii_graphic())
+            });
+        valid.then_some(result)
+    }
+
+    /// The bytes this result holds (the forms and their names).
+    pub fn size(&self) -> usize {
+        self.data.iter().map(|(k, v)| k.len() + v.len()).sum()
+    }
 }
 
 impl ExecResult {

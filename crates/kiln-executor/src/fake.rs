@@ -211,6 +211,7 @@ impl Run {
             peak_memory_bytes: 0,
             fs_written_bytes: 0,
             fs_refused: false,
+            results: Vec::new(),
         }
     }
 }
@@ -430,7 +431,7 @@ mod tests {
             .await;
         let first = worker.next().await;
         assert!(
-            matches!(&first.reply, Reply::Chunk { stderr: false, data } if data == b"early\n"),
+            matches!(&first.reply, Reply::Chunk { stream: kiln_core::backend::StreamKind::Stdout, data } if data == b"early\n"),
             "{first:?}"
         );
         worker.send(2, Op::Ping, false).await;

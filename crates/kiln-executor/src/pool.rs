@@ -161,7 +161,8 @@ pub enum PoolError {
 /// A piece of output streamed from a running execution.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Chunk {
-    pub stderr: bool,
+    /// stdout, stderr, or a rich result (JSON of a [`kiln_core::RichResult`]).
+    pub stream: kiln_core::backend::StreamKind,
     pub data: Vec<u8>,
 }
 
@@ -899,6 +900,7 @@ fn overrun(waited: Duration, grace: Duration) -> ExecResult {
         peak_memory_bytes: 0,
         fs_written_bytes: 0,
         fs_refused: false,
+        results: Vec::new(),
     }
 }
 
@@ -961,9 +963,9 @@ async fn read_replies(
                 let door = pending.get(&response.id).and_then(|w| w.door.clone());
                 answer_door(door, response.id, call, data, reader.answers.clone());
             }
-            Reply::Chunk { stderr, data } => {
+            Reply::Chunk { stream, data } => {
                 if let Some(listener) = pending.get(&response.id).and_then(|w| w.chunks.as_ref()) {
-                    let _ = listener.send(Chunk { stderr, data });
+                    let _ = listener.send(Chunk { stream, data });
                 }
             }
             reply => {

@@ -81,7 +81,7 @@ pub struct RemoteError {
 pub enum Reply {
     /// Output as the guest wrote it; more replies follow for the same request.
     Chunk {
-        stderr: bool,
+        stream: kiln_core::backend::StreamKind,
         #[serde(with = "kiln_core::base64_bytes")]
         data: Vec<u8>,
     },

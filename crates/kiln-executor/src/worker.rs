@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kiln_core::backend::{Backend, BackendError, BackendSession, Door, OutputChunk, StreamKind};
+use kiln_core::backend::{Backend, BackendError, BackendSession, Door, OutputChunk};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
@@ -268,7 +268,7 @@ impl<B: Backend> Worker<B> {
 
     fn send_chunk(&self, id: u64, chunk: OutputChunk) {
         let reply = Reply::Chunk {
-            stderr: chunk.stream == StreamKind::Stderr,
+            stream: chunk.stream,
             data: chunk.data.to_vec(),
         };
         let _ = self.tx.send(Response { id, reply });

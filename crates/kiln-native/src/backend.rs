@@ -405,6 +405,7 @@ fn to_result(out: crate::boxes::ExecOutput, limits: &Limits, started: Instant) -
         peak_memory_bytes: 0,
         fs_written_bytes: 0,
         fs_refused: false,
+        results: Vec::new(),
     }
 }
 
@@ -707,6 +708,7 @@ impl BackendSession for NativeSession {
             peak_memory_bytes: 0,
             fs_written_bytes: 0,
             fs_refused: false,
+            results: Vec::new(),
         })
     }
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use kiln_core::Language;
+use kiln_core::backend::StreamKind;
 use kiln_executor::Chunk;
 use kiln_llm::{
     ChatModel, Message, ModelEvent, ModelRequest, RetryPolicy, Role, ToolCall, ToolSpec, Usage,
@@ -85,6 +86,11 @@ pub enum AgentEvent {
         id: String,
         data: String,
     },
+    /// A rich result of tool call `id`: a figure, a displayed value, the cell's own value.
+    Display {
+        id: String,
+        result: kiln_core::RichResult,
+    },
     ToolResult {
         id: String,
         name: String,
@@ -119,6 +125,7 @@ impl AgentEvent {
             AgentEvent::ToolCallArguments { .. } => "tool_call_arguments",
             AgentEvent::Stdout { .. } => "stdout",
             AgentEvent::Stderr { .. } => "stderr",
+            AgentEvent::Display { .. } => "display",
             AgentEvent::ToolResult { .. } => "tool_result",
             AgentEvent::Artifact { .. } => "artifact",
             AgentEvent::Final { .. } => "final",
@@ -498,13 +505,22 @@ fn relay_output(
     let (chunks_tx, mut chunks_rx) = mpsc::unbounded_channel::<Chunk>();
     let relay = tokio::spawn(async move {
         while let Some(chunk) = chunks_rx.recv().await {
-            let data = String::from_utf8_lossy(&chunk.data).into_owned();
             let id = id.clone();
-            let _ = events.send(if chunk.stderr {
-                AgentEvent::Stderr { id, data }
-            } else {
-                AgentEvent::Stdout { id, data }
-            });
+            let event = match chunk.stream {
+                StreamKind::Display => match serde_json::from_slice(&chunk.data) {
+                    Ok(result) => AgentEvent::Display { id, result },
+                    Err(_) => continue,
+                },
+                StreamKind::Stderr => AgentEvent::Stderr {
+                    id,
+                    data: String::from_utf8_lossy(&chunk.data).into_owned(),
+                },
+                StreamKind::Stdout => AgentEvent::Stdout {
+                    id,
+                    data: String::from_utf8_lossy(&chunk.data).into_owned(),
+                },
+            };
+            let _ = events.send(event);
         }
     });
     (chunks_tx, relay)
@@ -525,6 +541,16 @@ fn describe(outcome: &exec::RunOutcome, note: Option<String>) -> String {
     }
     if !stderr.is_empty() {
         text.push_str(&format!("stderr:\n{stderr}"));
+    }
+    // Images reach the user as `display` events; the model reads that they were shown.
+    let images = outcome
+        .result
+        .results
+        .iter()
+        .filter(|r| r.data.keys().any(|mime| mime.starts_with("image/")))
+        .count();
+    if images > 0 {
+        text.push_str(&format!("{images} figure(s) shown to the user\n"));
     }
     text
 }

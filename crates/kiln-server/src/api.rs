@@ -197,6 +197,10 @@ pub struct ExecReply {
     /// of the history (too large, a fifo or device).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+    /// Rich results (Python): matplotlib figures as `image/png` (base64), `display(...)`
+    /// values. Absent when there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub results: Vec<kiln_core::RichResult>,
 }
 
 /// What a command asks to run.
@@ -335,6 +339,7 @@ pub async fn exec(
         exit_code: outcome.result.exit_code,
         history_recorded: outcome.history_recorded(),
         warnings: outcome.warnings(),
+        results: outcome.result.results.clone(),
     }))
 }
 

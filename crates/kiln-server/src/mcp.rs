@@ -145,6 +145,44 @@ fn answer(value: Value, failed: bool) -> CallToolResult {
     }
 }
 
+/// MIME types a model reads as an image.
+const IMAGE_TYPES: &[&str] = &["image/png", "image/jpeg"];
+
+/// An execution's answer: its JSON (`value`, with the rich results' text forms under
+/// `results`), then each image result (a matplotlib figure) as MCP image content.
+fn answer_with_results(
+    mut value: Value,
+    results: &[kiln_core::RichResult],
+    failed: bool,
+) -> CallToolResult {
+    if !results.is_empty() {
+        let texts: Vec<Value> = results
+            .iter()
+            .map(|result| {
+                let forms: serde_json::Map<String, Value> = result
+                    .data
+                    .iter()
+                    .filter(|(mime, _)| !IMAGE_TYPES.contains(&mime.as_str()))
+                    .map(|(mime, form)| (mime.clone(), Value::String(form.clone())))
+                    .collect();
+                json!({ "main": result.main, "data": forms })
+            })
+            .collect();
+        value["results"] = Value::Array(texts);
+    }
+    let mut answer = answer(value, failed);
+    for result in results {
+        for (mime, data) in &result.data {
+            if IMAGE_TYPES.contains(&mime.as_str()) {
+                answer
+                    .content
+                    .push(ContentBlock::image(data.clone(), mime.clone()));
+            }
+        }
+    }
+    answer
+}
+
 /// A kiln error as a tool error the model can read and act on (MCP's one mapping of
 /// [`RuntimeError`]).
 fn refused(error: RuntimeError) -> CallToolResult {
@@ -161,6 +199,38 @@ fn reply<T>(
     match result {
         Ok(value) => ok(value),
         Err(error) => refused(error),
+    }
+}
+
+/// A file's bytes as MCP content: text when they are UTF-8, else a blob resource with the
+/// MIME type its name suggests.
+fn file_content(uri: String, bytes: Vec<u8>) -> ContentBlock {
+    use base64::Engine as _;
+    match String::from_utf8(bytes) {
+        Ok(text) => ContentBlock::text(text),
+        Err(error) => {
+            let bytes = error.into_bytes();
+            let mime = match uri
+                .rsplit('.')
+                .next()
+                .map(str::to_ascii_lowercase)
+                .as_deref()
+            {
+                Some("png") => "image/png",
+                Some("jpg" | "jpeg") => "image/jpeg",
+                Some("gif") => "image/gif",
+                Some("pdf") => "application/pdf",
+                Some("zip") => "application/zip",
+                Some("gz") => "application/gzip",
+                _ => "application/octet-stream",
+            };
+            ContentBlock::resource(rmcp::model::ResourceContents::BlobResourceContents {
+                uri,
+                mime_type: Some(mime.into()),
+                blob: base64::engine::general_purpose::STANDARD.encode(&bytes),
+                meta: None,
+            })
+        }
     }
 }
 
@@ -208,7 +278,7 @@ impl KilnMcp {
                             stderr.push_str(&format!("kiln: {reason}\n"));
                         }
                         self.runtime.metrics.execution(language, &result);
-                        answer(
+                        answer_with_results(
                             json!({
                                 "status": if result.success() { "success" } else if matches!(result.outcome, kiln_core::Outcome::TimedOut) { "timeout" } else { "error" },
                                 "exit_code": result.exit_code,
@@ -216,6 +286,7 @@ impl KilnMcp {
                                 "stderr": stderr,
                                 "duration_ms": result.duration_us as f64 / 1000.0,
                             }),
+                            &result.results,
                             !result.success(),
                         )
                     }
@@ -243,7 +314,7 @@ impl KilnMcp {
         reply(
             exec::run(&self.runtime, caller, id, spec, None).await,
             |outcome| {
-                answer(
+                answer_with_results(
                     json!({
                         "status": outcome.status(),
                         "execution_id": outcome.exec_id,
@@ -255,6 +326,7 @@ impl KilnMcp {
                         "history_recorded": outcome.history_recorded(),
                         "warnings": outcome.warnings(),
                     }),
+                    &outcome.result.results,
                     outcome.status() != "success",
                 )
             },
@@ -433,7 +505,7 @@ impl KilnMcp {
     }
 
     #[tool(
-        description = "Read a file from a sandbox's workspace (as text; bytes that are not UTF-8 are replaced)."
+        description = "Read a file from a sandbox's workspace: UTF-8 text as text, anything else (images, archives) as a base64 blob resource."
     )]
     async fn read_file(
         &self,
@@ -441,6 +513,7 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
+        let input_path = input.path.trim_start_matches('/').to_owned();
         // A tool result goes into a model's context: a few MiB at most.
         let read = files::read(
             &self.runtime,
@@ -450,10 +523,9 @@ impl KilnMcp {
             4 << 20,
         )
         .await;
+        let uri = format!("kiln://sandboxes/{}/files/{}", input.sandbox_id, input_path);
         Ok(reply(read, |bytes| {
-            CallToolResult::success(vec![ContentBlock::text(
-                String::from_utf8_lossy(&bytes).into_owned(),
-            )])
+            CallToolResult::success(vec![file_content(uri, bytes)])
         }))
     }
 

@@ -14,6 +14,7 @@ use axum::extract::{Extension, Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use kiln_core::backend::StreamKind;
 use kiln_executor::Chunk;
 use kiln_http::{HttpError, Json as JsonBody};
 use serde::{Deserialize, Serialize};
@@ -296,6 +297,11 @@ pub struct Execution {
     /// of the history (too large, a fifo or device).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+    /// Rich results in the order the code produced them (Python): a session cell's final
+    /// value (`main`, with `text/plain` and `text/html` for a DataFrame), each `display(...)`,
+    /// each matplotlib figure as `image/png` (base64). Absent when there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub results: Vec<kiln_core::RichResult>,
 }
 
 impl Execution {
@@ -318,6 +324,7 @@ impl Execution {
             commit_id: outcome.commit_id.clone(),
             history_recorded: outcome.history_recorded(),
             warnings: outcome.warnings(),
+            results: outcome.result.results.clone(),
         }
     }
 }
@@ -425,7 +432,12 @@ impl Utf8Carry {
 /// `result` (an [`Execution`]) or `error` (an error body).
 enum StreamEvent {
     Start(String),
-    Output { stderr: bool, text: String },
+    Output {
+        stderr: bool,
+        text: String,
+    },
+    /// A rich result as the code produced it (the final `result` lists them all again).
+    Display(kiln_core::RichResult),
     Result(Box<Execution>),
     Error(ApiError),
 }
@@ -436,6 +448,7 @@ impl StreamEvent {
             StreamEvent::Start(_) => "start",
             StreamEvent::Output { stderr: false, .. } => "stdout",
             StreamEvent::Output { stderr: true, .. } => "stderr",
+            StreamEvent::Display(_) => "display",
             StreamEvent::Result(_) => "result",
             StreamEvent::Error(_) => "error",
         }
@@ -445,6 +458,7 @@ impl StreamEvent {
         match self {
             StreamEvent::Start(id) => json!({ "executionId": id }),
             StreamEvent::Output { text, .. } => json!({ "data": text }),
+            StreamEvent::Display(result) => serde_json::to_value(result).unwrap_or_default(),
             StreamEvent::Result(execution) => serde_json::to_value(execution).unwrap_or_default(),
             StreamEvent::Error(error) => json!({
                 "error": { "code": error.code(), "message": error.message(), "details": error.details() }
@@ -474,13 +488,19 @@ fn start_streaming(
         }
         let (mut out, mut err) = (Utf8Carry::default(), Utf8Carry::default());
         while let Some(chunk) = chunks_rx.recv().await {
-            let carry = if chunk.stderr { &mut err } else { &mut out };
+            let stderr = match chunk.stream {
+                StreamKind::Display => {
+                    if let Ok(result) = serde_json::from_slice(&chunk.data) {
+                        let _ = forward.send(StreamEvent::Display(result));
+                    }
+                    continue;
+                }
+                kind => kind == StreamKind::Stderr,
+            };
+            let carry = if stderr { &mut err } else { &mut out };
             let text = carry.push(&chunk.data);
             if !text.is_empty() {
-                let _ = forward.send(StreamEvent::Output {
-                    stderr: chunk.stderr,
-                    text,
-                });
+                let _ = forward.send(StreamEvent::Output { stderr, text });
             }
         }
     });

@@ -127,6 +127,8 @@ pub(crate) struct GuestState {
     pub clock_base: Instant,
     /// The capability granted for the current turn, if any: what `host::call` reaches.
     pub door: Option<Door>,
+    /// Where rich results sent through `host::call` go (Python guests).
+    pub displays: Option<crate::output::Displays>,
 }
 
 impl GuestState {
@@ -150,6 +152,7 @@ pub(crate) fn arm_deadline(deadline_ns: &AtomicU64, clock_base: Instant, limits:
 pub(crate) struct Stdio {
     pub stdout: CappedPipe,
     pub stderr: CappedPipe,
+    pub displays: crate::output::Displays,
 }
 
 impl Stdio {
@@ -157,6 +160,7 @@ impl Stdio {
         Stdio {
             stdout: CappedPipe::new(StreamKind::Stdout, limits.stdout_bytes),
             stderr: CappedPipe::new(StreamKind::Stderr, limits.stderr_bytes),
+            displays: crate::output::Displays::default(),
         }
     }
 
@@ -167,6 +171,7 @@ impl Stdio {
         listener: Option<tokio::sync::mpsc::UnboundedSender<crate::output::OutputChunk>>,
     ) {
         self.stdout.reset(limits.stdout_bytes, listener.clone());
+        self.displays.reset(listener.clone());
         self.stderr.reset(limits.stderr_bytes, listener);
     }
 }
@@ -301,6 +306,7 @@ pub(crate) fn new_store(
         deadline_ns,
         clock_base,
         door: None,
+        displays: None,
     };
     let mut store = Store::new(engine, state);
     store.limiter(|state| &mut state.memory);
@@ -428,10 +434,16 @@ pub(crate) fn add_door(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> 
         "call",
         |mut caller: Caller<'_, GuestState>, (ptr, len, out_ptr, out_len): (i32, i32, i32, i32)| {
             Box::new(async move {
+                let out = (out_ptr, out_len);
+                if let Some(displays) = caller.data().displays.clone()
+                    && let Some(answer) = display_call(&mut caller, &displays, ptr, len, out).await
+                {
+                    return Ok(answer);
+                }
                 let Some(door) = caller.data().door.clone() else {
                     return Ok(-1);
                 };
-                Ok(door_call(&mut caller, &door, ptr, len, out_ptr, out_len)
+                Ok(door_call(&mut caller, &door, ptr, len, out)
                     .await
                     .unwrap_or(-2))
             })
@@ -440,15 +452,44 @@ pub(crate) fn add_door(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> 
     Ok(())
 }
 
-/// One call through an open door; `None` is a fault.
-async fn door_call(
+/// What begins a frame that carries a rich result for kiln itself rather than for a door.
+pub(crate) const DISPLAY_FRAME: &[u8] = b"kiln:display ";
+/// The frame a Python guest sends once it has imported pyplot (see [`crate::output::Displays::arm`]).
+pub(crate) const FIGURES_FRAME: &[u8] = b"kiln:figures";
+
+/// A frame for kiln itself through `host::call`: a rich result, kept (answer 0, reply `ok`)
+/// or refused (-2: malformed, or the turn's results budget is spent), or the figures
+/// signal. `None`: a frame for the door.
+async fn display_call(
     caller: &mut Caller<'_, GuestState>,
-    door: &Door,
+    displays: &crate::output::Displays,
     ptr: i32,
     len: i32,
-    out_ptr: i32,
-    out_len: i32,
+    out: (i32, i32),
 ) -> Option<i32> {
+    let memory = caller.get_export("memory")?.into_memory()?;
+    let mut head = [0u8; DISPLAY_FRAME.len()];
+    let head_len = usize::try_from(len).ok()?.min(head.len());
+    memory
+        .read(&*caller, usize::try_from(ptr).ok()?, &mut head[..head_len])
+        .ok()?;
+    if &head[..head_len] == FIGURES_FRAME {
+        displays.arm();
+    } else if head[..head_len] == *DISPLAY_FRAME {
+        let Some(frame) = read_frame(caller, ptr, len) else {
+            return Some(-2);
+        };
+        if !displays.push(&frame[DISPLAY_FRAME.len()..]) {
+            return Some(-2);
+        }
+    } else {
+        return None;
+    }
+    Some(write_reply(caller, b"ok".to_vec(), out).await.unwrap_or(-2))
+}
+
+/// A frame the guest wrote at `ptr`, at most [`MAX_DOOR_FRAME_BYTES`].
+fn read_frame(caller: &mut Caller<'_, GuestState>, ptr: i32, len: i32) -> Option<Vec<u8>> {
     let memory = caller.get_export("memory")?.into_memory()?;
     let ptr = usize::try_from(ptr).ok()?;
     let len = usize::try_from(len).ok()?;
@@ -457,10 +498,33 @@ async fn door_call(
     }
     let mut frame = vec![0u8; len];
     memory.read(&*caller, ptr, &mut frame).ok()?;
+    Some(frame)
+}
+
+/// One call through an open door; `None` is a fault.
+async fn door_call(
+    caller: &mut Caller<'_, GuestState>,
+    door: &Door,
+    ptr: i32,
+    len: i32,
+    out: (i32, i32),
+) -> Option<i32> {
+    let frame = read_frame(caller, ptr, len)?;
     let reply = door(frame).await.ok()?;
+    write_reply(caller, reply, out).await
+}
+
+/// Writes `reply` into guest memory (allocated with the guest's `host_alloc`) and its
+/// pointer and length at the two out-pointers; `None` is a fault.
+async fn write_reply(
+    caller: &mut Caller<'_, GuestState>,
+    reply: Vec<u8>,
+    (out_ptr, out_len): (i32, i32),
+) -> Option<i32> {
     if reply.len() > MAX_DOOR_FRAME_BYTES {
         return None;
     }
+    let memory = caller.get_export("memory")?.into_memory()?;
     let alloc = caller
         .get_export("host_alloc")?
         .into_func()?
@@ -538,6 +602,7 @@ pub(crate) fn finish(
         peak_memory_bytes: stats.peak(),
         fs_written_bytes: stats.written(),
         fs_refused: stats.fs_refused.load(Ordering::Relaxed),
+        results: stdio.displays.take(),
     }
 }
 

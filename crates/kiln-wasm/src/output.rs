@@ -216,3 +216,75 @@ mod tests {
         assert!(rx.try_recv().is_err());
     }
 }
+
+/// Rich results a guest sends during a turn (see [`kiln_core::RichResult`]): kept in order up
+/// to [`kiln_core::MAX_RICH_RESULTS`] and [`kiln_core::MAX_RICH_RESULT_BYTES`], and handed to
+/// the turn's listener as they arrive.
+#[derive(Debug, Clone, Default)]
+pub struct Displays {
+    inner: Arc<Mutex<DisplaysInner>>,
+}
+
+#[derive(Debug, Default)]
+struct DisplaysInner {
+    results: Vec<kiln_core::RichResult>,
+    bytes: usize,
+    listener: Option<mpsc::UnboundedSender<OutputChunk>>,
+    /// Whether the guest imported pyplot: its open figures are shown after each turn.
+    armed: bool,
+}
+
+impl Displays {
+    fn lock(&self) -> std::sync::MutexGuard<'_, DisplaysInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts a new turn: nothing kept, and the listener for its results.
+    pub fn reset(&self, listener: Option<mpsc::UnboundedSender<OutputChunk>>) {
+        let mut inner = self.lock();
+        inner.results.clear();
+        inner.bytes = 0;
+        inner.listener = listener;
+    }
+
+    /// Keeps one result the guest sent as a frame; `false` if the frame is malformed or the
+    /// turn's budget is spent (the guest is told, and the result is not kept).
+    pub fn push(&self, frame: &[u8]) -> bool {
+        let Some(result) = kiln_core::RichResult::from_frame(frame) else {
+            return false;
+        };
+        let mut inner = self.lock();
+        let size = result.size();
+        if inner.results.len() >= kiln_core::MAX_RICH_RESULTS
+            || inner.bytes + size > kiln_core::MAX_RICH_RESULT_BYTES
+        {
+            return false;
+        }
+        inner.bytes += size;
+        if let Some(listener) = &inner.listener
+            && let Ok(json) = serde_json::to_vec(&result)
+        {
+            let _ = listener.send(OutputChunk {
+                stream: StreamKind::Display,
+                data: Bytes::from(json),
+            });
+        }
+        inner.results.push(result);
+        true
+    }
+
+    /// Notes that the guest imported pyplot.
+    pub fn arm(&self) {
+        self.lock().armed = true;
+    }
+
+    /// Whether the guest imported pyplot.
+    pub fn armed(&self) -> bool {
+        self.lock().armed
+    }
+
+    /// Takes the turn's results.
+    pub fn take(&self) -> Vec<kiln_core::RichResult> {
+        std::mem::take(&mut self.lock().results)
+    }
+}

@@ -64,6 +64,32 @@ del _kiln_linecache
 /// Run before a guest's first streamed turn: stdout and stderr flush at every newline.
 const LINE_BUFFERED: &str = "import sys as _kiln_sys\n_kiln_sys.stdout.reconfigure(line_buffering=True)\n_kiln_sys.stderr.reconfigure(line_buffering=True)\ndel _kiln_sys";
 
+/// Run before a session's first turn: a final value, `display(...)` and matplotlib figures
+/// come back as rich results (see `python/rich.py`).
+const RICH_SETUP: &str = include_str!("python/rich.py");
+
+/// Run after a session's turn once the guest has imported pyplot: open figures are shown.
+const RICH_AFTER: &str = "__kiln_rich__.after()";
+
+/// Ends a one-shot's code: figures left open come back as PNG results. It costs a lookup
+/// unless pyplot was imported, and as a final statement it echoes nothing and leaves line
+/// numbers as they were.
+const ONESHOT_FIGURES: &str = r#"import sys, io, base64, json, _host
+for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+pyplot = sys.modules["matplotlib.pyplot"]
+for number in pyplot.get_fignums():
+    figure = pyplot.figure(number)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight")
+    data = {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"), "text/plain": repr(figure)}
+    try:
+        _host.call(b"kiln:display " + json.dumps({"main": False, "data": data}).encode())
+    except OSError:
+        sys.stderr.write("kiln: a figure was not kept: one run keeps at most 64 results and 16 MiB of them, and one result is at most 4 MiB\n")
+pyplot.close("all")
+"#;
+
 /// CPython's hint on a missing module when site initialisation is off, which misleads here:
 /// there is no site-packages to add.
 const SITE_HINT: &str = ". Site initialization is disabled, did you forget to add the site-packages directory to sys.path or to enable your virtual environment?";
@@ -128,6 +154,7 @@ impl PythonGuest {
         let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
         let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["python"])?;
         let mut store = new_store(engine.wasmtime(), wasi, &request.limits);
+        store.data_mut().displays = Some(stdio.displays.clone());
         let instance = runtime
             .pre
             .instantiate_async(&mut store)
@@ -194,6 +221,9 @@ impl PythonGuest {
         listener: Option<mpsc::UnboundedSender<OutputChunk>>,
     ) -> Result<ExecResult, ExecError> {
         self.turns += 1;
+        if self.echo && self.turns == 1 {
+            self.setup_turn(RICH_SETUP, limits, "rich results").await?;
+        }
         if self.echo && self.turns == 2 {
             self.setup_turn(SESSION_PRELUDE, limits, "the session")
                 .await?;
@@ -205,7 +235,14 @@ impl PythonGuest {
                 .await?;
             self.line_buffered = true;
         }
-        self.run_turn(code, limits, listener).await
+        let mut result = self.run_turn(code, limits, listener.clone()).await?;
+        if self.echo && self.ended.is_none() && self.stdio.displays.armed() {
+            // Figures the turn left open; what this says on stderr follows the turn's own.
+            let after = self.run_turn(RICH_AFTER, limits, listener).await?;
+            result.results.extend(after.results);
+            result.stderr.extend(after.stderr);
+        }
+        Ok(result)
     }
 
     /// Runs kiln's own setup `code` as a turn of its own; a failure says what it set up.
@@ -249,12 +286,12 @@ impl PythonGuest {
         let clock_base = state.clock_base;
         arm_deadline(&deadline, clock_base, limits);
 
-        // `turn` echoes a final expression; a trailing `pass` is a final statement that
-        // echoes nothing, costs nothing and leaves line numbers as they were.
+        // `turn` echoes a final expression; a one-shot ends with a statement of kiln's
+        // (figures), which echoes nothing and leaves line numbers as they were.
         let code: std::borrow::Cow<'_, str> = if self.echo {
             code.into()
         } else {
-            format!("{code}\npass").into()
+            format!("{code}\nif \"matplotlib.pyplot\" in __import__(\"sys\").modules: exec({ONESHOT_FIGURES:?}, {{}})").into()
         };
         let len = i32::try_from(code.len()).map_err(|_| ExecError::CodeTooLarge {
             bytes: code.len(),

@@ -267,6 +267,110 @@ async fn python_sessions_keep_state_and_end_on_exit() -> TestResult {
     Ok(())
 }
 
+/// Issue 16: a cell's final value, `display(...)` and matplotlib figures come back as rich
+/// results; the REPL echo on stdout stays as it was.
+#[tokio::test]
+async fn python_sessions_return_rich_results() -> TestResult {
+    let mut session = engine()
+        .open_session(Language::Python, &SessionOptions::default())
+        .await?;
+    let limits = Limits::default();
+    let value = session.run("x = 41\nx + 1", &limits).await?;
+    assert_eq!(value.stdout_text(), "42\n");
+    assert_eq!(value.results.len(), 1, "{:?}", value.results);
+    assert!(value.results[0].main);
+    assert_eq!(value.results[0].data["text/plain"], "42");
+    let none = session.run("y = 1", &limits).await?;
+    assert!(none.results.is_empty(), "{:?}", none.results);
+    let frame = session
+        .run(
+            "import pandas as pd\ndf = pd.DataFrame({'a': [1, 2]})\ndisplay('shown')\ndf",
+            &limits,
+        )
+        .await?;
+    assert_eq!(frame.results.len(), 2, "{:?}", frame.results);
+    assert!(!frame.results[0].main);
+    assert_eq!(frame.results[0].data["text/plain"], "'shown'");
+    assert!(frame.results[1].main);
+    assert!(frame.results[1].data["text/html"].contains("<table"));
+    assert!(frame.results[1].data["text/plain"].contains("a"));
+    let plot = session
+        .run(
+            "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nprint('drawn')",
+            &limits,
+        )
+        .await?;
+    assert_eq!(plot.stdout_text(), "drawn\n");
+    assert_eq!(plot.stderr_text(), "");
+    let figures: Vec<_> = plot
+        .results
+        .iter()
+        .filter(|r| r.data.contains_key("image/png"))
+        .collect();
+    assert_eq!(figures.len(), 1, "{:?}", plot.results);
+    assert!(figures[0].data["image/png"].starts_with("iVBORw0KGgo"));
+    let shown = session
+        .run("plt.plot([3, 2, 1])\nplt.show()\nprint('after')", &limits)
+        .await?;
+    assert_eq!(shown.stdout_text(), "after\n");
+    assert_eq!(shown.stderr_text(), "");
+    assert_eq!(shown.results.len(), 1, "{:?}", shown.results);
+    let empty = session.run("print('no figure')", &limits).await?;
+    assert!(empty.results.is_empty(), "{:?}", empty.results);
+    Ok(())
+}
+
+/// Issue 16: a one-shot's figures left open come back as PNG results; a one-shot has no
+/// final-value result (as `python -c`).
+#[tokio::test]
+async fn python_one_shots_return_their_figures() -> TestResult {
+    let result = run(py(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2])\n1 + 1",
+    ))
+    .await;
+    assert_eq!(result.stdout_text(), "");
+    assert_eq!(result.exit_code, 0, "{}", result.stderr_text());
+    assert_eq!(result.results.len(), 1, "{:?}", result.results);
+    assert!(!result.results[0].main);
+    assert!(result.results[0].data["image/png"].starts_with("iVBORw0KGgo"));
+    let plain = run(py("print(1)")).await;
+    assert!(plain.results.is_empty());
+    Ok(())
+}
+
+/// Attack: a guest that floods results keeps at most 64, is told so, and finishes.
+#[tokio::test]
+async fn attack_a_flood_of_results_is_capped() -> TestResult {
+    let mut session = engine()
+        .open_session(Language::Python, &SessionOptions::default())
+        .await?;
+    let limits = Limits::default();
+    let flood = session
+        .run("for i in range(100): display(i)\nprint('done')", &limits)
+        .await?;
+    assert_eq!(flood.stdout_text(), "done\n");
+    assert_eq!(flood.results.len(), 64);
+    assert!(
+        flood.stderr_text().contains("a result was not kept"),
+        "{}",
+        flood.stderr_text()
+    );
+    let forged = session
+        .run(
+            "import _host\n_host.call(b'kiln:display {\"data\": 5}')",
+            &limits,
+        )
+        .await?;
+    assert_eq!(forged.exit_code, 1);
+    assert!(
+        forged.stderr_text().contains("OSError"),
+        "{}",
+        forged.stderr_text()
+    );
+    assert!(forged.results.is_empty());
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_session_keeps_no_source_of_turns_whose_code_is_gone() -> TestResult {
     let mut session = engine()

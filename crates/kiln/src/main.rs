@@ -480,6 +480,8 @@ fn exec(
                             out.write_all(&chunk.data).and_then(|()| out.flush())
                         }
                         StreamKind::Stderr => std::io::stderr().write_all(&chunk.data),
+                        // A terminal shows no images: said once the run ends.
+                        StreamKind::Display => Ok(()),
                     };
                     if written.is_err() {
                         break;
@@ -492,9 +494,16 @@ fn exec(
         })?
     };
     if !args.json {
+        let figures = (!result.results.is_empty()).then(|| {
+            format!(
+                "{} rich result(s) (figures, displayed values) not shown here: `kiln exec --json` returns them",
+                result.results.len()
+            )
+        });
         let reasons = [
             result.outcome.reason(&request.limits),
             result.fs_reason(&request.limits),
+            figures,
         ];
         for reason in reasons.into_iter().flatten() {
             if !result.stderr.is_empty() && !result.stderr.ends_with(b"\n") {
@@ -528,6 +537,7 @@ fn json_result(result: &ExecResult) -> serde_json::Value {
         "duration_us": result.duration_us,
         "peak_memory_bytes": result.peak_memory_bytes,
         "fs_written_bytes": result.fs_written_bytes,
+        "results": result.results,
     })
 }
 

@@ -12,6 +12,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kiln_core::backend::StreamKind;
+
 use axum::Extension;
 use axum::Router;
 use axum::extract::{Path, Request, State};
@@ -628,8 +630,13 @@ async fn pump(
         tokio::select! {
             chunk = chunks.recv() => {
                 let Some(chunk) = chunk else { break };
-                for text in lines.take(chunk.stderr, &chunk.data) {
-                    let value = output_line(chunk.stderr, text);
+                // The cell driver says its results on stdout, as E2B's protocol has them.
+                if chunk.stream == StreamKind::Display {
+                    continue;
+                }
+                let stderr = chunk.stream == StreamKind::Stderr;
+                for text in lines.take(stderr, &chunk.data) {
+                    let value = output_line(stderr, text);
                     saw_error |= value["type"] == "error";
                     if out.send(line(&value)).await.is_err() {
                         return;

@@ -16,6 +16,7 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use bytes::Bytes;
 use kiln_core::TerminalSize;
+use kiln_core::backend::StreamKind;
 use kiln_core::process::ProcessEvent;
 use kiln_runtime::exec::{self, CodeExec, PythonProgram};
 use kiln_runtime::processes::{self, Follow, Running, StartProcess};
@@ -509,8 +510,12 @@ async fn run_python_command(
     loop {
         let frame = tokio::select! {
             chunk = chunks.recv() => match chunk {
-                Some(chunk) if chunk.stderr => event_frame(&ProcessEvent::Stderr(Bytes::from(chunk.data))),
-                Some(chunk) => event_frame(&ProcessEvent::Stdout(Bytes::from(chunk.data))),
+                Some(chunk) => match chunk.stream {
+                    StreamKind::Stderr => event_frame(&ProcessEvent::Stderr(Bytes::from(chunk.data))),
+                    StreamKind::Stdout => event_frame(&ProcessEvent::Stdout(Bytes::from(chunk.data))),
+                    // A command's output is text; rich results are the code interpreter's.
+                    StreamKind::Display => continue,
+                },
                 None => break,
             },
             _ = ticks.tick() => envelope(&json!({"event": {"keepalive": {}}})),
