@@ -5,6 +5,7 @@ Usage: python check.py KILN_BINARY   (run by scripts/mcp-check, which starts not
 """
 
 import asyncio
+import base64
 import json
 import os
 import socket
@@ -76,8 +77,22 @@ async def exercise(client, name):
     check(not result.is_error, f"{name}: run in sandbox {text(result)}")
     result = await client.call_tool("read_file", {"sandbox_id": sandbox, "path": "out.txt"})
     check(text(result) == "HÉLLO", f"{name}: read_file {text(result)}")
+    # Issue 16: figures come back as image content, a session cell's value and a DataFrame's
+    # HTML under `results`; a binary file is read as a blob resource, byte for byte.
+    plot = "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.savefig('plot.png')"
+    result = await client.call_tool("run_python", {"sandbox_id": sandbox, "code": plot})
+    images = [b for b in result.content if getattr(b, "type", None) == "image"]
+    check(not result.is_error and len(images) == 1 and images[0].mime_type == "image/png", f"{name}: figure {result.content}")
+    check(base64.b64decode(images[0].data).startswith(b"\x89PNG"), f"{name}: figure bytes")
+    result = await client.call_tool("session_run", {"sandbox_id": sandbox, "session_id": session, "code": "import pandas as pd\npd.DataFrame({'a': [x]})"})
+    shown = data(result).get("results", [])
+    check(len(shown) == 1 and shown[0]["main"] and "<table" in shown[0]["data"]["text/html"], f"{name}: cell value {text(result)}")
+    result = await client.call_tool("read_file", {"sandbox_id": sandbox, "path": "plot.png"})
+    blobs = [b.resource for b in result.content if getattr(b, "type", None) == "resource"]
+    check(len(blobs) == 1 and blobs[0].mime_type == "image/png", f"{name}: binary read_file {result.content}")
+    check(base64.b64decode(blobs[0].blob).startswith(b"\x89PNG"), f"{name}: blob bytes")
     listing = data(await client.call_tool("list_files", {"sandbox_id": sandbox}))
-    check([f["path"] for f in listing["files"]] == ["data", "data/in.txt", "out.txt"], f"{name}: list_files {listing}")
+    check([f["path"] for f in listing["files"]] == ["data", "data/in.txt", "out.txt", "plot.png"], f"{name}: list_files {listing}")
     result = await client.call_tool("session_close", {"sandbox_id": sandbox, "session_id": session})
     check(not result.is_error, f"{name}: session_close {text(result)}")
     result = await client.call_tool("session_run", {"sandbox_id": sandbox, "session_id": session, "code": "print(x)"})

@@ -227,6 +227,24 @@ async fn parallel_and_malformed_calls_timeouts_state_and_artifacts() {
         by_id("d")
     );
     assert!(by_id("e")["result"].as_str().unwrap().contains("saved"));
+    // Issue 16: the figure left open reaches the client as a `display` event of its call,
+    // and the model reads that it was shown.
+    let figure = events
+        .iter()
+        .find(|(n, v)| n == "display" && v["id"] == "e")
+        .unwrap_or_else(|| panic!("no display event: {events:?}"));
+    assert!(
+        figure.1["result"]["data"]["image/png"]
+            .as_str()
+            .unwrap()
+            .starts_with("iVBORw0KGgo")
+    );
+    assert!(
+        by_id("e")["result"]
+            .as_str()
+            .unwrap()
+            .contains("1 figure(s) shown to the user")
+    );
     // The timed-out turn ended the session; the next call ran in a fresh one.
     assert!(
         by_id("f")["result"]

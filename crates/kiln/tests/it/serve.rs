@@ -1864,3 +1864,114 @@ fn a_full_workspace_quota_says_so() -> TestResult {
     );
     Ok(())
 }
+
+/// Issue 16, item 4: a session cell's final value (a DataFrame as text and HTML), its
+/// `display(...)` calls and its matplotlib figures come back as results, in the JSON result
+/// and as `display` events in the stream; a one-shot's open figures too, and through seed
+/// 003's exec.
+#[test]
+fn rich_results_come_back_in_json_and_in_the_stream() -> TestResult {
+    let server = start(Options::default())?;
+    let id = server.new_sandbox("python")?;
+    let (_, session) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({})),
+    )?;
+    let sid = session["sessionId"].as_str().ok_or("sid")?.to_owned();
+    let cell =
+        "import pandas as pd\ndf = pd.DataFrame({'city': ['Oslo', 'Rome'], 'n': [3, 5]})\ndf";
+    let (_, r) = server.exec(&id, json!({"code": cell, "sessionId": sid}))?;
+    assert_eq!(r["status"], "success", "{r}");
+    let results = r["results"].as_array().ok_or("no results")?;
+    assert_eq!(results.len(), 1, "{r}");
+    assert_eq!(results[0]["main"], true);
+    assert!(
+        results[0]["data"]["text/plain"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Oslo")
+    );
+    assert!(
+        results[0]["data"]["text/html"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("<table")
+    );
+    // Nothing to show: no `results` at all.
+    let (_, r) = server.exec(&id, json!({"code": "y = 1", "sessionId": sid}))?;
+    assert!(r.get("results").is_none(), "{r}");
+
+    // Streamed: each figure is a `display` event when it is shown, in order with the output.
+    let (_, r) = server.exec(
+        &id,
+        json!({"code": "import matplotlib.pyplot as plt", "sessionId": sid}),
+    )?;
+    assert!(r.get("results").is_none(), "{r}");
+    let plot = "plt.plot([1, 2, 3])\nplt.show()\nprint('between')\nplt.plot([3, 1])\n'done'";
+    let response = ureq::post(&server.url(&format!("/api/v1/sandboxes/{id}/exec/stream")))
+        .send_json(json!({"code": plot, "sessionId": sid}))?;
+    let events = read_events(response.into_reader())?;
+    let names: Vec<&str> = events
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .filter(|n| *n != "stdout")
+        .collect();
+    assert_eq!(
+        names,
+        ["start", "display", "display", "display", "result"],
+        "{events:?}"
+    );
+    let displays: Vec<&Value> = events
+        .iter()
+        .filter(|(n, _)| n == "display")
+        .map(|(_, v)| v)
+        .collect();
+    let png = |v: &Value| {
+        v["data"]["image/png"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("iVBORw0KGgo")
+    };
+    // plt.show() shows the first figure at once; the cell's value; the figure left open.
+    assert!(
+        png(displays[0]) && displays[0]["main"] == false,
+        "{}",
+        displays[0]
+    );
+    assert_eq!(displays[1]["main"], true, "{}", displays[1]);
+    assert_eq!(displays[1]["data"]["text/plain"], "'done'");
+    assert!(png(displays[2]), "{}", displays[2]);
+    let first_stdout = events.iter().position(|(n, _)| n == "stdout");
+    assert!(
+        first_stdout > Some(1),
+        "the first figure came after the output: {names:?}"
+    );
+    let (_, result) = events.last().ok_or("no events")?;
+    assert_eq!(result["stdout"], "between\n'done'\n", "{result}");
+    assert_eq!(result["stderr"], "", "{result}");
+    assert_eq!(
+        result["results"].as_array().map(Vec::len),
+        Some(3),
+        "{result}"
+    );
+
+    // A one-shot (seed 003's exec): figures left open are PNG results.
+    let (status, ran) = server.call(
+        "POST",
+        "/api/sandbox/exec",
+        Some(json!({"containerId": id, "command": ["python", "plot.py"], "files": {
+            "plot.py": "import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [1, 2])\nplt.savefig('plot.png')\n"
+        }})),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    let results = ran["results"].as_array().ok_or("no results")?;
+    assert_eq!(results.len(), 1, "{ran}");
+    assert!(
+        results[0]["data"]["image/png"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("iVBORw0KGgo")
+    );
+    Ok(())
+}
