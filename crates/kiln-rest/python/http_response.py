@@ -16,14 +16,35 @@ class BadReply(Exception):
     pass
 
 
-def normalize(reply):
-    """{status, headers, body} as kiln sends it; raises BadReply saying what is wrong."""
-    if not isinstance(reply, dict):
-        raise BadReply("the code must assign REPLY = {'status': ..., 'headers': {...}, 'body': ...}")
-    unknown = set(reply) - {"status", "headers", "body"}
+REPLY_KEYS = frozenset({"status", "headers", "body"})
+# Statuses whose response has no body.
+NO_BODY = frozenset({204, 205, 304})
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_reply(value):
+    """Whether the code's result is a reply ({status, headers, body}) rather than a body: it
+    has an integer status, or only reply keys with a body or headers among them."""
+    if not isinstance(value, dict):
+        return False
+    if _is_int(value.get("status")):
+        return True
+    keys = set(value)
+    return bool(keys) and keys <= REPLY_KEYS and bool(keys & {"body", "headers"})
+
+
+def normalize(reply, default_status=200):
+    """{status, headers, body} as kiln sends it; raises BadReply saying what is wrong. A
+    result that is not a reply is the body, sent with `default_status`."""
+    if not is_reply(reply):
+        reply = {"status": default_status, "headers": {}, "body": reply}
+    unknown = set(reply) - REPLY_KEYS
     if unknown:
         raise BadReply(f"REPLY has unknown keys: {', '.join(sorted(map(str, unknown)))}")
-    status = reply.get("status", 200)
+    status = reply.get("status", default_status)
     if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
         raise BadReply(f"REPLY status must be an integer from 100 to 599, not {status!r}")
     headers = reply.get("headers") or {}
@@ -41,7 +62,7 @@ def normalize(reply):
         if any(c in value for c in "\r\n\0") or len(value) > 8192:
             raise BadReply(f"REPLY header {name} holds a line break or is too long")
         clean[name] = value
-    body = reply.get("body")
+    body = None if status in NO_BODY else reply.get("body")
     if isinstance(body, (bytes, bytearray)):
         raise BadReply("REPLY body must be JSON data or text, not bytes")
     try:

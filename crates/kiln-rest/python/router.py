@@ -3,9 +3,9 @@
 - the conventions planner here (no LLM): plain REST over collections, deterministic;
 - an LLM, asked with PROMPT through the host's door (see driver.py).
 
-A plan: {"action", "resource", "id", "criteria", "payload", "response_hints",
-"cache": {"generic": bool, "pattern": "GET /members/{id}"},
-"code": {"language": "python", "block": "```python\\n...\\n```"}}.
+A plan, in seed 000's shape: {"action", "resource", "id", "criteria", "payload",
+"response_hints", "code": {"language": "python", "block": "```python\\n...\\n```"}}, plus
+kiln's optional "cache": {"generic": bool, "pattern": "GET /members/{id}"}.
 
 A plan never holds the request's body or query: its code reads them from `ctx`, and
 `payload` / `criteria` only say where they come from ("ctx.body", {"from": "ctx.query"}).
@@ -17,47 +17,76 @@ import json
 
 from kiln_rest.store import NAME
 
-ACTIONS = ("list", "read", "create", "replace", "patch", "delete", "search", "options", "index", "error")
+# The seed's actions first ("get" reads one object), then kiln's own ("read" is "get").
+ACTIONS = (
+    "create", "get", "list", "replace", "patch", "delete", "search",
+    "read", "options", "index", "error",
+)
 
 PROMPT = """You are the router and planner of a REST service that has no fixed endpoints.
 For the HTTP request you are given, infer the CRUD or search action and write Python code that
-answers it using only the objects `store` and `ctx`.
+answers it.
 
 Answer with ONLY a JSON object (no prose, no markdown around it):
-{"action": "list|read|create|replace|patch|delete|search|options|index|error",
- "resource": "<collection name or null>", "id": "<id from the path or null>",
- "criteria": {"from": "ctx.query"} or {}, "payload": "ctx.body" or null,
- "response_hints": {<status, headers you intend>},
- "cache": {"generic": true|false, "pattern": "<METHOD /path/with/{params}>"},
+{"action": "create|get|list|replace|patch|delete|search",
+ "resource": "<collection name>", "id": "<id from the path or null>",
+ "criteria": {<search filters>}, "payload": <what is stored, or null>,
+ "response_hints": {"status": <int>, "location_id": true|false},
  "code": {"language": "python", "block": "```python\\n<code>\\n```"}}
 
 The code block (exactly one fenced python block) runs with these names:
-- ctx: dict with method, path, segments (list of decoded path parts), params (values bound from
-  your cache pattern, e.g. {"id": "1"}), query (name -> list of values), headers (lower-case
-  names), body (parsed JSON or None), body_text (a body that is not JSON), body_base64
-  (one that is not text), client_ip, tenant, request_id.
-- store.collection(name) -> collection with get_all(), get(id) -> dict or None,
-  insert(obj) -> id (integer ids count up; a client's "id" is kept), replace(id, obj),
-  patch(id, changes) (merge; both return the object or None), delete(id) -> bool,
-  search(filters) (exact match, or field__contains), count(); store.collections();
-  store.sort(items, "name" or "-name"); store.page(items, limit, offset) ->
-  {"items", "page": {"limit", "offset", "total"}}.
+- store: the collection named by resource, with get_all() -> list, get(id) -> dict or None,
+  insert(obj) -> id (sets obj["id"]; integer ids count up from the largest, a string id is
+  kept), replace(id, obj), patch(id, delta) (both return the object or None),
+  delete(id) -> bool, search(filters) -> list (field equal to value, text without case).
+  Ids from the path are text: get("1") finds id 1.
+- ctx: dict with method, path, segments (decoded path parts), query (name -> list of values),
+  headers (lower-case names, no credentials), body_json (parsed JSON body or None), body_raw
+  (the body as text or None), client {"ip"}, session {"id"} (the tenant).
+- id (the id from the path or None), resource, payload (= ctx["body_json"]), criteria (the
+  query, one value per name).
+- safe_open(path, mode): open() for files in the tenant's own folder, relative paths only.
+- Imports: json, re, math, statistics, uuid, datetime, itertools, typing, pathlib (pure paths
+  only), io (StringIO, BytesIO), os (only os.path.join/basename/dirname/split/splitext/
+  normpath, os.sep and such constants: no programs, environment or folder listings).
+Result: assign REPLY = {"status": <int>, "headers": {<name>: <text>}, "body": <JSON data>},
+or end with `return {...}` (a reply, or just the body). Without a status the reply gets
+response_hints.status, else 201 for create, 204 for delete, 200 otherwise. With
+response_hints.location_id true, a create answers Location: /<resource>/<new id>.
+Typical patterns:
+- create: obj = ctx["body_json"]; store.insert(obj); REPLY = {"status": 201, "body": obj}
+- get: obj = store.get(id), then REPLY = {"status": 404, "body": {"error": "not found"}}
+  when obj is None, else REPLY = {"status": 200, "body": obj}
+- list: REPLY = {"status": 200, "body": store.get_all()}
+- search: REPLY = {"status": 200, "body": store.search(criteria)}
+- replace / patch: obj = store.replace(id, ctx["body_json"]) (or store.patch); 404 when None
+- delete: REPLY = {"status": 204 if store.delete(id) else 404, "body": None}
+
+kiln's additions:
+- action may also be read (= get), options, index or error; resource may be null.
+- Add "cache": {"generic": true|false, "pattern": "<METHOD /path/with/{params}>"}: set
+  generic to true when the code works for every request of the same shape, with pattern
+  naming the shape, e.g. "GET /members/{id}" (the code reads id or ctx["params"]["id"]).
+- ctx also has params (values bound from your cache pattern, e.g. {"id": "1"}), body (=
+  body_json), body_text (a body that is not JSON), body_base64 (one that is not text),
+  client_ip, tenant, request_id.
+- store.collection(name) -> any collection, with the methods above and count();
+  store.collections(); store.sort(items, "name" or "-name"); store.page(items, limit,
+  offset) -> {"items", "page": {"limit", "offset", "total"}}.
 - BadRequest(message), NotFound(message), Conflict(message), UnsupportedMediaType(message):
-  raise them for 400/404/409/415.
+  raise them for 400/404/409/415 JSON errors.
 - quote(text): percent-encodes a path segment (for Location headers).
-The code must assign REPLY = {"status": <int>, "headers": {<name>: <text>}, "body": <JSON data>}.
 Conventions: POST /c/ -> 201 with Location /c/{id} and the created object; GET /c/{id} -> 200
 or 404; PUT replaces, PATCH merges; DELETE -> 204 with body None; GET /c/search?f=v -> the
 list of matches; GET /c/?limit=&offset=&sort= -> store.page(...); a body that is not a JSON
 object where one is needed -> 400.
 Never copy the request's body, query values or stored data into the plan or its code: the
 code reads them from ctx when it runs (the body you are shown may be cut short, the code gets
-all of it), and criteria/payload only say where they come from.
-Rules: import only json, re, math, statistics, uuid, datetime, itertools, typing; never use
-open, exec, eval, compile, getattr, type, globals, attributes starting with an underscore,
-global/nonlocal, a bare except or except BaseException; never touch the network or files.
-Set cache.generic to true when the code works for every request of the same shape, with
-cache.pattern naming the shape, e.g. "GET /members/{id}" (code reads ctx["params"]["id"]).
+all of it), and criteria/payload only say where they come from (e.g. {"from": "ctx.query"},
+"ctx.body").
+Rules: never use open (use safe_open), exec, eval, compile, getattr, type, globals,
+attributes starting with an underscore, global/nonlocal, a bare except or except
+BaseException; never touch the network.
 """
 
 

@@ -181,12 +181,12 @@ class Collection:
         return dict(items[i]) if i >= 0 else None
 
     def insert(self, obj):
-        """Adds `obj`; returns its id: the client's id if it gave one (kept as given), else
-        one more than the largest integer id."""
+        """Adds `obj`; returns its id, also set as `obj["id"]`: the client's id if it gave
+        one (kept as given), else one more than the largest integer id."""
         if not isinstance(obj, dict):
             raise BadRequest("a resource must be a JSON object")
         items = list(self._load())
-        obj = dict(obj)
+        given, obj = obj, dict(obj)
         if "id" in obj and obj["id"] is not None:
             new_id = obj["id"]
             if isinstance(new_id, bool) or not isinstance(new_id, (int, str)) or new_id == "":
@@ -200,6 +200,7 @@ class Collection:
         obj["id"] = new_id
         items.append(obj)
         self._save(items)
+        given["id"] = new_id
         return new_id
 
     def replace(self, id, obj):
@@ -287,3 +288,95 @@ class ResourceStore:
             "items": items[offset : offset + limit],
             "page": {"limit": limit, "offset": offset, "total": len(items)},
         }
+
+
+class NoResource(Exception):
+    """The plan's code used the store's own methods, but the plan names no collection."""
+
+
+class BoundStore:
+    """`store` as a plan's code sees it: the collection its plan names (`resource`), with
+    the collection's methods, and `collection(name)` for any other."""
+
+    def __init__(self, store, resource):
+        self._store = store
+        self._resource = resource if isinstance(resource, str) and NAME.match(resource) else None
+        self._inserted = None
+
+    def _bound(self):
+        if self._resource is None:
+            raise NoResource("the plan names no collection (resource): use store.collection(name)")
+        return self._store.collection(self._resource)
+
+    @property
+    def name(self):
+        return self._resource
+
+    def get_all(self):
+        return self._bound().get_all()
+
+    def count(self):
+        return self._bound().count()
+
+    def get(self, id):
+        return self._bound().get(id)
+
+    def insert(self, obj):
+        self._inserted = self._bound().insert(obj)
+        return self._inserted
+
+    def replace(self, id, obj):
+        return self._bound().replace(id, obj)
+
+    def patch(self, id, delta):
+        return self._bound().patch(id, delta)
+
+    def delete(self, id):
+        return self._bound().delete(id)
+
+    def search(self, filters):
+        return self._bound().search(filters)
+
+    def collection(self, name):
+        return self._store.collection(name)
+
+    def collections(self):
+        return self._store.collections()
+
+    sort = staticmethod(ResourceStore.sort)
+    page = staticmethod(ResourceStore.page)
+
+
+_OPEN_MODE = re.compile(r"^[rwax](?:[bt]?\+?|\+[bt])$")
+
+
+def tenant_opener(root):
+    """safe_open(path, mode="r", encoding=None): open() confined to the tenant's folder.
+    Relative paths only; no `..`, no names starting with `.` (kiln's own), nothing that
+    resolves outside the folder. Writing creates missing folders."""
+    real_root = os.path.realpath(root)
+
+    def safe_open(path, mode="r", encoding=None):
+        try:
+            path = os.fspath(path)  # text, or a pathlib path
+        except TypeError:
+            path = None
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise PolicyError("safe_open needs a relative path (text) in the tenant's folder")
+        if not isinstance(mode, str) or not _OPEN_MODE.match(mode):
+            raise PolicyError(f"safe_open refuses the mode {mode!r} (r, w, a or x, with b, t or +)")
+        if path.startswith("/"):
+            raise PolicyError(f"safe_open refuses the absolute path {path!r}: paths are relative to the tenant's folder")
+        parts = [p for p in path.split("/") if p not in ("", ".")]
+        if not parts or any(p.startswith(".") for p in parts):
+            raise PolicyError(f"safe_open refuses {path!r}: no '..', and no names starting with '.'")
+        full = os.path.realpath(os.path.join(real_root, *parts))
+        if not full.startswith(real_root + "/"):
+            raise PolicyError(f"safe_open refuses {path!r}: it leads outside the tenant's folder")
+        if mode[0] != "r":
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+        if "b" in mode:
+            return open(full, mode)
+        return open(full, mode, encoding=encoding or "utf-8")
+
+    return safe_open

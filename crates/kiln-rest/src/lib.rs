@@ -12,7 +12,9 @@
 //!    asks the planner. The LLM planner reaches the model only through the door, granted to
 //!    the planning turn alone; the provider key stays in this process.
 //! 3. The plan's code is checked (AST allowlist) and run with the door shut, and the REPLY it
-//!    assigned becomes the HTTP response.
+//!    assigned (or the value it returned) becomes the HTTP response. Plans and code in seed
+//!    000's shape (`store` bound to the plan's resource, `ctx["body_json"]`, `safe_open`,
+//!    `response_hints`) run as well as kiln's own; see docs/rest.md, "The code's contract".
 
 mod errors;
 mod new_tenants;
@@ -432,15 +434,8 @@ fn segments(path: &str) -> Result<Vec<String>, HttpError> {
     Ok(out)
 }
 
-/// The context handed to the driver, as JSON text.
-fn context(
-    parts: &axum::http::request::Parts,
-    body: &[u8],
-    segments: &[String],
-    peer: SocketAddr,
-    tenant: &str,
-    request_id: &str,
-) -> Result<String, HttpError> {
+/// The query: each name with the list of its values.
+fn query_of(parts: &axum::http::request::Parts) -> serde_json::Map<String, Value> {
     let mut query: serde_json::Map<String, Value> = serde_json::Map::new();
     for (name, value) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
         let values = query
@@ -450,6 +445,12 @@ fn context(
             list.push(Value::String(value.into_owned()));
         }
     }
+    query
+}
+
+/// The headers a plan's code may see: lower-case names, repeated ones joined with ", ",
+/// never the credentials (authorization, cookies).
+fn visible_headers(parts: &axum::http::request::Parts) -> serde_json::Map<String, Value> {
     let mut headers: serde_json::Map<String, Value> = serde_json::Map::new();
     for (name, value) in &parts.headers {
         let name = name.as_str();
@@ -468,36 +469,53 @@ fn context(
             }
         }
     }
+    headers
+}
+
+/// The context handed to the driver, as JSON text: the seed's keys (method, path,
+/// segments, query, headers, body_raw, client.ip, session.id) and kiln's (client_ip, tenant,
+/// request_id); the driver adds body, body_json, body_text and params.
+fn context(
+    parts: &axum::http::request::Parts,
+    body: &[u8],
+    segments: &[String],
+    peer: SocketAddr,
+    tenant: &str,
+    request_id: &str,
+) -> Result<String, HttpError> {
     let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok());
-    let (json_body, body_text, body_base64) = if body.is_empty() {
-        (Value::Null, Value::Null, Value::Null)
-    } else if content_type.is_none_or(kiln_http::json::is_json_content_type) {
-        let parsed: Value =
-            serde_json::from_slice(body).map_err(|e| HttpError::malformed_json(&e))?;
-        (parsed, Value::Null, Value::Null)
-    } else {
-        match std::str::from_utf8(body) {
-            Ok(text) => (Value::Null, Value::String(text.to_string()), Value::Null),
-            Err(_) => {
-                use base64::Engine as _;
-                let encoded = base64::engine::general_purpose::STANDARD.encode(body);
-                (Value::Null, Value::Null, Value::String(encoded))
-            }
+    let is_json =
+        !body.is_empty() && content_type.is_none_or(kiln_http::json::is_json_content_type);
+    if is_json {
+        // Malformed JSON is a 400 before anything runs.
+        serde_json::from_slice::<Value>(body).map_err(|e| HttpError::malformed_json(&e))?;
+    }
+    // Sent once, as text (base64 when it is not UTF-8); the driver parses a JSON body again
+    // into ctx["body"] / ctx["body_json"], so a large body does not travel twice.
+    let (body_raw, body_base64) = match std::str::from_utf8(body) {
+        _ if body.is_empty() => (Value::Null, Value::Null),
+        Ok(text) => (Value::String(text.to_string()), Value::Null),
+        Err(_) => {
+            use base64::Engine as _;
+            let encoded = base64::engine::general_purpose::STANDARD.encode(body);
+            (Value::Null, Value::String(encoded))
         }
     };
     let ctx = json!({
         "method": parts.method.as_str(),
         "path": parts.uri.path(),
         "segments": segments,
-        "query": query,
-        "headers": headers,
-        "body": json_body,
-        "body_text": body_text,
+        "query": query_of(parts),
+        "headers": visible_headers(parts),
+        "body_raw": body_raw,
         "body_base64": body_base64,
+        "body_is_json": is_json,
+        "client": {"ip": peer.ip().to_string()},
         "client_ip": peer.ip().to_string(),
+        "session": {"id": tenant},
         "tenant": tenant,
         "request_id": request_id,
     });
@@ -615,7 +633,9 @@ async fn answer(
         trace.cache = "hit";
         trace.planner = entry.planner;
         trace.pattern = Some(entry.pattern.clone());
-        return turns.execute(&entry.code, Some(&entry.pattern)).await;
+        return turns
+            .execute(&entry.code, Some(&entry.pattern), &entry.meta)
+            .await;
     }
     trace.cache = "miss";
     trace.planner = app.config.planner.label();
@@ -661,8 +681,13 @@ impl Turns<'_> {
     }
 
     /// A plan's code, run with the door shut under the request's deadline.
-    async fn execute(&mut self, code: &str, pattern: Option<&str>) -> Result<Value, HttpError> {
-        let turn = python::execute(self.ctx, code, pattern);
+    async fn execute(
+        &mut self,
+        code: &str,
+        pattern: Option<&str>,
+        meta: &Value,
+    ) -> Result<Value, HttpError> {
+        let turn = python::execute(self.ctx, code, pattern, meta);
         self.run(turn, None, self.app.config.deadline).await
     }
 }
@@ -692,7 +717,9 @@ async fn llm_answer(
     let pattern = planned["plan"]["pattern"].as_str().map(str::to_string);
     // The door is shut for this turn: the plan's code never reaches the model or anything
     // else outside. (A planning turn that ended its session returned an error above.)
-    let mut answer = turns.execute(&code, pattern.as_deref()).await?;
+    let mut answer = turns
+        .execute(&code, pattern.as_deref(), &planned["plan"]["meta"])
+        .await?;
     answer["plan"] = planned["plan"].clone();
     Ok(answer)
 }
@@ -718,12 +745,17 @@ async fn store_plan(
     {
         return;
     }
-    let planner = app.config.planner.label();
+    let entry = plans::PlanEntry {
+        pattern: pattern.to_string(),
+        code: code.to_string(),
+        planner: app.config.planner.label(),
+        created: 0,
+        hits: 0,
+        meta: answer["plan"]["meta"].clone(),
+    };
     let stored = {
-        let app = app.clone();
-        let (tenant, pattern, code) = (tenant.to_string(), pattern.to_string(), code.to_string());
-        tokio::task::spawn_blocking(move || app.plans.insert(&tenant, &pattern, &code, &planner))
-            .await
+        let (app, tenant) = (app.clone(), tenant.to_string());
+        tokio::task::spawn_blocking(move || app.plans.insert(&tenant, entry)).await
     };
     if matches!(stored, Ok(Ok(()))) {
         trace.cache = "stored";

@@ -26,6 +26,11 @@ pub struct PlanEntry {
     pub created: u64,
     /// Requests it answered from the cache.
     pub hits: u64,
+    /// What the plan said beside its code that its run needs: `action`, `resource` (the
+    /// collection `store` is bound to) and the response `hints` honoured (`status`,
+    /// `location_id`). Null in entries written before kiln kept it.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub meta: serde_json::Value,
 }
 
 /// A tenant's cache, as stored.
@@ -222,38 +227,28 @@ impl PlanCache {
     }
 
     /// Keeps a generic plan (replacing one with the same pattern) and writes the cache now.
-    pub fn insert(
-        &self,
-        tenant: &str,
-        pattern: &str,
-        code: &str,
-        planner: &str,
-    ) -> std::io::Result<()> {
+    /// `created` and `hits` are set here.
+    pub fn insert(&self, tenant: &str, mut entry: PlanEntry) -> std::io::Result<()> {
         let path = self.path(tenant);
+        entry.created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        entry.hits = 0;
         self.with_tenant(tenant, |loaded| {
-            let created = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
-            let entry = PlanEntry {
-                pattern: pattern.to_string(),
-                code: code.to_string(),
-                planner: planner.to_string(),
-                created,
-                hits: 0,
-            };
+            let parsed = Pattern::parse(&entry.pattern);
             match loaded
                 .plans
                 .entries
                 .iter()
-                .position(|e| e.pattern == pattern)
+                .position(|e| e.pattern == entry.pattern)
             {
                 Some(i) => {
                     loaded.plans.entries[i] = entry;
-                    loaded.patterns[i] = Pattern::parse(pattern);
+                    loaded.patterns[i] = parsed;
                 }
                 None => {
                     loaded.plans.entries.push(entry);
-                    loaded.patterns.push(Pattern::parse(pattern));
+                    loaded.patterns.push(parsed);
                 }
             }
             write(&path, loaded)
@@ -340,6 +335,17 @@ mod tests {
             .collect()
     }
 
+    fn entry(pattern: &str, code: &str) -> PlanEntry {
+        PlanEntry {
+            pattern: pattern.into(),
+            code: code.into(),
+            planner: "conventions".into(),
+            created: 0,
+            hits: 0,
+            meta: serde_json::json!({"action": "get", "resource": "a", "hints": {}}),
+        }
+    }
+
     #[test]
     fn patterns_parse_and_match_the_most_specific() {
         let p = Pattern::parse("GET /members/{id}").unwrap();
@@ -361,12 +367,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cache = PlanCache::new(dir.path().to_path_buf()).unwrap();
         assert!(cache.lookup("t", "GET", &segs("/a/b")).is_none());
-        cache
-            .insert("t", "GET /a/{x}", "generic", "conventions")
-            .unwrap();
-        cache
-            .insert("t", "GET /a/b", "literal", "conventions")
-            .unwrap();
+        cache.insert("t", entry("GET /a/{x}", "generic")).unwrap();
+        cache.insert("t", entry("GET /a/b", "literal")).unwrap();
         assert_eq!(
             cache.lookup("t", "GET", &segs("/a/b")).unwrap().code,
             "literal"
@@ -394,7 +396,7 @@ mod tests {
         assert_eq!(cache.loaded(), 1, "only u is in memory");
         assert_eq!(read_tenant(&cache.path("t")).unwrap().hits, 3);
         assert_eq!(cache.totals(), (3, 2));
-        cache.insert("u", "GET /x", "code", "conventions").unwrap();
+        cache.insert("u", entry("GET /x", "code")).unwrap();
         cache.remove("u");
         assert!(!cache.path("u").exists());
         assert_eq!((cache.loaded(), cache.totals()), (0, (3, 2)));

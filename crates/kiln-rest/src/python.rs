@@ -63,13 +63,15 @@ pub fn plan(ctx: &str) -> String {
     format!("__kiln_rest.plan({})", literal(ctx))
 }
 
-/// Run a plan's code.
-pub fn execute(ctx: &str, code: &str, pattern: Option<&str>) -> String {
+/// Run a plan's code; `meta` is what the plan said beside it (action, resource, response
+/// hints), as the driver reported it.
+pub fn execute(ctx: &str, code: &str, pattern: Option<&str>, meta: &serde_json::Value) -> String {
     let pattern = pattern.map_or_else(|| "None".to_string(), literal);
     format!(
-        "__kiln_rest.execute({}, {}, {pattern})",
+        "__kiln_rest.execute({}, {}, {pattern}, {})",
         literal(ctx),
-        literal(code)
+        literal(code),
+        literal(&meta.to_string())
     )
 }
 

@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 use kiln_llm::fake::{FakeProvider, Step};
 use serde_json::{Value, json};
 
+/// Seed 000's plans and code contract (issue 16).
+#[path = "rest_seed.rs"]
+mod seed;
+
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
 struct Rest {
@@ -740,7 +744,7 @@ async fn the_llm_planner_plans_through_the_door_and_its_code_is_checked() {
         assert_eq!(echo.json["query"], json!({"q": ["1", "2"]}));
 
         for what in [
-            "import os",
+            "os.listdir",
             "open(",
             "__class__",
             "import socket",
