@@ -46,6 +46,9 @@ pub struct RunSpec {
     pub session: Option<String>,
     /// Run this argv instead of code, where the sandbox's template runs commands (Linux).
     pub command: Option<Vec<String>>,
+    /// The folder whose new and changed files come back with the result
+    /// ([`crate::outputs`]); `out` when the request names none.
+    pub output_dir: Option<RelPath>,
     /// The history message.
     pub summary: String,
     /// Told once the sandbox is busy with this run (from then on a cancel reaches it).
@@ -65,6 +68,8 @@ pub struct RunOutcome {
     pub history_warning: Option<String>,
     /// What the commit left out (files over the size history records, fifos, devices).
     pub left_out: Vec<LeftOut>,
+    /// Files the run added or changed under its output folder.
+    pub outputs: Vec<crate::outputs::OutputFile>,
 }
 
 impl RunOutcome {
@@ -288,8 +293,15 @@ async fn run_attached(
     let summary = spec.summary.clone();
     let exec_id = spec.exec_id.clone();
     let registry = state.clone();
+    let output_dir = spec.output_dir.clone();
     let recorded = tokio::task::spawn_blocking(move || {
-        record(&registry.registry, &workspace, &summary, &exec_id)
+        let recorded = record(&registry.registry, &workspace, &summary, &exec_id)?;
+        let outputs = match (&recorded.commit_id, output_dir) {
+            (Some(_), Some(dir)) => crate::outputs::collect(&workspace, &exec_id, &dir),
+            (Some(_), None) => crate::outputs::collect(&workspace, &exec_id, &default_output_dir()),
+            (None, _) => Vec::new(),
+        };
+        Ok((recorded, outputs))
     })
     .await
     .unwrap_or_else(|e| Err(RuntimeError::internal(format!("history task failed: {e}"))));
@@ -310,8 +322,8 @@ async fn run_attached(
     state.metrics.execution(sandbox.language, &result);
     // The code ran: its result is the answer even when its files could not be recorded (a
     // retrying client would run it twice).
-    let (commit_id, left_out, history_warning) = match recorded {
-        Ok(recorded) => (recorded.commit_id, recorded.left_out, None),
+    let (commit_id, left_out, history_warning, outputs) = match recorded {
+        Ok((recorded, outputs)) => (recorded.commit_id, recorded.left_out, None, outputs),
         Err(e) => {
             tracing::error!(sandbox = %sandbox.id, exec_id = %spec.exec_id, "the change was not recorded: {e}");
             (
@@ -320,6 +332,7 @@ async fn run_attached(
                 Some(format!(
                     "the files this run changed were not recorded in the history: {e}"
                 )),
+                Vec::new(),
             )
         }
     };
@@ -330,7 +343,13 @@ async fn run_attached(
         commit_id,
         history_warning,
         left_out,
+        outputs,
     })
+}
+
+/// `out`, the output folder when a request names none.
+fn default_output_dir() -> RelPath {
+    RelPath::parse(crate::outputs::DEFAULT_OUTPUT_DIR).expect("a valid relative path")
 }
 
 /// What a run executes: its code, or its program file (read now, while the sandbox is busy
@@ -627,6 +646,9 @@ pub struct CodeExec {
     pub session: Option<String>,
     /// An argv to run instead of code, where the sandbox's template runs commands (Linux).
     pub command: Option<Vec<String>>,
+    /// The workspace folder whose new and changed files come back with the result;
+    /// default `out`.
+    pub output_dir: Option<String>,
 }
 
 /// Checks a command against the sandbox's template.
@@ -711,6 +733,7 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
     }
     check_command(rt, view.meta.template(), &exec)?;
     let files = check_files(exec.files.iter().map(|(k, v)| (k, v.as_slice())))?;
+    let output_dir = exec.output_dir.as_deref().map(output_dir).transpose()?;
     let summary = match &exec.command {
         Some(argv) => argv.join(" "),
         None => format!(
@@ -731,8 +754,20 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
         args: Vec::new(),
         session: exec.session,
         command: exec.command,
+        output_dir,
         summary,
         begun: None,
+    })
+}
+
+/// An output folder a request names: a relative path in the workspace (`out`, `results/x`),
+/// or the same under `/workspace/`.
+pub fn output_dir(name: &str) -> Result<RelPath> {
+    let relative = name
+        .strip_prefix(&format!("{}/", kiln_core::WORKSPACE_GUEST))
+        .unwrap_or(name);
+    RelPath::parse(relative.trim_end_matches('/')).map_err(|e| RuntimeError::InvalidOption {
+        message: format!("outputDir {name:?} is not a folder in the workspace: {e}"),
     })
 }
 

@@ -31,6 +31,7 @@ pub mod files;
 pub mod history;
 pub mod live;
 pub mod metrics;
+pub mod outputs;
 pub mod pools;
 pub mod processes;
 pub mod quota;

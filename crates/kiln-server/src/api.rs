@@ -169,6 +169,10 @@ pub struct ExecBody {
     /// `["python", FILE]`, `["python", "-c", CODE]`, `["node", FILE]` or
     /// `["node", "-e", CODE]`.
     pub command: Vec<String>,
+    /// The workspace folder whose new and changed files come back in `files`; default
+    /// `out` (`/workspace/out` in the sandbox).
+    #[schema(example = "out")]
+    pub output_dir: Option<String>,
 }
 
 /// What an exec produced.
@@ -201,6 +205,11 @@ pub struct ExecReply {
     /// values. Absent when there are none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub results: Vec<kiln_core::RichResult>,
+    /// Files the run added or changed under its output folder (`out/` unless the request
+    /// names `outputDir`), base64, at most 32 files and 8 MiB (4 MiB each); a file over
+    /// the bounds is listed with `omitted` instead of its bytes. Absent when there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<kiln_runtime::outputs::OutputFile>,
 }
 
 /// What a command asks to run.
@@ -326,6 +335,11 @@ pub async fn exec(
         args,
         session: None,
         command,
+        output_dir: body
+            .output_dir
+            .as_deref()
+            .map(exec::output_dir)
+            .transpose()?,
         summary: body.command.join(" "),
         begun: None,
     };
@@ -340,6 +354,7 @@ pub async fn exec(
         history_recorded: outcome.history_recorded(),
         warnings: outcome.warnings(),
         results: outcome.result.results.clone(),
+        files: outcome.outputs.clone(),
     }))
 }
 

@@ -325,6 +325,7 @@ impl KilnMcp {
                         "commit_id": outcome.commit_id,
                         "history_recorded": outcome.history_recorded(),
                         "warnings": outcome.warnings(),
+                        "files": outcome.outputs.iter().map(|f| json!({"path": f.path, "size": f.size})).collect::<Vec<_>>(),
                     }),
                     &outcome.result.results,
                     outcome.status() != "success",

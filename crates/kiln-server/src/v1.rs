@@ -264,6 +264,10 @@ pub struct Execute {
     pub files: BTreeMap<String, String>,
     /// Run as a turn of this session (variables persist) instead of a fresh process.
     pub session_id: Option<String>,
+    /// The workspace folder whose new and changed files come back in `files`; default
+    /// `out` (`/workspace/out` in the sandbox).
+    #[schema(example = "out")]
+    pub output_dir: Option<String>,
 }
 
 /// What an execution produced.
@@ -302,6 +306,11 @@ pub struct Execution {
     /// each matplotlib figure as `image/png` (base64). Absent when there are none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub results: Vec<kiln_core::RichResult>,
+    /// Files the run added or changed under its output folder (`out/` unless the request
+    /// names `outputDir`), base64, at most 32 files and 8 MiB (4 MiB each); a file over
+    /// the bounds is listed with `omitted` instead of its bytes. Absent when there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<kiln_runtime::outputs::OutputFile>,
 }
 
 impl Execution {
@@ -325,6 +334,7 @@ impl Execution {
             history_recorded: outcome.history_recorded(),
             warnings: outcome.warnings(),
             results: outcome.result.results.clone(),
+            files: outcome.outputs.clone(),
         }
     }
 }
@@ -343,6 +353,7 @@ impl Execute {
             language: self.language.as_deref().map(exec::language).transpose()?,
             code: self.code.unwrap_or_default(),
             command: self.command,
+            output_dir: self.output_dir,
             stdin: self.stdin.into_bytes(),
             env: self.env,
             timeout_ms: self.timeout_ms,
@@ -579,7 +590,7 @@ pub async fn websocket(
 #[derive(Deserialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
 enum ClientMessage {
-    Exec(Execute),
+    Exec(Box<Execute>),
     Cancel,
 }
 
@@ -608,7 +619,7 @@ async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Calle
                             let _ = socket.send(ws_json("error", StreamEvent::Error(error).json())).await;
                             continue;
                         }
-                        match spec(&state, &caller, &id, body) {
+                        match spec(&state, &caller, &id, *body) {
                             Ok(spec) => events = Some(start_streaming(state.clone(), caller.clone(), id.clone(), spec)),
                             Err(error) => {
                                 let _ = socket.send(ws_json("error", StreamEvent::Error(error).json())).await;

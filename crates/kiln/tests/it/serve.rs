@@ -1975,3 +1975,48 @@ fn rich_results_come_back_in_json_and_in_the_stream() -> TestResult {
     );
     Ok(())
 }
+
+/// Issue 16, item 4: files a run writes under `out/` (or the folder the request names) come
+/// back with its result, bounded. (They are read through the workspace's handles, which
+/// never follow a link: kiln-workspace's tests plant them.)
+#[test]
+fn output_files_come_back_with_the_result() -> TestResult {
+    let server = start(Options::default())?;
+    let id = server.new_sandbox("python")?;
+    let code = "import os\nos.makedirs('out', exist_ok=True)\nopen('out/report.csv', 'w').write('a,b\\n1,2\\n')\nopen('out/big.bin', 'wb').write(b'x' * (5 << 20))\nopen('elsewhere.txt', 'w').write('not an output')";
+    let (_, r) = server.exec(&id, json!({"code": code}))?;
+    assert_eq!(r["status"], "success", "{r}");
+    let files = r["files"].as_array().ok_or("no files")?;
+    let paths: Vec<&str> = files.iter().filter_map(|f| f["path"].as_str()).collect();
+    assert_eq!(paths, ["out/big.bin", "out/report.csv"], "{r}");
+    assert_eq!(files[0]["size"], 5 << 20);
+    assert!(files[0].get("contentBase64").is_none(), "{r}");
+    assert!(
+        files[0]["omitted"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("4 MiB"),
+        "{r}"
+    );
+    assert_eq!(files[1]["contentBase64"], "YSxiCjEsMgo=", "{r}");
+    // A run that changes nothing under out/ carries no files; unchanged files are not sent again.
+    let (_, r) = server.exec(
+        &id,
+        json!({"code": "open('elsewhere.txt', 'a').write('!')"}),
+    )?;
+    assert!(r.get("files").is_none(), "{r}");
+    // A named folder, through seed 003's exec too.
+    let (status, r) = server.call(
+        "POST",
+        "/api/sandbox/exec",
+        Some(json!({"containerId": id, "command": ["python", "-c", "import os\nos.makedirs('results', exist_ok=True)\nopen('results/x.txt', 'w').write('hi')"], "outputDir": "/workspace/results"})),
+    )?;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["files"][0]["path"], "results/x.txt", "{r}");
+    assert_eq!(r["files"][0]["contentBase64"], "aGk=", "{r}");
+    for bad in ["../x", "/etc", ""] {
+        let (status, r) = server.exec(&id, json!({"code": "1", "outputDir": bad}))?;
+        assert_eq!(status, 400, "{bad}: {r}");
+    }
+    Ok(())
+}
