@@ -628,6 +628,13 @@ pub fn exec_prefix(language: Language) -> &'static str {
     }
 }
 
+/// Whether work id `id` is an execution (rather than a file change or a rollback).
+pub fn is_execution(id: &str) -> bool {
+    Language::ALL
+        .iter()
+        .any(|language| id.starts_with(exec_prefix(*language)))
+}
+
 /// Code to run in a sandbox, as every face asks for it.
 #[derive(Debug, Default, Clone)]
 pub struct CodeExec {

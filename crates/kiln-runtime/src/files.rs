@@ -1,7 +1,9 @@
-//! A sandbox's workspace files: list, read, write, delete. Each runs while the sandbox is busy
-//! with it (no code runs meanwhile, so links cannot be swapped under a check) and touches the
-//! workspace only through [`kiln_workspace::Tree`]. Writes and deletes are recorded in the
-//! history.
+//! A sandbox's workspace files: list, read, write, delete. They touch the workspace only
+//! through [`kiln_workspace::Tree`], whose directory handles never follow a link, so code
+//! changing the tree meanwhile can make them see an older or newer state, never a place
+//! outside the workspace. Listings and reads run beside whatever the sandbox runs; a write
+//! runs beside an execution too (and is recorded in the next history entry); deletes,
+//! renames and writes otherwise take the sandbox busy and are recorded at once.
 
 use std::sync::Arc;
 
@@ -49,6 +51,10 @@ pub struct FileChange {
     /// The history entry recording the change (absent when nothing changed).
     pub history_id: Option<String>,
     pub commit_id: Option<String>,
+    /// Set when the file was written while an execution ran in the sandbox: the write is
+    /// done, and the next history entry (that execution's, or the next change's) records it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub history_pending: bool,
 }
 
 /// Lists a workspace folder (recursive, at most [`MAX_LISTING`] entries; default the
@@ -59,8 +65,7 @@ pub async fn list(
     id: &str,
     folder: Option<String>,
 ) -> Result<FileList> {
-    let work = new_id("list_");
-    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
+    read_only(rt, caller, id, move |sandbox| {
         let start = match folder.as_deref() {
             Some(path) if !path.is_empty() => workspace_path(path)?,
             _ => RelPath::root(),
@@ -106,16 +111,15 @@ pub async fn list(
     .await
 }
 
-/// Opens a workspace file for reading (a regular file, never through a link) while the
-/// sandbox is busy with nothing else; returns it and its size.
+/// Opens a workspace file for reading (a regular file, never through a link), beside
+/// whatever the sandbox runs; returns it and its size.
 pub async fn open(
     rt: &Arc<Runtime>,
     caller: &Caller,
     id: &str,
     name: String,
 ) -> Result<(std::fs::File, u64)> {
-    let work = new_id("read_");
-    with_sandbox(rt, caller, id, &work, move |_, sandbox| {
+    read_only(rt, caller, id, move |sandbox| {
         let rel = workspace_path(&name)?;
         let (file, meta) = sandbox.tree()?.open_file(&rel).map_err(|e| match e {
             TreeError::IsDir { .. } => RuntimeError::IsAFolder { path: name.clone() },
@@ -173,14 +177,43 @@ pub async fn write(
             "bytes",
         ));
     }
-    with_sandbox(rt, caller, id, &work, move |rt, sandbox| {
-        let path = workspace_path(&name)?;
-        let size = body.len() as u64;
-        exec::write_files(&sandbox.tree()?, &[(path, body)]).map_err(|e| disk_full(&sandbox, e))?;
-        let summary = format!("upload {name}");
-        recorded_change(rt, &sandbox, &summary, history_id, name, size)
-    })
-    .await
+    let path = workspace_path(&name)?;
+    match rt.registry.begin(&caller.tenant, id, &work, None) {
+        Ok((sandbox, _, _)) => {
+            let rt = rt.clone();
+            exec::blocking(move || {
+                let written = write_one(&sandbox, path, body).and_then(|size| {
+                    let summary = format!("upload {name}");
+                    recorded_change(&rt, &sandbox, &summary, history_id, name, size)
+                });
+                rt.registry.finish(&sandbox.id, None).and(written)
+            })
+            .await
+        }
+        // An execution is running: write beside it; its own record (or the next) takes the
+        // file into the history, which only one change writes at a time.
+        Err(RuntimeError::SandboxBusy { running, .. }) if exec::is_execution(&running) => {
+            read_only(rt, caller, id, move |sandbox| {
+                let size = write_one(&sandbox, path, body)?;
+                Ok(FileChange {
+                    path: name,
+                    size,
+                    history_id: None,
+                    commit_id: None,
+                    history_pending: true,
+                })
+            })
+            .await
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// Writes one workspace file; returns its size.
+fn write_one(sandbox: &Sandbox, path: RelPath, body: Vec<u8>) -> Result<u64> {
+    let size = body.len() as u64;
+    exec::write_files(&sandbox.tree()?, &[(path, body)]).map_err(|e| disk_full(sandbox, e))?;
+    Ok(size)
 }
 
 /// Deletes a file or folder (recursively, never following a link) and records the change.
@@ -217,6 +250,7 @@ fn recorded_change(
         size,
         history_id: commit_id.as_ref().map(|_| history_id),
         commit_id,
+        history_pending: false,
     })
 }
 

@@ -2020,3 +2020,64 @@ fn output_files_come_back_with_the_result() -> TestResult {
     }
     Ok(())
 }
+
+/// Issue 16, item 5: uploads, reads and listings work while an execution runs in the same
+/// sandbox; the upload is recorded in the next history entry (here, the execution's).
+#[test]
+fn files_work_while_an_execution_runs() -> TestResult {
+    let server = start(Options::default())?;
+    let id = server.new_sandbox("python")?;
+    let url = |path: &str| server.url(&format!("/api/v1/sandboxes/{id}/files/{path}"));
+    let put = send(
+        "PUT",
+        &url("notes.txt"),
+        None,
+        Some(("text/plain", b"before")),
+    )?;
+    assert_eq!(put.status, 201);
+    // The code waits (up to 20 s) for a file the client uploads meanwhile.
+    let code = "import os, time\nfor _ in range(400):\n    if os.path.exists('input/go.txt'): break\n    time.sleep(0.05)\nprint(open('input/go.txt').read())";
+    let exec_url = server.url(&format!("/api/v1/sandboxes/{id}/exec"));
+    let running = std::thread::spawn(move || -> Res<Value> {
+        Ok(ureq::post(&exec_url)
+            .send_json(json!({"code": code}))?
+            .into_json()?)
+    });
+    let busy = || -> Res<bool> {
+        let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+        Ok(info["status"] == "running")
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !busy()? {
+        assert!(Instant::now() < deadline, "the execution never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let read = send("GET", &url("notes.txt"), None, None)?;
+    assert_eq!((read.status, &read.body[..]), (200, &b"before"[..]));
+    let (status, list) = server.call("GET", &format!("/api/v1/sandboxes/{id}/files"), None)?;
+    assert_eq!(status, 200, "{list}");
+    let put = send(
+        "PUT",
+        &url("input/go.txt"),
+        None,
+        Some(("text/plain", b"go!")),
+    )?;
+    assert_eq!(put.status, 201, "{}", String::from_utf8_lossy(&put.body));
+    assert_eq!(put.json()["historyPending"], true, "{}", put.json());
+    assert!(put.json()["commitId"].is_null());
+    // A delete still waits for the sandbox (it is recorded at once).
+    let delete = send("DELETE", &url("notes.txt"), None, None)?;
+    assert_eq!(delete.status, 409);
+    let ran = running.join().map_err(|_| "exec thread")??;
+    assert_eq!(ran["stdout"], "go!\n", "{ran}");
+    let (_, history) = server.call("GET", &format!("/api/v1/sandboxes/{id}/history"), None)?;
+    let newest = &history["history"][0];
+    assert_eq!(newest["id"], ran["executionId"], "{history}");
+    assert!(
+        newest["files"]
+            .as_array()
+            .is_some_and(|f| f.iter().any(|p| p == "input/go.txt")),
+        "{history}"
+    );
+    Ok(())
+}
