@@ -44,7 +44,7 @@ pub fn openapi_spec() -> &'static Value {
             "info": {
                 "title": "kiln rest",
                 "version": env!("CARGO_PKG_VERSION"),
-                "description": "A REST service with no fixed endpoints. Every method on every path reaches one catch-all handler; a planner turns the request into a JSON plan with Python code, the code is checked against an allowlist and runs in the tenant's WebAssembly sandbox over its JSON collections (/data/<tenant>/<collection>.json).\n\nConventions (what the offline planner does, and what the LLM planner is asked to do):\n- POST /members/ → 201, Location: /members/{id}, the created object\n- GET /members/1 → 200 or 404; PUT replaces, PATCH merges, DELETE → 204\n- GET /members/search?name=hartmann → the matching list (field__contains for parts)\n- GET /members/?limit=10&offset=20&sort=name → {items, page: {limit, offset, total}}\n\nTenants: X-Session-ID, or derived from the bearer token. Fixed routes: /healthz, /docs, /redoc, /openapi.json."
+                "description": "A REST service with no fixed endpoints. Every method on every path reaches one catch-all handler; a planner turns the request into a JSON plan with Python code, the code is checked against an allowlist and runs in the tenant's WebAssembly sandbox over its JSON collections (`/data/<tenant>/<collection>.json`).\n\nConventions (what the offline planner does, and what the LLM planner is asked to do):\n- POST /members/ → 201, Location: /members/{id}, the created object\n- GET /members/1 → 200 or 404; PUT replaces, PATCH merges, DELETE → 204\n- GET /members/search?name=hartmann → the matching list (field__contains for parts)\n- GET /members/?limit=10&offset=20&sort=name → {items, page: {limit, offset, total}}\n\nTenants: X-Session-ID, or derived from the bearer token. Fixed routes: /healthz, /docs, /redoc, /openapi.json."
             },
             "paths": {
                 "/{path}": {
@@ -80,4 +80,22 @@ pub fn openapi_spec() -> &'static Value {
             }
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    /// Issue 16: the docs pages showed `/data//.json`, markdown having taken `<tenant>` and
+    /// `<collection>` for HTML tags; in a code span they show as written.
+    #[test]
+    fn the_data_path_shows_its_placeholders() {
+        let description = super::openapi_spec()["info"]["description"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(
+            description.contains("(`/data/<tenant>/<collection>.json`)"),
+            "{description}"
+        );
+        let outside_code: String = description.split('`').step_by(2).collect();
+        assert!(!outside_code.contains('<'), "{outside_code}");
+    }
 }

@@ -9,6 +9,8 @@ use utoipa::{Modify, OpenApi};
 
 use crate::{api, error, history, v1};
 
+mod mcp;
+
 #[derive(OpenApi)]
 #[openapi(
     info(
@@ -62,6 +64,56 @@ const COMMON_ERRORS: &[(&str, &str)] = &[
     ("503", "Executor lost or saturated; retry"),
 ];
 
+/// The example each error status shows, with a code that status really carries (the error
+/// schema's own example, `SANDBOX_NOT_FOUND`, would otherwise stand for every one of them).
+const ERROR_EXAMPLES: &[(&str, &str, &str)] = &[
+    (
+        "400",
+        "INVALID_REQUEST",
+        "the body is not a valid request: timeoutMs: invalid type: string \"5s\", expected u64",
+    ),
+    (
+        "401",
+        "UNAUTHORIZED",
+        "the API key is not valid (unknown or revoked)",
+    ),
+    (
+        "404",
+        "SANDBOX_NOT_FOUND",
+        "no sandbox \"sb_0123\": it never existed, was deleted, or expired",
+    ),
+    (
+        "408",
+        "REQUEST_TIMEOUT",
+        "the request took longer than 600 s",
+    ),
+    (
+        "409",
+        "SANDBOX_BUSY",
+        "sandbox sb_0123 is running python_run_0456; retry when it finishes (or cancel it)",
+    ),
+    (
+        "413",
+        "BODY_TOO_LARGE",
+        "the body is larger than the limit of 32 MiB",
+    ),
+    (
+        "415",
+        "UNSUPPORTED_MEDIA_TYPE",
+        "the body must be application/json (Content-Type: \"text/plain\")",
+    ),
+    (
+        "429",
+        "RATE_LIMITED",
+        "too many requests for this key; retry in 1 s",
+    ),
+    (
+        "503",
+        "EXECUTOR_LOST",
+        "the executor running this code died (it exited); it has been replaced, retry",
+    ),
+];
+
 fn error_response(description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::Response> {
     use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
     ResponseBuilder::new()
@@ -96,6 +148,75 @@ impl Modify for BearerAuth {
         let takes_id = name_and_secure(openapi);
         link_created(openapi, &takes_id);
         link_nested(openapi);
+        plain_summaries(openapi);
+        example_errors(openapi);
+    }
+}
+
+/// The operations of every path, mutably.
+fn operations(
+    openapi: &mut utoipa::openapi::OpenApi,
+) -> impl Iterator<Item = &mut utoipa::openapi::path::Operation> {
+    openapi.paths.paths.values_mut().flat_map(|item| {
+        [
+            &mut item.get,
+            &mut item.post,
+            &mut item.put,
+            &mut item.patch,
+            &mut item.delete,
+        ]
+        .into_iter()
+        .flatten()
+    })
+}
+
+/// Swagger UI and ReDoc show a summary as plain text, so markdown in one shows its backticks.
+/// utoipa makes a handler's first doc paragraph the summary, on one line here; where that
+/// holds code, the summary keeps its first clause and the whole paragraph leads the
+/// description, where markdown renders.
+fn plain_summaries(openapi: &mut utoipa::openapi::OpenApi) {
+    for operation in operations(openapi) {
+        let Some(summary) = operation.summary.take() else {
+            continue;
+        };
+        if !summary.contains('`') {
+            operation.summary = Some(summary.split_whitespace().collect::<Vec<_>>().join(" "));
+            continue;
+        }
+        let head = summary
+            .find([':', '.'])
+            .map_or(summary.as_str(), |end| &summary[..end]);
+        let plain = if head.contains('`') {
+            summary.replace('`', "")
+        } else {
+            head.to_owned()
+        };
+        operation.summary = Some(plain.split_whitespace().collect::<Vec<_>>().join(" "));
+        operation.description = Some(match operation.description.take() {
+            Some(rest) => format!("{summary}\n\n{rest}"),
+            None => summary,
+        });
+    }
+}
+
+/// Gives each error answer an example whose code fits its status ([`ERROR_EXAMPLES`]).
+fn example_errors(openapi: &mut utoipa::openapi::OpenApi) {
+    for operation in operations(openapi) {
+        for (status, response) in operation.responses.responses.iter_mut() {
+            let utoipa::openapi::RefOr::T(response) = response else {
+                continue;
+            };
+            let Some((_, code, message)) = ERROR_EXAMPLES.iter().find(|(s, ..)| s == status) else {
+                continue;
+            };
+            if let Some(content) = response.content.get_mut("application/json")
+                && content.example.is_none()
+            {
+                content.example = Some(serde_json::json!({
+                    "error": {"code": code, "message": message, "details": {}}
+                }));
+            }
+        }
     }
 }
 
@@ -221,6 +342,7 @@ pub fn spec_json() -> &'static str {
     SPEC.get_or_init(|| {
         let mut value = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
         fix_link_names(&mut value);
+        mcp::describe(&mut value);
         serde_json::to_string_pretty(&value).unwrap_or_default()
     })
 }
@@ -253,3 +375,143 @@ pub async fn openapi_json() -> Response {
 }
 
 pub use kiln_http::docs::{redoc_js, redoc_page, swagger_css, swagger_js, swagger_page};
+
+#[cfg(test)]
+mod tests {
+    use serde_json::Value;
+
+    fn spec() -> Value {
+        serde_json::from_str(super::spec_json()).expect("the description is JSON")
+    }
+
+    fn operations(spec: &Value) -> Vec<(String, &Value)> {
+        let mut found = Vec::new();
+        for (path, item) in spec["paths"].as_object().expect("paths") {
+            for (method, operation) in item.as_object().expect("a path item") {
+                found.push((format!("{method} {path}"), operation));
+            }
+        }
+        found
+    }
+
+    /// Every `description` and `summary` in the description, with where it is.
+    fn texts<'a>(value: &'a Value, at: &str, found: &mut Vec<(String, &'a str)>) {
+        match value {
+            Value::Object(map) => {
+                for (key, child) in map {
+                    match (key.as_str(), child) {
+                        ("description" | "summary", Value::String(text)) => {
+                            found.push((format!("{at}/{key}"), text));
+                        }
+                        _ => texts(child, &format!("{at}/{key}"), found),
+                    }
+                }
+            }
+            Value::Array(items) => {
+                for (index, child) in items.iter().enumerate() {
+                    texts(child, &format!("{at}/{index}"), found);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Swagger UI and ReDoc print summaries as plain text: a backtick there shows.
+    #[test]
+    fn summaries_hold_no_markdown() {
+        let spec = spec();
+        for (operation, body) in operations(&spec) {
+            let summary = body["summary"].as_str().unwrap_or_default();
+            assert!(!summary.contains('`'), "{operation}: {summary}");
+            assert!(!summary.contains('\n'), "{operation}: {summary}");
+        }
+        let stream = &spec["paths"]["/api/v1/sandboxes/{id}/exec/stream"]["post"];
+        assert_eq!(
+            stream["summary"],
+            "Run code and stream its output as Server-Sent Events"
+        );
+        assert!(
+            stream["description"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("`stdout` / `stderr`"),
+            "{stream}"
+        );
+    }
+
+    /// Markdown takes `<key>` outside a code span for an HTML tag and drops it
+    /// ("Bearer <key>" renders as "Bearer ").
+    #[test]
+    fn no_text_reads_as_an_html_tag() {
+        let spec = spec();
+        let mut found = Vec::new();
+        texts(&spec, "", &mut found);
+        for (at, text) in found {
+            let outside_code: String = text.split('`').step_by(2).collect();
+            assert!(
+                !outside_code
+                    .split('<')
+                    .skip(1)
+                    .any(|after| after.starts_with(|c: char| c.is_ascii_alphabetic() || c == '/')),
+                "{at}: {text}"
+            );
+        }
+    }
+
+    /// Issue 16: every 400 example said `SANDBOX_NOT_FOUND`.
+    #[test]
+    fn each_error_example_has_a_code_of_its_status() {
+        let spec = spec();
+        let mut checked = 0;
+        for (operation, body) in operations(&spec) {
+            for (status, response) in body["responses"].as_object().expect("responses") {
+                let example = &response["content"]["application/json"]["example"];
+                if example.is_null() {
+                    continue;
+                }
+                let expected = super::ERROR_EXAMPLES
+                    .iter()
+                    .find(|(s, ..)| s == status)
+                    .map(|(_, code, _)| *code);
+                let code = example["error"]["code"].as_str();
+                if status == "404" && operation.ends_with(" /mcp") {
+                    assert_eq!(code, Some("SESSION_NOT_FOUND"), "{operation}");
+                } else {
+                    assert_eq!(code, expected, "{operation} {status}: {example}");
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked > 200, "only {checked} error examples");
+        let create = &spec["paths"]["/api/sandbox"]["post"]["responses"]["400"];
+        assert_eq!(
+            create["content"]["application/json"]["example"]["error"]["code"],
+            "INVALID_REQUEST"
+        );
+    }
+
+    #[test]
+    fn mcp_is_described() {
+        let spec = spec();
+        let mcp = &spec["paths"]["/mcp"];
+        for (method, id) in [
+            ("post", "post_mcp"),
+            ("get", "get_mcp"),
+            ("delete", "delete_mcp"),
+        ] {
+            assert_eq!(mcp[method]["operationId"], id);
+            assert_eq!(mcp[method]["security"][0]["bearer"], serde_json::json!([]));
+        }
+        assert_eq!(
+            mcp["post"]["requestBody"]["content"]["application/json"]["example"]["method"],
+            "initialize"
+        );
+        assert!(
+            spec["tags"]
+                .as_array()
+                .expect("tags")
+                .iter()
+                .any(|tag| tag["name"] == "mcp")
+        );
+    }
+}

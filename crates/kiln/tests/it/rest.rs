@@ -614,6 +614,14 @@ fn the_docs_explain_the_catch_all_in_a_browser() {
             &redoc[..redoc.len().min(2000)]
         );
     }
+    // Issue 16: markdown took `<tenant>` and `<collection>` for HTML tags (`/data//.json`).
+    for (page, dom) in [("Swagger UI", &swagger), ("ReDoc", &redoc)] {
+        assert!(
+            dom.contains("/data/&lt;tenant&gt;/&lt;collection&gt;.json")
+                && !dom.contains("//.json"),
+            "{page} does not show the data path as written"
+        );
+    }
 }
 
 // ------------------------------------------------------------------ the LLM planner

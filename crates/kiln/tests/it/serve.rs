@@ -1095,6 +1095,7 @@ fn the_docs_pages_render_every_route_in_a_browser() -> TestResult {
         "/api/sandbox/exec",
         "/api/v1/sandboxes/{id}/exec/stream",
         "/api/sandbox/{id}/rollback",
+        "Send MCP messages",
     ] {
         assert!(
             swagger.contains(needle),
@@ -1112,6 +1113,15 @@ fn the_docs_pages_render_every_route_in_a_browser() -> TestResult {
             "ReDoc did not render {needle:?}:\n{}",
             &redoc[..redoc.len().min(2000)]
         );
+    }
+    // Issue 16: both pages print summaries as plain text, where markdown showed its backticks.
+    for (page, dom) in [("Swagger UI", &swagger), ("ReDoc", &redoc)] {
+        if let Some(at) = dom.find('`') {
+            let before: Vec<char> = dom[..at].chars().rev().take(150).collect();
+            let before: String = before.into_iter().rev().collect();
+            let after: String = dom[at..].chars().take(150).collect();
+            panic!("{page} shows a raw backtick: …{before}{after}…");
+        }
     }
     Ok(())
 }
