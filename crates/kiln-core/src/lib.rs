@@ -147,6 +147,14 @@ pub struct Limits {
     pub fs_write_bytes: u64,
     /// Files and directories the guest may create during the execution. Default 1 000.
     pub fs_create_count: u64,
+    /// An instruction budget in fuel units (about one per WebAssembly instruction, see
+    /// [`MAX_FUEL`]): the guest stops with [`Outcome::FuelExhausted`] when it is spent, at
+    /// the same point on every run of the same code, whatever the machine's load. Time
+    /// blocked in the host (`time.sleep`) costs none, so the deadline still holds too.
+    /// Default `None`: no budget, only the deadline (the fast path: runtimes compiled
+    /// with fuel run slower and are compiled, once, on first use). WebAssembly only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fuel: Option<u64>,
 }
 
 impl Default for Limits {
@@ -158,6 +166,7 @@ impl Default for Limits {
             stderr_bytes: 1 << 20,
             fs_write_bytes: 64 << 20,
             fs_create_count: 1_000,
+            fuel: None,
         }
     }
 }
@@ -189,9 +198,19 @@ impl Limits {
                 return Err(LimitsError::OutputTooLarge { stream, bytes });
             }
         }
+        if let Some(fuel) = self.fuel
+            && !(1..=MAX_FUEL).contains(&fuel)
+        {
+            return Err(LimitsError::FuelOutOfRange { fuel });
+        }
         Ok(())
     }
 }
+
+/// The largest instruction budget ([`Limits::fuel`]) a request may ask for: 10^12 units,
+/// about a minute of Python busy looping on the development machine (which spends 1.5 to
+/// 2 x 10^10 units a second), so a deadline usually stops such a run first.
+pub const MAX_FUEL: u64 = 1_000_000_000_000;
 
 /// The largest output cap a request may ask for, per stream: 16 MiB.
 pub const MAX_OUTPUT_BYTES: u64 = 16 << 20;
@@ -218,6 +237,9 @@ pub enum LimitsError {
     /// an output cap above the maximum
     #[error("a {stream} cap of {bytes} bytes is above the maximum of 16 MiB")]
     OutputTooLarge { stream: &'static str, bytes: u64 },
+    /// an instruction budget of zero or above the maximum
+    #[error("an instruction budget (fuel) of {fuel} is outside 1..=1000000000000")]
+    FuelOutOfRange { fuel: u64 },
 }
 
 /// Parses a size such as `512m`, `1g`, `64k`, `100` (bytes); units are binary and
@@ -404,6 +426,8 @@ pub enum Outcome {
     MemoryLimit,
     /// The guest trapped (a WebAssembly fault such as a stack overflow); `trap` names it.
     Crashed { trap: String },
+    /// The instruction budget ([`Limits::fuel`]) was spent; the guest was stopped.
+    FuelExhausted,
 }
 
 impl Outcome {
@@ -426,6 +450,10 @@ impl Outcome {
                 limits.memory_bytes >> 20
             )),
             Outcome::Crashed { trap } => Some(format!("sandbox crashed: {trap}")),
+            Outcome::FuelExhausted => Some(match limits.fuel {
+                Some(fuel) => format!("the instruction budget of {fuel} units (fuel) ran out"),
+                None => "the instruction budget (fuel) ran out".into(),
+            }),
         }
     }
 }
@@ -623,5 +651,30 @@ mod tests {
         assert_eq!(limits.memory_bytes, Limits::default().memory_bytes);
         let err = serde_json::from_str::<Limits>(r#"{"timeout": 5}"#).unwrap_err();
         assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn fuel_is_optional_bounded_and_reported() {
+        assert_eq!(
+            serde_json::to_string(&Outcome::FuelExhausted).unwrap(),
+            r#"{"kind":"fuel_exhausted"}"#
+        );
+        // Absent by default, and absent from the JSON of limits without it.
+        let json = serde_json::to_value(Limits::default()).unwrap();
+        assert!(json.get("fuel").is_none(), "{json}");
+        let limits: Limits = serde_json::from_str(r#"{"fuel": 2000000000}"#).unwrap();
+        assert_eq!(limits.fuel, Some(2_000_000_000));
+        assert_eq!(limits.validate(), Ok(()));
+        assert_eq!(
+            Outcome::FuelExhausted.reason(&limits).as_deref(),
+            Some("the instruction budget of 2000000000 units (fuel) ran out")
+        );
+        for fuel in [0, MAX_FUEL + 1] {
+            let limits = Limits {
+                fuel: Some(fuel),
+                ..Limits::default()
+            };
+            assert_eq!(limits.validate(), Err(LimitsError::FuelOutOfRange { fuel }));
+        }
     }
 }

@@ -95,6 +95,7 @@ impl App {
             stderr_bytes: 64 << 10,
             fs_write_bytes: 256 << 20,
             fs_create_count: 1_000,
+            fuel: None,
         }
     }
 
@@ -214,7 +215,10 @@ impl App {
         // A deadline or a crash ended the session; one over its memory is not reused.
         let ended = matches!(
             result.outcome,
-            Outcome::TimedOut | Outcome::Crashed { .. } | Outcome::MemoryLimit
+            Outcome::TimedOut
+                | Outcome::Crashed { .. }
+                | Outcome::MemoryLimit
+                | Outcome::FuelExhausted
         );
         if ended {
             self.drop_session(guard).await;

@@ -251,6 +251,7 @@ fn read_result(
         Outcome::TimedOut => Some("TIMEOUT"),
         Outcome::MemoryLimit => Some("MEMORY_LIMIT"),
         Outcome::Crashed { .. } => Some("SANDBOX_CRASHED"),
+        Outcome::FuelExhausted => Some("FUEL_EXHAUSTED"),
         Outcome::Completed | Outcome::OutputTruncated => None,
     };
     if let Some(code) = code {

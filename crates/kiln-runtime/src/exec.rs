@@ -34,6 +34,9 @@ pub struct RunSpec {
     /// Per-execution time limit; default (and most) the sandbox's remaining life, at most
     /// the runtime's `max_exec_ms` ([`MAX_EXEC_MS`] unless configured).
     pub timeout_ms: Option<u64>,
+    /// An instruction budget in fuel units (WebAssembly one-shots; see
+    /// [`Limits::fuel`]); `None`: none, only the deadline.
+    pub fuel: Option<u64>,
     /// Files to write into the workspace first (already checked paths).
     pub files: Vec<(RelPath, Vec<u8>)>,
     /// Run the program in this workspace file instead of `code` (read once the sandbox is
@@ -403,6 +406,7 @@ async fn run_in(
     if let Some(timeout_ms) = spec.timeout_ms {
         limits.timeout_ms = limits.timeout_ms.min(timeout_ms.max(1));
     }
+    limits.fuel = spec.fuel;
     // The tenant's workspace quota bounds what this run may write.
     limits.fs_write_bytes = limits.fs_write_bytes.min(workspace_room);
     let options = CallOptions {
@@ -647,6 +651,9 @@ pub struct CodeExec {
     pub env: std::collections::BTreeMap<String, String>,
     /// Time limit; default (and most) [`MAX_EXEC_MS`] or what is left of the sandbox's life.
     pub timeout_ms: Option<u64>,
+    /// An instruction budget in fuel units, 1..=[`kiln_core::MAX_FUEL`] (WebAssembly
+    /// one-shots): the run stops with `fuel_exhausted` when it is spent. Default none.
+    pub fuel: Option<u64>,
     /// Files to write into the workspace first (name → bytes).
     pub files: std::collections::BTreeMap<String, Vec<u8>>,
     /// Run as a turn of this session instead of a fresh one-shot.
@@ -694,6 +701,35 @@ fn check_command(rt: &Runtime, template: &str, exec: &CodeExec) -> Result<()> {
     Ok(())
 }
 
+/// Checks an instruction budget: within range, for a one-shot, on a WebAssembly template.
+fn check_fuel(rt: &Runtime, template: &str, exec: &CodeExec) -> Result<()> {
+    let Some(fuel) = exec.fuel else {
+        return Ok(());
+    };
+    let invalid = |message: String| Err(RuntimeError::InvalidOption { message });
+    if !(1..=kiln_core::MAX_FUEL).contains(&fuel) {
+        return invalid(format!(
+            "fuel must be 1..={} (an instruction budget in fuel units, about one per WebAssembly instruction)",
+            kiln_core::MAX_FUEL
+        ));
+    }
+    if exec.session.is_some() {
+        return invalid(
+            "fuel applies to one-shot executions; a session turn runs without an instruction budget (leave out sessionId, or fuel)".into(),
+        );
+    }
+    let wasm = rt
+        .catalogue()
+        .get(template)
+        .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm);
+    if !wasm {
+        return invalid(format!(
+            "fuel applies to WebAssembly templates (python, javascript); the {template} template is bounded by timeoutMs"
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses an environment variable whose name is empty or holds `=` or NUL, or whose value
 /// holds NUL.
 pub fn check_env(env: &std::collections::BTreeMap<String, String>) -> Result<()> {
@@ -724,6 +760,7 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
             ),
         });
     }
+    check_fuel(rt, view.meta.template(), &exec)?;
     check_env(&exec.env)?;
     if exec.session.is_some() && !exec.env.is_empty() {
         return Err(RuntimeError::InvalidEnv {
@@ -756,6 +793,7 @@ pub fn prepare(rt: &Runtime, caller: &Caller, id: &str, exec: CodeExec) -> Resul
         stdin: exec.stdin,
         env: exec.env.into_iter().collect(),
         timeout_ms: exec.timeout_ms,
+        fuel: exec.fuel,
         files,
         code_file: None,
         args: Vec::new(),

@@ -98,6 +98,7 @@ impl Metrics {
             Outcome::TimedOut => "timeout",
             Outcome::MemoryLimit => "memory_limit",
             Outcome::Crashed { .. } => "crashed",
+            Outcome::FuelExhausted => "fuel_exhausted",
             _ if result.success() => "success",
             _ => "error",
         };

@@ -330,6 +330,7 @@ pub async fn exec(
         stdin: Vec::new(),
         env: Vec::new(),
         timeout_ms: None,
+        fuel: None,
         files,
         code_file,
         args,

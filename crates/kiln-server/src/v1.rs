@@ -259,6 +259,13 @@ pub struct Execute {
     /// sandbox's life).
     #[schema(minimum = 1, maximum = 300000)]
     pub timeout_ms: Option<u64>,
+    /// An instruction budget in fuel units (about one per WebAssembly instruction), for a
+    /// one-shot on a WebAssembly template: the run stops with outcome `fuel_exhausted` when
+    /// it is spent, at the same point on every run of the same code. `timeoutMs` still
+    /// holds (sleeping costs no fuel). The server's first request with a budget compiles the
+    /// runtime with fuel counting (Python: about 90 s) unless `kiln setup --fuel` did.
+    #[schema(minimum = 1, maximum = 1000000000000_u64, example = 2000000000_u64)]
+    pub fuel: Option<u64>,
     /// Files to write into the workspace first (name → text).
     #[serde(default)]
     pub files: BTreeMap<String, String>,
@@ -279,7 +286,8 @@ pub struct Execution {
     /// `success`, `error` or `timeout`.
     #[schema(example = "success")]
     pub status: String,
-    /// How it ended: `completed`, `output_truncated`, `timed_out`, `memory_limit`, `crashed`.
+    /// How it ended: `completed`, `output_truncated`, `timed_out`, `memory_limit`, `crashed`,
+    /// `fuel_exhausted`.
     #[schema(example = "completed")]
     pub outcome: String,
     #[schema(example = 0)]
@@ -357,6 +365,7 @@ impl Execute {
             stdin: self.stdin.into_bytes(),
             env: self.env,
             timeout_ms: self.timeout_ms,
+            fuel: self.fuel,
             files: self
                 .files
                 .into_iter()

@@ -71,7 +71,9 @@ impl From<ExecError> for BackendError {
     fn from(error: ExecError) -> BackendError {
         let kind = match &error {
             ExecError::Engine(_) => ErrorKind::Setup,
-            ExecError::Limits(_) | ExecError::MemoryTooSmall { .. } => ErrorKind::Limits,
+            ExecError::Limits(_)
+            | ExecError::MemoryTooSmall { .. }
+            | ExecError::FuelUnavailable { .. } => ErrorKind::Limits,
             ExecError::Grant(_) => ErrorKind::Grant,
             ExecError::CodeTooLarge { .. } | ExecError::RequestTooLarge { .. } => {
                 ErrorKind::TooLarge

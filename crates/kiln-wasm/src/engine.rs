@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kiln_core::{ExecRequest, ExecResult, Language, LimitsError};
@@ -91,6 +91,9 @@ pub enum ExecError {
         "WebAssembly runs python and javascript; {language} runs on a Linux template (kiln serve --linux)"
     )]
     Unsupported { language: Language },
+    /// A turn asked for an instruction budget (fuel) in a session that cannot count it.
+    #[error("this session cannot count an instruction budget (fuel): {why}")]
+    FuelUnavailable { why: &'static str },
 }
 
 /// The most source code one execution accepts: 16 MiB.
@@ -98,6 +101,8 @@ pub const MAX_CODE_BYTES: usize = 16 << 20;
 
 pub(crate) struct PythonRuntime {
     pub pre: InstancePre<GuestState>,
+    /// The guest slots of its engine (what `Busy` reports).
+    pub slots: u32,
     pub hot_pages: crate::prefault::HotPages,
     pub lib_dir: PathBuf,
     pub mpl_data_dir: PathBuf,
@@ -105,6 +110,8 @@ pub(crate) struct PythonRuntime {
 
 pub(crate) struct JsRuntime {
     pub pre: InstancePre<GuestState>,
+    /// The guest slots of its engine (what `Busy` reports).
+    pub slots: u32,
 }
 
 struct Ticker {
@@ -114,7 +121,8 @@ struct Ticker {
 }
 
 impl Ticker {
-    fn start(engine: Engine) -> Ticker {
+    /// Ticks `engine`, and the fuel engine once there is one.
+    fn start(engine: Engine, fuel: Arc<OnceLock<Engine>>) -> Ticker {
         let stop = Arc::new(AtomicBool::new(false));
         let contended = Arc::new(AtomicBool::new(false));
         let (flag, busy) = (stop.clone(), contended.clone());
@@ -128,6 +136,9 @@ impl Ticker {
                         EPOCH_TICK
                     });
                     engine.increment_epoch();
+                    if let Some(fuel) = fuel.get() {
+                        fuel.increment_epoch();
+                    }
                 }
             })
             .expect("spawning the epoch thread");
@@ -148,13 +159,65 @@ impl Drop for Ticker {
     }
 }
 
-struct Inner {
+/// One wasmtime engine and the runtimes compiled for it. kiln has two: the default one,
+/// bounded by epoch deadlines alone, and one that also counts fuel (its compiled code checks
+/// a counter at every loop and call, so it is slower), made on the first request with a
+/// budget ([`Limits::fuel`](kiln_core::Limits::fuel)).
+struct Variant {
     engine: Engine,
-    tmp_root: TmpRoot,
-    max_instances: u32,
-    cache: CacheDir,
+    /// Guests alive at once in this engine, at most.
+    slots: u32,
+    /// Whether the engine counts fuel (its modules are cached apart, as `NAME-fuel`).
+    fuel: bool,
     python: Mutex<Option<Arc<PythonRuntime>>>,
     javascript: Mutex<Option<Arc<JsRuntime>>>,
+}
+
+impl Variant {
+    fn new(options: &EngineOptions, fuel: bool) -> Result<Variant, EngineError> {
+        let slots = if fuel {
+            fuel_slots(options.max_instances)
+        } else {
+            options.max_instances.max(1)
+        };
+        let mut config = config_with_slots(slots);
+        config.consume_fuel(fuel);
+        let engine = Engine::new(&config).map_err(|e| EngineError::Config(format!("{e:#}")))?;
+        Ok(Variant {
+            engine,
+            slots,
+            fuel,
+            python: Mutex::new(None),
+            javascript: Mutex::new(None),
+        })
+    }
+
+    /// The name of a runtime's module in this engine (and in its `.cwasm` file).
+    fn module_name(&self, language: &str) -> String {
+        if self.fuel {
+            format!("{language}-fuel")
+        } else {
+            language.to_owned()
+        }
+    }
+}
+
+/// Guest slots of the fuel engine: an eighth of the default engine's, at least 4 (and at
+/// most as many). Few requests ask for a budget, and each slot reserves address space.
+fn fuel_slots(max_instances: u32) -> u32 {
+    let slots = max_instances.max(1);
+    slots.div_ceil(8).max(4).min(slots)
+}
+
+struct Inner {
+    plain: Variant,
+    /// The fuel engine, made on first use.
+    fuel: OnceLock<Variant>,
+    /// Its wasmtime engine, for the epoch thread.
+    fuel_engine: Arc<OnceLock<Engine>>,
+    options: EngineOptions,
+    tmp_root: TmpRoot,
+    cache: CacheDir,
     _ticker: Ticker,
 }
 
@@ -188,6 +251,8 @@ impl std::fmt::Debug for WasmEngine {
 pub struct EngineOptions {
     /// The most guests alive at once in this process, one-shots and sessions together.
     /// Each reserves (but does not use) about 12 GiB of address space. Default 1 000.
+    /// Guests with an instruction budget (fuel) run in a second engine, made on first use,
+    /// with an eighth as many slots (at least 4).
     pub max_instances: u32,
 }
 
@@ -206,8 +271,12 @@ const KEEP_RESIDENT_BYTES: usize = 8 << 20;
 
 /// The wasmtime configuration kiln uses (see docs/engine.md for why each setting is there).
 /// The allocator settings do not change compiled code, so every configuration shares the
-/// same `.cwasm` files.
+/// same `.cwasm` files. (The fuel engine adds `consume_fuel`, which does: its files differ.)
 pub fn engine_config(options: &EngineOptions) -> Config {
+    config_with_slots(options.max_instances.max(1))
+}
+
+fn config_with_slots(slots: u32) -> Config {
     let mut config = Config::new();
     config
         .wasm_exceptions(true)
@@ -215,7 +284,6 @@ pub fn engine_config(options: &EngineOptions) -> Config {
         .async_stack_size(MAX_WASM_STACK + (1 << 20))
         .epoch_interruption(true)
         .cranelift_opt_level(OptLevel::Speed);
-    let slots = options.max_instances.max(1);
     let mut pool = wasmtime::PoolingAllocationConfig::new();
     pool.total_core_instances(slots)
         // A store's GC heap (wasm exceptions) takes a memory slot besides its linear memory.
@@ -246,19 +314,35 @@ impl WasmEngine {
         cache: CacheDir,
         options: &EngineOptions,
     ) -> Result<WasmEngine, EngineError> {
-        let engine = Engine::new(&engine_config(options))
-            .map_err(|e| EngineError::Config(format!("{e:#}")))?;
+        let plain = Variant::new(options, false)?;
+        let fuel_engine = Arc::new(OnceLock::new());
         Ok(WasmEngine {
             inner: Arc::new(Inner {
-                _ticker: Ticker::start(engine.clone()),
-                max_instances: options.max_instances.max(1),
+                _ticker: Ticker::start(plain.engine.clone(), fuel_engine.clone()),
+                plain,
+                fuel: OnceLock::new(),
+                fuel_engine,
+                options: options.clone(),
                 tmp_root: TmpRoot::new().map_err(|e| EngineError::Tmp(e.to_string()))?,
-                engine,
                 cache,
-                python: Mutex::new(None),
-                javascript: Mutex::new(None),
             }),
         })
+    }
+
+    /// The engine for guests with (`fuel`) or without an instruction budget; the fuel
+    /// engine is made on first use.
+    fn variant(&self, fuel: bool) -> Result<&Variant, EngineError> {
+        if !fuel {
+            return Ok(&self.inner.plain);
+        }
+        if let Some(variant) = self.inner.fuel.get() {
+            return Ok(variant);
+        }
+        // Two first requests at once may both build one; the loser's is dropped unused.
+        let variant = Variant::new(&self.inner.options, true)?;
+        let variant = self.inner.fuel.get_or_init(|| variant);
+        let _ = self.inner.fuel_engine.set(variant.engine.clone());
+        Ok(variant)
     }
 
     /// The cache this engine uses.
@@ -266,9 +350,9 @@ impl WasmEngine {
         &self.inner.cache
     }
 
-    /// The most guests this engine runs at once.
+    /// The most guests this engine runs at once (without an instruction budget).
     pub fn max_instances(&self) -> u32 {
-        self.inner.max_instances
+        self.inner.plain.slots
     }
 
     /// A flag to raise while guests wait for their turn (a scheduler in front of the engine
@@ -282,23 +366,50 @@ impl WasmEngine {
         self.inner.tmp_root.private()
     }
 
-    pub(crate) fn wasmtime(&self) -> &Engine {
-        &self.inner.engine
-    }
-
     /// Makes `language` ready: fetches and unpacks its runtime if missing, compiles it if
     /// needed, and loads it. Reports long steps to `progress`.
     pub fn prepare(&self, language: Language, progress: &dyn Progress) -> Result<(), EngineError> {
+        self.prepare_variant(language, false, progress)
+    }
+
+    /// Like [`WasmEngine::prepare`], for guests with an instruction budget (`fuel`) or
+    /// without. The fuel variant is compiled apart, once (Python: about 90 CPU-seconds and
+    /// 2.7 GB of memory), the first time a request asks for a budget.
+    pub fn prepare_variant(
+        &self,
+        language: Language,
+        fuel: bool,
+        progress: &dyn Progress,
+    ) -> Result<(), EngineError> {
         match language {
-            Language::Python => self.python(progress).map(drop),
-            Language::JavaScript => self.javascript(progress).map(drop),
+            Language::Python => self.python(progress, fuel).map(drop),
+            Language::JavaScript => self.javascript(progress, fuel).map(drop),
             // Nothing of WebAssembly runs them; requests for them are refused.
             Language::Go | Language::Bash => Ok(()),
         }
     }
 
-    fn linker(&self, language: Language) -> Result<Linker<GuestState>, EngineError> {
-        let mut linker = Linker::new(&self.inner.engine);
+    /// Whether `language`'s runtime is fetched and compiled for guests with an instruction
+    /// budget (`fuel`) or without, so that a first request does not wait for a compilation.
+    pub fn is_compiled(&self, language: Language, fuel: bool) -> Result<bool, EngineError> {
+        let spec = match language {
+            Language::Python => &PYTHON,
+            Language::JavaScript => &JAVASCRIPT,
+            Language::Go | Language::Bash => return Ok(false),
+        };
+        let variant = self.variant(fuel)?;
+        let cache = &self.inner.cache;
+        let name = variant.module_name(language.name());
+        let path = crate::cache::cwasm_path(&variant.engine, cache, &name, spec.files[0].sha256);
+        Ok(cache.is_installed(spec) && path.is_file())
+    }
+
+    fn linker(
+        &self,
+        variant: &Variant,
+        language: Language,
+    ) -> Result<Linker<GuestState>, EngineError> {
+        let mut linker = Linker::new(&variant.engine);
         add_to_linker(&mut linker).map_err(|e| self.link_error(language, e))?;
         if language == Language::Python {
             add_door(&mut linker).map_err(|e| self.link_error(language, e))?;
@@ -316,17 +427,24 @@ impl WasmEngine {
 
     fn module(
         &self,
+        variant: &Variant,
         spec: &RuntimeSpec,
-        name: &str,
+        language: Language,
         estimate: Duration,
         progress: &dyn Progress,
     ) -> Result<wasmtime::Module, EngineError> {
         let cache = &self.inner.cache;
         cache.ensure_runtime(spec, progress)?;
+        // Code that counts fuel is larger and takes longer to compile.
+        let estimate = if variant.fuel {
+            estimate * 3 / 2
+        } else {
+            estimate
+        };
         Ok(load_or_compile(
-            &self.inner.engine,
+            &variant.engine,
             cache,
-            name,
+            &variant.module_name(language.name()),
             &cache.wasm_path(spec),
             spec.files[0].sha256,
             estimate,
@@ -334,52 +452,66 @@ impl WasmEngine {
         )?)
     }
 
+    /// The Python runtime of the engine with (`fuel`) or without an instruction budget.
     pub(crate) fn python(
         &self,
         progress: &dyn Progress,
+        fuel: bool,
     ) -> Result<Arc<PythonRuntime>, EngineError> {
-        let mut slot = self.inner.python.lock().unwrap_or_else(|e| e.into_inner());
+        let variant = self.variant(fuel)?;
+        let mut slot = variant.python.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(runtime) = slot.as_ref() {
             return Ok(runtime.clone());
         }
         let started = std::time::Instant::now();
-        let module = self.module(&PYTHON, "python", Duration::from_secs(60), progress)?;
-        let linker = self.linker(Language::Python)?;
+        let estimate = Duration::from_secs(60);
+        let module = self.module(variant, &PYTHON, Language::Python, estimate, progress)?;
+        let linker = self.linker(variant, Language::Python)?;
         let pre = linker
             .instantiate_pre(&module)
             .map_err(|e| self.link_error(Language::Python, e))?;
         let runtime = Arc::new(PythonRuntime {
             pre,
+            slots: variant.slots,
             hot_pages: Default::default(),
             lib_dir: self.inner.cache.python_lib_dir(),
             mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
         });
         *slot = Some(runtime.clone());
-        tracing::debug!(target: "kiln_wasm", language = "python", ms = started.elapsed().as_millis() as u64, "runtime ready");
+        tracing::debug!(target: "kiln_wasm", language = "python", fuel, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
     }
 
+    /// The JavaScript runtime of the engine with (`fuel`) or without an instruction budget.
     pub(crate) fn javascript(
         &self,
         progress: &dyn Progress,
+        fuel: bool,
     ) -> Result<Arc<JsRuntime>, EngineError> {
-        let mut slot = self
-            .inner
-            .javascript
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let variant = self.variant(fuel)?;
+        let mut slot = variant.javascript.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(runtime) = slot.as_ref() {
             return Ok(runtime.clone());
         }
         let started = std::time::Instant::now();
-        let module = self.module(&JAVASCRIPT, "javascript", Duration::from_secs(2), progress)?;
-        let linker = self.linker(Language::JavaScript)?;
+        let estimate = Duration::from_secs(2);
+        let module = self.module(
+            variant,
+            &JAVASCRIPT,
+            Language::JavaScript,
+            estimate,
+            progress,
+        )?;
+        let linker = self.linker(variant, Language::JavaScript)?;
         let pre = linker
             .instantiate_pre(&module)
             .map_err(|e| self.link_error(Language::JavaScript, e))?;
-        let runtime = Arc::new(JsRuntime { pre });
+        let runtime = Arc::new(JsRuntime {
+            pre,
+            slots: variant.slots,
+        });
         *slot = Some(runtime.clone());
-        tracing::debug!(target: "kiln_wasm", language = "javascript", ms = started.elapsed().as_millis() as u64, "runtime ready");
+        tracing::debug!(target: "kiln_wasm", language = "javascript", fuel, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
     }
 
@@ -399,16 +531,18 @@ impl WasmEngine {
     ) -> Result<ExecResult, ExecError> {
         check_request(request)?;
         let started = Instant::now();
+        // A budget runs on the fuel engine; without one, nothing here counts fuel.
+        let fuel = request.limits.fuel.is_some();
         let mut result = match request.language {
             Language::Python => {
-                let runtime = self.python(&Quiet)?;
+                let runtime = self.python(&Quiet, fuel)?;
                 let mut guest = python::PythonGuest::open(self, &runtime, request, false).await?;
                 let result = guest.turn(&request.code, &request.limits, listener).await?;
                 guest.learn_hot_pages(&runtime);
                 result
             }
             Language::JavaScript => {
-                let runtime = self.javascript(&Quiet)?;
+                let runtime = self.javascript(&Quiet, fuel)?;
                 javascript::run_once(self, &runtime, request, listener).await?
             }
             language @ (Language::Go | Language::Bash) => {
@@ -428,16 +562,15 @@ pub(crate) fn instantiate_error(language: Language, error: impl std::fmt::Displa
     }
 }
 
-/// Maps a failed `instantiate_async`: `Busy` when every pool slot is taken.
+/// Maps a failed `instantiate_async`: `Busy` when every one of the engine's `slots` is
+/// taken.
 pub(crate) fn instantiation_error(
-    engine: &WasmEngine,
+    slots: u32,
     language: Language,
     error: wasmtime::Error,
 ) -> ExecError {
     if error.is::<wasmtime::PoolConcurrencyLimitError>() {
-        return ExecError::Busy {
-            limit: engine.max_instances(),
-        };
+        return ExecError::Busy { limit: slots };
     }
     instantiate_error(language, error)
 }
@@ -500,4 +633,38 @@ pub(crate) fn check_code(code: &str) -> Result<(), ExecError> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::cwasm_path;
+
+    #[test]
+    fn the_fuel_engine_compiles_to_files_of_its_own() {
+        let options = EngineOptions { max_instances: 8 };
+        let plain = Variant::new(&options, false).unwrap();
+        let fuel = Variant::new(&options, true).unwrap();
+        let cache = CacheDir::new("/kiln-cache");
+        let digest = "0123456789abcdef".repeat(4);
+        let path =
+            |variant: &Variant, name: &str| cwasm_path(&variant.engine, &cache, name, &digest);
+        assert!(
+            path(&plain, &plain.module_name("python"))
+                .to_string_lossy()
+                .contains("/python-0123456789abcdef-wasmtime48.0.8-")
+        );
+        assert!(
+            path(&fuel, &fuel.module_name("python"))
+                .to_string_lossy()
+                .contains("/python-fuel-0123456789abcdef-")
+        );
+        // Under one name too, the engines' hashes differ: neither loads the other's code.
+        assert_ne!(path(&plain, "python"), path(&fuel, "python"));
+    }
+
+    #[test]
+    fn the_fuel_engine_has_an_eighth_of_the_slots_at_least_four() {
+        assert_eq!([1, 4, 8, 40, 1000].map(fuel_slots), [1, 4, 4, 5, 125]);
+    }
 }

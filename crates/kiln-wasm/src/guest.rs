@@ -285,12 +285,13 @@ impl wasmtime_wasi::cli::StdinStream for StdinBox {
     }
 }
 
-/// A new store with the memory cap, the epoch deadline and the deadline callback installed.
+/// A new store with the memory cap, the epoch deadline and the deadline callback installed,
+/// and the instruction budget when `limits` has one (then `engine` must count fuel).
 pub(crate) fn new_store(
     engine: &wasmtime::Engine,
     wasi: WasiP1Ctx,
     limits: &Limits,
-) -> Store<GuestState> {
+) -> wasmtime::Result<Store<GuestState>> {
     let clock_base = Instant::now();
     let deadline_ns = Arc::new(AtomicU64::new(u64::MAX));
     arm_deadline(&deadline_ns, clock_base, limits);
@@ -309,6 +310,9 @@ pub(crate) fn new_store(
         displays: None,
     };
     let mut store = Store::new(engine, state);
+    if let Some(fuel) = limits.fuel {
+        store.set_fuel(fuel)?;
+    }
     store.limiter(|state| &mut state.memory);
     store.set_epoch_deadline(1);
     store.epoch_deadline_callback(|ctx| {
@@ -319,7 +323,7 @@ pub(crate) fn new_store(
             Ok(UpdateDeadline::Yield(1))
         }
     });
-    store
+    Ok(store)
 }
 
 /// Adds WASI preview 1 with kiln's file quota in front of the calls that write or create
@@ -342,6 +346,8 @@ pub(crate) enum CallEnd<T> {
     Exited(i32),
     /// The deadline passed (inside wasm or while blocked in the host).
     TimedOut,
+    /// The instruction budget (fuel) was spent.
+    FuelExhausted,
     /// A trap or host error; the string names it.
     Trapped(String),
 }
@@ -380,6 +386,9 @@ pub(crate) fn classify_error<T>(error: wasmtime::Error) -> CallEnd<T> {
         if *trap == Trap::Interrupt {
             return CallEnd::TimedOut;
         }
+        if *trap == Trap::OutOfFuel {
+            return CallEnd::FuelExhausted;
+        }
         return CallEnd::Trapped(trap_name(*trap));
     }
     CallEnd::Trapped(format!("host error: {error:#}"))
@@ -414,6 +423,8 @@ fn judge(end: &CallEnd<i32>, memory_hit: bool, truncated: bool) -> (Outcome, i32
             }
         }
         CallEnd::TimedOut => (Outcome::TimedOut, -1),
+        // What stopped it was the budget, whatever the memory cap did before.
+        CallEnd::FuelExhausted => (Outcome::FuelExhausted, -1),
         CallEnd::Trapped(_) if memory_hit => (Outcome::MemoryLimit, -1),
         CallEnd::Trapped(trap) => (Outcome::Crashed { trap: trap.clone() }, -1),
     };

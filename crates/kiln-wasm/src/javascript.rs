@@ -17,7 +17,7 @@ use wasmtime::{Instance, Store, TypedFunc};
 use wasmtime_wasi::cli::AsyncStdinStream;
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
-use crate::engine::{ExecError, JsRuntime, WasmEngine, instantiation_error};
+use crate::engine::{ExecError, JsRuntime, WasmEngine, instantiate_error, instantiation_error};
 use crate::guest::{
     CallEnd, FsBudget, GuestState, Preopen, PrivateTmp, Stats, Stdio, arm_deadline, bounded_call,
     classify_error, ensure_alive, finish, new_store, push_grants, wasi_context,
@@ -48,12 +48,13 @@ async fn prepare(
     }];
     push_grants(request, &mut preopens);
     let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["qjs"])?;
-    let mut store = new_store(engine.wasmtime(), wasi, &request.limits);
+    let mut store = new_store(runtime.pre.module().engine(), wasi, &request.limits)
+        .map_err(|e| instantiate_error(Language::JavaScript, e))?;
     let instance = runtime
         .pre
         .instantiate_async(&mut store)
         .await
-        .map_err(|e| instantiation_error(engine, Language::JavaScript, e))?;
+        .map_err(|e| instantiation_error(runtime.slots, Language::JavaScript, e))?;
     Ok(Prepared {
         store,
         instance,
@@ -168,6 +169,10 @@ const SESSION_LOOP: &str = r#"(function () {
   }
 })();"#;
 
+/// Why a JavaScript session takes no instruction budget: its guest is one long call, with
+/// no point between turns where the host could refill the store's fuel.
+pub(crate) const JS_SESSION_FUEL: &str = "JavaScript sessions do not count fuel (the session is one long call); run the code as a one-shot, or in a Python session opened with a budget";
+
 /// A live JavaScript session.
 pub(crate) struct JsSession {
     stdin: tokio::io::DuplexStream,
@@ -263,6 +268,11 @@ impl JsSession {
     ) -> Result<ExecResult, ExecError> {
         let started = Instant::now();
         ensure_alive(&self.ended)?;
+        if limits.fuel.is_some() {
+            return Err(ExecError::FuelUnavailable {
+                why: JS_SESSION_FUEL,
+            });
+        }
         self.stdio.start_turn(limits, listener);
         let mut line = serde_json::to_string(code).expect("a string serializes");
         line.push('\n');
@@ -301,6 +311,7 @@ impl JsSession {
                 self.ended = Some(match &end {
                     CallEnd::Exited(_) | CallEnd::Returned(_) => "the session exited".into(),
                     CallEnd::TimedOut => "the session timed out and was stopped".into(),
+                    CallEnd::FuelExhausted => "the session spent its instruction budget".into(),
                     CallEnd::Trapped(trap) => format!("the session crashed ({trap})"),
                 });
                 end

@@ -118,6 +118,9 @@ pub(crate) struct PythonGuest {
     turns: u64,
     /// Whether stdout and stderr flush at each line (set for the first streamed turn).
     line_buffered: bool,
+    /// The instruction budget of a turn whose limits name none, when the guest runs on the
+    /// fuel engine (it was opened with a budget); `None`: it counts no fuel.
+    fuel: Option<u64>,
 }
 
 impl PythonGuest {
@@ -153,13 +156,14 @@ impl PythonGuest {
         push_grants(request, &mut preopens);
         let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
         let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["python"])?;
-        let mut store = new_store(engine.wasmtime(), wasi, &request.limits);
+        let mut store = new_store(runtime.pre.module().engine(), wasi, &request.limits)
+            .map_err(|e| instantiate_error(Language::Python, e))?;
         store.data_mut().displays = Some(stdio.displays.clone());
         let instance = runtime
             .pre
             .instantiate_async(&mut store)
             .await
-            .map_err(|e| instantiation_error(engine, Language::Python, e))?;
+            .map_err(|e| instantiation_error(runtime.slots, Language::Python, e))?;
         let exports = Exports {
             memory: instance.get_memory(&mut store, "memory").ok_or_else(|| {
                 instantiate_error(Language::Python, "the module exports no memory")
@@ -187,6 +191,7 @@ impl PythonGuest {
             echo: true,
             turns: 0,
             line_buffered: false,
+            fuel: request.limits.fuel,
         };
         guest.echo = echo;
         if request.workspace.is_some() {
@@ -270,6 +275,21 @@ impl PythonGuest {
         ))
     }
 
+    /// Gives the turn its instruction budget: the turn's own, else the one the guest was
+    /// opened with. A guest opened without one runs on the engine that counts no fuel.
+    fn refuel(&mut self, limits: &Limits) -> Result<(), ExecError> {
+        match (self.fuel, limits.fuel) {
+            (None, None) => Ok(()),
+            (None, Some(_)) => Err(ExecError::FuelUnavailable {
+                why: "a Python session counts fuel only when it is opened with a budget (`fuel` in its limits); open one with a budget, or run the code as a one-shot",
+            }),
+            (Some(default), turn) => self
+                .store
+                .set_fuel(turn.unwrap_or(default))
+                .map_err(|e| instantiate_error(Language::Python, e)),
+        }
+    }
+
     async fn run_turn(
         &mut self,
         code: &str,
@@ -278,6 +298,7 @@ impl PythonGuest {
     ) -> Result<ExecResult, ExecError> {
         let started = Instant::now();
         ensure_alive(&self.ended)?;
+        self.refuel(limits)?;
         self.stdio.start_turn(limits, listener);
         let state = self.store.data_mut();
         state.fs.reset(limits);
@@ -325,6 +346,9 @@ impl PythonGuest {
         if !end.store_usable() && self.ended.is_none() {
             self.ended = Some(match &end {
                 CallEnd::TimedOut => "the session timed out and was stopped".into(),
+                CallEnd::FuelExhausted => {
+                    "the session spent its instruction budget (fuel) and was stopped".into()
+                }
                 CallEnd::Trapped(trap) => format!("the session crashed ({trap})"),
                 _ => "the session ended".into(),
             });

@@ -13,7 +13,11 @@ use crate::python::PythonGuest;
 use crate::setup::Quiet;
 
 /// What a session may touch. The memory cap in `limits` holds for the session's whole life;
-/// the other limits are defaults for turns that do not name their own.
+/// the other limits are defaults for turns that do not name their own. A Python session
+/// opened with an instruction budget (`limits.fuel`) runs on the fuel engine and gives
+/// each turn a fresh budget (the turn's own, else this one); one opened without cannot
+/// take a turn with a budget, and JavaScript sessions take none
+/// ([`ExecError::FuelUnavailable`]).
 #[derive(Debug, Clone, Default)]
 pub struct SessionOptions {
     /// Environment variables the guest sees.
@@ -125,13 +129,19 @@ impl WasmEngine {
             resources: None,
         };
         check_request(&request)?;
+        let fuel = options.limits.fuel.is_some();
         let guest = match language {
             Language::Python => {
-                let runtime = self.python(&Quiet)?;
+                let runtime = self.python(&Quiet, fuel)?;
                 Guest::Python(PythonGuest::open(self, &runtime, &request, true).await?)
             }
+            Language::JavaScript if fuel => {
+                return Err(ExecError::FuelUnavailable {
+                    why: crate::javascript::JS_SESSION_FUEL,
+                });
+            }
             Language::JavaScript => {
-                let runtime = self.javascript(&Quiet)?;
+                let runtime = self.javascript(&Quiet, false)?;
                 Guest::JavaScript(JsSession::open(self, &runtime, &request).await?)
             }
             language @ (Language::Go | Language::Bash) => {

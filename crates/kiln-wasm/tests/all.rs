@@ -651,6 +651,148 @@ async fn bad_requests_are_refused_with_clear_errors() -> TestResult {
     Ok(())
 }
 
+// ---------------------------------------------------------------- instruction budget (fuel)
+
+fn with_fuel(mut request: ExecRequest, fuel: u64) -> ExecRequest {
+    request.limits.fuel = Some(fuel);
+    request
+}
+
+/// A loop that prints its progress until the budget stops it.
+const JS_COUNTER: &str = "let n = 0; for (;;) { n++; if (n % 1000 == 0) console.log(n); }";
+
+/// Seed 004: with a budget, the same code stops at the same point on every run, with its
+/// own outcome; a larger budget gets further; code within its budget completes.
+#[tokio::test]
+async fn javascript_fuel_stops_at_the_same_point_every_run() -> TestResult {
+    let first = run(with_fuel(js(JS_COUNTER), 20_000_000)).await;
+    assert_eq!(
+        first.outcome,
+        Outcome::FuelExhausted,
+        "{}",
+        first.stderr_text()
+    );
+    assert_eq!(first.exit_code, -1);
+    assert!(!first.stdout.is_empty(), "it ran for a while first");
+    for _ in 0..3 {
+        let again = run(with_fuel(js(JS_COUNTER), 20_000_000)).await;
+        assert_eq!(again.outcome, Outcome::FuelExhausted);
+        assert_eq!(again.stdout_text(), first.stdout_text());
+    }
+    let more = run(with_fuel(js(JS_COUNTER), 40_000_000)).await;
+    assert_eq!(more.outcome, Outcome::FuelExhausted);
+    assert!(more.stdout.len() > first.stdout.len() && more.stdout.starts_with(&first.stdout));
+    let done = run(with_fuel(js("console.log(1 + 1)"), 1_000_000_000)).await;
+    assert_eq!(&done.outcome, &Outcome::Completed);
+    assert_eq!(done.stdout_text(), "2\n");
+    // The deadline still holds with a budget too large to matter.
+    let started = Instant::now();
+    let endless = run(with_timeout(
+        with_fuel(js("for (;;) {}"), kiln_core::MAX_FUEL),
+        500,
+    ))
+    .await;
+    assert_eq!(endless.outcome, Outcome::TimedOut);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    Ok(())
+}
+
+/// The one Python test of fuel (the fuel variant of the Python runtime compiles once per
+/// cache, ~90 CPU-seconds): one-shots stop at the same point; a session opened with a
+/// budget gives each turn a fresh one and ends when a turn spends it; a session opened
+/// without one refuses a turn with a budget.
+#[tokio::test]
+async fn python_fuel_stops_at_the_same_point_every_run() -> TestResult {
+    let counter = "n = 0\nwhile True:\n    n += 1\n    if n % 1000 == 0: print(n, flush=True)";
+    let first = run(with_fuel(py(counter), 100_000_000)).await;
+    assert_eq!(
+        first.outcome,
+        Outcome::FuelExhausted,
+        "{}",
+        first.stderr_text()
+    );
+    assert!(
+        first.stdout_text().starts_with("1000\n2000\n"),
+        "{}",
+        first.stdout_text()
+    );
+    let second = run(with_fuel(py(counter), 100_000_000)).await;
+    assert_eq!(second.outcome, Outcome::FuelExhausted);
+    assert_eq!(second.stdout_text(), first.stdout_text());
+
+    let options = SessionOptions {
+        limits: Limits {
+            fuel: Some(50_000_000),
+            ..Limits::default()
+        },
+        ..SessionOptions::default()
+    };
+    let mut session = engine().open_session(Language::Python, &options).await?;
+    // Each turn fits the budget; together they would not.
+    for _ in 0..3 {
+        let turn = session
+            .run("for i in range(40000): pass", &options.limits)
+            .await?;
+        assert_eq!(turn.outcome, Outcome::Completed, "{}", turn.stderr_text());
+    }
+    let spent = session.run("while True: pass", &options.limits).await?;
+    assert_eq!(spent.outcome, Outcome::FuelExhausted);
+    let err = session.run("1", &options.limits).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the session has ended: the session spent its instruction budget (fuel) and was stopped; open a new session"
+    );
+
+    let mut plain = engine()
+        .open_session(Language::Python, &SessionOptions::default())
+        .await?;
+    let err = plain.run("1", &options.limits).await.unwrap_err();
+    assert!(matches!(err, ExecError::FuelUnavailable { .. }), "{err}");
+    assert_eq!(
+        plain.run("1 + 1", &Limits::default()).await?.stdout_text(),
+        "2\n"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn fuel_out_of_range_and_javascript_sessions_with_fuel_are_refused() -> TestResult {
+    for fuel in [0, kiln_core::MAX_FUEL + 1] {
+        let err = engine()
+            .execute(&with_fuel(js("1"), fuel))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "invalid limits: an instruction budget (fuel) of {fuel} is outside 1..=1000000000000"
+            )
+        );
+    }
+    let options = SessionOptions {
+        limits: Limits {
+            fuel: Some(1_000_000),
+            ..Limits::default()
+        },
+        ..SessionOptions::default()
+    };
+    let err = engine()
+        .open_session(Language::JavaScript, &options)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ExecError::FuelUnavailable { .. }), "{err}");
+    let mut session = engine()
+        .open_session(Language::JavaScript, &SessionOptions::default())
+        .await?;
+    let err = session.run("1", &options.limits).await.unwrap_err();
+    assert!(matches!(err, ExecError::FuelUnavailable { .. }), "{err}");
+    Ok(())
+}
+
 // ---------------------------------------------------------------- attacks
 
 #[tokio::test]
@@ -675,6 +817,28 @@ async fn attack_blocking_sleep_is_cut_at_the_deadline() -> TestResult {
         let started = Instant::now();
         let result = run(with_timeout(request, 1000)).await;
         assert_eq!(result.outcome, Outcome::TimedOut);
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    Ok(())
+}
+
+/// Sleeping costs no fuel: a guest with a budget that blocks in the host still stops at
+/// the wall-clock deadline, not never.
+#[tokio::test]
+async fn attack_blocking_sleep_with_a_fuel_budget_is_cut_at_the_deadline() -> TestResult {
+    for request in [py("import time\ntime.sleep(100)"), js("os.sleep(100000)")] {
+        let started = Instant::now();
+        let result = run(with_timeout(with_fuel(request, 1_000_000_000), 1000)).await;
+        assert_eq!(
+            result.outcome,
+            Outcome::TimedOut,
+            "{}",
+            result.stderr_text()
+        );
         assert!(
             started.elapsed() < Duration::from_secs(3),
             "{:?}",

@@ -94,6 +94,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     );
     rt.block_on(async {
         engine_oneshots(&engine, &args, n, &mut report).await?;
+        fuel_cost(&engine, &args, n, &mut report).await?;
         engine_sessions(&engine, &args, n, &mut report).await?;
         through_workers(&args, n, &mut report).await
     })?;
@@ -119,7 +120,19 @@ async fn time_oneshots(
     n: usize,
     expect: &[u8],
 ) -> anyhow::Result<serde_json::Value> {
-    for _ in 0..10 {
+    time_runs(engine, request, 10, n, expect).await
+}
+
+/// Times `n` one-shots of `request` after `warmup` untimed ones, checking each prints
+/// `expect`.
+async fn time_runs(
+    engine: &WasmEngine,
+    request: &ExecRequest,
+    warmup: usize,
+    n: usize,
+    expect: &[u8],
+) -> anyhow::Result<serde_json::Value> {
+    for _ in 0..warmup {
         engine.execute(request).await?;
     }
     let mut samples = Vec::with_capacity(n);
@@ -179,6 +192,66 @@ async fn engine_oneshots(
         report.insert("javascript_oneshot_engine".into(), figure);
     }
     Ok(())
+}
+
+/// The budget the fuel figures run under: far more than they use.
+const BENCH_FUEL: u64 = 100_000_000_000;
+/// A loop of 10^6 iterations, the fuel figures' compute-bound case.
+const PYTHON_LOOP: &str = "n = 0\nfor i in range(1_000_000):\n    n += i\nprint(n)";
+
+/// What an instruction budget costs: Python `print(1+1)` and a loop of 10^6 iterations,
+/// with and without fuel. The fuel variant of the runtime compiles once (~90 s): its
+/// figures run when it is compiled, or when `--only` names them in full (then it compiles).
+async fn fuel_cost(
+    engine: &WasmEngine,
+    args: &BenchArgs,
+    n: usize,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let loops = (n / 20).max(5);
+    // The loop without fuel runs beside the loop with it, to compare.
+    if wanted(args, "python_loop") || wanted(args, "python_loop_fuel") {
+        let request = ExecRequest::new(Language::Python, PYTHON_LOOP);
+        let figure = time_runs(engine, &request, 2, loops, b"499999500000\n").await?;
+        report.insert("python_loop".into(), figure);
+    }
+    let figures = [
+        (
+            "python_oneshot_fuel",
+            "print(1+1)",
+            b"2\n".as_slice(),
+            10,
+            n,
+        ),
+        ("python_loop_fuel", PYTHON_LOOP, b"499999500000\n", 2, loops),
+    ];
+    for (name, code, expect, warmup, runs) in figures {
+        if !wanted(args, name) {
+            continue;
+        }
+        if wanted_exactly(args, name) {
+            engine.prepare_variant(Language::Python, true, &crate::progress::Bar::new())?;
+        } else if !engine.is_compiled(Language::Python, true)? {
+            report.insert(
+                name.into(),
+                json!({"skipped": format!("the Python runtime is not compiled with fuel: `kiln bench --only {name}` compiles it (once, about 90 s), as does `kiln setup --fuel`")}),
+            );
+            continue;
+        }
+        let mut request = ExecRequest::new(Language::Python, code);
+        request.limits.fuel = Some(BENCH_FUEL);
+        let figure = time_runs(engine, &request, warmup, runs, expect).await?;
+        report.insert(name.into(), figure);
+    }
+    Ok(())
+}
+
+/// Whether `--only` names the figure in full (slow set-up, such as a compilation, runs only
+/// then).
+fn wanted_exactly(args: &BenchArgs, name: &str) -> bool {
+    args.only
+        .as_deref()
+        .is_some_and(|only| only.split(',').any(|o| o == name))
 }
 
 /// Session turns (Python, JavaScript) and the memory an idle Python session keeps.

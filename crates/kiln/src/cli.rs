@@ -10,6 +10,8 @@ use kiln_core::{Language, Limits, Mount};
 pub mod exit_codes {
     /// kiln itself failed (setup, bad arguments it could not run with).
     pub const KILN_ERROR: u8 = 120;
+    /// The guest spent its instruction budget (`--fuel`).
+    pub const FUEL_EXHAUSTED: u8 = 121;
     /// The guest ran past its deadline.
     pub const TIMED_OUT: u8 = 124;
     /// The guest needed more memory than its cap.
@@ -47,6 +49,11 @@ pub enum Command {
         /// Only this language.
         #[arg(long, value_parser = parse_language)]
         lang: Option<Language>,
+        /// Also compile the runtimes for guests with an instruction budget (`--fuel`,
+        /// `fuel` in an API request's limits), which otherwise compile on first use
+        /// (Python: about 90 CPU-seconds and 2.7 GB of memory, once).
+        #[arg(long)]
+        fuel: bool,
         /// Build this Linux template (`debian`, `python`, `node`, `go`, an operator's, or
         /// `all`); repeatable. An unchanged template is never rebuilt.
         #[arg(long = "template")]
@@ -278,6 +285,12 @@ pub struct ExecArgs {
     /// Memory limit, e.g. 256m, 1g. Default 512m.
     #[arg(long, value_parser = parse_bytes)]
     pub memory: Option<u64>,
+    /// An instruction budget in fuel units (about one per WebAssembly instruction; 1 to
+    /// 10^12, e.g. 2000000000): the guest stops at the same point on every run when it is
+    /// spent, with exit code 121. The deadline (--timeout) still holds. The first use
+    /// compiles the runtime with fuel counting, once (Python: about 90 s). Default: none.
+    #[arg(long, value_parser = parse_fuel, conflicts_with = "template")]
+    pub fuel: Option<u64>,
     /// Bytes of stdout and of stderr kept, e.g. 1m. Default 1m.
     #[arg(long, value_parser = parse_bytes)]
     pub max_output: Option<u64>,
@@ -355,6 +368,7 @@ impl ExecArgs {
         if let Some(bytes) = self.memory {
             limits.memory_bytes = bytes;
         }
+        limits.fuel = self.fuel;
         if let Some(bytes) = self.max_output {
             limits.stdout_bytes = bytes;
             limits.stderr_bytes = bytes;
@@ -414,6 +428,19 @@ pub struct BenchArgs {
     pub boxes: usize,
     #[command(flatten)]
     pub linux: LinuxArgs,
+}
+
+/// A fuel budget: digits, optionally with `_` between them (`2_000_000_000`), in
+/// 1..=10^12.
+fn parse_fuel(text: &str) -> Result<u64, String> {
+    let digits = text.replace('_', "");
+    let fuel: u64 = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a whole number of fuel units"))?;
+    if !(1..=kiln_core::MAX_FUEL).contains(&fuel) {
+        return Err(format!("{fuel} is outside 1..=1000000000000"));
+    }
+    Ok(fuel)
 }
 
 fn parse_language(text: &str) -> Result<Language, String> {

@@ -166,7 +166,7 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
             linux,
             ..
         } if !templates.is_empty() => linux_cmd::setup(&templates, rebuild, &linux),
-        Command::Setup { lang, .. } => setup(lang),
+        Command::Setup { lang, fuel, .. } => setup(lang, fuel),
         Command::Bench(args) => bench::run(args),
         Command::Rest(args) => rest_cmd::run(args),
         Command::Runner(args) => runner_cmd::run(args),
@@ -254,7 +254,7 @@ fn python_script(
 /// Where `kiln run` grants a script's folder (read-only) when it is not in the workspace.
 const SCRIPT_GUEST: &str = "/script";
 
-fn setup(lang: Option<Language>) -> anyhow::Result<ExitCode> {
+fn setup(lang: Option<Language>, fuel: bool) -> anyhow::Result<ExitCode> {
     let cache = crate::config::cache_dir();
     let progress = progress::Bar::new();
     let engine = WasmEngine::new(cache.clone())?;
@@ -264,6 +264,9 @@ fn setup(lang: Option<Language>) -> anyhow::Result<ExitCode> {
     };
     for language in languages {
         engine.prepare(language, &progress)?;
+        if fuel {
+            engine.prepare_variant(language, true, &progress)?;
+        }
     }
     eprintln!("kiln: runtimes ready in {}", cache.root().display());
     Ok(ExitCode::SUCCESS)
@@ -463,7 +466,8 @@ fn exec(
     // One execution: a small slot pool starts faster than the server-sized default.
     let options = kiln_wasm::EngineOptions { max_instances: 4 };
     let engine = WasmEngine::with_options(crate::config::cache_dir(), &options)?;
-    engine.prepare(language, &progress::Bar::new())?;
+    let fuel = request.limits.fuel.is_some();
+    engine.prepare_variant(language, fuel, &progress::Bar::new())?;
     let result = if args.json {
         let result = runtime(1)?.block_on(engine.execute(&request))?;
         println!("{}", serde_json::to_string(&json_result(&result))?);
@@ -523,6 +527,7 @@ pub fn exit_code(result: &ExecResult) -> u8 {
         Outcome::TimedOut => exit_codes::TIMED_OUT,
         Outcome::MemoryLimit => exit_codes::MEMORY_LIMIT,
         Outcome::Crashed { .. } => exit_codes::CRASHED,
+        Outcome::FuelExhausted => exit_codes::FUEL_EXHAUSTED,
     }
 }
 

@@ -211,6 +211,94 @@ fn limits_give_distinct_exit_codes_and_one_line_reasons() -> TestResult {
     Ok(())
 }
 
+/// Seed 004: `--fuel N` stops a guest at the same point on every run, with exit code 121
+/// and a reason of its own; a bad budget is refused before anything runs.
+#[test]
+fn fuel_stops_at_the_same_point_with_an_exit_code_of_its_own() -> TestResult {
+    let counter: [(&str, &str); 2] = [
+        (
+            "js",
+            "let n = 0; for (;;) { n++; if (n % 1000 == 0) console.log(n); }",
+        ),
+        (
+            "python",
+            "n = 0\nwhile True:\n    n += 1\n    if n % 1000 == 0: print(n, flush=True)",
+        ),
+    ];
+    for (lang, code) in counter {
+        let run = || {
+            kiln()
+                .args(["exec", "-l", lang, "--fuel", "20_000_000", "-c", code])
+                .output()
+        };
+        let first = run()?;
+        assert_eq!(
+            first.status.code(),
+            Some(121),
+            "{lang}: {}",
+            text(&first.stderr)
+        );
+        // (After lines of progress when this compiles the runtime with fuel.)
+        assert!(
+            text(&first.stderr)
+                .ends_with("\nkiln: the instruction budget of 20000000 units (fuel) ran out\n")
+                || text(&first.stderr)
+                    == "kiln: the instruction budget of 20000000 units (fuel) ran out\n",
+            "{}",
+            text(&first.stderr)
+        );
+        assert!(text(&first.stdout).starts_with("1000\n"), "{lang}");
+        let second = run()?;
+        assert_eq!(second.status.code(), Some(121));
+        assert_eq!(text(&second.stdout), text(&first.stdout), "{lang}");
+    }
+    let out = kiln()
+        .args([
+            "exec",
+            "--json",
+            "-l",
+            "js",
+            "--fuel",
+            "1000000000",
+            "-c",
+            "console.log(2)",
+        ])
+        .output()?;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["outcome"], serde_json::json!({"kind": "completed"}));
+    let refused: [(&[&str], &str); 3] = [
+        (&["--fuel", "0"], "0 is outside 1..=1000000000000"),
+        (
+            &["--fuel", "1000000000001"],
+            "1000000000001 is outside 1..=1000000000000",
+        ),
+        (
+            &["--fuel", "lots"],
+            "\"lots\" is not a whole number of fuel units",
+        ),
+    ];
+    for (args, said) in refused {
+        let out = kiln().args(["exec", "-c", "1"]).args(args).output()?;
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            text(&out.stderr).contains(said),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    let out = kiln()
+        .args(["exec", "--template", "debian", "--fuel", "5", "--", "true"])
+        .output()?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("cannot be used with"),
+        "{}",
+        text(&out.stderr)
+    );
+    Ok(())
+}
+
 #[test]
 fn output_reaches_the_terminal_as_the_guest_writes_it() -> TestResult {
     use std::io::BufRead;

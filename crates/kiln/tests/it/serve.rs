@@ -2091,3 +2091,98 @@ fn files_work_while_an_execution_runs() -> TestResult {
     );
     Ok(())
 }
+
+/// Seed 004: `fuel` in an exec body stops the run with outcome `fuel_exhausted` at the same
+/// point every time; a bad budget is a 400 naming the field.
+#[test]
+fn fuel_in_an_exec_body_stops_the_run_with_an_outcome_of_its_own() -> TestResult {
+    let server = start(Options::default())?;
+    let counters = [
+        (
+            "javascript",
+            "let n = 0; for (;;) { n++; if (n % 1000 == 0) console.log(n); }",
+        ),
+        (
+            "python",
+            "n = 0\nwhile True:\n    n += 1\n    if n % 1000 == 0: print(n, flush=True)",
+        ),
+    ];
+    for (language, code) in counters {
+        let id = server.new_sandbox(language)?;
+        let body = json!({"code": code, "fuel": 20_000_000});
+        let (status, first) = server.exec(&id, body.clone())?;
+        assert_eq!(status, 200, "{first}");
+        assert_eq!(
+            (&first["status"], &first["outcome"], &first["exitCode"]),
+            (&json!("error"), &json!("fuel_exhausted"), &json!(-1)),
+            "{first}"
+        );
+        let stderr = first["stderr"].as_str().unwrap_or_default();
+        assert!(
+            stderr.ends_with("kiln: the instruction budget of 20000000 units (fuel) ran out\n"),
+            "{first}"
+        );
+        assert!(
+            first["stdout"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("1000\n")
+        );
+        let (_, second) = server.exec(&id, body)?;
+        assert_eq!(second["stdout"], first["stdout"], "{language}");
+        let (_, done) = server.exec(&id, json!({"code": "", "fuel": 1_000_000_000}))?;
+        assert_eq!(done["status"], "success", "{done}");
+    }
+
+    let id = server.new_sandbox("javascript")?;
+    let refused = [
+        (json!(0), "INVALID_OPTION", "fuel must be 1..=1000000000000"),
+        (
+            json!(10_000_000_000_000_u64),
+            "INVALID_OPTION",
+            "fuel must be 1..=1000000000000",
+        ),
+        (
+            json!(-1),
+            "INVALID_REQUEST",
+            "fuel: invalid value: integer `-1`",
+        ),
+        (
+            json!(1e30),
+            "INVALID_REQUEST",
+            "fuel: invalid type: floating point",
+        ),
+        (
+            json!("lots"),
+            "INVALID_REQUEST",
+            "fuel: invalid type: string \"lots\"",
+        ),
+    ];
+    for (fuel, code, said) in refused {
+        let (status, body) = server.exec(&id, json!({"code": "1", "fuel": fuel}))?;
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (400, Some(code)),
+            "{body}"
+        );
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(said), "{fuel}: {message}");
+    }
+    // Sessions run without a budget: said, not ignored.
+    let (_, session) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({})),
+    )?;
+    let sid = session["sessionId"].as_str().ok_or("sid")?;
+    let (status, body) = server.exec(&id, json!({"code": "1", "sessionId": sid, "fuel": 5}))?;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("fuel applies to one-shot executions"),
+        "{body}"
+    );
+    Ok(())
+}
