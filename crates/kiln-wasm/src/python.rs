@@ -65,15 +65,21 @@ del _kiln_linecache
 const LINE_BUFFERED: &str = "import sys as _kiln_sys\n_kiln_sys.stdout.reconfigure(line_buffering=True)\n_kiln_sys.stderr.reconfigure(line_buffering=True)\ndel _kiln_sys";
 
 /// Run before a session's first turn: a final value, `display(...)` and matplotlib figures
-/// come back as rich results (see `python/rich.py`).
-const RICH_SETUP: &str = include_str!("python/rich.py");
+/// come back as rich results. Small on purpose (a session that shows nothing pays about
+/// 0.2 MiB for it); `python/rich.py` is compiled the first time something is shown.
+static RICH_SETUP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{}\n__kiln_rich__ = _kiln_rich_setup({:?})\ndel _kiln_rich_setup",
+        include_str!("python/rich_setup.py"),
+        include_str!("python/rich.py")
+    )
+});
 
 /// Run after a session's turn once the guest has imported pyplot: open figures are shown.
-const RICH_AFTER: &str = "__kiln_rich__.after()";
+const RICH_AFTER: &str = "__kiln_rich__().after()";
 
-/// Ends a one-shot's code: figures left open come back as PNG results. It costs a lookup
-/// unless pyplot was imported, and as a final statement it echoes nothing and leaves line
-/// numbers as they were.
+/// Ends a one-shot's code: figures left open come back as PNG results. As a final
+/// statement it echoes nothing and leaves line numbers as they were.
 const ONESHOT_FIGURES: &str = r#"import sys, io, base64, json, _host
 for stream in (sys.stdout, sys.stderr):
     stream.flush()
@@ -89,6 +95,16 @@ for number in pyplot.get_fignums():
         sys.stderr.write("kiln: a figure was not kept: one run keeps at most 64 results and 16 MiB of them, and one result is at most 4 MiB\n")
 pyplot.close("all")
 "#;
+
+/// Whether a one-shot may leave figures open: its code names plotting (matplotlib, pyplot,
+/// `plt`, `df.plot`, seaborn), or runs a program kiln does not read here (a script or a
+/// module, through the launcher). Other one-shots skip the figures statement, which costs
+/// a fresh instance about 40 µs even when pyplot was never imported.
+fn may_plot(code: &str) -> bool {
+    ["plot", "plt", "seaborn", "__main__"]
+        .iter()
+        .any(|word| code.contains(word))
+}
 
 /// CPython's hint on a missing module when site initialisation is off, which misleads here:
 /// there is no site-packages to add.
@@ -227,7 +243,7 @@ impl PythonGuest {
     ) -> Result<ExecResult, ExecError> {
         self.turns += 1;
         if self.echo && self.turns == 1 {
-            self.setup_turn(RICH_SETUP, limits, "rich results").await?;
+            self.setup_turn(&RICH_SETUP, limits, "rich results").await?;
         }
         if self.echo && self.turns == 2 {
             self.setup_turn(SESSION_PRELUDE, limits, "the session")
@@ -307,12 +323,14 @@ impl PythonGuest {
         let clock_base = state.clock_base;
         arm_deadline(&deadline, clock_base, limits);
 
-        // `turn` echoes a final expression; a one-shot ends with a statement of kiln's
-        // (figures), which echoes nothing and leaves line numbers as they were.
+        // `turn` echoes a final expression; a one-shot ends with a final statement that
+        // echoes nothing and leaves line numbers as they were: kiln's figures, or `pass`.
         let code: std::borrow::Cow<'_, str> = if self.echo {
             code.into()
-        } else {
+        } else if may_plot(code) {
             format!("{code}\nif \"matplotlib.pyplot\" in __import__(\"sys\").modules: exec({ONESHOT_FIGURES:?}, {{}})").into()
+        } else {
+            format!("{code}\npass").into()
         };
         let len = i32::try_from(code.len()).map_err(|_| ExecError::CodeTooLarge {
             bytes: code.len(),

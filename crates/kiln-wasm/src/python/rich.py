@@ -1,11 +1,10 @@
-# kiln's rich results for Python guests: a cell's final value, `display(...)` and matplotlib
-# figures go to the host as frames through `_host.call` (b"kiln:display " + JSON of
-# {"main": bool, "data": {mime: text}}). Run once as a session's first turn; defines
-# `__kiln_rich__`. Kept free of non-ASCII text: one-shots carry `figures` inline.
+# kiln's rich results for Python sessions: a cell's final value, `display(...)` and
+# matplotlib figures go to the host as frames through `_host.call` (b"kiln:display " + JSON
+# of {"main": bool, "data": {mime: text}}). A session compiles this the first time it shows
+# something (see `rich_setup.py`); `make()` returns what the setup calls.
 
 
-def _kiln_rich_make():
-    import builtins
+def make():
     import json
     import sys
     import warnings
@@ -45,8 +44,8 @@ def _kiln_rich_make():
         figure.savefig(buffer, format="png", bbox_inches="tight")
         return base64.b64encode(buffer.getvalue()).decode("ascii")
 
-    def represent(value):
-        data = {"text/plain": repr(value)}
+    def represent(value, text=None):
+        data = {"text/plain": repr(value) if text is None else text}
         figure = sys.modules.get("matplotlib.figure")
         if figure is not None and isinstance(value, figure.Figure):
             data["image/png"] = png(value)
@@ -81,51 +80,26 @@ def _kiln_rich_make():
     def kiln_rich_show(*args, **kwargs):
         figures()
 
-    def display(*values, **options):
-        for value in values:
-            send(represent(value), False)
-
-    def hook(value):
-        # As CPython's own hook does (echo the repr, keep the value in `_`), and the value
-        # as a result.
-        if value is None:
-            return
-        builtins._ = None
-        text = repr(value)
-        sys.stdout.write(text + "\n")
-        builtins._ = value
-        data = represent(value)
-        data["text/plain"] = text
-        send(data, True)
-
-    class Watch:
-        # Tells the host once pyplot is imported, so it shows open figures after each turn.
-        def find_spec(self, name, path=None, target=None):
-            if name == "matplotlib.pyplot":
-                try:
-                    sys.meta_path.remove(self)
-                    _host.call(b"kiln:figures")
-                except Exception:
-                    pass
-            return None
-
     class Rich:
+        def main(self, value, text):
+            send(represent(value, text), True)
+
+        def display(self, values):
+            for value in values:
+                send(represent(value), False)
+
+        def watch(self):
+            # matplotlib draws off screen (Agg): say nothing of it, and have the host show
+            # open figures after each turn.
+            warnings.filterwarnings(
+                "ignore", message=".*non-interactive, and thus cannot be shown"
+            )
+            _host.call(b"kiln:figures")
+
         def after(self):
             pyplot = sys.modules.get("matplotlib.pyplot")
             if pyplot is not None and pyplot.show is not kiln_rich_show:
                 pyplot.show = kiln_rich_show
             figures()
 
-    sys.displayhook = hook
-    if not hasattr(builtins, "display"):
-        builtins.display = display
-    if "matplotlib.pyplot" in sys.modules:
-        _host.call(b"kiln:figures")
-    else:
-        sys.meta_path.insert(0, Watch())
-    warnings.filterwarnings("ignore", message=".*non-interactive, and thus cannot be shown")
     return Rich()
-
-
-__kiln_rich__ = _kiln_rich_make()
-del _kiln_rich_make
