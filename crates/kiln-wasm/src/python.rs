@@ -241,6 +241,7 @@ impl PythonGuest {
         limits: &Limits,
         listener: Option<mpsc::UnboundedSender<OutputChunk>>,
     ) -> Result<ExecResult, ExecError> {
+        let budget = self.budget(limits)?;
         self.turns += 1;
         if self.echo && self.turns == 1 {
             self.setup_turn(&RICH_SETUP, limits, "rich results").await?;
@@ -256,9 +257,11 @@ impl PythonGuest {
                 .await?;
             self.line_buffered = true;
         }
+        self.set_fuel(budget)?;
         let mut result = self.run_turn(code, limits, listener.clone()).await?;
         if self.echo && self.ended.is_none() && self.stdio.displays.armed() {
             // Figures the turn left open; what this says on stderr follows the turn's own.
+            self.set_fuel(self.kiln_fuel())?;
             let after = self.run_turn(RICH_AFTER, limits, listener).await?;
             result.results.extend(after.results);
             result.stderr.extend(after.stderr);
@@ -273,6 +276,7 @@ impl PythonGuest {
         limits: &Limits,
         what: &str,
     ) -> Result<(), ExecError> {
+        self.set_fuel(self.kiln_fuel())?;
         let result = self.run_turn(code, limits, None).await?;
         if result.success() {
             return Ok(());
@@ -291,18 +295,33 @@ impl PythonGuest {
         ))
     }
 
-    /// Gives the turn its instruction budget: the turn's own, else the one the guest was
-    /// opened with. A guest opened without one runs on the engine that counts no fuel.
-    fn refuel(&mut self, limits: &Limits) -> Result<(), ExecError> {
+    /// The instruction budget of a turn under `limits`: its own, else the one the guest was
+    /// opened with; `None` when the guest counts no fuel. A guest opened without a budget
+    /// runs on the engine that counts none, and cannot take a turn with one.
+    fn budget(&self, limits: &Limits) -> Result<Option<u64>, ExecError> {
         match (self.fuel, limits.fuel) {
-            (None, None) => Ok(()),
+            (None, None) => Ok(None),
             (None, Some(_)) => Err(ExecError::FuelUnavailable {
                 why: "a Python session counts fuel only when it is opened with a budget (`fuel` in its limits); open one with a budget, or run the code as a one-shot",
             }),
-            (Some(default), turn) => self
+            (Some(default), turn) => Ok(Some(turn.unwrap_or(default))),
+        }
+    }
+
+    /// The budget of kiln's own turns (setup, figures), so that they never spend the
+    /// caller's: the most there is (the deadline still bounds them).
+    fn kiln_fuel(&self) -> Option<u64> {
+        self.fuel.map(|_| kiln_core::MAX_FUEL)
+    }
+
+    /// Fills the store's fuel to `fuel`, where the guest counts fuel.
+    fn set_fuel(&mut self, fuel: Option<u64>) -> Result<(), ExecError> {
+        match fuel {
+            Some(fuel) => self
                 .store
-                .set_fuel(turn.unwrap_or(default))
+                .set_fuel(fuel)
                 .map_err(|e| instantiate_error(Language::Python, e)),
+            None => Ok(()),
         }
     }
 
@@ -314,7 +333,6 @@ impl PythonGuest {
     ) -> Result<ExecResult, ExecError> {
         let started = Instant::now();
         ensure_alive(&self.ended)?;
-        self.refuel(limits)?;
         self.stdio.start_turn(limits, listener);
         let state = self.store.data_mut();
         state.fs.reset(limits);

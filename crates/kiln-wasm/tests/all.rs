@@ -723,6 +723,20 @@ async fn python_fuel_stops_at_the_same_point_every_run() -> TestResult {
     let second = run(with_fuel(py(counter), 100_000_000)).await;
     assert_eq!(second.outcome, Outcome::FuelExhausted);
     assert_eq!(second.stdout_text(), first.stdout_text());
+    // kiln's own setup turns (the workspace, line-buffered streaming) spend none of it:
+    // `print(1)` alone needs about half a million units.
+    let workspace = tempfile::tempdir()?;
+    let mut small = with_fuel(py("print(1)"), 1_000_000);
+    small.workspace = Some(workspace.path().to_path_buf());
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let streamed = engine().execute_streaming(&small, Some(tx)).await?;
+    assert_eq!(
+        streamed.outcome,
+        Outcome::Completed,
+        "{}",
+        streamed.stderr_text()
+    );
+    assert_eq!(streamed.stdout_text(), "1\n");
 
     let options = SessionOptions {
         limits: Limits {
