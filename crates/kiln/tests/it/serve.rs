@@ -851,19 +851,20 @@ fn busy_deleted_and_renewed_sandboxes_answer_defined_codes() -> TestResult {
         }
     });
     wait_running(&server, &id)?;
-    // A second exec, an upload and a rollback on the busy sandbox: 409, nothing changed.
+    // A second exec and a delete on the busy sandbox: 409, nothing changed. (An upload is
+    // written beside the running exec: see files_work_while_an_execution_runs.)
     let (status, body) = server.exec(&id, json!({"code": "open('x','w')"}))?;
     assert_eq!(
         (status, body["error"]["code"].as_str()),
         (409, Some("SANDBOX_BUSY"))
     );
-    let put = send(
-        "PUT",
+    let delete = send(
+        "DELETE",
         &server.url(&format!("/api/v1/sandboxes/{id}/files/f.txt")),
         None,
-        Some(("text/plain", b"x")),
+        None,
     )?;
-    assert_eq!(put.status, 409);
+    assert_eq!(delete.status, 409);
     // Deleting it cancels the running exec, which answers 409 SANDBOX_DELETED.
     let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{id}"), None)?;
     assert_eq!(status, 204);
