@@ -41,8 +41,10 @@ pub fn cwasm_path(engine: &Engine, cache: &CacheDir, name: &str, wasm_sha256: &s
     let mut hasher = std::hash::DefaultHasher::new();
     engine.precompile_compatibility_hash().hash(&mut hasher);
     let config_hash = hasher.finish();
+    // A module kiln patches before compiling has its own key (see `qjs_exports`).
+    let patch = crate::qjs_exports::key_tag(wasm_sha256);
     cache.modules_dir().join(format!(
-        "{name}-{}-wasmtime{WASMTIME_VERSION}-{config_hash:016x}.cwasm",
+        "{name}-{}{patch}-wasmtime{WASMTIME_VERSION}-{config_hash:016x}.cwasm",
         &wasm_sha256[..16]
     ))
 }
@@ -79,7 +81,15 @@ pub fn load_or_compile(
     let _lock = cache.lock()?;
     if !path.is_file() {
         tracing::info!(target: "kiln_wasm", name, path = %path.display(), "compiling the runtime to native code");
-        compile_to(engine, name, wasm_path, &path, compile_estimate, progress)?;
+        compile_to(
+            engine,
+            name,
+            wasm_path,
+            wasm_sha256,
+            &path,
+            compile_estimate,
+            progress,
+        )?;
     }
     load(engine, &path).map_err(|detail| ModuleError::Corrupt {
         dir: cache.modules_dir(),
@@ -99,6 +109,7 @@ fn compile_to(
     engine: &Engine,
     name: &str,
     wasm_path: &Path,
+    wasm_sha256: &str,
     out: &Path,
     estimate: Duration,
     progress: &dyn Progress,
@@ -108,6 +119,11 @@ fn compile_to(
         Some(estimate),
     );
     let wasm = std::fs::read(wasm_path).map_err(|e| SetupError::io("read", wasm_path, e))?;
+    let wasm =
+        crate::qjs_exports::prepare(wasm_sha256, wasm).map_err(|e| ModuleError::Compile {
+            name: name.to_owned(),
+            detail: e.to_string(),
+        })?;
     let compiled = engine
         .precompile_module(&wasm)
         .map_err(|e| ModuleError::Compile {

@@ -1,28 +1,36 @@
-//! JavaScript guests: the QuickJS-NG WASI reactor.
+//! JavaScript guests: the QuickJS-NG WASI reactor, driven as `qjs` would be on a laptop
+//! by Node's rules (see `qjs`): a one-shot is a fresh instance that runs kiln's prelude, the
+//! code as a module, and the event loop.
 //!
-//! The reactor has no eval export; it runs `qjs` with an argv (`qjs --std -m -e CODE`). A
-//! one-shot is a fresh instance and one such call. A session is one long call whose code is a
-//! read-eval loop over stdin: the host writes each turn's code as a JSON line and the loop
-//! answers with a marker line (carrying a random per-session nonce) on stdout when the turn
-//! is done. The marker never reaches the caller.
+//! A session is one long call whose code is a read-eval loop over stdin: the host writes
+//! each turn's code as a JSON line and the loop answers with a marker line (carrying a
+//! random per-session nonce) on stdout when the turn is done. The marker never reaches the
+//! caller. Sessions have the prelude (console, process) but no event loop: promise jobs and
+//! timers a turn leaves do not run.
 
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use kiln_core::{ExecRequest, ExecResult, Language, Limits};
+use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
-use wasmtime::{Instance, Store, TypedFunc};
+use wasmtime::{Instance, Store};
 use wasmtime_wasi::cli::AsyncStdinStream;
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
-use crate::engine::{ExecError, JsRuntime, WasmEngine, instantiate_error, instantiation_error};
+use crate::engine::{
+    EngineError, ExecError, JsRuntime, WasmEngine, instantiate_error, instantiation_error,
+};
 use crate::guest::{
     CallEnd, FsBudget, GuestState, Preopen, PrivateTmp, Stats, Stdio, arm_deadline, bounded_call,
     classify_error, ensure_alive, finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
+use crate::qjs::{Bytecode, Qjs};
+use crate::setup::{CacheDir, SetupError};
 
 const BASE_ENV: &[(&str, &str)] = &[("TMPDIR", "/tmp"), ("HOME", "/tmp")];
 
@@ -46,6 +54,12 @@ async fn prepare(
         guest: "/tmp",
         writable: true,
     }];
+    let lib = lib_dir(engine.cache())?;
+    preopens.push(Preopen {
+        host: &lib,
+        guest: LIB_GUEST_DIR,
+        writable: false,
+    });
     push_grants(request, &mut preopens);
     let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["qjs"])?;
     let mut store = new_store(runtime.pre.module().engine(), wasi, &request.limits)
@@ -63,60 +77,135 @@ async fn prepare(
     })
 }
 
-/// Initialises the reactor and runs `qjs` with `args`.
-async fn run_qjs(
-    store: &mut Store<GuestState>,
-    instance: Instance,
-    args: &[&str],
-) -> wasmtime::Result<i32> {
-    let initialize: TypedFunc<(), ()> = instance.get_typed_func(&mut *store, "_initialize")?;
-    let malloc: TypedFunc<i32, i32> = instance.get_typed_func(&mut *store, "malloc")?;
-    let init_argv: TypedFunc<(i32, i32), i32> =
-        instance.get_typed_func(&mut *store, "qjs_init_argv")?;
-    let memory = instance
-        .get_memory(&mut *store, "memory")
-        .ok_or_else(|| wasmtime::format_err!("the module exports no memory"))?;
-    initialize.call_async(&mut *store, ()).await?;
-    // One block: the NUL-terminated strings, then the pointer array. QuickJS keeps argv, so
-    // the block is never freed (the instance is short-lived or lives as long as argv).
-    let strings: usize = args.iter().map(|a| a.len() + 1).sum();
-    let total = strings + 4 * (args.len() + 1);
-    let size = i32::try_from(total).map_err(|_| wasmtime::format_err!("argv too large"))?;
-    let base = malloc.call_async(&mut *store, size).await?;
-    if base == 0 {
-        return Err(wasmtime::format_err!("the guest could not allocate argv"));
+/// What kiln's prelude compiles the first time a program needs it, which guests read from
+/// [`LIB_GUEST_DIR`].
+const LIB_FILES: [(&str, &str); 2] = [
+    ("lib.js", include_str!("js/lib.js")),
+    ("timers.js", include_str!("js/timers.js")),
+];
+
+/// Where guests find [`LIB_FILES`], read-only. A file costs a guest nothing until it is
+/// read; lib.js's source carried in the prelude cost every one-shot ~40 µs.
+const LIB_GUEST_DIR: &str = "/usr/local/lib/kiln";
+
+/// The host folder holding [`LIB_FILES`] for `cache`: `<cache>/js/<digest>/`, so kilns of
+/// different versions share a cache. Written (or rewritten, where a file differs) the first
+/// time a process needs it.
+fn lib_dir(cache: &CacheDir) -> Result<PathBuf, ExecError> {
+    static FILES: OnceLock<(Vec<(&str, String)>, String)> = OnceLock::new();
+    static READY: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    let (files, digest) = FILES.get_or_init(|| {
+        let mut hasher = Sha256::new();
+        let files: Vec<_> = LIB_FILES
+            .iter()
+            .map(|(name, source)| {
+                let source = compact(source);
+                hasher.update(format!("{name}\0{}\0", source.len()));
+                hasher.update(&source);
+                (*name, source)
+            })
+            .collect();
+        (files, hex::encode(hasher.finalize()))
+    });
+    let dir = cache.root().join("js").join(&digest[..16]);
+    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
+    if ready.contains(&dir) {
+        return Ok(dir);
     }
-    let base = u32::try_from(base)?;
-    let mut block = Vec::with_capacity(total);
-    let mut pointers = Vec::with_capacity(args.len() + 1);
-    for arg in args {
-        pointers.push(base + u32::try_from(block.len())?);
-        block.extend_from_slice(arg.as_bytes());
-        block.push(0);
+    let failed = |action, path: &Path, e| {
+        ExecError::Engine(EngineError::Setup(SetupError::io(action, path, e)))
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| failed("create", &dir, e))?;
+    for (name, source) in files {
+        let file = dir.join(name);
+        if std::fs::read(&file).ok().as_deref() == Some(source.as_bytes()) {
+            continue;
+        }
+        let partial = dir.join(format!("{name}.{}.partial", std::process::id()));
+        std::fs::write(&partial, source).map_err(|e| failed("write", &partial, e))?;
+        std::fs::rename(&partial, &file).map_err(|e| failed("write", &file, e))?;
     }
-    pointers.push(0);
-    let argv = base + u32::try_from(block.len())?;
-    for pointer in pointers {
-        block.extend_from_slice(&pointer.to_le_bytes());
+    ready.push(dir.clone());
+    Ok(dir)
+}
+
+/// Drops comment lines and indentation: the library's source is parsed in every guest that
+/// needs it.
+fn compact(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    for line in source.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with("//") {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
     }
-    memory.write(&mut *store, base as usize, &block)?;
-    let argc = i32::try_from(args.len())?;
-    init_argv
-        .call_async(&mut *store, (argc, i32::try_from(argv)?))
+    out
+}
+
+/// kiln's JavaScript as QuickJS bytecode (parsing the prelude took ~0.3 ms of every
+/// one-shot; reading its bytecode takes a tenth of that), compiled once per process in a
+/// guest of its own.
+static BYTECODE: tokio::sync::OnceCell<Bytecode> = tokio::sync::OnceCell::const_new();
+
+async fn bytecode(
+    engine: &WasmEngine,
+    runtime: &JsRuntime,
+) -> Result<&'static Bytecode, ExecError> {
+    BYTECODE
+        .get_or_try_init(|| compile_bytecode(engine, runtime))
         .await
 }
 
-/// Browser-style timer globals (QuickJS keeps them in `os`).
-const TIMERS: &str = "globalThis.setTimeout=os.setTimeout;globalThis.clearTimeout=os.clearTimeout;";
-
-/// Prefix run before the code on its first line, so line numbers stay true: timer globals,
-/// and the workspace as the working directory.
-fn prelude(request: &ExecRequest) -> String {
-    let mut prelude = String::from(TIMERS);
-    if request.workspace.is_some() {
-        prelude.push_str(&format!("os.chdir({:?});", request.workspace_guest()));
+async fn compile_bytecode(engine: &WasmEngine, runtime: &JsRuntime) -> Result<Bytecode, ExecError> {
+    let request = ExecRequest::new(Language::JavaScript, "");
+    let stdin = Box::new(MemoryInputPipe::new(Vec::new()));
+    let Prepared {
+        mut store,
+        instance,
+        stdio,
+        tmp: _tmp,
+    } = prepare(engine, runtime, &request, stdin).await?;
+    if store.get_fuel().is_ok() {
+        // An engine that counts fuel: this guest is kiln's own, not a request's.
+        store
+            .set_fuel(u64::MAX)
+            .map_err(|e| instantiate_error(Language::JavaScript, e))?;
     }
-    prelude
+    let compile = async {
+        let qjs = Qjs::start(&mut store, instance, &["qjs"], None).await?;
+        Bytecode::compile(&qjs, &mut store).await
+    };
+    compile.await.map_err(|e| {
+        let stderr = String::from_utf8_lossy(&stdio.stderr.take().0).into_owned();
+        instantiate_error(
+            Language::JavaScript,
+            format!("compiling kiln's prelude: {e:#}: {}", stderr.trim()),
+        )
+    })
+}
+
+/// Where a request's guest starts: its workspace, if it has one.
+fn working_dir(request: &ExecRequest) -> Option<&str> {
+    request
+        .workspace
+        .as_ref()
+        .map(|_| request.workspace_guest())
+}
+
+/// Runs a program in a fresh guest: the prelude, the code as a module, then the event
+/// loop. Answers the exit code.
+async fn run_program(
+    store: &mut Store<GuestState>,
+    instance: Instance,
+    request: &ExecRequest,
+    bytecode: &Bytecode,
+) -> wasmtime::Result<i32> {
+    let qjs = Qjs::with_prelude(store, instance, working_dir(request), bytecode).await?;
+    match qjs.start_module(store, &request.code, "<cmdline>").await? {
+        Some(main) => qjs.event_loop(store, bytecode, main).await,
+        None => Ok(1),
+    }
 }
 
 /// Runs a request in a fresh instance.
@@ -127,6 +216,7 @@ pub(crate) async fn run_once(
     listener: Option<mpsc::UnboundedSender<OutputChunk>>,
 ) -> Result<ExecResult, ExecError> {
     let started = Instant::now();
+    let bytecode = bytecode(engine, runtime).await?;
     let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
     let Prepared {
         mut store,
@@ -135,16 +225,10 @@ pub(crate) async fn run_once(
         tmp: _tmp,
     } = prepare(engine, runtime, request, stdin).await?;
     stdio.start_turn(&request.limits, listener);
-    let code = format!("{}{}", prelude(request), request.code);
-    let args = ["qjs", "--std", "-m", "-e", code.as_str()];
     let deadline = store.data().deadline_ns.clone();
     let clock_base = store.data().clock_base;
-    let end = bounded_call(&deadline, clock_base, run_qjs(&mut store, instance, &args)).await;
-    // qjs answers -1 when the script threw (it printed the exception).
-    let end = match end {
-        CallEnd::Returned(v) if v != 0 => CallEnd::Returned(1),
-        other => other,
-    };
+    let run = run_program(&mut store, instance, request, bytecode);
+    let end = bounded_call(&deadline, clock_base, run).await;
     Ok(finish(&end, &store.data().memory.stats, &stdio, started))
 }
 
@@ -210,6 +294,7 @@ impl JsSession {
         runtime: &JsRuntime,
         request: &ExecRequest,
     ) -> Result<JsSession, ExecError> {
+        let bytecode = bytecode(engine, runtime).await?;
         let (host_side, guest_side) = tokio::io::duplex(1 << 20);
         let stdin = Box::new(AsyncStdinStream::new(guest_side));
         let Prepared {
@@ -228,18 +313,18 @@ impl JsSession {
         let fs = store.data().fs.clone();
         // Idle sessions have no deadline; each turn arms one.
         deadline_ns.store(u64::MAX, Ordering::Relaxed);
-        let code = format!(
-            "{}{}",
-            prelude(request),
-            SESSION_LOOP.replace("NONCE", &nonce)
-        );
+        let code = SESSION_LOOP.replace("NONCE", &nonce);
+        let cwd = working_dir(request).map(str::to_owned);
         let (end_tx, task_end) = oneshot::channel();
         let task = tokio::spawn(async move {
             // One call for the session's life: the epoch callback interrupts wasm past a
             // turn's deadline, and the host aborts this task when a turn blocked in a host
             // call overruns.
-            let args = ["qjs", "--std", "-e", code.as_str()];
-            let end = match run_qjs(&mut store, instance, &args).await {
+            let run = async {
+                let qjs = Qjs::with_prelude(&mut store, instance, cwd.as_deref(), bytecode).await?;
+                qjs.eval_script(&mut store, &code, "<kiln>").await
+            };
+            let end = match run.await {
                 Ok(v) => CallEnd::Returned(v),
                 Err(error) => classify_error(error),
             };

@@ -25,6 +25,8 @@ mod javascript;
 mod output;
 mod prefault;
 mod python;
+mod qjs;
+mod qjs_exports;
 mod quota;
 mod session;
 pub mod setup;

@@ -241,6 +241,280 @@ async fn javascript_reads_stdin() -> TestResult {
     Ok(())
 }
 
+/// Issue 16: promises, `async`/`await` and timers run to completion before a one-shot ends,
+/// in Node's order: every promise job before the next timer, timers by due time.
+#[tokio::test]
+async fn javascript_runs_promises_and_timers_in_nodes_order() -> TestResult {
+    let result = run(js(
+        "console.log(1); setTimeout(() => console.log(4), 20); setTimeout(() => console.log(3), 0); Promise.resolve().then(() => console.log(2))",
+    ))
+    .await;
+    assert_eq!(
+        result.stdout_text(),
+        "1\n2\n3\n4\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(result.exit_code, 0);
+
+    // What `node` prints for the same program.
+    let result = run(js(r#"
+setTimeout(() => {
+  console.log("timer 1");
+  Promise.resolve().then(() => console.log("job of timer 1"));
+}, 0);
+setTimeout(() => console.log("timer 2"), 0);
+queueMicrotask(() => console.log("microtask"));
+(async () => {
+  await null;
+  console.log("after await");
+  await new Promise((resolve) => setTimeout(resolve, 5));
+  console.log("after sleep");
+})();
+let ticks = 0;
+const interval = setInterval(() => {
+  console.log("tick");
+  if (++ticks === 2) clearInterval(interval);
+}, 1);
+clearTimeout(setTimeout(() => console.log("cleared"), 1));
+"#))
+    .await;
+    assert_eq!(
+        result.stdout_text(),
+        "microtask\nafter await\ntimer 1\njob of timer 1\ntimer 2\ntick\ntick\nafter sleep\n",
+        "{}",
+        result.stderr_text()
+    );
+    // An unreferenced timer does not keep the program alive; an immediate runs after it.
+    let result = run(js(
+        "setTimeout(() => console.log('never'), 50).unref(); setImmediate((w) => console.log(w), 'immediate'); console.log('main')",
+    ))
+    .await;
+    assert_eq!(result.stdout_text(), "main\nimmediate\n");
+    assert!(result.duration_us < 40_000, "{}", result.duration_us);
+
+    // Top-level await, then a program that waits for something that never comes (Node's
+    // "unsettled top-level await", exit code 13).
+    let result = run(js(
+        "const v = await new Promise((r) => setTimeout(() => r(42), 5)); console.log(v)",
+    ))
+    .await;
+    assert_eq!(result.stdout_text(), "42\n");
+    let result = run(js("await new Promise(() => {})")).await;
+    assert_eq!(result.exit_code, 13);
+    assert_eq!(
+        result.stderr_text(),
+        "Warning: Detected unsettled top-level await\n"
+    );
+    Ok(())
+}
+
+/// Issue 16: an error nothing catches, in a promise job, a rejection or a timer, ends the
+/// program with exit code 1 and the error on stderr, as in Node.
+#[tokio::test]
+async fn javascript_uncaught_async_errors_fail_the_run() -> TestResult {
+    for (code, said) in [
+        (
+            "async function f() { await null; throw new TypeError('async bad') } f()",
+            "TypeError: async bad",
+        ),
+        (
+            "Promise.resolve().then(() => { throw new RangeError('in a job') })",
+            "RangeError: in a job",
+        ),
+        ("Promise.reject(new Error('rejected'))", "Error: rejected"),
+        (
+            "setTimeout(() => { throw new Error('in a timer') }, 1); setTimeout(() => console.log('later'), 5)",
+            "Error: in a timer",
+        ),
+        (
+            "queueMicrotask(() => { throw new Error('in a microtask') })",
+            "Error: in a microtask",
+        ),
+        (
+            "await Promise.reject(new Error('top-level'))",
+            "Error: top-level",
+        ),
+    ] {
+        let result = run(js(code)).await;
+        assert_eq!(result.exit_code, 1, "{code}: {}", result.stderr_text());
+        assert_eq!(result.outcome, Outcome::Completed, "{code}");
+        assert!(
+            result.stderr_text().contains(said),
+            "{code}: {}",
+            result.stderr_text()
+        );
+        assert_eq!(result.stdout_text(), "", "{code}");
+    }
+    // A synchronous throw ends the program before the jobs it queued run.
+    let result = run(js(
+        "Promise.resolve().then(() => console.log('queued')); throw new Error('sync')",
+    ))
+    .await;
+    assert_eq!(result.exit_code, 1);
+    assert_eq!(result.stdout_text(), "");
+    assert!(result.stderr_text().starts_with("Error: sync\n"));
+    // A rejection handled in time is no error.
+    let result = run(js(
+        "const p = Promise.reject(new Error('x')); p.catch((e) => console.log('caught', e.message))",
+    ))
+    .await;
+    assert_eq!(
+        (result.exit_code, result.stdout_text()),
+        (0, "caught x\n".into())
+    );
+    Ok(())
+}
+
+/// Issue 16: an interval that never ends is stopped at the deadline, as any other loop.
+#[tokio::test]
+async fn javascript_endless_interval_times_out() -> TestResult {
+    let started = Instant::now();
+    let result = run(with_timeout(
+        js("let n = 0; setInterval(() => { n++ }, 1); Promise.resolve().then(function again() { return Promise.resolve().then(again) })"),
+        300,
+    ))
+    .await;
+    assert_eq!(result.outcome, Outcome::TimedOut);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    let result = run(with_timeout(js("setInterval(() => {}, 50)"), 300)).await;
+    assert_eq!(result.outcome, Outcome::TimedOut);
+    Ok(())
+}
+
+/// Issue 16: console prints values as Node 20 does (`util.inspect`: depth 2, 80 columns,
+/// arrays of numbers in columns, strings quoted inside objects); console.error and
+/// console.warn write to stderr.
+#[tokio::test]
+async fn javascript_console_prints_values_as_node_does() -> TestResult {
+    // Each line's expected text is what `node` 20 prints for it.
+    let cases = [
+        (
+            "console.log({ a: 1 }, [1, 2], 'text', 42, null, undefined, -0, 10n)",
+            "{ a: 1 } [ 1, 2 ] text 42 null undefined -0 10n",
+        ),
+        (
+            "console.log({ nested: { deep: { deeper: { deepest: 1 } } }, list: [[1, [2, [3]]]] })",
+            "{ nested: { deep: { deeper: [Object] } }, list: [ [ 1, [Array] ] ] }",
+        ),
+        (
+            "console.log({ s: 'x', q: \"it's\", n: [1, 'two', { three: 3 }] })",
+            "{ s: 'x', q: \"it's\", n: [ 1, 'two', { three: 3 } ] }",
+        ),
+        (
+            "console.log(Array.from({ length: 12 }, (_, i) => i * i))",
+            "[\n    0,   1,  4,  9, 16,\n   25,  36, 49, 64, 81,\n  100, 121\n]",
+        ),
+        (
+            "console.log(new Map([['k', { v: 1 }]]), new Set([1, 'a']), new Date(0), /re/g)",
+            "Map(1) { 'k' => { v: 1 } } Set(2) { 1, 'a' } 1970-01-01T00:00:00.000Z /re/g",
+        ),
+        (
+            "class Point { constructor() { this.x = 1; this.y = 2 } }; console.log(new Point(), [function named() {}, () => {}, class A {}], Symbol('s'))",
+            "Point { x: 1, y: 2 } [ [Function: named], [Function (anonymous)], [class A] ] Symbol(s)",
+        ),
+        (
+            "const c = { name: 'c' }; c.self = c; console.log(c)",
+            "<ref *1> { name: 'c', self: [Circular *1] }",
+        ),
+        (
+            "console.log('%s is %d years, %i%% sure: %j', 'Bob', 42.5, '99.9', { a: [1] })",
+            "Bob is 42.5 years, 99% sure: {\"a\":[1]}",
+        ),
+        (
+            "console.log({ long: 'x'.repeat(70), more: 1 })",
+            "{\n  long: 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx',\n  more: 1\n}",
+        ),
+        (
+            "console.log(Object.create(null), { 'key-with-dash': 1, valid: 2 }, [, 1, , 2])",
+            "[Object: null prototype] {} { 'key-with-dash': 1, valid: 2 } [ <1 empty item>, 1, <1 empty item>, 2 ]",
+        ),
+        (
+            "console.table([{ a: 1, b: 'x' }, { a: 2 }])",
+            "\u{250c}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{252c}\u{2500}\u{2500}\u{2500}\u{252c}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2510}\n\u{2502} (index) \u{2502} a \u{2502} b   \u{2502}\n\u{251c}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{253c}\u{2500}\u{2500}\u{2500}\u{253c}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2524}\n\u{2502} 0       \u{2502} 1 \u{2502} 'x' \u{2502}\n\u{2502} 1       \u{2502} 2 \u{2502}     \u{2502}\n\u{2514}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2534}\u{2500}\u{2500}\u{2500}\u{2534}\u{2500}\u{2500}\u{2500}\u{2500}\u{2500}\u{2518}",
+        ),
+    ];
+    for (code, printed) in cases {
+        let result = run(js(code)).await;
+        assert_eq!(
+            result.stdout_text(),
+            format!("{printed}\n"),
+            "{code}: {}",
+            result.stderr_text()
+        );
+    }
+    let result = run(js(
+        "console.error({ to: 'stderr' }); console.warn('warned', 1); console.info('info'); console.debug([1])",
+    ))
+    .await;
+    assert_eq!(result.stdout_text(), "info\n[ 1 ]\n");
+    assert_eq!(result.stderr_text(), "{ to: 'stderr' }\nwarned 1\n");
+    // An error prints its stack, as Node's does (QuickJS's frames).
+    let result = run(js(
+        "function f() { return new Error('boom') }\nconsole.log({ e: f() })",
+    ))
+    .await;
+    assert_eq!(
+        result.stdout_text(),
+        "{\n  e: Error: boom\n      at f (<cmdline>:1:27)\n      at <anonymous> (<cmdline>:2:18)\n}\n"
+    );
+    Ok(())
+}
+
+/// Issue 16: `process` (argv, env, exit, exitCode, cwd, stdout.write) and relative ES-module
+/// imports of workspace files, as on a laptop.
+#[tokio::test]
+async fn javascript_has_process_and_imports_workspace_modules() -> TestResult {
+    let workspace = tempfile::tempdir()?;
+    std::fs::create_dir(workspace.path().join("lib"))?;
+    std::fs::write(
+        workspace.path().join("lib/util.js"),
+        "export const answer = 42;\nexport function fail() { throw new Error('from util'); }\n",
+    )?;
+    let mut request = js(r#"import { answer } from "./lib/util.js";
+console.log(answer, process.argv, process.cwd(), process.platform, process.env.GREETING);
+process.stdout.write("no newline");
+process.exitCode = 3;"#);
+    request.workspace = Some(workspace.path().to_path_buf());
+    request.env = vec![("GREETING".into(), "hello".into())];
+    let result = run(request.clone()).await;
+    assert_eq!(
+        result.stdout_text(),
+        "42 [ '/usr/local/bin/node' ] /workspace wasi hello\nno newline",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(result.exit_code, 3);
+
+    request.code = "import { fail } from './lib/util.js'; fail()".into();
+    let result = run(request.clone()).await;
+    assert_eq!(result.exit_code, 1);
+    assert_eq!(
+        result.stderr_text(),
+        "Error: from util\n    at fail (lib/util.js:2:36)\n    at <anonymous> (<cmdline>:1:38)\n\n"
+    );
+
+    // What kiln runs for `node main.js a b` (kiln-runtime's launcher).
+    std::fs::write(
+        workspace.path().join("main.js"),
+        "import { answer } from './lib/util.js';\nconsole.log(process.argv.slice(1), answer);\nprocess.exit(answer - 40);\nconsole.log('not reached');\n",
+    )?;
+    request.code = "globalThis[Symbol.for('kiln.argv')] = ['/workspace/main.js', 'a', 'b'];\nawait import('/workspace/main.js');\n".into();
+    let result = run(request).await;
+    assert_eq!(
+        result.stdout_text(),
+        "[ '/workspace/main.js', 'a', 'b' ] 42\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(result.exit_code, 2);
+    Ok(())
+}
+
 #[tokio::test]
 async fn python_sessions_keep_state_and_end_on_exit() -> TestResult {
     let mut session = engine()
