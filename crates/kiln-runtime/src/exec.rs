@@ -362,24 +362,24 @@ fn program_code(state: &Runtime, sandbox: &Sandbox, spec: &RunSpec) -> Result<St
         return Ok(spec.code.clone());
     };
     let source = read_program(&sandbox.tree()?, name)?;
-    // CPython's command-line semantics, where CPython runs it (WebAssembly); a Linux
-    // template runs the command itself, and a test backend reads the source.
-    let cpython = state
+    // The command line's semantics (CPython's, Node's), where kiln's runtimes run it
+    // (WebAssembly); a Linux template runs the command itself, and a test backend reads the
+    // source.
+    let wasm = state
         .catalogue()
         .get(sandbox.template())
         .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm);
-    if spec.language != Language::Python || !cpython {
-        return Ok(source);
-    }
     let home = sandbox
         .workspace_at
         .as_deref()
         .unwrap_or(kiln_core::WORKSPACE_GUEST);
-    Ok(python_launcher_at(
-        &PythonProgram::Script(name.as_str()),
-        &spec.args,
-        home,
-    ))
+    Ok(match spec.language {
+        Language::Python if wasm => {
+            python_launcher_at(&PythonProgram::Script(name.as_str()), &spec.args, home)
+        }
+        Language::JavaScript if wasm => javascript_launcher_at(name.as_str(), &spec.args, home),
+        _ => source,
+    })
 }
 
 async fn run_in(
@@ -565,6 +565,29 @@ pub fn python_launcher_at(program: &PythonProgram<'_>, args: &[String], home: &s
                  raise SystemExit(1) from None\n\
          del _kiln_sys\n\
          _kiln_main()\n"
+    )
+}
+
+/// Code that runs the JavaScript file `file` (relative to the workspace at `home`, or an
+/// absolute guest path) with `args` as `node FILE ARG…` would, in kiln's QuickJS: the file
+/// is imported as a module by its absolute path, so its relative imports resolve against
+/// its folder and errors name its lines; `process.argv` is `[execPath, FILE, ARG…]` with
+/// `FILE` absolute.
+pub fn javascript_launcher_at(file: &str, args: &[String], home: &str) -> String {
+    let literal = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "''".into());
+    let absolute = if file.starts_with('/') {
+        file.to_owned()
+    } else {
+        format!("{home}/{file}")
+    };
+    let argv: Vec<String> = std::iter::once(absolute.as_str())
+        .chain(args.iter().map(String::as_str))
+        .map(literal)
+        .collect();
+    format!(
+        "globalThis[Symbol.for('kiln.argv')] = [{}];\nawait import({});\n",
+        argv.join(", "),
+        literal(&absolute)
     )
 }
 

@@ -166,7 +166,7 @@ pub struct ExecBody {
     /// Files to write into the workspace first (name → text). They stay between execs.
     #[serde(default)]
     pub files: BTreeMap<String, String>,
-    /// `["python", FILE]`, `["python", "-c", CODE]`, `["node", FILE]` or
+    /// `["python", FILE, ARG…]`, `["python", "-c", CODE]`, `["node", FILE, ARG…]` or
     /// `["node", "-e", CODE]`.
     pub command: Vec<String>,
     /// The workspace folder whose new and changed files come back in `files`; default
@@ -226,7 +226,7 @@ fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
         ApiError::bad_request(
             "UNSUPPORTED_COMMAND",
             format!(
-                "unsupported command {command:?}; use [\"python\", FILE, ARG…], [\"python\", \"-c\", CODE, ARG…], [\"python\", \"-m\", MODULE, ARG…], [\"node\", FILE] or [\"node\", \"-e\", CODE]"
+                "unsupported command {command:?}; use [\"python\", FILE, ARG…], [\"python\", \"-c\", CODE, ARG…], [\"python\", \"-m\", MODULE, ARG…], [\"node\", FILE, ARG…] or [\"node\", \"-e\", CODE]"
             ),
         )
     };
@@ -262,7 +262,7 @@ fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
             Ok((language, launch(PythonProgram::Module(module), args)))
         }
         [file] if !file.starts_with('-') => Ok((language, Program::File(file.clone(), Vec::new()))),
-        [file, args @ ..] if python && !file.starts_with('-') => {
+        [file, args @ ..] if !file.starts_with('-') => {
             Ok((language, Program::File(file.clone(), args.to_vec())))
         }
         _ => Err(unsupported()),

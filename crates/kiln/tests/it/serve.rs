@@ -1817,6 +1817,56 @@ fn python_commands_behave_as_on_a_laptop() -> TestResult {
     Ok(())
 }
 
+/// Issue 16: `["node", FILE, ARG…]` in a WebAssembly sandbox behaves as Node does on a
+/// laptop: the file's relative imports of workspace modules resolve, `process.argv` is
+/// Node's, objects print as Node prints them, and promises and timers run before the exec
+/// ends.
+#[test]
+fn node_commands_behave_as_on_a_laptop() -> TestResult {
+    let server = start(Options::default())?;
+    let (_, created) = server.call("POST", "/api/sandbox", Some(json!({"image": "node"})))?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let run = |command: Value, files: Value| {
+        server.call(
+            "POST",
+            "/api/sandbox/exec",
+            Some(json!({"containerId": id, "command": command, "files": files})),
+        )
+    };
+    let (status, ran) = run(
+        json!(["node", "app/main.js", "a", "b c"]),
+        json!({
+            "app/main.js": "import { greet } from './lib/greet.js';\nconsole.log(process.argv.slice(1), { greeting: greet('kiln'), list: [1, 2] });\nsetTimeout(() => console.log('timer'), 5);\nawait Promise.resolve();\nconsole.log('awaited');\n",
+            "app/lib/greet.js": "export const greet = (name) => `hello ${name}`;\n",
+            "bad.js": "const x = 1;\nthrow new Error('boom ' + x);\n",
+        }),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(
+        ran["stdout"],
+        "[ '/workspace/app/main.js', 'a', 'b c' ] { greeting: 'hello kiln', list: [ 1, 2 ] }\nawaited\ntimer\n",
+        "{ran}"
+    );
+    assert_eq!(
+        (ran["status"].as_str(), ran["exitCode"].as_i64()),
+        (Some("success"), Some(0)),
+        "{ran}"
+    );
+    let (_, ran) = run(json!(["node", "bad.js"]), json!({}))?;
+    assert_eq!(ran["exitCode"], 1, "{ran}");
+    assert_eq!(
+        ran["stderr"], "Error: boom 1\n    at <anonymous> (/workspace/bad.js:2:27)\n\n",
+        "{ran}"
+    );
+    let (status, refused) = run(json!(["node", "missing.js"]), json!({}))?;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (400, Some("FILE_NOT_FOUND")),
+        "{refused}"
+    );
+    Ok(())
+}
+
 /// Issue 16: the per-execution time cap is the operator's to set (`--max-exec-time`).
 #[test]
 fn the_longest_execution_is_configurable() -> TestResult {
