@@ -1,35 +1,29 @@
 //! JavaScript guests: the QuickJS-NG WASI reactor, driven as `qjs` would be on a laptop
-//! by Node's rules (see `qjs`): a one-shot is a fresh instance that runs kiln's prelude, the
-//! code as a module, and the event loop.
-//!
-//! A session is one long call whose code is a read-eval loop over stdin: the host writes
-//! each turn's code as a JSON line and the loop answers with a marker line (carrying a
-//! random per-session nonce) on stdout when the turn is done. The marker never reaches the
-//! caller. Sessions have the prelude (console, process) but no event loop: promise jobs and
-//! timers a turn leaves do not run.
+//! by Node's rules (see `qjs`). A one-shot is a fresh instance that runs kiln's prelude,
+//! the code as a module, and the event loop. A session keeps its instance; each turn is a
+//! call of its own that runs the turn's code as a script (its declarations stay global;
+//! top-level `await` works) and then the event loop, so its promises and timers are done
+//! when the turn ends.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 use kiln_core::{ExecRequest, ExecResult, Language, Limits};
 use sha2::{Digest, Sha256};
-use tokio::io::AsyncWriteExt;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use wasmtime::{Instance, Store};
-use wasmtime_wasi::cli::AsyncStdinStream;
 use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{
     EngineError, ExecError, JsRuntime, WasmEngine, instantiate_error, instantiation_error,
 };
 use crate::guest::{
-    CallEnd, FsBudget, GuestState, Preopen, PrivateTmp, Stats, Stdio, arm_deadline, bounded_call,
-    classify_error, ensure_alive, finish, new_store, push_grants, wasi_context,
+    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, arm_deadline, bounded_call, ensure_alive,
+    finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
-use crate::qjs::{Bytecode, Qjs};
+use crate::qjs::{Bytecode, Qjs, Run};
 use crate::setup::{CacheDir, SetupError};
 
 const BASE_ENV: &[(&str, &str)] = &[("TMPDIR", "/tmp"), ("HOME", "/tmp")];
@@ -203,7 +197,7 @@ async fn run_program(
 ) -> wasmtime::Result<i32> {
     let qjs = Qjs::with_prelude(store, instance, working_dir(request), bytecode).await?;
     match qjs.start_module(store, &request.code, "<cmdline>").await? {
-        Some(main) => qjs.event_loop(store, bytecode, main).await,
+        Some(main) => qjs.event_loop(store, bytecode, main, Run::Program).await,
         None => Ok(1),
     }
 }
@@ -232,60 +226,17 @@ pub(crate) async fn run_once(
     Ok(finish(&end, &store.data().memory.stats, &stdio, started))
 }
 
-/// The read-eval loop a JavaScript session runs. `NONCE` is replaced per session.
-const SESSION_LOOP: &str = r#"(function () {
-  var marker = "\u0001kiln-turn-end-NONCE:";
-  var line;
-  while ((line = std.in.getline()) !== null) {
-    var status = 0;
-    try {
-      (0, eval)(JSON.parse(line));
-    } catch (e) {
-      status = 1;
-      var text = String(e);
-      if (e && e.stack) text += "\n" + e.stack;
-      std.err.puts(text.endsWith("\n") ? text : text + "\n");
-    }
-    std.out.flush();
-    std.err.flush();
-    std.out.puts(marker + status + "\n");
-    std.out.flush();
-  }
-})();"#;
+/// Why a JavaScript session takes no instruction budget.
+pub(crate) const JS_SESSION_FUEL: &str = "JavaScript sessions do not count fuel; run the code as a one-shot, or in a Python session opened with a budget";
 
-/// Why a JavaScript session takes no instruction budget: its guest is one long call, with
-/// no point between turns where the host could refill the store's fuel.
-pub(crate) const JS_SESSION_FUEL: &str = "JavaScript sessions do not count fuel (the session is one long call); run the code as a one-shot, or in a Python session opened with a budget";
-
-/// A live JavaScript session.
+/// A live JavaScript session: one guest, each turn a call of its own (see the module doc).
 pub(crate) struct JsSession {
-    stdin: tokio::io::DuplexStream,
-    turns: mpsc::UnboundedReceiver<Vec<u8>>,
+    store: Store<GuestState>,
+    qjs: Qjs,
+    bytecode: &'static Bytecode,
     stdio: Stdio,
-    deadline_ns: Arc<AtomicU64>,
-    clock_base: Instant,
-    task: Option<tokio::task::JoinHandle<()>>,
-    task_end: Option<oneshot::Receiver<CallEnd<i32>>>,
-    stats: Arc<Stats>,
-    fs: Arc<FsBudget>,
     pub ended: Option<String>,
     _tmp: PrivateTmp,
-}
-
-impl Drop for JsSession {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
-    }
-}
-
-fn nonce() -> String {
-    let mut bytes = [0u8; 12];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = std::io::Read::read_exact(&mut f, &mut bytes);
-    }
-    hex::encode(bytes)
 }
 
 impl JsSession {
@@ -295,56 +246,45 @@ impl JsSession {
         request: &ExecRequest,
     ) -> Result<JsSession, ExecError> {
         let bytecode = bytecode(engine, runtime).await?;
-        let (host_side, guest_side) = tokio::io::duplex(1 << 20);
-        let stdin = Box::new(AsyncStdinStream::new(guest_side));
+        let stdin = Box::new(MemoryInputPipe::new(Vec::new()));
         let Prepared {
             mut store,
             instance,
             stdio,
             tmp,
         } = prepare(engine, runtime, request, stdin).await?;
-        let nonce = nonce();
-        let (turn_tx, turns) = mpsc::unbounded_channel();
-        let marker = format!("\u{1}kiln-turn-end-{nonce}:").into_bytes();
-        stdio.stdout.set_control(marker, turn_tx);
-        let deadline_ns = store.data().deadline_ns.clone();
+        let deadline = store.data().deadline_ns.clone();
         let clock_base = store.data().clock_base;
-        let stats = store.data().memory.stats.clone();
-        let fs = store.data().fs.clone();
-        // Idle sessions have no deadline; each turn arms one.
-        deadline_ns.store(u64::MAX, Ordering::Relaxed);
-        let code = SESSION_LOOP.replace("NONCE", &nonce);
-        let cwd = working_dir(request).map(str::to_owned);
-        let (end_tx, task_end) = oneshot::channel();
-        let task = tokio::spawn(async move {
-            // One call for the session's life: the epoch callback interrupts wasm past a
-            // turn's deadline, and the host aborts this task when a turn blocked in a host
-            // call overruns.
-            let run = async {
-                let qjs = Qjs::with_prelude(&mut store, instance, cwd.as_deref(), bytecode).await?;
-                qjs.eval_script(&mut store, &code, "<kiln>").await
-            };
-            let end = match run.await {
-                Ok(v) => CallEnd::Returned(v),
-                Err(error) => classify_error(error),
-            };
-            let _ = end_tx.send(end);
-        });
+        let start = Qjs::with_prelude(&mut store, instance, working_dir(request), bytecode);
+        let qjs = match bounded_call(&deadline, clock_base, start).await {
+            CallEnd::Returned(qjs) => qjs,
+            other => {
+                let stderr = String::from_utf8_lossy(&stdio.stderr.take().0).into_owned();
+                let ended = match other {
+                    CallEnd::Trapped(trap) => trap,
+                    CallEnd::TimedOut => "it timed out".into(),
+                    _ => "it exited".into(),
+                };
+                return Err(instantiate_error(
+                    Language::JavaScript,
+                    format!("starting the session failed: {ended} {}", stderr.trim()),
+                ));
+            }
+        };
         Ok(JsSession {
-            stdin: host_side,
-            turns,
+            store,
+            qjs,
+            bytecode,
             stdio,
-            deadline_ns,
-            clock_base,
-            task: Some(task),
-            task_end: Some(task_end),
-            stats,
-            fs,
             ended: None,
             _tmp: tmp,
         })
     }
 
+    /// Runs `code` as a turn: a script whose declarations stay for later turns and which
+    /// may `await` at its top level, then the event loop until its promise jobs and timers
+    /// are done. An unhandled rejection is not reported (QuickJS's check would end the
+    /// session).
     pub async fn turn(
         &mut self,
         code: &str,
@@ -359,56 +299,33 @@ impl JsSession {
             });
         }
         self.stdio.start_turn(limits, listener);
-        let mut line = serde_json::to_string(code).expect("a string serializes");
-        line.push('\n');
-        self.stats.start_turn();
-        self.fs.reset(limits);
-        arm_deadline(&self.deadline_ns, self.clock_base, limits);
-        let deadline = self.clock_base
-            + std::time::Duration::from_nanos(self.deadline_ns.load(Ordering::Relaxed));
-        let died = || CallEnd::Trapped("the session task died".into());
-        // The turn ends with the loop's marker, or with the guest itself (exit, trap).
-        let wait = async {
-            if self.stdin.write_all(line.as_bytes()).await.is_err() {
-                return None;
-            }
-            let task_end = self.task_end.as_mut()?;
-            tokio::select! {
-                status = self.turns.recv() => status.map(Ok),
-                end = task_end => Some(Err(end.unwrap_or_else(|_| died()))),
+        let state = self.store.data_mut();
+        state.fs.reset(limits);
+        state.memory.stats.start_turn();
+        let deadline = state.deadline_ns.clone();
+        let clock_base = state.clock_base;
+        arm_deadline(&deadline, clock_base, limits);
+        let (qjs, store, bytecode) = (&self.qjs, &mut self.store, self.bytecode);
+        let run = async {
+            match qjs.start_turn(store, code, "<turn>").await? {
+                Some(turn) => qjs.event_loop(store, bytecode, turn, Run::Turn).await,
+                None => Ok(1),
             }
         };
-        let status = tokio::time::timeout_at(deadline.into(), wait).await;
-        self.deadline_ns.store(u64::MAX, Ordering::Relaxed);
-        let end = match status {
-            Ok(Some(Ok(status))) => {
-                CallEnd::Returned(if status.first() == Some(&b'0') { 0 } else { 1 })
-            }
-            Ok(other) => {
-                let end = match other {
-                    Some(Err(end)) => end,
-                    _ => match self.task_end.take() {
-                        Some(rx) => rx.await.unwrap_or_else(|_| died()),
-                        None => died(),
-                    },
-                };
-                self.task_end = None;
-                self.ended = Some(match &end {
-                    CallEnd::Exited(_) | CallEnd::Returned(_) => "the session exited".into(),
-                    CallEnd::TimedOut => "the session timed out and was stopped".into(),
-                    CallEnd::FuelExhausted => "the session spent its instruction budget".into(),
-                    CallEnd::Trapped(trap) => format!("the session crashed ({trap})"),
-                });
-                end
-            }
-            Err(_) => {
-                if let Some(task) = self.task.take() {
-                    task.abort();
-                }
-                self.ended = Some("the session timed out and was stopped".into());
-                CallEnd::TimedOut
-            }
-        };
-        Ok(finish(&end, &self.stats, &self.stdio, started))
+        let end = bounded_call(&deadline, clock_base, run).await;
+        if !end.store_usable() {
+            self.ended = Some(match &end {
+                CallEnd::Exited(_) | CallEnd::Returned(_) => "the session exited".into(),
+                CallEnd::TimedOut => "the session timed out and was stopped".into(),
+                CallEnd::FuelExhausted => "the session spent its instruction budget".into(),
+                CallEnd::Trapped(trap) => format!("the session crashed ({trap})"),
+            });
+        }
+        Ok(finish(
+            &end,
+            &self.store.data().memory.stats,
+            &self.stdio,
+            started,
+        ))
     }
 }

@@ -21,9 +21,6 @@ struct Inner {
     cap: usize,
     truncated: bool,
     listener: Option<mpsc::UnboundedSender<OutputChunk>>,
-    /// A marker that, at the start of a write, is the guest talking to kiln, not output:
-    /// the rest of that write goes to the sender.
-    control: Option<(Vec<u8>, mpsc::UnboundedSender<Vec<u8>>)>,
     /// A runtime message kiln words for its own sandbox: a write holding the first has it
     /// replaced by the second.
     reword: Option<(&'static str, &'static str)>,
@@ -45,7 +42,6 @@ impl CappedPipe {
                 cap: usize::try_from(cap).unwrap_or(usize::MAX),
                 truncated: false,
                 listener: None,
-                control: None,
                 reword: None,
             })),
         }
@@ -63,11 +59,6 @@ impl CappedPipe {
         inner.cap = usize::try_from(cap).unwrap_or(usize::MAX);
         inner.truncated = false;
         inner.listener = listener;
-    }
-
-    /// Routes writes that begin with `marker` to `sender` instead of the output.
-    pub fn set_control(&self, marker: Vec<u8>, sender: mpsc::UnboundedSender<Vec<u8>>) {
-        self.lock().control = Some((marker, sender));
     }
 
     /// Replaces `from` with `to` in any one write that holds it whole.
@@ -94,12 +85,6 @@ impl CappedPipe {
             }
             _ => bytes,
         };
-        if let Some((marker, sender)) = &inner.control
-            && bytes.starts_with(marker)
-        {
-            let _ = sender.send(bytes[marker.len()..].to_vec());
-            return;
-        }
         let room = inner.cap.saturating_sub(inner.data.len());
         let kept = &bytes[..bytes.len().min(room)];
         if kept.len() < bytes.len() {

@@ -24,6 +24,7 @@ const JS_PROMISE_REJECTED: i32 = 2;
 const SCRIPT: i32 = 0;
 const MODULE: i32 = 1;
 const JS_EVAL_FLAG_COMPILE_ONLY: i32 = 1 << 5;
+const JS_EVAL_FLAG_ASYNC: i32 = 1 << 7;
 const JS_WRITE_OBJ_BYTECODE: i32 = 1;
 const JS_WRITE_OBJ_STRIP_SOURCE: i32 = 1 << 4;
 const JS_READ_OBJ_BYTECODE: i32 = 1;
@@ -276,6 +277,28 @@ impl Qjs {
         self.eval_function(store, module).await
     }
 
+    /// Starts `code` as a session's turn: a classic script whose declarations (`var`,
+    /// `let`, `const`, functions) stay global for later turns, which may `await` at its top
+    /// level. Answers its promise, or None when it did not compile (printed on stderr).
+    pub(crate) async fn start_turn(
+        &self,
+        store: &mut Store<GuestState>,
+        code: &str,
+        filename: &str,
+    ) -> wasmtime::Result<Option<JsValue>> {
+        let compile: TypedFunc<(i32, i32, i32, i32, i32), JsValue> =
+            self.func(store, qjs_exports::COMPILE)?;
+        let (at, len, name) = self.write_code(store, code, filename).await?;
+        let flags = SCRIPT | JS_EVAL_FLAG_ASYNC;
+        let promise = compile
+            .call_async(&mut *store, (self.context, at, len, name, flags))
+            .await?;
+        if is_exception(promise) {
+            return self.threw(store).await;
+        }
+        Ok(Some(promise))
+    }
+
     async fn eval_function(
         &self,
         store: &mut Store<GuestState>,
@@ -346,18 +369,19 @@ impl Qjs {
         state.call_async(&mut *store, (self.context, promise)).await
     }
 
-    /// Node's event loop for the program whose evaluation is the promise `main`: promise
-    /// jobs until none is left, then QuickJS's check for unhandled rejections, then the
-    /// next timer (the host sleeps until it is due), and again, until no job and no timer
-    /// is left. Answers the exit code: 1 when something threw (printed on stderr), 13 when
-    /// the program still awaits something that can never come, as Node's "unsettled
-    /// top-level await". A timer callback that throws, an unhandled rejection and
-    /// `process.exit` end the guest instead.
+    /// Node's event loop for the program (or turn) whose evaluation is the promise `main`:
+    /// promise jobs until none is left, then (for a program) QuickJS's check for unhandled
+    /// rejections, then the next timer (the host sleeps until it is due), and again, until
+    /// no job and no timer is left. Answers the exit code: 1 when something threw (printed
+    /// on stderr), 13 when it still awaits something that can never come, as Node's
+    /// "unsettled top-level await". A timer callback that throws, an unhandled rejection
+    /// (in a program) and `process.exit` end the guest instead.
     pub(crate) async fn event_loop(
         &self,
         store: &mut Store<GuestState>,
         bytecode: &Bytecode,
         main: JsValue,
+        run: Run,
     ) -> wasmtime::Result<i32> {
         let get_runtime: TypedFunc<i32, i32> = self.func(store, qjs_exports::GET_RUNTIME)?;
         let jobs = Jobs {
@@ -377,10 +401,14 @@ impl Qjs {
                 self.wait(store, main).await?;
                 return Ok(1);
             }
-            let Some(step) = self.run_bytecode(store, &bytecode.step).await? else {
-                return Ok(1);
+            let delay = match run {
+                Run::Program => match self.run_bytecode(store, &bytecode.step).await? {
+                    Some(step) => self.wait(store, step).await?,
+                    None => None,
+                },
+                Run::Turn => self.run_bytecode(store, &bytecode.delay).await?,
             };
-            let Some(delay) = self.wait(store, step).await? else {
+            let Some(delay) = delay else {
                 return Ok(1);
             };
             let delay_ms = match (delay >> 32, delay as i32) {
@@ -417,11 +445,20 @@ struct Jobs {
     context_out: i32,
 }
 
-/// kiln's JavaScript, as bytecode: the prelude, and the event loop's two calls.
+/// kiln's JavaScript, as bytecode: the prelude, and the event loop's calls.
 pub(crate) struct Bytecode {
     prelude: Vec<u8>,
     step: Vec<u8>,
     fire: Vec<u8>,
+    delay: Vec<u8>,
+}
+
+/// What the event loop runs for: a program (a one-shot), or a session's turn, which an
+/// unhandled rejection must not end (QuickJS's check exits), so it is not checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Run {
+    Program,
+    Turn,
 }
 
 /// kiln's prelude: `std` and `os` as globals, console, timers, process (see the file).
@@ -430,6 +467,7 @@ const PRELUDE_SOURCE: &str = include_str!("js/prelude.js");
 /// The event loop's calls into the prelude (see [`Qjs::event_loop`]).
 const STEP: &str = "globalThis[Symbol.for('kiln')].step()";
 const FIRE: &str = "globalThis[Symbol.for('kiln')].fire()";
+const DELAY: &str = "globalThis[Symbol.for('kiln')].delay()";
 
 impl Bytecode {
     /// Compiles kiln's JavaScript in `qjs`, a guest of kiln's own.
@@ -441,6 +479,7 @@ impl Bytecode {
             prelude: qjs.compile(store, PRELUDE_SOURCE, MODULE).await?,
             step: qjs.compile(store, STEP, SCRIPT).await?,
             fire: qjs.compile(store, FIRE, SCRIPT).await?,
+            delay: qjs.compile(store, DELAY, SCRIPT).await?,
         })
     }
 }

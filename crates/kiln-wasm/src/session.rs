@@ -38,9 +38,9 @@ enum Guest {
 }
 
 /// A live guest. Python keeps globals, imports and files between turns; JavaScript keeps
-/// globals declared with `var` or `function` (not `let`/`const`, which are scoped to their
-/// turn). A session whose guest trapped, timed out or called `exit()` has ended: every
-/// further turn answers [`ExecError::SessionEnded`].
+/// its declarations (`var`, `let`, `const`, functions), and runs each turn's promises and
+/// timers before the turn ends. A session whose guest trapped, timed out or called `exit()`
+/// has ended: every further turn answers [`ExecError::SessionEnded`].
 pub struct Session {
     language: Language,
     guest: Guest,

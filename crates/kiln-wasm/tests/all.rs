@@ -750,6 +750,58 @@ async fn javascript_sessions_keep_state() -> TestResult {
     Ok(())
 }
 
+/// Issue 16: a session's turn runs its promises and timers before it ends, may `await` at
+/// its top level, and keeps `let` and `const` for later turns; an error ends the turn, not
+/// the session.
+#[tokio::test]
+async fn javascript_session_turns_run_their_promises_and_timers() -> TestResult {
+    let mut session = engine()
+        .open_session(Language::JavaScript, &SessionOptions::default())
+        .await?;
+    let limits = Limits::default();
+    let turn = session
+        .run(
+            "let seen = []; setTimeout(() => seen.push('timer'), 5); Promise.resolve().then(() => seen.push('job')); console.log({ started: true })",
+            &limits,
+        )
+        .await?;
+    assert_eq!(
+        turn.stdout_text(),
+        "{ started: true }\n",
+        "{}",
+        turn.stderr_text()
+    );
+    let turn = session
+        .run(
+            "const v = await new Promise((r) => setTimeout(() => r(seen.length), 1)); console.log(seen, v)",
+            &limits,
+        )
+        .await?;
+    assert_eq!(
+        turn.stdout_text(),
+        "[ 'job', 'timer' ] 2\n",
+        "{}",
+        turn.stderr_text()
+    );
+    let failed = session
+        .run("await Promise.reject(new RangeError('no'))", &limits)
+        .await?;
+    assert_eq!(failed.exit_code, 1);
+    assert!(
+        failed.stderr_text().starts_with("RangeError: no\n"),
+        "{}",
+        failed.stderr_text()
+    );
+    // A rejection nobody handles is not reported, and the session goes on.
+    session
+        .run("Promise.reject(new Error('ignored'))", &limits)
+        .await?;
+    let after = session.run("console.log(v + 1)", &limits).await?;
+    assert_eq!(after.stdout_text(), "3\n");
+    assert_eq!(session.ended(), None);
+    Ok(())
+}
+
 #[tokio::test]
 async fn session_turns_each_get_a_fresh_file_budget() -> TestResult {
     for (language, code) in [

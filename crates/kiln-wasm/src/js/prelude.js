@@ -62,4 +62,6 @@ const next = () => {
 g[Symbol.for("kiln")] = {
   step: () => os.sleepAsync(0).then(next),
   fire: () => timers.fire(),
+  // A session's turn: the next timer's delay, without the check (which would end it).
+  delay: () => (timers ? timers.delay() : -1),
 };
