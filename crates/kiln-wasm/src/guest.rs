@@ -87,8 +87,8 @@ pub(crate) struct FsBudget {
 }
 
 impl FsBudget {
-    /// A fresh budget for a turn. Shared so a host task can reset it while a JavaScript
-    /// session's one long call runs; only the store's own thread spends it.
+    /// A fresh budget for a turn. Shared (an `Arc`) with the store, whose own thread spends
+    /// it.
     pub fn reset(&self, limits: &Limits) {
         self.write_bytes_left
             .store(limits.fs_write_bytes, Ordering::Relaxed);
@@ -121,8 +121,8 @@ pub(crate) struct GuestState {
     pub wasi: WasiP1Ctx,
     pub memory: MemoryLimiter,
     pub fs: Arc<FsBudget>,
-    /// Deadline as nanoseconds since `clock_base`; `u64::MAX` means none. Shared so a host
-    /// task can move it while the guest runs (JavaScript sessions).
+    /// Deadline as nanoseconds since `clock_base`; `u64::MAX` means none. Shared with the
+    /// host's bounded call, which reads it while the guest runs.
     pub deadline_ns: Arc<AtomicU64>,
     pub clock_base: Instant,
     /// The capability granted for the current turn, if any: what `host::call` reaches.
