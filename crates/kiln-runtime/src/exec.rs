@@ -299,10 +299,12 @@ async fn run_attached(
     let output_dir = spec.output_dir.clone();
     let recorded = tokio::task::spawn_blocking(move || {
         let recorded = record(&registry.registry, &workspace, &summary, &exec_id)?;
-        let outputs = match (&recorded.commit_id, output_dir) {
-            (Some(_), Some(dir)) => crate::outputs::collect(&workspace, &exec_id, &dir),
-            (Some(_), None) => crate::outputs::collect(&workspace, &exec_id, &default_output_dir()),
-            (None, _) => Vec::new(),
+        let outputs = match &recorded.commit_id {
+            Some(_) => {
+                let dir = output_dir.unwrap_or_else(default_output_dir);
+                crate::outputs::collect(&workspace, &exec_id, &dir)
+            }
+            None => Vec::new(),
         };
         Ok((recorded, outputs))
     })

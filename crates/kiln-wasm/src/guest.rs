@@ -147,6 +147,23 @@ pub(crate) fn arm_deadline(deadline_ns: &AtomicU64, clock_base: Instant, limits:
     );
 }
 
+/// Starts a session turn on `store`: empty pipes with the turn's caps and listener, a fresh
+/// file budget and memory statistics, and the deadline armed. Returns the deadline and its
+/// clock, for the bounded call.
+pub(crate) fn begin_turn(
+    store: &mut Store<GuestState>,
+    stdio: &Stdio,
+    limits: &Limits,
+    listener: Option<tokio::sync::mpsc::UnboundedSender<crate::output::OutputChunk>>,
+) -> (Arc<AtomicU64>, Instant) {
+    stdio.start_turn(limits, listener);
+    let state = store.data_mut();
+    state.fs.reset(limits);
+    state.memory.stats.start_turn();
+    arm_deadline(&state.deadline_ns, state.clock_base, limits);
+    (state.deadline_ns.clone(), state.clock_base)
+}
+
 /// The stdio pipes of a store, kept by the host to read what the guest wrote.
 #[derive(Debug, Clone)]
 pub(crate) struct Stdio {

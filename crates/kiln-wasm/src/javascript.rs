@@ -19,7 +19,7 @@ use crate::engine::{
     EngineError, ExecError, JsRuntime, WasmEngine, instantiate_error, instantiation_error,
 };
 use crate::guest::{
-    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, arm_deadline, bounded_call, ensure_alive,
+    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, begin_turn, bounded_call, ensure_alive,
     finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
@@ -85,6 +85,8 @@ const LIB_GUEST_DIR: &str = "/usr/local/lib/kiln";
 /// The host folder holding [`LIB_FILES`] for `cache`: `<cache>/js/<digest>/`, so kilns of
 /// different versions share a cache. Written (or rewritten, where a file differs) the first
 /// time a process needs it.
+/// It is kiln's own cache, like the compiled modules beside it: guests see it read-only
+/// and never write there, so plain paths are safe here.
 fn lib_dir(cache: &CacheDir) -> Result<PathBuf, ExecError> {
     static FILES: OnceLock<(Vec<(&str, String)>, String)> = OnceLock::new();
     static READY: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
@@ -298,13 +300,7 @@ impl JsSession {
                 why: JS_SESSION_FUEL,
             });
         }
-        self.stdio.start_turn(limits, listener);
-        let state = self.store.data_mut();
-        state.fs.reset(limits);
-        state.memory.stats.start_turn();
-        let deadline = state.deadline_ns.clone();
-        let clock_base = state.clock_base;
-        arm_deadline(&deadline, clock_base, limits);
+        let (deadline, clock_base) = begin_turn(&mut self.store, &self.stdio, limits, listener);
         let (qjs, store, bytecode) = (&self.qjs, &mut self.store, self.bytecode);
         let run = async {
             match qjs.start_turn(store, code, "<turn>").await? {

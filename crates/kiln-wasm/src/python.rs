@@ -14,7 +14,7 @@ use wasmtime_wasi::p2::pipe::MemoryInputPipe;
 
 use crate::engine::{ExecError, PythonRuntime, WasmEngine, instantiate_error, instantiation_error};
 use crate::guest::{
-    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, arm_deadline, bounded_call, ensure_alive,
+    CallEnd, GuestState, Preopen, PrivateTmp, Stdio, begin_turn, bounded_call, ensure_alive,
     finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
@@ -64,37 +64,30 @@ del _kiln_linecache
 /// Run before a guest's first streamed turn: stdout and stderr flush at every newline.
 const LINE_BUFFERED: &str = "import sys as _kiln_sys\n_kiln_sys.stdout.reconfigure(line_buffering=True)\n_kiln_sys.stderr.reconfigure(line_buffering=True)\ndel _kiln_sys";
 
+/// kiln's rich results (`python/rich.py`): compiled where something is shown.
+const RICH: &str = include_str!("python/rich.py");
+
 /// Run before a session's first turn: a final value, `display(...)` and matplotlib figures
 /// come back as rich results. Small on purpose (a session that shows nothing pays about
-/// 0.2 MiB for it); `python/rich.py` is compiled the first time something is shown.
+/// 0.2 MiB for it); [`RICH`] is compiled the first time something is shown.
 static RICH_SETUP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "{}\n__kiln_rich__ = _kiln_rich_setup({:?})\ndel _kiln_rich_setup",
+        "{}\n__kiln_rich__ = _kiln_rich_setup({RICH:?})\ndel _kiln_rich_setup",
         include_str!("python/rich_setup.py"),
-        include_str!("python/rich.py")
     )
 });
 
 /// Run after a session's turn once the guest has imported pyplot: open figures are shown.
 const RICH_AFTER: &str = "__kiln_rich__().after()";
 
-/// Ends a one-shot's code: figures left open come back as PNG results. As a final
-/// statement it echoes nothing and leaves line numbers as they were.
-const ONESHOT_FIGURES: &str = r#"import sys, io, base64, json, _host
-for stream in (sys.stdout, sys.stderr):
-    stream.flush()
-pyplot = sys.modules["matplotlib.pyplot"]
-for number in pyplot.get_fignums():
-    figure = pyplot.figure(number)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", bbox_inches="tight")
-    data = {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"), "text/plain": repr(figure)}
-    try:
-        _host.call(b"kiln:display " + json.dumps({"main": False, "data": data}).encode())
-    except OSError:
-        sys.stderr.write("kiln: a figure was not kept: one run keeps at most 64 results and 16 MiB of them, and one result is at most 4 MiB\n")
-pyplot.close("all")
-"#;
+/// Ends a one-shot's code that may plot: figures left open come back as PNG results
+/// ([`RICH`]'s, compiled only when pyplot was imported). As a final statement it echoes
+/// nothing and leaves line numbers as they were.
+static ONESHOT_FIGURES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "if \"matplotlib.pyplot\" in __import__(\"sys\").modules: exec({RICH:?}, _kiln := {{}}); _kiln[\"make\"]().after()"
+    )
+});
 
 /// Whether a one-shot may leave figures open: its code names plotting (matplotlib, pyplot,
 /// `plt`, `df.plot`, seaborn), or runs a program kiln does not read here (a script or a
@@ -333,20 +326,14 @@ impl PythonGuest {
     ) -> Result<ExecResult, ExecError> {
         let started = Instant::now();
         ensure_alive(&self.ended)?;
-        self.stdio.start_turn(limits, listener);
-        let state = self.store.data_mut();
-        state.fs.reset(limits);
-        state.memory.stats.start_turn();
-        let deadline = state.deadline_ns.clone();
-        let clock_base = state.clock_base;
-        arm_deadline(&deadline, clock_base, limits);
+        let (deadline, clock_base) = begin_turn(&mut self.store, &self.stdio, limits, listener);
 
         // `turn` echoes a final expression; a one-shot ends with a final statement that
         // echoes nothing and leaves line numbers as they were: kiln's figures, or `pass`.
         let code: std::borrow::Cow<'_, str> = if self.echo {
             code.into()
         } else if may_plot(code) {
-            format!("{code}\nif \"matplotlib.pyplot\" in __import__(\"sys\").modules: exec({ONESHOT_FIGURES:?}, {{}})").into()
+            format!("{code}\n{}", *ONESHOT_FIGURES).into()
         } else {
             format!("{code}\npass").into()
         };

@@ -1,7 +1,8 @@
 # kiln's rich results for Python sessions: a cell's final value, `display(...)` and
 # matplotlib figures go to the host as frames through `_host.call` (b"kiln:display " + JSON
 # of {"main": bool, "data": {mime: text}}). A session compiles this the first time it shows
-# something (see `rich_setup.py`); `make()` returns what the setup calls.
+# something (see `rich_setup.py`); a one-shot that imported pyplot compiles it at its end and
+# calls `after()`. `make()` returns what they call.
 
 
 def make():
