@@ -21,6 +21,10 @@ pub fn templates() -> Vec<TemplateInfo> {
         sessions: true,
         ..Capabilities::default()
     };
+    let python = Capabilities {
+        fork: true,
+        ..capabilities
+    };
     vec![
         TemplateInfo {
             id: "python".into(),
@@ -30,7 +34,7 @@ pub fn templates() -> Vec<TemplateInfo> {
             backend: BackendKind::Wasm,
             lifecycle: Lifecycle::Ephemeral,
             languages: vec![Language::Python],
-            capabilities,
+            capabilities: python,
             images: ImageRule {
                 names: names(&["python3", "py", "@ai-sandbox/python"]),
                 repos: names(&["python", "python3"]),
@@ -38,6 +42,24 @@ pub fn templates() -> Vec<TemplateInfo> {
                     min: (3, 0),
                     max: (3, 15),
                 }),
+            },
+            resources: None,
+            workspace_owner: None,
+        },
+        TemplateInfo {
+            id: crate::warm::PYTHON_DATA.into(),
+            description: "The python template started warm: numpy, pandas, scipy and \
+                          matplotlib already imported (a copy-on-write memory image built \
+                          once), so a sandbox is ready for data work in milliseconds"
+                .into(),
+            backend: BackendKind::Wasm,
+            lifecycle: Lifecycle::Ephemeral,
+            languages: vec![Language::Python],
+            capabilities: python,
+            images: ImageRule {
+                names: names(&[crate::warm::PYTHON_DATA]),
+                repos: Vec::new(),
+                versions: None,
             },
             resources: None,
             workspace_owner: None,
@@ -79,7 +101,7 @@ impl From<ExecError> for BackendError {
                 ErrorKind::TooLarge
             }
             ExecError::SessionEnded { .. } => ErrorKind::SessionEnded,
-            ExecError::Unsupported { .. } => ErrorKind::Unsupported,
+            ExecError::Unsupported { .. } | ExecError::CannotFork { .. } => ErrorKind::Unsupported,
             ExecError::Busy { .. } => ErrorKind::Busy,
             ExecError::Tmp(_) | ExecError::Instantiate { .. } => ErrorKind::Instantiate,
         };
@@ -101,6 +123,7 @@ fn check_program(request: &ExecRequest) -> Result<(), BackendError> {
     match request.template.as_deref() {
         None => Ok(()),
         Some(t) if t == request.language.name() => Ok(()),
+        Some(crate::warm::PYTHON_DATA) if request.language == Language::Python => Ok(()),
         Some(t) => Err(BackendError::unsupported(format!(
             "the {t:?} template does not run {} code",
             request.language
@@ -136,6 +159,7 @@ impl Backend for WasmEngine {
             workspace_at: request.workspace_at,
             mounts: request.mounts,
             limits: request.limits,
+            template: request.template,
         };
         Ok(WasmEngine::open_session(self, request.language, &options).await?)
     }

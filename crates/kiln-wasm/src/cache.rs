@@ -49,9 +49,14 @@ pub fn cwasm_path(engine: &Engine, cache: &CacheDir, name: &str, wasm_sha256: &s
     ))
 }
 
+/// What kiln does to a runtime's bytes before compiling them (see `qjs_exports::prepare` and
+/// `warm::strip`); the module's `name` must say which, so files never mix.
+pub type Prepare<'a> = &'a dyn Fn(Vec<u8>) -> Result<Vec<u8>, crate::qjs_exports::PatchError>;
+
 /// Loads the module from its `.cwasm`, compiling it first if needed (with the setup lock
 /// held). A `.cwasm` that fails to load is rebuilt once, with a message; a second failure is
 /// an error.
+#[allow(clippy::too_many_arguments)]
 pub fn load_or_compile(
     engine: &Engine,
     cache: &CacheDir,
@@ -60,6 +65,7 @@ pub fn load_or_compile(
     wasm_sha256: &str,
     compile_estimate: Duration,
     progress: &dyn Progress,
+    prepare: Prepare<'_>,
 ) -> Result<Module, ModuleError> {
     let path = cwasm_path(engine, cache, name, wasm_sha256);
     if path.is_file() {
@@ -85,10 +91,10 @@ pub fn load_or_compile(
             engine,
             name,
             wasm_path,
-            wasm_sha256,
             &path,
             compile_estimate,
             progress,
+            prepare,
         )?;
     }
     load(engine, &path).map_err(|detail| ModuleError::Corrupt {
@@ -109,21 +115,20 @@ fn compile_to(
     engine: &Engine,
     name: &str,
     wasm_path: &Path,
-    wasm_sha256: &str,
     out: &Path,
     estimate: Duration,
     progress: &dyn Progress,
+    prepare: Prepare<'_>,
 ) -> Result<(), ModuleError> {
     progress.step(
         &format!("compiling the {name} runtime to native code (once)"),
         Some(estimate),
     );
     let wasm = std::fs::read(wasm_path).map_err(|e| SetupError::io("read", wasm_path, e))?;
-    let wasm =
-        crate::qjs_exports::prepare(wasm_sha256, wasm).map_err(|e| ModuleError::Compile {
-            name: name.to_owned(),
-            detail: e.to_string(),
-        })?;
+    let wasm = prepare(wasm).map_err(|e| ModuleError::Compile {
+        name: name.to_owned(),
+        detail: e.to_string(),
+    })?;
     let compiled = engine
         .precompile_module(&wasm)
         .map_err(|e| ModuleError::Compile {

@@ -94,6 +94,9 @@ pub enum ExecError {
     /// A turn asked for an instruction budget (fuel) in a session that cannot count it.
     #[error("this session cannot count an instruction budget (fuel): {why}")]
     FuelUnavailable { why: &'static str },
+    /// The session cannot be forked.
+    #[error("this session cannot be forked: {why}")]
+    CannotFork { why: &'static str },
 }
 
 /// The most source code one execution accepts: 16 MiB.
@@ -121,8 +124,8 @@ struct Ticker {
 }
 
 impl Ticker {
-    /// Ticks `engine`, and the fuel engine once there is one.
-    fn start(engine: Engine, fuel: Arc<OnceLock<Engine>>) -> Ticker {
+    /// Ticks `engine`, and each of `later` once it is made (the fuel and warm engines).
+    fn start(engine: Engine, later: Vec<Arc<OnceLock<Engine>>>) -> Ticker {
         let stop = Arc::new(AtomicBool::new(false));
         let contended = Arc::new(AtomicBool::new(false));
         let (flag, busy) = (stop.clone(), contended.clone());
@@ -136,8 +139,8 @@ impl Ticker {
                         EPOCH_TICK
                     });
                     engine.increment_epoch();
-                    if let Some(fuel) = fuel.get() {
-                        fuel.increment_epoch();
+                    for other in later.iter().filter_map(|e| e.get()) {
+                        other.increment_epoch();
                     }
                 }
             })
@@ -215,6 +218,10 @@ struct Inner {
     fuel: OnceLock<Variant>,
     /// Its wasmtime engine, for the epoch thread.
     fuel_engine: Arc<OnceLock<Engine>>,
+    /// The engine of guests started from a memory image, made on first use.
+    warm: OnceLock<crate::warm::WarmVariant>,
+    /// Its wasmtime engine, for the epoch thread.
+    warm_engine: Arc<OnceLock<Engine>>,
     options: EngineOptions,
     tmp_root: TmpRoot,
     cache: CacheDir,
@@ -316,12 +323,18 @@ impl WasmEngine {
     ) -> Result<WasmEngine, EngineError> {
         let plain = Variant::new(options, false)?;
         let fuel_engine = Arc::new(OnceLock::new());
+        let warm_engine = Arc::new(OnceLock::new());
         Ok(WasmEngine {
             inner: Arc::new(Inner {
-                _ticker: Ticker::start(plain.engine.clone(), fuel_engine.clone()),
+                _ticker: Ticker::start(
+                    plain.engine.clone(),
+                    vec![fuel_engine.clone(), warm_engine.clone()],
+                ),
                 plain,
                 fuel: OnceLock::new(),
                 fuel_engine,
+                warm: OnceLock::new(),
+                warm_engine,
                 options: options.clone(),
                 tmp_root: TmpRoot::new().map_err(|e| EngineError::Tmp(e.to_string()))?,
                 cache,
@@ -343,6 +356,23 @@ impl WasmEngine {
         let variant = self.inner.fuel.get_or_init(|| variant);
         let _ = self.inner.fuel_engine.set(variant.engine.clone());
         Ok(variant)
+    }
+
+    /// The engine of guests started from a memory image (warm starts, forks), made on
+    /// first use.
+    pub(crate) fn warm_variant(&self) -> Result<&crate::warm::WarmVariant, EngineError> {
+        if let Some(variant) = self.inner.warm.get() {
+            return Ok(variant);
+        }
+        let variant = crate::warm::WarmVariant::new(self.inner.options.max_instances)?;
+        let variant = self.inner.warm.get_or_init(|| variant);
+        let _ = self.inner.warm_engine.set(variant.engine.clone());
+        Ok(variant)
+    }
+
+    /// The engine of guests without an instruction budget (where a warm-up runs).
+    pub(crate) fn plain_engine(&self) -> &Engine {
+        &self.inner.plain.engine
     }
 
     /// The cache this engine uses.
@@ -404,12 +434,12 @@ impl WasmEngine {
         Ok(cache.is_installed(spec) && path.is_file())
     }
 
-    fn linker(
+    pub(crate) fn linker(
         &self,
-        variant: &Variant,
+        engine: &Engine,
         language: Language,
     ) -> Result<Linker<GuestState>, EngineError> {
-        let mut linker = Linker::new(&variant.engine);
+        let mut linker = Linker::new(engine);
         add_to_linker(&mut linker).map_err(|e| self.link_error(language, e))?;
         if language == Language::Python {
             add_door(&mut linker).map_err(|e| self.link_error(language, e))?;
@@ -417,7 +447,7 @@ impl WasmEngine {
         Ok(linker)
     }
 
-    fn link_error(&self, language: Language, error: wasmtime::Error) -> EngineError {
+    pub(crate) fn link_error(&self, language: Language, error: wasmtime::Error) -> EngineError {
         EngineError::Link {
             language,
             detail: format!("{error:#}"),
@@ -433,22 +463,44 @@ impl WasmEngine {
         estimate: Duration,
         progress: &dyn Progress,
     ) -> Result<wasmtime::Module, EngineError> {
-        let cache = &self.inner.cache;
-        cache.ensure_runtime(spec, progress)?;
         // Code that counts fuel is larger and takes longer to compile.
         let estimate = if variant.fuel {
             estimate * 3 / 2
         } else {
             estimate
         };
-        Ok(load_or_compile(
+        let sha256 = spec.files[0].sha256;
+        self.compiled(
             &variant.engine,
-            cache,
+            spec,
             &variant.module_name(language.name()),
+            estimate,
+            progress,
+            &|wasm| crate::qjs_exports::prepare(sha256, wasm),
+        )
+    }
+
+    /// `spec`'s module compiled for `engine` under `name`, fetching the runtime if missing.
+    pub(crate) fn compiled(
+        &self,
+        engine: &Engine,
+        spec: &RuntimeSpec,
+        name: &str,
+        estimate: Duration,
+        progress: &dyn Progress,
+        prepare: crate::cache::Prepare<'_>,
+    ) -> Result<wasmtime::Module, EngineError> {
+        let cache = &self.inner.cache;
+        cache.ensure_runtime(spec, progress)?;
+        Ok(load_or_compile(
+            engine,
+            cache,
+            name,
             &cache.wasm_path(spec),
             spec.files[0].sha256,
             estimate,
             progress,
+            prepare,
         )?)
     }
 
@@ -466,7 +518,7 @@ impl WasmEngine {
         let started = std::time::Instant::now();
         let estimate = Duration::from_secs(60);
         let module = self.module(variant, &PYTHON, Language::Python, estimate, progress)?;
-        let linker = self.linker(variant, Language::Python)?;
+        let linker = self.linker(&variant.engine, Language::Python)?;
         let pre = linker
             .instantiate_pre(&module)
             .map_err(|e| self.link_error(Language::Python, e))?;
@@ -502,7 +554,7 @@ impl WasmEngine {
             estimate,
             progress,
         )?;
-        let linker = self.linker(variant, Language::JavaScript)?;
+        let linker = self.linker(&variant.engine, Language::JavaScript)?;
         let pre = linker
             .instantiate_pre(&module)
             .map_err(|e| self.link_error(Language::JavaScript, e))?;
@@ -535,11 +587,20 @@ impl WasmEngine {
         let fuel = request.limits.fuel.is_some();
         let mut result = match request.language {
             Language::Python => {
-                let runtime = self.python(&Quiet, fuel)?;
-                let mut guest = python::PythonGuest::open(self, &runtime, request, false).await?;
-                let result = guest.turn(&request.code, &request.limits, listener).await?;
-                guest.learn_hot_pages(&runtime);
-                result
+                if let Some(origin) = self.warm_origin(request.template.as_deref(), fuel).await? {
+                    let runtime = self.warm_python(&Quiet)?;
+                    let mut guest =
+                        python::PythonGuest::open(self, &runtime, request, false, origin).await?;
+                    guest.turn(&request.code, &request.limits, listener).await?
+                } else {
+                    let runtime = self.python(&Quiet, fuel)?;
+                    let origin = python::Origin::Fresh;
+                    let mut guest =
+                        python::PythonGuest::open(self, &runtime, request, false, origin).await?;
+                    let result = guest.turn(&request.code, &request.limits, listener).await?;
+                    guest.learn_hot_pages(&runtime);
+                    result
+                }
             }
             Language::JavaScript => {
                 let runtime = self.javascript(&Quiet, fuel)?;
@@ -551,6 +612,27 @@ impl WasmEngine {
         };
         result.duration_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         Ok(result)
+    }
+}
+
+impl WasmEngine {
+    /// Where a Python guest of `template` starts: its warm image when the template has a
+    /// warm-up, else `None` (a fresh interpreter). A warm template counts no fuel.
+    pub(crate) async fn warm_origin(
+        &self,
+        template: Option<&str>,
+        fuel: bool,
+    ) -> Result<Option<python::Origin>, ExecError> {
+        let Some(warm_up) = template.and_then(crate::warm::warm_up_of) else {
+            return Ok(None);
+        };
+        if fuel {
+            return Err(ExecError::FuelUnavailable {
+                why: "a warm template (python-data) counts no instruction budget; use the python template for a run with fuel",
+            });
+        }
+        let (image, _) = self.warm_image(warm_up, &Quiet).await?;
+        Ok(Some(python::Origin::Image(image)))
     }
 }
 

@@ -228,6 +228,21 @@ pub enum GrantError {
     BadEnv { name: String },
 }
 
+/// A guest's monotonic clock: nanoseconds since its origin. A guest started from an image
+/// or forked gets an origin in the past, so its clock goes on from where its image's or
+/// parent's was, never backwards.
+pub(crate) struct GuestClock(pub Instant);
+
+impl wasmtime_wasi::HostMonotonicClock for GuestClock {
+    fn resolution(&self) -> u64 {
+        1
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
 /// Builds the WASI context: only the given preopens and environment, no network, no
 /// inherited anything.
 pub(crate) fn wasi_context(
@@ -237,9 +252,11 @@ pub(crate) fn wasi_context(
     stdio: &Stdio,
     stdin: Box<dyn wasmtime_wasi::cli::StdinStream>,
     args: &[&str],
+    clock: GuestClock,
 ) -> Result<WasiP1Ctx, GrantError> {
     let mut builder = WasiCtxBuilder::new();
     builder
+        .monotonic_clock(clock)
         .args(args)
         .stdout(stdio.stdout.clone())
         .stderr(stdio.stderr.clone())

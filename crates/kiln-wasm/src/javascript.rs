@@ -55,7 +55,8 @@ async fn prepare(
         writable: false,
     });
     push_grants(request, &mut preopens);
-    let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["qjs"])?;
+    let clock = crate::guest::GuestClock(std::time::Instant::now());
+    let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["qjs"], clock)?;
     let mut store = new_store(runtime.pre.module().engine(), wasi, &request.limits)
         .map_err(|e| instantiate_error(Language::JavaScript, e))?;
     let instance = runtime

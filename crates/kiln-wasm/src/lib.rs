@@ -30,6 +30,7 @@ mod qjs_exports;
 mod quota;
 mod session;
 pub mod setup;
+mod warm;
 
 pub use backend::templates;
 pub use cache::{ModuleError, WASMTIME_VERSION, cwasm_path};
@@ -41,3 +42,4 @@ pub use guest::{Door, DoorFuture, GrantError, MAX_DOOR_FRAME_BYTES};
 pub use output::{OutputChunk, StreamKind};
 pub use session::{Session, SessionOptions};
 pub use setup::{CacheDir, Progress, Quiet, SetupError};
+pub use warm::{PYTHON_DATA, PYTHON_DATA_WARM_UP, warm_up_of};

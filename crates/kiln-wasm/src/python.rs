@@ -5,7 +5,8 @@
 //! usable) or ≥ 256 (`exit()` was called: the session ends). After any trap the store is
 //! dropped.
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kiln_core::{ExecRequest, ExecResult, Language, Limits};
 use tokio::sync::mpsc;
@@ -18,6 +19,7 @@ use crate::guest::{
     finish, new_store, push_grants, wasi_context,
 };
 use crate::output::OutputChunk;
+use crate::warm::{Image, Slot};
 
 /// Where the stdlib zip's folder appears in the guest.
 const LIB_GUEST: &str = "/usr/local/lib";
@@ -112,6 +114,48 @@ struct Exports {
     turn: TypedFunc<(i32, i32), i32>,
 }
 
+/// Where a new guest's memory comes from.
+pub(crate) enum Origin {
+    /// The module's own data: a fresh interpreter.
+    Fresh,
+    /// A template's warm image (its warm-up already ran).
+    Image(Arc<Image>),
+    /// A live guest's state between turns: a fork of it.
+    Fork(ForkState),
+}
+
+/// What a fork takes of its parent ([`PythonGuest::fork_state`]): the image its memory is
+/// mapped from, the pages the parent changed since, and kiln's own state of the guest.
+pub(crate) struct ForkState {
+    image: Arc<Image>,
+    len: usize,
+    pages: Vec<(usize, Vec<u8>)>,
+    clock_origin: Instant,
+    turns: u64,
+    line_buffered: bool,
+    armed: bool,
+}
+
+/// Run first in a guest started from an image or forked: the environment becomes the new
+/// guest's own, `random` and `numpy.random` are reseeded from the host's entropy (forks of
+/// one image would otherwise draw the same numbers), and `tempfile` picks new names.
+/// `{ENV}` is a JSON object, which is also a Python dict literal.
+const REBIRTH: &str = r#"
+def _kiln_reborn(env):
+    import os, sys
+    os.environ.clear()
+    os.environ.update(env)
+    for name in ("random", "numpy.random"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.seed()
+    module = sys.modules.get("tempfile")
+    if module is not None:
+        module._name_sequence = None
+_kiln_reborn({ENV})
+del _kiln_reborn
+"#;
+
 /// A live Python instance.
 pub(crate) struct PythonGuest {
     store: Store<GuestState>,
@@ -130,18 +174,39 @@ pub(crate) struct PythonGuest {
     /// The instruction budget of a turn whose limits name none, when the guest runs on the
     /// fuel engine (it was opened with a budget); `None`: it counts no fuel.
     fuel: Option<u64>,
+    /// The image the guest's memory is mapped from, copy-on-write (warm starts and forks).
+    image: Option<Arc<Image>>,
+    /// Where the guest's monotonic clock reads zero: a fork keeps its parent's, so the
+    /// clock never goes backwards across a fork.
+    clock_origin: Instant,
+    /// The warm engine's slot the guest holds, if it runs there.
+    _slot: Option<Slot>,
 }
 
 impl PythonGuest {
     /// Instantiates the snapshot with the request's grants (its code is not run). With
     /// `echo` (sessions), a final expression's value is printed as in a REPL; without
-    /// (one-shots), as in `python -c`, and the instance's hot pages are populated up front.
+    /// (one-shots), as in `python -c`, and a fresh instance's hot pages are populated up
+    /// front. A guest started from an image or forked (`origin`) must be opened with the
+    /// warm engine's runtime ([`WasmEngine::warm_python`]).
     pub async fn open(
         engine: &WasmEngine,
         runtime: &PythonRuntime,
         request: &ExecRequest,
         echo: bool,
+        origin: Origin,
     ) -> Result<PythonGuest, ExecError> {
+        let slot = match origin {
+            Origin::Fresh => None,
+            _ => Some(engine.warm_variant()?.take_slot()?),
+        };
+        let clock_origin = match &origin {
+            Origin::Fresh => Instant::now(),
+            Origin::Image(image) => Instant::now()
+                .checked_sub(Duration::from_nanos(image.clock_ns()))
+                .unwrap_or_else(Instant::now),
+            Origin::Fork(state) => state.clock_origin,
+        };
         let tmp = engine.private_tmp().map_err(ExecError::Tmp)?;
         let stdio = Stdio::new(&request.limits);
         stdio.stderr.set_reword(SITE_HINT, PACKAGES_HINT);
@@ -164,7 +229,16 @@ impl PythonGuest {
         ];
         push_grants(request, &mut preopens);
         let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
-        let wasi = wasi_context(&preopens, BASE_ENV, request, &stdio, stdin, &["python"])?;
+        let clock = crate::guest::GuestClock(clock_origin);
+        let wasi = wasi_context(
+            &preopens,
+            BASE_ENV,
+            request,
+            &stdio,
+            stdin,
+            &["python"],
+            clock,
+        )?;
         let mut store = new_store(runtime.pre.module().engine(), wasi, &request.limits)
             .map_err(|e| instantiate_error(Language::Python, e))?;
         store.data_mut().displays = Some(stdio.displays.clone());
@@ -184,7 +258,7 @@ impl PythonGuest {
                 .get_typed_func(&mut store, "turn")
                 .map_err(|e| instantiate_error(Language::Python, &e))?,
         };
-        if !echo {
+        if !echo && matches!(origin, Origin::Fresh) {
             // One-shots start hot; sessions stay lean (populating costs private memory).
             runtime.hot_pages.populate(
                 exports.memory.data_ptr(&store),
@@ -197,18 +271,147 @@ impl PythonGuest {
             stdio,
             _tmp: tmp,
             ended: None,
-            echo: true,
+            echo,
             turns: 0,
             line_buffered: false,
             fuel: request.limits.fuel,
+            image: None,
+            clock_origin,
+            _slot: slot,
         };
-        guest.echo = echo;
+        if !matches!(origin, Origin::Fresh) {
+            guest.adopt(origin, &instance, request).await?;
+        }
         if request.workspace.is_some() {
             let at = request.workspace_guest();
             let setup = format!("import os as _k; _k.chdir({at:?}); del _k");
             guest.setup_turn(&setup, &request.limits, at).await?;
         }
         Ok(guest)
+    }
+
+    /// Gives a new guest the memory of `origin` (an image, or a parent's image and changed
+    /// pages, with kiln's state of it), then makes it its own: the preopened folders asked
+    /// anew, the environment, seeds and temporary names renewed ([`REBIRTH`]).
+    async fn adopt(
+        &mut self,
+        origin: Origin,
+        instance: &wasmtime::Instance,
+        request: &ExecRequest,
+    ) -> Result<(), ExecError> {
+        let fail = |e: &dyn std::fmt::Display| instantiate_error(Language::Python, e);
+        let image = match origin {
+            Origin::Fresh => return Ok(()),
+            Origin::Image(image) => {
+                self.grow_to(image.len())?;
+                // SAFETY: the guest's memory, grown to the image's size, between calls.
+                unsafe { image.map_over(self.memory_base()) }.map_err(|e| fail(&e))?;
+                image
+            }
+            Origin::Fork(state) => {
+                self.grow_to(state.len)?;
+                let base = self.memory_base();
+                // SAFETY: as above.
+                unsafe { state.image.map_over(base) }.map_err(|e| fail(&e))?;
+                let memory = self.exports.memory.data_mut(&mut self.store);
+                for (at, page) in &state.pages {
+                    memory[*at..*at + page.len()].copy_from_slice(page);
+                }
+                self.turns = state.turns;
+                self.line_buffered = state.line_buffered;
+                if state.armed {
+                    self.stdio.displays.arm();
+                }
+                state.image
+            }
+        };
+        self.image = Some(image);
+        let reset: TypedFunc<(), ()> = instance
+            .get_typed_func(&mut self.store, crate::warm::RESET_PREOPENS)
+            .map_err(|e| fail(&e))?;
+        reset
+            .call_async(&mut self.store, ())
+            .await
+            .map_err(|e| fail(&e))?;
+        let mut env = serde_json::Map::new();
+        for (name, value) in BASE_ENV {
+            env.insert((*name).into(), (*value).into());
+        }
+        for (name, value) in &request.env {
+            env.insert(name.clone(), value.clone().into());
+        }
+        let env = serde_json::Value::Object(env).to_string();
+        let rebirth = REBIRTH.replace("{ENV}", &env);
+        self.setup_turn(&rebirth, &request.limits, "the warm start")
+            .await
+    }
+
+    /// What a fork of this guest starts from: the image its memory is mapped from and the
+    /// pages it changed since (a guest started from no image is captured whole into a new
+    /// image), with kiln's state of the guest.
+    pub fn fork_state(&self) -> Result<ForkState, ExecError> {
+        let fail = |e: std::io::Error| instantiate_error(Language::Python, format!("forking: {e}"));
+        let memory = self.memory();
+        let (image, pages) = match &self.image {
+            None => {
+                let image = Image::from_memory(memory, self.clock_ns()).map_err(fail)?;
+                (Arc::new(image), Vec::new())
+            }
+            Some(image) => {
+                let runs =
+                    crate::warm::private_pages(memory.as_ptr(), memory.len()).map_err(fail)?;
+                let pages = runs
+                    .into_iter()
+                    .map(|run| (run.start, memory[run].to_vec()))
+                    .collect();
+                (image.clone(), pages)
+            }
+        };
+        Ok(ForkState {
+            image,
+            len: memory.len(),
+            pages,
+            clock_origin: self.clock_origin,
+            turns: self.turns,
+            line_buffered: self.line_buffered,
+            armed: self.stdio.displays.armed(),
+        })
+    }
+
+    /// Grows the guest's memory to `len` bytes (whole wasm pages), within its cap.
+    fn grow_to(&mut self, len: usize) -> Result<(), ExecError> {
+        let size = self.exports.memory.data_size(&self.store);
+        if len <= size {
+            return Ok(());
+        }
+        let pages = ((len - size) / 65536) as u64;
+        self.exports
+            .memory
+            .grow(&mut self.store, pages)
+            .map_err(|_| ExecError::MemoryTooSmall {
+                language: Language::Python,
+                min_mib: (len as u64).div_ceil(1 << 20) + 64,
+            })?;
+        Ok(())
+    }
+
+    /// Whether the guest runs on the fuel engine.
+    pub fn counts_fuel(&self) -> bool {
+        self.fuel.is_some()
+    }
+
+    fn memory_base(&self) -> *mut u8 {
+        self.exports.memory.data_ptr(&self.store)
+    }
+
+    /// The guest's memory as it is between turns.
+    pub fn memory(&self) -> &[u8] {
+        self.exports.memory.data(&self.store)
+    }
+
+    /// The guest's monotonic clock now, in nanoseconds.
+    pub fn clock_ns(&self) -> u64 {
+        u64::try_from(self.clock_origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// Lets the runtime learn which pages a first turn touches, if it has not yet.

@@ -18,11 +18,14 @@ use crate::setup::JAVASCRIPT;
 
 /// A value type in a function signature.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ValType {
+pub(crate) enum ValType {
     I32,
     I64,
     F32,
     F64,
+    /// `v128` or a single-byte reference type (`funcref`, `externref`, `exnref`): never in
+    /// a signature kiln exports, but present in modules it patches.
+    Other,
 }
 
 impl ValType {
@@ -32,19 +35,20 @@ impl ValType {
             0x7e => ValType::I64,
             0x7d => ValType::F32,
             0x7c => ValType::F64,
+            0x7b | 0x70 | 0x6f | 0x69 => ValType::Other,
             _ => return None,
         })
     }
 }
 
 /// An internal function kiln exports, and the signature it must have.
-struct Export {
+pub(crate) struct Export {
     /// The export's name.
-    name: &'static str,
+    pub name: &'static str,
     /// The function's name in the `name` section.
-    function: &'static str,
-    params: &'static [ValType],
-    results: &'static [ValType],
+    pub function: &'static str,
+    pub params: &'static [ValType],
+    pub results: &'static [ValType],
 }
 
 use ValType::{I32, I64};
@@ -146,11 +150,11 @@ pub enum PatchError {
     )]
     NotPinned { expected: String, actual: String },
     /// The module could not be read as WebAssembly.
-    #[error("the QuickJS runtime is not a WebAssembly module kiln can read: {0}")]
+    #[error("the runtime is not a WebAssembly module kiln can read: {0}")]
     Malformed(&'static str),
     /// A function kiln exports is missing or has another signature.
     #[error(
-        "the QuickJS runtime has no function `{function}` with the signature kiln exports as `{export}` ({found})"
+        "the runtime has no function `{function}` with the signature kiln exports as `{export}` ({found})"
     )]
     Missing {
         function: &'static str,
@@ -194,7 +198,7 @@ pub(crate) fn prepare(wasm_sha256: &str, wasm: Vec<u8>) -> Result<Vec<u8>, Patch
 }
 
 /// A cursor over a module's bytes.
-struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     bytes: &'a [u8],
     at: usize,
 }
@@ -202,21 +206,25 @@ struct Reader<'a> {
 const TRUNCATED: PatchError = PatchError::Malformed("truncated");
 
 impl<'a> Reader<'a> {
-    fn new(bytes: &'a [u8]) -> Reader<'a> {
+    pub(crate) fn new(bytes: &'a [u8]) -> Reader<'a> {
         Reader { bytes, at: 0 }
     }
 
-    fn done(&self) -> bool {
+    pub(crate) fn at(&self) -> usize {
+        self.at
+    }
+
+    pub(crate) fn done(&self) -> bool {
         self.at >= self.bytes.len()
     }
 
-    fn byte(&mut self) -> Result<u8, PatchError> {
+    pub(crate) fn byte(&mut self) -> Result<u8, PatchError> {
         let byte = *self.bytes.get(self.at).ok_or(TRUNCATED)?;
         self.at += 1;
         Ok(byte)
     }
 
-    fn u32(&mut self) -> Result<u32, PatchError> {
+    pub(crate) fn u32(&mut self) -> Result<u32, PatchError> {
         let mut value: u64 = 0;
         for shift in (0..35).step_by(7) {
             let byte = self.byte()?;
@@ -229,7 +237,7 @@ impl<'a> Reader<'a> {
         Err(PatchError::Malformed("a LEB128 over 5 bytes"))
     }
 
-    fn take(&mut self, len: usize) -> Result<&'a [u8], PatchError> {
+    pub(crate) fn take(&mut self, len: usize) -> Result<&'a [u8], PatchError> {
         let end = self.at.checked_add(len).ok_or(TRUNCATED)?;
         let slice = self.bytes.get(self.at..end).ok_or(TRUNCATED)?;
         self.at = end;
@@ -242,7 +250,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn write_u32(out: &mut Vec<u8>, mut value: u32) {
+pub(crate) fn write_u32(out: &mut Vec<u8>, mut value: u32) {
     loop {
         let byte = (value & 0x7f) as u8;
         value >>= 7;
@@ -277,7 +285,7 @@ struct Layout<'a> {
 }
 
 /// The module with `exports` added to its export section.
-fn add_exports(wasm: &[u8], exports: &[Export]) -> Result<Vec<u8>, PatchError> {
+pub(crate) fn add_exports(wasm: &[u8], exports: &[Export]) -> Result<Vec<u8>, PatchError> {
     let layout = read_layout(wasm)?;
     let (count, entries) = layout
         .exports
@@ -511,7 +519,7 @@ mod tests {
         let err = add_exports(&renamed, EVAL_ONLY).err().ok_or(TRUNCATED)?;
         assert_eq!(
             err.to_string(),
-            "the QuickJS runtime has no function `eval_buf` with the signature kiln exports as `kiln_eval` (no such name)"
+            "the runtime has no function `eval_buf` with the signature kiln exports as `kiln_eval` (no such name)"
         );
         let mut retyped = module();
         // Function 2's type index: 0 (`() -> ()`).
@@ -530,7 +538,7 @@ mod tests {
             .ok_or(TRUNCATED)?;
         assert_eq!(
             twice.to_string(),
-            "the QuickJS runtime is not a WebAssembly module kiln can read: it already exports a name kiln adds"
+            "the runtime is not a WebAssembly module kiln can read: it already exports a name kiln adds"
         );
         Ok(())
     }

@@ -9,7 +9,7 @@ use crate::engine::{ExecError, WasmEngine, check_code, check_request};
 use crate::guest::Door;
 use crate::javascript::JsSession;
 use crate::output::OutputChunk;
-use crate::python::PythonGuest;
+use crate::python::{Origin, PythonGuest};
 use crate::setup::Quiet;
 
 /// What a session may touch. The memory cap in `limits` holds for the session's whole life;
@@ -30,6 +30,8 @@ pub struct SessionOptions {
     pub mounts: Vec<Mount>,
     /// Limits (see above).
     pub limits: Limits,
+    /// The template (`python-data` starts from its warm image); `None`: the language's own.
+    pub template: Option<String>,
 }
 
 enum Guest {
@@ -107,6 +109,64 @@ impl Session {
     }
 }
 
+impl Session {
+    /// A new session with this one's state: its variables, imports and definitions, in a
+    /// guest of its own (`options` grant its folders, environment and limits; its memory
+    /// starts as this session's, copy-on-write, so a write in either is unseen by the
+    /// other). Random generators are reseeded and the environment is the new one's; the
+    /// monotonic clock goes on from this session's. Open files are not carried over, nor
+    /// `/tmp`: the fork gets an empty one. Python only, and not a session counting fuel.
+    pub async fn fork(
+        &self,
+        engine: &WasmEngine,
+        options: &SessionOptions,
+    ) -> Result<Session, ExecError> {
+        let Guest::Python(parent) = &self.guest else {
+            return Err(ExecError::CannotFork {
+                why: "only Python sessions can be forked",
+            });
+        };
+        if let Some(reason) = &parent.ended {
+            return Err(ExecError::SessionEnded {
+                reason: reason.clone(),
+            });
+        }
+        if parent.counts_fuel() || options.limits.fuel.is_some() {
+            return Err(ExecError::CannotFork {
+                why: "a session that counts an instruction budget (fuel) cannot be forked",
+            });
+        }
+        let request = options.request(Language::Python);
+        check_request(&request)?;
+        let runtime = engine.warm_python(&Quiet)?;
+        let origin = Origin::Fork(parent.fork_state()?);
+        let guest = PythonGuest::open(engine, &runtime, &request, true, origin).await?;
+        Ok(Session {
+            language: Language::Python,
+            guest: Guest::Python(guest),
+        })
+    }
+}
+
+impl SessionOptions {
+    fn request(&self, language: Language) -> ExecRequest {
+        ExecRequest {
+            language,
+            code: String::new(),
+            stdin: Vec::new(),
+            env: self.env.clone(),
+            workspace: self.workspace.clone(),
+            workspace_at: self.workspace_at.clone(),
+            mounts: self.mounts.clone(),
+            limits: self.limits.clone(),
+            template: self.template.clone(),
+            command: None,
+            network: kiln_core::Network::None,
+            resources: None,
+        }
+    }
+}
+
 impl WasmEngine {
     /// Opens a session: a live guest waiting for its first turn.
     pub async fn open_session(
@@ -114,26 +174,17 @@ impl WasmEngine {
         language: Language,
         options: &SessionOptions,
     ) -> Result<Session, ExecError> {
-        let request = ExecRequest {
-            language,
-            code: String::new(),
-            stdin: Vec::new(),
-            env: options.env.clone(),
-            workspace: options.workspace.clone(),
-            workspace_at: options.workspace_at.clone(),
-            mounts: options.mounts.clone(),
-            limits: options.limits.clone(),
-            template: None,
-            command: None,
-            network: kiln_core::Network::None,
-            resources: None,
-        };
+        let request = options.request(language);
         check_request(&request)?;
         let fuel = options.limits.fuel.is_some();
         let guest = match language {
             Language::Python => {
-                let runtime = self.python(&Quiet, fuel)?;
-                Guest::Python(PythonGuest::open(self, &runtime, &request, true).await?)
+                let warm = self.warm_origin(options.template.as_deref(), fuel).await?;
+                let (runtime, origin) = match warm {
+                    Some(origin) => (self.warm_python(&Quiet)?, origin),
+                    None => (self.python(&Quiet, fuel)?, Origin::Fresh),
+                };
+                Guest::Python(PythonGuest::open(self, &runtime, &request, true, origin).await?)
             }
             Language::JavaScript if fuel => {
                 return Err(ExecError::FuelUnavailable {

@@ -1,0 +1,620 @@
+//! Warm starts and forks: Python guests that start from a memory image instead of the
+//! module's own data.
+//!
+//! A guest's whole state between turns is its linear memory (bytes and size): the only
+//! mutable global, the stack pointer, is back at its initial value after every turn, and
+//! tables never change. So a guest can start from any memory kiln captured between turns:
+//! the memory after a template's warm-up (`python-data`: numpy, pandas, scipy and matplotlib
+//! imported), or a live session's memory (a fork).
+//!
+//! How: such guests run in an engine of their own (on-demand allocation) from a copy of the
+//! Python module whose active data segments are empty, so instantiating writes nothing into
+//! memory. kiln then grows the memory to the image's size and maps the image over it
+//! `MAP_PRIVATE`: pages are shared with every other guest started from the same image until
+//! one writes them (copy-on-write), so starting costs a `mmap`, and a guest's private memory
+//! is only what it changed. The image is a file: on disk in kiln's cache for templates (the
+//! page cache shares it between processes), or a `memfd` for a fork of a guest that did not
+//! start from one.
+//!
+//! The image file is a header page (`KILNIMG1`, the memory's length, the guest's monotonic
+//! clock when captured) followed by the memory, with pages of zeros left as holes.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read};
+use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kiln_core::{ExecRequest, Language, Limits};
+use sha2::{Digest, Sha256};
+use wasmtime::{Config, Engine};
+
+use crate::engine::{EngineError, ExecError, PythonRuntime, WasmEngine, instantiate_error};
+use crate::python::{Origin, PythonGuest};
+use crate::qjs_exports::{Export, PatchError, Reader, add_exports, write_u32};
+use crate::setup::{PYTHON, Progress};
+
+/// The `python-data` template's warm-up: the data stack imported once, at setup.
+pub const PYTHON_DATA_WARM_UP: &str =
+    "import numpy, pandas, scipy, matplotlib\nimport matplotlib.pyplot\n";
+
+/// The template whose sandboxes start warm, and its warm-up.
+pub const PYTHON_DATA: &str = "python-data";
+
+/// The warm-up code of a template that has one.
+pub fn warm_up_of(template: &str) -> Option<&'static str> {
+    (template == PYTHON_DATA).then_some(PYTHON_DATA_WARM_UP)
+}
+
+/// The engine of guests started from an image: on-demand allocation (each guest's memory
+/// is its own mapping, which kiln maps the image over), otherwise as the default engine.
+pub(crate) struct WarmVariant {
+    pub engine: Engine,
+    python: Mutex<Option<Arc<PythonRuntime>>>,
+    /// Template images loaded in this process, by file.
+    images: tokio::sync::Mutex<HashMap<PathBuf, Arc<Image>>>,
+    live: Arc<AtomicU32>,
+    slots: u32,
+}
+
+/// A guest's place in the warm engine, given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Slot(Arc<AtomicU32>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl WarmVariant {
+    pub fn new(max_instances: u32) -> Result<WarmVariant, EngineError> {
+        let engine =
+            Engine::new(&warm_config()).map_err(|e| EngineError::Config(format!("{e:#}")))?;
+        Ok(WarmVariant {
+            engine,
+            python: Mutex::new(None),
+            images: Default::default(),
+            live: Arc::new(AtomicU32::new(0)),
+            slots: max_instances.max(1),
+        })
+    }
+
+    /// A slot for one more guest, or `Busy` when all are taken.
+    pub fn take_slot(&self) -> Result<Slot, ExecError> {
+        let taken = self.live.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(self.live.clone());
+        if taken >= self.slots {
+            return Err(ExecError::Busy { limit: self.slots });
+        }
+        Ok(slot)
+    }
+}
+
+/// The warm engine's configuration: the default engine's, with on-demand allocation and a
+/// memory that never moves (an image stays mapped where it was put).
+fn warm_config() -> Config {
+    let mut config = Config::new();
+    config
+        .wasm_exceptions(true)
+        .max_wasm_stack(crate::engine::MAX_WASM_STACK)
+        .async_stack_size(crate::engine::MAX_WASM_STACK + (1 << 20))
+        .epoch_interruption(true)
+        .cranelift_opt_level(wasmtime::OptLevel::Speed)
+        .memory_reservation(4 << 30)
+        .memory_may_move(false)
+        .allocation_strategy(wasmtime::InstanceAllocationStrategy::OnDemand);
+    config
+}
+
+impl WasmEngine {
+    /// The Python runtime of the warm engine: the module compiled with its data emptied
+    /// ([`strip`]), once, as `python-warm`.
+    pub(crate) fn warm_python(
+        &self,
+        progress: &dyn Progress,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
+        let variant = self.warm_variant()?;
+        let mut slot = variant.python.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(runtime) = slot.as_ref() {
+            return Ok(runtime.clone());
+        }
+        let name = format!("python-warm{STRIP_VERSION}");
+        let module = self.compiled(
+            &variant.engine,
+            &PYTHON,
+            &name,
+            Duration::from_secs(60),
+            progress,
+            &strip,
+        )?;
+        let linker = self.linker(&variant.engine, Language::Python)?;
+        let pre = linker
+            .instantiate_pre(&module)
+            .map_err(|e| self.link_error(Language::Python, e))?;
+        let runtime = Arc::new(PythonRuntime {
+            pre,
+            slots: variant.slots,
+            hot_pages: Default::default(),
+            lib_dir: self.cache().python_lib_dir(),
+            mpl_data_dir: self.cache().python_mpl_data_dir(),
+        });
+        *slot = Some(runtime.clone());
+        Ok(runtime)
+    }
+
+    /// Where the image of a template with this warm-up is cached: keyed by the runtime's
+    /// digest, the wasmtime version, both engines' configurations, kiln's image format and
+    /// the warm-up code, so a change to any of them builds a new image.
+    pub fn warm_image_path(&self, warm_up: &str) -> Result<PathBuf, EngineError> {
+        let warm = self.warm_variant()?;
+        let mut hasher = Sha256::new();
+        hasher.update(PYTHON.files[0].sha256);
+        hasher.update(crate::cache::WASMTIME_VERSION);
+        for engine in [self.plain_engine(), &warm.engine] {
+            let mut h = std::hash::DefaultHasher::new();
+            std::hash::Hash::hash(&engine.precompile_compatibility_hash(), &mut h);
+            hasher.update(std::hash::Hasher::finish(&h).to_le_bytes());
+        }
+        hasher.update(format!("strip{STRIP_VERSION} image1 "));
+        hasher.update(warm_up);
+        let key = hex::encode(hasher.finalize());
+        Ok(self
+            .cache()
+            .root()
+            .join("images")
+            .join(format!("python-{}.img", &key[..24])))
+    }
+
+    /// Makes ready the warm start of a template with `warm_up`: the warm engine's module
+    /// and the image, built (the warm-up run once in a fresh guest) if not cached. Answers
+    /// whether it built the image.
+    pub async fn prepare_warm(
+        &self,
+        warm_up: &str,
+        progress: &dyn Progress,
+    ) -> Result<bool, ExecError> {
+        self.warm_python(progress)?;
+        let path = self.warm_image_path(warm_up)?;
+        if self.warm_variant()?.images.lock().await.contains_key(&path) {
+            return Ok(false);
+        }
+        let (_, built) = self.warm_image(warm_up, progress).await?;
+        Ok(built)
+    }
+
+    /// The image of a template with `warm_up`: loaded once per process, built once per cache.
+    pub(crate) async fn warm_image(
+        &self,
+        warm_up: &str,
+        progress: &dyn Progress,
+    ) -> Result<(Arc<Image>, bool), ExecError> {
+        let path = self.warm_image_path(warm_up)?;
+        let mut images = self.warm_variant()?.images.lock().await;
+        if let Some(image) = images.get(&path) {
+            return Ok((image.clone(), false));
+        }
+        let fail = |what: &str, e: &dyn std::fmt::Display| {
+            instantiate_error(
+                Language::Python,
+                format!("{what} the warm image {}: {e}", path.display()),
+            )
+        };
+        let mut built = false;
+        let image = match Image::open(&path) {
+            Ok(image) => image,
+            Err(_) => {
+                let _lock = self.cache().lock().map_err(EngineError::from)?;
+                if Image::open(&path).is_err() {
+                    progress.step("warming the python-data template: importing numpy, pandas, scipy and matplotlib (once)", Some(Duration::from_secs(3)));
+                    let (memory, clock) = self.run_warm_up(warm_up).await?;
+                    Image::save(&memory, clock, &path).map_err(|e| fail("could not write", &e))?;
+                    progress.done("warmed the python-data template");
+                    built = true;
+                }
+                Image::open(&path).map_err(|e| fail("could not read", &e))?
+            }
+        };
+        let image = Arc::new(image);
+        images.insert(path, image.clone());
+        Ok((image, built))
+    }
+
+    /// Runs `warm_up` in a fresh guest and answers its memory and clock afterwards.
+    async fn run_warm_up(&self, warm_up: &str) -> Result<(Vec<u8>, u64), ExecError> {
+        let runtime = self.python(&crate::setup::Quiet, false)?;
+        let mut request = ExecRequest::new(Language::Python, "");
+        request.limits = Limits {
+            memory_bytes: 2 << 30,
+            timeout_ms: 600_000,
+            ..Limits::default()
+        };
+        let mut guest = PythonGuest::open(self, &runtime, &request, false, Origin::Fresh).await?;
+        let result = guest.turn(warm_up, &request.limits, None).await?;
+        if !result.success() {
+            return Err(instantiate_error(
+                Language::Python,
+                format!("the warm-up failed: {}", result.stderr_text().trim()),
+            ));
+        }
+        Ok((guest.memory().to_vec(), guest.clock_ns()))
+    }
+}
+
+/// The header page before the memory in an image file.
+const HEADER: usize = 4096;
+const MAGIC: &[u8; 8] = b"KILNIMG1";
+/// The host page size kiln assumes (and checks) for copy-on-write and dirty-page scans.
+const PAGE: usize = 4096;
+/// The largest memory an image holds: a wasm32 memory's 4 GiB.
+const MAX_LEN: u64 = 4 << 30;
+
+/// A captured memory, ready to map under new guests.
+#[derive(Debug)]
+pub(crate) struct Image {
+    file: File,
+    len: usize,
+    clock_ns: u64,
+}
+
+impl Image {
+    /// An image of `memory` held in an anonymous file (a fork's).
+    pub fn from_memory(memory: &[u8], clock_ns: u64) -> io::Result<Image> {
+        // SAFETY: a NUL-terminated name; the flags are valid.
+        let fd = unsafe { libc::memfd_create(c"kiln-image".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just created and is owned by nothing else.
+        let file = unsafe { File::from_raw_fd(fd) };
+        write_image(&file, memory, clock_ns)?;
+        Ok(Image {
+            file,
+            len: memory.len(),
+            clock_ns,
+        })
+    }
+
+    /// Writes an image of `memory` to `path` (through a temporary file beside it, renamed
+    /// into place, so a reader never sees half an image).
+    pub fn save(memory: &[u8], clock_ns: u64, path: &Path) -> io::Result<()> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir)?;
+        let tmp = tempfile::NamedTempFile::new_in(dir)?;
+        write_image(tmp.as_file(), memory, clock_ns)?;
+        tmp.as_file().sync_all()?;
+        tmp.persist(path).map_err(|e| e.error)?;
+        Ok(())
+    }
+
+    /// Opens an image file kiln saved; anything else is refused.
+    pub fn open(path: &Path) -> io::Result<Image> {
+        let mut file = File::open(path)?;
+        let mut header = [0u8; 24];
+        file.read_exact(&mut header)?;
+        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
+        if &header[..8] != MAGIC {
+            return Err(bad("not a kiln memory image"));
+        }
+        let len = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+        let clock_ns = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
+        if len == 0 || len > MAX_LEN || !len.is_multiple_of(65536) {
+            return Err(bad(
+                "the image's memory length is not a whole number of wasm pages",
+            ));
+        }
+        if file.metadata()?.len() < HEADER as u64 + len {
+            return Err(bad("the image is shorter than its header says"));
+        }
+        Ok(Image {
+            file,
+            len: len as usize,
+            clock_ns,
+        })
+    }
+
+    /// The memory's length in bytes (whole wasm pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The guest's monotonic clock when the image was captured, in nanoseconds.
+    pub fn clock_ns(&self) -> u64 {
+        self.clock_ns
+    }
+
+    /// Maps the image copy-on-write over the first [`Image::len`] bytes at `base`.
+    ///
+    /// # Safety
+    /// `base` must be page-aligned and start at least `len` bytes of memory that nothing
+    /// else borrows now, and that the caller owns (a guest's linear memory between calls,
+    /// already grown to `len`).
+    pub unsafe fn map_over(&self, base: *mut u8) -> io::Result<()> {
+        // SAFETY: per this function's contract; MAP_FIXED replaces the pages in place.
+        let at = unsafe {
+            libc::mmap(
+                base.cast(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_FIXED,
+                self.file.as_raw_fd(),
+                HEADER as libc::off_t,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        if at != base.cast() {
+            return Err(io::Error::other("the image was mapped at another address"));
+        }
+        Ok(())
+    }
+}
+
+/// Writes the header and every page of `memory` that is not all zeros.
+fn write_image(file: &File, memory: &[u8], clock_ns: u64) -> io::Result<()> {
+    let len = memory.len();
+    if len == 0 || len as u64 > MAX_LEN || !len.is_multiple_of(65536) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a memory image must be whole wasm pages",
+        ));
+    }
+    file.set_len((HEADER + len) as u64)?;
+    let mut header = vec![0u8; HEADER];
+    header[..8].copy_from_slice(MAGIC);
+    header[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+    header[16..24].copy_from_slice(&clock_ns.to_le_bytes());
+    file.write_all_at(&header, 0)?;
+    for run in nonzero_runs(memory) {
+        file.write_all_at(&memory[run.clone()], (HEADER + run.start) as u64)?;
+    }
+    Ok(())
+}
+
+/// The runs of pages of `memory` that hold anything but zeros.
+fn nonzero_runs(memory: &[u8]) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (i, page) in memory.chunks(PAGE).enumerate() {
+        if is_zero(page) {
+            continue;
+        }
+        let at = i * PAGE;
+        match runs.last_mut() {
+            Some(run) if run.end == at => run.end = at + page.len(),
+            _ => runs.push(at..at + page.len()),
+        }
+    }
+    runs
+}
+
+fn is_zero(bytes: &[u8]) -> bool {
+    // SAFETY: any bytes are valid u128s; the unaligned ends are checked bytewise.
+    let (head, body, tail) = unsafe { bytes.align_to::<u128>() };
+    head.iter().all(|&b| b == 0) && body.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
+/// The page runs of the `len` bytes at `base` (page-aligned) that this process holds
+/// privately: pages written since they were mapped from an image (copy-on-write copies) or
+/// touched where no image is. Pages never touched, and pages still shared with the image
+/// file, are left out: a guest started from the same image sees them as they are.
+pub(crate) fn private_pages(base: *const u8, len: usize) -> io::Result<Vec<Range<usize>>> {
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
+    const FILE_OR_SHARED: u64 = 1 << 61;
+    let pagemap = File::open("/proc/self/pagemap")?;
+    let first = base as usize / PAGE;
+    let pages = len.div_ceil(PAGE);
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    let mut entries = vec![0u8; 8 * 4096];
+    let mut page = 0;
+    while page < pages {
+        let batch = (pages - page).min(4096);
+        let bytes = &mut entries[..8 * batch];
+        pagemap.read_exact_at(bytes, ((first + page) * 8) as u64)?;
+        for (i, entry) in bytes.chunks_exact(8).enumerate() {
+            let entry = u64::from_le_bytes(entry.try_into().expect("8 bytes"));
+            let private = entry & (PRESENT | SWAPPED) != 0 && entry & FILE_OR_SHARED == 0;
+            if !private {
+                continue;
+            }
+            let at = (page + i) * PAGE;
+            let end = (at + PAGE).min(len);
+            match runs.last_mut() {
+                Some(run) if run.end == at => run.end = end,
+                _ => runs.push(at..end),
+            }
+        }
+        page += batch;
+    }
+    Ok(runs)
+}
+
+/// The name kiln exports wasi-libc's `__wasilibc_reset_preopens` under: after a warm start
+/// the guest forgets the preopened folders it knew and asks the host again, so a guest may
+/// see other folders than the one its image was captured in.
+pub(crate) const RESET_PREOPENS: &str = "kiln_reset_preopens";
+
+/// Bumped whenever [`strip`] changes what it makes, so a stale `.cwasm` is never loaded.
+pub(crate) const STRIP_VERSION: u32 = 1;
+
+/// The Python module for warm starts: its active data segments emptied (the image brings
+/// the memory) and [`RESET_PREOPENS`] exported.
+pub(crate) fn strip(wasm: Vec<u8>) -> Result<Vec<u8>, PatchError> {
+    let exports = [Export {
+        name: RESET_PREOPENS,
+        function: "__wasilibc_reset_preopens",
+        params: &[],
+        results: &[],
+    }];
+    let wasm = add_exports(&wasm, &exports)?;
+    empty_active_data(&wasm)
+}
+
+const SECTION_DATA: u8 = 11;
+
+/// `wasm` with every active data segment's bytes removed (passive segments are kept: code
+/// copies from them at run time).
+fn empty_active_data(wasm: &[u8]) -> Result<Vec<u8>, PatchError> {
+    if wasm.get(..8) != Some(b"\0asm\x01\0\0\0") {
+        return Err(PatchError::Malformed("not a WebAssembly 1 module"));
+    }
+    let mut out = Vec::with_capacity(wasm.len());
+    out.extend_from_slice(&wasm[..8]);
+    let mut reader = Reader::new(&wasm[8..]);
+    while !reader.done() {
+        let id = reader.byte()?;
+        let len = reader.u32()? as usize;
+        let contents = reader.take(len)?;
+        let rewritten;
+        let contents = if id == SECTION_DATA {
+            rewritten = rewrite_data(contents)?;
+            &rewritten[..]
+        } else {
+            contents
+        };
+        out.push(id);
+        write_u32(&mut out, contents.len() as u32);
+        out.extend_from_slice(contents);
+    }
+    Ok(out)
+}
+
+fn rewrite_data(section: &[u8]) -> Result<Vec<u8>, PatchError> {
+    let mut reader = Reader::new(section);
+    let mut out = Vec::new();
+    let count = reader.u32()?;
+    write_u32(&mut out, count);
+    for _ in 0..count {
+        let start = reader.at();
+        let flags = reader.u32()?;
+        let active = match flags {
+            0 => {
+                skip_const_expr(&mut reader)?;
+                true
+            }
+            1 => false,
+            2 => {
+                reader.u32()?;
+                skip_const_expr(&mut reader)?;
+                true
+            }
+            _ => return Err(PatchError::Malformed("a data segment kiln does not know")),
+        };
+        let header_end = reader.at();
+        let len = reader.u32()? as usize;
+        let bytes = reader.take(len)?;
+        out.extend_from_slice(&section[start..header_end]);
+        if active {
+            write_u32(&mut out, 0);
+        } else {
+            write_u32(&mut out, len as u32);
+            out.extend_from_slice(bytes);
+        }
+    }
+    if !reader.done() {
+        return Err(PatchError::Malformed("bytes after the data segments"));
+    }
+    Ok(out)
+}
+
+/// Skips a constant expression (a data segment's offset) up to its `end`.
+fn skip_const_expr(reader: &mut Reader<'_>) -> Result<(), PatchError> {
+    loop {
+        match reader.byte()? {
+            0x0b => return Ok(()),
+            // i32.const, i64.const: a signed LEB128.
+            0x41 | 0x42 => while reader.byte()? & 0x80 != 0 {},
+            // global.get
+            0x23 => {
+                reader.u32()?;
+            }
+            // Extended constant expressions: add, sub, mul.
+            0x6a | 0x6b | 0x6c | 0x7c | 0x7d | 0x7e => {}
+            _ => return Err(PatchError::Malformed("a data offset kiln cannot read")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn active_data_is_emptied_and_passive_data_kept() {
+        let mut wasm = b"\0asm\x01\0\0\0".to_vec();
+        // memory section: one memory, min 1
+        wasm.extend_from_slice(&[5, 3, 1, 0, 1]);
+        let mut data = Vec::new();
+        write_u32(&mut data, 3);
+        data.extend_from_slice(&[0, 0x41, 0x80, 0x01, 0x0b, 3, b'a', b'b', b'c']);
+        data.extend_from_slice(&[1, 2, b'p', b'q']);
+        data.extend_from_slice(&[2, 0, 0x41, 8, 0x0b, 1, b'z']);
+        wasm.push(SECTION_DATA);
+        write_u32(&mut wasm, data.len() as u32);
+        wasm.extend_from_slice(&data);
+        let out = empty_active_data(&wasm).unwrap();
+        let expected = [
+            3, 0, 0x41, 0x80, 0x01, 0x0b, 0, 1, 2, b'p', b'q', 2, 0, 0x41, 8, 0x0b, 0,
+        ];
+        assert!(out.ends_with(&expected), "{out:?}");
+        wasmtime::Module::validate(&wasmtime::Engine::default(), &out)
+            .expect("still a valid module");
+    }
+
+    #[test]
+    fn an_image_round_trips_with_zero_pages_as_holes() {
+        let mut memory = vec![0u8; 2 * 65536];
+        memory[5] = 1;
+        memory[65536 + 4095] = 2;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        Image::save(&memory, 77, &path).unwrap();
+        let image = Image::open(&path).unwrap();
+        assert_eq!((image.len(), image.clock_ns()), (2 * 65536, 77));
+        let mut read = vec![0u8; memory.len()];
+        image.file.read_exact_at(&mut read, HEADER as u64).unwrap();
+        assert_eq!(read, memory);
+        // Two pages hold data; the rest are holes.
+        use std::os::unix::fs::MetadataExt;
+        assert!(std::fs::metadata(&path).unwrap().blocks() * 512 <= 4 * 4096 + 4096 * 2);
+        std::fs::write(&path, b"KILNIMG1 not really").unwrap();
+        assert!(Image::open(&path).is_err());
+    }
+
+    #[test]
+    fn private_pages_are_the_pages_written_after_mapping() {
+        let mut memory = vec![0u8; 65536];
+        memory[100] = 9;
+        let image = Image::from_memory(&memory, 0).unwrap();
+        // SAFETY: a fresh anonymous mapping this test owns.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                65536,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        }
+        .cast::<u8>();
+        unsafe { image.map_over(base) }.unwrap();
+        // SAFETY: the mapping is 64 KiB and this test's alone.
+        let view = unsafe { std::slice::from_raw_parts_mut(base, 65536) };
+        assert_eq!(view[100], 9);
+        assert_eq!(view[5000], 0);
+        view[3 * 4096 + 1] = 7;
+        view[4 * 4096] = 7;
+        view[9 * 4096] = 1;
+        let runs = private_pages(base, 65536).unwrap();
+        assert_eq!(runs, vec![3 * 4096..5 * 4096, 9 * 4096..10 * 4096]);
+        // SAFETY: unmapping what this test mapped.
+        unsafe { libc::munmap(base.cast(), 65536) };
+    }
+}

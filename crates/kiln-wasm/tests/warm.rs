@@ -1,0 +1,157 @@
+//! Issue 18: warm starts and forks, against the real Python runtime. The warm engine's module
+//! and the `python-data` image are built on first use into kiln's cache
+//! (`KILN_CACHE_DIR` or `~/.cache/kiln`), as any kiln command does.
+
+use std::sync::OnceLock;
+
+use kiln_core::{ExecRequest, Language};
+use kiln_wasm::{CacheDir, PYTHON_DATA, PYTHON_DATA_WARM_UP, Quiet, SessionOptions, WasmEngine};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn engine() -> &'static WasmEngine {
+    static ENGINE: OnceLock<WasmEngine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let root = std::env::var_os("KILN_CACHE_DIR")
+            .map(Into::into)
+            .unwrap_or_else(CacheDir::default_root);
+        WasmEngine::new(CacheDir::new(root)).expect("engine")
+    })
+}
+
+fn data(code: &str) -> ExecRequest {
+    let mut request = ExecRequest::new(Language::Python, code);
+    request.template = Some(PYTHON_DATA.into());
+    request
+}
+
+fn options(template: Option<&str>) -> SessionOptions {
+    SessionOptions {
+        template: template.map(Into::into),
+        ..SessionOptions::default()
+    }
+}
+
+async fn out(session: &mut kiln_wasm::Session, code: &str) -> String {
+    let result = session
+        .run(code, &kiln_core::Limits::default())
+        .await
+        .expect("turn");
+    assert!(result.success(), "{code}: {}", result.stderr_text());
+    result.stdout_text()
+}
+
+#[tokio::test]
+async fn python_data_starts_with_the_data_stack_imported_and_its_own_environment() -> TestResult {
+    let mut request = data(
+        "import sys, os\n\
+         print(sorted(m for m in ('numpy', 'pandas', 'scipy', 'matplotlib.pyplot') if m in sys.modules))\n\
+         import pandas as pd\n\
+         print(pd.DataFrame({'a': [1, 2, 3]}).a.sum(), os.environ.get('GREETING'), os.environ['HOME'])",
+    );
+    request.env = vec![("GREETING".into(), "hello".into())];
+    let result = engine().execute(&request).await?;
+    assert!(result.success(), "{}", result.stderr_text());
+    assert_eq!(
+        result.stdout_text(),
+        "['matplotlib.pyplot', 'numpy', 'pandas', 'scipy']\n6 hello /tmp\n"
+    );
+    // The next one sees none of the previous one's environment.
+    let result = engine()
+        .execute(&data("import os; print(os.environ.get('GREETING'))"))
+        .await?;
+    assert_eq!(result.stdout_text(), "None\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn warm_starts_draw_different_random_numbers() -> TestResult {
+    let code = "import random, numpy, tempfile\n\
+                print(random.random(), numpy.random.rand(), next(tempfile._get_candidate_names()))";
+    let a = engine().execute(&data(code)).await?;
+    let b = engine().execute(&data(code)).await?;
+    assert!(a.success(), "{}", a.stderr_text());
+    let (a, b) = (a.stdout_text(), b.stdout_text());
+    let (a, b): (Vec<&str>, Vec<&str>) = (a.split(' ').collect(), b.split(' ').collect());
+    for i in 0..3 {
+        assert_ne!(a[i], b[i], "value {i} repeats across warm starts");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_workspace_folder_is_seen_after_a_warm_start() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("data.csv"), "a,b\n1,2\n3,4\n")?;
+    let mut request =
+        data("import pandas as pd, os; print(os.getcwd(), pd.read_csv('data.csv').b.sum())");
+    request.workspace = Some(dir.path().to_path_buf());
+    let result = engine().execute(&request).await?;
+    assert!(result.success(), "{}", result.stderr_text());
+    assert_eq!(result.stdout_text(), "/workspace 6\n");
+    Ok(())
+}
+
+/// Both kinds of parent: one started fresh (its memory captured whole) and one started warm
+/// (its image shared, its changed pages copied).
+#[tokio::test]
+async fn a_fork_keeps_the_state_and_shares_nothing_writable() -> TestResult {
+    for template in [None, Some(PYTHON_DATA)] {
+        let mut parent = engine()
+            .open_session(Language::Python, &options(template))
+            .await?;
+        out(&mut parent, "import time, random\nxs = [1, 2, 3]\nt0 = time.monotonic()\nopen('/tmp/parent', 'w').write('p')").await;
+        let mut child = parent.fork(engine(), &options(template)).await?;
+        assert_eq!(out(&mut child, "print(xs)").await, "[1, 2, 3]\n");
+        out(
+            &mut child,
+            "xs.append(4); open('/tmp/child', 'w').write('c')",
+        )
+        .await;
+        out(&mut parent, "xs.append(5)").await;
+        assert_eq!(out(&mut parent, "print(xs)").await, "[1, 2, 3, 5]\n");
+        assert_eq!(out(&mut child, "print(xs)").await, "[1, 2, 3, 4]\n");
+        // Files: each has its own /tmp (the fork's starts empty).
+        let ls = "import os; print(sorted(os.listdir('/tmp')))";
+        assert_eq!(out(&mut parent, ls).await, "['parent']\n");
+        assert_eq!(out(&mut child, ls).await, "['child']\n");
+        // The clock goes on; the generators differ.
+        assert_eq!(
+            out(&mut child, "print(time.monotonic() >= t0)").await,
+            "True\n"
+        );
+        let draw = "print(random.random())";
+        let mut sibling = parent.fork(engine(), &options(template)).await?;
+        assert_ne!(out(&mut child, draw).await, out(&mut sibling, draw).await);
+        // A fork of a fork.
+        let mut grandchild = child.fork(engine(), &options(template)).await?;
+        assert_eq!(out(&mut grandchild, "print(xs)").await, "[1, 2, 3, 4]\n");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_changed_warm_up_builds_a_new_image_and_a_bad_one_is_rebuilt() -> TestResult {
+    let engine = engine();
+    let a = engine.warm_image_path("x = 41")?;
+    let b = engine.warm_image_path("x = 42")?;
+    assert_ne!(a, b);
+    assert_ne!(a, engine.warm_image_path(PYTHON_DATA_WARM_UP)?);
+    let _ = std::fs::remove_file(&a);
+    assert!(
+        engine.prepare_warm("x = 41", &Quiet).await?,
+        "built the first time"
+    );
+    assert!(
+        !engine.prepare_warm("x = 41", &Quiet).await?,
+        "cached the second time"
+    );
+    // Another process finds it on disk and does not build it again; a damaged file is.
+    let other = WasmEngine::new(engine.cache().clone())?;
+    assert!(!other.prepare_warm("x = 41", &Quiet).await?);
+    std::fs::write(&a, b"KILNIMG1 damaged")?;
+    let third = WasmEngine::new(engine.cache().clone())?;
+    assert!(third.prepare_warm("x = 41", &Quiet).await?);
+    std::fs::remove_file(&a)?;
+    Ok(())
+}
