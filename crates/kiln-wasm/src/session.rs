@@ -117,7 +117,7 @@ impl Session {
     /// monotonic clock goes on from this session's. Open files are not carried over, nor
     /// `/tmp`: the fork gets an empty one. Python only, and not a session counting fuel.
     pub async fn fork(
-        &self,
+        &mut self,
         engine: &WasmEngine,
         options: &SessionOptions,
     ) -> Result<Session, ExecError> {
