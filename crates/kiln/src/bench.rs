@@ -28,7 +28,7 @@ pub(crate) fn summary(mut samples_us: Vec<f64>) -> serde_json::Value {
     })
 }
 
-fn round3(x: f64) -> f64 {
+pub(crate) fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
@@ -36,7 +36,7 @@ pub(crate) fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-fn private_memory_bytes() -> anyhow::Result<u64> {
+pub(crate) fn private_memory_bytes() -> anyhow::Result<u64> {
     let text =
         std::fs::read_to_string("/proc/self/smaps_rollup").context("reading smaps_rollup")?;
     let mut kib = 0u64;
@@ -96,10 +96,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         engine_oneshots(&engine, &args, n, &mut report).await?;
         fuel_cost(&engine, &args, n, &mut report).await?;
         engine_sessions(&engine, &args, n, &mut report).await?;
+        if ["python_data", "python_fork", "python_pandas"]
+            .iter()
+            .any(|prefix| group(&args, prefix))
+        {
+            let want = |name: &str| wanted(&args, name);
+            crate::bench_warm::run(&engine, &want, n, args.sessions, &mut report).await?;
+        }
         through_workers(&args, n, &mut report).await
     })?;
     if wanted(&args, "cli") {
         cli_process(n, &mut report)?;
+        crate::bench_warm::cli(n, &mut report)?;
     }
     servers(&args, n, &mut report)?;
     // Linux boxes: only when asked for (they need root and a built template).

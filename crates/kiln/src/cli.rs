@@ -308,7 +308,9 @@ pub struct ExecArgs {
     pub json: bool,
     /// Run in a fresh Linux box of this template (`debian`, `python`, `node`, `go`, …)
     /// instead of WebAssembly: a command after `--`, or code with -c (python, javascript
-    /// via node, bash).
+    /// via node, bash). `python-data` runs on WebAssembly, started warm: numpy, pandas,
+    /// scipy and matplotlib already imported (its image is built once, at `kiln setup` or
+    /// first use).
     #[arg(long)]
     pub template: Option<String>,
     /// Run as the box's root (namespaced: it owns nothing outside the box) instead of its

@@ -10,6 +10,7 @@ mod bench_http;
 mod bench_native;
 mod bench_rest;
 mod bench_runner;
+mod bench_warm;
 mod cli;
 mod config;
 mod linux_cmd;
@@ -145,7 +146,14 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
             print!("{}", config::show(file, &command)?);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Exec(args) if args.template.is_some() => linux_cmd::exec(&args),
+        Command::Exec(args)
+            if args
+                .template
+                .as_deref()
+                .is_some_and(|t| !is_wasm_template(t)) =>
+        {
+            linux_cmd::exec(&args)
+        }
         Command::Exec(args) => {
             if !args.command.is_empty() {
                 bail!(
@@ -194,7 +202,11 @@ fn run_file(file: &std::path::Path, args: &ExecArgs) -> anyhow::Result<ExitCode>
             )
         })?,
     };
-    if args.template.is_some() {
+    if args
+        .template
+        .as_deref()
+        .is_some_and(|t| !is_wasm_template(t))
+    {
         bail!(
             "kiln run runs a file on WebAssembly; in a Linux box run it as a command: kiln exec --template NAME --workspace DIR -- python3 FILE"
         );
@@ -266,6 +278,11 @@ fn setup(lang: Option<Language>, fuel: bool) -> anyhow::Result<ExitCode> {
         engine.prepare(language, &progress)?;
         if fuel {
             engine.prepare_variant(language, true, &progress)?;
+        }
+        if language == Language::Python {
+            // The python-data template's warm image (and the engine that starts from it).
+            let warm_up = kiln_wasm::PYTHON_DATA_WARM_UP;
+            runtime(1)?.block_on(engine.prepare_warm(warm_up, &progress))?;
         }
     }
     eprintln!("kiln: runtimes ready in {}", cache.root().display());
@@ -438,6 +455,12 @@ fn worker() -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Whether `template` is a warm WebAssembly template (`python-data`): `kiln exec
+/// --template` then runs it here instead of in a Linux box (whose `python` is Debian's).
+fn is_wasm_template(template: &str) -> bool {
+    kiln_wasm::warm_up_of(template).is_some()
+}
+
 fn exec(
     language: Language,
     code: String,
@@ -445,6 +468,7 @@ fn exec(
     script: Option<kiln_core::Mount>,
 ) -> anyhow::Result<ExitCode> {
     let mut request = ExecRequest::new(language, code);
+    request.template = args.template.clone();
     request.limits = args.limits()?;
     request.env = args.env_pairs()?;
     request.workspace = args.workspace.clone();
@@ -467,7 +491,14 @@ fn exec(
     let options = kiln_wasm::EngineOptions { max_instances: 4 };
     let engine = WasmEngine::with_options(crate::config::cache_dir(), &options)?;
     let fuel = request.limits.fuel.is_some();
-    engine.prepare_variant(language, fuel, &progress::Bar::new())?;
+    match request.template.as_deref().and_then(kiln_wasm::warm_up_of) {
+        // A warm template needs its image (built once) and the warm engine's module, not
+        // the runtime's own.
+        Some(warm_up) if language == Language::Python => {
+            runtime(1)?.block_on(engine.prepare_warm(warm_up, &progress::Bar::new()))?;
+        }
+        _ => engine.prepare_variant(language, fuel, &progress::Bar::new())?,
+    }
     let result = if args.json {
         let result = runtime(1)?.block_on(engine.execute(&request))?;
         println!("{}", serde_json::to_string(&json_result(&result))?);
