@@ -44,6 +44,12 @@ pub async fn run(
         let figure = time(engine, &request, 5, n, "6\n").await?;
         report.insert("python_data_pandas_oneshot".into(), figure);
     }
+    if want("python_data_print_oneshot") {
+        // The fast path's cell in a warm sandbox: what starting from an image costs.
+        let request = data("print(1+1)", Some(PYTHON_DATA));
+        let figure = time(engine, &request, 10, n, "2\n").await?;
+        report.insert("python_data_print_oneshot".into(), figure);
+    }
     if want("python_pandas_cold_oneshot") {
         // The same cell in a fresh interpreter: what a sandbox paid before warm starts.
         let request = data(PANDAS_CELL, None);
