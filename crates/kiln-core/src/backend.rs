@@ -3,8 +3,9 @@
 //!
 //! A backend runs [`ExecRequest`]s — code in a language, or a [`Command`] where the template
 //! can run one — either once ([`Backend::run_once`]) or as turns of a stateful session
-//! ([`Backend::open_session`], [`BackendSession::run`]). Output goes to an optional
-//! [`OutputSink`] as the guest writes it; a session turn may be granted a [`Door`].
+//! ([`Backend::open_session`], [`BackendSession::run`]), which a backend may fork
+//! ([`Backend::fork_session`]). Output goes to an optional [`OutputSink`] as the guest
+//! writes it; a session turn may be granted a [`Door`].
 //!
 //! The worker is generic over the backend (monomorphised: no boxing on the hot path).
 //! `kiln_wasm::WasmEngine` is the first implementation; `kiln_executor::fake::FakeBackend`
@@ -135,6 +136,21 @@ pub trait Backend: Clone + Send + Sync + 'static {
         &self,
         request: ExecRequest,
     ) -> impl Future<Output = Result<Self::Session, BackendError>> + Send;
+
+    /// Opens a session that starts with `parent`'s state (its variables and imports), with
+    /// the grants and limits of `request` (its code is not run); `parent` goes on unchanged,
+    /// and neither sees what the other does from then on. Default: refused with
+    /// [`ErrorKind::Unsupported`], for backends whose sessions cannot be copied.
+    fn fork_session(
+        &self,
+        parent: &mut Self::Session,
+        request: ExecRequest,
+    ) -> impl Future<Output = Result<Self::Session, BackendError>> + Send {
+        let _ = (parent, request);
+        std::future::ready(Err(BackendError::unsupported(
+            "this template's sessions cannot be forked",
+        )))
+    }
 }
 
 /// A session of a [`Backend`]: turns run one at a time, each seeing what earlier ones left.
@@ -148,4 +164,64 @@ pub trait BackendSession: Send + 'static {
         output: Option<OutputSink>,
         door: Option<Door>,
     ) -> impl Future<Output = Result<ExecResult, BackendError>> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::{Context, Poll, Waker};
+
+    use super::*;
+    use crate::Language;
+
+    /// A backend that only says what the trait's defaults do.
+    #[derive(Clone)]
+    struct Plain;
+
+    struct PlainSession;
+
+    impl BackendSession for PlainSession {
+        async fn run(
+            &mut self,
+            _code: &str,
+            _limits: &Limits,
+            _output: Option<OutputSink>,
+            _door: Option<Door>,
+        ) -> Result<ExecResult, BackendError> {
+            Err(BackendError::unsupported("no turns"))
+        }
+    }
+
+    impl Backend for Plain {
+        type Session = PlainSession;
+
+        fn templates(&self) -> Vec<TemplateInfo> {
+            Vec::new()
+        }
+
+        async fn run_once(
+            &self,
+            _request: &ExecRequest,
+            _output: Option<OutputSink>,
+        ) -> Result<ExecResult, BackendError> {
+            Err(BackendError::unsupported("no runs"))
+        }
+
+        async fn open_session(&self, _request: ExecRequest) -> Result<PlainSession, BackendError> {
+            Ok(PlainSession)
+        }
+    }
+
+    #[test]
+    fn a_backend_that_cannot_fork_refuses_as_unsupported() {
+        let mut parent = PlainSession;
+        let request = ExecRequest::new(Language::Python, "");
+        let forked = std::pin::pin!(Plain.fork_session(&mut parent, request));
+        let Poll::Ready(Err(error)) = forked.poll(&mut Context::from_waker(Waker::noop())) else {
+            panic!("the default answers at once, with an error");
+        };
+        assert_eq!(
+            error,
+            BackendError::unsupported("this template's sessions cannot be forked")
+        );
+    }
 }

@@ -14,7 +14,8 @@
 //! | `fail KIND` | the backend fails with that [`ErrorKind`] (`busy`, `limits`, …) |
 //! | `hang` | waits forever, past its deadline (a wedged guest the pool must stop) |
 //!
-//! Commands (template `fake`) run `echo ARGS…`; any other program exits 127.
+//! Commands (template `fake`) run `echo ARGS…`; any other program exits 127. A session forks
+//! with a copy of its variables.
 //! [`pool_config`] makes an [`ExecutorPool`](crate::ExecutorPool) whose workers serve this
 //! backend as tasks of the calling process. Compiled only for tests or with the
 //! `fake-backend` feature.
@@ -67,6 +68,7 @@ impl Backend for FakeBackend {
             capabilities: Capabilities {
                 sessions: true,
                 commands: true,
+                fork: true,
                 ..Capabilities::default()
             },
             images: ImageRule {
@@ -116,6 +118,29 @@ impl Backend for FakeBackend {
             ));
         }
         Ok(FakeSession::default())
+    }
+
+    /// A fork starts with a copy of the parent's variables; an ended parent cannot fork.
+    async fn fork_session(
+        &self,
+        parent: &mut FakeSession,
+        request: ExecRequest,
+    ) -> Result<FakeSession, BackendError> {
+        if request.command.is_some() {
+            return Err(BackendError::unsupported(
+                "a session runs code, not a command",
+            ));
+        }
+        if let Some(reason) = &parent.ended {
+            return Err(BackendError::new(
+                ErrorKind::SessionEnded,
+                format!("the session has ended: {reason}"),
+            ));
+        }
+        Ok(FakeSession {
+            vars: parent.vars.clone(),
+            ended: None,
+        })
     }
 }
 
@@ -420,6 +445,58 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_fork_starts_with_its_parents_state_and_goes_its_own_way() {
+        let mut worker = Worker::start();
+        let open = Op::OpenSession {
+            session: 1,
+            request: code(""),
+        };
+        assert!(matches!(worker.call(1, open).await, Reply::Opened));
+        let turn = |session: u64, source: &str| Op::Turn {
+            session,
+            code: source.into(),
+            limits: Limits::default(),
+            door: false,
+        };
+        done(worker.call(2, turn(1, "set x 41")).await);
+        let fork = |parent: u64, session: u64| Op::ForkSession {
+            parent,
+            session,
+            request: code(""),
+        };
+        assert!(matches!(worker.call(3, fork(1, 2)).await, Reply::Opened));
+        assert_eq!(done(worker.call(4, turn(2, "get x")).await).stdout, b"41\n");
+        done(worker.call(5, turn(2, "set x child")).await);
+        done(worker.call(6, turn(1, "set y parent")).await);
+        assert_eq!(done(worker.call(7, turn(1, "get x")).await).stdout, b"41\n");
+        assert_eq!(
+            done(worker.call(8, turn(2, "get x")).await).stdout,
+            b"child\n"
+        );
+        assert_eq!(done(worker.call(9, turn(2, "get y")).await).stdout, b"\n");
+        assert_eq!(
+            failed(worker.call(10, fork(99, 3)).await),
+            "no_such_session"
+        );
+        // A fork asked while a turn of the parent runs waits for the turn to end.
+        worker
+            .send(11, turn(1, "sleep 200\nset z late"), false)
+            .await;
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        worker.send(12, fork(1, 4), false).await;
+        let first = worker.next().await;
+        assert_eq!(first.id, 11, "the turn ends before the fork answers");
+        done(first.reply);
+        let second = worker.next().await;
+        assert_eq!(second.id, 12);
+        assert!(matches!(second.reply, Reply::Opened), "{second:?}");
+        assert_eq!(
+            done(worker.call(13, turn(4, "get z")).await).stdout,
+            b"late\n"
+        );
+    }
+
+    #[tokio::test]
     async fn output_streams_before_the_result_and_pings_pass_a_busy_guest() {
         let mut worker = Worker::start();
         worker
@@ -516,6 +593,29 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(got.stdout, b"7\n");
+        let fork = pool
+            .fork_session_with(&session, code(""), crate::CallOptions::default())
+            .await
+            .unwrap();
+        assert_ne!(fork.id, session.id);
+        let got = pool
+            .run(&fork, "get n".into(), Limits::default())
+            .await
+            .unwrap();
+        assert_eq!(got.stdout, b"7\n", "the fork has the parent's state");
+        let loads = pool.worker_loads();
+        assert_eq!(
+            loads.iter().map(|l| l.sessions).sum::<usize>(),
+            2,
+            "both sessions on one worker: {loads:?}"
+        );
+        assert!(loads.iter().any(|l| l.sessions == 2), "{loads:?}");
+        pool.close_session(&session).await.unwrap();
+        let gone = pool
+            .fork_session_with(&session, code(""), crate::CallOptions::default())
+            .await
+            .unwrap_err();
+        assert_eq!(gone, PoolError::NoSuchSession(session.id));
         let refused = pool.execute(code("fail busy")).await.unwrap_err();
         assert!(
             matches!(&refused, PoolError::Remote(r) if r.kind == "busy"),

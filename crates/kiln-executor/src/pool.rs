@@ -4,7 +4,7 @@
 //! (then the least session memory); a session to the one with the least session memory
 //! pinned (then the fewest sessions, then requests in flight). Each worker takes at most
 //! [`PoolConfig::session_slots`] sessions, so guest slots are always left for one-shots. A
-//! session stays on the worker that opened it.
+//! session stays on the worker that opened it, and so does a fork of it.
 //!
 //! **Liveness.** The pool pings every worker every [`HEARTBEAT`]. A worker that has not
 //! answered for [`PoolConfig::stall_after`] gets no new work while another one answers; one
@@ -451,6 +451,56 @@ impl ExecutorPool {
         Err(PoolError::WorkerLost(
             "the worker had already exited".into(),
         ))
+    }
+
+    /// Opens a session that starts as a copy of `parent` (its variables and imports; see
+    /// [`kiln_core::backend::Backend::fork_session`]) with the grants and limits of
+    /// `request` (its code is ignored). The copy lives on the parent's worker, where its
+    /// state is: it counts against that worker's [`PoolConfig::session_slots`]. A turn of
+    /// the parent that runs meanwhile ends before the copy is made.
+    pub async fn fork_session_with(
+        &self,
+        parent: &SessionHandle,
+        request: ExecRequest,
+        mut options: CallOptions,
+    ) -> Result<SessionHandle, PoolError> {
+        let inner = &self.inner;
+        let worker = inner.session_worker(parent)?;
+        if worker.session_count() >= inner.config.session_slots {
+            return Err(PoolError::SessionsFull {
+                per_worker: inner.config.session_slots,
+            });
+        }
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        worker.add_session(id, request.limits.memory_bytes);
+        let op = Op::ForkSession {
+            parent: parent.id,
+            session: id,
+            request,
+        };
+        let answer = inner.call(&worker, op, &mut options, None).await;
+        if !matches!(answer, Ok(Reply::Opened)) {
+            worker.remove_session(id);
+        }
+        match answer {
+            Ok(Reply::Opened) => Ok(SessionHandle {
+                id,
+                language: parent.language,
+                slot: parent.slot,
+                generation: worker.generation,
+            }),
+            Ok(Reply::Failed(error)) if error.kind == "no_such_session" => {
+                worker.remove_session(parent.id);
+                Err(PoolError::NoSuchSession(parent.id))
+            }
+            Ok(Reply::Failed(error)) => Err(PoolError::Remote(error)),
+            Ok(other) => Err(unexpected(&other)),
+            Err(CallError::Failed(error)) => Err(error),
+            Err(CallError::NotSent(_)) => Err(PoolError::WorkerLost(format!(
+                "session {} was lost with its worker",
+                parent.id
+            ))),
+        }
     }
 
     /// Runs a turn in a session.

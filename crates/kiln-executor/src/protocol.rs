@@ -26,6 +26,14 @@ pub enum Op {
         #[serde(default)]
         door: bool,
     },
+    /// Open session `session` as a copy of the open session `parent` (its state, with the
+    /// grants and limits of the request; its code is ignored). Waits for a turn of `parent`
+    /// that is running to end. Answered `Opened`.
+    ForkSession {
+        parent: u64,
+        session: u64,
+        request: ExecRequest,
+    },
     /// Close a session.
     CloseSession { session: u64 },
     /// Stop the request `target` (an `Exec` or a `Turn`). It answers `Failed` with kind

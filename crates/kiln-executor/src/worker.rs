@@ -333,6 +333,33 @@ fn open_door(id: u64, tx: mpsc::UnboundedSender<Response>, calls: DoorCalls) -> 
     })
 }
 
+/// Forks session `parent` as `session`. The parent's lock is held while it is copied, so a
+/// turn of the parent that runs now ends first and none starts meanwhile.
+async fn fork<B: Backend>(
+    backend: &B,
+    sessions: &Sessions<B::Session>,
+    parent: u64,
+    session: u64,
+    request: kiln_core::ExecRequest,
+) -> Reply {
+    let found = lock(sessions).get(&parent).cloned();
+    let Some(found) = found else {
+        return Reply::Failed(RemoteError {
+            kind: "no_such_session".into(),
+            message: format!("no session {parent} on this worker"),
+        });
+    };
+    let mut guard = found.lock().await;
+    match backend.fork_session(&mut guard, request).await {
+        Ok(forked) => {
+            drop(guard);
+            lock(sessions).insert(session, Arc::new(Mutex::new(forked)));
+            Reply::Opened
+        }
+        Err(error) => Reply::Failed(remote_error(&error)),
+    }
+}
+
 async fn handle<B: Backend>(
     backend: &B,
     sessions: &Sessions<B::Session>,
@@ -378,6 +405,11 @@ async fn handle<B: Backend>(
                 Err(error) => Reply::Failed(remote_error(&error)),
             }
         }
+        Op::ForkSession {
+            parent,
+            session,
+            request,
+        } => fork(backend, sessions, parent, session, request).await,
         Op::CloseSession { session } => {
             sessions
                 .lock()

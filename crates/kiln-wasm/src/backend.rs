@@ -153,15 +153,31 @@ impl Backend for WasmEngine {
 
     async fn open_session(&self, request: ExecRequest) -> Result<Session, BackendError> {
         check_program(&request)?;
-        let options = SessionOptions {
-            env: request.env,
-            workspace: request.workspace,
-            workspace_at: request.workspace_at,
-            mounts: request.mounts,
-            limits: request.limits,
-            template: request.template,
-        };
-        Ok(WasmEngine::open_session(self, request.language, &options).await?)
+        let language = request.language;
+        let options = session_options(request);
+        Ok(WasmEngine::open_session(self, language, &options).await?)
+    }
+
+    async fn fork_session(
+        &self,
+        parent: &mut Session,
+        request: ExecRequest,
+    ) -> Result<Session, BackendError> {
+        check_program(&request)?;
+        let options = session_options(request);
+        Ok(parent.fork(self, &options).await?)
+    }
+}
+
+/// A session's grants and limits, from the request that opens (or forks) it.
+fn session_options(request: ExecRequest) -> SessionOptions {
+    SessionOptions {
+        env: request.env,
+        workspace: request.workspace,
+        workspace_at: request.workspace_at,
+        mounts: request.mounts,
+        limits: request.limits,
+        template: request.template,
     }
 }
 
