@@ -107,6 +107,8 @@ pub(crate) struct PythonRuntime {
     /// The guest slots of its engine (what `Busy` reports).
     pub slots: u32,
     pub hot_pages: crate::prefault::HotPages,
+    /// One-shot instances made ahead of time.
+    pub ready: crate::ready::Ready,
     pub lib_dir: PathBuf,
     pub mpl_data_dir: PathBuf,
 }
@@ -261,12 +263,17 @@ pub struct EngineOptions {
     /// Guests with an instruction budget (fuel) run in a second engine, made on first use,
     /// with an eighth as many slots (at least 4).
     pub max_instances: u32,
+    /// Python one-shot instances kept made ahead of time, so that a one-shot pays only for
+    /// its turn (a thread of the engine makes them). Default 2; 0 for a process that runs
+    /// one execution (`kiln exec`). Engines of fewer than 16 slots keep none.
+    pub ready_instances: u32,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             max_instances: 1_000,
+            ready_instances: 2,
         }
     }
 }
@@ -522,13 +529,19 @@ impl WasmEngine {
         let pre = linker
             .instantiate_pre(&module)
             .map_err(|e| self.link_error(Language::Python, e))?;
+        let ready = match (variant.fuel, variant.slots) {
+            (false, 16..) => self.inner.options.ready_instances as usize,
+            _ => 0,
+        };
         let runtime = Arc::new(PythonRuntime {
             pre,
             slots: variant.slots,
             hot_pages: Default::default(),
+            ready: crate::ready::Ready::new(ready),
             lib_dir: self.inner.cache.python_lib_dir(),
             mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
         });
+        runtime.ready.start(&runtime);
         *slot = Some(runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", fuel, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
@@ -599,6 +612,9 @@ impl WasmEngine {
                         python::PythonGuest::open(self, &runtime, request, false, origin).await?;
                     let result = guest.turn(&request.code, &request.limits, listener).await?;
                     guest.learn_hot_pages(&runtime);
+                    if runtime.ready.want() > 0 {
+                        crate::ready::drop_later(guest);
+                    }
                     result
                 }
             }
@@ -724,7 +740,10 @@ mod tests {
 
     #[test]
     fn the_fuel_engine_compiles_to_files_of_its_own() {
-        let options = EngineOptions { max_instances: 8 };
+        let options = EngineOptions {
+            max_instances: 8,
+            ..EngineOptions::default()
+        };
         let plain = Variant::new(&options, false).unwrap();
         let fuel = Variant::new(&options, true).unwrap();
         let cache = CacheDir::new("/kiln-cache");

@@ -360,6 +360,16 @@ pub(crate) fn new_store(
     Ok(store)
 }
 
+/// Gives a store made ahead of time (with an empty context) a request's context and caps,
+/// before it runs anything.
+pub(crate) fn dress_store(store: &mut Store<GuestState>, wasi: WasiP1Ctx, limits: &Limits) {
+    let state = store.data_mut();
+    state.wasi = wasi;
+    state.memory.cap_bytes = usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX);
+    state.fs.reset(limits);
+    state.door = None;
+}
+
 /// Adds WASI preview 1 with kiln's file quota in front of the calls that write or create
 /// files, and the host door.
 pub(crate) fn add_to_linker(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {

@@ -28,6 +28,7 @@ mod python;
 mod qjs;
 mod qjs_exports;
 mod quota;
+mod ready;
 mod session;
 pub mod setup;
 mod warm;

@@ -156,6 +156,57 @@ _kiln_reborn({ENV})
 del _kiln_reborn
 "#;
 
+/// An instance no request owns yet: made ahead of time for one-shots
+/// ([`crate::ready::Ready`]), or just now. [`crate::guest::dress_store`] gives it a request's
+/// context before it runs anything.
+pub(crate) struct Shell {
+    store: Store<GuestState>,
+    exports: Exports,
+    instance: wasmtime::Instance,
+}
+
+impl Shell {
+    /// Instantiates the snapshot with an empty context; with `hot` (one-shots), the pages a
+    /// first turn touches are populated up front (sessions stay lean: populating costs
+    /// private memory).
+    pub async fn new(
+        runtime: &PythonRuntime,
+        limits: &Limits,
+        hot: bool,
+    ) -> Result<Shell, ExecError> {
+        let wasi = wasmtime_wasi::WasiCtxBuilder::new().build_p1();
+        let mut store = new_store(runtime.pre.module().engine(), wasi, limits)
+            .map_err(|e| instantiate_error(Language::Python, e))?;
+        let instance = runtime
+            .pre
+            .instantiate_async(&mut store)
+            .await
+            .map_err(|e| instantiation_error(runtime.slots, Language::Python, e))?;
+        let exports = Exports {
+            memory: instance.get_memory(&mut store, "memory").ok_or_else(|| {
+                instantiate_error(Language::Python, "the module exports no memory")
+            })?,
+            host_alloc: instance
+                .get_typed_func(&mut store, "host_alloc")
+                .map_err(|e| instantiate_error(Language::Python, &e))?,
+            turn: instance
+                .get_typed_func(&mut store, "turn")
+                .map_err(|e| instantiate_error(Language::Python, &e))?,
+        };
+        if hot {
+            runtime.hot_pages.populate(
+                exports.memory.data_ptr(&store),
+                exports.memory.data_size(&store),
+            );
+        }
+        Ok(Shell {
+            store,
+            exports,
+            instance,
+        })
+    }
+}
+
 /// A live Python instance.
 pub(crate) struct PythonGuest {
     store: Store<GuestState>,
@@ -239,32 +290,27 @@ impl PythonGuest {
             &["python"],
             clock,
         )?;
-        let mut store = new_store(runtime.pre.module().engine(), wasi, &request.limits)
-            .map_err(|e| instantiate_error(Language::Python, e))?;
-        store.data_mut().displays = Some(stdio.displays.clone());
-        let instance = runtime
-            .pre
-            .instantiate_async(&mut store)
-            .await
-            .map_err(|e| instantiation_error(runtime.slots, Language::Python, e))?;
-        let exports = Exports {
-            memory: instance.get_memory(&mut store, "memory").ok_or_else(|| {
-                instantiate_error(Language::Python, "the module exports no memory")
-            })?,
-            host_alloc: instance
-                .get_typed_func(&mut store, "host_alloc")
-                .map_err(|e| instantiate_error(Language::Python, &e))?,
-            turn: instance
-                .get_typed_func(&mut store, "turn")
-                .map_err(|e| instantiate_error(Language::Python, &e))?,
+        // A one-shot takes an instance made ahead of time where one is ready.
+        let ready = (!echo && matches!(origin, Origin::Fresh) && request.limits.fuel.is_none())
+            .then(|| runtime.ready.take())
+            .flatten();
+        let Shell {
+            mut store,
+            exports,
+            instance,
+        } = match ready {
+            Some(shell) => shell,
+            None => {
+                Shell::new(
+                    runtime,
+                    &request.limits,
+                    !echo && matches!(origin, Origin::Fresh),
+                )
+                .await?
+            }
         };
-        if !echo && matches!(origin, Origin::Fresh) {
-            // One-shots start hot; sessions stay lean (populating costs private memory).
-            runtime.hot_pages.populate(
-                exports.memory.data_ptr(&store),
-                exports.memory.data_size(&store),
-            );
-        }
+        crate::guest::dress_store(&mut store, wasi, &request.limits);
+        store.data_mut().displays = Some(stdio.displays.clone());
         let mut guest = PythonGuest {
             store,
             exports,

@@ -141,6 +141,7 @@ impl WasmEngine {
             pre,
             slots: variant.slots,
             hot_pages: Default::default(),
+            ready: crate::ready::Ready::new(0),
             lib_dir: self.cache().python_lib_dir(),
             mpl_data_dir: self.cache().python_mpl_data_dir(),
         });

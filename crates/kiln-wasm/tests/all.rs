@@ -1682,8 +1682,13 @@ async fn one_shots_do_not_echo_a_final_expression_but_sessions_do() -> TestResul
 
 #[tokio::test]
 async fn a_full_engine_says_it_is_busy() -> TestResult {
-    let small =
-        WasmEngine::with_options(test_cache(), &kiln_wasm::EngineOptions { max_instances: 2 })?;
+    let small = WasmEngine::with_options(
+        test_cache(),
+        &kiln_wasm::EngineOptions {
+            max_instances: 2,
+            ready_instances: 0,
+        },
+    )?;
     small.prepare(Language::Python, &Quiet)?;
     let options = SessionOptions::default();
     let _a = small.open_session(Language::Python, &options).await?;

@@ -293,7 +293,10 @@ fn setup(lang: Option<Language>, fuel: bool) -> anyhow::Result<ExitCode> {
 fn prepare_runtimes() -> anyhow::Result<()> {
     let setup = WasmEngine::with_options(
         crate::config::cache_dir(),
-        &kiln_wasm::EngineOptions { max_instances: 1 },
+        &kiln_wasm::EngineOptions {
+            max_instances: 1,
+            ready_instances: 0,
+        },
     )?;
     for language in Language::WASM {
         setup.prepare(language, &progress::Bar::new())?;
@@ -488,7 +491,10 @@ fn exec(
             .context("reading stdin")?;
     }
     // One execution: a small slot pool starts faster than the server-sized default.
-    let options = kiln_wasm::EngineOptions { max_instances: 4 };
+    let options = kiln_wasm::EngineOptions {
+        max_instances: 4,
+        ready_instances: 0,
+    };
     let engine = WasmEngine::with_options(crate::config::cache_dir(), &options)?;
     let fuel = request.limits.fuel.is_some();
     match request.template.as_deref().and_then(kiln_wasm::warm_up_of) {

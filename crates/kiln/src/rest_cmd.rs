@@ -135,7 +135,10 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     let planner = planner(args.planner)?;
     let setup = WasmEngine::with_options(
         crate::config::cache_dir(),
-        &kiln_wasm::EngineOptions { max_instances: 1 },
+        &kiln_wasm::EngineOptions {
+            max_instances: 1,
+            ready_instances: 0,
+        },
     )?;
     setup.prepare(Language::Python, &crate::progress::Bar::new())?;
     drop(setup);

@@ -69,7 +69,10 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
     // Fetch and compile the runtimes here, once, before any worker needs them.
     let setup = WasmEngine::with_options(
         crate::config::cache_dir(),
-        &kiln_wasm::EngineOptions { max_instances: 1 },
+        &kiln_wasm::EngineOptions {
+            max_instances: 1,
+            ready_instances: 0,
+        },
     )?;
     for language in Language::WASM {
         setup.prepare(language, &crate::progress::Bar::new())?;
