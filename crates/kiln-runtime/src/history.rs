@@ -410,7 +410,11 @@ impl History {
     /// (whatever the workspace holds).
     pub fn init(git_dir: &Path, tree: &Tree) -> Result<History, HistoryError> {
         setup_libgit2();
-        let repo = Repository::init_bare(git_dir)?;
+        // No template: git's sample hooks and description are a dozen files per sandbox
+        // that nothing reads (creating and deleting them dominated sandbox creation).
+        let mut options = git2::RepositoryInitOptions::new();
+        options.bare(true).external_template(false);
+        let repo = Repository::init_opts(git_dir, &options)?;
         configure(&repo)?;
         let history = History {
             repo,
