@@ -464,7 +464,7 @@ fn one_shot(
     limits: &Limits,
 ) -> ExecRequest {
     let mut request = ExecRequest::new(spec.language, code);
-    request.template = state.request_template(sandbox.template());
+    request.template = state.request_template(sandbox.template(), spec.language);
     request.network = sandbox.network;
     request.resources = sandbox.resources;
     request.command = spec.command.clone().map(|argv| kiln_core::Command {

@@ -439,6 +439,27 @@ impl History {
         Ok(history)
     }
 
+    /// Makes a copy of this repository at `git_dir` (which must not exist yet): the same
+    /// commits, head and initial commit, so the copy's next change follows this one's head
+    /// (a forked sandbox's history). Objects never change once written, so they are hard
+    /// links where the file system allows, else copies; lock files stay behind. This
+    /// repository's changes and packing wait meanwhile.
+    pub fn clone_into(&self, git_dir: &Path) -> Result<History, HistoryError> {
+        let _turn = self.memory.write.lock().unwrap_or_else(|e| e.into_inner());
+        // No packer may remove loose objects while they are linked: take its turn.
+        while self.memory.packing.swap(true, Ordering::AcqRel) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let copied = copy_repository(self.repo.path(), git_dir);
+        self.memory.packing.store(false, Ordering::Release);
+        copied.map_err(|e| {
+            HistoryError::Git(git2::Error::from_str(&format!(
+                "could not copy the history: {e}"
+            )))
+        })?;
+        History::open(git_dir)
+    }
+
     /// Opens the repository of a workspace.
     pub fn open(git_dir: &Path) -> Result<History, HistoryError> {
         setup_libgit2();
@@ -854,6 +875,33 @@ fn index_oids(bytes: &[u8]) -> Option<Vec<Oid>> {
 pub fn pack_check_due(git_dir: &Path) -> bool {
     let count = memory(git_dir).changes.fetch_add(1, Ordering::Relaxed) + 1;
     count.is_multiple_of(PACK_CHECK_EVERY)
+}
+
+/// Copies the repository `from` (the server's own folder, never granted to a guest: plain
+/// paths are right here) to the new folder `to`: objects hard-linked (else copied), the
+/// rest copied; lock files and anything but files and folders are left behind.
+fn copy_repository(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir(to)?;
+    let mut stack = vec![(from.to_path_buf(), to.to_path_buf(), false)];
+    while let Some((source, target, objects)) = stack.pop() {
+        for entry in std::fs::read_dir(&source)? {
+            let entry = entry?;
+            let name = entry.file_name();
+            let kind = entry.file_type()?;
+            let (from_path, to_path) = (entry.path(), target.join(&name));
+            if kind.is_dir() {
+                std::fs::create_dir(&to_path)?;
+                let objects = objects || (source == from && name == "objects");
+                stack.push((from_path, to_path, objects));
+            } else if kind.is_file()
+                && !name.to_string_lossy().ends_with(".lock")
+                && !(objects && std::fs::hard_link(&from_path, &to_path).is_ok())
+            {
+                std::fs::copy(&from_path, &to_path)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Changes between two looks at the loose objects.

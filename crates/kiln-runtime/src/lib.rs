@@ -134,17 +134,27 @@ impl Runtime {
         self.executors.pool_for(template)
     }
 
-    /// The templates sandboxes are made from.
-    /// The template an execution in a sandbox of `template` names to its backend: the
-    /// sandbox's own for live templates (a Linux box runs its template's programs), none for
-    /// WebAssembly (a wasm sandbox runs either language in its workspace).
-    pub fn request_template(&self, template: &str) -> Option<String> {
-        self.catalogue()
-            .get(template)
-            .filter(|t| t.lifecycle == kiln_core::template::Lifecycle::Live)
-            .map(|t| t.id.clone())
+    /// The template an execution in `language` in a sandbox of `template` names to its
+    /// backend: the sandbox's own for live templates (a Linux box runs its template's
+    /// programs); for WebAssembly, the sandbox's own where it is not simply the language's
+    /// (`python-data`, which starts warm, for Python), else none (a wasm sandbox runs either
+    /// language in its workspace: JavaScript in a `python-data` sandbox runs as in any).
+    pub fn request_template(
+        &self,
+        template: &str,
+        language: kiln_core::Language,
+    ) -> Option<String> {
+        let info = self.catalogue().get(template)?;
+        let own = match info.lifecycle {
+            kiln_core::template::Lifecycle::Live => true,
+            kiln_core::template::Lifecycle::Ephemeral => {
+                info.id != language.name() && info.languages.contains(&language)
+            }
+        };
+        own.then(|| info.id.clone())
     }
 
+    /// The templates sandboxes are made from.
     pub fn catalogue(&self) -> &Catalogue {
         &self.executors.catalogue
     }

@@ -331,7 +331,7 @@ fn host_for(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<Arc<dyn P
 /// workspace (and where the guest sees it), network, resources, environment and memory.
 fn box_request(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> ExecRequest {
     let mut request = ExecRequest::new(sandbox.language, "");
-    request.template = rt.request_template(sandbox.template());
+    request.template = rt.request_template(sandbox.template(), sandbox.language);
     request.network = sandbox.network;
     request.resources = sandbox.resources;
     request.workspace = Some(sandbox.workspace());

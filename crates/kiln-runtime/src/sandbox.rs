@@ -560,6 +560,22 @@ impl Registry {
 
     /// Creates a sandbox with an empty, versioned workspace; durable when it returns.
     pub fn create(&self, tenant: &str, spec: &SandboxSpec, quotas: &Quotas) -> Result<Sandbox> {
+        self.create_seeded(tenant, spec, quotas, |meta| {
+            History::init(&meta.git_dir(), &meta.tree()?)?;
+            Ok(())
+        })
+    }
+
+    /// Creates a sandbox whose workspace and history `seed` fills (it is given the new
+    /// sandbox with its folder and empty workspace made; it must create the history at
+    /// [`Sandbox::git_dir`]); durable when it returns. A seed that fails leaves nothing.
+    pub fn create_seeded(
+        &self,
+        tenant: &str,
+        spec: &SandboxSpec,
+        quotas: &Quotas,
+        seed: impl FnOnce(&Sandbox) -> Result<()>,
+    ) -> Result<Sandbox> {
         self.usage(tenant).check_sandbox(quotas)?;
         let id = new_id("sb_");
         let created_ms = now_ms();
@@ -596,7 +612,7 @@ impl Registry {
                 std::os::unix::fs::lchown(meta.workspace(), Some(uid), Some(gid))
                     .map_err(|e| io_error("could not give the workspace to its box's user", &e))?;
             }
-            History::init(&meta.git_dir(), &meta.tree()?)?;
+            seed(&meta)?;
             store::write_json(&meta.meta_path(), &meta)
                 .map_err(|e| io_error("could not create the sandbox", &e))
         })();

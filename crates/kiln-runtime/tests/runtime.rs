@@ -391,3 +391,252 @@ async fn a_linux_sandboxs_workspace_lives_on_a_capped_volume_that_outlives_a_res
     let twice = wasm.with_resources(Some(&memory), true).unwrap_err();
     assert_eq!(twice.code(), "INVALID_OPTION", "{twice}");
 }
+
+/// A runtime whose `python` template forks sessions and whose `plain` one does not.
+fn forking_runtime() -> Fixture {
+    let data = tempfile::tempdir().expect("a temporary folder");
+    let mut python = TemplateInfo::example_python();
+    python.capabilities.fork = true;
+    let mut plain = TemplateInfo::example_python();
+    plain.id = "plain".into();
+    plain.images.names = vec!["plain".into()];
+    plain.images.repos = Vec::new();
+    let mut config = RuntimeConfig::new(
+        data.path().to_path_buf(),
+        Catalogue::new(vec![python, plain]),
+    );
+    config.quotas.session_memory_bytes = 8 << 30;
+    let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
+    Fixture {
+        rt: Arc::new(Runtime::open(config, Pools::new(BackendKind::Wasm, pool)).expect("opens")),
+        _data: data,
+    }
+}
+
+/// Runs `text` as a turn of `session` in sandbox `id`; its stdout.
+async fn turn(rt: &Arc<Runtime>, caller: &Caller, id: &str, session: &str, text: &str) -> String {
+    let mut run = code(text);
+    run.session = Some(session.to_owned());
+    let spec = exec::prepare(rt, caller, id, run).expect("a turn");
+    exec::run(rt, caller, id, spec, None)
+        .await
+        .expect("ran")
+        .result
+        .stdout_text()
+}
+
+#[tokio::test]
+async fn a_forked_session_starts_with_its_parents_state_in_the_same_sandbox() {
+    let Fixture { rt, _data } = forking_runtime();
+    let caller = tenant("a");
+    let id = exec::create_default_sandbox(&rt, &caller, Language::Python)
+        .await
+        .expect("created")
+        .id;
+    let parent = sessions::create(&rt, &caller, &id, None)
+        .await
+        .expect("opened")
+        .session_id;
+    turn(&rt, &caller, &id, &parent, "set x 41").await;
+    let forked = sessions::fork(&rt, &caller, &id, &parent, false)
+        .await
+        .expect("forked");
+    assert_eq!(forked.sandbox_id, id);
+    assert_eq!(forked.forked_from, parent);
+    assert_eq!(
+        (forked.session.status.as_str(), forked.session.turns),
+        ("ready", 0)
+    );
+    let child = forked.session.session_id;
+    assert_ne!(child, parent);
+    assert_eq!(turn(&rt, &caller, &id, &child, "get x").await, "41\n");
+    turn(&rt, &caller, &id, &child, "set x 1").await;
+    turn(&rt, &caller, &id, &parent, "set y 2").await;
+    assert_eq!(turn(&rt, &caller, &id, &parent, "get x").await, "41\n");
+    assert_eq!(turn(&rt, &caller, &id, &child, "get y").await, "\n");
+    let view = rt.registry.get("a", &id).expect("the sandbox");
+    assert_eq!(view.meta.sessions.len(), 2);
+    assert_eq!(view.live_sessions.len(), 2);
+}
+
+#[tokio::test]
+async fn a_fork_with_its_workspace_lives_in_a_sandbox_of_its_own() {
+    let Fixture { rt, _data } = forking_runtime();
+    let caller = tenant("a");
+    let id = exec::create_default_sandbox(&rt, &caller, Language::Python)
+        .await
+        .expect("created")
+        .id;
+    let parent = sessions::create(&rt, &caller, &id, None)
+        .await
+        .expect("opened")
+        .session_id;
+    turn(&rt, &caller, &id, &parent, "set x 41").await;
+    files::write(&rt, &caller, &id, "data/in.txt".into(), b"before".to_vec())
+        .await
+        .expect("written");
+    let forked = sessions::fork(&rt, &caller, &id, &parent, true)
+        .await
+        .expect("forked");
+    let child_box = forked.sandbox_id.clone();
+    assert_ne!(child_box, id);
+    let child = forked.session.session_id;
+    assert_eq!(
+        turn(&rt, &caller, &child_box, &child, "get x").await,
+        "41\n"
+    );
+    let read = |sandbox: &str, path: &str| {
+        let (rt, caller, sandbox, path) = (
+            rt.clone(),
+            caller.clone(),
+            sandbox.to_owned(),
+            path.to_owned(),
+        );
+        async move { files::read(&rt, &caller, &sandbox, path, 1024).await }
+    };
+    assert_eq!(
+        read(&child_box, "data/in.txt").await.expect("copied"),
+        b"before"
+    );
+    // The fork's history starts at the parent's head.
+    let (parent_history, _) = revisions::page(&rt, &caller, &id, 100, None)
+        .await
+        .expect("a history");
+    let (child_history, _) = revisions::page(&rt, &caller, &child_box, 100, None)
+        .await
+        .expect("a history");
+    let commits = |entries: &[kiln_runtime::history::HistoryEntry]| {
+        entries
+            .iter()
+            .map(|e| e.commit_id.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(commits(&child_history), commits(&parent_history));
+    assert_eq!(child_history.len(), 2, "the initial commit and the upload");
+    // From then on each sandbox's files are its own.
+    files::write(&rt, &caller, &child_box, "child.txt".into(), b"c".to_vec())
+        .await
+        .expect("written");
+    files::write(&rt, &caller, &id, "parent.txt".into(), b"p".to_vec())
+        .await
+        .expect("written");
+    files::write(&rt, &caller, &id, "data/in.txt".into(), b"after".to_vec())
+        .await
+        .expect("written");
+    assert_eq!(
+        read(&id, "child.txt").await.unwrap_err().code(),
+        "FILE_NOT_FOUND"
+    );
+    assert_eq!(
+        read(&child_box, "parent.txt").await.unwrap_err().code(),
+        "FILE_NOT_FOUND"
+    );
+    assert_eq!(
+        read(&child_box, "data/in.txt").await.expect("kept"),
+        b"before"
+    );
+    let view = rt
+        .registry
+        .get("a", &child_box)
+        .expect("the fork's sandbox");
+    assert_eq!(view.meta.template(), "python");
+    assert_eq!(view.meta.sessions.len(), 1);
+    // Another tenant sees neither.
+    let foreign = sessions::fork(&rt, &tenant("b"), &id, &parent, true)
+        .await
+        .unwrap_err();
+    assert_eq!(foreign.code(), "SANDBOX_NOT_FOUND");
+}
+
+#[tokio::test]
+async fn forks_are_refused_with_their_codes() {
+    let Fixture { rt, _data } = forking_runtime();
+    let caller = tenant("a");
+    let id = exec::create_default_sandbox(&rt, &caller, Language::Python)
+        .await
+        .expect("created")
+        .id;
+    let parent = sessions::create(&rt, &caller, &id, None)
+        .await
+        .expect("opened")
+        .session_id;
+    let unknown = sessions::fork(&rt, &caller, "sb_nope", &parent, false)
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), "SANDBOX_NOT_FOUND");
+    let unknown = sessions::fork(&rt, &caller, &id, "ses_nope", false)
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), "SESSION_NOT_FOUND");
+
+    // A turn running in the parent's sandbox: refused, never copied half-way.
+    let mut slow = code("sleep 400\nset late 1");
+    slow.session = Some(parent.clone());
+    let spec = exec::prepare(&rt, &caller, &id, slow).expect("a turn");
+    let running = {
+        let (rt, caller, id) = (rt.clone(), caller.clone(), id.clone());
+        tokio::spawn(async move { exec::run(&rt, &caller, &id, spec, None).await })
+    };
+    while rt.registry.get("a", &id).expect("there").running.is_none() {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let busy = sessions::fork(&rt, &caller, &id, &parent, false)
+        .await
+        .unwrap_err();
+    assert_eq!(busy.code(), "SANDBOX_BUSY");
+    running.await.expect("joined").expect("ran");
+    let forked = sessions::fork(&rt, &caller, &id, &parent, false)
+        .await
+        .expect("forked once the turn is done");
+    assert_eq!(
+        turn(&rt, &caller, &id, &forked.session.session_id, "get late").await,
+        "1\n"
+    );
+
+    // A session whose turn ran past its deadline has ended: so has forking it.
+    let mut spin = code("spin");
+    spin.session = Some(parent.clone());
+    spin.timeout_ms = Some(50);
+    let spec = exec::prepare(&rt, &caller, &id, spin).expect("a turn");
+    exec::run(&rt, &caller, &id, spec, None).await.expect("ran");
+    let ended = sessions::fork(&rt, &caller, &id, &parent, true)
+        .await
+        .unwrap_err();
+    assert_eq!(ended.code(), "SESSION_ENDED");
+
+    // A template that does not fork says so, and makes nothing.
+    let spec = SandboxSpec::resolve(rt.catalogue(), "plain", None, None).expect("resolves");
+    let plain = exec::create_sandbox(&rt, &caller, spec)
+        .await
+        .expect("created")
+        .id;
+    let session = sessions::create(&rt, &caller, &plain, None)
+        .await
+        .expect("opened")
+        .session_id;
+    let sandboxes = rt.registry.count();
+    let refused = sessions::fork(&rt, &caller, &plain, &session, true)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), "UNSUPPORTED");
+    assert!(
+        refused
+            .to_string()
+            .contains("sessions of the plain template cannot be forked"),
+        "{refused}"
+    );
+    let js = sessions::create(&rt, &caller, &id, Some(Language::JavaScript))
+        .await
+        .expect("opened")
+        .session_id;
+    let refused = sessions::fork(&rt, &caller, &id, &js, true)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.to_string(),
+        "javascript sessions of the python template cannot be forked; its python sessions can"
+    );
+    assert_eq!(rt.registry.count(), sandboxes, "no sandbox was left behind");
+    // Every refusal left the sandbox idle.
+    files::list(&rt, &caller, &id, None).await.expect("idle");
+}

@@ -15,6 +15,8 @@
 //! redirect the write nor see it half done, and a hard link to the old file keeps the old
 //! bytes.
 //!
+//! [`copy::copy_tree`] copies one such tree into another under the same rules.
+//!
 //! ```no_run
 //! use kiln_workspace::{RelPath, Tree};
 //! let tree = Tree::open(
@@ -25,6 +27,7 @@
 //! # Ok::<(), kiln_workspace::TreeError>(())
 //! ```
 
+pub mod copy;
 pub mod store;
 
 use std::ffi::{OsStr, OsString};

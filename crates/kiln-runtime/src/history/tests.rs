@@ -323,3 +323,55 @@ fn unchanged_files_are_not_read_again() {
     s.history.record(&s.tree, "second", "e2").unwrap();
     assert_eq!(s.history.entries(1).unwrap()[0].files, ["new.txt"]);
 }
+
+/// A forked sandbox's history: the copy has every commit up to the head, goes on from it on
+/// its own, and neither repository sees the other's later changes (loose objects and packs
+/// alike, whichever is packed after the copy).
+#[test]
+fn a_clone_keeps_the_history_and_goes_its_own_way() {
+    let s = setup();
+    for i in 0..6 {
+        std::fs::write(s.ws.join(format!("f{i}.txt")), i.to_string()).unwrap();
+        s.history.record(&s.tree, "n", &format!("e{i}")).unwrap();
+        if i == 2 {
+            s.history.pack(1).unwrap();
+        }
+    }
+    std::fs::write(s.history.repo.path().join("index.lock"), "stale").unwrap();
+    let copy_dir = s.dir.path().join("copy.git");
+    let copy = s.history.clone_into(&copy_dir).unwrap();
+    assert!(!copy_dir.join("index.lock").exists(), "locks stay behind");
+    let ids = |h: &History| -> Vec<String> {
+        h.entries(100).unwrap().into_iter().map(|e| e.id).collect()
+    };
+    assert_eq!(ids(&copy), ids(&s.history));
+    assert_eq!(copy.diff(INITIAL_ID, "e5").unwrap().len(), 6);
+
+    // The copy's workspace goes on from the head; the original's changes stay its own.
+    let copy_ws = s.dir.path().join("copy-ws");
+    std::fs::create_dir(&copy_ws).unwrap();
+    let copy_tree = Tree::open(&copy_ws, Some(&s.dir.path().join(".tmp2"))).unwrap();
+    copy.rollback(&copy_tree, "e5", "checkout").unwrap();
+    std::fs::write(copy_ws.join("child.txt"), "c").unwrap();
+    copy.record(&copy_tree, "child", "c1").unwrap();
+    std::fs::write(s.ws.join("parent.txt"), "p").unwrap();
+    s.history.record(&s.tree, "parent", "p1").unwrap();
+    s.history.pack(1).unwrap();
+    copy.pack(1).unwrap();
+    assert_eq!(ids(&copy)[..2], ["c1", "checkout"]);
+    assert_eq!(ids(&s.history)[0], "p1");
+    assert!(matches!(
+        copy.diff("e5", "p1").unwrap_err(),
+        HistoryError::UnknownId(_)
+    ));
+    let reopened = History::open(&copy_dir).unwrap();
+    assert_eq!(reopened.diff(INITIAL_ID, "c1").unwrap().len(), 7);
+    assert_eq!(
+        History::open(&s.dir.path().join("history.git"))
+            .unwrap()
+            .diff("e0", "p1")
+            .unwrap()
+            .len(),
+        6
+    );
+}
