@@ -398,19 +398,19 @@ impl PythonGuest {
     pub fn fork_state(&self) -> Result<ForkState, ExecError> {
         let fail = |e: std::io::Error| instantiate_error(Language::Python, format!("forking: {e}"));
         let memory = self.memory();
-        let (image, pages) = match &self.image {
+        // Where the page map cannot be read, the memory is captured whole instead.
+        let changed = self.image.as_ref().and_then(|image| {
+            let runs = crate::warm::private_pages(memory.as_ptr(), memory.len()).ok()?;
+            let pages = runs
+                .into_iter()
+                .map(|run| (run.start, memory[run].to_vec()));
+            Some((image.clone(), pages.collect()))
+        });
+        let (image, pages) = match changed {
+            Some(found) => found,
             None => {
                 let image = Image::from_memory(memory, self.clock_ns()).map_err(fail)?;
                 (Arc::new(image), Vec::new())
-            }
-            Some(image) => {
-                let runs =
-                    crate::warm::private_pages(memory.as_ptr(), memory.len()).map_err(fail)?;
-                let pages = runs
-                    .into_iter()
-                    .map(|run| (run.start, memory[run].to_vec()))
-                    .collect();
-                (image.clone(), pages)
             }
         };
         Ok(ForkState {

@@ -190,8 +190,20 @@ pub fn cli(n: usize, report: &mut Report) -> anyhow::Result<()> {
     let runs = (n / 10).max(10);
     let figure = process(kiln(PANDAS_CELL), runs)?;
     report.insert("cli_exec_python_data_pandas_process".into(), figure);
+    // The interpreter itself, not a shim in front of it (pyenv's is a shell script).
+    let python = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        .unwrap_or_default();
+    let python = if python.is_empty() {
+        "python3".to_owned()
+    } else {
+        python
+    };
+    report.insert("peer_python3".into(), json!(python));
     let python3 = |code: &str| {
-        let mut command = Command::new("python3");
+        let mut command = Command::new(&python);
         command.args(["-c", code]);
         command
     };
