@@ -155,3 +155,70 @@ async fn a_changed_warm_up_builds_a_new_image_and_a_bad_one_is_rebuilt() -> Test
     std::fs::remove_file(&a)?;
     Ok(())
 }
+
+/// One-shots take instances made ahead of time (with an empty context): each must see its
+/// own request's environment, folders and memory cap, never another's.
+#[tokio::test]
+async fn instances_made_ahead_of_time_get_each_requests_own_grants_and_caps() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("mine.txt"), "mine")?;
+    for round in 0..6 {
+        let code = "import os\n\
+                    print(os.environ.get('ROUND'), os.path.exists('/workspace/mine.txt'))\n\
+                    try:\n    b = bytearray(200 << 20); print('big')\nexcept MemoryError:\n    print('capped')";
+        let mut request = ExecRequest::new(Language::Python, code);
+        let small = round % 2 == 0;
+        if small {
+            request.limits.memory_bytes = 128 << 20;
+            request.env = vec![("ROUND".into(), round.to_string())];
+        } else {
+            request.workspace = Some(dir.path().to_path_buf());
+        }
+        let result = engine().execute(&request).await?;
+        let expected = if small {
+            format!("{round} False\ncapped\n")
+        } else {
+            "None True\nbig\n".to_owned()
+        };
+        assert_eq!(result.stdout_text(), expected, "{}", result.stderr_text());
+    }
+    Ok(())
+}
+
+/// The memory cap holds for warm starts and forks: an image larger than the cap is refused
+/// with the cap it needs, and a fork's memory counts against the fork's own cap.
+#[tokio::test]
+async fn attack_a_warm_start_or_fork_above_its_memory_cap_is_refused() -> TestResult {
+    let mut request = data("print(1)");
+    request.limits.memory_bytes = 64 << 20;
+    let error = engine().execute(&request).await.unwrap_err().to_string();
+    assert!(
+        error.contains("needs a memory limit of at least"),
+        "{error}"
+    );
+    let mut parent = engine()
+        .open_session(Language::Python, &options(Some(PYTHON_DATA)))
+        .await?;
+    out(&mut parent, "big = bytearray(300 << 20)").await;
+    let mut small = options(Some(PYTHON_DATA));
+    small.limits.memory_bytes = 256 << 20;
+    let error = parent.fork(engine(), &small).await.unwrap_err().to_string();
+    assert!(
+        error.contains("needs a memory limit of at least"),
+        "{error}"
+    );
+    // A JavaScript session cannot be forked, and says so.
+    let mut js = engine()
+        .open_session(Language::JavaScript, &SessionOptions::default())
+        .await?;
+    let error = js
+        .fork(engine(), &SessionOptions::default())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("only Python sessions can be forked"),
+        "{error}"
+    );
+    Ok(())
+}
