@@ -217,6 +217,21 @@ pub fn cli(n: usize, report: &mut Report) -> anyhow::Result<()> {
         );
         report.insert(name.into(), figure);
     }
+    // A sandboxed peer: python3 in a bubblewrap jail with every namespace unshared.
+    let mut bwrap = Command::new("bwrap");
+    bwrap
+        .args(["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"])
+        .args([
+            "--unshare-all",
+            "--die-with-parent",
+            &python,
+            "-c",
+            "print(1+1)",
+        ]);
+    let figure = process(bwrap, runs).unwrap_or_else(|e| {
+        json!({"skipped": format!("bwrap could not run python3 here (apt-get install bubblewrap): {e:#}")})
+    });
+    report.insert("peer_bwrap_python3_print_process".into(), figure);
     Ok(())
 }
 
