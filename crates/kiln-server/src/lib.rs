@@ -166,6 +166,10 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/sandboxes/{id}/sessions/{session_id}/restart",
             post(v1::restart_session),
         )
+        .route(
+            "/sandboxes/{id}/sessions/{session_id}/fork",
+            post(v1::fork_session),
+        )
         .route("/sandboxes/{id}/files", get(v1::list_files))
         .route(
             "/sandboxes/{id}/files/{*path}",

@@ -4,8 +4,8 @@
 //!
 //! Tools: `run_python`, `run_javascript` (a fresh sandbox, or a sandbox's workspace),
 //! `sandbox_create`, `session_create` / `session_run` / `session_close` (state persists between
-//! runs), `write_file`, `read_file`, `list_files`. Input schemas are derived from the Rust
-//! types below.
+//! runs), `fork_session` (a copy of a session's state), `write_file`, `read_file`,
+//! `list_files`. Input schemas are derived from the Rust types below.
 
 use std::sync::Arc;
 
@@ -72,6 +72,18 @@ pub struct SessionRun {
     /// Time limit in seconds (default 30, at most 300). A run that times out ends the session.
     #[serde(default)]
     pub timeout_seconds: Option<f64>,
+}
+
+/// Fork a session.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ForkSession {
+    pub sandbox_id: String,
+    pub session_id: String,
+    /// Fork into a new sandbox whose files and history start as this sandbox's are now, so
+    /// that the fork's file changes stay its own. Default false: the fork is another session
+    /// of the same sandbox, sharing its files.
+    #[serde(default)]
+    pub with_workspace: Option<bool>,
 }
 
 /// Close a session.
@@ -469,6 +481,36 @@ impl KilnMcp {
         Ok(self.execute(&caller, &input.sandbox_id, code).await)
     }
 
+    #[tool(
+        description = "Fork a Python session: a new session that starts with its variables, imports and definitions (copied in milliseconds, copy-on-write), to try something without disturbing the original. Its /tmp starts empty and open files are not carried over. With with_workspace the fork gets a sandbox of its own whose files start as the original's. Returns sandbox_id and session_id of the fork."
+    )]
+    async fn fork_session(
+        &self,
+        Parameters(input): Parameters<ForkSession>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let forked = sessions::fork(
+            &self.runtime,
+            &caller,
+            &input.sandbox_id,
+            &input.session_id,
+            input.with_workspace.unwrap_or(false),
+        )
+        .await;
+        Ok(reply(forked, |forked| {
+            answer(
+                json!({
+                    "sandbox_id": forked.sandbox_id,
+                    "session_id": forked.session.session_id,
+                    "forked_from": forked.forked_from,
+                    "language": forked.session.language,
+                }),
+                false,
+            )
+        }))
+    }
+
     #[tool(description = "Close a session and free its state.")]
     async fn session_close(
         &self,
@@ -548,7 +590,7 @@ impl KilnMcp {
 impl ServerHandler for KilnMcp {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
-            "kiln runs code in WebAssembly sandboxes with no network: run_python / run_javascript for one-off code; sandbox_create plus the file tools for a persistent workspace; session_create / session_run for state that persists between runs.",
+            "kiln runs code in WebAssembly sandboxes with no network: run_python / run_javascript for one-off code; sandbox_create plus the file tools for a persistent workspace; session_create / session_run for state that persists between runs; fork_session to branch a Python session's state.",
         )
     }
 }

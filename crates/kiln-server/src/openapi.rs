@@ -24,7 +24,7 @@ mod mcp;
         crate::templates::list,
         v1::list, v1::create, v1::get, v1::delete, v1::renew,
         v1::execute, v1::execute_stream, v1::websocket, v1::cancel,
-        v1::create_session, v1::list_sessions, v1::restart_session, v1::close_session,
+        v1::create_session, v1::list_sessions, v1::restart_session, v1::fork_session, v1::close_session,
         v1::list_files, v1::read_file, v1::write_file, v1::delete_file,
         crate::chat::chat,
         api::healthz, api::readyz, api::metrics,
@@ -291,7 +291,7 @@ fn link_created(openapi: &mut utoipa::openapi::OpenApi, takes_id: &[String]) {
     }
 }
 
-/// A session's id leads to its restart and close; an execution's to its cancel.
+/// A session's id leads to its restart, fork and close; an execution's to its cancel.
 fn link_nested(openapi: &mut utoipa::openapi::OpenApi) {
     use utoipa::openapi::link::LinkBuilder;
     let nested = [
@@ -302,6 +302,7 @@ fn link_nested(openapi: &mut utoipa::openapi::OpenApi) {
             "sessionId",
             &[
                 "post_api_v1_sandboxes_id_sessions_session_id_restart",
+                "post_api_v1_sandboxes_id_sessions_session_id_fork",
                 "delete_api_v1_sandboxes_id_sessions_session_id",
             ][..],
         ),

@@ -778,6 +778,68 @@ pub async fn restart_session(
     Ok(Json(info))
 }
 
+/// Fork a session.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(example = json!({"withWorkspace": false}))]
+pub struct ForkSession {
+    /// `false` (default): the fork is a new session of this sandbox, sharing its workspace.
+    /// `true`: it lives in a new sandbox (same template, same tenant) whose workspace files
+    /// and history start as this sandbox's are now; from then on each has its own.
+    #[serde(default)]
+    pub with_workspace: bool,
+}
+
+/// Largest body a fork takes: a fork asks for one flag.
+pub const MAX_FORK_BODY_BYTES: usize = 64 << 10;
+
+/// Fork a session: a new session that starts with this one's variables, imports and
+/// definitions (a copy-on-write copy of its memory) while this one goes on unchanged.
+/// Neither sees what the other does from then on. The fork's `/tmp` starts empty, files
+/// open in the parent are not open in it, and its random generators are reseeded. Python
+/// sessions of the `python` and `python-data` templates fork (a template's
+/// `capabilities.fork`); JavaScript sessions cannot. The body is optional. The sandbox is
+/// busy while it forks: a fork asked while a turn runs there is refused with 409
+/// `SANDBOX_BUSY`.
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/sessions/{session_id}/fork", tag = "v1 sessions",
+    request_body(content = ForkSession, description = "Optional; `{}` or no body is `{\"withWorkspace\": false}`"),
+    params(("id" = String, Path, description = "The sandbox id"), ("session_id" = String, Path, description = "The session id")),
+    responses(
+        (status = 201, description = "Forked: the new session, and the sandbox it lives in", body = sessions::ForkedSession),
+        (status = 400, description = "A template (or a language) whose sessions cannot be forked (UNSUPPORTED), or a bad body", body = ErrorBody),
+        (status = 404, description = "No such sandbox or session", body = ErrorBody),
+        (status = 409, description = "The sandbox is busy (SANDBOX_BUSY), the session has ended (SESSION_ENDED), or the sandbox holds its most sessions (TOO_MANY_SESSIONS)", body = ErrorBody),
+        (status = 413, description = "The body is larger than 64 KiB", body = ErrorBody),
+    ))]
+pub async fn fork_session(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Body,
+) -> Result<(StatusCode, Json<sessions::ForkedSession>), ApiError> {
+    let Path((id, session)) = ids.map_err(path_error)?;
+    let body: ForkSession = optional_json(&headers, body, MAX_FORK_BODY_BYTES).await?;
+    let forked =
+        sessions::fork(&state.runtime, &caller, &id, &session, body.with_workspace).await?;
+    Ok((StatusCode::CREATED, Json(forked)))
+}
+
+/// A JSON body that may be left out: none (or an empty one) is `T::default()`; any other is
+/// read as [`JsonBody`] reads it (415, 413, 400 in the one envelope).
+async fn optional_json<T: serde::de::DeserializeOwned + Default>(
+    headers: &axum::http::HeaderMap,
+    body: axum::body::Body,
+    limit_bytes: usize,
+) -> Result<T, HttpError> {
+    let bytes = kiln_http::json::read_body(headers, body, limit_bytes).await?;
+    if bytes.is_empty() {
+        return Ok(T::default());
+    }
+    kiln_http::json::require_json(headers)?;
+    kiln_http::json::from_json(&bytes)
+}
+
 /// Close a session and forget it.
 #[utoipa::path(delete, path = "/api/v1/sandboxes/{id}/sessions/{session_id}", tag = "v1 sessions",
     params(("id" = String, Path, description = "The sandbox id"), ("session_id" = String, Path, description = "The session id")),

@@ -24,7 +24,9 @@ fn app(auth: bool) -> App {
     // The fake backend serves these templates (its "python" is a toy language, not CPython).
     let mut python = TemplateInfo::example_python();
     python.backend = kiln_core::template::BackendKind::Fake;
+    python.capabilities.fork = true;
     let mut javascript = python.clone();
+    javascript.capabilities.fork = false;
     javascript.id = "javascript".into();
     javascript.languages = vec![kiln_core::Language::JavaScript];
     javascript.images.names = vec!["node".into()];
@@ -37,7 +39,11 @@ fn app(auth: bool) -> App {
         rate_limit: 0,
         request_timeout: std::time::Duration::from_secs(30),
         public_hosts: Vec::new(),
-        quotas: Quotas::default(),
+        // Room for a handful of sessions at the default 512 MiB cap.
+        quotas: Quotas {
+            session_memory_bytes: 8 << 30,
+            ..Quotas::default()
+        },
         catalogue: Catalogue::new(vec![python, javascript]),
         llm: kiln_llm::LlmEnv::default(),
         routes: Vec::new(),
@@ -400,4 +406,235 @@ async fn bodies_are_refused_with_clear_errors_in_the_one_shape() {
     )
     .await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
+}
+
+impl App {
+    /// A POST of `body` (any bytes) with `content_type`, through the whole router.
+    async fn post_raw(
+        &self,
+        path: &str,
+        content_type: Option<&str>,
+        body: Vec<u8>,
+    ) -> (StatusCode, Value) {
+        let mut request = Request::builder().method("POST").uri(path);
+        if let Some(content_type) = content_type {
+            request = request.header(header::CONTENT_TYPE, content_type);
+        }
+        let response = router(self.state.clone())
+            .oneshot(request.body(Body::from(body)).expect("a request"))
+            .await
+            .expect("the router answers");
+        let status = response.status();
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("a body");
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+
+    async fn session(&self, id: &str, language: &str) -> String {
+        let path = format!("/api/v1/sandboxes/{id}/sessions");
+        let create = json!({ "language": language }).to_string();
+        let (status, body, _) = self.call("POST", &path, Some(&create)).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        body["sessionId"].as_str().expect("a session").to_owned()
+    }
+}
+
+#[tokio::test]
+async fn a_session_forks_into_its_sandbox_or_a_new_one() {
+    let app = app(false);
+    let id = app.sandbox().await;
+    let parent = app.session(&id, "python").await;
+    app.exec(&id, json!({"code": "set x 41", "sessionId": parent}))
+        .await;
+    let fork = format!("/api/v1/sandboxes/{id}/sessions/{parent}/fork");
+    // No body, an empty object, and an explicit false all fork within the sandbox.
+    let mut forks = Vec::new();
+    for body in [None, Some("{}"), Some(r#"{"withWorkspace": false}"#)] {
+        let (status, answer, _) = app.call("POST", &fork, body).await;
+        assert_eq!(status, StatusCode::CREATED, "{answer}");
+        assert_eq!(answer["sandboxId"], id.as_str(), "{answer}");
+        assert_eq!(answer["forkedFrom"], parent.as_str(), "{answer}");
+        assert_eq!(
+            (
+                answer["status"].as_str(),
+                answer["turns"].as_u64(),
+                answer["language"].as_str()
+            ),
+            (Some("ready"), Some(0), Some("python")),
+            "{answer}"
+        );
+        forks.push(answer["sessionId"].as_str().expect("an id").to_owned());
+    }
+    let (_, ran) = app
+        .exec(&id, json!({"code": "get x", "sessionId": forks[0]}))
+        .await;
+    assert_eq!(ran["stdout"], "41\n", "{ran}");
+    let (_, list, _) = app
+        .call("GET", &format!("/api/v1/sandboxes/{id}/sessions"), None)
+        .await;
+    assert_eq!(list["sessions"].as_array().map(Vec::len), Some(4), "{list}");
+
+    // With its workspace: a new sandbox whose files start as the parent's.
+    let upload = app
+        .post_raw(
+            &format!("/api/v1/sandboxes/{id}/exec"),
+            Some("application/json"),
+            json!({"code": "print x", "files": {"kept.txt": "before"}})
+                .to_string()
+                .into_bytes(),
+        )
+        .await;
+    assert_eq!(upload.0, StatusCode::OK, "{}", upload.1);
+    let (status, answer, _) = app
+        .call("POST", &fork, Some(r#"{"withWorkspace": true}"#))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{answer}");
+    let child_box = answer["sandboxId"].as_str().expect("a sandbox").to_owned();
+    assert_ne!(child_box, id);
+    let child = answer["sessionId"].as_str().expect("a session").to_owned();
+    let (_, ran) = app
+        .exec(&child_box, json!({"code": "get x", "sessionId": child}))
+        .await;
+    assert_eq!(ran["stdout"], "41\n", "{ran}");
+    let (status, listed, _) = app
+        .call("GET", &format!("/api/v1/sandboxes/{child_box}/files"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{listed}");
+    assert!(listed.to_string().contains("kept.txt"), "{listed}");
+    let (status, info, _) = app
+        .call("GET", &format!("/api/v1/sandboxes/{child_box}"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{info}");
+    assert_eq!(info["template"], "python", "{info}");
+
+    // The route is in the API description, linked from session creation.
+    let (_, spec, _) = app.call("GET", "/openapi.json", None).await;
+    let path = &spec["paths"]["/api/v1/sandboxes/{id}/sessions/{session_id}/fork"]["post"];
+    assert_eq!(
+        path["operationId"],
+        "post_api_v1_sandboxes_id_sessions_session_id_fork"
+    );
+    assert!(path["responses"]["201"].is_object(), "{path}");
+}
+
+#[tokio::test]
+async fn fork_refusals_are_clear_and_in_the_one_shape() {
+    let app = app(false);
+    let id = app.sandbox().await;
+    let parent = app.session(&id, "python").await;
+    let fork = format!("/api/v1/sandboxes/{id}/sessions/{parent}/fork");
+    let cases = [
+        (
+            "/api/v1/sandboxes/sb_000000000000000000000000/sessions/ses_x/fork".to_owned(),
+            None,
+            StatusCode::NOT_FOUND,
+            "SANDBOX_NOT_FOUND",
+        ),
+        (
+            format!("/api/v1/sandboxes/{id}/sessions/ses_nope/fork"),
+            None,
+            StatusCode::NOT_FOUND,
+            "SESSION_NOT_FOUND",
+        ),
+        (
+            fork.clone(),
+            Some("{not json"),
+            StatusCode::BAD_REQUEST,
+            "MALFORMED_JSON",
+        ),
+        (
+            fork.clone(),
+            Some(r#"{"withWorkspace": "yes"}"#),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+        (
+            fork.clone(),
+            Some(r#"{"bogus": 1}"#),
+            StatusCode::BAD_REQUEST,
+            "INVALID_REQUEST",
+        ),
+    ];
+    for (path, body, want, code) in cases {
+        let (status, answer, _) = app.call("POST", &path, body).await;
+        assert_error(status, &answer, want, code);
+    }
+    let (status, answer) = app
+        .post_raw(&fork, Some("text/plain"), b"{}".to_vec())
+        .await;
+    assert_error(
+        status,
+        &answer,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "UNSUPPORTED_MEDIA_TYPE",
+    );
+    let big = format!(
+        r#"{{"withWorkspace": false, "pad": "{}"}}"#,
+        " ".repeat(70 << 10)
+    );
+    let (status, answer) = app
+        .post_raw(&fork, Some("application/json"), big.into_bytes())
+        .await;
+    assert_error(
+        status,
+        &answer,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "BODY_TOO_LARGE",
+    );
+
+    // Sessions a template cannot fork: a javascript sandbox's, a JavaScript session's.
+    let (status, created, _) = app
+        .call(
+            "POST",
+            "/api/v1/sandboxes",
+            Some(r#"{"language": "javascript"}"#),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let js_box = created["containerId"].as_str().expect("an id").to_owned();
+    let js = app.session(&js_box, "javascript").await;
+    let (status, answer, _) = app
+        .call(
+            "POST",
+            &format!("/api/v1/sandboxes/{js_box}/sessions/{js}/fork"),
+            None,
+        )
+        .await;
+    assert_error(status, &answer, StatusCode::BAD_REQUEST, "UNSUPPORTED");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("sessions of the javascript template cannot be forked")),
+        "{answer}"
+    );
+    let js_in_python = app.session(&id, "javascript").await;
+    let (status, answer, _) = app
+        .call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/sessions/{js_in_python}/fork"),
+            Some(r#"{"withWorkspace": true}"#),
+        )
+        .await;
+    assert_error(status, &answer, StatusCode::BAD_REQUEST, "UNSUPPORTED");
+
+    // A session whose turn ran past its deadline has ended.
+    let (_, ran) = app
+        .exec(
+            &id,
+            json!({"code": "spin", "sessionId": parent, "timeoutMs": 100}),
+        )
+        .await;
+    assert_eq!(ran["status"], "timeout", "{ran}");
+    let (status, answer, _) = app.call("POST", &fork, None).await;
+    assert_error(status, &answer, StatusCode::CONFLICT, "SESSION_ENDED");
+    let (_, list, _) = app.call("GET", "/api/v1/sandboxes", None).await;
+    assert_eq!(
+        list["sandboxes"].as_array().map(Vec::len),
+        Some(2),
+        "no sandbox left behind: {list}"
+    );
 }
