@@ -182,7 +182,8 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
         Command::Mcp {
             data_dir: dir,
             workers,
-        } => mcp(dir, workers),
+            default_python_template,
+        } => mcp(dir, workers, default_python_template),
         Command::Keys {
             command,
             data_dir: dir,
@@ -301,6 +302,21 @@ fn prepare_runtimes() -> anyhow::Result<()> {
     for language in Language::WASM {
         setup.prepare(language, &progress::Bar::new())?;
     }
+    // python-data's image is built in the background, so the server starts at once; a
+    // python-data request that comes first waits for it on the cache's lock.
+    let warm = std::thread::Builder::new()
+        .name("kiln-warm-setup".into())
+        .spawn(move || {
+            let built = runtime(1).map_err(|e| e.to_string()).and_then(|rt| {
+                let warm_up = kiln_wasm::PYTHON_DATA_WARM_UP;
+                let prepared = rt.block_on(setup.prepare_warm(warm_up, &kiln_wasm::Quiet));
+                prepared.map_err(|e| e.to_string())
+            });
+            if let Err(error) = built {
+                tracing::warn!(%error, "could not build the python-data template's image; its sandboxes will try again");
+            }
+        });
+    warm.context("starting the python-data setup thread")?;
     Ok(())
 }
 
@@ -334,6 +350,8 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     // Linux templates first: Docker-style images (python:3.11, node:18) resolve to real
     // Linux; a language's default stays its WebAssembly template (the first ephemeral one).
     templates.extend(kiln_wasm::templates());
+    let catalogue = kiln_core::template::Catalogue::new(templates);
+    let routes = python_route(&catalogue, args.routes, args.default_python_template)?;
     let server = kiln_server::ServerConfig {
         listen: args.listen,
         data_dir,
@@ -342,9 +360,9 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
         public_hosts: args.public_hosts,
         quotas: kiln_runtime::quota::Quotas::default().with(&args.quotas.overrides()),
-        catalogue: kiln_core::template::Catalogue::new(templates),
+        catalogue,
         llm: kiln_llm::LlmEnv::from_env(),
-        routes: args.routes,
+        routes,
         max_exec_ms: args.max_exec_time,
         process_host: linux
             .clone()
@@ -376,14 +394,57 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn mcp(dir: Option<std::path::PathBuf>, workers: usize) -> anyhow::Result<ExitCode> {
+/// The routes with `--default-python-template`'s as Python's: an `installed` template that
+/// runs Python, and not another than a `--route python=…` names.
+fn python_route(
+    installed: &kiln_core::template::Catalogue,
+    mut routes: Vec<(Language, String)>,
+    default_python_template: Option<String>,
+) -> anyhow::Result<Vec<(Language, String)>> {
+    let Some(template) = default_python_template else {
+        return Ok(routes);
+    };
+    if !installed
+        .get(&template)
+        .is_some_and(|t| t.languages.contains(&Language::Python))
+    {
+        let python: Vec<&str> = installed
+            .templates()
+            .iter()
+            .filter(|t| t.languages.contains(&Language::Python))
+            .map(|t| t.id.as_str())
+            .collect();
+        bail!(
+            "--default-python-template {template:?} is not a Python template; use one of {}",
+            python.join(", ")
+        );
+    }
+    match routes
+        .iter()
+        .find(|(language, _)| *language == Language::Python)
+    {
+        Some((_, routed)) if *routed != template => bail!(
+            "--default-python-template {template} and --route python={routed} disagree; give one"
+        ),
+        Some(_) => {}
+        None => routes.push((Language::Python, template)),
+    }
+    Ok(routes)
+}
+
+fn mcp(
+    dir: Option<std::path::PathBuf>,
+    workers: usize,
+    default_python_template: Option<String>,
+) -> anyhow::Result<ExitCode> {
     prepare_runtimes()?;
     let data_dir = data_dir(dir)?;
     let mut config = kiln_executor::PoolConfig::current_exe()?;
     config.workers = workers.max(1);
     config.writable.push(made_dir(&data_dir)?);
     let pool = kiln_executor::ExecutorPool::new(config);
-    let config = kiln_runtime::RuntimeConfig::new(data_dir, catalogue());
+    let mut config = kiln_runtime::RuntimeConfig::new(data_dir, catalogue());
+    config.routes = python_route(&config.catalogue, Vec::new(), default_python_template)?;
     runtime(2)?.block_on(async {
         let runtime = std::sync::Arc::new(kiln_runtime::Runtime::open(config, wasm_pools(pool))?);
         kiln_server::mcp::serve_stdio(runtime).await?;
