@@ -75,6 +75,10 @@ pub enum Command {
         /// Executor worker processes.
         #[arg(long, default_value_t = 1)]
         workers: usize,
+        /// The template of Python code where a tool names no sandbox: `python` (default) or
+        /// `python-data` (numpy, pandas, scipy and matplotlib already imported).
+        #[arg(long, env = "KILN_DEFAULT_PYTHON_TEMPLATE", value_name = "TEMPLATE")]
+        default_python_template: Option<String>,
     },
     /// Manage API keys for `kiln serve` (stored hashed in the data folder).
     Keys {
@@ -150,6 +154,12 @@ pub struct ServeArgs {
     /// `javascript=linux-node`; repeatable. Default: the WebAssembly templates.
     #[arg(long = "route", env = "KILN_ROUTE", value_delimiter = ',', value_name = "LANG=TEMPLATE", value_parser = parse_route)]
     pub routes: Vec<(Language, String)>,
+    /// The template of Python code where a request names no sandbox (MCP's run_python and
+    /// session tools, the chat agent's execute_code, default sandboxes): `python` (default)
+    /// or `python-data`, which starts warm with numpy, pandas, scipy and matplotlib
+    /// imported. The same as `--route python=TEMPLATE`.
+    #[arg(long, env = "KILN_DEFAULT_PYTHON_TEMPLATE", value_name = "TEMPLATE")]
+    pub default_python_template: Option<String>,
     /// Also speak E2B's protocol on this address, so code written for E2B's SDKs runs
     /// here unchanged: point E2B_API_URL and E2B_SANDBOX_URL at it (see "Coming from E2B"
     /// in the README).
