@@ -247,6 +247,10 @@ async fn fork_begun(
             session: forked,
         });
     }
+    // Over the session quota: refused before a sandbox is made for nothing.
+    rt.registry
+        .usage(&caller.tenant)
+        .check_session(&rt.quotas(caller), parent.memory_bytes)?;
     let child = fork_sandbox(rt, caller, parent, session, work).await?;
     match fork_into(rt, caller, parent, &child, &meta, &handle).await {
         Ok(forked) => Ok(ForkedSession {
