@@ -5,6 +5,7 @@
 mod all;
 mod chat;
 mod common;
+mod fork;
 mod linux;
 mod rest;
 mod runner;
