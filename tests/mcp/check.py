@@ -22,7 +22,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 KILN = os.path.abspath(sys.argv[1])
 EXPECTED_TOOLS = {
     "run_python", "run_javascript", "run_go", "run_bash", "sandbox_create", "session_create", "session_run",
-    "session_close", "write_file", "read_file", "list_files",
+    "session_close", "fork_session", "write_file", "read_file", "list_files",
 }
 
 
@@ -91,6 +91,22 @@ async def exercise(client, name):
     blobs = [b.resource for b in result.content if getattr(b, "type", None) == "resource"]
     check(len(blobs) == 1 and blobs[0].mime_type == "image/png", f"{name}: binary read_file {result.content}")
     check(base64.b64decode(blobs[0].blob).startswith(b"\x89PNG"), f"{name}: blob bytes")
+    # Issue 18: a fork starts with the session's variables; with_workspace, in a sandbox of
+    # its own whose files start as the original's.
+    forked = data(await client.call_tool("fork_session", {"sandbox_id": sandbox, "session_id": session}))
+    check(forked["sandbox_id"] == sandbox and forked["forked_from"] == session, f"{name}: fork_session {forked}")
+    result = await client.call_tool("session_run", {"sandbox_id": sandbox, "session_id": forked["session_id"], "code": "x += 1\nprint(x)"})
+    check(data(result)["stdout"] == "121\n", f"{name}: forked session {text(result)}")
+    result = await client.call_tool("session_run", {"sandbox_id": sandbox, "session_id": session, "code": "print(x)"})
+    check(data(result)["stdout"] == "120\n", f"{name}: the original after a fork {text(result)}")
+    await client.call_tool("session_close", {"sandbox_id": sandbox, "session_id": forked["session_id"]})
+    forked = data(await client.call_tool("fork_session", {"sandbox_id": sandbox, "session_id": session, "with_workspace": True}))
+    check(forked["sandbox_id"] != sandbox, f"{name}: fork_session with_workspace {forked}")
+    result = await client.call_tool("session_run", {"sandbox_id": forked["sandbox_id"], "session_id": forked["session_id"], "code": "print(x, open('data/in.txt').read())"})
+    check(data(result)["stdout"] == "120 héllo\n", f"{name}: forked workspace {text(result)}")
+    await client.call_tool("session_close", {"sandbox_id": forked["sandbox_id"], "session_id": forked["session_id"]})
+    result = await client.call_tool("fork_session", {"sandbox_id": sandbox, "session_id": "ses_nope"})
+    check(result.is_error and data(result)["error"]["code"] == "SESSION_NOT_FOUND", f"{name}: fork of nothing {text(result)}")
     listing = data(await client.call_tool("list_files", {"sandbox_id": sandbox}))
     check([f["path"] for f in listing["files"]] == ["data", "data/in.txt", "out.txt", "plot.png"], f"{name}: list_files {listing}")
     result = await client.call_tool("session_close", {"sandbox_id": sandbox, "session_id": session})
