@@ -766,6 +766,19 @@ impl Tree {
         data: &mut dyn Read,
         executable: bool,
     ) -> Result<u64, TreeError> {
+        self.write_in_as(dir, name, data, executable, true)
+    }
+
+    /// [`Tree::write_in`]; without `durable`, nothing is fsynced (a caller that writes many
+    /// files syncs the file system once at the end: see [`copy::copy_tree`]).
+    fn write_in_as(
+        &self,
+        dir: &Dir,
+        name: &OsStr,
+        data: &mut dyn Read,
+        executable: bool,
+        durable: bool,
+    ) -> Result<u64, TreeError> {
         check_name(name)?;
         let Some(scratch) = &self.scratch else {
             return Err(TreeError::Io {
@@ -794,14 +807,18 @@ impl Tree {
             let mut file = File::from(fd);
             let n = std::io::copy(data, &mut file).map_err(|e| io_error("write", name, e))?;
             file.flush().map_err(|e| io_error("write", name, e))?;
-            file.sync_all().map_err(|e| io_error("write", name, e))?;
+            if durable {
+                file.sync_all().map_err(|e| io_error("write", name, e))?;
+            }
             rustix::fs::renameat(&scratch.fd, temp.as_str(), &dir.fd, name)
                 .map_err(|e| errno_error("write", name, e))?;
             Ok(n)
         })();
         match written {
             Ok(n) => {
-                dir.sync()?;
+                if durable {
+                    dir.sync()?;
+                }
                 Ok(n)
             }
             Err(e) => {
