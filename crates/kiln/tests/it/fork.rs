@@ -476,3 +476,57 @@ fn mcp_forks_sessions_and_defaults_python_to_the_configured_template() -> TestRe
     assert_eq!(ran["stdout"], "False\n", "{ran}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agents_execute_code_starts_warm_when_configured() -> TestResult {
+    use kiln_llm::fake::{FakeProvider, Step};
+    let fake = FakeProvider::start(vec![
+        Step::tool(
+            "call_1",
+            "execute_code",
+            json!({"language": "python", "code": PANDAS_IN}),
+        ),
+        Step::Text("done".into()),
+    ])
+    .await?;
+    let base_url = fake.base_url.clone();
+    let (events, template) = tokio::task::spawn_blocking(move || -> Res<(Vec<Value>, Value)> {
+        let env = [
+            ("KILN_LLM_MODEL", "openai-compatible:fake"),
+            ("KILN_LLM_BASE_URL", base_url.as_str()),
+            ("KILN_DEFAULT_PYTHON_TEMPLATE", "python-data"),
+        ];
+        let server = start(Options {
+            env: &env,
+            ..Options::default()
+        })?;
+        let body = json!({"messages": [{"role": "user", "content": "is pandas in?"}]}).to_string();
+        let reply = send(
+            "POST",
+            &server.url("/api/v1/chat"),
+            None,
+            Some(("application/json", body.as_bytes())),
+        )?;
+        assert_eq!(reply.status, 200);
+        let events: Vec<Value> = String::from_utf8_lossy(&reply.body)
+            .lines()
+            .filter_map(|line| line.strip_prefix("data:"))
+            .filter_map(|data| serde_json::from_str(data.trim()).ok())
+            .collect();
+        let sandbox = events
+            .iter()
+            .find_map(|e| e["sandbox_id"].as_str())
+            .ok_or("no sandbox event")?
+            .to_owned();
+        let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{sandbox}"), None)?;
+        Ok((events, info["template"].clone()))
+    })
+    .await??;
+    assert_eq!(template, "python-data");
+    let result = events
+        .iter()
+        .find_map(|e| e["result"].as_str())
+        .ok_or("no tool result")?;
+    assert!(result.contains("stdout:\nTrue\n"), "{result}");
+    Ok(())
+}
