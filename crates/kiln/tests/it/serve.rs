@@ -1625,7 +1625,7 @@ fn issue14_images_resolve_through_the_template_catalogue() -> TestResult {
     assert_eq!(status, 200, "{body}");
     let templates = body["templates"].as_array().ok_or("no templates")?;
     let ids: Vec<&str> = templates.iter().filter_map(|t| t["id"].as_str()).collect();
-    assert_eq!(ids, ["python", "javascript"], "{body}");
+    assert_eq!(ids, ["python", "python-data", "javascript"], "{body}");
     let python = &templates[0];
     assert_eq!(python["backend"], "wasm", "{python}");
     assert_eq!(python["lifecycle"], "ephemeral", "{python}");
@@ -1688,7 +1688,7 @@ fn issue14_images_resolve_through_the_template_catalogue() -> TestResult {
             assert_eq!(body["error"]["details"]["image"], image, "{body}");
             assert_eq!(
                 body["error"]["details"]["templates"],
-                json!(["python", "javascript"]),
+                json!(["python", "python-data", "javascript"]),
                 "{body}"
             );
             let message = body["error"]["message"].as_str().unwrap_or_default();
@@ -1711,7 +1711,7 @@ fn kiln_serve_refuses_a_route_it_cannot_honour() {
     for (route, said) in [
         (
             "python=linux-nope",
-            "the route python=linux-nope names no installed template (installed: python, javascript)",
+            "the route python=linux-nope names no installed template (installed: python, python-data, javascript)",
         ),
         (
             "javascript=python",
