@@ -541,11 +541,6 @@ async fn a_fork_with_its_workspace_lives_in_a_sandbox_of_its_own() {
         .expect("the fork's sandbox");
     assert_eq!(view.meta.template(), "python");
     assert_eq!(view.meta.sessions.len(), 1);
-    // Another tenant sees neither.
-    let foreign = sessions::fork(&rt, &tenant("b"), &id, &parent, true)
-        .await
-        .unwrap_err();
-    assert_eq!(foreign.code(), "SANDBOX_NOT_FOUND");
 }
 
 #[tokio::test]
@@ -568,41 +563,11 @@ async fn forks_are_refused_with_their_codes() {
         .await
         .unwrap_err();
     assert_eq!(unknown.code(), "SESSION_NOT_FOUND");
-
-    // A turn running in the parent's sandbox: refused, never copied half-way.
-    let mut slow = code("sleep 400\nset late 1");
-    slow.session = Some(parent.clone());
-    let spec = exec::prepare(&rt, &caller, &id, slow).expect("a turn");
-    let running = {
-        let (rt, caller, id) = (rt.clone(), caller.clone(), id.clone());
-        tokio::spawn(async move { exec::run(&rt, &caller, &id, spec, None).await })
-    };
-    while rt.registry.get("a", &id).expect("there").running.is_none() {
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    let busy = sessions::fork(&rt, &caller, &id, &parent, false)
+    let foreign = sessions::fork(&rt, &tenant("b"), &id, &parent, true)
         .await
         .unwrap_err();
-    assert_eq!(busy.code(), "SANDBOX_BUSY");
-    running.await.expect("joined").expect("ran");
-    let forked = sessions::fork(&rt, &caller, &id, &parent, false)
-        .await
-        .expect("forked once the turn is done");
-    assert_eq!(
-        turn(&rt, &caller, &id, &forked.session.session_id, "get late").await,
-        "1\n"
-    );
-
-    // A session whose turn ran past its deadline has ended: so has forking it.
-    let mut spin = code("spin");
-    spin.session = Some(parent.clone());
-    spin.timeout_ms = Some(50);
-    let spec = exec::prepare(&rt, &caller, &id, spin).expect("a turn");
-    exec::run(&rt, &caller, &id, spec, None).await.expect("ran");
-    let ended = sessions::fork(&rt, &caller, &id, &parent, true)
-        .await
-        .unwrap_err();
-    assert_eq!(ended.code(), "SESSION_ENDED");
+    assert_eq!(foreign.code(), "SANDBOX_NOT_FOUND");
+    refused_while_busy_or_ended(&rt, &caller, &id, &parent).await;
 
     // A template that does not fork says so, and makes nothing.
     let spec = SandboxSpec::resolve(rt.catalogue(), "plain", None, None).expect("resolves");
@@ -639,4 +604,48 @@ async fn forks_are_refused_with_their_codes() {
     assert_eq!(rt.registry.count(), sandboxes, "no sandbox was left behind");
     // Every refusal left the sandbox idle.
     files::list(&rt, &caller, &id, None).await.expect("idle");
+}
+
+/// A fork asked while a turn of `parent` runs is refused (never copied half-way); once the
+/// turn is done it forks the state the turn left; a session that timed out cannot fork.
+async fn refused_while_busy_or_ended(rt: &Arc<Runtime>, caller: &Caller, id: &str, parent: &str) {
+    let mut slow = code("sleep 400\nset late 1");
+    slow.session = Some(parent.to_owned());
+    let spec = exec::prepare(rt, caller, id, slow).expect("a turn");
+    let running = {
+        let (rt, caller, id) = (rt.clone(), caller.clone(), id.to_owned());
+        tokio::spawn(async move { exec::run(&rt, &caller, &id, spec, None).await })
+    };
+    while rt
+        .registry
+        .get(&caller.tenant, id)
+        .expect("there")
+        .running
+        .is_none()
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let busy = sessions::fork(rt, caller, id, parent, false)
+        .await
+        .unwrap_err();
+    assert_eq!(busy.code(), "SANDBOX_BUSY");
+    running.await.expect("joined").expect("ran");
+    let forked = sessions::fork(rt, caller, id, parent, false)
+        .await
+        .expect("forked once the turn is done");
+    assert_eq!(
+        turn(rt, caller, id, &forked.session.session_id, "get late").await,
+        "1\n"
+    );
+
+    // A session whose turn ran past its deadline has ended: so has forking it.
+    let mut spin = code("spin");
+    spin.session = Some(parent.to_owned());
+    spin.timeout_ms = Some(50);
+    let spec = exec::prepare(rt, caller, id, spin).expect("a turn");
+    exec::run(rt, caller, id, spec, None).await.expect("ran");
+    let ended = sessions::fork(rt, caller, id, parent, true)
+        .await
+        .unwrap_err();
+    assert_eq!(ended.code(), "SESSION_ENDED");
 }

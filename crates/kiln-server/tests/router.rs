@@ -585,7 +585,14 @@ async fn fork_refusals_are_clear_and_in_the_one_shape() {
         StatusCode::PAYLOAD_TOO_LARGE,
         "BODY_TOO_LARGE",
     );
+}
 
+#[tokio::test]
+async fn sessions_that_cannot_fork_say_so() {
+    let app = app(false);
+    let id = app.sandbox().await;
+    let parent = app.session(&id, "python").await;
+    let fork = format!("/api/v1/sandboxes/{id}/sessions/{parent}/fork");
     // Sessions a template cannot fork: a javascript sandbox's, a JavaScript session's.
     let (status, created, _) = app
         .call(

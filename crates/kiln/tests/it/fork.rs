@@ -300,6 +300,20 @@ fn fork_refusals_name_what_to_do() -> TestResult {
         "javascript sessions of the python template cannot be forked; its python sessions can"
     );
 
+    Ok(())
+}
+
+#[test]
+fn a_fork_is_refused_while_a_turn_runs_and_after_the_session_ended() -> TestResult {
+    let server = server(&[])?;
+    let id = server.new_sandbox("python-data")?;
+    let parent = session(&server, &id, "python")?;
+    let code = |answer: &Value| {
+        answer["error"]["code"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
     // A turn running: refused, and the parent comes out of it whole.
     let busy_server = &server;
     let (id2, parent2) = (id.clone(), parent.clone());
