@@ -384,11 +384,11 @@ async fn fork_sandbox(
     blocking(move || {
         // What the parent's files are now is its history's head, which the fork starts at.
         crate::exec::record(&rt.registry, &parent, &summary, &work)?;
-        let room = rt.registry.usage(&tenant).workspace_room(&quotas);
+        let in_use = rt.registry.usage(&tenant).workspace_bytes;
         let child = rt
             .registry
             .create_seeded(&tenant, &spec, &quotas, |child| {
-                seed_from(&parent, child, room, &quotas)
+                seed_from(&parent, child, in_use, &quotas)
             })?;
         crate::exec::record(&rt.registry, &child, &summary, &work)?;
         Ok(child)
@@ -396,21 +396,21 @@ async fn fork_sandbox(
     .await
 }
 
-/// Fills the new sandbox `child` with `parent`'s history and files (see [`fork`]); `room`
-/// is what the tenant's workspace quota leaves.
-fn seed_from(parent: &Sandbox, child: &Sandbox, room: u64, quotas: &Quotas) -> Result<()> {
+/// Fills the new sandbox `child` with `parent`'s history and files (see [`fork`]), within
+/// what the tenant's workspace quota leaves (`in_use` bytes are in its workspaces now).
+fn seed_from(parent: &Sandbox, child: &Sandbox, in_use: u64, quotas: &Quotas) -> Result<()> {
     parent.history()?.clone_into(&child.git_dir())?;
     let bounds = kiln_workspace::copy::CopyBounds {
         max_file_bytes: crate::history::MAX_FILE_BYTES,
         max_entries: crate::history::MAX_ENTRIES,
-        max_total_bytes: room,
+        max_total_bytes: quotas.workspace_bytes.saturating_sub(in_use),
     };
     let copied = kiln_workspace::copy::copy_tree(&parent.tree()?, &child.tree()?, &bounds)?;
     if copied.over_total {
         return Err(crate::quota::exceeded(
             "workspaceBytes",
             quotas.workspace_bytes,
-            quotas.workspace_bytes.saturating_sub(room),
+            in_use,
             "bytes",
         ));
     }

@@ -394,6 +394,11 @@ async fn a_linux_sandboxs_workspace_lives_on_a_capped_volume_that_outlives_a_res
 
 /// A runtime whose `python` template forks sessions and whose `plain` one does not.
 fn forking_runtime() -> Fixture {
+    forking_runtime_with(2 << 30)
+}
+
+/// [`forking_runtime`] with a workspace quota of `workspace_bytes`.
+fn forking_runtime_with(workspace_bytes: u64) -> Fixture {
     let data = tempfile::tempdir().expect("a temporary folder");
     let mut python = TemplateInfo::example_python();
     python.capabilities.fork = true;
@@ -406,6 +411,7 @@ fn forking_runtime() -> Fixture {
         Catalogue::new(vec![python, plain]),
     );
     config.quotas.session_memory_bytes = 8 << 30;
+    config.quotas.workspace_bytes = workspace_bytes;
     let pool = ExecutorPool::new(kiln_executor::fake::pool_config(1));
     Fixture {
         rt: Arc::new(Runtime::open(config, Pools::new(BackendKind::Wasm, pool)).expect("opens")),
@@ -648,4 +654,33 @@ async fn refused_while_busy_or_ended(rt: &Arc<Runtime>, caller: &Caller, id: &st
         .await
         .unwrap_err();
     assert_eq!(ended.code(), "SESSION_ENDED");
+}
+
+#[tokio::test]
+async fn a_fork_with_its_workspace_counts_against_the_workspace_quota() {
+    let Fixture { rt, _data } = forking_runtime_with(1000);
+    let caller = tenant("a");
+    let id = exec::create_default_sandbox(&rt, &caller, Language::Python)
+        .await
+        .expect("created")
+        .id;
+    let parent = sessions::create(&rt, &caller, &id, None)
+        .await
+        .expect("opened")
+        .session_id;
+    files::write(&rt, &caller, &id, "a.txt".into(), vec![b'x'; 600])
+        .await
+        .expect("written");
+    let sandboxes = rt.registry.count();
+    let over = sessions::fork(&rt, &caller, &id, &parent, true)
+        .await
+        .unwrap_err();
+    assert_eq!(over.code(), "QUOTA_EXCEEDED");
+    assert_eq!(over.details()["quota"], "workspaceBytes");
+    assert_eq!(over.details()["inUse"], 600);
+    assert_eq!(rt.registry.count(), sandboxes, "no sandbox was left behind");
+    // Within the sandbox, a fork copies no files and fits.
+    sessions::fork(&rt, &caller, &id, &parent, false)
+        .await
+        .expect("forked in place");
 }

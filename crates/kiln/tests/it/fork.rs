@@ -544,3 +544,59 @@ async fn the_agents_execute_code_starts_warm_when_configured() -> TestResult {
     assert!(result.contains("stdout:\nTrue\n"), "{result}");
     Ok(())
 }
+
+/// What a guest planted in its workspace (links out of it, a fifo, a hard link, a huge
+/// sparse file) reaches a fork with its workspace as the history records it: links as
+/// links, never followed; the fifo and the sparse file left out; the hard link a file of
+/// its own. Nothing outside the two workspaces changes.
+#[test]
+fn attack_a_fork_with_its_workspace_copies_what_was_planted_safely() -> TestResult {
+    use std::os::unix::fs::{MetadataExt, symlink};
+    let server = server(&[])?;
+    let id = server.new_sandbox("python")?;
+    let parent = session(&server, &id, "python")?;
+    turn(
+        &server,
+        &id,
+        &parent,
+        "open('one.txt', 'w').write('shared')",
+    )?;
+    let workspace = server.data.join("sandboxes").join(&id).join("workspace");
+    let outside = server.data.join("outside.txt");
+    std::fs::write(&outside, "secret")?;
+    symlink(&outside, workspace.join("escape"))?;
+    symlink(&server.data, workspace.join("data-dir"))?;
+    std::fs::hard_link(workspace.join("one.txt"), workspace.join("two.txt"))?;
+    // Over what the history records (64 MiB), within the workspace quota (2 GiB apparent).
+    std::fs::File::create(workspace.join("sparse"))?.set_len(1 << 30)?;
+    let fifo = std::ffi::CString::new(workspace.join("pipe").to_string_lossy().as_bytes())?;
+    // SAFETY: mkfifo on a path string we own; no memory is shared.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+
+    let (status, answer) = fork(&server, &id, &parent, Some(json!({"withWorkspace": true})))?;
+    let (child_box, _) = forked(status, &answer)?;
+    let copy = server
+        .data
+        .join("sandboxes")
+        .join(&child_box)
+        .join("workspace");
+    assert_eq!(std::fs::read_link(copy.join("escape"))?, outside);
+    assert_eq!(std::fs::read_link(copy.join("data-dir"))?, server.data);
+    assert!(!copy.join("pipe").exists() && !copy.join("sparse").exists());
+    let (one, two) = (
+        std::fs::metadata(copy.join("one.txt"))?,
+        std::fs::metadata(copy.join("two.txt"))?,
+    );
+    assert_ne!(one.ino(), two.ino(), "the hard link is a file of its own");
+    assert_ne!(
+        one.ino(),
+        std::fs::metadata(workspace.join("one.txt"))?.ino()
+    );
+    std::fs::write(copy.join("two.txt"), "changed in the fork")?;
+    assert_eq!(
+        std::fs::read_to_string(workspace.join("one.txt"))?,
+        "shared"
+    );
+    assert_eq!(std::fs::read_to_string(&outside)?, "secret");
+    Ok(())
+}
