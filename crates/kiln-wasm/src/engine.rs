@@ -50,6 +50,9 @@ pub enum EngineError {
         detail: String,
         cache: PathBuf,
     },
+    /// The process began to shut down while a runtime was being prepared.
+    #[error("kiln is shutting down: the {language} runtime's preparation was cut off")]
+    ShuttingDown { language: Language },
 }
 
 /// An execution could not be carried out (as opposed to a guest that failed, which is a
@@ -547,6 +550,68 @@ impl WasmEngine {
         Ok(runtime)
     }
 
+    /// Like [`WasmEngine::python`] without progress, for async callers: a runtime not yet
+    /// loaded is loaded on a blocking thread, because loading may compile it or wait for
+    /// another process's compilation (minutes on a fresh cache, the first time a request
+    /// asks for fuel), and an executor worker's one thread must go on answering the pool's
+    /// pings meanwhile (a worker silent for 10 s is killed). A loaded one costs no hop.
+    pub(crate) async fn python_runtime(
+        &self,
+        fuel: bool,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
+        let variant = self.variant(fuel)?;
+        if let Some(runtime) = variant
+            .python
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            return Ok(runtime.clone());
+        }
+        self.off_thread(Language::Python, move |engine| engine.python(&Quiet, fuel))
+            .await
+    }
+
+    /// Like [`WasmEngine::python_runtime`], for JavaScript.
+    pub(crate) async fn javascript_runtime(
+        &self,
+        fuel: bool,
+    ) -> Result<Arc<JsRuntime>, EngineError> {
+        let variant = self.variant(fuel)?;
+        if let Some(runtime) = variant
+            .javascript
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            return Ok(runtime.clone());
+        }
+        self.off_thread(Language::JavaScript, move |engine| {
+            engine.javascript(&Quiet, fuel)
+        })
+        .await
+    }
+
+    /// Runs `work`, which may block for minutes, on a blocking thread of the current tokio
+    /// runtime (on this thread where there is none).
+    pub(crate) async fn off_thread<T: Send + 'static>(
+        &self,
+        language: Language,
+        work: impl FnOnce(&WasmEngine) -> Result<T, EngineError> + Send + 'static,
+    ) -> Result<T, EngineError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return work(self);
+        }
+        let engine = self.clone();
+        match tokio::task::spawn_blocking(move || work(&engine)).await {
+            Ok(done) => done,
+            Err(error) => match error.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_) => Err(EngineError::ShuttingDown { language }),
+            },
+        }
+    }
+
     /// The JavaScript runtime of the engine with (`fuel`) or without an instruction budget.
     pub(crate) fn javascript(
         &self,
@@ -601,12 +666,12 @@ impl WasmEngine {
         let mut result = match request.language {
             Language::Python => {
                 if let Some(origin) = self.warm_origin(request.template.as_deref(), fuel).await? {
-                    let runtime = self.warm_python(&Quiet)?;
+                    let runtime = self.warm_python_runtime().await?;
                     let mut guest =
                         python::PythonGuest::open(self, &runtime, request, false, origin).await?;
                     guest.turn(&request.code, &request.limits, listener).await?
                 } else {
-                    let runtime = self.python(&Quiet, fuel)?;
+                    let runtime = self.python_runtime(fuel).await?;
                     let origin = python::Origin::Fresh;
                     let mut guest =
                         python::PythonGuest::open(self, &runtime, request, false, origin).await?;
@@ -619,7 +684,7 @@ impl WasmEngine {
                 }
             }
             Language::JavaScript => {
-                let runtime = self.javascript(&Quiet, fuel)?;
+                let runtime = self.javascript_runtime(fuel).await?;
                 javascript::run_once(self, &runtime, request, listener).await?
             }
             language @ (Language::Go | Language::Bash) => {

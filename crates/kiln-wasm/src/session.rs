@@ -181,8 +181,8 @@ impl WasmEngine {
             Language::Python => {
                 let warm = self.warm_origin(options.template.as_deref(), fuel).await?;
                 let (runtime, origin) = match warm {
-                    Some(origin) => (self.warm_python(&Quiet)?, origin),
-                    None => (self.python(&Quiet, fuel)?, Origin::Fresh),
+                    Some(origin) => (self.warm_python_runtime().await?, origin),
+                    None => (self.python_runtime(fuel).await?, Origin::Fresh),
                 };
                 Guest::Python(PythonGuest::open(self, &runtime, &request, true, origin).await?)
             }
@@ -192,7 +192,7 @@ impl WasmEngine {
                 });
             }
             Language::JavaScript => {
-                let runtime = self.javascript(&Quiet, false)?;
+                let runtime = self.javascript_runtime(false).await?;
                 Guest::JavaScript(JsSession::open(self, &runtime, &request).await?)
             }
             language @ (Language::Go | Language::Bash) => {

@@ -149,6 +149,25 @@ impl WasmEngine {
         Ok(runtime)
     }
 
+    /// Like [`WasmEngine::warm_python`] without progress, for async callers: loaded (perhaps
+    /// compiled, about a minute) on a blocking thread when not yet loaded
+    /// ([`WasmEngine::python_runtime`] says why).
+    pub(crate) async fn warm_python_runtime(&self) -> Result<Arc<PythonRuntime>, EngineError> {
+        let variant = self.warm_variant()?;
+        if let Some(runtime) = variant
+            .python
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            return Ok(runtime.clone());
+        }
+        self.off_thread(Language::Python, |engine| {
+            engine.warm_python(&crate::setup::Quiet)
+        })
+        .await
+    }
+
     /// Where the image of a template with this warm-up is cached: keyed by the runtime's
     /// digest, the wasmtime version, both engines' configurations, kiln's image format and
     /// the warm-up code, so a change to any of them builds a new image.
@@ -210,7 +229,12 @@ impl WasmEngine {
         let image = match Image::open(&path) {
             Ok(image) => image,
             Err(_) => {
-                let _lock = self.cache().lock().map_err(EngineError::from)?;
+                // Another process may be building it: wait for its lock off this thread.
+                let _lock = self
+                    .off_thread(Language::Python, |engine| {
+                        engine.cache().lock().map_err(EngineError::from)
+                    })
+                    .await?;
                 if Image::open(&path).is_err() {
                     progress.step("warming the python-data template: importing numpy, pandas, scipy and matplotlib (once)", Some(Duration::from_secs(3)));
                     let (memory, clock) = self.run_warm_up(warm_up).await?;
@@ -228,7 +252,7 @@ impl WasmEngine {
 
     /// Runs `warm_up` in a fresh guest and answers its memory and clock afterwards.
     async fn run_warm_up(&self, warm_up: &str) -> Result<(Vec<u8>, u64), ExecError> {
-        let runtime = self.python(&crate::setup::Quiet, false)?;
+        let runtime = self.python_runtime(false).await?;
         let mut request = ExecRequest::new(Language::Python, "");
         request.limits = Limits {
             memory_bytes: 2 << 30,

@@ -1711,3 +1711,55 @@ fn test_cache() -> CacheDir {
         _ => CacheDir::new(CacheDir::default_root()),
     }
 }
+
+/// A first run that must compile its runtime (minutes for Python on a fresh cache, the first
+/// time a request asks for fuel) compiles it off the caller's thread: an executor worker's one
+/// thread goes on answering the pool's pings, which kill a worker silent for 10 s. Here a fresh
+/// cache (the runtimes, no compiled module) compiles JavaScript while a ticker shares the
+/// thread.
+#[tokio::test(flavor = "current_thread")]
+async fn a_first_run_compiles_its_runtime_off_the_callers_thread() -> TestResult {
+    engine(); // the runtimes are fetched
+    let fresh = tempfile::tempdir()?;
+    std::os::unix::fs::symlink(
+        test_cache().root().join("runtimes"),
+        fresh.path().join("runtimes"),
+    )?;
+    let cold = WasmEngine::new(CacheDir::new(fresh.path()))?;
+    let longest_gap = std::sync::Arc::new(std::sync::Mutex::new(Duration::ZERO));
+    let ticker = tokio::spawn({
+        let longest_gap = longest_gap.clone();
+        async move {
+            let mut last = Instant::now();
+            loop {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                let gap = last.elapsed();
+                last = Instant::now();
+                let mut longest = longest_gap.lock().expect("lock");
+                *longest = (*longest).max(gap);
+            }
+        }
+    });
+    // The ticker takes its first reading before the run starts.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let started = Instant::now();
+    let result = cold.execute(&js("console.log(1+1)")).await?;
+    let took = started.elapsed();
+    ticker.abort();
+    assert_eq!(result.stdout_text(), "2\n", "{}", result.stderr_text());
+    let compiled = std::fs::read_dir(fresh.path().join("modules"))?.count();
+    assert_eq!(
+        compiled, 1,
+        "the run compiled JavaScript into the fresh cache"
+    );
+    let longest = *longest_gap.lock().expect("lock");
+    assert!(
+        took > Duration::from_millis(200),
+        "compiling took {took:?}: too quick to tell whether it blocked the thread"
+    );
+    assert!(
+        longest < took / 3,
+        "the thread was blocked for {longest:?} of the {took:?} the first run took"
+    );
+    Ok(())
+}
