@@ -23,6 +23,7 @@ pub mod worker;
 
 pub use kiln_core::backend::{Door, DoorFuture};
 pub use pool::{
-    CallOptions, Chunk, ExecutorPool, InProcess, PoolConfig, PoolError, SessionHandle, WorkerLoad,
+    BeforeSend, CallOptions, Chunk, ExecutorPool, InProcess, PoolConfig, PoolError, SessionHandle,
+    WorkerLoad,
 };
 pub use protocol::{RemoteError, Share};

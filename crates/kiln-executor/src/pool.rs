@@ -74,6 +74,22 @@ pub struct PoolConfig {
     /// Serve workers as tasks in this process instead of starting `program` (tests: see
     /// `kiln_executor::fake::pool_config`). `None`: worker processes.
     pub in_process: Option<InProcess>,
+    /// Work done in this process before a one-shot is sent to a worker, outside its
+    /// deadline: kiln's binary compiles a runtime variant the request needs and the cache
+    /// lacks (the fuel variant: about 90 CPU-seconds, once), which a worker would otherwise
+    /// do inside the request's deadline. `None`: nothing.
+    pub before_send: Option<BeforeSend>,
+}
+
+/// Answers the work to do before `request` is sent, or `None` (the common case: nothing,
+/// and nothing allocated).
+#[derive(Clone)]
+pub struct BeforeSend(pub Arc<dyn Fn(&ExecRequest) -> Option<BoxFuture> + Send + Sync>);
+
+impl std::fmt::Debug for BeforeSend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BeforeSend(..)")
+    }
 }
 
 /// Serves one worker in this process over the in-memory pipe it is given: requests arrive
@@ -106,6 +122,7 @@ impl PoolConfig {
             recycle_idle: Duration::from_secs(10),
             recycle_slack_bytes: 24 << 20,
             in_process: None,
+            before_send: None,
         }
     }
 
@@ -381,6 +398,14 @@ impl ExecutorPool {
         mut options: CallOptions,
     ) -> Result<ExecResult, PoolError> {
         let inner = &self.inner;
+        if let Some(work) = inner
+            .config
+            .before_send
+            .as_ref()
+            .and_then(|f| (f.0)(&request))
+        {
+            work.await;
+        }
         let deadline = Duration::from_millis(request.limits.timeout_ms);
         let mut op = Op::Exec(request);
         // A worker that exited between being chosen and being sent to gets one retry.

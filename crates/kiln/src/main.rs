@@ -320,6 +320,69 @@ fn prepare_runtimes() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Makes ready, in this process and before the request is sent, what a one-shot needs and
+/// the cache lacks: the fuel variant of a runtime for a run with an instruction budget
+/// (Python: about 90 CPU-seconds, once per cache), or a warm template's image (built in the
+/// background at start; about a minute). A worker would otherwise wait for it inside the
+/// request's deadline, and the pool would stop it as overrun. Other requests pass straight
+/// through.
+pub fn prepare_before_send(config: &mut kiln_executor::PoolConfig) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let engine: std::sync::Arc<std::sync::OnceLock<Option<WasmEngine>>> = Default::default();
+    // Python's fuel variant, JavaScript's, the warm image: known ready, so later requests
+    // skip the check.
+    let ready: std::sync::Arc<[AtomicBool; 3]> = Default::default();
+    let work = move |request: &ExecRequest| -> Option<kiln_executor::pool::BoxFuture> {
+        let language = request.language;
+        let fuel = request.limits.fuel.is_some();
+        let warm_up = request.template.as_deref().and_then(kiln_wasm::warm_up_of);
+        let index = match (language, fuel, warm_up) {
+            (Language::Python, true, _) => 0,
+            (Language::JavaScript, true, _) => 1,
+            (Language::Python, false, Some(_)) => 2,
+            _ => return None,
+        };
+        if ready[index].load(Ordering::Relaxed) {
+            return None;
+        }
+        let (engine, ready) = (engine.clone(), ready.clone());
+        let handle = tokio::runtime::Handle::current();
+        Some(Box::pin(async move {
+            let prepared = tokio::task::spawn_blocking(move || {
+                let options = kiln_wasm::EngineOptions {
+                    max_instances: 1,
+                    ready_instances: 0,
+                };
+                let made = || WasmEngine::with_options(crate::config::cache_dir(), &options).ok();
+                let Some(engine) = engine.get_or_init(made) else {
+                    return Ok(());
+                };
+                match warm_up {
+                    Some(warm_up) if !fuel => {
+                        let image = engine.warm_image_path(warm_up)?;
+                        if !image.is_file() {
+                            let quiet = &kiln_wasm::Quiet;
+                            handle.block_on(engine.prepare_warm(warm_up, quiet))?;
+                        }
+                    }
+                    _ => engine.prepare_variant(language, true, &kiln_wasm::Quiet)?,
+                }
+                ready[index].store(true, Ordering::Relaxed);
+                Ok::<(), anyhow::Error>(())
+            })
+            .await;
+            if let Ok(Err(error)) = prepared {
+                // The worker meets the same error and reports it with the request.
+                tracing::warn!(
+                    error = format!("{error:#}"),
+                    "could not make a runtime ready ahead of a request"
+                );
+            }
+        }))
+    };
+    config.before_send = Some(kiln_executor::BeforeSend(std::sync::Arc::new(work)));
+}
+
 /// The templates this binary's backends offer.
 pub fn catalogue() -> kiln_core::template::Catalogue {
     kiln_core::template::Catalogue::new(kiln_wasm::templates())
@@ -332,6 +395,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     if let Some(workers) = args.workers {
         config.workers = workers.max(1);
     }
+    prepare_before_send(&mut config);
     config.writable.push(made_dir(&data_dir)?);
     // Workers' log lines (KILN_LOG applies to them too) match the server's.
     config.env.retain(|(name, _)| name != "KILN_LOG_FORMAT");
@@ -441,6 +505,7 @@ fn mcp(
     let data_dir = data_dir(dir)?;
     let mut config = kiln_executor::PoolConfig::current_exe()?;
     config.workers = workers.max(1);
+    prepare_before_send(&mut config);
     config.writable.push(made_dir(&data_dir)?);
     let pool = kiln_executor::ExecutorPool::new(config);
     let mut config = kiln_runtime::RuntimeConfig::new(data_dir, catalogue());

@@ -146,6 +146,7 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     if let Some(workers) = args.workers {
         pool_config.workers = workers.max(1);
     }
+    crate::prepare_before_send(&mut pool_config);
     pool_config.writable.push(crate::made_dir(&dir)?);
     let pool = Arc::new(kiln_executor::ExecutorPool::new(pool_config));
     let mut config = RestConfig::new(args.listen, dir, planner);

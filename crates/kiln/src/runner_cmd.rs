@@ -82,6 +82,7 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
     if let Some(workers) = args.workers {
         pool.workers = workers.max(1);
     }
+    crate::prepare_before_send(&mut pool);
     let config = kiln_runner::RunnerConfig {
         listen: args
             .listen
