@@ -202,9 +202,13 @@ pub fn cli(n: usize, report: &mut Report) -> anyhow::Result<()> {
         python
     };
     report.insert("peer_python3".into(), json!(python));
+    // As a user runs it: with its bytecode cache (an environment that sets
+    // PYTHONDONTWRITEBYTECODE makes every start compile its site-packages' hooks again).
     let python3 = |code: &str| {
         let mut command = Command::new(&python);
-        command.args(["-c", code]);
+        command
+            .args(["-c", code])
+            .env_remove("PYTHONDONTWRITEBYTECODE");
         command
     };
     let peers = [
@@ -220,6 +224,7 @@ pub fn cli(n: usize, report: &mut Report) -> anyhow::Result<()> {
     // A sandboxed peer: python3 in a bubblewrap jail with every namespace unshared.
     let mut bwrap = Command::new("bwrap");
     bwrap
+        .env_remove("PYTHONDONTWRITEBYTECODE")
         .args(["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"])
         .args([
             "--unshare-all",

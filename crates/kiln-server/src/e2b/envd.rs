@@ -61,7 +61,7 @@ async fn authenticate(State(e2b): State<Arc<E2b>>, mut request: Request, next: N
     if let Err(response) = check_sandbox(&e2b, &mut request, &["x-access-token"], signed) {
         // A gone sandbox is 502 on every route, health included.
         if !health || response.status() == StatusCode::BAD_GATEWAY {
-            return response;
+            return refuse(request, response).await;
         }
     }
     if let Some(user) = asked_user(&request, &query)
@@ -70,13 +70,24 @@ async fn authenticate(State(e2b): State<Arc<E2b>>, mut request: Request, next: N
         let message = format!(
             "kiln's sandboxes run everything as \"user\"; running as {user:?} is not supported"
         );
-        return if files {
+        let response = if files {
             error(StatusCode::UNAUTHORIZED, message)
         } else {
             RpcError::new("permission_denied", message).unary()
         };
+        return refuse(request, response).await;
     }
     next.run(request).await
+}
+
+/// Answers `response` after reading what the client is still sending (at most 1 MiB, for at
+/// most 1 s): a refusal sent while the client writes its body makes the server close the
+/// connection, and the client then reports a broken pipe instead of the refusal (E2B's
+/// newest Python SDK did, for a command started as another user).
+async fn refuse(request: Request, response: Response) -> Response {
+    let body = axum::body::to_bytes(request.into_body(), 1 << 20);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), body).await;
+    response
 }
 
 /// The user a request asks to act as: Basic auth's user name (`user=` in the SDKs), or
