@@ -84,7 +84,10 @@ pub struct PoolConfig {
 /// Answers the work to do before `request` is sent, or `None` (the common case: nothing,
 /// and nothing allocated).
 #[derive(Clone)]
-pub struct BeforeSend(pub Arc<dyn Fn(&ExecRequest) -> Option<BoxFuture> + Send + Sync>);
+pub struct BeforeSend(pub Arc<WorkFor>);
+
+/// What [`BeforeSend`] holds: the work a request needs first, if any.
+pub type WorkFor = dyn Fn(&ExecRequest) -> Option<BoxFuture> + Send + Sync;
 
 impl std::fmt::Debug for BeforeSend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
