@@ -559,17 +559,11 @@ impl WasmEngine {
         &self,
         fuel: bool,
     ) -> Result<Arc<PythonRuntime>, EngineError> {
-        let variant = self.variant(fuel)?;
-        if let Some(runtime) = variant
-            .python
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            return Ok(runtime.clone());
-        }
-        self.off_thread(Language::Python, move |engine| engine.python(&Quiet, fuel))
-            .await
+        let slot = &self.variant(fuel)?.python;
+        self.loaded_or_off_thread(slot, Language::Python, move |engine| {
+            engine.python(&Quiet, fuel)
+        })
+        .await
     }
 
     /// Like [`WasmEngine::python_runtime`], for JavaScript.
@@ -577,19 +571,25 @@ impl WasmEngine {
         &self,
         fuel: bool,
     ) -> Result<Arc<JsRuntime>, EngineError> {
-        let variant = self.variant(fuel)?;
-        if let Some(runtime) = variant
-            .javascript
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            return Ok(runtime.clone());
-        }
-        self.off_thread(Language::JavaScript, move |engine| {
+        let slot = &self.variant(fuel)?.javascript;
+        self.loaded_or_off_thread(slot, Language::JavaScript, move |engine| {
             engine.javascript(&Quiet, fuel)
         })
         .await
+    }
+
+    /// The runtime in `slot` when it is loaded, else `load`'s, run off this thread.
+    pub(crate) async fn loaded_or_off_thread<T: Send + Sync + 'static>(
+        &self,
+        slot: &Mutex<Option<Arc<T>>>,
+        language: Language,
+        load: impl FnOnce(&WasmEngine) -> Result<Arc<T>, EngineError> + Send + 'static,
+    ) -> Result<Arc<T>, EngineError> {
+        let loaded = slot.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match loaded {
+            Some(runtime) => Ok(runtime),
+            None => self.off_thread(language, load).await,
+        }
     }
 
     /// Runs `work`, which may block for minutes, on a blocking thread of the current tokio

@@ -153,16 +153,8 @@ impl WasmEngine {
     /// compiled, about a minute) on a blocking thread when not yet loaded
     /// ([`WasmEngine::python_runtime`] says why).
     pub(crate) async fn warm_python_runtime(&self) -> Result<Arc<PythonRuntime>, EngineError> {
-        let variant = self.warm_variant()?;
-        if let Some(runtime) = variant
-            .python
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            return Ok(runtime.clone());
-        }
-        self.off_thread(Language::Python, |engine| {
+        let slot = &self.warm_variant()?.python;
+        self.loaded_or_off_thread(slot, Language::Python, |engine| {
             engine.warm_python(&crate::setup::Quiet)
         })
         .await
