@@ -485,6 +485,11 @@ pub struct ExecResult {
     /// file budget ([`Limits::fs_write_bytes`], [`Limits::fs_create_count`]) was spent.
     #[serde(default)]
     pub fs_refused: bool,
+    /// Whether the run may have changed files: `Some(false)` when the backend saw every file
+    /// operation the guest made and none could change a file or folder (the host then need
+    /// not look at the workspace to record it); `None` when the backend cannot tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files_changed: Option<bool>,
     /// Rich results, in the order the guest produced them: a cell's final value, each
     /// `display(...)`, each matplotlib figure. Empty for runtimes that produce none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -236,6 +236,7 @@ impl Run {
             peak_memory_bytes: 0,
             fs_written_bytes: 0,
             fs_refused: false,
+            files_changed: None,
             results: Vec::new(),
         }
     }

@@ -978,6 +978,7 @@ fn overrun(waited: Duration, grace: Duration) -> ExecResult {
         peak_memory_bytes: 0,
         fs_written_bytes: 0,
         fs_refused: false,
+        files_changed: None,
         results: Vec::new(),
     }
 }

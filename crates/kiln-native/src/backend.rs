@@ -405,6 +405,7 @@ fn to_result(out: crate::boxes::ExecOutput, limits: &Limits, started: Instant) -
         peak_memory_bytes: 0,
         fs_written_bytes: 0,
         fs_refused: false,
+        files_changed: None,
         results: Vec::new(),
     }
 }
@@ -708,6 +709,7 @@ impl BackendSession for NativeSession {
             peak_memory_bytes: 0,
             fs_written_bytes: 0,
             fs_refused: false,
+            files_changed: None,
             results: Vec::new(),
         })
     }

@@ -297,19 +297,17 @@ async fn run_attached(
     let exec_id = spec.exec_id.clone();
     let registry = state.clone();
     let output_dir = spec.output_dir.clone();
-    let recorded = tokio::task::spawn_blocking(move || {
-        let recorded = record(&registry.registry, &workspace, &summary, &exec_id)?;
-        let outputs = match &recorded.commit_id {
-            Some(_) => {
-                let dir = output_dir.unwrap_or_else(default_output_dir);
-                crate::outputs::collect(&workspace, &exec_id, &dir)
-            }
-            None => Vec::new(),
-        };
-        Ok((recorded, outputs))
-    })
-    .await
-    .unwrap_or_else(|e| Err(RuntimeError::internal(format!("history task failed: {e}"))));
+    // A run that wrote no files and whose backend saw it change none (`files_changed`), with
+    // no upload beside it, left the workspace as it was: its history has nothing to record,
+    // and the workspace is not walked.
+    let unchanged = spec.files.is_empty()
+        && matches!(&ran, Ok((result, _)) if result.files_changed == Some(false))
+        && !state.registry.files_written_beside(&sandbox.id);
+    let recorded = if unchanged {
+        Ok((Recorded::default(), Vec::new()))
+    } else {
+        record_run(registry, workspace, summary, exec_id, output_dir).await
+    };
     let committed_at = started.elapsed();
     let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let executed = ran.as_ref().ok().map(|_| duration_ms);
@@ -350,6 +348,30 @@ async fn run_attached(
         left_out,
         outputs,
     })
+}
+
+/// Records what a run did to `sandbox`'s workspace (off the async threads), with the files
+/// it added or changed under its output folder.
+async fn record_run(
+    registry: Arc<Runtime>,
+    sandbox: Sandbox,
+    summary: String,
+    exec_id: String,
+    output_dir: Option<RelPath>,
+) -> Result<(Recorded, Vec<crate::outputs::OutputFile>)> {
+    tokio::task::spawn_blocking(move || {
+        let recorded = record(&registry.registry, &sandbox, &summary, &exec_id)?;
+        let outputs = match &recorded.commit_id {
+            Some(_) => {
+                let dir = output_dir.unwrap_or_else(default_output_dir);
+                crate::outputs::collect(&sandbox, &exec_id, &dir)
+            }
+            None => Vec::new(),
+        };
+        Ok((recorded, outputs))
+    })
+    .await
+    .unwrap_or_else(|e| Err(RuntimeError::internal(format!("history task failed: {e}"))))
 }
 
 /// `out`, the output folder when a request names none.

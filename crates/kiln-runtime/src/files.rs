@@ -193,6 +193,9 @@ pub async fn write(
         // An execution is running: write beside it; its own record (or the next) takes the
         // file into the history, which only one change writes at a time.
         Err(RuntimeError::SandboxBusy { running, .. }) if exec::is_execution(&running) => {
+            // Noted before the file is written: an execution that changed nothing itself
+            // then still records the workspace, with this file in it.
+            rt.registry.note_files_written(&caller.tenant, id)?;
             read_only(rt, caller, id, move |sandbox| {
                 let size = write_one(&sandbox, path, body)?;
                 Ok(FileChange {

@@ -410,12 +410,9 @@ impl History {
     /// (whatever the workspace holds).
     pub fn init(git_dir: &Path, tree: &Tree) -> Result<History, HistoryError> {
         setup_libgit2();
-        // No template: git's sample hooks and description are a dozen files per sandbox
-        // that nothing reads (creating and deleting them dominated sandbox creation).
-        let mut options = git2::RepositoryInitOptions::new();
-        options.bare(true).external_template(false);
-        let repo = Repository::init_opts(git_dir, &options)?;
-        configure(&repo)?;
+        make_bare(git_dir)
+            .map_err(|e| git2::Error::from_str(&format!("could not create the history: {e}")))?;
+        let repo = Repository::open_bare(git_dir)?;
         let history = History {
             repo,
             memory: memory(git_dir),
@@ -927,6 +924,30 @@ fn setup_libgit2() {
 
 /// kiln's settings for a history repository, as lines of its `config`.
 const CONFIG: &str = "\n[core]\n\t# Only a literal `.git` is then refused in trees (kiln stores it as `.git~`); the NTFS\n\t# rules (`git~1`, `.git.`) would refuse guest names that are fine on Linux.\n\tprotectNTFS = false\n[pack]\n\t# Workspace objects are small and packed often: a delta window of one object.\n\twindowMemory = 1\n";
+
+/// Makes an empty bare repository at `git_dir` (which must not exist), as `git init --bare`
+/// would, in one pass: its folders, `HEAD`, and a `config` with kiln's settings written once.
+/// libgit2's own init wrote a description, a sample hook and an exclude file nothing reads,
+/// rewrote `config` three times under a lock, probed the file system for symlinks, case
+/// and file modes, and read the user's global git configuration: most of a sandbox create.
+fn make_bare(git_dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir(git_dir)?;
+    for dir in [
+        "objects",
+        "objects/info",
+        "objects/pack",
+        "refs",
+        "refs/heads",
+        "refs/tags",
+    ] {
+        std::fs::create_dir(git_dir.join(dir))?;
+    }
+    std::fs::write(git_dir.join("HEAD"), "ref: refs/heads/master\n")?;
+    let config = format!(
+        "[core]\n\tbare = true\n\trepositoryformatversion = 0\n\tfilemode = true\n{CONFIG}"
+    );
+    std::fs::write(git_dir.join("config"), config)
+}
 
 /// Adds kiln's settings to a repository's `config` (one append, before anything reads it:
 /// two `Config::set_*` calls rewrote the file twice, 2 ms of a sandbox create).

@@ -423,6 +423,9 @@ pub fn scrub_paths(text: &str) -> String {
 struct Running {
     id: String,
     cancel: Option<oneshot::Sender<()>>,
+    /// Set when a file was uploaded beside this work: its record must look at the
+    /// workspace even if the work itself changed nothing.
+    files_written: bool,
 }
 
 #[derive(Debug)]
@@ -789,8 +792,30 @@ impl Registry {
         entry.running = Some(Running {
             id: work_id.to_owned(),
             cancel: Some(tx),
+            files_written: false,
         });
         Ok((entry.meta.clone(), rx, usage))
+    }
+
+    /// Notes, before a file is written beside the work sandbox `id` is busy with (an upload
+    /// while an execution runs), that the work's record must look at the workspace. Fails
+    /// when the sandbox is gone.
+    pub fn note_files_written(&self, tenant: &str, id: &str) -> Result<()> {
+        let mut sandboxes = self.lock();
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        if let Some(running) = &mut entry.running {
+            running.files_written = true;
+        }
+        Ok(())
+    }
+
+    /// Whether a file was written beside the work sandbox `id` is busy with
+    /// ([`Registry::note_files_written`]).
+    pub fn files_written_beside(&self, id: &str) -> bool {
+        self.lock()
+            .get(id)
+            .and_then(|e| e.running.as_ref())
+            .is_some_and(|r| r.files_written)
     }
 
     /// Ends work started with [`Registry::begin`], counting an execution of `duration_ms`

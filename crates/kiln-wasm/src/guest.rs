@@ -21,6 +21,10 @@ pub(crate) struct Stats {
     pub fs_written_bytes: AtomicU64,
     /// Set when a write or file creation was refused for the budget.
     pub fs_refused: AtomicBool,
+    /// Set when the guest called a file operation that may change a file or folder (a
+    /// write, a creation, a truncation, a removal, a rename, a link); a turn that never did
+    /// changed no file, and the host need not look at its workspace.
+    pub fs_touched: AtomicBool,
 }
 
 impl Stats {
@@ -29,6 +33,7 @@ impl Stats {
         self.memory_hit.store(false, Ordering::Relaxed);
         self.fs_written_bytes.store(0, Ordering::Relaxed);
         self.fs_refused.store(false, Ordering::Relaxed);
+        self.fs_touched.store(false, Ordering::Relaxed);
     }
 
     pub fn hit(&self) -> bool {
@@ -657,6 +662,7 @@ pub(crate) fn finish(
         peak_memory_bytes: stats.peak(),
         fs_written_bytes: stats.written(),
         fs_refused: stats.fs_refused.load(Ordering::Relaxed),
+        files_changed: Some(stats.fs_touched.load(Ordering::Relaxed)),
         results: stdio.displays.take(),
     }
 }

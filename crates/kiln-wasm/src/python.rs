@@ -112,6 +112,8 @@ struct Exports {
     memory: Memory,
     host_alloc: TypedFunc<i32, i32>,
     turn: TypedFunc<(i32, i32), i32>,
+    /// wasi-libc's `chdir`, which kiln exports ([`crate::qjs_exports::PYTHON_EXPORTS`]).
+    chdir: Option<TypedFunc<i32, i32>>,
 }
 
 /// Where a new guest's memory comes from.
@@ -192,6 +194,9 @@ impl Shell {
             turn: instance
                 .get_typed_func(&mut store, "turn")
                 .map_err(|e| instantiate_error(Language::Python, &e))?,
+            chdir: instance
+                .get_typed_func(&mut store, crate::qjs_exports::CHDIR)
+                .ok(),
         };
         if hot {
             runtime.hot_pages.populate(
@@ -329,11 +334,46 @@ impl PythonGuest {
             guest.adopt(origin, &instance, request).await?;
         }
         if request.workspace.is_some() {
-            let at = request.workspace_guest();
-            let setup = format!("import os as _k; _k.chdir({at:?}); del _k");
-            guest.setup_turn(&setup, &request.limits, at).await?;
+            guest
+                .enter(request.workspace_guest(), &request.limits)
+                .await?;
         }
         Ok(guest)
+    }
+
+    /// Makes `at` the guest's working directory before its next turn: one call of wasi-libc's
+    /// `chdir` (what `os.chdir` calls), or a turn of Python where the module lacks the export.
+    async fn enter(&mut self, at: &str, limits: &Limits) -> Result<(), ExecError> {
+        let Some(chdir) = self.exports.chdir.clone() else {
+            let setup = format!("import os as _k; _k.chdir({at:?}); del _k");
+            return self.setup_turn(&setup, limits, at).await;
+        };
+        let fail = |why: String| {
+            instantiate_error(Language::Python, format!("setting up {at} failed: {why}"))
+        };
+        self.set_fuel(self.kiln_fuel())?;
+        let (deadline, clock_base) = begin_turn(&mut self.store, &self.stdio, limits, None);
+        let path = [at.as_bytes(), b"\0"].concat();
+        let len = i32::try_from(path.len()).map_err(|_| fail("the path is too long".into()))?;
+        let exports = &self.exports;
+        let store = &mut self.store;
+        // The path's few bytes stay allocated for the guest's life (wasi-libc copies it).
+        let end = bounded_call(&deadline, clock_base, async {
+            let ptr = exports.host_alloc.call_async(&mut *store, len).await?;
+            let at = usize::try_from(ptr)
+                .map_err(|_| wasmtime::format_err!("host_alloc returned {ptr}"))?;
+            exports.memory.write(&mut *store, at, &path)?;
+            chdir.call_async(&mut *store, ptr).await
+        })
+        .await;
+        match end {
+            CallEnd::Returned(0) => Ok(()),
+            CallEnd::Returned(_) => Err(fail("the guest could not enter it".into())),
+            CallEnd::TimedOut => Err(fail("the deadline passed".into())),
+            CallEnd::FuelExhausted => Err(fail("the instruction budget ran out".into())),
+            CallEnd::Exited(code) => Err(fail(format!("the guest exited ({code})"))),
+            CallEnd::Trapped(trap) => Err(fail(trap)),
+        }
     }
 
     /// Gives a new guest the memory of `origin` (an image, or a parent's image and changed

@@ -14,7 +14,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::setup::JAVASCRIPT;
+use crate::setup::{JAVASCRIPT, PYTHON};
 
 /// A value type in a function signature.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +138,22 @@ const EXPORTS: &[Export] = &[
     export(CHDIR, "chdir", &[I32], &[I32]),
 ];
 
+/// What kiln adds to the Python runtime: wasi-libc's `chdir`, so a guest enters its
+/// workspace with one call before its first turn instead of a turn of Python of its own
+/// (which cost a one-shot about 0.5 ms).
+pub(crate) const PYTHON_EXPORTS: &[Export] = &[export(CHDIR, "chdir", &[I32], &[I32])];
+
+/// The exports kiln adds to the pinned runtime with this digest, if it patches it.
+fn exports_for(wasm_sha256: &str) -> Option<&'static [Export]> {
+    if wasm_sha256 == JAVASCRIPT.files[0].sha256 {
+        Some(EXPORTS)
+    } else if wasm_sha256 == PYTHON.files[0].sha256 {
+        Some(PYTHON_EXPORTS)
+    } else {
+        None
+    }
+}
+
 /// Raised when the patch's logic changes; part of the cache key, with the list of exports.
 const PATCH_VERSION: u32 = 1;
 
@@ -146,7 +162,7 @@ const PATCH_VERSION: u32 = 1;
 pub enum PatchError {
     /// The bytes are not the pinned file the patch was written for.
     #[error(
-        "the QuickJS runtime on disk has SHA-256 {actual}, not the pinned {expected}; delete the cache folder's runtimes/ and run `kiln setup`"
+        "the runtime on disk has SHA-256 {actual}, not the pinned {expected}; delete the cache folder's runtimes/ and run `kiln setup`"
     )]
     NotPinned { expected: String, actual: String },
     /// The module could not be read as WebAssembly.
@@ -166,27 +182,23 @@ pub enum PatchError {
 /// What to add to a `.cwasm` name for the wasm with this digest: empty when kiln compiles it
 /// unchanged.
 pub(crate) fn key_tag(wasm_sha256: &str) -> String {
-    if !applies_to(wasm_sha256) {
+    let Some(exports) = exports_for(wasm_sha256) else {
         return String::new();
-    }
+    };
     let mut hasher = Sha256::new();
     hasher.update(PATCH_VERSION.to_le_bytes());
-    for export in EXPORTS {
+    for export in exports {
         hasher.update(format!("{}={};", export.name, export.function));
     }
     format!("-kiln{}", &hex::encode(hasher.finalize())[..8])
 }
 
-fn applies_to(wasm_sha256: &str) -> bool {
-    wasm_sha256 == JAVASCRIPT.files[0].sha256
-}
-
 /// The bytes kiln compiles for the wasm pinned as `wasm_sha256`: `wasm` itself, or for the
-/// QuickJS reactor, `wasm` checked against its digest and patched.
+/// QuickJS reactor and the Python runtime, `wasm` checked against its digest and patched.
 pub(crate) fn prepare(wasm_sha256: &str, wasm: Vec<u8>) -> Result<Vec<u8>, PatchError> {
-    if !applies_to(wasm_sha256) {
+    let Some(exports) = exports_for(wasm_sha256) else {
         return Ok(wasm);
-    }
+    };
     let actual = hex::encode(Sha256::digest(&wasm));
     if actual != wasm_sha256 {
         return Err(PatchError::NotPinned {
@@ -194,7 +206,7 @@ pub(crate) fn prepare(wasm_sha256: &str, wasm: Vec<u8>) -> Result<Vec<u8>, Patch
             actual,
         });
     }
-    add_exports(&wasm, EXPORTS)
+    add_exports(&wasm, exports)
 }
 
 /// A cursor over a module's bytes.
@@ -544,15 +556,22 @@ mod tests {
     }
 
     #[test]
-    fn only_the_pinned_reactor_is_patched() -> Result<(), PatchError> {
+    fn only_the_pinned_runtimes_are_patched() -> Result<(), PatchError> {
         let other = "0".repeat(64);
         assert_eq!(key_tag(&other), "");
         assert_eq!(prepare(&other, vec![1, 2, 3])?, vec![1, 2, 3]);
-        let pinned = JAVASCRIPT.files[0].sha256;
-        assert!(key_tag(pinned).starts_with("-kiln"), "{}", key_tag(pinned));
-        assert_eq!(key_tag(pinned).len(), 13);
-        let err = prepare(pinned, module()).err().ok_or(TRUNCATED)?;
-        assert!(matches!(err, PatchError::NotPinned { .. }), "{err}");
+        for pinned in [JAVASCRIPT.files[0].sha256, PYTHON.files[0].sha256] {
+            assert!(key_tag(pinned).starts_with("-kiln"), "{}", key_tag(pinned));
+            assert_eq!(key_tag(pinned).len(), 13);
+            let err = prepare(pinned, module()).err().ok_or(TRUNCATED)?;
+            assert!(matches!(err, PatchError::NotPinned { .. }), "{err}");
+        }
+        // Each runtime's list of exports is its own key: a change to one never reuses the
+        // other's files, nor an older list's.
+        assert_ne!(
+            key_tag(JAVASCRIPT.files[0].sha256),
+            key_tag(PYTHON.files[0].sha256)
+        );
         Ok(())
     }
 }

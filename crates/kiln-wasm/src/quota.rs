@@ -26,6 +26,13 @@ fn refuse(state: &GuestState) -> i32 {
     ERRNO_NOSPC
 }
 const OFLAGS_CREAT: i32 = 1;
+const OFLAGS_TRUNC: i32 = 8;
+
+/// Notes that the guest called a file operation that may change a file or folder (see
+/// `Stats::fs_touched`): whatever it answers, the host then records the workspace.
+fn touch(state: &GuestState) {
+    state.memory.stats.fs_touched.store(true, Ordering::Relaxed);
+}
 
 /// Runs `body` with the guest's memory and WASI context, as the generated bindings do.
 macro_rules! with_memory {
@@ -181,6 +188,7 @@ async fn budgeted_write(
     if is_stdio_stream(state, mem, fd) {
         return write_through(state, mem, (fd, iovs, count, nwritten), at).await;
     }
+    touch(state);
     // The whole iovec array, though wasmtime-wasi writes only the first non-empty buffer:
     // the safe side.
     let len = iovec_total(raw(mem), iovs, count).unwrap_or(0);
@@ -232,6 +240,7 @@ pub(crate) fn shadow_writes(linker: &mut Linker<GuestState>) -> wasmtime::Result
         |mut caller: Caller<'_, GuestState>, (fd, size): (i32, i64)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
+                    touch(state);
                     // Growing a file by truncation writes no bytes but pays for the ones it
                     // adds; shrinking is free. A negative size reaches wasmtime-wasi as a huge
                     // u64, and is refused here as such.
@@ -272,7 +281,74 @@ pub(crate) fn shadow_creates(linker: &mut Linker<GuestState>) -> wasmtime::Resul
     shadow_path_open(linker)?;
     shadow_create_directory(linker)?;
     shadow_symlink(linker)?;
-    shadow_link(linker)
+    shadow_link(linker)?;
+    shadow_removals(linker)
+}
+
+/// Removals, renames and `fd_allocate` change files without writing or creating any: they
+/// only note that the turn touched files ([`touch`]).
+fn shadow_removals(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
+    linker.func_wrap_async(
+        "wasi_snapshot_preview1",
+        "path_unlink_file",
+        |mut caller: Caller<'_, GuestState>, (dirfd, path, path_len): (i32, i32, i32)| {
+            Box::new(async move {
+                with_memory!(caller, |mem, state| {
+                    touch(state);
+                    p1::path_unlink_file(&mut state.wasi, &mut mem, dirfd, path, path_len).await
+                })
+            })
+        },
+    )?;
+    linker.func_wrap_async(
+        "wasi_snapshot_preview1",
+        "path_remove_directory",
+        |mut caller: Caller<'_, GuestState>, (dirfd, path, path_len): (i32, i32, i32)| {
+            Box::new(async move {
+                with_memory!(caller, |mem, state| {
+                    touch(state);
+                    p1::path_remove_directory(&mut state.wasi, &mut mem, dirfd, path, path_len)
+                        .await
+                })
+            })
+        },
+    )?;
+    linker.func_wrap_async(
+        "wasi_snapshot_preview1",
+        "path_rename",
+        |mut caller: Caller<'_, GuestState>,
+         (old_fd, old, old_len, new_fd, new, new_len): (i32, i32, i32, i32, i32, i32)| {
+            Box::new(async move {
+                with_memory!(caller, |mem, state| {
+                    touch(state);
+                    p1::path_rename(
+                        &mut state.wasi,
+                        &mut mem,
+                        old_fd,
+                        old,
+                        old_len,
+                        new_fd,
+                        new,
+                        new_len,
+                    )
+                    .await
+                })
+            })
+        },
+    )?;
+    linker.func_wrap_async(
+        "wasi_snapshot_preview1",
+        "fd_allocate",
+        |mut caller: Caller<'_, GuestState>, (fd, offset, len): (i32, i64, i64)| {
+            Box::new(async move {
+                with_memory!(caller, |mem, state| {
+                    touch(state);
+                    p1::fd_allocate(&mut state.wasi, &mut mem, fd, offset, len)
+                })
+            })
+        },
+    )?;
+    Ok(())
 }
 
 /// `path_open` with `O_CREAT` counts a file it creates. Past the quota it fails with `ENOSPC`.
@@ -294,6 +370,9 @@ fn shadow_path_open(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
         )| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
+                    if oflags & (OFLAGS_CREAT | OFLAGS_TRUNC) != 0 {
+                        touch(state);
+                    }
                     if oflags & OFLAGS_CREAT != 0 {
                         let exists = path_exists(state, &mut mem, dirfd, path, path_len).await;
                         if !exists && !state.fs.take_create() {
@@ -329,6 +408,7 @@ fn shadow_create_directory(linker: &mut Linker<GuestState>) -> wasmtime::Result<
         |mut caller: Caller<'_, GuestState>, (dirfd, path, path_len): (i32, i32, i32)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
+                    touch(state);
                     if !state.fs.take_create() {
                         return Ok(refuse(state));
                     }
@@ -350,6 +430,7 @@ fn shadow_symlink(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
          (old, old_len, dirfd, new, new_len): (i32, i32, i32, i32, i32)| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
+                    touch(state);
                     if !state.fs.take_create() {
                         return Ok(refuse(state));
                     }
@@ -379,6 +460,7 @@ fn shadow_link(linker: &mut Linker<GuestState>) -> wasmtime::Result<()> {
         )| {
             Box::new(async move {
                 with_memory!(caller, |mem, state| {
+                    touch(state);
                     if !state.fs.take_create() {
                         return Ok(refuse(state));
                     }

@@ -461,14 +461,21 @@ pub(crate) const RESET_PREOPENS: &str = "kiln_reset_preopens";
 pub(crate) const STRIP_VERSION: u32 = 1;
 
 /// The Python module for warm starts: its active data segments emptied (the image brings
-/// the memory) and [`RESET_PREOPENS`] exported.
+/// the memory), [`RESET_PREOPENS`] exported, and what every Python module of kiln's exports
+/// ([`crate::qjs_exports::PYTHON_EXPORTS`]: its file name carries their tag).
 pub(crate) fn strip(wasm: Vec<u8>) -> Result<Vec<u8>, PatchError> {
-    let exports = [Export {
+    let mut exports = vec![Export {
         name: RESET_PREOPENS,
         function: "__wasilibc_reset_preopens",
         params: &[],
         results: &[],
     }];
+    exports.extend(crate::qjs_exports::PYTHON_EXPORTS.iter().map(|e| Export {
+        name: e.name,
+        function: e.function,
+        params: e.params,
+        results: e.results,
+    }));
     let wasm = add_exports(&wasm, &exports)?;
     empty_active_data(&wasm)
 }

@@ -186,6 +186,92 @@ async fn workspace_is_the_working_directory_and_sees_its_files() -> TestResult {
     Ok(())
 }
 
+/// Issue 18: a run says whether it may have changed files (`files_changed`), so the server
+/// records its workspace only then. Reading, listing and printing change nothing; every kind
+/// of change — a write, a truncation without a write, a removal, a rename, a new folder or
+/// link, a write outside the workspace — is seen, in one-shots, sessions and JavaScript.
+#[tokio::test]
+async fn a_run_says_whether_it_may_have_changed_files() -> TestResult {
+    let workspace = tempfile::tempdir()?;
+    let fill = || -> std::io::Result<()> {
+        std::fs::write(workspace.path().join("a.txt"), "a")?;
+        std::fs::write(workspace.path().join("b.txt"), "b")?;
+        std::fs::create_dir_all(workspace.path().join("d"))
+    };
+    let in_workspace = |mut request: ExecRequest| {
+        request.workspace = Some(workspace.path().to_path_buf());
+        request
+    };
+    fill()?;
+    let reads = "import os\nprint(open('a.txt').read(), sorted(os.listdir('.')), os.stat('b.txt').st_size)\nopen('b.txt', 'r+').close()";
+    let result = run(in_workspace(py(reads))).await;
+    assert_eq!(
+        result.stdout_text(),
+        "a ['a.txt', 'b.txt', 'd'] 1\n",
+        "{}",
+        result.stderr_text()
+    );
+    assert_eq!(result.files_changed, Some(false));
+    let result = run(in_workspace(js("console.log(std.loadFile('a.txt'))"))).await;
+    assert_eq!(result.stdout_text(), "a\n", "{}", result.stderr_text());
+    assert_eq!(result.files_changed, Some(false));
+
+    let changes = [
+        "open('new.txt', 'w').write('x')",
+        "open('a.txt', 'w').close()",
+        "import os\nos.truncate('b.txt', 0)",
+        "import os\nos.remove('a.txt')",
+        "import os\nos.rename('a.txt', 'c.txt')",
+        "import os\nos.rmdir('d')",
+        "import os\nos.mkdir('e')",
+        "import os\nos.symlink('a.txt', 'l')",
+        "open('/tmp/scratch', 'w').write('x')",
+    ];
+    for code in changes {
+        fill()?;
+        let result = run(in_workspace(py(code))).await;
+        assert_eq!(result.exit_code, 0, "{code}: {}", result.stderr_text());
+        assert_eq!(result.files_changed, Some(true), "{code}");
+    }
+    let result = run(in_workspace(js("std.writeFile('js.txt', 'x')"))).await;
+    assert_eq!(result.files_changed, Some(true), "{}", result.stderr_text());
+
+    // Per turn: a session's reading turn after a writing one changed nothing.
+    let options = SessionOptions {
+        workspace: Some(workspace.path().to_path_buf()),
+        ..SessionOptions::default()
+    };
+    let mut session = engine().open_session(Language::Python, &options).await?;
+    let limits = Limits::default();
+    let wrote = session
+        .run("f = open('kept.txt', 'w')\nf.write('x')", &limits)
+        .await?;
+    assert_eq!(wrote.files_changed, Some(true), "{}", wrote.stderr_text());
+    let read = session.run("print(open('a.txt').read())", &limits).await?;
+    assert_eq!(read.files_changed, Some(false), "{}", read.stderr_text());
+    // A file opened in an earlier turn and written in this one is a change of this one.
+    let later = session.run("f.write('y')\nf.flush()", &limits).await?;
+    assert_eq!(later.files_changed, Some(true), "{}", later.stderr_text());
+    Ok(())
+}
+
+/// A workspace folder the guest cannot enter is an error that names it, not a guest that
+/// runs somewhere else.
+#[tokio::test]
+async fn a_workspace_that_cannot_be_entered_is_an_error() -> TestResult {
+    let workspace = tempfile::tempdir()?;
+    let mut request = py("print(1)");
+    request.workspace = Some(workspace.path().join("missing"));
+    match engine().execute(&request).await {
+        Err(error) => assert!(
+            error.to_string().contains("missing") || error.to_string().contains("workspace"),
+            "{error}"
+        ),
+        Ok(result) => panic!("ran: {} {}", result.stdout_text(), result.stderr_text()),
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn read_only_mounts_can_be_read_but_not_written() -> TestResult {
     let dir = tempfile::tempdir()?;
