@@ -644,3 +644,94 @@ fn issue12_a_full_disk_answers_507_and_recovers() -> TestResult {
     assert_eq!(get(&server, &id, "after.txt")?.body, b"works");
     Ok(())
 }
+
+/// Issue 18: runs that change no file are no longer staged (the engine's `files_changed`;
+/// the engine's own tests prove the flag), so what must hold here is that no change is
+/// lost: a reading run records nothing, and every kind of change is still recorded — in
+/// one-shots, in session turns, through a link the guest planted, and by a write to a file
+/// a session opened in an earlier turn. (An upload landing while a reading execution runs:
+/// `serve::files_work_while_an_execution_runs`.)
+#[test]
+fn issue18_only_runs_that_change_files_are_recorded() -> TestResult {
+    let server = start(Options::default())?;
+    let id = server.new_sandbox("python")?;
+    let history_len = |server: &Server| -> Res<usize> {
+        let (status, body) =
+            server.call("GET", &format!("/api/v1/sandboxes/{id}/history"), None)?;
+        assert_eq!(status, 200, "{body}");
+        Ok(body["history"].as_array().map_or(0, Vec::len))
+    };
+    let run = |code: &str, session: Option<&str>| -> Res<Value> {
+        let mut body = json!({ "code": code });
+        if let Some(session) = session {
+            body["sessionId"] = json!(session);
+        }
+        let (status, reply) = server.exec(&id, body)?;
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["status"], "success", "{code}: {reply}");
+        assert_eq!(reply["historyRecorded"], true, "{reply}");
+        Ok(reply)
+    };
+    let reply = run(
+        "open('a.txt', 'w').write('a')\nimport os\nos.mkdir('d')\nos.symlink('a.txt', 'link')",
+        None,
+    )?;
+    assert!(reply["commitId"].is_string(), "{reply}");
+    let recorded = history_len(&server)?;
+
+    // Reading, listing, stat-ing, following the guest's own link: nothing to record.
+    let reply = run(
+        "import os\nprint(open('a.txt').read(), open('link').read(), sorted(os.listdir('.')), os.stat('d').st_mode > 0)",
+        None,
+    )?;
+    assert_eq!(
+        reply["stdout"], "a a ['a.txt', 'd', 'link'] True\n",
+        "{reply}"
+    );
+    assert!(reply["commitId"].is_null(), "{reply}");
+    assert_eq!(history_len(&server)?, recorded);
+
+    // Each change is recorded, one-shot by one-shot.
+    for code in [
+        "open('a.txt', 'a').write('b')",
+        "open('link', 'w').write('through the link')",
+        "open('b.txt', 'w').close()",
+        "import os\nos.rename('b.txt', 'd/c.txt')",
+        "import os\nos.truncate('a.txt', 0)",
+        "import os\nos.remove('d/c.txt')",
+    ] {
+        let before = history_len(&server)?;
+        let reply = run(code, None)?;
+        assert!(reply["commitId"].is_string(), "{code}: {reply}");
+        assert_eq!(history_len(&server)?, before + 1, "{code}");
+    }
+
+    // Session turns: a reading turn records nothing; a write to a file the session opened
+    // in an earlier turn is this turn's change.
+    let (status, body) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({ "language": "python" })),
+    )?;
+    assert_eq!(status, 201, "{body}");
+    let session = body["sessionId"]
+        .as_str()
+        .ok_or("no session id")?
+        .to_owned();
+    let opened = run("f = open('kept.txt', 'w')", Some(&session))?;
+    assert!(
+        opened["commitId"].is_string(),
+        "the file was created: {opened}"
+    );
+    let before = history_len(&server)?;
+    let read = run("print(open('a.txt').read())", Some(&session))?;
+    assert!(read["commitId"].is_null(), "{read}");
+    assert_eq!(history_len(&server)?, before);
+    let wrote = run("f.write('later')\nf.flush()", Some(&session))?;
+    assert!(wrote["commitId"].is_string(), "{wrote}");
+    assert_eq!(
+        std::fs::read_to_string(workspace(&server, &id).join("kept.txt"))?,
+        "later"
+    );
+    Ok(())
+}
