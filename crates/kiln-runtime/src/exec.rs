@@ -292,11 +292,6 @@ async fn run_attached(
     let ran_at = started.elapsed();
     // Record what the code did to the workspace, whatever the outcome (a timed-out run may
     // still have written files).
-    let workspace = sandbox.clone();
-    let summary = spec.summary.clone();
-    let exec_id = spec.exec_id.clone();
-    let registry = state.clone();
-    let output_dir = spec.output_dir.clone();
     // A run that wrote no files and whose backend saw it change none (`files_changed`), with
     // no upload beside it, left the workspace as it was: its history has nothing to record,
     // and the workspace is not walked.
@@ -306,7 +301,7 @@ async fn run_attached(
     let recorded = if unchanged {
         Ok((Recorded::default(), Vec::new()))
     } else {
-        record_run(registry, workspace, summary, exec_id, output_dir).await
+        record_run(state, &sandbox, &spec).await
     };
     let committed_at = started.elapsed();
     let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -353,12 +348,13 @@ async fn run_attached(
 /// Records what a run did to `sandbox`'s workspace (off the async threads), with the files
 /// it added or changed under its output folder.
 async fn record_run(
-    registry: Arc<Runtime>,
-    sandbox: Sandbox,
-    summary: String,
-    exec_id: String,
-    output_dir: Option<RelPath>,
+    state: &Arc<Runtime>,
+    sandbox: &Sandbox,
+    spec: &RunSpec,
 ) -> Result<(Recorded, Vec<crate::outputs::OutputFile>)> {
+    let (registry, sandbox) = (state.clone(), sandbox.clone());
+    let (summary, exec_id) = (spec.summary.clone(), spec.exec_id.clone());
+    let output_dir = spec.output_dir.clone();
     tokio::task::spawn_blocking(move || {
         let recorded = record(&registry.registry, &sandbox, &summary, &exec_id)?;
         let outputs = match &recorded.commit_id {

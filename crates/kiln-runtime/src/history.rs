@@ -930,7 +930,18 @@ const CONFIG: &str = "\n[core]\n\t# Only a literal `.git` is then refused in tre
 /// libgit2's own init wrote a description, a sample hook and an exclude file nothing reads,
 /// rewrote `config` three times under a lock, probed the file system for symlinks, case
 /// and file modes, and read the user's global git configuration: most of a sandbox create.
+///
+/// `git_dir` is the server's own folder beside the workspace, out of every guest's reach;
+/// still, nothing here follows a link or reuses a file: each folder and file is created new
+/// (`EEXIST` otherwise).
 fn make_bare(git_dir: &Path) -> std::io::Result<()> {
+    let create = |name: &str, text: &str| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(git_dir.join(name))
+            .and_then(|mut file| std::io::Write::write_all(&mut file, text.as_bytes()))
+    };
     std::fs::create_dir(git_dir)?;
     for dir in [
         "objects",
@@ -942,11 +953,11 @@ fn make_bare(git_dir: &Path) -> std::io::Result<()> {
     ] {
         std::fs::create_dir(git_dir.join(dir))?;
     }
-    std::fs::write(git_dir.join("HEAD"), "ref: refs/heads/master\n")?;
+    create("HEAD", "ref: refs/heads/master\n")?;
     let config = format!(
         "[core]\n\tbare = true\n\trepositoryformatversion = 0\n\tfilemode = true\n{CONFIG}"
     );
-    std::fs::write(git_dir.join("config"), config)
+    create("config", &config)
 }
 
 /// Adds kiln's settings to a repository's `config` (one append, before anything reads it:

@@ -116,6 +116,18 @@ struct Exports {
     chdir: Option<TypedFunc<i32, i32>>,
 }
 
+impl Exports {
+    /// Copies `bytes` into guest memory the reactor allocates (`host_alloc`); answers where.
+    async fn copy_in(&self, store: &mut Store<GuestState>, bytes: &[u8]) -> wasmtime::Result<i32> {
+        let len = i32::try_from(bytes.len())?;
+        let ptr = self.host_alloc.call_async(&mut *store, len).await?;
+        let at =
+            usize::try_from(ptr).map_err(|_| wasmtime::format_err!("host_alloc returned {ptr}"))?;
+        self.memory.write(&mut *store, at, bytes)?;
+        Ok(ptr)
+    }
+}
+
 /// Where a new guest's memory comes from.
 pub(crate) enum Origin {
     /// The module's own data: a fresh interpreter.
@@ -354,15 +366,11 @@ impl PythonGuest {
         self.set_fuel(self.kiln_fuel())?;
         let (deadline, clock_base) = begin_turn(&mut self.store, &self.stdio, limits, None);
         let path = [at.as_bytes(), b"\0"].concat();
-        let len = i32::try_from(path.len()).map_err(|_| fail("the path is too long".into()))?;
         let exports = &self.exports;
         let store = &mut self.store;
         // The path's few bytes stay allocated for the guest's life (wasi-libc copies it).
         let end = bounded_call(&deadline, clock_base, async {
-            let ptr = exports.host_alloc.call_async(&mut *store, len).await?;
-            let at = usize::try_from(ptr)
-                .map_err(|_| wasmtime::format_err!("host_alloc returned {ptr}"))?;
-            exports.memory.write(&mut *store, at, &path)?;
+            let ptr = exports.copy_in(&mut *store, &path).await?;
             chdir.call_async(&mut *store, ptr).await
         })
         .await;
@@ -633,10 +641,7 @@ impl PythonGuest {
         let exports = &self.exports;
         let store = &mut self.store;
         let end = bounded_call(&deadline, clock_base, async {
-            let ptr = exports.host_alloc.call_async(&mut *store, len).await?;
-            let at = usize::try_from(ptr)
-                .map_err(|_| wasmtime::format_err!("host_alloc returned {ptr}"))?;
-            exports.memory.write(&mut *store, at, code.as_bytes())?;
+            let ptr = exports.copy_in(&mut *store, code.as_bytes()).await?;
             exports.turn.call_async(&mut *store, (ptr, len)).await
         })
         .await;
