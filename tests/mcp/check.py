@@ -80,7 +80,7 @@ async def exercise(client, name):
     # Issue 16: figures come back as image content, a session cell's value and a DataFrame's
     # HTML under `results`; a binary file is read as a blob resource, byte for byte.
     plot = "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.savefig('plot.png')"
-    result = await client.call_tool("run_python", {"sandbox_id": sandbox, "code": plot})
+    result = await client.call_tool("run_python", {"sandbox_id": sandbox, "code": plot, "timeout_seconds": 120})
     images = [b for b in result.content if getattr(b, "type", None) == "image"]
     check(not result.is_error and len(images) == 1 and images[0].mime_type == "image/png", f"{name}: figure {result.content}")
     check(base64.b64decode(images[0].data).startswith(b"\x89PNG"), f"{name}: figure bytes")
@@ -152,6 +152,7 @@ async def over_http():
         port = free_port()
         server = subprocess.Popen([KILN, "serve", "--workers", "2", "--listen", f"127.0.0.1:{port}",
                                    "--data-dir", data_dir, "--log-format", "json"],
+                                  env={**os.environ, "KILN_LOG": "info,kiln::timing=debug"},
                                   stderr=open(os.path.join(data_dir, "serve.log"), "w"))
         try:
             deadline = time.time() + 300
@@ -165,8 +166,18 @@ async def over_http():
                     time.sleep(0.1)
             url = f"http://127.0.0.1:{port}/mcp"
             http = create_mcp_http_client(headers={"Authorization": f"Bearer {alice}"})
-            async with Client(streamable_http_client(url, http_client=http)) as client:
-                sandbox = await exercise(client, "http")
+            try:
+                async with Client(streamable_http_client(url, http_client=http)) as client:
+                    sandbox = await exercise(client, "http")
+            except BaseException:
+                # What the server saw, and what ran beside it, for a failure only CI shows.
+                sys.stderr.write("mcp-check: the server's log ends:\n")
+                with open(os.path.join(data_dir, "serve.log"), errors="replace") as log:
+                    sys.stderr.writelines(log.readlines()[-80:])
+                ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,etime,time,rss,args", "--sort=-time"],
+                                    capture_output=True, text=True).stdout
+                sys.stderr.writelines(ps.splitlines(keepends=True)[:25])
+                raise
             # Issue 12: links code planted never redirect write_file or read_file (the old
             # server wrote `.<name>.<pid>.tmp` beside the target, following links).
             keys_path = os.path.join(data_dir, "keys.json")
