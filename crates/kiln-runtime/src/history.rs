@@ -39,6 +39,9 @@ pub const INITIAL_ID: &str = "initial";
 const TRAILER: &str = "Kiln-Exec-Id: ";
 const FILES_TRAILER: &str = "Kiln-Files: ";
 const INITIAL_REF: &str = "refs/kiln/initial";
+/// How a history being made under a temporary name ends ([`History::open_or_create`]); a
+/// crash can leave one, which [`remove_pending`] clears at start-up.
+const PENDING_SUFFIX: &str = ".pending";
 
 /// Most history entries one listing returns.
 pub const MAX_HISTORY: usize = 1000;
@@ -434,6 +437,80 @@ impl History {
                 .reference(INITIAL_REF, commit, true, "the initial workspace")?;
         }
         Ok(history)
+    }
+
+    /// Opens the history at `git_dir`, making it first if there is none yet: a sandbox
+    /// created empty gets its history on first use (most one-shot sandboxes never record
+    /// anything, and making a repository was most of a create and of a delete). The
+    /// repository made then holds what `init` would have recorded at creation: one initial
+    /// commit of the empty workspace, dated `created_ms`. It is made under a temporary name
+    /// beside `git_dir` and renamed into place, so two first uses at once, or a crash in
+    /// the middle, never leave a half-made history: the loser of a race opens the winner's.
+    pub fn open_or_create(git_dir: &Path, created_ms: u64) -> Result<History, HistoryError> {
+        match std::fs::symlink_metadata(git_dir) {
+            Ok(_) => return History::open(git_dir),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(HistoryError::Git(git2::Error::from_str(&format!(
+                    "could not open the history: {e}"
+                ))));
+            }
+        }
+        let parent = git_dir.parent().unwrap_or(Path::new("."));
+        let name = git_dir.file_name().map_or("history".into(), |n| n.to_string_lossy());
+        let temp = parent.join(format!(
+            ".{name}.{}{PENDING_SUFFIX}",
+            crate::sandbox::random_hex(8)
+        ));
+        let made = History::make_empty(&temp, created_ms);
+        forget(&temp);
+        let failed = |e: std::io::Error| {
+            HistoryError::Git(git2::Error::from_str(&format!(
+                "could not create the history: {e}"
+            )))
+        };
+        if let Err(e) = made {
+            let _ = kiln_workspace::remove_host_tree(&temp);
+            return Err(e);
+        }
+        match std::fs::rename(&temp, git_dir) {
+            Ok(()) => {
+                crate::store::sync_dir(parent).map_err(failed)?;
+            }
+            Err(e) => {
+                let _ = kiln_workspace::remove_host_tree(&temp);
+                // Another first use made it meanwhile (`ENOTEMPTY`/`EEXIST`): use that.
+                if std::fs::symlink_metadata(git_dir).is_err() {
+                    return Err(failed(e));
+                }
+            }
+        }
+        History::open(git_dir)
+    }
+
+    /// A new repository at `git_dir` whose one commit, also `refs/kiln/initial`, is the
+    /// empty workspace at `created_ms`.
+    fn make_empty(git_dir: &Path, created_ms: u64) -> Result<(), HistoryError> {
+        setup_libgit2();
+        make_bare(git_dir)
+            .map_err(|e| git2::Error::from_str(&format!("could not create the history: {e}")))?;
+        let repo = Repository::open_bare(git_dir)?;
+        let root = repo.find_tree(empty_tree(&repo)?)?;
+        let sig = Signature::new(
+            "kiln",
+            "kiln@localhost",
+            &Time::new(i64::try_from(created_ms / 1000).unwrap_or(i64::MAX), 0),
+        )?;
+        let commit = repo.commit(
+            Some("HEAD"),
+            &sig,
+            &sig,
+            &message("initial workspace", INITIAL_ID, &[]),
+            &root,
+            &[],
+        )?;
+        repo.reference(INITIAL_REF, commit, true, "the initial workspace")?;
+        Ok(())
     }
 
     /// Makes a copy of this repository at `git_dir` (which must not exist yet): the same
@@ -974,6 +1051,21 @@ fn configure(repo: &Repository) -> Result<(), git2::Error> {
         .map_err(|e| git2::Error::from_str(&format!("could not configure the history: {e}")))?;
     std::io::Write::write_all(&mut file, CONFIG.as_bytes())
         .map_err(|e| git2::Error::from_str(&format!("could not configure the history: {e}")))
+}
+
+/// Removes histories a crash left half-made in `dir` (a sandbox's folder): temporaries of
+/// [`History::open_or_create`], never used by anything.
+pub fn remove_pending(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') && name.ends_with(PENDING_SUFFIX) {
+            let _ = kiln_workspace::remove_host_tree(&entry.path());
+        }
+    }
 }
 
 /// Makes a repository left by a crash usable again: removes stale lock files (`*.lock`; the

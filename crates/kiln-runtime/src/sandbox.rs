@@ -4,7 +4,7 @@
 //! ```text
 //! sandboxes/<id>/meta.json      the record (written atomically, fsynced, before any ack)
 //! sandboxes/<id>/workspace/     the files code sees as /workspace
-//! sandboxes/<id>/history.git/   a bare git repository of the workspace's changes
+//! sandboxes/<id>/history.git/   a bare git repository of the workspace's changes (made on first use)
 //! sandboxes/<id>/.tmp/          scratch for writes into the workspace (out of the guest's reach)
 //! ```
 //!
@@ -385,9 +385,10 @@ impl Sandbox {
         Ok(Tree::open(&self.workspace(), Some(&self.scratch_dir()))?)
     }
 
-    /// Opens the workspace's history.
+    /// Opens the workspace's history, making it on first use (a sandbox created empty has
+    /// none until something needs it: [`History::open_or_create`]).
     pub fn history(&self) -> Result<History> {
-        Ok(History::open(&self.git_dir())?)
+        Ok(History::open_or_create(&self.git_dir(), self.created_ms)?)
     }
 }
 
@@ -561,17 +562,17 @@ impl Registry {
         self.sandboxes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Creates a sandbox with an empty, versioned workspace; durable when it returns.
+    /// Creates a sandbox with an empty, versioned workspace; durable when it returns. Its
+    /// history repository is made on first use ([`Sandbox::history`]): a sandbox that never
+    /// records a change (most one-shot sandboxes) never pays for one.
     pub fn create(&self, tenant: &str, spec: &SandboxSpec, quotas: &Quotas) -> Result<Sandbox> {
-        self.create_seeded(tenant, spec, quotas, |meta| {
-            History::init(&meta.git_dir(), &meta.tree()?)?;
-            Ok(())
-        })
+        self.create_seeded(tenant, spec, quotas, |_| Ok(()))
     }
 
     /// Creates a sandbox whose workspace and history `seed` fills (it is given the new
-    /// sandbox with its folder and empty workspace made; it must create the history at
-    /// [`Sandbox::git_dir`]); durable when it returns. A seed that fails leaves nothing.
+    /// sandbox with its folder and empty workspace made; it may create the history at
+    /// [`Sandbox::git_dir`], which is otherwise made on first use with the empty workspace
+    /// as its initial commit); durable when it returns. A seed that fails leaves nothing.
     pub fn create_seeded(
         &self,
         tenant: &str,
@@ -1093,6 +1094,7 @@ fn remove_sandbox_dir(meta: &Sandbox) {
 /// Makes a sandbox left by a crash usable: stale git lock files go, and so do write
 /// temporaries (they live in the scratch folder, never in the workspace).
 fn recover(meta: &Sandbox) {
+    crate::history::remove_pending(&meta.dir);
     match crate::history::recover(&meta.git_dir()) {
         Ok(removed) if !removed.is_empty() => tracing::warn!(
             sandbox = %meta.id,

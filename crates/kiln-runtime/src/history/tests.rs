@@ -375,3 +375,57 @@ fn a_clone_keeps_the_history_and_goes_its_own_way() {
         6
     );
 }
+
+#[test]
+fn a_history_made_on_first_use_is_made_once_whoever_races() {
+    let dir = tempfile::tempdir().unwrap();
+    let git_dir = dir.path().join("history.git");
+    let created_ms = 1_700_000_000_123;
+    let heads: Vec<String> = std::thread::scope(|scope| {
+        let racers: Vec<_> = (0..6)
+            .map(|_| {
+                scope.spawn(|| {
+                    let history = History::open_or_create(&git_dir, created_ms).unwrap();
+                    history.repo.head().unwrap().target().unwrap().to_string()
+                })
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    assert!(heads.windows(2).all(|w| w[0] == w[1]), "{heads:?}");
+    // What `init` of an empty workspace at creation would have recorded: one commit of
+    // the empty tree, dated the sandbox's creation, also `refs/kiln/initial`.
+    let history = History::open(&git_dir).unwrap();
+    let head = history.repo.head().unwrap().peel_to_commit().unwrap();
+    assert_eq!(head.parent_count(), 0);
+    assert_eq!(head.tree().unwrap().len(), 0);
+    assert_eq!(head.time().seconds(), 1_700_000_000);
+    assert_eq!(
+        history.repo.refname_to_id(INITIAL_REF).unwrap(),
+        head.id()
+    );
+    // No temporary is left beside it.
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["history.git"]);
+    // A half-made one a crash left is swept; the made one is kept.
+    std::fs::create_dir_all(dir.path().join(".history.git.0011223344556677.pending/objects"))
+        .unwrap();
+    remove_pending(dir.path());
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["history.git"]);
+    // A workspace with files at first use still starts from the empty initial commit.
+    let ws = dir.path().join("ws");
+    std::fs::create_dir(&ws).unwrap();
+    std::fs::write(ws.join("a.txt"), "a").unwrap();
+    let tree = Tree::open(&ws, None).unwrap();
+    let other = History::open_or_create(&dir.path().join("other.git"), created_ms).unwrap();
+    let recorded = other.record(&tree, "first run", "e1").unwrap();
+    assert!(recorded.commit_id.is_some());
+    assert_eq!(other.entries(10).unwrap().len(), 2);
+}

@@ -332,6 +332,11 @@ fn issue12_kill_leftovers_are_recovered_and_results_never_lost() -> TestResult {
     })?;
     let id = server.new_sandbox("python")?;
     let git = data.join("sandboxes").join(&id).join("history.git");
+    // A new sandbox's history is made on first use (here: reading it).
+    assert!(!git.exists(), "a new sandbox made its history eagerly");
+    let (status, history) = server.call("GET", &format!("/api/v1/sandboxes/{id}/history"), None)?;
+    assert_eq!(status, 200, "{history}");
+    assert_eq!(history["history"].as_array().map(Vec::len), Some(1), "{history}");
     let branch = head_ref(&git)?;
 
     // A commit that cannot happen (its ref is locked): the run's result comes back anyway.
@@ -364,11 +369,18 @@ fn issue12_kill_leftovers_are_recovered_and_results_never_lost() -> TestResult {
             .join(".meta.json.00ff00ff00ff00ff.tmp"),
         "{",
     )?;
+    // A history cut short while it was being made on first use.
+    let pending = data
+        .join("sandboxes")
+        .join(&id)
+        .join(".history.git.00ff00ff00ff00ff.pending");
+    std::fs::create_dir_all(pending.join("objects"))?;
     let server = start(Options {
         data: Some(&data),
         ..Options::default()
     })?;
     assert!(!lock.exists() && !git.join("index.lock").exists());
+    assert!(!pending.exists(), "a half-made history was left at start-up");
     assert_eq!(
         std::fs::read_dir(&scratch).map(|d| d.count()).unwrap_or(0),
         0
