@@ -131,7 +131,7 @@ impl PoolConfig {
 
     /// Workers that run this very binary with `__worker`, one per CPU, with only
     /// `KILN_CACHE_DIR`, `PATH`, `HOME`, `KILN_LOG`, `KILN_LOG_FORMAT`, `TMPDIR`,
-    /// `KILN_WORKER_THREADS` and `KILN_WORKER_JAIL` passed through.
+    /// `KILN_WORKER_THREADS`, `KILN_PRIMED` and `KILN_WORKER_JAIL` passed through.
     pub fn current_exe() -> std::io::Result<PoolConfig> {
         let env = [
             "KILN_CACHE_DIR",
@@ -141,6 +141,7 @@ impl PoolConfig {
             "KILN_LOG_FORMAT",
             "TMPDIR",
             "KILN_WORKER_THREADS",
+            "KILN_PRIMED",
             crate::confine::JAIL_ENV,
         ]
         .iter()

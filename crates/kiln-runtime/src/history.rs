@@ -457,7 +457,9 @@ impl History {
             }
         }
         let parent = git_dir.parent().unwrap_or(Path::new("."));
-        let name = git_dir.file_name().map_or("history".into(), |n| n.to_string_lossy());
+        let name = git_dir
+            .file_name()
+            .map_or("history".into(), |n| n.to_string_lossy());
         let temp = parent.join(format!(
             ".{name}.{}{PENDING_SUFFIX}",
             crate::sandbox::random_hex(8)

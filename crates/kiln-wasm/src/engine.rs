@@ -114,6 +114,10 @@ pub(crate) struct PythonRuntime {
     pub ready: crate::ready::Ready,
     pub lib_dir: PathBuf,
     pub mpl_data_dir: PathBuf,
+    /// Whether its module is primed ([`crate::warm::prime`]): its guests start where a
+    /// first turn ended, so each asks the host for its preopened folders anew and its clock
+    /// starts at [`crate::warm::PRIMED_CLOCK_NS`].
+    pub primed: bool,
 }
 
 pub(crate) struct JsRuntime {
@@ -178,6 +182,10 @@ struct Variant {
     /// Whether the engine counts fuel (its modules are cached apart, as `NAME-fuel`).
     fuel: bool,
     python: Mutex<Option<Arc<PythonRuntime>>>,
+    /// The primed Python runtime (the plain engine only), once loaded.
+    python_primed: Mutex<Option<Arc<PythonRuntime>>>,
+    /// Set when the primed runtime could not be made: fresh guests start unprimed.
+    primed_off: AtomicBool,
     javascript: Mutex<Option<Arc<JsRuntime>>>,
 }
 
@@ -196,6 +204,8 @@ impl Variant {
             slots,
             fuel,
             python: Mutex::new(None),
+            python_primed: Mutex::new(None),
+            primed_off: AtomicBool::new(false),
             javascript: Mutex::new(None),
         })
     }
@@ -208,6 +218,30 @@ impl Variant {
             language.to_owned()
         }
     }
+}
+
+/// The primed module's name in the cache: keyed by what priming puts in its memory (the
+/// code run, the guest's environment, where its clock starts, and kiln's way of priming),
+/// besides the runtime, kiln's exports and the engine, which every module's file name
+/// carries. A change to any of them makes a new module rather than loading a stale one.
+fn primed_module_name() -> String {
+    primed_module_name_of(
+        crate::warm::PRIMING_CODE,
+        crate::python::BASE_ENV,
+        crate::warm::PRIMED_CLOCK_NS,
+    )
+}
+
+fn primed_module_name_of(code: &str, env: &[(&str, &str)], clock_ns: u64) -> String {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    hasher.update(code);
+    for (name, value) in env {
+        hasher.update(format!("\0{name}={value}"));
+    }
+    hasher.update(clock_ns.to_le_bytes());
+    let key = hex::encode(hasher.finalize());
+    format!("python-primed{}-{}", crate::warm::PRIME_VERSION, &key[..12])
 }
 
 /// Guest slots of the fuel engine: an eighth of the default engine's, at least 4 (and at
@@ -270,6 +304,11 @@ pub struct EngineOptions {
     /// its turn (a thread of the engine makes them). Default 2; 0 for a process that runs
     /// one execution (`kiln exec`). Engines of fewer than 16 slots keep none.
     pub ready_instances: u32,
+    /// Whether fresh Python guests without an environment of their own or a budget start
+    /// primed: from a copy of the module whose memory is an interpreter's after a first turn
+    /// (made once, at setup), so they skip the first turn's own work. Default on; the
+    /// environment variable `KILN_PRIMED=0` turns it off.
+    pub primed: bool,
 }
 
 impl Default for EngineOptions {
@@ -277,6 +316,7 @@ impl Default for EngineOptions {
         EngineOptions {
             max_instances: 1_000,
             ready_instances: 2,
+            primed: std::env::var_os("KILN_PRIMED").is_none_or(|v| v != "0"),
         }
     }
 }
@@ -422,7 +462,13 @@ impl WasmEngine {
         progress: &dyn Progress,
     ) -> Result<(), EngineError> {
         match language {
-            Language::Python => self.python(progress, fuel).map(drop),
+            Language::Python => {
+                self.python(progress, fuel)?;
+                if !fuel && self.inner.options.primed {
+                    self.primed_python(progress)?;
+                }
+                Ok(())
+            }
             Language::JavaScript => self.javascript(progress, fuel).map(drop),
             // Nothing of WebAssembly runs them; requests for them are refused.
             Language::Go | Language::Bash => Ok(()),
@@ -441,7 +487,11 @@ impl WasmEngine {
         let cache = &self.inner.cache;
         let name = variant.module_name(language.name());
         let path = crate::cache::cwasm_path(&variant.engine, cache, &name, spec.files[0].sha256);
-        Ok(cache.is_installed(spec) && path.is_file())
+        let primed = language != Language::Python || fuel || !self.inner.options.primed || {
+            let name = primed_module_name();
+            crate::cache::cwasm_path(&variant.engine, cache, &name, spec.files[0].sha256).is_file()
+        };
+        Ok(cache.is_installed(spec) && path.is_file() && primed)
     }
 
     pub(crate) fn linker(
@@ -532,8 +582,11 @@ impl WasmEngine {
         let pre = linker
             .instantiate_pre(&module)
             .map_err(|e| self.link_error(Language::Python, e))?;
+        // One-shots take the primed runtime's instances made ahead, where it is on.
         let ready = match (variant.fuel, variant.slots) {
-            (false, 16..) => self.inner.options.ready_instances as usize,
+            (false, 16..) if !self.inner.options.primed => {
+                self.inner.options.ready_instances as usize
+            }
             _ => 0,
         };
         let runtime = Arc::new(PythonRuntime {
@@ -543,11 +596,162 @@ impl WasmEngine {
             ready: crate::ready::Ready::new(ready),
             lib_dir: self.inner.cache.python_lib_dir(),
             mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
+            primed: false,
         });
         runtime.ready.start(&runtime);
         *slot = Some(runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", fuel, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
+    }
+
+    /// The primed Python runtime of the engine without a budget ([`crate::warm::prime`]):
+    /// loaded from the cache, or made once — the plain runtime runs
+    /// [`crate::warm::PRIMING_CODE`] in a fresh guest, and a copy of the module with that
+    /// guest's memory as its data is compiled (about as long as the plain module's).
+    pub(crate) fn primed_python(
+        &self,
+        progress: &dyn Progress,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
+        let variant = self.variant(false)?;
+        let mut slot = variant
+            .python_primed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(runtime) = slot.as_ref() {
+            return Ok(runtime.clone());
+        }
+        let started = Instant::now();
+        let name = primed_module_name();
+        let cache = &self.inner.cache;
+        let path = crate::cache::cwasm_path(&variant.engine, cache, &name, PYTHON.files[0].sha256);
+        // The plain runtime is loaded only to make the primed module: a process that finds
+        // it compiled maps one module, not two. (Loaded here, before the cache's lock is
+        // taken for the compilation, which loading may need too.)
+        let plain = if path.is_file() {
+            None
+        } else {
+            Some(self.python(progress, false)?)
+        };
+        let prime = |wasm: Vec<u8>| {
+            let plain = plain.as_ref().ok_or_else(|| {
+                crate::qjs_exports::PatchError::Priming(
+                    "the compiled primed module was unusable; it is made again next time".into(),
+                )
+            })?;
+            progress.step(
+                "priming the python runtime: its first turn, once",
+                Some(Duration::from_secs(1)),
+            );
+            let (memory, _clock) = self
+                .run_priming(plain)
+                .map_err(crate::qjs_exports::PatchError::Priming)?;
+            progress.done("primed the python runtime");
+            crate::warm::prime(wasm, &memory)
+        };
+        let module = self.compiled(
+            &variant.engine,
+            &PYTHON,
+            &name,
+            Duration::from_secs(60),
+            progress,
+            &prime,
+        )?;
+        let linker = self.linker(&variant.engine, Language::Python)?;
+        let pre = linker
+            .instantiate_pre(&module)
+            .map_err(|e| self.link_error(Language::Python, e))?;
+        let ready = match variant.slots {
+            16.. => self.inner.options.ready_instances as usize,
+            _ => 0,
+        };
+        let runtime = Arc::new(PythonRuntime {
+            pre,
+            slots: variant.slots,
+            hot_pages: Default::default(),
+            ready: crate::ready::Ready::new(ready),
+            lib_dir: self.inner.cache.python_lib_dir(),
+            mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
+            primed: true,
+        });
+        runtime.ready.start(&runtime);
+        *slot = Some(runtime.clone());
+        tracing::debug!(target: "kiln_wasm", language = "python", primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
+        Ok(runtime)
+    }
+
+    /// Runs [`crate::warm::PRIMING_CODE`] as a one-shot in a fresh guest of `plain` (on a
+    /// thread of its own, which may block) and answers the guest's memory afterwards and
+    /// its clock, which must read less than [`crate::warm::PRIMED_CLOCK_NS`].
+    fn run_priming(&self, plain: &Arc<PythonRuntime>) -> Result<(Vec<u8>, u64), String> {
+        let run = || -> Result<(Vec<u8>, u64), String> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| format!("could not start the priming run: {e}"))?;
+            runtime.block_on(async {
+                let request = ExecRequest::new(Language::Python, crate::warm::PRIMING_CODE);
+                let origin = python::Origin::Fresh;
+                let mut guest = python::PythonGuest::open(self, plain, &request, false, origin)
+                    .await
+                    .map_err(|e| format!("the priming run could not start: {e}"))?;
+                let result = guest
+                    .turn(&request.code, &request.limits, None)
+                    .await
+                    .map_err(|e| format!("the priming run failed: {e}"))?;
+                if !result.success() {
+                    return Err(format!(
+                        "the priming run failed: {}",
+                        result.stderr_text().trim()
+                    ));
+                }
+                let clock = guest.clock_ns();
+                if clock >= crate::warm::PRIMED_CLOCK_NS {
+                    return Err(format!("the priming run took too long ({clock} ns)"));
+                }
+                Ok((guest.memory().to_vec(), clock))
+            })
+        };
+        std::thread::scope(|scope| {
+            scope
+                .spawn(run)
+                .join()
+                .unwrap_or_else(|_| Err("the priming run panicked".into()))
+        })
+    }
+
+    /// Like [`WasmEngine::primed_python`] without progress, for async callers (loaded off
+    /// this thread when not yet loaded, as [`WasmEngine::python_runtime`]).
+    pub(crate) async fn primed_python_runtime(&self) -> Result<Arc<PythonRuntime>, EngineError> {
+        let slot = &self.variant(false)?.python_primed;
+        self.loaded_or_off_thread(slot, Language::Python, |engine| {
+            engine.primed_python(&Quiet)
+        })
+        .await
+    }
+
+    /// The runtime a fresh Python guest of `request` starts from: the primed one where it
+    /// applies (no budget, no environment of its own: a primed guest's `os.environ` is the
+    /// priming run's), else the plain one. A primed runtime that cannot be made is reported
+    /// once and not tried again in this process.
+    pub(crate) async fn fresh_python(
+        &self,
+        request: &ExecRequest,
+        fuel: bool,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
+        if !fuel && request.env.is_empty() && self.inner.options.primed {
+            let variant = self.variant(false)?;
+            if !variant.primed_off.load(Ordering::Relaxed) {
+                match self.primed_python_runtime().await {
+                    Ok(runtime) => return Ok(runtime),
+                    Err(error) => {
+                        if !variant.primed_off.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(target: "kiln_wasm", %error, "primed Python starts are off: the primed runtime could not be made; fresh guests start unprimed");
+                        }
+                    }
+                }
+            }
+        }
+        self.python_runtime(fuel).await
     }
 
     /// Like [`WasmEngine::python`] without progress, for async callers: a runtime not yet
@@ -671,7 +875,7 @@ impl WasmEngine {
                         python::PythonGuest::open(self, &runtime, request, false, origin).await?;
                     guest.turn(&request.code, &request.limits, listener).await?
                 } else {
-                    let runtime = self.python_runtime(fuel).await?;
+                    let runtime = self.fresh_python(request, fuel).await?;
                     let origin = python::Origin::Fresh;
                     let mut guest =
                         python::PythonGuest::open(self, &runtime, request, false, origin).await?;
@@ -802,6 +1006,21 @@ pub(crate) fn check_code(code: &str) -> Result<(), ExecError> {
 mod tests {
     use super::*;
     use crate::cache::cwasm_path;
+
+    #[test]
+    fn the_primed_module_is_keyed_by_what_priming_puts_in_it() {
+        let base = primed_module_name_of("pass", &[("HOME", "/tmp")], 10);
+        assert_eq!(base, primed_module_name_of("pass", &[("HOME", "/tmp")], 10));
+        assert!(base.starts_with("python-primed"), "{base}");
+        for other in [
+            primed_module_name_of("pass\n", &[("HOME", "/tmp")], 10),
+            primed_module_name_of("pass", &[("HOME", "/root")], 10),
+            primed_module_name_of("pass", &[("HOME", "/tmp"), ("A", "b")], 10),
+            primed_module_name_of("pass", &[("HOME", "/tmp")], 11),
+        ] {
+            assert_ne!(base, other);
+        }
+    }
 
     #[test]
     fn the_fuel_engine_compiles_to_files_of_its_own() {

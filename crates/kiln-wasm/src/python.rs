@@ -25,7 +25,9 @@ use crate::warm::{Image, Slot};
 const LIB_GUEST: &str = "/usr/local/lib";
 /// Where matplotlib looks for its data: beside its module inside the zip.
 const MPL_DATA_GUEST: &str = "/usr/local/lib/python315.zip/matplotlib/mpl-data";
-const BASE_ENV: &[(&str, &str)] = &[
+/// The environment every Python guest has; a primed guest's is this (its own would need
+/// a rebirth turn, so a request that brings one starts unprimed).
+pub(crate) const BASE_ENV: &[(&str, &str)] = &[
     ("TMPDIR", "/tmp"),
     ("HOME", "/tmp"),
     ("PYTHONTZPATH", ""),
@@ -269,6 +271,10 @@ impl PythonGuest {
             _ => Some(engine.warm_variant()?.take_slot()?),
         };
         let clock_origin = match &origin {
+            // A primed guest's clock goes on from past its priming run's.
+            Origin::Fresh if runtime.primed => Instant::now()
+                .checked_sub(Duration::from_nanos(crate::warm::PRIMED_CLOCK_NS))
+                .unwrap_or_else(Instant::now),
             Origin::Fresh => Instant::now(),
             Origin::Image(image) => Instant::now()
                 .checked_sub(Duration::from_nanos(image.clock_ns()))
@@ -344,6 +350,9 @@ impl PythonGuest {
         };
         if !matches!(origin, Origin::Fresh) {
             guest.adopt(origin, &instance, request).await?;
+        } else if runtime.primed {
+            // Its wasi-libc knew the priming run's folders: it asks for this guest's.
+            guest.reset_preopens(&instance).await?;
         }
         if request.workspace.is_some() {
             guest
@@ -420,13 +429,7 @@ impl PythonGuest {
             }
         };
         self.image = Some(image);
-        let reset: TypedFunc<(), ()> = instance
-            .get_typed_func(&mut self.store, crate::warm::RESET_PREOPENS)
-            .map_err(|e| fail(&e))?;
-        reset
-            .call_async(&mut self.store, ())
-            .await
-            .map_err(|e| fail(&e))?;
+        self.reset_preopens(instance).await?;
         let mut env = serde_json::Map::new();
         for (name, value) in BASE_ENV {
             env.insert((*name).into(), (*value).into());
@@ -438,6 +441,19 @@ impl PythonGuest {
         let rebirth = REBIRTH.replace("{ENV}", &env);
         self.setup_turn(&rebirth, &request.limits, "the warm start")
             .await
+    }
+
+    /// Makes the guest's wasi-libc forget the preopened folders it knew (a guest started
+    /// from memory another guest left) and ask the host again on its next path.
+    async fn reset_preopens(&mut self, instance: &wasmtime::Instance) -> Result<(), ExecError> {
+        let fail = |e: &dyn std::fmt::Display| instantiate_error(Language::Python, e);
+        let reset: TypedFunc<(), ()> = instance
+            .get_typed_func(&mut self.store, crate::warm::RESET_PREOPENS)
+            .map_err(|e| fail(&e))?;
+        reset
+            .call_async(&mut self.store, ())
+            .await
+            .map_err(|e| fail(&e))
     }
 
     /// What a fork of this guest starts from: the image its memory is mapped from and the

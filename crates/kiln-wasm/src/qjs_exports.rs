@@ -168,6 +168,9 @@ pub enum PatchError {
     /// The module could not be read as WebAssembly.
     #[error("the runtime is not a WebAssembly module kiln can read: {0}")]
     Malformed(&'static str),
+    /// The run whose memory a primed module starts from failed.
+    #[error("could not prime the runtime: {0}")]
+    Priming(String),
     /// A function kiln exports is missing or has another signature.
     #[error(
         "the runtime has no function `{function}` with the signature kiln exports as `{export}` ({found})"

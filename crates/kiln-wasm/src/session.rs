@@ -182,7 +182,7 @@ impl WasmEngine {
                 let warm = self.warm_origin(options.template.as_deref(), fuel).await?;
                 let (runtime, origin) = match warm {
                     Some(origin) => (self.warm_python_runtime().await?, origin),
-                    None => (self.python_runtime(fuel).await?, Origin::Fresh),
+                    None => (self.fresh_python(&request, fuel).await?, Origin::Fresh),
                 };
                 Guest::Python(PythonGuest::open(self, &runtime, &request, true, origin).await?)
             }

@@ -144,6 +144,7 @@ impl WasmEngine {
             ready: crate::ready::Ready::new(0),
             lib_dir: self.cache().python_lib_dir(),
             mpl_data_dir: self.cache().python_mpl_data_dir(),
+            primed: false,
         });
         *slot = Some(runtime.clone());
         Ok(runtime)
@@ -481,6 +482,150 @@ pub(crate) fn strip(wasm: Vec<u8>) -> Result<Vec<u8>, PatchError> {
 }
 
 const SECTION_DATA: u8 = 11;
+const SECTION_MEMORY: u8 = 5;
+const SECTION_DATA_COUNT: u8 = 12;
+
+/// Bumped whenever priming ([`prime`], [`PRIMING_CODE`], what a primed guest is given)
+/// changes what it makes, so a stale `.cwasm` is never loaded.
+pub(crate) const PRIME_VERSION: u32 = 1;
+
+/// What a primed module's guest ran before its memory was captured: a one-shot's first turn
+/// of nothing, which does the interpreter's first-turn work once, at setup (the reactor's
+/// first-call setup and its import of `linecache`, a quarter of a fresh `print(1+1)`).
+pub(crate) const PRIMING_CODE: &str = "pass";
+
+/// Where a primed guest's monotonic clock starts: past any clock its priming run read (a
+/// priming run that took longer is refused), so the clock never goes backwards.
+pub(crate) const PRIMED_CLOCK_NS: u64 = 10_000_000_000;
+
+/// The Python module for primed starts: [`strip`]'s (kiln's exports, active data emptied),
+/// with `memory` — a guest's memory after [`PRIMING_CODE`] — as its one active data segment
+/// and initial size. Instances of it start where the priming run ended, through wasmtime's
+/// copy-on-write images and slot reuse like any module.
+pub(crate) fn prime(wasm: Vec<u8>, memory: &[u8]) -> Result<Vec<u8>, PatchError> {
+    fill_memory(&strip(wasm)?, memory)
+}
+
+/// `wasm` (whose active data segments are empty) with memory 0's initial size `memory`'s
+/// and `memory` as one more active segment at offset 0, from its first non-zero byte to its
+/// last (dense, so wasmtime always makes it a copy-on-write image). Passive segments keep
+/// their indices.
+fn fill_memory(wasm: &[u8], memory: &[u8]) -> Result<Vec<u8>, PatchError> {
+    if wasm.get(..8) != Some(b"\0asm\x01\0\0\0") {
+        return Err(PatchError::Malformed("not a WebAssembly 1 module"));
+    }
+    if memory.is_empty() || !memory.len().is_multiple_of(65536) || memory.len() as u64 > MAX_LEN {
+        return Err(PatchError::Malformed(
+            "a primed memory must be whole wasm pages",
+        ));
+    }
+    let first = memory.iter().position(|&b| b != 0).unwrap_or(0);
+    let last = memory.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    let (start, end) = (first / PAGE * PAGE, last.div_ceil(PAGE) * PAGE);
+    let segment = if end > start {
+        &memory[start..end]
+    } else {
+        &[][..]
+    };
+    let pages = (memory.len() / 65536) as u32;
+    let mut out = Vec::with_capacity(wasm.len() + segment.len() + 16);
+    out.extend_from_slice(&wasm[..8]);
+    let mut reader = Reader::new(&wasm[8..]);
+    let (mut saw_memory, mut saw_data) = (false, false);
+    while !reader.done() {
+        let id = reader.byte()?;
+        let len = reader.u32()? as usize;
+        let contents = reader.take(len)?;
+        let rewritten = match id {
+            SECTION_MEMORY => {
+                saw_memory = true;
+                Some(resize_memory(contents, pages)?)
+            }
+            SECTION_DATA_COUNT => {
+                let count = Reader::new(contents).u32()?;
+                let mut section = Vec::new();
+                write_u32(&mut section, count + 1);
+                Some(section)
+            }
+            SECTION_DATA => {
+                saw_data = true;
+                Some(append_segment(contents, start, segment)?)
+            }
+            _ => None,
+        };
+        let contents = rewritten.as_deref().unwrap_or(contents);
+        out.push(id);
+        write_u32(&mut out, contents.len() as u32);
+        out.extend_from_slice(contents);
+    }
+    if !saw_memory || !saw_data {
+        return Err(PatchError::Malformed("no memory or data section to prime"));
+    }
+    Ok(out)
+}
+
+/// A memory section whose first memory's initial size is `pages` (its maximum, if any, kept).
+fn resize_memory(section: &[u8], pages: u32) -> Result<Vec<u8>, PatchError> {
+    let mut reader = Reader::new(section);
+    let count = reader.u32()?;
+    if count == 0 {
+        return Err(PatchError::Malformed("no memory to prime"));
+    }
+    let flags = reader.byte()?;
+    let min = reader.u32()?;
+    let max = match flags {
+        0 => None,
+        1 => Some(reader.u32()?),
+        _ => {
+            return Err(PatchError::Malformed(
+                "a memory kiln cannot prime (shared or 64-bit)",
+            ));
+        }
+    };
+    if pages < min || max.is_some_and(|max| pages > max) {
+        return Err(PatchError::Malformed(
+            "the primed memory does not fit the module's",
+        ));
+    }
+    let mut out = Vec::new();
+    write_u32(&mut out, count);
+    out.push(flags);
+    write_u32(&mut out, pages);
+    if let Some(max) = max {
+        write_u32(&mut out, max);
+    }
+    out.extend_from_slice(&section[reader.at()..]);
+    Ok(out)
+}
+
+/// A data section with one more active segment: `bytes` at `offset` of memory 0.
+fn append_segment(section: &[u8], offset: usize, bytes: &[u8]) -> Result<Vec<u8>, PatchError> {
+    let mut reader = Reader::new(section);
+    let count = reader.u32()?;
+    let mut out = Vec::with_capacity(section.len() + bytes.len() + 16);
+    write_u32(&mut out, count + 1);
+    out.extend_from_slice(&section[reader.at()..]);
+    out.push(0);
+    out.push(0x41);
+    write_i32(&mut out, offset as u32 as i32);
+    out.push(0x0b);
+    write_u32(&mut out, bytes.len() as u32);
+    out.extend_from_slice(bytes);
+    Ok(out)
+}
+
+/// Signed LEB128, as `i32.const` takes it.
+fn write_i32(out: &mut Vec<u8>, mut value: i32) {
+    loop {
+        let byte = (value & 0x7f) as u8;
+        value >>= 7;
+        let done = (value == 0 && byte & 0x40 == 0) || (value == -1 && byte & 0x40 != 0);
+        out.push(if done { byte } else { byte | 0x80 });
+        if done {
+            return;
+        }
+    }
+}
 
 /// `wasm` with every active data segment's bytes removed (passive segments are kept: code
 /// copies from them at run time).
@@ -589,6 +734,66 @@ mod tests {
         assert!(out.ends_with(&expected), "{out:?}");
         wasmtime::Module::validate(&wasmtime::Engine::default(), &out)
             .expect("still a valid module");
+    }
+
+    #[test]
+    fn a_primed_module_starts_with_the_captured_memory() {
+        let mut wasm = b"\0asm\x01\0\0\0".to_vec();
+        // memory section: one memory, min 1; export "memory"; data count 2; data: an active
+        // segment (emptied, as `strip` leaves it) and a passive one.
+        wasm.extend_from_slice(&[5, 3, 1, 0, 1]);
+        wasm.extend_from_slice(&[7, 10, 1, 6, b'm', b'e', b'm', b'o', b'r', b'y', 2, 0]);
+        wasm.extend_from_slice(&[12, 1, 2]);
+        let data = [2, 0, 0x41, 0x10, 0x0b, 0, 1, 2, b'p', b'q'];
+        wasm.push(SECTION_DATA);
+        write_u32(&mut wasm, data.len() as u32);
+        wasm.extend_from_slice(&data);
+        wasmtime::Module::validate(&wasmtime::Engine::default(), &wasm).unwrap();
+
+        let mut memory = vec![0u8; 3 * 65536];
+        memory[70_000] = 7;
+        memory[2 * 65536 + 5] = 9;
+        let primed = fill_memory(&wasm, &memory).unwrap();
+        let engine = wasmtime::Engine::default();
+        let module = wasmtime::Module::new(&engine, &primed).unwrap();
+        let mut store = wasmtime::Store::new(&engine, ());
+        let instance = wasmtime::Instance::new(&mut store, &module, &[]).unwrap();
+        let mem = instance.get_memory(&mut store, "memory").unwrap();
+        assert_eq!(
+            mem.data(&store),
+            &memory[..],
+            "the memory as captured, and its size"
+        );
+        // Only the pages that hold data are in the module (from the first to the last).
+        assert!(primed.len() < wasm.len() + 2 * 65536, "{}", primed.len());
+
+        // Bad input is refused, never mis-primed.
+        assert!(fill_memory(&wasm, &memory[..1000]).is_err());
+        assert!(fill_memory(b"\0asm\x02\0\0\0", &memory).is_err());
+        let no_memory = [&wasm[..8], &wasm[13..]].concat();
+        assert!(fill_memory(&no_memory, &memory).is_err());
+        let mut bounded = wasm.clone();
+        bounded.splice(8..13, [5, 4, 1, 1, 1, 2]);
+        assert!(
+            fill_memory(&bounded, &memory).is_err(),
+            "3 pages past a maximum of 2"
+        );
+    }
+
+    #[test]
+    fn signed_leb128_as_i32_const_takes_it() {
+        for (value, bytes) in [
+            (0, vec![0]),
+            (63, vec![63]),
+            (64, vec![0xc0, 0]),
+            (-1, vec![0x7f]),
+            (0x10000, vec![0x80, 0x80, 0x04]),
+            (i32::MIN, vec![0x80, 0x80, 0x80, 0x80, 0x78]),
+        ] {
+            let mut out = Vec::new();
+            write_i32(&mut out, value);
+            assert_eq!(out, bytes, "{value}");
+        }
     }
 
     #[test]

@@ -1773,6 +1773,7 @@ async fn a_full_engine_says_it_is_busy() -> TestResult {
         &kiln_wasm::EngineOptions {
             max_instances: 2,
             ready_instances: 0,
+            ..kiln_wasm::EngineOptions::default()
         },
     )?;
     small.prepare(Language::Python, &Quiet)?;

@@ -157,31 +157,108 @@ async fn a_changed_warm_up_builds_a_new_image_and_a_bad_one_is_rebuilt() -> Test
 }
 
 /// One-shots take instances made ahead of time (with an empty context): each must see its
-/// own request's environment, folders and memory cap, never another's.
+/// own request's environment, folders and memory cap, never another's. (Those without an
+/// environment of their own start primed, from the primed runtime's instances.)
 #[tokio::test]
 async fn instances_made_ahead_of_time_get_each_requests_own_grants_and_caps() -> TestResult {
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("mine.txt"), "mine")?;
-    for round in 0..6 {
+    for round in 0..9 {
         let code = "import os\n\
                     print(os.environ.get('ROUND'), os.path.exists('/workspace/mine.txt'))\n\
                     try:\n    b = bytearray(200 << 20); print('big')\nexcept MemoryError:\n    print('capped')";
         let mut request = ExecRequest::new(Language::Python, code);
-        let small = round % 2 == 0;
-        if small {
-            request.limits.memory_bytes = 128 << 20;
-            request.env = vec![("ROUND".into(), round.to_string())];
-        } else {
-            request.workspace = Some(dir.path().to_path_buf());
-        }
-        let result = engine().execute(&request).await?;
-        let expected = if small {
-            format!("{round} False\ncapped\n")
-        } else {
-            "None True\nbig\n".to_owned()
+        let expected = match round % 3 {
+            0 => {
+                request.limits.memory_bytes = 128 << 20;
+                request.env = vec![("ROUND".into(), round.to_string())];
+                format!("{round} False\ncapped\n")
+            }
+            1 => {
+                request.limits.memory_bytes = 128 << 20;
+                "None False\ncapped\n".to_owned()
+            }
+            _ => {
+                request.workspace = Some(dir.path().to_path_buf());
+                "None True\nbig\n".to_owned()
+            }
         };
+        let result = engine().execute(&request).await?;
         assert_eq!(result.stdout_text(), expected, "{}", result.stderr_text());
     }
+    Ok(())
+}
+
+/// Fresh guests start primed (from a module whose memory is an interpreter's after a first
+/// turn, made once into the cache): each still has its own folders, its own `/tmp`, the
+/// base environment, its own random numbers, and a clock past the priming run's that only
+/// goes forward. A request with an environment of its own starts unprimed, and sees it.
+#[tokio::test]
+async fn primed_starts_are_each_guests_own() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("mine.txt"), "mine")?;
+    let code = "import os, time, random\n\
+                open('/tmp/left', 'w').write('x')\n\
+                print(time.monotonic() >= 10, sorted(os.environ), os.getcwd(), os.listdir('.'), os.listdir('/tmp'), random.random())";
+    let mut outs = Vec::new();
+    for _ in 0..3 {
+        let mut request = ExecRequest::new(Language::Python, code);
+        request.workspace = Some(dir.path().to_path_buf());
+        let result = engine().execute(&request).await?;
+        assert!(result.success(), "{}", result.stderr_text());
+        outs.push(result.stdout_text());
+    }
+    for out in &outs {
+        assert!(
+            out.starts_with(
+                "True ['HOME', 'MPLBACKEND', 'PYTHONTZPATH', 'TMPDIR'] /workspace ['mine.txt'] ['left'] 0."
+            ),
+            "{out}"
+        );
+    }
+    assert!(
+        outs[0] != outs[1] && outs[1] != outs[2],
+        "random numbers repeat: {outs:?}"
+    );
+    // Without a workspace, the working directory is the root, as in an unprimed guest.
+    let result = engine()
+        .execute(&ExecRequest::new(
+            Language::Python,
+            "import os; print(os.getcwd())",
+        ))
+        .await?;
+    assert_eq!(result.stdout_text(), "/\n", "{}", result.stderr_text());
+
+    let mut request = ExecRequest::new(
+        Language::Python,
+        "import os, time; print(time.monotonic() < 10, os.environ['GREETING'])",
+    );
+    request.env = vec![("GREETING".into(), "hello".into())];
+    let result = engine().execute(&request).await?;
+    assert_eq!(
+        result.stdout_text(),
+        "True hello\n",
+        "{}",
+        result.stderr_text()
+    );
+
+    // Sessions start primed too; their clock goes forward from turn to turn.
+    let mut session = engine()
+        .open_session(Language::Python, &options(None))
+        .await?;
+    assert_eq!(
+        out(
+            &mut session,
+            "import time; t = time.monotonic(); print(t >= 10)"
+        )
+        .await,
+        "True\n"
+    );
+    assert_eq!(
+        out(&mut session, "print(time.monotonic() > t)").await,
+        "True\n"
+    );
+    assert_eq!(out(&mut session, "x = 41\nx + 1").await, "42\n");
     Ok(())
 }
 

@@ -45,6 +45,10 @@ const ENVIRONMENT: &[(&str, &str)] = &[
         "the data folder of serve, mcp, keys and rest",
     ),
     ("KILN_WORKER_THREADS", "threads per executor worker"),
+    (
+        "KILN_PRIMED",
+        "0 turns off primed Python starts (fresh guests then run their first turn's setup)",
+    ),
     ("KILN_PIP", "the pip used to download runtimes"),
     ("KILN_LLM_MODEL", "the chat model, provider:model"),
     ("KILN_LLM_BASE_URL", "an OpenAI-compatible server's URL"),

@@ -297,6 +297,7 @@ fn prepare_runtimes() -> anyhow::Result<()> {
         &kiln_wasm::EngineOptions {
             max_instances: 1,
             ready_instances: 0,
+            ..kiln_wasm::EngineOptions::default()
         },
     )?;
     for language in Language::WASM {
@@ -352,6 +353,7 @@ pub fn prepare_before_send(config: &mut kiln_executor::PoolConfig) {
                 let options = kiln_wasm::EngineOptions {
                     max_instances: 1,
                     ready_instances: 0,
+                    ..kiln_wasm::EngineOptions::default()
                 };
                 let made = || WasmEngine::with_options(crate::config::cache_dir(), &options).ok();
                 let Some(engine) = engine.get_or_init(made) else {
@@ -620,6 +622,7 @@ fn exec(
     let options = kiln_wasm::EngineOptions {
         max_instances: 4,
         ready_instances: 0,
+        ..kiln_wasm::EngineOptions::default()
     };
     let engine = WasmEngine::with_options(crate::config::cache_dir(), &options)?;
     let fuel = request.limits.fuel.is_some();

@@ -138,6 +138,7 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
         &kiln_wasm::EngineOptions {
             max_instances: 1,
             ready_instances: 0,
+            ..kiln_wasm::EngineOptions::default()
         },
     )?;
     setup.prepare(Language::Python, &crate::progress::Bar::new())?;

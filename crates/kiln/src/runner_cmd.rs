@@ -72,6 +72,7 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
         &kiln_wasm::EngineOptions {
             max_instances: 1,
             ready_instances: 0,
+            ..kiln_wasm::EngineOptions::default()
         },
     )?;
     for language in Language::WASM {

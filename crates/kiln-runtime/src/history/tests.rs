@@ -400,10 +400,7 @@ fn a_history_made_on_first_use_is_made_once_whoever_races() {
     assert_eq!(head.parent_count(), 0);
     assert_eq!(head.tree().unwrap().len(), 0);
     assert_eq!(head.time().seconds(), 1_700_000_000);
-    assert_eq!(
-        history.repo.refname_to_id(INITIAL_REF).unwrap(),
-        head.id()
-    );
+    assert_eq!(history.repo.refname_to_id(INITIAL_REF).unwrap(), head.id());
     // No temporary is left beside it.
     let names: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()
@@ -411,8 +408,11 @@ fn a_history_made_on_first_use_is_made_once_whoever_races() {
         .collect();
     assert_eq!(names, ["history.git"]);
     // A half-made one a crash left is swept; the made one is kept.
-    std::fs::create_dir_all(dir.path().join(".history.git.0011223344556677.pending/objects"))
-        .unwrap();
+    std::fs::create_dir_all(
+        dir.path()
+            .join(".history.git.0011223344556677.pending/objects"),
+    )
+    .unwrap();
     remove_pending(dir.path());
     let names: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()

@@ -336,7 +336,11 @@ fn issue12_kill_leftovers_are_recovered_and_results_never_lost() -> TestResult {
     assert!(!git.exists(), "a new sandbox made its history eagerly");
     let (status, history) = server.call("GET", &format!("/api/v1/sandboxes/{id}/history"), None)?;
     assert_eq!(status, 200, "{history}");
-    assert_eq!(history["history"].as_array().map(Vec::len), Some(1), "{history}");
+    assert_eq!(
+        history["history"].as_array().map(Vec::len),
+        Some(1),
+        "{history}"
+    );
     let branch = head_ref(&git)?;
 
     // A commit that cannot happen (its ref is locked): the run's result comes back anyway.
@@ -380,7 +384,10 @@ fn issue12_kill_leftovers_are_recovered_and_results_never_lost() -> TestResult {
         ..Options::default()
     })?;
     assert!(!lock.exists() && !git.join("index.lock").exists());
-    assert!(!pending.exists(), "a half-made history was left at start-up");
+    assert!(
+        !pending.exists(),
+        "a half-made history was left at start-up"
+    );
     assert_eq!(
         std::fs::read_dir(&scratch).map(|d| d.count()).unwrap_or(0),
         0
