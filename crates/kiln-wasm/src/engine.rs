@@ -462,13 +462,20 @@ impl WasmEngine {
         progress: &dyn Progress,
     ) -> Result<(), EngineError> {
         match language {
-            Language::Python => {
-                self.python(progress, fuel)?;
-                if !fuel && self.inner.options.primed {
-                    self.primed_python(progress)?;
+            // Where fresh guests start primed, the primed runtime is what they need (making
+            // it compiles the plain one first); the plain one is loaded when a request
+            // with an environment of its own asks for it.
+            Language::Python if !fuel && self.inner.options.primed => {
+                match self.primed_python(progress) {
+                    Ok(_) => Ok(()),
+                    Err(error) => {
+                        tracing::warn!(target: "kiln_wasm", %error, "the primed Python runtime could not be made; fresh guests start unprimed");
+                        self.variant(false)?.primed_off.store(true, Ordering::Relaxed);
+                        self.python(progress, false).map(drop)
+                    }
                 }
-                Ok(())
             }
+            Language::Python => self.python(progress, fuel).map(drop),
             Language::JavaScript => self.javascript(progress, fuel).map(drop),
             // Nothing of WebAssembly runs them; requests for them are refused.
             Language::Go | Language::Bash => Ok(()),
