@@ -114,10 +114,21 @@ pub(crate) struct PythonRuntime {
     pub ready: crate::ready::Ready,
     pub lib_dir: PathBuf,
     pub mpl_data_dir: PathBuf,
-    /// Whether its module is primed ([`crate::warm::prime`]): its guests start where a
-    /// first turn ended, so each asks the host for its preopened folders anew and its clock
-    /// starts at [`crate::warm::PRIMED_CLOCK_NS`].
-    pub primed: bool,
+    /// Where its module is primed ([`crate::warm::prime`]): its guests start where another
+    /// guest's turn ended, so each asks the host for its preopened folders anew.
+    pub primed: Option<PrimedStart>,
+}
+
+/// How a guest of a primed module starts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrimedStart {
+    /// Its monotonic clock's first reading: past anything the captured guest read.
+    pub clock_ns: u64,
+    /// Whether it runs the rebirth turn (environment, seeds: a warm template's module,
+    /// whose memory is a warm-up's) or starts as captured (the plain primed module).
+    pub rebirth: bool,
+    /// The captured memory's length (a rebirth guest's memory cap must leave room above).
+    pub memory_len: usize,
 }
 
 pub(crate) struct JsRuntime {
@@ -186,6 +197,11 @@ struct Variant {
     python_primed: Mutex<Option<Arc<PythonRuntime>>>,
     /// Set when the primed runtime could not be made: fresh guests start unprimed.
     primed_off: AtomicBool,
+    /// Warm templates' primed runtimes (one-shots start from them), by warm-up code.
+    warm_primed: Mutex<std::collections::HashMap<String, Arc<PythonRuntime>>>,
+    /// Set when a warm template's primed runtime could not be made: its one-shots start
+    /// in the warm engine.
+    warm_primed_off: AtomicBool,
     javascript: Mutex<Option<Arc<JsRuntime>>>,
 }
 
@@ -206,6 +222,8 @@ impl Variant {
             python: Mutex::new(None),
             python_primed: Mutex::new(None),
             primed_off: AtomicBool::new(false),
+            warm_primed: Mutex::new(Default::default()),
+            warm_primed_off: AtomicBool::new(false),
             javascript: Mutex::new(None),
         })
     }
@@ -242,6 +260,15 @@ fn primed_module_name_of(code: &str, env: &[(&str, &str)], clock_ns: u64) -> Str
     hasher.update(clock_ns.to_le_bytes());
     let key = hex::encode(hasher.finalize());
     format!("python-primed{}-{}", crate::warm::PRIME_VERSION, &key[..12])
+}
+
+/// A warm template's primed module's name in the cache: its image's key (which covers the
+/// runtime, the engines, the warm-up code and the image format), and kiln's way of priming.
+fn warm_primed_module_name(image: &std::path::Path) -> String {
+    let key = image
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    format!("python-warm-primed{}-{key}", crate::warm::PRIME_VERSION)
 }
 
 /// Guest slots of the fuel engine: an eighth of the default engine's, at least 4 (and at
@@ -470,7 +497,9 @@ impl WasmEngine {
                     Ok(_) => Ok(()),
                     Err(error) => {
                         tracing::warn!(target: "kiln_wasm", %error, "the primed Python runtime could not be made; fresh guests start unprimed");
-                        self.variant(false)?.primed_off.store(true, Ordering::Relaxed);
+                        self.variant(false)?
+                            .primed_off
+                            .store(true, Ordering::Relaxed);
                         self.python(progress, false).map(drop)
                     }
                 }
@@ -603,7 +632,7 @@ impl WasmEngine {
             ready: crate::ready::Ready::new(ready),
             lib_dir: self.inner.cache.python_lib_dir(),
             mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
-            primed: false,
+            primed: None,
         });
         runtime.ready.start(&runtime);
         *slot = Some(runtime.clone());
@@ -678,12 +707,165 @@ impl WasmEngine {
             ready: crate::ready::Ready::new(ready),
             lib_dir: self.inner.cache.python_lib_dir(),
             mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
-            primed: true,
+            primed: Some(PrimedStart {
+                clock_ns: crate::warm::PRIMED_CLOCK_NS,
+                rebirth: false,
+                memory_len: 0,
+            }),
         });
         runtime.ready.start(&runtime);
         *slot = Some(runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
+    }
+
+    /// The primed runtime of a warm template's one-shots: a copy of the module whose memory
+    /// is the template's image (its warm-up's), compiled once into the cache, keyed by the
+    /// image's key. Its guests come from the default engine's pooling slots, made ahead of
+    /// time with the pages a one-shot touches populated, as fresh ones are; each runs the
+    /// rebirth turn first. (Sessions of the template start in the warm engine, whose image
+    /// mapping their forks share.)
+    pub(crate) fn warm_primed_python(
+        &self,
+        warm_up: &str,
+        image: &crate::warm::Image,
+        progress: &dyn Progress,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
+        let variant = self.variant(false)?;
+        let mut loaded = variant
+            .warm_primed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(runtime) = loaded.get(warm_up) {
+            return Ok(runtime.clone());
+        }
+        let started = Instant::now();
+        let name = warm_primed_module_name(&self.warm_image_path(warm_up)?);
+        let prime = |wasm: Vec<u8>| {
+            let memory = image.read_memory().map_err(|e| {
+                crate::qjs_exports::PatchError::Priming(format!("reading the image: {e}"))
+            })?;
+            crate::warm::prime(wasm, &memory)
+        };
+        let module = self.compiled(
+            &variant.engine,
+            &PYTHON,
+            &name,
+            Duration::from_secs(60),
+            progress,
+            &prime,
+        )?;
+        let linker = self.linker(&variant.engine, Language::Python)?;
+        let pre = linker
+            .instantiate_pre(&module)
+            .map_err(|e| self.link_error(Language::Python, e))?;
+        let ready = match variant.slots {
+            16.. => self.inner.options.ready_instances as usize,
+            _ => 0,
+        };
+        let runtime = Arc::new(PythonRuntime {
+            pre,
+            slots: variant.slots,
+            hot_pages: Default::default(),
+            ready: crate::ready::Ready::new(ready),
+            lib_dir: self.inner.cache.python_lib_dir(),
+            mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
+            primed: Some(PrimedStart {
+                clock_ns: image.clock_ns(),
+                rebirth: true,
+                memory_len: image.len(),
+            }),
+        });
+        runtime.ready.start(&runtime);
+        loaded.insert(warm_up.to_owned(), runtime.clone());
+        tracing::debug!(target: "kiln_wasm", language = "python", warm_primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
+        Ok(runtime)
+    }
+
+    /// The runtime a one-shot of a warm template starts from, where primed starts are on
+    /// and it can be made (else `None`: the one-shot starts in the warm engine, from the
+    /// image). Made off this thread the first time (compiling it takes about a minute where
+    /// setup did not).
+    pub(crate) async fn warm_primed_runtime(&self, warm_up: &str) -> Option<Arc<PythonRuntime>> {
+        if !self.inner.options.primed {
+            return None;
+        }
+        let variant = self.variant(false).ok()?;
+        if variant.warm_primed_off.load(Ordering::Relaxed) {
+            return None;
+        }
+        let loaded = variant
+            .warm_primed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(warm_up)
+            .cloned();
+        if loaded.is_some() {
+            return loaded;
+        }
+        let made = async {
+            let (image, _) = self.warm_image(warm_up, &Quiet).await?;
+            let warm_up = warm_up.to_owned();
+            Ok::<_, ExecError>(
+                self.off_thread(Language::Python, move |engine| {
+                    engine.warm_primed_python(&warm_up, &image, &Quiet)
+                })
+                .await?,
+            )
+        };
+        match made.await {
+            Ok(runtime) => Some(runtime),
+            Err(error) => {
+                if !variant.warm_primed_off.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(target: "kiln_wasm", %error, "a warm template's primed runtime could not be made; its one-shots start in the warm engine");
+                }
+                None
+            }
+        }
+    }
+
+    /// Whether what one-shots of a warm template start from is in the cache: the image,
+    /// and the primed module where primed starts are on.
+    pub fn is_warm_prepared(&self, warm_up: &str) -> Result<bool, EngineError> {
+        let image = self.warm_image_path(warm_up)?;
+        if !image.is_file() {
+            return Ok(false);
+        }
+        if !self.inner.options.primed {
+            return Ok(true);
+        }
+        let variant = self.variant(false)?;
+        let name = warm_primed_module_name(&image);
+        let path = crate::cache::cwasm_path(
+            &variant.engine,
+            &self.inner.cache,
+            &name,
+            PYTHON.files[0].sha256,
+        );
+        Ok(path.is_file())
+    }
+
+    /// Makes ready what one-shots of a warm template start from: its primed runtime where
+    /// primed starts are on (the image built first if missing), else the warm engine's
+    /// module and the image ([`WasmEngine::prepare_warm`]). `kiln exec` and setup use it.
+    pub async fn prepare_warm_oneshots(
+        &self,
+        warm_up: &str,
+        progress: &dyn Progress,
+    ) -> Result<(), ExecError> {
+        if self.inner.options.primed {
+            let (image, _) = self.warm_image(warm_up, progress).await?;
+            match self.warm_primed_python(warm_up, &image, progress) {
+                Ok(_) => return Ok(()),
+                Err(error) => {
+                    tracing::warn!(target: "kiln_wasm", %error, "a warm template's primed runtime could not be made; its one-shots start in the warm engine");
+                    self.variant(false)?
+                        .warm_primed_off
+                        .store(true, Ordering::Relaxed);
+                }
+            }
+        }
+        self.prepare_warm(warm_up, progress).await.map(drop)
     }
 
     /// Runs [`crate::warm::PRIMING_CODE`] as a one-shot in a fresh guest of `plain` (on a
@@ -874,9 +1056,31 @@ impl WasmEngine {
         let started = Instant::now();
         // A budget runs on the fuel engine; without one, nothing here counts fuel.
         let fuel = request.limits.fuel.is_some();
+        let warm_primed = match request
+            .template
+            .as_deref()
+            .and_then(crate::warm::warm_up_of)
+        {
+            Some(warm_up) if !fuel && request.language == Language::Python => {
+                self.warm_primed_runtime(warm_up).await
+            }
+            _ => None,
+        };
         let mut result = match request.language {
             Language::Python => {
-                if let Some(origin) = self.warm_origin(request.template.as_deref(), fuel).await? {
+                if let Some(runtime) = warm_primed {
+                    let origin = python::Origin::Fresh;
+                    let mut guest =
+                        python::PythonGuest::open(self, &runtime, request, false, origin).await?;
+                    let result = guest.turn(&request.code, &request.limits, listener).await?;
+                    guest.learn_hot_pages(&runtime);
+                    if runtime.ready.want() > 0 {
+                        crate::ready::drop_later(guest);
+                    }
+                    result
+                } else if let Some(origin) =
+                    self.warm_origin(request.template.as_deref(), fuel).await?
+                {
                     let runtime = self.warm_python_runtime().await?;
                     let mut guest =
                         python::PythonGuest::open(self, &runtime, request, false, origin).await?;

@@ -152,25 +152,35 @@ pub(crate) struct ForkState {
     armed: bool,
 }
 
-/// Run first in a guest started from an image or forked: the environment becomes the new
-/// guest's own, `random` and `numpy.random` are reseeded from the host's entropy (forks of
-/// one image would otherwise draw the same numbers), and `tempfile` picks new names.
-/// `{ENV}` is a JSON object, which is also a Python dict literal.
-const REBIRTH: &str = r#"
+/// Defines what runs first in a guest started from an image or forked
+/// ([`REBIRTH_CALL`]): the environment becomes the new guest's own, `random` and
+/// `numpy.random` are reseeded from the host's entropy (starts of one image would otherwise
+/// draw the same numbers; numpy's legacy generator takes a 32-bit seed, which costs 0.05 ms
+/// where `seed()` from the OS's entropy costs 0.6–0.8 ms in a guest), and `tempfile` picks
+/// new names. A warm template's image is captured with it defined, so a one-shot started
+/// from it only calls it; a session or a fork defines it again first (code may have
+/// changed it since).
+pub(crate) const REBIRTH_DEF: &str = r#"
 def _kiln_reborn(env):
     import os, sys
     os.environ.clear()
     os.environ.update(env)
-    for name in ("random", "numpy.random"):
-        module = sys.modules.get(name)
-        if module is not None:
-            module.seed()
+    module = sys.modules.get("random")
+    if module is not None:
+        module.seed()
+    module = sys.modules.get("numpy.random")
+    if module is not None:
+        module.seed(int.from_bytes(os.urandom(4), "little"))
     module = sys.modules.get("tempfile")
     if module is not None:
         module._name_sequence = None
-_kiln_reborn({ENV})
+__import__("sys")._kiln_reborn = _kiln_reborn
 del _kiln_reborn
 "#;
+
+/// Calls [`REBIRTH_DEF`]'s function; `{ENV}` is a JSON object, which is also a Python dict
+/// literal.
+const REBIRTH_CALL: &str = "__import__(\"sys\")._kiln_reborn({ENV})\n";
 
 /// An instance no request owns yet: made ahead of time for one-shots
 /// ([`crate::ready::Ready`]), or just now. [`crate::guest::dress_store`] gives it a request's
@@ -266,16 +276,31 @@ impl PythonGuest {
         echo: bool,
         origin: Origin,
     ) -> Result<PythonGuest, ExecError> {
+        // A warm template's primed memory must fit the cap with room to run, as an image
+        // mapped in the warm engine must.
+        if let (Origin::Fresh, Some(primed)) = (&origin, runtime.primed)
+            && primed.rebirth
+        {
+            let min_mib = (primed.memory_len as u64).div_ceil(1 << 20) + 64;
+            if request.limits.memory_bytes < min_mib << 20 {
+                return Err(ExecError::MemoryTooSmall {
+                    language: Language::Python,
+                    min_mib,
+                });
+            }
+        }
         let slot = match origin {
             Origin::Fresh => None,
             _ => Some(engine.warm_variant()?.take_slot()?),
         };
         let clock_origin = match &origin {
             // A primed guest's clock goes on from past its priming run's.
-            Origin::Fresh if runtime.primed => Instant::now()
-                .checked_sub(Duration::from_nanos(crate::warm::PRIMED_CLOCK_NS))
-                .unwrap_or_else(Instant::now),
-            Origin::Fresh => Instant::now(),
+            Origin::Fresh => match runtime.primed {
+                Some(primed) => Instant::now()
+                    .checked_sub(Duration::from_nanos(primed.clock_ns))
+                    .unwrap_or_else(Instant::now),
+                None => Instant::now(),
+            },
             Origin::Image(image) => Instant::now()
                 .checked_sub(Duration::from_nanos(image.clock_ns()))
                 .unwrap_or_else(Instant::now),
@@ -350,9 +375,12 @@ impl PythonGuest {
         };
         if !matches!(origin, Origin::Fresh) {
             guest.adopt(origin, &instance, request).await?;
-        } else if runtime.primed {
+        } else if let Some(primed) = runtime.primed {
             // Its wasi-libc knew the priming run's folders: it asks for this guest's.
             guest.reset_preopens(&instance).await?;
+            if primed.rebirth {
+                guest.rebirth(request, true).await?;
+            }
         }
         if request.workspace.is_some() {
             guest
@@ -395,7 +423,7 @@ impl PythonGuest {
 
     /// Gives a new guest the memory of `origin` (an image, or a parent's image and changed
     /// pages, with kiln's state of it), then makes it its own: the preopened folders asked
-    /// anew, the environment, seeds and temporary names renewed ([`REBIRTH`]).
+    /// anew, the environment, seeds and temporary names renewed ([`REBIRTH_DEF`]).
     async fn adopt(
         &mut self,
         origin: Origin,
@@ -430,6 +458,13 @@ impl PythonGuest {
         };
         self.image = Some(image);
         self.reset_preopens(instance).await?;
+        self.rebirth(request, false).await
+    }
+
+    /// Runs the rebirth ([`REBIRTH_DEF`]): the environment becomes `request`'s, seeds and
+    /// temporary names are renewed (a guest started from memory another guest left).
+    /// `defined`: the guest's memory is a warm-up's that defined it (it is only called).
+    async fn rebirth(&mut self, request: &ExecRequest, defined: bool) -> Result<(), ExecError> {
         let mut env = serde_json::Map::new();
         for (name, value) in BASE_ENV {
             env.insert((*name).into(), (*value).into());
@@ -438,7 +473,12 @@ impl PythonGuest {
             env.insert(name.clone(), value.clone().into());
         }
         let env = serde_json::Value::Object(env).to_string();
-        let rebirth = REBIRTH.replace("{ENV}", &env);
+        let call = REBIRTH_CALL.replace("{ENV}", &env);
+        let rebirth = if defined {
+            call
+        } else {
+            format!("{REBIRTH_DEF}{call}")
+        };
         self.setup_turn(&rebirth, &request.limits, "the warm start")
             .await
     }

@@ -144,7 +144,7 @@ impl WasmEngine {
             ready: crate::ready::Ready::new(0),
             lib_dir: self.cache().python_lib_dir(),
             mpl_data_dir: self.cache().python_mpl_data_dir(),
-            primed: false,
+            primed: None,
         });
         *slot = Some(runtime.clone());
         Ok(runtime)
@@ -176,6 +176,8 @@ impl WasmEngine {
         }
         hasher.update(format!("strip{STRIP_VERSION} image1 "));
         hasher.update(warm_up);
+        // The image is captured with the rebirth defined (one-shots only call it).
+        hasher.update(crate::python::REBIRTH_DEF);
         let key = hex::encode(hasher.finalize());
         Ok(self
             .cache()
@@ -253,12 +255,17 @@ impl WasmEngine {
             ..Limits::default()
         };
         let mut guest = PythonGuest::open(self, &runtime, &request, false, Origin::Fresh).await?;
-        let result = guest.turn(warm_up, &request.limits, None).await?;
-        if !result.success() {
-            return Err(instantiate_error(
-                Language::Python,
-                format!("the warm-up failed: {}", result.stderr_text().trim()),
-            ));
+        for (code, what) in [
+            (warm_up, "the warm-up"),
+            (crate::python::REBIRTH_DEF, "defining the rebirth"),
+        ] {
+            let result = guest.turn(code, &request.limits, None).await?;
+            if !result.success() {
+                return Err(instantiate_error(
+                    Language::Python,
+                    format!("{what} failed: {}", result.stderr_text().trim()),
+                ));
+            }
         }
         Ok((guest.memory().to_vec(), guest.clock_ns()))
     }
@@ -339,6 +346,13 @@ impl Image {
     /// The memory's length in bytes (whole wasm pages).
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The captured memory, read whole (to prime a module with it).
+    pub fn read_memory(&self) -> io::Result<Vec<u8>> {
+        let mut memory = vec![0u8; self.len];
+        self.file.read_exact_at(&mut memory, HEADER as u64)?;
+        Ok(memory)
     }
 
     /// The guest's monotonic clock when the image was captured, in nanoseconds.

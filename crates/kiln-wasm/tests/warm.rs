@@ -56,6 +56,8 @@ async fn python_data_starts_with_the_data_stack_imported_and_its_own_environment
         result.stdout_text(),
         "['matplotlib.pyplot', 'numpy', 'pandas', 'scipy']\n6 hello /tmp\n"
     );
+    // One-shots of the template start from its primed module, made into the cache.
+    assert!(engine().is_warm_prepared(PYTHON_DATA_WARM_UP)?);
     // The next one sees none of the previous one's environment.
     let result = engine()
         .execute(&data("import os; print(os.environ.get('GREETING'))"))

@@ -39,6 +39,9 @@ pub async fn run(
     engine
         .prepare_warm(kiln_wasm::PYTHON_DATA_WARM_UP, &progress)
         .await?;
+    engine
+        .prepare_warm_oneshots(kiln_wasm::PYTHON_DATA_WARM_UP, &progress)
+        .await?;
     if want("python_data_pandas_oneshot") {
         let request = data(PANDAS_CELL, Some(PYTHON_DATA));
         let figure = time(engine, &request, 5, n, "6\n").await?;

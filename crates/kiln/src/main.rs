@@ -281,9 +281,11 @@ fn setup(lang: Option<Language>, fuel: bool) -> anyhow::Result<ExitCode> {
             engine.prepare_variant(language, true, &progress)?;
         }
         if language == Language::Python {
-            // The python-data template's warm image (and the engine that starts from it).
+            // The python-data template's warm image, the engine its sessions start in, and
+            // the primed module its one-shots start from.
             let warm_up = kiln_wasm::PYTHON_DATA_WARM_UP;
             runtime(1)?.block_on(engine.prepare_warm(warm_up, &progress))?;
+            runtime(1)?.block_on(engine.prepare_warm_oneshots(warm_up, &progress))?;
         }
     }
     eprintln!("kiln: runtimes ready in {}", cache.root().display());
@@ -310,7 +312,11 @@ fn prepare_runtimes() -> anyhow::Result<()> {
         .spawn(move || {
             let built = runtime(1).map_err(|e| e.to_string()).and_then(|rt| {
                 let warm_up = kiln_wasm::PYTHON_DATA_WARM_UP;
-                let prepared = rt.block_on(setup.prepare_warm(warm_up, &kiln_wasm::Quiet));
+                let quiet = &kiln_wasm::Quiet;
+                let prepared = rt.block_on(async {
+                    setup.prepare_warm(warm_up, quiet).await?;
+                    setup.prepare_warm_oneshots(warm_up, quiet).await
+                });
                 prepared.map_err(|e| e.to_string())
             });
             if let Err(error) = built {
@@ -361,10 +367,9 @@ pub fn prepare_before_send(config: &mut kiln_executor::PoolConfig) {
                 };
                 match warm_up {
                     Some(warm_up) if !fuel => {
-                        let image = engine.warm_image_path(warm_up)?;
-                        if !image.is_file() {
+                        if !engine.is_warm_prepared(warm_up)? {
                             let quiet = &kiln_wasm::Quiet;
-                            handle.block_on(engine.prepare_warm(warm_up, quiet))?;
+                            handle.block_on(engine.prepare_warm_oneshots(warm_up, quiet))?;
                         }
                     }
                     _ => engine.prepare_variant(language, true, &kiln_wasm::Quiet)?,
@@ -630,7 +635,7 @@ fn exec(
         // A warm template needs its image (built once) and the warm engine's module, not
         // the runtime's own.
         Some(warm_up) if language == Language::Python => {
-            runtime(1)?.block_on(engine.prepare_warm(warm_up, &progress::Bar::new()))?;
+            runtime(1)?.block_on(engine.prepare_warm_oneshots(warm_up, &progress::Bar::new()))?;
         }
         _ => engine.prepare_variant(language, fuel, &progress::Bar::new())?,
     }
