@@ -157,9 +157,8 @@ pub(crate) struct ForkState {
 /// `numpy.random` are reseeded from the host's entropy (starts of one image would otherwise
 /// draw the same numbers; numpy's legacy generator takes a 32-bit seed, which costs 0.05 ms
 /// where `seed()` from the OS's entropy costs 0.6–0.8 ms in a guest), and `tempfile` picks
-/// new names. A warm template's image is captured with it defined, so a one-shot started
-/// from it only calls it; a session or a fork defines it again first (code may have
-/// changed it since).
+/// new names. A warm template's image is captured with it defined, so a guest started from
+/// it only calls it; a fork defines it again first (its parent's code may have changed it).
 pub(crate) const REBIRTH_DEF: &str = r#"
 def _kiln_reborn(env):
     import os, sys
@@ -431,6 +430,9 @@ impl PythonGuest {
         request: &ExecRequest,
     ) -> Result<(), ExecError> {
         let fail = |e: &dyn std::fmt::Display| instantiate_error(Language::Python, e);
+        // A template's image was captured with the rebirth defined; a parent's memory may
+        // have changed it since.
+        let defined = matches!(origin, Origin::Image(_));
         let image = match origin {
             Origin::Fresh => return Ok(()),
             Origin::Image(image) => {
@@ -458,7 +460,7 @@ impl PythonGuest {
         };
         self.image = Some(image);
         self.reset_preopens(instance).await?;
-        self.rebirth(request, false).await
+        self.rebirth(request, defined).await
     }
 
     /// Runs the rebirth ([`REBIRTH_DEF`]): the environment becomes `request`'s, seeds and

@@ -176,7 +176,7 @@ impl WasmEngine {
         }
         hasher.update(format!("strip{STRIP_VERSION} image1 "));
         hasher.update(warm_up);
-        // The image is captured with the rebirth defined (one-shots only call it).
+        // The image is captured with the rebirth defined (a start from it only calls it).
         hasher.update(crate::python::REBIRTH_DEF);
         let key = hex::encode(hasher.finalize());
         Ok(self
