@@ -132,12 +132,38 @@ pub struct History {
 }
 
 fn signature() -> Result<Signature<'static>, git2::Error> {
-    let ms = now_ms();
+    signature_at(now_ms())
+}
+
+fn signature_at(ms: u64) -> Result<Signature<'static>, git2::Error> {
     Signature::new(
         "kiln",
         "kiln@localhost",
         &Time::new(i64::try_from(ms / 1000).unwrap_or(i64::MAX), 0),
     )
+}
+
+/// Makes an empty bare repository at `git_dir` and opens it.
+fn create_repository(git_dir: &Path) -> Result<Repository, git2::Error> {
+    setup_libgit2();
+    make_bare(git_dir)
+        .map_err(|e| git2::Error::from_str(&format!("could not create the history: {e}")))?;
+    Repository::open_bare(git_dir)
+}
+
+/// Records `root` as a new repository's first commit, dated `ms`, also `refs/kiln/initial`.
+fn commit_initial(repo: &Repository, root: Oid, ms: u64) -> Result<(), git2::Error> {
+    let sig = signature_at(ms)?;
+    let commit = repo.commit(
+        Some("HEAD"),
+        &sig,
+        &sig,
+        &message("initial workspace", INITIAL_ID, &[]),
+        &repo.find_tree(root)?,
+        &[],
+    )?;
+    repo.reference(INITIAL_REF, commit, true, "the initial workspace")?;
+    Ok(())
 }
 
 fn message(summary: &str, id: &str, files: &[String]) -> String {
@@ -412,30 +438,12 @@ impl History {
     /// Creates the repository at `git_dir` and records the initial commit of `tree`
     /// (whatever the workspace holds).
     pub fn init(git_dir: &Path, tree: &Tree) -> Result<History, HistoryError> {
-        setup_libgit2();
-        make_bare(git_dir)
-            .map_err(|e| git2::Error::from_str(&format!("could not create the history: {e}")))?;
-        let repo = Repository::open_bare(git_dir)?;
         let history = History {
-            repo,
+            repo: create_repository(git_dir)?,
             memory: memory(git_dir),
         };
-        {
-            let (oid, _, _) = history.stage(tree)?;
-            let sig = signature()?;
-            let root = history.repo.find_tree(oid)?;
-            let commit = history.repo.commit(
-                Some("HEAD"),
-                &sig,
-                &sig,
-                &message("initial workspace", INITIAL_ID, &[]),
-                &root,
-                &[],
-            )?;
-            history
-                .repo
-                .reference(INITIAL_REF, commit, true, "the initial workspace")?;
-        }
+        let (root, _, _) = history.stage(tree)?;
+        commit_initial(&history.repo, root, now_ms())?;
         Ok(history)
     }
 
@@ -493,26 +501,9 @@ impl History {
     /// A new repository at `git_dir` whose one commit, also `refs/kiln/initial`, is the
     /// empty workspace at `created_ms`.
     fn make_empty(git_dir: &Path, created_ms: u64) -> Result<(), HistoryError> {
-        setup_libgit2();
-        make_bare(git_dir)
-            .map_err(|e| git2::Error::from_str(&format!("could not create the history: {e}")))?;
-        let repo = Repository::open_bare(git_dir)?;
-        let root = repo.find_tree(empty_tree(&repo)?)?;
-        let sig = Signature::new(
-            "kiln",
-            "kiln@localhost",
-            &Time::new(i64::try_from(created_ms / 1000).unwrap_or(i64::MAX), 0),
-        )?;
-        let commit = repo.commit(
-            Some("HEAD"),
-            &sig,
-            &sig,
-            &message("initial workspace", INITIAL_ID, &[]),
-            &root,
-            &[],
-        )?;
-        repo.reference(INITIAL_REF, commit, true, "the initial workspace")?;
-        Ok(())
+        let repo = create_repository(git_dir)?;
+        let root = empty_tree(&repo)?;
+        Ok(commit_initial(&repo, root, created_ms)?)
     }
 
     /// Makes a copy of this repository at `git_dir` (which must not exist yet): the same

@@ -600,6 +600,42 @@ impl WasmEngine {
         )?)
     }
 
+    /// A Python runtime of `module` in `engine`: linked, with `ready` one-shot instances
+    /// made ahead of time (their thread started), its guests starting as `primed` says.
+    pub(crate) fn python_runtime_of(
+        &self,
+        engine: &Engine,
+        module: &wasmtime::Module,
+        slots: u32,
+        ready: usize,
+        primed: Option<PrimedStart>,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
+        let pre = self
+            .linker(engine, Language::Python)?
+            .instantiate_pre(module)
+            .map_err(|e| self.link_error(Language::Python, e))?;
+        let runtime = Arc::new(PythonRuntime {
+            pre,
+            slots,
+            hot_pages: Default::default(),
+            ready: crate::ready::Ready::new(ready),
+            lib_dir: self.inner.cache.python_lib_dir(),
+            mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
+            primed,
+        });
+        runtime.ready.start(&runtime);
+        Ok(runtime)
+    }
+
+    /// One-shot instances a primed runtime keeps made ahead of time: the engine's setting,
+    /// none in an engine of fewer than 16 slots.
+    fn primed_ready(&self, variant: &Variant) -> usize {
+        match variant.slots {
+            16.. => self.inner.options.ready_instances as usize,
+            _ => 0,
+        }
+    }
+
     /// The Python runtime of the engine with (`fuel`) or without an instruction budget.
     pub(crate) fn python(
         &self,
@@ -614,10 +650,6 @@ impl WasmEngine {
         let started = std::time::Instant::now();
         let estimate = Duration::from_secs(60);
         let module = self.module(variant, &PYTHON, Language::Python, estimate, progress)?;
-        let linker = self.linker(&variant.engine, Language::Python)?;
-        let pre = linker
-            .instantiate_pre(&module)
-            .map_err(|e| self.link_error(Language::Python, e))?;
         // One-shots take the primed runtime's instances made ahead, where it is on.
         let ready = match (variant.fuel, variant.slots) {
             (false, 16..) if !self.inner.options.primed => {
@@ -625,16 +657,8 @@ impl WasmEngine {
             }
             _ => 0,
         };
-        let runtime = Arc::new(PythonRuntime {
-            pre,
-            slots: variant.slots,
-            hot_pages: Default::default(),
-            ready: crate::ready::Ready::new(ready),
-            lib_dir: self.inner.cache.python_lib_dir(),
-            mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
-            primed: None,
-        });
-        runtime.ready.start(&runtime);
+        let runtime =
+            self.python_runtime_of(&variant.engine, &module, variant.slots, ready, None)?;
         *slot = Some(runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", fuel, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
@@ -692,28 +716,14 @@ impl WasmEngine {
             progress,
             &prime,
         )?;
-        let linker = self.linker(&variant.engine, Language::Python)?;
-        let pre = linker
-            .instantiate_pre(&module)
-            .map_err(|e| self.link_error(Language::Python, e))?;
-        let ready = match variant.slots {
-            16.. => self.inner.options.ready_instances as usize,
-            _ => 0,
+        let primed = PrimedStart {
+            clock_ns: crate::warm::PRIMED_CLOCK_NS,
+            rebirth: false,
+            memory_len: 0,
         };
-        let runtime = Arc::new(PythonRuntime {
-            pre,
-            slots: variant.slots,
-            hot_pages: Default::default(),
-            ready: crate::ready::Ready::new(ready),
-            lib_dir: self.inner.cache.python_lib_dir(),
-            mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
-            primed: Some(PrimedStart {
-                clock_ns: crate::warm::PRIMED_CLOCK_NS,
-                rebirth: false,
-                memory_len: 0,
-            }),
-        });
-        runtime.ready.start(&runtime);
+        let ready = self.primed_ready(variant);
+        let runtime =
+            self.python_runtime_of(&variant.engine, &module, variant.slots, ready, Some(primed))?;
         *slot = Some(runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
@@ -755,28 +765,14 @@ impl WasmEngine {
             progress,
             &prime,
         )?;
-        let linker = self.linker(&variant.engine, Language::Python)?;
-        let pre = linker
-            .instantiate_pre(&module)
-            .map_err(|e| self.link_error(Language::Python, e))?;
-        let ready = match variant.slots {
-            16.. => self.inner.options.ready_instances as usize,
-            _ => 0,
+        let primed = PrimedStart {
+            clock_ns: image.clock_ns(),
+            rebirth: true,
+            memory_len: image.len(),
         };
-        let runtime = Arc::new(PythonRuntime {
-            pre,
-            slots: variant.slots,
-            hot_pages: Default::default(),
-            ready: crate::ready::Ready::new(ready),
-            lib_dir: self.inner.cache.python_lib_dir(),
-            mpl_data_dir: self.inner.cache.python_mpl_data_dir(),
-            primed: Some(PrimedStart {
-                clock_ns: image.clock_ns(),
-                rebirth: true,
-                memory_len: image.len(),
-            }),
-        });
-        runtime.ready.start(&runtime);
+        let ready = self.primed_ready(variant);
+        let runtime =
+            self.python_runtime_of(&variant.engine, &module, variant.slots, ready, Some(primed))?;
         loaded.insert(warm_up.to_owned(), runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", warm_primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
@@ -877,28 +873,14 @@ impl WasmEngine {
                 .enable_all()
                 .build()
                 .map_err(|e| format!("could not start the priming run: {e}"))?;
-            runtime.block_on(async {
-                let request = ExecRequest::new(Language::Python, crate::warm::PRIMING_CODE);
-                let origin = python::Origin::Fresh;
-                let mut guest = python::PythonGuest::open(self, plain, &request, false, origin)
-                    .await
-                    .map_err(|e| format!("the priming run could not start: {e}"))?;
-                let result = guest
-                    .turn(&request.code, &request.limits, None)
-                    .await
-                    .map_err(|e| format!("the priming run failed: {e}"))?;
-                if !result.success() {
-                    return Err(format!(
-                        "the priming run failed: {}",
-                        result.stderr_text().trim()
-                    ));
-                }
-                let clock = guest.clock_ns();
-                if clock >= crate::warm::PRIMED_CLOCK_NS {
-                    return Err(format!("the priming run took too long ({clock} ns)"));
-                }
-                Ok((guest.memory().to_vec(), clock))
-            })
+            let turns = [(crate::warm::PRIMING_CODE, "the priming run")];
+            let (memory, clock) = runtime
+                .block_on(self.capture_after(plain, &turns))
+                .map_err(|e| e.to_string())?;
+            if clock >= crate::warm::PRIMED_CLOCK_NS {
+                return Err(format!("the priming run took too long ({clock} ns)"));
+            }
+            Ok((memory, clock))
         };
         std::thread::scope(|scope| {
             scope

@@ -133,19 +133,7 @@ impl WasmEngine {
             progress,
             &strip,
         )?;
-        let linker = self.linker(&variant.engine, Language::Python)?;
-        let pre = linker
-            .instantiate_pre(&module)
-            .map_err(|e| self.link_error(Language::Python, e))?;
-        let runtime = Arc::new(PythonRuntime {
-            pre,
-            slots: variant.slots,
-            hot_pages: Default::default(),
-            ready: crate::ready::Ready::new(0),
-            lib_dir: self.cache().python_lib_dir(),
-            mpl_data_dir: self.cache().python_mpl_data_dir(),
-            primed: None,
-        });
+        let runtime = self.python_runtime_of(&variant.engine, &module, variant.slots, 0, None)?;
         *slot = Some(runtime.clone());
         Ok(runtime)
     }
@@ -248,17 +236,28 @@ impl WasmEngine {
     /// Runs `warm_up` in a fresh guest and answers its memory and clock afterwards.
     async fn run_warm_up(&self, warm_up: &str) -> Result<(Vec<u8>, u64), ExecError> {
         let runtime = self.python_runtime(false).await?;
+        let turns = [
+            (warm_up, "the warm-up"),
+            (crate::python::REBIRTH_DEF, "defining the rebirth"),
+        ];
+        self.capture_after(&runtime, &turns).await
+    }
+
+    /// Runs `turns` (code, and what it is for an error) as one-shot turns in a fresh guest
+    /// of `runtime` (2 GiB and 10 minutes at most) and answers its memory and clock after.
+    pub(crate) async fn capture_after(
+        &self,
+        runtime: &PythonRuntime,
+        turns: &[(&str, &str)],
+    ) -> Result<(Vec<u8>, u64), ExecError> {
         let mut request = ExecRequest::new(Language::Python, "");
         request.limits = Limits {
             memory_bytes: 2 << 30,
             timeout_ms: 600_000,
             ..Limits::default()
         };
-        let mut guest = PythonGuest::open(self, &runtime, &request, false, Origin::Fresh).await?;
-        for (code, what) in [
-            (warm_up, "the warm-up"),
-            (crate::python::REBIRTH_DEF, "defining the rebirth"),
-        ] {
+        let mut guest = PythonGuest::open(self, runtime, &request, false, Origin::Fresh).await?;
+        for (code, what) in turns {
             let result = guest.turn(code, &request.limits, None).await?;
             if !result.success() {
                 return Err(instantiate_error(
