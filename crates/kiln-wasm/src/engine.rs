@@ -617,7 +617,10 @@ impl WasmEngine {
         let runtime = Arc::new(PythonRuntime {
             pre,
             slots,
-            hot_pages: Default::default(),
+            hot_pages: match &primed {
+                Some(PrimedStart { rebirth: true, .. }) => crate::prefault::HotPages::warm(),
+                _ => crate::prefault::HotPages::fresh(),
+            },
             ready: crate::ready::Ready::new(ready),
             lib_dir: self.inner.cache.python_lib_dir(),
             mpl_data_dir: self.inner.cache.python_mpl_data_dir(),

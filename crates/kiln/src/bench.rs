@@ -157,6 +157,27 @@ async fn time_runs(
     Ok(summary(samples))
 }
 
+/// Page-fault traps per one-shot of `request`, over `n` runs (each trap costs microseconds
+/// on a virtualised host; pages populated in bulk with madvise are not counted).
+pub async fn fault_traps(
+    engine: &WasmEngine,
+    request: &ExecRequest,
+    n: u64,
+) -> anyhow::Result<serde_json::Value> {
+    let faults = || {
+        // SAFETY: getrusage fills the struct we pass; all-zero is a valid rusage.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; RUSAGE_SELF needs no other argument.
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+        (usage.ru_minflt + usage.ru_majflt) as u64
+    };
+    let before = faults();
+    for _ in 0..n {
+        engine.execute(request).await?;
+    }
+    Ok(json!({"each": (faults() - before) / n.max(1)}))
+}
+
 /// Fresh sandboxes through the engine API: Python with and without a workspace, JavaScript.
 async fn engine_oneshots(
     engine: &WasmEngine,
@@ -176,23 +197,8 @@ async fn engine_oneshots(
         let request = ExecRequest::new(Language::Python, "print(1+1)");
         let figure = time_oneshots(engine, &request, n, b"2\n").await?;
         report.insert("python_oneshot_engine".into(), figure);
-        // Page-fault traps per one-shot (each costs microseconds on a virtualised host;
-        // pages populated in bulk with madvise are not counted here).
-        let faults = || {
-            // SAFETY: getrusage fills the struct we pass; all-zero is a valid rusage.
-            let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-            // SAFETY: as above; RUSAGE_SELF needs no other argument.
-            unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
-            usage.ru_minflt
-        };
-        let before = faults();
-        for _ in 0..50 {
-            engine.execute(&request).await?;
-        }
-        report.insert(
-            "python_oneshot_fault_traps".into(),
-            json!({"each": (faults() - before) / 50}),
-        );
+        let traps = fault_traps(engine, &request, 50).await?;
+        report.insert("python_oneshot_fault_traps".into(), traps);
     }
     if wanted(args, "javascript_oneshot") {
         let js = ExecRequest::new(Language::JavaScript, "console.log(1+1)");

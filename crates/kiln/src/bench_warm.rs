@@ -46,6 +46,8 @@ pub async fn run(
         let request = data(PANDAS_CELL, Some(PYTHON_DATA));
         let figure = time(engine, &request, 5, n, "6\n").await?;
         report.insert("python_data_pandas_oneshot".into(), figure);
+        let traps = crate::bench::fault_traps(engine, &request, 20).await?;
+        report.insert("python_data_pandas_oneshot_fault_traps".into(), traps);
     }
     if want("python_data_print_oneshot") {
         // The fast path's cell in a warm sandbox: what starting from an image costs.
