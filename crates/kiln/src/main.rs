@@ -29,6 +29,7 @@ use kiln_wasm::{OutputChunk, StreamKind, WasmEngine};
 use crate::cli::{Cli, Command, ExecArgs, exit_codes};
 
 fn main() -> ExitCode {
+    no_error_backtraces();
     let (cli, file) = match parse() {
         Ok(parsed) => parsed,
         Err(error) => {
@@ -43,6 +44,19 @@ fn main() -> ExitCode {
             eprintln!("kiln: {error:#}");
             ExitCode::from(exit_codes::KILN_ERROR)
         }
+    }
+}
+
+/// Errors made in the guest's system calls (a file not found, a stream asked for its position)
+/// are everyday results, and wasmtime makes each an error value that captures a backtrace
+/// where `RUST_BACKTRACE` is set: about 50 µs each, on every `print` and every failed lookup
+/// of a module. Unless `RUST_LIB_BACKTRACE` says otherwise, errors capture none; panics
+/// still print theirs as `RUST_BACKTRACE` says.
+fn no_error_backtraces() {
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        // SAFETY: the first thing `main` does, before any thread of this process starts and
+        // before anything reads the environment.
+        unsafe { std::env::set_var("RUST_LIB_BACKTRACE", "0") };
     }
 }
 
