@@ -341,6 +341,7 @@ impl PythonGuest {
         let ready = (!echo && matches!(origin, Origin::Fresh) && request.limits.fuel.is_none())
             .then(|| runtime.ready.take())
             .flatten();
+        tracing::trace!(target: "kiln::timing", ready = ready.is_some(), "python guest opening");
         let Shell {
             mut store,
             exports,

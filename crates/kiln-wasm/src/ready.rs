@@ -91,7 +91,10 @@ fn refill(runtime: Weak<PythonRuntime>, wake: Receiver<()>) {
                 break;
             }
             // A failure (every slot taken) leaves the one-shots to make their own.
-            match rt.block_on(Shell::new(&runtime, &Limits::default(), true)) {
+            let t = std::time::Instant::now();
+            let made = rt.block_on(Shell::new(&runtime, &Limits::default(), true));
+            tracing::trace!(target: "kiln::timing", us = t.elapsed().as_micros() as u64, "a ready instance made");
+            match made {
                 Ok(shell) => runtime.ready.lock().push(shell),
                 Err(_) => break,
             }
@@ -107,7 +110,13 @@ pub(crate) fn drop_later<T: Send + 'static>(value: T) {
         let (tx, rx) = channel::<Box<dyn Send>>();
         let spawned = std::thread::Builder::new()
             .name("kiln-drop".into())
-            .spawn(move || while rx.recv().is_ok() {});
+            .spawn(move || {
+                while let Ok(guest) = rx.recv() {
+                    let t = std::time::Instant::now();
+                    drop(guest);
+                    tracing::trace!(target: "kiln::timing", us = t.elapsed().as_micros() as u64, "a finished guest dropped");
+                }
+            });
         Mutex::new(spawned.ok().map(|_| tx))
     });
     let sender = bin.lock().unwrap_or_else(|e| e.into_inner()).clone();
