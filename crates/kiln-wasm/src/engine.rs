@@ -348,6 +348,10 @@ impl Default for EngineOptions {
     }
 }
 
+/// Engines of fewer slots run one guest or a few and end (`kiln exec`'s has 4, setup's 1):
+/// they keep no instances ready and learn no hot pages, which only later guests would use.
+pub(crate) const SERVING_SLOTS: u32 = 16;
+
 /// Bytes of a guest's memory kept resident when its slot is reused: pages the last guest
 /// wrote are copied back from the image instead of unmapped, so the next guest does not
 /// fault them in again (page faults dominate start-up on virtualised hosts).
@@ -631,11 +635,12 @@ impl WasmEngine {
     }
 
     /// One-shot instances a primed runtime keeps made ahead of time: the engine's setting,
-    /// none in an engine of fewer than 16 slots.
+    /// none in a small engine ([`SERVING_SLOTS`]).
     fn primed_ready(&self, variant: &Variant) -> usize {
-        match variant.slots {
-            16.. => self.inner.options.ready_instances as usize,
-            _ => 0,
+        if variant.slots >= SERVING_SLOTS {
+            self.inner.options.ready_instances as usize
+        } else {
+            0
         }
     }
 

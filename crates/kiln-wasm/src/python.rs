@@ -569,6 +569,11 @@ impl PythonGuest {
 
     /// Lets the runtime learn which pages a first turn touches, if it has not yet.
     pub fn learn_hot_pages(&self, runtime: &PythonRuntime) {
+        // Reading the page map of a warm template's memory costs about a millisecond, which
+        // a process that runs one guest would spend for nothing.
+        if runtime.slots < crate::engine::SERVING_SLOTS {
+            return;
+        }
         if self.ended.is_none() && !runtime.hot_pages.learned() {
             runtime.hot_pages.learn(
                 self.exports.memory.data_ptr(&self.store),
