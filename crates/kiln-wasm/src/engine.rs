@@ -397,6 +397,15 @@ impl WasmEngine {
         WasmEngine::with_options(cache, &EngineOptions::default())
     }
 
+    /// Ends the engine of a process about to exit: removes its temporary folders, and leaves
+    /// everything else (the modules' mappings, the slot pool, its threads) to the exit, which
+    /// tears a process down faster than dropping its parts one by one (about 5 ms of a
+    /// `kiln exec` here). Call it when no guest runs, right before `std::process::exit`.
+    pub fn finish_for_exit(self) {
+        self.inner.tmp_root.remove_now();
+        std::mem::forget(self);
+    }
+
     /// An engine with explicit options.
     pub fn with_options(
         cache: CacheDir,

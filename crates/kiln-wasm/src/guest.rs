@@ -690,6 +690,11 @@ impl TmpRoot {
         })
     }
 
+    /// Removes the root and everything under it now (guests still running lose their `/tmp`).
+    pub fn remove_now(&self) {
+        let _ = std::fs::remove_dir_all(self.root.path());
+    }
+
     /// An empty folder only this guest sees, emptied or removed on drop.
     pub fn private(&self) -> std::io::Result<PrivateTmp> {
         let reused = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();

@@ -701,7 +701,12 @@ fn exec(
             eprintln!("kiln: {reason}");
         }
     }
-    Ok(ExitCode::from(exit_code(&result)))
+    // Nothing is left to do but exit: the process's exit tears the engine down faster than
+    // dropping it would (its temporary folders are removed first).
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    engine.finish_for_exit();
+    std::process::exit(i32::from(exit_code(&result)));
 }
 
 /// kiln's exit code for a result: the guest's own when it ran to its end, else a distinct

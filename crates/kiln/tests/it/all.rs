@@ -61,6 +61,37 @@ fn exec_python_and_javascript() -> TestResult {
     Ok(())
 }
 
+/// `kiln exec` exits without tearing its engine down piece by piece: its output, its exit
+/// code and the removal of its temporary folders (a guest's `/tmp` with files in it too)
+/// must survive that.
+#[test]
+fn exec_exits_fast_leaving_output_exit_code_and_no_temporary_folder() -> TestResult {
+    let tmp = tempfile::tempdir()?;
+    let out = kiln()
+        .env("TMPDIR", tmp.path())
+        .args([
+            "exec",
+            "-c",
+            "import sys\nopen('/tmp/left.txt', 'w').write('x' * 10000)\nprint('out' * 3000)\nprint('err', file=sys.stderr)\nsys.exit(7)",
+        ])
+        .output()?;
+    assert_eq!(out.stdout.len(), 9001, "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "err\n");
+    assert_eq!(out.status.code(), Some(7));
+    let left: Vec<_> = std::fs::read_dir(tmp.path())?.collect::<Result<_, _>>()?;
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // JavaScript, and a failure kiln reports itself, the same way.
+    let out = kiln()
+        .env("TMPDIR", tmp.path())
+        .args(["exec", "-l", "js", "-c", "for(;;){}", "--timeout", "300ms"])
+        .output()?;
+    assert_ne!(out.status.code(), Some(0));
+    assert!(text(&out.stderr).contains("kiln:"), "{}", text(&out.stderr));
+    let left: Vec<_> = std::fs::read_dir(tmp.path())?.collect::<Result<_, _>>()?;
+    assert!(left.is_empty(), "left behind: {left:?}");
+    Ok(())
+}
+
 #[test]
 fn run_picks_the_language_by_extension_and_passes_stdin_through() -> TestResult {
     let dir = tempfile::tempdir()?;
