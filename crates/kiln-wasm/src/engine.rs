@@ -536,10 +536,10 @@ impl WasmEngine {
         let cache = &self.inner.cache;
         let name = variant.module_name(language.name());
         let path = crate::cache::cwasm_path(&variant.engine, cache, &name, spec.files[0].sha256);
-        let primed = language != Language::Python || fuel || !self.inner.options.primed || {
-            let name = primed_module_name();
-            crate::cache::cwasm_path(&variant.engine, cache, &name, spec.files[0].sha256).is_file()
-        };
+        let primed = language != Language::Python
+            || fuel
+            || !self.inner.options.primed
+            || self.python_cwasm(variant, &primed_module_name()).is_file();
         Ok(cache.is_installed(spec) && path.is_file() && primed)
     }
 
@@ -643,14 +643,43 @@ impl WasmEngine {
         Ok(runtime)
     }
 
-    /// One-shot instances a primed runtime keeps made ahead of time: the engine's setting,
-    /// none in a small engine ([`SERVING_SLOTS`]).
-    fn primed_ready(&self, variant: &Variant) -> usize {
-        if variant.slots >= SERVING_SLOTS {
-            self.inner.options.ready_instances as usize
-        } else {
+    /// One-shot instances a runtime of `variant` that serves one-shots keeps made ahead of
+    /// time: the engine's setting, none in a small engine ([`SERVING_SLOTS`]) or one that
+    /// counts fuel.
+    fn ready_instances(&self, variant: &Variant) -> usize {
+        if variant.fuel || variant.slots < SERVING_SLOTS {
             0
+        } else {
+            self.inner.options.ready_instances as usize
         }
+    }
+
+    /// Where `variant` caches `name`, a module made from the Python runtime's.
+    fn python_cwasm(&self, variant: &Variant, name: &str) -> PathBuf {
+        crate::cache::cwasm_path(
+            &variant.engine,
+            &self.inner.cache,
+            name,
+            PYTHON.files[0].sha256,
+        )
+    }
+
+    /// A runtime of a module made from the Python runtime's (`prepare` rewrites its bytes:
+    /// stripped, primed), compiled once into the cache as `name`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn derived_python(
+        &self,
+        engine: &Engine,
+        slots: u32,
+        name: &str,
+        prepare: crate::cache::Prepare<'_>,
+        ready: usize,
+        primed: Option<PrimedStart>,
+        progress: &dyn Progress,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
+        let estimate = Duration::from_secs(60);
+        let module = self.compiled(engine, &PYTHON, name, estimate, progress, prepare)?;
+        self.python_runtime_of(engine, &module, slots, ready, primed)
     }
 
     /// The Python runtime of the engine with (`fuel`) or without an instruction budget.
@@ -668,11 +697,10 @@ impl WasmEngine {
         let estimate = Duration::from_secs(60);
         let module = self.module(variant, &PYTHON, Language::Python, estimate, progress)?;
         // One-shots take the primed runtime's instances made ahead, where it is on.
-        let ready = match (variant.fuel, variant.slots) {
-            (false, 16..) if !self.inner.options.primed => {
-                self.inner.options.ready_instances as usize
-            }
-            _ => 0,
+        let ready = if self.inner.options.primed {
+            0
+        } else {
+            self.ready_instances(variant)
         };
         let runtime =
             self.python_runtime_of(&variant.engine, &module, variant.slots, ready, None)?;
@@ -699,8 +727,7 @@ impl WasmEngine {
         }
         let started = Instant::now();
         let name = primed_module_name();
-        let cache = &self.inner.cache;
-        let path = crate::cache::cwasm_path(&variant.engine, cache, &name, PYTHON.files[0].sha256);
+        let path = self.python_cwasm(variant, &name);
         // The plain runtime is loaded only to make the primed module: a process that finds
         // it compiled maps one module, not two. (Loaded here, before the cache's lock is
         // taken for the compilation, which loading may need too.)
@@ -725,22 +752,20 @@ impl WasmEngine {
             progress.done("primed the python runtime");
             crate::warm::prime(wasm, &memory)
         };
-        let module = self.compiled(
-            &variant.engine,
-            &PYTHON,
-            &name,
-            Duration::from_secs(60),
-            progress,
-            &prime,
-        )?;
         let primed = PrimedStart {
             clock_ns: crate::warm::PRIMED_CLOCK_NS,
             rebirth: false,
             memory_len: 0,
         };
-        let ready = self.primed_ready(variant);
-        let runtime =
-            self.python_runtime_of(&variant.engine, &module, variant.slots, ready, Some(primed))?;
+        let runtime = self.derived_python(
+            &variant.engine,
+            variant.slots,
+            &name,
+            &prime,
+            self.ready_instances(variant),
+            Some(primed),
+            progress,
+        )?;
         *slot = Some(runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
@@ -774,22 +799,20 @@ impl WasmEngine {
             })?;
             crate::warm::prime(wasm, &memory)
         };
-        let module = self.compiled(
-            &variant.engine,
-            &PYTHON,
-            &name,
-            Duration::from_secs(60),
-            progress,
-            &prime,
-        )?;
         let primed = PrimedStart {
             clock_ns: image.clock_ns(),
             rebirth: true,
             memory_len: image.len(),
         };
-        let ready = self.primed_ready(variant);
-        let runtime =
-            self.python_runtime_of(&variant.engine, &module, variant.slots, ready, Some(primed))?;
+        let runtime = self.derived_python(
+            &variant.engine,
+            variant.slots,
+            &name,
+            &prime,
+            self.ready_instances(variant),
+            Some(primed),
+            progress,
+        )?;
         loaded.insert(warm_up.to_owned(), runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", warm_primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
@@ -847,15 +870,8 @@ impl WasmEngine {
         if !self.inner.options.primed {
             return Ok(true);
         }
-        let variant = self.variant(false)?;
         let name = warm_primed_module_name(&image);
-        let path = crate::cache::cwasm_path(
-            &variant.engine,
-            &self.inner.cache,
-            &name,
-            PYTHON.files[0].sha256,
-        );
-        Ok(path.is_file())
+        Ok(self.python_cwasm(self.variant(false)?, &name).is_file())
     }
 
     /// Makes ready what one-shots of a warm template start from: its primed runtime where
@@ -1044,6 +1060,25 @@ impl WasmEngine {
         self.execute_streaming(request, None).await
     }
 
+    /// A one-shot in a fresh guest of `runtime` (plain, primed, or a warm template's primed
+    /// one): its pages taught to the runtime, the guest dropped off this thread where the
+    /// runtime keeps instances ready.
+    async fn fresh_oneshot(
+        &self,
+        runtime: &Arc<PythonRuntime>,
+        request: &ExecRequest,
+        listener: Option<tokio::sync::mpsc::UnboundedSender<crate::output::OutputChunk>>,
+    ) -> Result<ExecResult, ExecError> {
+        let origin = python::Origin::Fresh;
+        let mut guest = python::PythonGuest::open(self, runtime, request, false, origin).await?;
+        let result = guest.turn(&request.code, &request.limits, listener).await?;
+        guest.learn_hot_pages(runtime);
+        if runtime.ready.want() > 0 {
+            crate::ready::drop_later(guest);
+        }
+        Ok(result)
+    }
+
     /// Like [`WasmEngine::execute`], also sending output chunks to `listener` as the guest
     /// writes them (the result still holds all kept output).
     pub async fn execute_streaming(
@@ -1068,15 +1103,7 @@ impl WasmEngine {
         let mut result = match request.language {
             Language::Python => {
                 if let Some(runtime) = warm_primed {
-                    let origin = python::Origin::Fresh;
-                    let mut guest =
-                        python::PythonGuest::open(self, &runtime, request, false, origin).await?;
-                    let result = guest.turn(&request.code, &request.limits, listener).await?;
-                    guest.learn_hot_pages(&runtime);
-                    if runtime.ready.want() > 0 {
-                        crate::ready::drop_later(guest);
-                    }
-                    result
+                    self.fresh_oneshot(&runtime, request, listener).await?
                 } else if let Some(origin) =
                     self.warm_origin(request.template.as_deref(), fuel).await?
                 {
@@ -1086,15 +1113,7 @@ impl WasmEngine {
                     guest.turn(&request.code, &request.limits, listener).await?
                 } else {
                     let runtime = self.fresh_python(request, fuel).await?;
-                    let origin = python::Origin::Fresh;
-                    let mut guest =
-                        python::PythonGuest::open(self, &runtime, request, false, origin).await?;
-                    let result = guest.turn(&request.code, &request.limits, listener).await?;
-                    guest.learn_hot_pages(&runtime);
-                    if runtime.ready.want() > 0 {
-                        crate::ready::drop_later(guest);
-                    }
-                    result
+                    self.fresh_oneshot(&runtime, request, listener).await?
                 }
             }
             Language::JavaScript => {

@@ -181,6 +181,14 @@ del _kiln_reborn
 /// literal.
 const REBIRTH_CALL: &str = "__import__(\"sys\")._kiln_reborn({ENV})\n";
 
+/// The origin of a guest's monotonic clock that reads `ns` now (a guest started from
+/// memory goes on from past the clock that memory's guest read; 0 for a new clock).
+fn clock_past(ns: u64) -> Instant {
+    Instant::now()
+        .checked_sub(Duration::from_nanos(ns))
+        .unwrap_or_else(Instant::now)
+}
+
 /// An instance no request owns yet: made ahead of time for one-shots
 /// ([`crate::ready::Ready`]), or just now. [`crate::guest::dress_store`] gives it a request's
 /// context before it runs anything.
@@ -294,15 +302,8 @@ impl PythonGuest {
         };
         let clock_origin = match &origin {
             // A primed guest's clock goes on from past its priming run's.
-            Origin::Fresh => match runtime.primed {
-                Some(primed) => Instant::now()
-                    .checked_sub(Duration::from_nanos(primed.clock_ns))
-                    .unwrap_or_else(Instant::now),
-                None => Instant::now(),
-            },
-            Origin::Image(image) => Instant::now()
-                .checked_sub(Duration::from_nanos(image.clock_ns()))
-                .unwrap_or_else(Instant::now),
+            Origin::Fresh => clock_past(runtime.primed.map_or(0, |primed| primed.clock_ns)),
+            Origin::Image(image) => clock_past(image.clock_ns()),
             Origin::Fork(state) => state.clock_origin,
         };
         let tmp = engine.private_tmp().map_err(ExecError::Tmp)?;

@@ -125,15 +125,15 @@ impl WasmEngine {
             return Ok(runtime.clone());
         }
         let name = format!("python-warm{STRIP_VERSION}");
-        let module = self.compiled(
+        let runtime = self.derived_python(
             &variant.engine,
-            &PYTHON,
+            variant.slots,
             &name,
-            Duration::from_secs(60),
-            progress,
             &strip,
+            0,
+            None,
+            progress,
         )?;
-        let runtime = self.python_runtime_of(&variant.engine, &module, variant.slots, 0, None)?;
         *slot = Some(runtime.clone());
         Ok(runtime)
     }

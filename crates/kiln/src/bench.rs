@@ -157,8 +157,10 @@ async fn time_runs(
     Ok(summary(samples))
 }
 
-/// Page-fault traps per one-shot of `request`, over `n` runs (each trap costs microseconds
-/// on a virtualised host; pages populated in bulk with madvise are not counted).
+/// Page faults of the process per one-shot of `request`, over `n` runs (each trap costs
+/// microseconds on a virtualised host). Pages the engine's threads populate in bulk with
+/// madvise count too (the kernel counts them as faults), so this is an upper bound on the
+/// request's own traps.
 pub async fn fault_traps(
     engine: &WasmEngine,
     request: &ExecRequest,
