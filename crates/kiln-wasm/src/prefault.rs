@@ -29,8 +29,11 @@ const MAX_LEARNED_PAGES: usize = 2048;
 /// The same for a warm template's interpreter, whose turns use what its warm-up imported: a
 /// first pandas `DataFrame` touches about 7 200 pages (28 MiB, about 2 500 of them written).
 const WARM_MAX_LEARNED_PAGES: usize = 16384;
-/// Ranges of one kind closer than this many pages are populated as one.
+/// Read ranges closer than this many pages are populated as one.
 const MERGE_GAP_PAGES: usize = 16;
+/// At most this many ranges of written pages are populated (wasmtime's reset keeps 32 runs
+/// of a slot's private pages; the rest leaves room for what a guest writes besides).
+const MAX_WRITTEN_RANGES: usize = 24;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Range {
@@ -255,30 +258,70 @@ fn read_pages(base: usize, len: usize) -> std::io::Result<Option<Vec<Touch>>> {
     ))
 }
 
-/// Ranges of touched pages, of one kind each. Neighbouring ranges of a kind merge across
-/// small gaps: populating a few extra pages costs less than another system call.
+/// Ranges of touched pages, of one kind each, in address order.
+///
+/// Read pages merge across small gaps: populating a few extra pages for reading costs less
+/// than another system call, and they stay the image's pages. Written pages do not, where
+/// they can help it: every page populated for writing becomes a private copy that wasmtime
+/// copies back from the image at each reset of the slot, whether the next guest writes it or
+/// not (a `print` one-shot writes 135 pages in 87 runs; merged across 16-page gaps they were
+/// 481). But wasmtime's reset finds a slot's private pages in at most 32 runs, and unmaps
+/// everything past the 32nd (which the next guest then faults in again): so written runs
+/// merge across their smallest gaps until at most [`MAX_WRITTEN_RANGES`] remain.
 fn ranges_of(pages: &[Touch]) -> Vec<Range> {
-    let mut ranges: Vec<Range> = Vec::new();
+    let mut reads: Vec<Range> = Vec::new();
+    let mut writes: Vec<Range> = Vec::new();
     for (page, touch) in pages.iter().enumerate() {
-        let write = match touch {
+        let (ranges, gap) = match touch {
             Touch::None => continue,
-            Touch::Read => false,
-            Touch::Written => true,
+            Touch::Read => (&mut reads, MERGE_GAP_PAGES),
+            Touch::Written => (&mut writes, 0),
         };
         let offset = page * PAGE;
-        let same_kind = ranges.iter_mut().rev().find(|r| r.write == write);
-        match same_kind {
-            Some(last) if offset - (last.offset + last.len) <= MERGE_GAP_PAGES * PAGE => {
+        match ranges.last_mut() {
+            Some(last) if offset - (last.offset + last.len) <= gap * PAGE => {
                 last.len = offset + PAGE - last.offset;
             }
             _ => ranges.push(Range {
                 offset,
                 len: PAGE,
-                write,
+                write: matches!(touch, Touch::Written),
             }),
         }
     }
+    let mut ranges = reads;
+    ranges.extend(merge_smallest_gaps(writes, MAX_WRITTEN_RANGES));
+    ranges.sort_by_key(|r| r.offset);
     ranges
+}
+
+/// Merges neighbouring ranges (in address order) across their smallest gaps until at most
+/// `max` remain: the fewest extra pages for that many ranges.
+fn merge_smallest_gaps(ranges: Vec<Range>, max: usize) -> Vec<Range> {
+    if ranges.len() <= max.max(1) {
+        return ranges;
+    }
+    // Gap i lies between range i and range i + 1; merge the smallest len - max of them.
+    let mut gaps: Vec<(usize, usize)> = ranges
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| (w[1].offset - (w[0].offset + w[0].len), i))
+        .collect();
+    gaps.sort_unstable();
+    let mut merge = vec![false; ranges.len()];
+    for &(_, i) in &gaps[..ranges.len() - max.max(1)] {
+        merge[i] = true;
+    }
+    let mut merged: Vec<Range> = Vec::with_capacity(max);
+    let mut join = false;
+    for (i, range) in ranges.into_iter().enumerate() {
+        match merged.last_mut() {
+            Some(last) if join => last.len = range.offset + range.len - last.offset,
+            _ => merged.push(range),
+        }
+        join = merge[i];
+    }
+    merged
 }
 
 #[cfg(test)]
@@ -314,7 +357,12 @@ mod tests {
             vec![
                 Range {
                     offset: 0,
-                    len: 6 * PAGE,
+                    len: 2 * PAGE,
+                    write: true
+                },
+                Range {
+                    offset: 5 * PAGE,
+                    len: PAGE,
                     write: true
                 },
                 Range {
@@ -335,8 +383,8 @@ mod tests {
         }
         assert!(hot.learned());
         let learned = hot.lock().ranges.clone();
-        assert_eq!(learned.len(), 3, "{learned:?}");
-        assert_eq!(learned[2].offset, 60 * PAGE);
+        assert_eq!(learned.len(), 4, "{learned:?}");
+        assert_eq!(learned[3].offset, 60 * PAGE);
         assert!(still_populated(bytes, len, &learned));
         // A page of the last range given back: populating again brings it back.
         // SAFETY: inside the mapping; the page is zero again when next read.
@@ -350,5 +398,47 @@ mod tests {
             assert_eq!(*bytes.add(2 * PAGE), 0);
             libc::munmap(base, len);
         }
+    }
+
+    #[test]
+    fn written_ranges_merge_across_their_smallest_gaps_reads_across_small_ones() {
+        let r = |page: usize, pages: usize, write: bool| Range {
+            offset: page * PAGE,
+            len: pages * PAGE,
+            write,
+        };
+        // Runs at 0, 10, 12, 30, 31 (gaps 9, 1, 17): three ranges merge the gap of 1.
+        let runs = vec![r(0, 1, true), r(10, 1, true), r(12, 1, true), r(30, 2, true)];
+        assert_eq!(
+            merge_smallest_gaps(runs.clone(), 3),
+            vec![r(0, 1, true), r(10, 3, true), r(30, 2, true)]
+        );
+        // Two: also the gap of 9.
+        assert_eq!(
+            merge_smallest_gaps(runs.clone(), 2),
+            vec![r(0, 13, true), r(30, 2, true)]
+        );
+        assert_eq!(merge_smallest_gaps(runs.clone(), 1), vec![r(0, 32, true)]);
+        assert_eq!(merge_smallest_gaps(runs.clone(), 4), runs);
+        assert_eq!(merge_smallest_gaps(Vec::new(), 4), Vec::new());
+
+        // 40 written pages, every other one: no more than MAX_WRITTEN_RANGES ranges, and
+        // the read pages between them still merge across small gaps.
+        let mut pages = vec![Touch::None; 200];
+        for page in (0..80).step_by(2) {
+            pages[page] = Touch::Written;
+        }
+        pages[100] = Touch::Read;
+        pages[110] = Touch::Read;
+        pages[150] = Touch::Read;
+        let ranges = ranges_of(&pages);
+        let written: Vec<_> = ranges.iter().filter(|r| r.write).collect();
+        assert_eq!(written.len(), MAX_WRITTEN_RANGES);
+        let written_pages: usize = written.iter().map(|r| r.len / PAGE).sum();
+        // 40 runs to 24 merges 16 one-page gaps.
+        assert_eq!(written_pages, 40 + 16);
+        let read: Vec<_> = ranges.iter().filter(|r| !r.write).copied().collect();
+        assert_eq!(read, vec![r(100, 11, false), r(150, 1, false)]);
+        assert!(ranges.windows(2).all(|w| w[0].offset < w[1].offset));
     }
 }
