@@ -524,6 +524,14 @@ impl WasmEngine {
         }
     }
 
+    /// Makes ready the plain (unprimed) Python runtime as well, which fresh guests need when
+    /// a request brings an environment of its own, and which [`WasmEngine::prepare`] does
+    /// not load where the primed one is cached already (`kiln setup`, so that `--prune`
+    /// keeps it).
+    pub fn prepare_unprimed_python(&self, progress: &dyn Progress) -> Result<(), EngineError> {
+        self.python(progress, false).map(drop)
+    }
+
     /// Whether `language`'s runtime is fetched and compiled for guests with an instruction
     /// budget (`fuel`) or without, so that a first request does not wait for a compilation.
     pub fn is_compiled(&self, language: Language, fuel: bool) -> Result<bool, EngineError> {

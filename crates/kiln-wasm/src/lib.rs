@@ -34,7 +34,7 @@ pub mod setup;
 mod warm;
 
 pub use backend::templates;
-pub use cache::{ModuleError, WASMTIME_VERSION, cwasm_path};
+pub use cache::{ModuleError, Prune, Pruned, UNUSED_FOR, WASMTIME_VERSION, cwasm_path, prune};
 pub use engine::{
     CONTENDED_EPOCH_TICK, EPOCH_TICK, EngineError, EngineOptions, ExecError, MAX_CODE_BYTES,
     WasmEngine, engine_config,

@@ -408,7 +408,12 @@ mod tests {
             write,
         };
         // Runs at 0, 10, 12, 30, 31 (gaps 9, 1, 17): three ranges merge the gap of 1.
-        let runs = vec![r(0, 1, true), r(10, 1, true), r(12, 1, true), r(30, 2, true)];
+        let runs = vec![
+            r(0, 1, true),
+            r(10, 1, true),
+            r(12, 1, true),
+            r(30, 2, true),
+        ];
         assert_eq!(
             merge_smallest_gaps(runs.clone(), 3),
             vec![r(0, 1, true), r(10, 3, true), r(30, 2, true)]

@@ -228,6 +228,11 @@ impl WasmEngine {
                 Image::open(&path).map_err(|e| fail("could not read", &e))?
             }
         };
+        crate::cache::mark_used(&path);
+        if built {
+            // A new image often means a new kiln or warm-up: the old one may be unused long.
+            crate::cache::prune_quietly(self.cache());
+        }
         let image = Arc::new(image);
         images.insert(path, image.clone());
         Ok((image, built))

@@ -61,6 +61,12 @@ pub enum Command {
         /// Rebuild even if the template is built.
         #[arg(long, requires = "templates")]
         rebuild: bool,
+        /// Afterwards, remove every compiled module and warm image in the cache that this
+        /// setup did not prepare: those of older kiln versions and runtimes, of changed
+        /// warm-ups, and fuel modules unless --fuel (anything removed that is needed again
+        /// is rebuilt on first use). Without it, files unused for 14 days are removed.
+        #[arg(long, conflicts_with = "templates")]
+        prune: bool,
         #[command(flatten)]
         linux: LinuxArgs,
     },

@@ -188,7 +188,9 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
             linux,
             ..
         } if !templates.is_empty() => linux_cmd::setup(&templates, rebuild, &linux),
-        Command::Setup { lang, fuel, .. } => setup(lang, fuel),
+        Command::Setup {
+            lang, fuel, prune, ..
+        } => setup(lang, fuel, prune),
         Command::Bench(args) => bench::run(args),
         Command::Rest(args) => rest_cmd::run(args),
         Command::Runner(args) => runner_cmd::run(args),
@@ -281,7 +283,7 @@ fn python_script(
 /// Where `kiln run` grants a script's folder (read-only) when it is not in the workspace.
 const SCRIPT_GUEST: &str = "/script";
 
-fn setup(lang: Option<Language>, fuel: bool) -> anyhow::Result<ExitCode> {
+fn setup(lang: Option<Language>, fuel: bool, prune: bool) -> anyhow::Result<ExitCode> {
     let cache = crate::config::cache_dir();
     let progress = progress::Bar::new();
     let engine = WasmEngine::new(cache.clone())?;
@@ -295,6 +297,7 @@ fn setup(lang: Option<Language>, fuel: bool) -> anyhow::Result<ExitCode> {
             engine.prepare_variant(language, true, &progress)?;
         }
         if language == Language::Python {
+            engine.prepare_unprimed_python(&progress)?;
             // The python-data template's warm image, the engine its sessions start in, and
             // the primed module its one-shots start from.
             let warm_up = kiln_wasm::PYTHON_DATA_WARM_UP;
@@ -303,6 +306,19 @@ fn setup(lang: Option<Language>, fuel: bool) -> anyhow::Result<ExitCode> {
         }
     }
     eprintln!("kiln: runtimes ready in {}", cache.root().display());
+    let which = if prune {
+        kiln_wasm::Prune::AllButUsed
+    } else {
+        kiln_wasm::Prune::Unused
+    };
+    let pruned = kiln_wasm::prune(&cache, which)?;
+    if !pruned.files.is_empty() || prune {
+        eprintln!(
+            "kiln: removed {} unused compiled module(s) and image(s), {:.1} MB",
+            pruned.files.len(),
+            pruned.bytes as f64 / 1e6
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

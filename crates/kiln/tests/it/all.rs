@@ -636,6 +636,82 @@ fn setup_then_reuse_then_recover_from_a_corrupt_compiled_module() -> TestResult 
     Ok(())
 }
 
+/// An upgrade of kiln leaves the old version's compiled modules and images behind (about
+/// 280 MB per Python module): setup removes those unused for 14 days, and with `--prune`
+/// everything it did not prepare; what is in use stays, and no link is followed.
+#[test]
+fn setup_prunes_unused_compiled_modules_and_images() -> TestResult {
+    let cache = fresh_cache()?;
+    let out = setup_js(cache.path()).output()?;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let modules = cache.path().join("modules");
+    let current: Vec<PathBuf> = std::fs::read_dir(&modules)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    assert_eq!(current.len(), 1, "{current:?}");
+    let plant = |path: &Path, days: u64| -> std::io::Result<()> {
+        std::fs::create_dir_all(path.parent().unwrap())?;
+        std::fs::write(path, vec![0u8; 1000])?;
+        let at =
+            std::time::SystemTime::now() - std::time::Duration::from_secs(days * 24 * 3600 + 60);
+        std::fs::File::open(path)?.set_modified(at)
+    };
+    let old_module = modules.join("javascript-0123456789abcdef-kiln00000000-wasmtime1.0.0-0.cwasm");
+    let old_image = cache
+        .path()
+        .join("images/python-000000000000000000000000.img");
+    let recent = modules.join("python-0123456789abcdef-kiln00000000-wasmtime1.0.0-0.cwasm");
+    plant(&old_module, 20)?;
+    plant(&old_image, 15)?;
+    plant(&recent, 2)?;
+    let outside = tempfile::NamedTempFile::new()?;
+    plant(outside.path(), 30)?;
+    let link = modules.join("linked.cwasm");
+    std::os::unix::fs::symlink(outside.path(), &link)?;
+
+    let out = setup_js(cache.path()).output()?;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr)
+            .contains("kiln: removed 2 unused compiled module(s) and image(s), 0.0 MB"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!old_module.exists() && !old_image.exists());
+    assert!(recent.is_file() && current[0].is_file());
+    assert!(link.symlink_metadata().is_ok() && outside.path().is_file());
+
+    let mut prune = setup_js(cache.path());
+    prune.arg("--prune");
+    let out = prune.output()?;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("kiln: removed 1 unused"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!recent.exists() && current[0].is_file() && outside.path().is_file());
+    // What this kiln uses was kept: nothing is compiled again.
+    let out = kiln()
+        .args(["exec", "-l", "js", "-c", "console.log('ok')"])
+        .env("KILN_CACHE_DIR", cache.path())
+        .output()?;
+    assert_eq!(text(&out.stdout), "ok\n");
+    assert_eq!(text(&out.stderr), "");
+
+    let out = kiln()
+        .args(["setup", "--prune", "--template", "debian"])
+        .env("KILN_CACHE_DIR", cache.path())
+        .output()?;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("cannot be used with"),
+        "{}",
+        text(&out.stderr)
+    );
+    Ok(())
+}
+
 #[test]
 fn setup_on_a_full_disk_says_so() -> TestResult {
     let mount = tempfile::tempdir()?;
