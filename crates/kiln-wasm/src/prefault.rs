@@ -74,6 +74,9 @@ pub(crate) struct HotPages {
     max_pages: usize,
     /// Whether pages the turns only read are populated too, or only those they wrote.
     populate_reads: bool,
+    /// Whether written runs are kept few enough for a slot's reset to keep them
+    /// ([`ranges_of`]), or merge across small gaps like read ones.
+    few_written: bool,
 }
 
 impl Default for HotPages {
@@ -91,6 +94,7 @@ impl HotPages {
             unsupported: AtomicBool::new(false),
             max_pages: MAX_LEARNED_PAGES,
             populate_reads: true,
+            few_written: true,
         }
     }
 
@@ -102,11 +106,15 @@ impl HotPages {
     /// writing it costs none. Populating the read pages as well only moves faults that are
     /// cheap in bulk already (the kernel maps a read fault's neighbours with it) and leaves
     /// more to unmap when the guest ends: on the 2-core VM it made a pandas one-shot slower
-    /// (11.8 ms against 4.7 ms with the written pages alone).
+    /// (11.8 ms against 4.7 ms with the written pages alone). Its written pages (~2 500 for
+    /// a pandas cell) are more than a slot's reset keeps (2 048 pages) however they are
+    /// merged, so they merge across small gaps only: merged down to a few ranges, the gaps'
+    /// copies made a pandas one-shot take 8.4–9.1 ms against 4.3–5.4 ms.
     pub fn warm() -> HotPages {
         HotPages {
             max_pages: WARM_MAX_LEARNED_PAGES,
             populate_reads: false,
+            few_written: false,
             ..HotPages::fresh()
         }
     }
@@ -155,7 +163,7 @@ impl HotPages {
             self.done.store(true, Ordering::Relaxed);
             return;
         }
-        let ranges = ranges_of(&union);
+        let ranges = ranges_of(&union, self.few_written);
         let written: usize = ranges
             .iter()
             .filter(|r| r.write)
@@ -267,15 +275,17 @@ fn read_pages(base: usize, len: usize) -> std::io::Result<Option<Vec<Touch>>> {
 /// not (a `print` one-shot writes 135 pages in 87 runs; merged across 16-page gaps they were
 /// 481). But wasmtime's reset finds a slot's private pages in at most 32 runs, and unmaps
 /// everything past the 32nd (which the next guest then faults in again): so written runs
-/// merge across their smallest gaps until at most [`MAX_WRITTEN_RANGES`] remain.
-fn ranges_of(pages: &[Touch]) -> Vec<Range> {
+/// merge across their smallest gaps until at most [`MAX_WRITTEN_RANGES`] remain. Without
+/// `few_written` (more written pages than a reset keeps anyway) they merge as read ones do.
+fn ranges_of(pages: &[Touch], few_written: bool) -> Vec<Range> {
     let mut reads: Vec<Range> = Vec::new();
     let mut writes: Vec<Range> = Vec::new();
     for (page, touch) in pages.iter().enumerate() {
         let (ranges, gap) = match touch {
             Touch::None => continue,
             Touch::Read => (&mut reads, MERGE_GAP_PAGES),
-            Touch::Written => (&mut writes, 0),
+            Touch::Written if few_written => (&mut writes, 0),
+            Touch::Written => (&mut writes, MERGE_GAP_PAGES),
         };
         let offset = page * PAGE;
         match ranges.last_mut() {
@@ -290,7 +300,10 @@ fn ranges_of(pages: &[Touch]) -> Vec<Range> {
         }
     }
     let mut ranges = reads;
-    ranges.extend(merge_smallest_gaps(writes, MAX_WRITTEN_RANGES));
+    if few_written {
+        writes = merge_smallest_gaps(writes, MAX_WRITTEN_RANGES);
+    }
+    ranges.extend(writes);
     ranges.sort_by_key(|r| r.offset);
     ranges
 }
@@ -353,7 +366,7 @@ mod tests {
         }
         let pages = read_pages(bytes as usize, len).unwrap().unwrap();
         assert_eq!(
-            ranges_of(&pages),
+            ranges_of(&pages, true),
             vec![
                 Range {
                     offset: 0,
@@ -436,7 +449,7 @@ mod tests {
         pages[100] = Touch::Read;
         pages[110] = Touch::Read;
         pages[150] = Touch::Read;
-        let ranges = ranges_of(&pages);
+        let ranges = ranges_of(&pages, true);
         let written: Vec<_> = ranges.iter().filter(|r| r.write).collect();
         assert_eq!(written.len(), MAX_WRITTEN_RANGES);
         let written_pages: usize = written.iter().map(|r| r.len / PAGE).sum();
@@ -445,5 +458,9 @@ mod tests {
         let read: Vec<_> = ranges.iter().filter(|r| !r.write).copied().collect();
         assert_eq!(read, vec![r(100, 11, false), r(150, 1, false)]);
         assert!(ranges.windows(2).all(|w| w[0].offset < w[1].offset));
+        // A warm template's many written pages merge across small gaps, as read ones do.
+        let ranges = ranges_of(&pages, false);
+        let written: Vec<_> = ranges.iter().filter(|r| r.write).copied().collect();
+        assert_eq!(written, vec![r(0, 79, true)]);
     }
 }
