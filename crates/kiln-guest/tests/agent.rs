@@ -363,19 +363,29 @@ fn malformed_and_oversized_frames_are_answered_or_end_the_channel() {
 
 #[test]
 fn a_listener_carries_each_accepted_connection_as_its_own_stream() {
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
     let mut agent = Agent::start();
-    let listen = agent.send(Op::Listen { port });
-    assert_eq!(
-        agent.recv(),
-        Response {
-            id: listen,
-            reply: Reply::Listening
-        }
-    );
+    // A free port, found by binding port 0; another process may take it before the agent
+    // listens (tests run side by side), so a port found busy is tried again with another.
+    let (port, listen) = (0..10)
+        .find_map(|_| {
+            let port = {
+                let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                probe.local_addr().unwrap().port()
+            };
+            let listen = agent.send(Op::Listen { port });
+            match agent.recv() {
+                Response {
+                    id,
+                    reply: Reply::Listening,
+                } if id == listen => Some((port, listen)),
+                Response {
+                    id,
+                    reply: Reply::Failed(f),
+                } if id == listen && f.message.contains("listening") => None,
+                other => panic!("{other:?}"),
+            }
+        })
+        .expect("a free port within 10 tries");
     let client = std::thread::spawn(move || {
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         stream.write_all(b"ping").unwrap();
