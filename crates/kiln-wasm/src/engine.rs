@@ -244,7 +244,11 @@ impl Variant {
 /// carries. A change to any of them makes a new module rather than loading a stale one.
 fn primed_module_name() -> String {
     primed_module_name_of(
-        crate::warm::PRIMING_CODE,
+        &format!(
+            "{}\n{}",
+            crate::python::FAST_TURNS_DEF,
+            crate::warm::PRIMING_CODE
+        ),
         crate::python::BASE_ENV,
         crate::warm::PRIMED_CLOCK_NS,
     )
@@ -914,7 +918,10 @@ impl WasmEngine {
                 .enable_all()
                 .build()
                 .map_err(|e| format!("could not start the priming run: {e}"))?;
-            let turns = [(crate::warm::PRIMING_CODE, "the priming run")];
+            let turns = [
+                (crate::python::FAST_TURNS_DEF, "kiln's one-shot turns"),
+                (crate::warm::PRIMING_CODE, "the priming run"),
+            ];
             let (memory, clock) = runtime
                 .block_on(self.capture_after(plain, &turns))
                 .map_err(|e| e.to_string())?;

@@ -166,6 +166,7 @@ impl WasmEngine {
         hasher.update(warm_up);
         // The image is captured with the rebirth defined (a start from it only calls it).
         hasher.update(crate::python::REBIRTH_DEF);
+        hasher.update(crate::python::FAST_TURNS_DEF);
         let key = hex::encode(hasher.finalize());
         Ok(self
             .cache()
@@ -244,6 +245,7 @@ impl WasmEngine {
         let turns = [
             (warm_up, "the warm-up"),
             (crate::python::REBIRTH_DEF, "defining the rebirth"),
+            (crate::python::FAST_TURNS_DEF, "kiln's one-shot turns"),
         ];
         self.capture_after(&runtime, &turns).await
     }
