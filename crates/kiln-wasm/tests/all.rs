@@ -1763,6 +1763,60 @@ async fn one_shots_do_not_echo_a_final_expression_but_sessions_do() -> TestResul
         .await?;
     let echoed = session.run("1 + 1", &Limits::default()).await?;
     assert_eq!(echoed.stdout_text(), "2\n");
+    // As in a REPL: the final expression only, after what comes before it; None not shown.
+    let echoed = session
+        .run("print('a')\ny = 20\ny + 1", &Limits::default())
+        .await?;
+    assert_eq!(echoed.stdout_text(), "a\n21\n");
+    let echoed = session.run("print('b')", &Limits::default()).await?;
+    assert_eq!(echoed.stdout_text(), "b\n");
+    Ok(())
+}
+
+/// kiln compiles a one-shot's code from its source and a session's through `ast` (to echo
+/// its final expression): either way a mistake reads as `python -c` shows it, with no frame
+/// of kiln's nor of `ast.py`, and a session goes on after it.
+#[tokio::test]
+async fn syntax_errors_read_as_python_shows_them_in_one_shots_and_sessions() -> TestResult {
+    fn python_like(stderr: &str) {
+        assert!(
+            stderr.starts_with("  File \"<turn ")
+                && stderr.ends_with(
+                    "\", line 1\n    x = (1\n        ^\nSyntaxError: '(' was never closed\n"
+                ),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("ast.py")
+                && !stderr.contains("Traceback")
+                && !stderr.contains("reactor"),
+            "{stderr}"
+        );
+    }
+    let result = run(py("x = (1")).await;
+    assert_eq!(result.exit_code, 1);
+    python_like(&result.stderr_text());
+    // A runtime error's traceback has the code's frames only.
+    let result = run(py("def f():\n    return 1 / 0\nf()")).await;
+    let stderr = result.stderr_text();
+    assert!(
+        stderr.starts_with("Traceback (most recent call last):\n  File \"<turn ")
+            && stderr.contains("line 3, in <module>")
+            && stderr.contains("line 2, in f")
+            && stderr.ends_with("ZeroDivisionError: division by zero\n")
+            && !stderr.contains("reactor"),
+        "{stderr}"
+    );
+    let mut session = engine()
+        .open_session(Language::Python, &SessionOptions::default())
+        .await?;
+    let limits = Limits::default();
+    session.run("x = 41", &limits).await?;
+    let failed = session.run("x = (1", &limits).await?;
+    assert_eq!(failed.exit_code, 1);
+    python_like(&failed.stderr_text());
+    let echoed = session.run("x + 1", &limits).await?;
+    assert_eq!(echoed.stdout_text(), "42\n");
     Ok(())
 }
 

@@ -63,6 +63,30 @@ async fn python_data_starts_with_the_data_stack_imported_and_its_own_environment
         .execute(&data("import os; print(os.environ.get('GREETING'))"))
         .await?;
     assert_eq!(result.stdout_text(), "None\n");
+    // Its one-shots and sessions show a mistake as `python -c` does (no frame of `ast.py`),
+    // and its sessions echo a final expression.
+    let result = engine().execute(&data("x = (1")).await?;
+    let stderr = result.stderr_text();
+    assert!(
+        stderr.starts_with("  File \"<turn ")
+            && stderr.ends_with("SyntaxError: '(' was never closed\n"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("ast.py"), "{stderr}");
+    let mut session = engine()
+        .open_session(Language::Python, &options(Some(PYTHON_DATA)))
+        .await?;
+    assert_eq!(
+        out(&mut session, "import numpy as np\nint(np.arange(3).sum())").await,
+        "3\n"
+    );
+    let failed = session.run("x = (1", &kiln_core::Limits::default()).await?;
+    assert!(
+        !failed.stderr_text().contains("ast.py"),
+        "{}",
+        failed.stderr_text()
+    );
+    assert_eq!(out(&mut session, "np.int64(7) * 6").await, "np.int64(42)\n");
     Ok(())
 }
 
