@@ -202,6 +202,13 @@ async fn engine_oneshots(
         let traps = fault_traps(engine, &request, 50).await?;
         report.insert("python_oneshot_fault_traps".into(), traps);
     }
+    if wanted(args, "python_oneshot_env") {
+        // A request with an environment of its own (a primed guest gets it from a rebirth).
+        let mut request = ExecRequest::new(Language::Python, "import os\nprint(os.environ['K'])");
+        request.env = vec![("K".into(), "2".into())];
+        let figure = time_oneshots(engine, &request, n, b"2\n").await?;
+        report.insert("python_oneshot_env".into(), figure);
+    }
     if wanted(args, "javascript_oneshot") {
         let js = ExecRequest::new(Language::JavaScript, "console.log(1+1)");
         let figure = time_oneshots(engine, &js, n, b"2\n").await?;
