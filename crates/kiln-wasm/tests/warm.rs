@@ -47,14 +47,20 @@ async fn python_data_starts_with_the_data_stack_imported_and_its_own_environment
         "import sys, os\n\
          print(sorted(m for m in ('numpy', 'pandas', 'scipy', 'matplotlib.pyplot') if m in sys.modules))\n\
          import pandas as pd\n\
-         print(pd.DataFrame({'a': [1, 2, 3]}).a.sum(), os.environ.get('GREETING'), os.environ['HOME'])",
+         print(pd.DataFrame({'a': [1, 2, 3]}).a.sum(), os.environ.get('GREETING'), os.environ['HOME'])\n\
+         print(repr(os.environ['TRICKY']), os.environ['EMPTY'] == '', os.environ['HOME2'])",
     );
-    request.env = vec![("GREETING".into(), "hello".into())];
+    request.env = vec![
+        ("GREETING".into(), "hello".into()),
+        ("TRICKY".into(), "a=b \"q\" \\ \n\t ü 🎉 \u{2028}".into()),
+        ("EMPTY".into(), String::new()),
+        ("HOME2".into(), "x".into()),
+    ];
     let result = engine().execute(&request).await?;
     assert!(result.success(), "{}", result.stderr_text());
     assert_eq!(
         result.stdout_text(),
-        "['matplotlib.pyplot', 'numpy', 'pandas', 'scipy']\n6 hello /tmp\n"
+        "['matplotlib.pyplot', 'numpy', 'pandas', 'scipy']\n6 hello /tmp\n'a=b \"q\" \\\\ \\n\\t ü 🎉 \\u2028' True x\n"
     );
     // One-shots of the template start from its primed module, made into the cache.
     assert!(engine().is_warm_prepared(PYTHON_DATA_WARM_UP)?);
