@@ -166,6 +166,7 @@ impl WasmEngine {
         hasher.update(warm_up);
         // The image is captured with the rebirth defined (a start from it only calls it).
         hasher.update(crate::python::REBIRTH_DEF);
+        hasher.update("fast turns first\n");
         hasher.update(crate::python::FAST_TURNS_DEF);
         let key = hex::encode(hasher.finalize());
         Ok(self
@@ -243,9 +244,9 @@ impl WasmEngine {
     async fn run_warm_up(&self, warm_up: &str) -> Result<(Vec<u8>, u64), ExecError> {
         let runtime = self.python_runtime(false).await?;
         let turns = [
+            (crate::python::FAST_TURNS_DEF, "kiln's one-shot turns"),
             (warm_up, "the warm-up"),
             (crate::python::REBIRTH_DEF, "defining the rebirth"),
-            (crate::python::FAST_TURNS_DEF, "kiln's one-shot turns"),
         ];
         self.capture_after(&runtime, &turns).await
     }
