@@ -218,6 +218,8 @@ pub enum Prune {
 /// those names (no link is followed). Holds the cache's lock while it removes, so nothing
 /// is removed while another kiln writes.
 pub fn prune(cache: &CacheDir, which: Prune) -> Result<Pruned, SetupError> {
+    // Plain paths are safe here: the cache is kiln's own folder, never granted to a guest,
+    // and an entry that is a link is skipped (removing a link would not follow it anyway).
     let _lock = cache.lock()?;
     let used = USED.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let now = std::time::SystemTime::now();

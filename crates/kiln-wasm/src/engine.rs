@@ -243,16 +243,20 @@ impl Variant {
 /// besides the runtime, kiln's exports and the engine, which every module's file name
 /// carries. A change to any of them makes a new module rather than loading a stale one.
 fn primed_module_name() -> String {
+    let code: Vec<&str> = PRIMING_TURNS.iter().map(|(code, _)| *code).collect();
     primed_module_name_of(
-        &format!(
-            "{}\n{}",
-            crate::python::FAST_TURNS_DEF,
-            crate::warm::PRIMING_CODE
-        ),
+        &code.join("\n"),
         crate::python::BASE_ENV,
         crate::warm::PRIMED_CLOCK_NS,
     )
 }
+
+/// What the priming run runs, turn by turn (code, and what it is for an error): kiln's turn,
+/// then [`crate::warm::PRIMING_CODE`]. The primed module's name is keyed by their code.
+const PRIMING_TURNS: [(&str, &str); 2] = [
+    (crate::python::FAST_TURNS_DEF, "kiln's one-shot turns"),
+    (crate::warm::PRIMING_CODE, "the priming run"),
+];
 
 fn primed_module_name_of(code: &str, env: &[(&str, &str)], clock_ns: u64) -> String {
     use sha2::Digest;
@@ -676,6 +680,27 @@ impl WasmEngine {
         )
     }
 
+    /// A primed runtime of the default engine (`variant`): [`WasmEngine::derived_python`]
+    /// with the variant's slots and its ready instances.
+    fn primed_runtime(
+        &self,
+        variant: &Variant,
+        name: &str,
+        prime: crate::cache::Prepare<'_>,
+        primed: PrimedStart,
+        progress: &dyn Progress,
+    ) -> Result<Arc<PythonRuntime>, EngineError> {
+        self.derived_python(
+            &variant.engine,
+            variant.slots,
+            name,
+            prime,
+            self.ready_instances(variant),
+            Some(primed),
+            progress,
+        )
+    }
+
     /// A runtime of a module made from the Python runtime's (`prepare` rewrites its bytes:
     /// stripped, primed), compiled once into the cache as `name`.
     #[allow(clippy::too_many_arguments)]
@@ -769,15 +794,7 @@ impl WasmEngine {
             rebirth: false,
             memory_len: 0,
         };
-        let runtime = self.derived_python(
-            &variant.engine,
-            variant.slots,
-            &name,
-            &prime,
-            self.ready_instances(variant),
-            Some(primed),
-            progress,
-        )?;
+        let runtime = self.primed_runtime(variant, &name, &prime, primed, progress)?;
         *slot = Some(runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
@@ -816,15 +833,7 @@ impl WasmEngine {
             rebirth: true,
             memory_len: image.len(),
         };
-        let runtime = self.derived_python(
-            &variant.engine,
-            variant.slots,
-            &name,
-            &prime,
-            self.ready_instances(variant),
-            Some(primed),
-            progress,
-        )?;
+        let runtime = self.primed_runtime(variant, &name, &prime, primed, progress)?;
         loaded.insert(warm_up.to_owned(), runtime.clone());
         tracing::debug!(target: "kiln_wasm", language = "python", warm_primed = true, ms = started.elapsed().as_millis() as u64, "runtime ready");
         Ok(runtime)
@@ -918,12 +927,8 @@ impl WasmEngine {
                 .enable_all()
                 .build()
                 .map_err(|e| format!("could not start the priming run: {e}"))?;
-            let turns = [
-                (crate::python::FAST_TURNS_DEF, "kiln's one-shot turns"),
-                (crate::warm::PRIMING_CODE, "the priming run"),
-            ];
             let (memory, clock) = runtime
-                .block_on(self.capture_after(plain, &turns))
+                .block_on(self.capture_after(plain, &PRIMING_TURNS))
                 .map_err(|e| e.to_string())?;
             if clock >= crate::warm::PRIMED_CLOCK_NS {
                 return Err(format!("the priming run took too long ({clock} ns)"));

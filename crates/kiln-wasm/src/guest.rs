@@ -692,6 +692,8 @@ impl TmpRoot {
 
     /// Removes the root and everything under it now (guests still running lose their `/tmp`).
     pub fn remove_now(&self) {
+        // Guests wrote the folders under it: std's remove_dir_all walks them through
+        // directory handles and never follows a link (the root itself is kiln's own).
         let _ = std::fs::remove_dir_all(self.root.path());
     }
 

@@ -55,24 +55,21 @@ def _kiln_linecache():
     young = []
     old = []
     limit = 64
+    def sweep(entries, alive):
+        for entry in entries:
+            if entry[0]() is None:
+                cache.pop(entry[1], None)
+            else:
+                alive.append(entry)
+        return alive
     def _register_code(code, string, name):
         nonlocal turn, young, old, limit
         if name != turn:
             turn = name
-            for entry in young:
-                if entry[0]() is None:
-                    cache.pop(entry[1], None)
-                else:
-                    old.append(entry)
+            sweep(young, old)
             young = []
             if len(old) > limit:
-                alive = []
-                for entry in old:
-                    if entry[0]() is None:
-                        cache.pop(entry[1], None)
-                    else:
-                        alive.append(entry)
-                old = alive
+                old = sweep(old, [])
                 limit = max(64, 2 * len(old))
         register(code, string, name)
         stack = [code]
