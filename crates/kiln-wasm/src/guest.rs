@@ -365,10 +365,13 @@ pub(crate) fn new_store(
     Ok(store)
 }
 
-/// Gives a store made ahead of time (with an empty context) a request's context and caps,
-/// before it runs anything.
+/// Gives a store made ahead of time (with an empty context) a request's context, caps and
+/// deadline, before it runs anything (kiln's own calls at start, such as a primed guest's
+/// preopen reset, run under it: the deadline armed when the store was made may have passed
+/// while it waited to be taken).
 pub(crate) fn dress_store(store: &mut Store<GuestState>, wasi: WasiP1Ctx, limits: &Limits) {
     let state = store.data_mut();
+    arm_deadline(&state.deadline_ns, state.clock_base, limits);
     state.wasi = wasi;
     state.memory.cap_bytes = usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX);
     state.fs.reset(limits);

@@ -331,3 +331,22 @@ async fn attack_a_warm_start_or_fork_above_its_memory_cap_is_refused() -> TestRe
     );
     Ok(())
 }
+
+/// An instance made ahead of time may wait longer than a run's default deadline (30 s)
+/// before a one-shot takes it: the one-shot runs under its own deadline, armed when it takes
+/// the instance, not under one left from when the instance was made.
+#[tokio::test]
+async fn an_instance_made_long_before_its_one_shot_runs_under_the_one_shots_deadline() -> TestResult
+{
+    let print = || ExecRequest::new(Language::Python, "print(1 + 1)");
+    let first = engine().execute(&print()).await?;
+    assert_eq!(first.stdout_text(), "2\n", "{}", first.stderr_text());
+    let default_deadline = kiln_core::Limits::default().timeout();
+    tokio::time::sleep(default_deadline + std::time::Duration::from_secs(2)).await;
+    for request in [print(), data("print(1 + 1)")] {
+        let result = engine().execute(&request).await?;
+        assert_eq!(result.stdout_text(), "2\n", "{}", result.stderr_text());
+        assert!(result.success(), "{}", result.stderr_text());
+    }
+    Ok(())
+}
