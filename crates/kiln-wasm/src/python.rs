@@ -34,56 +34,6 @@ pub(crate) const BASE_ENV: &[(&str, &str)] = &[
     ("MPLBACKEND", "Agg"),
 ];
 
-/// Run before a session's second turn (running it costs about 0.25 MiB of private memory,
-/// which a session of one turn, the commonest, does not pay; the first turn's entry is kept
-/// either way). The runtime registers every turn's source in
-/// `linecache._interactive_cache` (so tracebacks can show its lines) and never removes it:
-/// a long session would keep every turn it ever ran. This keeps an entry only while code
-/// from that turn is alive — a function it defined, a traceback still held in
-/// `sys.last_exc`. It looks when the next turn registers its code (a turn's own code is gone
-/// by then; what lives on is checked again once there is twice as much of it), which costs
-/// a turn ~3 µs: a weak reference with a callback per code object cost ~14 µs.
-const SESSION_PRELUDE: &str = r#"
-def _kiln_linecache():
-    import linecache, _weakref
-    cache = linecache._interactive_cache
-    register = linecache._register_code
-    make_key = linecache._make_key
-    ref = _weakref.ref
-    code_type = type(_kiln_linecache.__code__)
-    turn = None
-    young = []
-    old = []
-    limit = 64
-    def sweep(entries, alive):
-        for entry in entries:
-            if entry[0]() is None:
-                cache.pop(entry[1], None)
-            else:
-                alive.append(entry)
-        return alive
-    def _register_code(code, string, name):
-        nonlocal turn, young, old, limit
-        if name != turn:
-            turn = name
-            sweep(young, old)
-            young = []
-            if len(old) > limit:
-                old = sweep(old, [])
-                limit = max(64, 2 * len(old))
-        register(code, string, name)
-        stack = [code]
-        while stack:
-            c = stack.pop()
-            for k in c.co_consts:
-                if type(k) is code_type:
-                    stack.append(k)
-            young.append((ref(c), make_key(c)))
-    linecache._register_code = _register_code
-_kiln_linecache()
-del _kiln_linecache
-"#;
-
 /// Run before a guest's first streamed turn: stdout and stderr flush at every newline.
 const LINE_BUFFERED: &str = "import sys as _kiln_sys\n_kiln_sys.stdout.reconfigure(line_buffering=True)\n_kiln_sys.stderr.reconfigure(line_buffering=True)\ndel _kiln_sys";
 
@@ -167,6 +117,7 @@ pub(crate) struct ForkState {
     pages: Vec<(usize, Vec<u8>)>,
     clock_origin: Instant,
     turns: u64,
+    kiln_turns: bool,
     line_buffered: bool,
     armed: bool,
 }
@@ -200,44 +151,105 @@ __import__("sys")._kiln_reborn = _kiln_reborn
 del _kiln_reborn
 "#;
 
-/// Run once where a guest's memory is captured (priming, a warm template's warm-up):
-/// replaces the runtime's `_reactor._run_turn` (what its `turn` export calls for each
-/// turn's code) with kiln's. The runtime's parses every turn's code into Python `ast`
-/// objects and compiles those, which only a session needs, to echo a final expression as a
-/// REPL does; kiln's compiles a one-shot's code straight from its source: a `print(1+1)`
-/// one-shot took 0.40 ms instead of 0.53 ms and wrote 250 pages of memory instead of 433
-/// (so one-shot throughput rose by half), a pandas one-shot 4.6 instead of 5.4 ms. A
-/// session (whose rich setup sets `_reactor._kiln_echo`) takes the runtime's way, parsing
-/// with `compile` itself rather than `ast.parse`: a `SyntaxError` then shows no frame of
-/// `ast.py` in either, as `python -c` shows none. kiln's code is named `<reactor>`, whose
-/// frames the runtime leaves out of tracebacks. Where the runtime has no such function
-/// (another build), nothing changes.
+/// Run once where a guest's memory is captured (priming, a warm template's warm-up), and
+/// before the first turn of a session that starts from neither: replaces the runtime's
+/// `_reactor._run_turn` (what its `turn` export calls for each turn's code) with kiln's.
+///
+/// - A one-shot's code is compiled straight from its source. The runtime's parses every
+///   turn into Python `ast` objects and compiles those, which only a REPL's echo needs: a
+///   `print(1+1)` one-shot took 0.40 ms instead of 0.53 ms and wrote 250 pages of memory
+///   instead of 433.
+/// - A session (whose rich setup sets `_reactor._kiln_echo`) echoes its final expression.
+///   A one-line simple statement compiles in `single` mode, which echoes an expression
+///   statement through `sys.displayhook` as the tree would, in half the time (`x += 1`:
+///   25–28 against 49 µs in a guest). Lines that could start a compound statement
+///   (`for x in y: x` would echo each `x`), or hold `;` (`1; 2` would echo both), take the
+///   tree; so does anything `single` rejects, which then fails as it always did. The tree
+///   is parsed with `compile` itself: a `SyntaxError` shows no frame of `ast.py`, as
+///   `python -c` shows none.
+/// - Tracebacks find a turn's lines through `linecache._getlines_from_code` (what
+///   `traceback` and `inspect` ask), from the turn's source kept under its name. The
+///   runtime registered every code object of every turn in `linecache` (~12 µs a session
+///   turn with kiln's bookkeeping of what was still alive; ~1 µs now) and kept them all.
+///   A turn's source is dropped once none of its code objects is alive (a function it
+///   defined, a traceback in `sys.last_exc`), checked when what is kept has doubled since
+///   the last check (at least 256 KiB, counting 256 bytes an entry besides its text).
+///
+/// kiln's code is named `<reactor>`, whose frames the runtime leaves out of tracebacks.
+/// Where the runtime has no such function (another build), nothing changes.
 pub(crate) const FAST_TURNS_DEF: &str = r#"exec(compile("""
 def _kiln_fast_turns():
-    import sys
+    import sys, linecache, _weakref
     reactor = sys.modules.get("_reactor")
     if getattr(reactor, "_run_turn", None) is None or hasattr(reactor, "_kiln_echo"):
         return
-    def _run_turn(text, name):
-        import linecache
-        main = sys.modules["__main__"].__dict__
-        if not reactor._kiln_echo:
-            code = compile(text, name, "exec")
-            linecache._register_code(code, text, name)
-            exec(code, main)
-            return
+    modules = sys.modules
+    code_type = type(_kiln_fast_turns.__code__)
+    ref = _weakref.ref
+    sources = {}
+    kept = 0
+    limit = 1 << 18
+    compound = ("if", "elif", "else", "for", "while", "try", "except", "finally", "with",
+                "def", "class", "async", "match", "case", "@")
+    def remember(text, name, codes):
+        nonlocal kept
+        refs = []
+        for c in codes:
+            refs.append(ref(c))
+            for k in c.co_consts:
+                if type(k) is code_type:
+                    codes.append(k)
+        sources[name] = (text, refs)
+        kept += len(text) + 256
+        if kept > limit:
+            sweep(name)
+    def sweep(name):
+        nonlocal kept, limit
+        for old, (text, refs) in list(sources.items()):
+            if old != name and all(r() is None for r in refs):
+                del sources[old]
+                kept -= len(text) + 256
+        limit = max(1 << 18, 2 * kept)
+    plain_lines = linecache._getlines_from_code
+    def _getlines_from_code(code):
+        entry = sources.get(getattr(code, "co_filename", None))
+        if entry is None:
+            return plain_lines(code)
+        return [line + "\\n" for line in entry[0].splitlines()]
+    def echoed(text, name, main):
         import ast
         tree = compile(text, name, "exec", ast.PyCF_ONLY_AST)
+        codes = []
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+            last = compile(ast.Expression(tree.body.pop().value), name, "eval")
+            codes.append(last)
         code = compile(tree, name, "exec")
-        linecache._register_code(code, text, name)
+        codes.append(code)
+        remember(text, name, codes)
         exec(code, main)
         if last is not None:
-            expr = compile(last, name, "eval")
-            linecache._register_code(expr, text, name)
-            sys.displayhook(eval(expr, main))
+            sys.displayhook(eval(last, main))
+    def _run_turn(text, name):
+        main = modules["__main__"].__dict__
+        if not reactor._kiln_echo:
+            code = compile(text, name, "exec")
+            remember(text, name, [code])
+            exec(code, main)
+            return
+        line = text.rstrip()
+        if line and "\\n" not in line and "\\r" not in line and ";" not in line and not line.startswith(compound):
+            try:
+                code = compile(text, name, "single")
+            except SyntaxError:
+                code = None
+            if code is not None:
+                remember(text, name, [code])
+                exec(code, main)
+                return
+        echoed(text, name, main)
+    linecache._getlines_from_code = _getlines_from_code
+    reactor._kiln_sources = sources
     reactor._kiln_echo = False
     reactor._run_turn = _run_turn
 _kiln_fast_turns()
@@ -322,9 +334,11 @@ pub(crate) struct PythonGuest {
     pub ended: Option<String>,
     /// Whether a final expression's value is printed.
     echo: bool,
-    /// Turns run through [`PythonGuest::turn`] (sessions run [`SESSION_PRELUDE`] before
-    /// the second).
+    /// Turns run through [`PythonGuest::turn`] (a session's first runs its setup before).
     turns: u64,
+    /// Whether the guest's memory has kiln's turn ([`FAST_TURNS_DEF`]): a primed or warm
+    /// start, a fork of a guest that had it, or a session after its first turn.
+    kiln_turns: bool,
     /// Whether stdout and stderr flush at each line (set for the first streamed turn).
     line_buffered: bool,
     /// The instruction budget of a turn whose limits name none, when the guest runs on the
@@ -437,6 +451,8 @@ impl PythonGuest {
             ended: None,
             echo,
             turns: 0,
+            // Fresh and primed: the priming ran it; a warm or forked start sets its own.
+            kiln_turns: runtime.primed.is_some(),
             line_buffered: false,
             fuel: request.limits.fuel,
             image: None,
@@ -507,6 +523,8 @@ impl PythonGuest {
         let image = match origin {
             Origin::Fresh => return Ok(()),
             Origin::Image(image) => {
+                // A warm image's turns begin with kiln's ([`crate::warm`]).
+                self.kiln_turns = true;
                 self.grow_to(image.len())?;
                 // SAFETY: the guest's memory, grown to the image's size, between calls.
                 unsafe { image.map_over(self.memory_base()) }.map_err(|e| fail(&e))?;
@@ -522,6 +540,7 @@ impl PythonGuest {
                     memory[*at..*at + page.len()].copy_from_slice(page);
                 }
                 self.turns = state.turns;
+                self.kiln_turns = state.kiln_turns;
                 self.line_buffered = state.line_buffered;
                 if state.armed {
                     self.stdio.displays.arm();
@@ -601,6 +620,7 @@ impl PythonGuest {
             pages,
             clock_origin: self.clock_origin,
             turns: self.turns,
+            kiln_turns: self.kiln_turns,
             line_buffered: self.line_buffered,
             armed: self.stdio.displays.armed(),
         })
@@ -673,11 +693,14 @@ impl PythonGuest {
         let budget = self.budget(limits)?;
         self.turns += 1;
         if self.echo && self.turns == 1 {
-            self.setup_turn(&RICH_SETUP, limits, "rich results").await?;
-        }
-        if self.echo && self.turns == 2 {
-            self.setup_turn(SESSION_PRELUDE, limits, "the session")
-                .await?;
+            if self.kiln_turns {
+                self.setup_turn(&RICH_SETUP, limits, "rich results").await?;
+            } else {
+                // An unprimed start (a request with an environment of its own).
+                let setup = format!("{FAST_TURNS_DEF}\n{}", *RICH_SETUP);
+                self.setup_turn(&setup, limits, "rich results").await?;
+                self.kiln_turns = true;
+            }
         }
         if listener.is_some() && !self.line_buffered {
             // A streamed turn's output reaches its client line by line, as in a terminal
