@@ -254,7 +254,7 @@ fn primed_module_name() -> String {
 /// What the priming run runs, turn by turn (code, and what it is for an error): kiln's turn,
 /// then [`crate::warm::PRIMING_CODE`]. The primed module's name is keyed by their code.
 const PRIMING_TURNS: [(&str, &str); 2] = [
-    (crate::python::FAST_TURNS_DEF, "kiln's one-shot turns"),
+    (crate::python::FAST_TURNS_DEF, "kiln's turns"),
     (crate::warm::PRIMING_CODE, "the priming run"),
 ];
 

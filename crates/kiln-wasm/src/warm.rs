@@ -163,11 +163,11 @@ impl WasmEngine {
             hasher.update(std::hash::Hasher::finish(&h).to_le_bytes());
         }
         hasher.update(format!("strip{STRIP_VERSION} image1 "));
-        hasher.update(warm_up);
-        // The image is captured with the rebirth defined (a start from it only calls it).
-        hasher.update(crate::python::REBIRTH_DEF);
-        hasher.update("fast turns first\n");
-        hasher.update(crate::python::FAST_TURNS_DEF);
+        // What runs before the capture, in its order: the list the warm-up run runs.
+        for (code, _) in warm_turns(warm_up) {
+            hasher.update(code);
+            hasher.update("\0turn\0");
+        }
         let key = hex::encode(hasher.finalize());
         Ok(self
             .cache()
@@ -243,12 +243,7 @@ impl WasmEngine {
     /// Runs `warm_up` in a fresh guest and answers its memory and clock afterwards.
     async fn run_warm_up(&self, warm_up: &str) -> Result<(Vec<u8>, u64), ExecError> {
         let runtime = self.python_runtime(false).await?;
-        let turns = [
-            (crate::python::FAST_TURNS_DEF, "kiln's one-shot turns"),
-            (warm_up, "the warm-up"),
-            (crate::python::REBIRTH_DEF, "defining the rebirth"),
-        ];
-        self.capture_after(&runtime, &turns).await
+        self.capture_after(&runtime, &warm_turns(warm_up)).await
     }
 
     /// Runs `turns` (code, and what it is for an error) as one-shot turns in a fresh guest
@@ -731,6 +726,17 @@ fn skip_const_expr(reader: &mut Reader<'_>) -> Result<(), PatchError> {
     }
 }
 
+/// What a warm template's image is captured after, turn by turn (code, and what it is for an
+/// error): kiln's turn, the warm-up, then the rebirth defined (a start from the image only
+/// calls it). The image's key hashes this list, so it is said once.
+fn warm_turns(warm_up: &str) -> [(&str, &str); 3] {
+    [
+        (crate::python::FAST_TURNS_DEF, "kiln's turns"),
+        (warm_up, "the warm-up"),
+        (crate::python::REBIRTH_DEF, "defining the rebirth"),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -868,3 +874,4 @@ mod tests {
         unsafe { libc::munmap(base.cast(), 65536) };
     }
 }
+
