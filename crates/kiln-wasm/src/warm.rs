@@ -874,4 +874,3 @@ mod tests {
         unsafe { libc::munmap(base.cast(), 65536) };
     }
 }
-
