@@ -561,13 +561,9 @@ impl PythonGuest {
         // in the dict the guest builds.
         let env: Vec<String> = BASE_ENV
             .iter()
+            .map(|&(name, value)| (name, value))
+            .chain(request.env.iter().map(|(n, v)| (n.as_str(), v.as_str())))
             .map(|(name, value)| format!("{name}={value}"))
-            .chain(
-                request
-                    .env
-                    .iter()
-                    .map(|(name, value)| format!("{name}={value}")),
-            )
             .collect();
         let env = serde_json::Value::String(env.join("\0")).to_string();
         let call = REBIRTH_CALL.replace("{ENV}", &env);

@@ -779,6 +779,18 @@ async fn a_session_keeps_no_source_of_turns_whose_code_is_gone() -> TestResult {
     Ok(())
 }
 
+/// A turn's `ZeroDivisionError` traceback: the code's own frames (each of `parts` in it),
+/// none of kiln's.
+fn assert_division_traceback(stderr: &str, parts: &[&str]) {
+    assert!(
+        stderr.starts_with("Traceback (most recent call last):\n  File \"<turn ")
+            && parts.iter().all(|part| stderr.contains(part))
+            && stderr.ends_with("ZeroDivisionError: division by zero\n")
+            && !stderr.contains("reactor"),
+        "{stderr}"
+    );
+}
+
 /// A session's one-line turn compiles in `single` mode (half the compile of a tree): what it
 /// echoes, and how it fails, is what the tree gives — the final expression only, nothing for
 /// a compound statement or an annotation, the last of `;`-joined ones, errors as `python -c`.
@@ -824,14 +836,12 @@ async fn one_line_turns_echo_as_the_tree_does() -> TestResult {
     // A failing one-liner, through a function a one-line compound statement defined: both
     // lines shown, no frame of kiln's.
     let failed = session.run("f()", &limits).await?;
-    let stderr = failed.stderr_text();
-    assert!(
-        stderr.starts_with("Traceback (most recent call last):\n  File \"<turn ")
-            && stderr.contains("line 1, in <module>\n    f()\n")
-            && stderr.contains("line 1, in f\n    def f(): return 1 / 0\n")
-            && stderr.ends_with("ZeroDivisionError: division by zero\n")
-            && !stderr.contains("reactor"),
-        "{stderr}"
+    assert_division_traceback(
+        &failed.stderr_text(),
+        &[
+            "line 1, in <module>\n    f()\n",
+            "line 1, in f\n    def f(): return 1 / 0\n",
+        ],
     );
     // An indented line fails as it does in `python -c`, and the session goes on.
     let failed = session.run("  1", &limits).await?;
@@ -1874,14 +1884,9 @@ async fn syntax_errors_read_as_python_shows_them_in_one_shots_and_sessions() -> 
     python_like(&result.stderr_text());
     // A runtime error's traceback has the code's frames only.
     let result = run(py("def f():\n    return 1 / 0\nf()")).await;
-    let stderr = result.stderr_text();
-    assert!(
-        stderr.starts_with("Traceback (most recent call last):\n  File \"<turn ")
-            && stderr.contains("line 3, in <module>")
-            && stderr.contains("line 2, in f")
-            && stderr.ends_with("ZeroDivisionError: division by zero\n")
-            && !stderr.contains("reactor"),
-        "{stderr}"
+    assert_division_traceback(
+        &result.stderr_text(),
+        &["line 3, in <module>", "line 2, in f"],
     );
     let mut session = engine()
         .open_session(Language::Python, &SessionOptions::default())
