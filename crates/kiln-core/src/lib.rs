@@ -155,6 +155,12 @@ pub struct Limits {
     /// with fuel run slower and are compiled, once, on first use). WebAssembly only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fuel: Option<u64>,
+    /// For a session turn: how many bytes the turn may add to the session's memory (the
+    /// room left under its tenant's session memory quota), within the session's own cap.
+    /// Growing past it fails as growing past the cap does (`MemoryError`). `None`: only
+    /// the cap. WebAssembly sessions only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_growth_bytes: Option<u64>,
 }
 
 impl Default for Limits {
@@ -167,6 +173,7 @@ impl Default for Limits {
             fs_write_bytes: 64 << 20,
             fs_create_count: 1_000,
             fuel: None,
+            session_growth_bytes: None,
         }
     }
 }
@@ -494,6 +501,11 @@ pub struct ExecResult {
     /// `display(...)`, each matplotlib figure. Empty for runtimes that produce none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub results: Vec<RichResult>,
+    /// For a session turn: the memory the session really holds after it, in bytes (the
+    /// pages of its memory it has written: private, resident), as its worker last measured
+    /// it. `None` where the backend cannot tell (its cap is then what counts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_memory_bytes: Option<u64>,
 }
 
 /// The most rich results one execution keeps.

@@ -288,6 +288,10 @@ impl<F: Future> Future for Fair<F> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         // SAFETY: `future` is never moved out of `self`; the other fields are not pinned.
         let this = unsafe { self.get_unchecked_mut() };
+        // SAFETY: a pin projection to `future`: `this` came from a `Pin<&mut Fair<F>>`, and
+        // `future` is never moved out of a `Fair` (no method takes or swaps it; `Drop` touches only
+        // `scheduler`, `tenant` and `ticket`), so it stays where it was pinned until it is dropped
+        // in place. `Fair` has no manual `Unpin` impl, so it is `Unpin` only when `F` is.
         let future = unsafe { Pin::new_unchecked(&mut this.future) };
         let overdue = this.deadline.is_some_and(|d| Instant::now() >= d);
         if overdue {

@@ -238,6 +238,7 @@ impl Run {
             fs_refused: false,
             files_changed: None,
             results: Vec::new(),
+            session_memory_bytes: None,
         }
     }
 }

@@ -237,7 +237,7 @@ struct Worker {
     pending: Pending,
     alive: Arc<AtomicBool>,
     in_flight: AtomicUsize,
-    /// Open sessions and their memory caps.
+    /// Open sessions and their memory: the cap until a turn says what it really holds.
     sessions: Mutex<HashMap<u64, u64>>,
     session_memory: AtomicU64,
     pid: Option<u32>,
@@ -266,6 +266,14 @@ impl Worker {
     fn add_session(&self, id: u64, memory: u64) {
         self.lock_sessions().insert(id, memory);
         self.session_memory.fetch_add(memory, Ordering::Relaxed);
+    }
+
+    fn set_session_memory(&self, id: u64, bytes: u64) {
+        if let Some(memory) = self.lock_sessions().get_mut(&id) {
+            let before = std::mem::replace(memory, bytes);
+            self.session_memory.fetch_add(bytes, Ordering::Relaxed);
+            self.session_memory.fetch_sub(before, Ordering::Relaxed);
+        }
     }
 
     fn remove_session(&self, id: u64) {
@@ -563,7 +571,13 @@ impl ExecutorPool {
         };
         let answer = inner.call(&worker, op, &mut options, Some(deadline)).await;
         match answer {
-            Ok(Reply::Done(result)) => Ok(result),
+            Ok(Reply::Done(result)) => {
+                // Placement weighs what sessions really hold once that is known.
+                if let Some(bytes) = result.session_memory_bytes {
+                    worker.set_session_memory(session.id, bytes);
+                }
+                Ok(result)
+            }
             Ok(Reply::Failed(error)) if error.kind == "no_such_session" => {
                 worker.remove_session(session.id);
                 Err(PoolError::NoSuchSession(session.id))
@@ -981,6 +995,7 @@ fn overrun(waited: Duration, grace: Duration) -> ExecResult {
         fs_refused: false,
         files_changed: None,
         results: Vec::new(),
+        session_memory_bytes: None,
     }
 }
 

@@ -104,6 +104,8 @@ impl Agent {
             // The table is held while reaping so a spawn in progress (which holds it, and
             // whose failure path waits for its own child) never loses its child to us.
             let mut table = self.table();
+            // SAFETY: waitpid(2) writes only to `status`, a live local c_int; -1 with WNOHANG reaps
+            // any exited child without blocking.
             let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
             if pid <= 0 {
                 return;
@@ -127,6 +129,9 @@ impl Agent {
 
     fn forward(&self, signal: i32) {
         for proc in self.table().procs.values() {
+            // SAFETY: kill(2) takes only integers and touches no memory of ours; `-proc.pid` names
+            // the process group of a child the agent started in a session of its own (setsid in
+            // `command`), and a group that is already gone only makes the call fail (ignored).
             unsafe { libc::kill(-proc.pid, signal) };
         }
     }
@@ -149,6 +154,9 @@ fn thread(f: impl FnOnce() + Send + 'static) -> Result<(), Failure> {
 
 /// The signals the agent waits for on its signal thread (blocked everywhere else).
 fn watched_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data, so all-zero bytes are a valid value (sigemptyset then
+    // initialises it as POSIX asks); sigemptyset and sigaddset only write to `set`, a live local,
+    // and the signal numbers are valid.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
@@ -163,6 +171,8 @@ fn watched_signals() -> libc::sigset_t {
 /// process the agent started is killed.
 pub fn serve(mut input: impl Read, output: impl Write + Send + 'static) -> Result<(), FrameError> {
     let set = watched_signals();
+    // SAFETY: `set` is an initialised sigset_t (from `watched_signals`) alive for the call, which
+    // only reads it; the old mask is not wanted, and a null `oldset` is allowed.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     let agent = Arc::new(Agent {
         out: Arc::new(Mutex::new(Box::new(output))),
@@ -173,6 +183,9 @@ pub fn serve(mut input: impl Read, output: impl Write + Send + 'static) -> Resul
         std::thread::spawn(move || {
             loop {
                 let mut signal = 0;
+                // SAFETY: `set` (an initialised sigset_t moved into this thread) and `signal` (a
+                // live local c_int) are valid for the call, which reads the one and writes the
+                // other.
                 if unsafe { libc::sigwait(&set, &mut signal) } != 0 {
                     continue;
                 }
@@ -234,6 +247,10 @@ fn handle(agent: &Arc<Agent>, Request { id, op }: Request) {
         }
         Op::Signal { target, signal } => {
             if let Some(proc) = agent.table().procs.get(&target) {
+                // SAFETY: kill(2) takes only integers and touches no memory of ours: the host's
+                // signal number is checked by the kernel (a bad one is EINVAL, ignored), and
+                // `-proc.pid` names the process group of a child the agent started in a session of
+                // its own (setsid in `command`).
                 unsafe { libc::kill(-proc.pid, signal) };
             }
         }
@@ -265,6 +282,8 @@ fn set_window_size(fd: i32, size: WindowSize) {
         ws_xpixel: 0,
         ws_ypixel: 0,
     };
+    // SAFETY: TIOCSWINSZ reads one `struct winsize`, and `ws` is one, alive for the call; the ioctl
+    // writes nothing of ours. `fd` is a terminal master the caller keeps open (its `Arc<OwnedFd>`).
     unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) };
 }
 
@@ -277,6 +296,9 @@ fn open_terminal(size: WindowSize) -> std::io::Result<(OwnedFd, OwnedFd)> {
         ws_xpixel: 0,
         ws_ypixel: 0,
     };
+    // SAFETY: openpty writes the two new fds into `master` and `slave` (live locals) and reads
+    // `ws`, a valid winsize alive for the call; a null name buffer (no name wanted) and a null
+    // termios (default settings) are allowed.
     let rc = unsafe {
         libc::openpty(
             &mut master,
@@ -289,6 +311,9 @@ fn open_terminal(size: WindowSize) -> std::io::Result<(OwnedFd, OwnedFd)> {
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
+    // SAFETY: openpty succeeded, so `master` and `slave` are two new open fds that nothing else
+    // owns; F_SETFD takes an integer argument, and each fd is handed to exactly one OwnedFd, which
+    // closes it.
     unsafe {
         libc::fcntl(master, libc::F_SETFD, libc::FD_CLOEXEC);
         libc::fcntl(slave, libc::F_SETFD, libc::FD_CLOEXEC);
@@ -336,6 +361,12 @@ fn command(spec: &Spawn) -> Result<(Command, Option<Arc<OwnedFd>>), Failure> {
     };
     let user = spec.user;
     let on_terminal = terminal.is_some();
+    // SAFETY: the hook runs in the forked child before exec, where the parent's other threads are
+    // gone and only async-signal-safe work is sound: it allocates nothing and takes no locks,
+    // making only direct system calls (sigemptyset on a zeroed local sigset_t, which is plain data;
+    // pthread_sigmask with a null old mask; setsid; ioctl TIOCSCTTY on fd 0, the terminal's slave;
+    // and prctl, setgroups, setresgid, setresuid in `drop_privileges`). `io::Error::last_os_error`
+    // reads errno without allocating; the captured `user` and `on_terminal` are Copy.
     unsafe {
         command.pre_exec(move || {
             let mut empty: libc::sigset_t = std::mem::zeroed();
@@ -412,6 +443,9 @@ fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
             // Without its output the process is no use: it ends, reported as the failure
             // (after `Spawned`, before any exit).
             agent.table().procs.remove(&id);
+            // SAFETY: kill(2) takes only integers and touches no memory of ours; `-pid` names the
+            // process group of the child just spawned (setsid in `command`), and a group already
+            // gone only makes the call fail (ignored).
             unsafe { libc::kill(-pid, libc::SIGKILL) };
             return Err(failure);
         }
@@ -422,6 +456,10 @@ fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
 /// In the child, before exec: no capabilities can come back, no supplementary groups, then
 /// the user's gid and uid.
 fn drop_privileges(uid: u32, gid: u32) -> std::io::Result<()> {
+    // SAFETY: prctl, setresgid and setresuid take only integers; setgroups reads a list of `size`
+    // gids, and with size 0 a null list is allowed. None touches memory of ours, and each is a
+    // direct system call, so this is also sound in the forked child (`command`'s pre_exec hook
+    // calls it there).
     unsafe {
         // Empties the bounding set so nothing (a setuid binary, file capabilities) regains
         // a capability; fails harmlessly where the agent lacks CAP_SETPCAP.
@@ -467,6 +505,8 @@ fn pump(agent: &Agent, id: u64, stderr: bool, fd: OwnedFd) {
             events: libc::POLLIN,
             revents: 0,
         };
+        // SAFETY: `poll` is one valid, writable pollfd alive for the call (nfds is 1); its fd is
+        // `file`'s, open while `file` lives.
         let ready = unsafe { libc::poll(&mut poll, 1, 50) };
         if ready == 0 {
             if agent.drained(id) {

@@ -13,7 +13,12 @@ fn main() {
         return;
     }
     // Unbuffered: the agent writes whole frames and flushes each.
+    // SAFETY: fd 0 is open from the start (the host's channel), and this File becomes its only
+    // owner: nothing else in the agent reads stdin or touches fd 0.
     let input = unsafe { std::fs::File::from_raw_fd(0) };
+    // SAFETY: fd 1 likewise: open from the start (the host's channel) and owned by this File alone;
+    // the agent prints nothing to stdout (only `--version` did, and it has returned), and its
+    // messages go to stderr.
     let output = unsafe { std::fs::File::from_raw_fd(1) };
     if let Err(e) = kiln_guest::agent::serve(input, output) {
         eprintln!("kiln-guest: {e}");

@@ -25,6 +25,10 @@ impl Agent {
         let pid = child.id() as i32;
         std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_secs(60));
+            // SAFETY: kill(2) takes only integers and touches no memory of ours. `pid` is the agent
+            // this test spawned; should the test have ended and `Agent`'s drop have reaped it
+            // already, the pid could by then name another process, which this test-only watchdog
+            // would kill (a flaw of the watchdog, not of memory safety).
             unsafe { libc::kill(pid, libc::SIGKILL) };
         });
         Agent {
@@ -286,6 +290,7 @@ fn files_are_written_read_listed_and_removed_and_fifos_never_stall_it() {
     // A fifo is refused at once, for reading and for writing.
     let fifo = format!("{root}/fifo");
     let c = std::ffi::CString::new(fifo.clone()).unwrap();
+    // SAFETY: `c` is a NUL-terminated CString alive for the call, which only reads it.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
     let id = agent.send(Op::ReadFile {
         path: fifo.clone(),

@@ -250,6 +250,14 @@ impl NativeBackend {
             .map(|entry| entry.live.clone())
     }
 
+    /// Kills every process in the live box of `workspace` but its agent (see
+    /// [`LiveBox::kill_all_but_agent`]): a sandbox whose box a fork bomb filled runs
+    /// commands again, its files and installed packages kept. `None`: no box runs for it.
+    pub async fn kill_processes(&self, workspace: &std::path::Path) -> Option<usize> {
+        let live = self.live_box(workspace).await?;
+        Some(live.kill_all_but_agent().await)
+    }
+
     /// Live boxes held for sandboxes.
     pub async fn held(&self) -> usize {
         self.inner.held.lock().await.len()
@@ -407,6 +415,7 @@ fn to_result(out: crate::boxes::ExecOutput, limits: &Limits, started: Instant) -
         fs_refused: false,
         files_changed: None,
         results: Vec::new(),
+        session_memory_bytes: None,
     }
 }
 
@@ -711,6 +720,7 @@ impl BackendSession for NativeSession {
             fs_refused: false,
             files_changed: None,
             results: Vec::new(),
+            session_memory_bytes: None,
         })
     }
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
-use kiln_guest::proto::{Credentials, Op, Reply, Spawn};
+use kiln_guest::proto::{Credentials, Failure, Op, Reply, Spawn};
 
 use crate::builder::Template;
 use crate::channel::{Channel, ChannelClosed};
@@ -97,6 +97,39 @@ impl BoxSpec {
 
 /// Where a box's CA bundle is (Debian's).
 const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// Where distributions keep the system's CA bundle, in the order OpenSSL-based tools look:
+/// Debian and Ubuntu, Fedora and RHEL, openSUSE, Alpine and the BSDs.
+pub const HOST_CA_BUNDLES: [&str; 4] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+/// The CA bundle this host's own tools trust, found as they find it: `SSL_CERT_FILE`, then
+/// the first of [`HOST_CA_BUNDLES`] that exists. Boxes get it by default, so what the host
+/// trusts (a TLS-inspecting proxy's CA among it) the box trusts too.
+pub fn host_ca_bundle() -> Option<PathBuf> {
+    find_ca_bundle(std::env::var_os("SSL_CERT_FILE"), &HOST_CA_BUNDLES)
+}
+
+/// The first of `ssl_cert_file` (where set, not empty) and `candidates` that is a readable
+/// regular file (links followed: the box is given the file itself).
+pub fn find_ca_bundle<P: AsRef<Path>>(
+    ssl_cert_file: Option<std::ffi::OsString>,
+    candidates: &[P],
+) -> Option<PathBuf> {
+    let named = ssl_cert_file.filter(|p| !p.is_empty()).map(PathBuf::from);
+    named
+        .into_iter()
+        .chain(candidates.iter().map(|p| p.as_ref().to_path_buf()))
+        .find_map(|path| {
+            let real = path.canonicalize().ok()?;
+            let file = std::fs::File::open(&real).ok()?;
+            file.metadata().ok()?.is_file().then_some(real)
+        })
+}
 
 /// One command to run in a box.
 #[derive(Debug, Clone)]
@@ -237,6 +270,9 @@ fn mount(
         CString::new(data).map_err(|_| "a mount option holds a NUL".to_string())?,
     );
     let target_c = cstr(target);
+    // SAFETY: the four strings are NUL-terminated CStrings alive until after the call, which only
+    // reads them (`data_c` through the untyped pointer mount(2) takes for its options); `flags` is
+    // an integer.
     let rc = unsafe {
         libc::mount(
             source_c.as_ptr(),
@@ -259,6 +295,7 @@ fn mount(
 
 fn unmount(target: &Path) {
     let target = cstr(target);
+    // SAFETY: `target` is a NUL-terminated CString alive for the call, which only reads it.
     unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
 }
 
@@ -279,6 +316,7 @@ impl Boxes {
     }
 
     pub fn new(config: BoxesConfig) -> Result<Boxes, BoxError> {
+        // SAFETY: geteuid(2) takes no arguments, touches no memory of ours and cannot fail.
         if unsafe { libc::geteuid() } != 0 {
             return Err(BoxError::Unavailable(
                 "Linux sandboxes need kiln to run as root (it maps each box to an unprivileged uid range)".into(),
@@ -299,6 +337,8 @@ impl Boxes {
         }
         // Box agents are orphaned when runc exits: they become kiln's children (and are
         // reaped when their box closes) instead of the host init's.
+        // SAFETY: PR_SET_CHILD_SUBREAPER takes integer arguments only and touches no memory of
+        // ours.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
         let unavailable = |dir: &Path, e: std::io::Error| {
             BoxError::Unavailable(format!("{}: {e}", dir.display()))
@@ -507,6 +547,8 @@ impl Boxes {
     /// the other end and the agent's host pid.
     fn run_container(&self, id: &str, dir: &Path) -> Result<(OwnedFd, i32), BoxError> {
         let mut fds = [0; 2];
+        // SAFETY: `fds` is a live [c_int; 2], where socketpair writes the two new fds; the other
+        // arguments are integers.
         if unsafe {
             libc::socketpair(
                 libc::AF_UNIX,
@@ -521,6 +563,8 @@ impl Boxes {
             ));
         }
         let (ours, theirs) =
+            // SAFETY: socketpair succeeded, so fds[0] and fds[1] are two new open fds that nothing
+            // else owns; each goes to exactly one OwnedFd, which closes it.
             unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         let log = std::fs::File::create(dir.join("agent.log"))
             .map_err(|e| start_err("bundle")(e.to_string()))?;
@@ -569,6 +613,7 @@ fn claim(folder: &Path) -> std::io::Result<std::fs::File> {
         .truncate(false)
         .write(true)
         .open(folder.join("lock"))?;
+    // SAFETY: flock(2) takes an fd and flags only; the fd is `file`'s, open while `file` lives.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -621,6 +666,8 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
     let started = Instant::now();
     // kiln is the agent's subreaper (see `Boxes::new`): reap it, so no zombie is left.
     while host_pid > 0 && started.elapsed() < KILL_GRACE {
+        // SAFETY: waitpid(2) with a null status pointer is allowed (the status is not stored), so
+        // it touches no memory of ours; the pid is an integer.
         let rc = unsafe { libc::waitpid(host_pid, std::ptr::null_mut(), libc::WNOHANG) };
         if rc != 0 {
             break; // reaped, or not our child
@@ -642,6 +689,84 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
     unmount(&dir.join("rootfs"));
     unmount(&dir.join("layer"));
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// What a command is told when the box is at its pids limit: how full it is, and the ways
+/// out that exist.
+fn full_box_message(current: Option<u64>, max: Option<u64>, said: &str) -> String {
+    let how_full = match (current, max) {
+        (Some(current), Some(max)) => {
+            format!("its {current} tasks (processes and threads) fill its pids limit of {max}")
+        }
+        (_, Some(max)) => format!("its processes fill its pids limit of {max}"),
+        _ => "its processes fill its pids limit".to_string(),
+    };
+    format!(
+        "the box is full: {how_full}, so nothing more can start in it (a fork bomb, or \
+         processes an earlier command left running?). End them with `kill -9 -1` from a shell \
+         or session already running in the box (a builtin: it needs no new process), or \
+         delete the sandbox and create another: its box closes with every process in it \
+         (the agent said: {said})"
+    )
+}
+
+/// Kills the processes of a box's cgroup but `agent`, round after round while new ones
+/// appear (a fork bomb forks as it dies), for at most [`KILL_GRACE`]. Each is signalled
+/// through a pidfd opened while it is still seen in the box's cgroup, so a pid the host
+/// reused meanwhile is never signalled.
+fn kill_all_but(cgroups: Cgroups, cgroup: &str, agent: i32) -> usize {
+    let started = Instant::now();
+    let mut killed = std::collections::HashSet::new();
+    loop {
+        let left: Vec<i32> = cgroups
+            .processes(cgroup)
+            .into_iter()
+            .filter(|pid| *pid != agent)
+            .collect();
+        if left.is_empty() || started.elapsed() > KILL_GRACE {
+            return killed.len();
+        }
+        for pid in left {
+            if signal_in_cgroup(pid, cgroup, libc::SIGKILL) {
+                killed.insert(pid);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Sends `signal` to host process `pid` if it is (still) in `cgroup`.
+fn signal_in_cgroup(pid: i32, cgroup: &str, signal: i32) -> bool {
+    // SAFETY: pidfd_open takes two integers and touches no memory of ours; it answers a new
+    // fd (owned below) or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: `fd` is a new pidfd that nothing else owns; the OwnedFd closes it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // The pidfd names one process for good: check that this one is the box's.
+    let member = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|text| {
+        text.lines().any(|line| {
+            line.rsplit_once(':')
+                .is_some_and(|(_, path)| path == cgroup)
+        })
+    });
+    if !member {
+        return false;
+    }
+    // SAFETY: pidfd_send_signal reads only its integer arguments (a null siginfo is allowed:
+    // the kernel fills one as kill(2) would); `fd` is open for the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    rc == 0
 }
 
 fn cgroup_path(id: &str) -> String {
@@ -723,7 +848,7 @@ impl LiveBox {
         let mut replies = self.channel.call(Op::Spawn(spawn)).await?;
         match replies.next().await {
             Some(Reply::Spawned { .. }) => Ok(replies),
-            Some(Reply::Failed(failure)) => Err(BoxError::Refused(failure.message)),
+            Some(Reply::Failed(failure)) => Err(self.refusal(failure)),
             other => Err(BoxError::Refused(format!(
                 "the agent answered a spawn with {other:?}"
             ))),
@@ -747,7 +872,7 @@ impl LiveBox {
         let mut replies = self.channel.call(Op::Spawn(spawn)).await?;
         match replies.next().await {
             Some(Reply::Spawned { pid }) => Ok((pid, replies.id, replies)),
-            Some(Reply::Failed(failure)) => Err(BoxError::Refused(failure.message)),
+            Some(Reply::Failed(failure)) => Err(self.refusal(failure)),
             other => Err(BoxError::Refused(format!(
                 "the agent answered a spawn with {other:?}"
             ))),
@@ -785,7 +910,7 @@ impl LiveBox {
             .await?;
         match replies.next().await {
             Some(Reply::Done) => Ok(()),
-            Some(Reply::Failed(failure)) => Err(BoxError::Refused(failure.message)),
+            Some(Reply::Failed(failure)) => Err(self.refusal(failure)),
             other => Err(BoxError::Refused(format!(
                 "the agent answered a write with {other:?}"
             ))),
@@ -813,6 +938,31 @@ impl LiveBox {
     /// Sends a signal to a spawned command's process group.
     pub async fn signal(&self, target: u64, signal: i32) -> Result<(), BoxError> {
         Ok(self.channel.tell(Op::Signal { target, signal }).await?)
+    }
+
+    /// The error for a request the agent refused. A box at its pids limit (the agent could
+    /// start no thread, or no process) says so, with what to do about it.
+    fn refusal(&self, failure: Failure) -> BoxError {
+        let full = failure.kind == "no_resources"
+            || failure
+                .message
+                .contains(&format!("(os error {})", libc::EAGAIN));
+        if !full {
+            return BoxError::Refused(failure.message);
+        }
+        let (current, max) = self.cgroups.pids(&self.cgroup);
+        BoxError::Refused(full_box_message(current, max, &failure.message))
+    }
+
+    /// Kills every process in the box but its agent (PID 1), from the host: a box that a
+    /// fork bomb (or anything left running) filled to its pids limit can start commands
+    /// again. Commands and sessions running in it end as killed. Answers how many processes
+    /// were killed.
+    pub async fn kill_all_but_agent(&self) -> usize {
+        let (cgroups, cgroup, agent) = (self.cgroups, self.cgroup.clone(), self.host_pid);
+        tokio::task::spawn_blocking(move || kill_all_but(cgroups, &cgroup, agent))
+            .await
+            .unwrap_or(0)
     }
 
     /// How many times the box's processes were killed for memory.
@@ -898,6 +1048,9 @@ impl LiveBox {
                     )));
                 }
             };
+            if let Reply::Failed(failure) = reply {
+                return Err(self.refusal(failure));
+            }
             if output.take(reply, exec.max_output, &mut on_output)? {
                 output.oom_killed = output.signal == Some(libc::SIGKILL)
                     && !output.timed_out
@@ -927,5 +1080,47 @@ impl LiveBox {
         let _ =
             tokio::task::spawn_blocking(move || destroy(&runtime, &runtime_root, &id, &dir, pid))
                 .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_ca_bundle_is_ssl_cert_file_then_the_first_usual_place_that_exists() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |name: &str| dir.path().join(name);
+        let (debian, fedora, suse) = (at("debian.crt"), at("fedora.crt"), at("suse.pem"));
+        let candidates = [&debian, &fedora, &suse];
+        // None of them: none.
+        assert_eq!(find_ca_bundle(None, &candidates), None);
+        // The first that exists, in order.
+        std::fs::write(&suse, "suse").unwrap();
+        assert_eq!(find_ca_bundle(None, &candidates), Some(suse.clone()));
+        std::fs::write(&fedora, "fedora").unwrap();
+        assert_eq!(find_ca_bundle(None, &candidates), Some(fedora.clone()));
+        // A link is followed to its file (Fedora's bundle is a link into ca-trust).
+        std::fs::write(at("extracted.pem"), "real").unwrap();
+        std::os::unix::fs::symlink(at("extracted.pem"), &debian).unwrap();
+        assert_eq!(find_ca_bundle(None, &candidates), Some(at("extracted.pem")));
+        // SSL_CERT_FILE comes first; empty or missing, it is passed over.
+        std::fs::write(at("env.pem"), "env").unwrap();
+        let env = |p: &Path| Some(p.as_os_str().to_owned());
+        assert_eq!(
+            find_ca_bundle(env(&at("env.pem")), &candidates),
+            Some(at("env.pem"))
+        );
+        assert_eq!(
+            find_ca_bundle(Some("".into()), &candidates),
+            Some(at("extracted.pem"))
+        );
+        assert_eq!(
+            find_ca_bundle(env(&at("missing.pem")), &candidates),
+            Some(at("extracted.pem"))
+        );
+        // A folder is no bundle.
+        std::fs::create_dir(at("dir.pem")).unwrap();
+        assert_eq!(find_ca_bundle(env(&at("dir.pem")), &[at("dir.pem")]), None);
     }
 }

@@ -269,6 +269,8 @@ impl Store {
             else {
                 continue;
             };
+            // SAFETY: kill(2) takes only integers and touches no memory of ours, and with signal 0
+            // it sends nothing, whatever `pid` is: it only checks that the process exists.
             let alive = unsafe { libc::kill(pid, 0) } == 0;
             if !alive || pid == std::process::id() as i32 {
                 let _ = std::fs::remove_dir_all(entry.path());

@@ -69,9 +69,15 @@ fn seccomp() -> Value {
             // Packet sockets see raw frames.
             {"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
              "args": [{"index": 0, "value": AF_PACKET, "op": "SCMP_CMP_EQ"}]},
+            // io_uring does its work in kernel threads a filter never sees, and has been a
+            // steady source of kernel exploits: refused, as in Docker's default profile.
+            {"names": IO_URING, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM},
         ]
     })
 }
+
+/// io_uring's system calls (refused in boxes).
+const IO_URING: [&str; 3] = ["io_uring_setup", "io_uring_enter", "io_uring_register"];
 
 /// The box's mounts: fresh `/proc`, a minimal `/dev`, read-only `/sys`, a size-capped
 /// `/tmp`, the agent, read-only host files and the workspace; `nosuid,nodev` on all.
@@ -116,6 +122,8 @@ fn process() -> Value {
             rlim_cur: 0,
             rlim_max: 0,
         };
+        // SAFETY: getrlimit writes one rlimit into `limit`, a live local, and RLIMIT_NOFILE is a
+        // valid resource; were it to fail, `limit` keeps its zeros (clamped to 1024 below).
         unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
         limit.rlim_max.clamp(1024, 65536)
     };
@@ -236,7 +244,36 @@ impl Cgroups {
             .unwrap_or(0)
     }
 
-    /// CPU time the box's processes have used, in microseconds, from its cgroup.
+    /// The box's pids controller folder.
+    fn pids_dir(self, cgroup: &str) -> std::path::PathBuf {
+        let cgroup = cgroup.trim_start_matches('/');
+        match self {
+            Cgroups::V2 => std::path::Path::new("/sys/fs/cgroup").join(cgroup),
+            Cgroups::V1 => std::path::Path::new("/sys/fs/cgroup/pids").join(cgroup),
+        }
+    }
+
+    /// The box's tasks (processes and their threads) now, and its pids limit (`None`: none
+    /// or unreadable).
+    pub fn pids(self, cgroup: &str) -> (Option<u64>, Option<u64>) {
+        let dir = self.pids_dir(cgroup);
+        let read = |name: &str| {
+            std::fs::read_to_string(dir.join(name))
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+        };
+        (read("pids.current"), read("pids.max"))
+    }
+
+    /// The host pids of the box's processes (thread group leaders).
+    pub fn processes(self, cgroup: &str) -> Vec<i32> {
+        std::fs::read_to_string(self.pids_dir(cgroup).join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
     /// Memory the cgroup's processes use now, in bytes (page cache included).
     pub fn memory_bytes(self, cgroup: &str) -> u64 {
         let cgroup = cgroup.trim_start_matches('/');
@@ -250,6 +287,7 @@ impl Cgroups {
             .unwrap_or(0)
     }
 
+    /// CPU time the box's processes have used, in microseconds, from its cgroup.
     pub fn cpu_usage_us(self, cgroup: &str) -> u64 {
         let cgroup = cgroup.trim_start_matches('/');
         match self {
@@ -269,5 +307,43 @@ impl Cgroups {
                     .map_or(0, |ns| ns / 1000)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rules of the box's filter that answer `name` with an errno, and the errnos.
+    fn refusals(name: &str) -> Vec<(i64, bool)> {
+        let profile = seccomp();
+        profile["syscalls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|rule| rule["names"].as_array().unwrap().iter().any(|n| n == name))
+            .map(|rule| {
+                assert_eq!(rule["action"], "SCMP_ACT_ERRNO", "{rule}");
+                (
+                    rule["errnoRet"].as_i64().unwrap(),
+                    rule.get("args").is_some(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn io_uring_is_refused_with_eperm_not_a_kill() {
+        assert_eq!(seccomp()["defaultAction"], "SCMP_ACT_ALLOW");
+        for name in ["io_uring_setup", "io_uring_enter", "io_uring_register"] {
+            assert_eq!(
+                refusals(name),
+                [(i64::from(libc::EPERM), false)],
+                "{name}: one unconditional EPERM rule"
+            );
+        }
+        // The other refusals stay.
+        assert_eq!(refusals("mount"), [(i64::from(libc::EPERM), false)]);
+        assert_eq!(refusals("clone3"), [(i64::from(libc::ENOSYS), false)]);
     }
 }

@@ -96,6 +96,7 @@ impl App {
             fs_write_bytes: 256 << 20,
             fs_create_count: 1_000,
             fuel: None,
+            session_growth_bytes: None,
         }
     }
 

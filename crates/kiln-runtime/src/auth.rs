@@ -168,6 +168,26 @@ pub enum Auth {
     Keys(KeyStore),
 }
 
+impl Auth {
+    /// Who acts for a request that reached `sandbox` by the sandbox's own token (no API
+    /// key): the key that made it, with that key's quotas and rate limit. `None` where that
+    /// key was revoked. A sandbox recorded before kiln kept its key acts for its tenant with
+    /// the server's default quotas.
+    pub fn acting_for(&self, sandbox: &crate::sandbox::Sandbox) -> Option<Caller> {
+        match self {
+            Auth::Off => Some(Caller::local()),
+            Auth::Keys(store) => match &sandbox.key_id {
+                Some(key_id) => store.by_id(key_id).filter(|c| c.tenant == sandbox.tenant),
+                None => Some(Caller {
+                    tenant: sandbox.tenant.clone(),
+                    key_id: format!("sandbox:{}", sandbox.id),
+                    quotas: QuotaOverrides::default(),
+                }),
+            },
+        }
+    }
+}
+
 /// When `keys.json` last changed: (modified time, inode).
 type FileStamp = (SystemTime, u64);
 
@@ -221,6 +241,18 @@ impl KeyStore {
             })
             .collect();
         cache.0 = modified;
+    }
+
+    /// The caller of the key whose public id is `key_id`, while it is on file.
+    pub fn by_id(&self, key_id: &str) -> Option<Caller> {
+        self.refresh();
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .values()
+            .find(|c| c.key_id == key_id)
+            .cloned()
     }
 
     /// The caller a presented key stands for.

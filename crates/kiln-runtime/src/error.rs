@@ -110,6 +110,18 @@ pub enum RuntimeError {
     /// The executors are saturated; retry.
     #[error("{message}")]
     Saturated { message: String },
+    /// The tenant's executions quota is in use and its line of waiting executions is full,
+    /// or this one waited as long as a request may.
+    #[error(
+        "over your executions quota: {running} of {limit} run and {queued} wait{}; retry when some finish, or ask for a larger quota",
+        if *.waited_ms > 0 { format!(" (this one waited {} ms for a place)", .waited_ms) } else { " (the line is full)".to_owned() }
+    )]
+    ExecutionQueueFull {
+        limit: u64,
+        running: u64,
+        queued: usize,
+        waited_ms: u64,
+    },
     /// A fault of kiln's own (the message is scrubbed of host paths).
     #[error("{message}")]
     Internal { message: String },
@@ -136,7 +148,7 @@ impl RuntimeError {
             E::SessionNotFound { .. } => "SESSION_NOT_FOUND",
             E::SessionEnded { .. } => "SESSION_ENDED",
             E::TooManySessions { .. } => "TOO_MANY_SESSIONS",
-            E::QuotaExceeded { .. } => "QUOTA_EXCEEDED",
+            E::QuotaExceeded { .. } | E::ExecutionQueueFull { .. } => "QUOTA_EXCEEDED",
             E::Workspace(tree) => match tree {
                 TreeError::InvalidName { .. }
                 | TreeError::Link { .. }
@@ -201,6 +213,15 @@ impl RuntimeError {
                 }
                 details
             }
+            E::ExecutionQueueFull {
+                limit,
+                running,
+                queued,
+                waited_ms,
+            } => json!({
+                "quota": "executions", "limit": limit, "inUse": running, "unit": "executions",
+                "queued": queued, "waitedMs": waited_ms,
+            }),
             E::Workspace(tree) => match tree {
                 TreeError::NoSpace { .. }
                 | TreeError::TooManyEntries { .. }

@@ -14,6 +14,7 @@ use crate::Runtime;
 use crate::auth::Caller;
 use crate::error::{Result, RuntimeError};
 use crate::history::{LeftOut, Recorded};
+use crate::quota::Quotas;
 use crate::sandbox::{Registry, Sandbox, SandboxSpec, now_ms};
 use kiln_workspace::{RelPath, Tree};
 
@@ -225,9 +226,10 @@ pub fn task_failed(error: tokio::task::JoinError) -> RuntimeError {
 pub async fn create_sandbox(
     rt: &Arc<Runtime>,
     caller: &Caller,
-    spec: SandboxSpec,
+    mut spec: SandboxSpec,
 ) -> Result<Sandbox> {
     let quotas = rt.quotas(caller);
+    spec.key_id = Some(caller.key_id.clone());
     let (rt, tenant) = (rt.clone(), caller.tenant.clone());
     // Blocking work runs to its end even when the caller stops waiting.
     blocking(move || rt.registry.create(&tenant, &spec, &quotas)).await
@@ -279,6 +281,19 @@ async fn run_attached(
         state
             .registry
             .begin(&caller.tenant, id, &spec.exec_id, Some(&quotas))?;
+    // Over the tenant's executions quota it waits in the tenant's line, the sandbox held
+    // busy for it; refused past the line's bounds.
+    let _place = match state
+        .admission
+        .admit(&caller.tenant, quotas.executions)
+        .await
+    {
+        Ok(place) => place,
+        Err(refused) => {
+            state.registry.finish(&sandbox.id, None)?;
+            return Err(refused);
+        }
+    };
     if let Some(begun) = spec.begun.take() {
         let _ = begun.send(());
     }
@@ -288,7 +303,7 @@ async fn run_attached(
         weight: quotas.cpu_weight,
     };
     let room = usage.workspace_room(&quotas);
-    let ran = run_in(state, &sandbox, &spec, chunks, cancel, share, room).await;
+    let ran = run_in(state, &sandbox, &spec, chunks, cancel, share, &quotas, room).await;
     let ran_at = started.elapsed();
     // Record what the code did to the workspace, whatever the outcome (a timed-out run may
     // still have written files).
@@ -409,6 +424,7 @@ async fn run_in(
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
     cancel: tokio::sync::oneshot::Receiver<()>,
     share: Share,
+    quotas: &Quotas,
     workspace_room: u64,
 ) -> Result<(ExecResult, Limits)> {
     // Most runs send no files and name no program file: no workspace handle is opened for
@@ -450,10 +466,28 @@ async fn run_in(
             let Some(handle) = handle else {
                 return Err(RuntimeError::session_lost(&sandbox.id, session));
             };
-            let ran = state
-                .pool_for(sandbox.template())?
-                .run_with(&handle, code, limits.clone(), options)
-                .await;
+            // A measured session's turn may grow it only by what the tenant's session
+            // memory quota has left (reserved while it runs).
+            let mut turn_limits = limits.clone();
+            let measured = state.measures_sessions(sandbox.template());
+            if measured {
+                turn_limits.session_growth_bytes = Some(state.registry.grant_turn(
+                    &sandbox.tenant,
+                    &sandbox.id,
+                    &quotas,
+                ));
+            }
+            let ran = match state.pool_for(sandbox.template()) {
+                Ok(pool) => pool.run_with(&handle, code, turn_limits, options).await,
+                Err(e) => {
+                    state.registry.end_turn(&sandbox.id, session, None);
+                    return Err(e);
+                }
+            };
+            if measured {
+                let holds = ran.as_ref().ok().and_then(|r| r.session_memory_bytes);
+                state.registry.end_turn(&sandbox.id, session, holds);
+            }
             match &ran {
                 Ok(result) if result.outcome.ran_to_end() => {
                     state.registry.count_turn(&sandbox.id, session);

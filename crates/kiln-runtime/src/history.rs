@@ -900,6 +900,85 @@ impl History {
     }
 }
 
+/// Benchmarks only (`kiln bench --only history_scale`): long histories made in seconds.
+impl History {
+    /// Appends `changes` changes to this history, numbered from `first`, as a long-lived
+    /// sandbox's history would hold them: change `n` is an upload of `f{n % 10}.txt` holding
+    /// `n` (each commit as [`History::record`] writes it: the same tree layout, message and
+    /// trailers), all but the newest `loose` written straight into packs of geometrically
+    /// falling size, as [`History::pack_if_due`] leaves a history, and the newest `loose`
+    /// as loose objects. Writing each change loose and packing as the server does would take
+    /// minutes for 50 000 changes. Returns the new head's commit id.
+    #[doc(hidden)]
+    pub fn append_uploads_for_bench(
+        &self,
+        first: usize,
+        changes: usize,
+        loose: usize,
+    ) -> Result<String, HistoryError> {
+        let _turn = self.memory.write.lock().unwrap_or_else(|e| e.into_inner());
+        // What is loose now goes into a pack first, as the server's packer would have done.
+        self.pack(1)?;
+        let mut head = self.head()?.id();
+        let mut n = first;
+        let end = first + changes;
+        let packed_end = end.saturating_sub(loose).max(first);
+        // A second handle on the repository whose writes go to memory, dumped as one pack
+        // per chunk: two thirds of what is left each time, then the rest.
+        let staging = Repository::open_bare(self.repo.path())?;
+        let staging_odb = staging.odb()?;
+        let mempack = staging_odb.add_new_mempack_backend(1000)?;
+        while n < packed_end {
+            let left = packed_end - n;
+            let chunk = if left > 1500 { left * 2 / 3 } else { left };
+            for _ in 0..chunk {
+                head = append_upload(&staging, head, n, false)?;
+                n += 1;
+            }
+            let mut pack = git2::Buf::new();
+            mempack.dump(&staging, &mut pack)?;
+            mempack.reset()?;
+            let odb = self.repo.odb()?;
+            let mut writer = odb.packwriter()?;
+            std::io::Write::write_all(&mut writer, &pack).map_err(git_io)?;
+            writer.commit()?;
+            odb.refresh()?;
+            self.repo.head()?.set_target(head, "bench")?;
+        }
+        while n < end {
+            head = append_upload(&self.repo, head, n, true)?;
+            n += 1;
+        }
+        Ok(head.to_string())
+    }
+}
+
+/// Commits an upload of `f{n % 10}.txt` holding `n` on top of `parent` (moving `HEAD` to it
+/// when `move_head`).
+fn append_upload(
+    repo: &Repository,
+    parent: Oid,
+    n: usize,
+    move_head: bool,
+) -> Result<Oid, HistoryError> {
+    let parent = repo.find_commit(parent)?;
+    let name = format!("f{}.txt", n % 10);
+    let blob = repo.blob(n.to_string().as_bytes())?;
+    let mut builder = repo.treebuilder(Some(&parent.tree()?))?;
+    builder.insert(&name, blob, 0o100644)?;
+    let tree = repo.find_tree(builder.write()?)?;
+    let sig = signature()?;
+    let id = format!("upload_{n:024x}");
+    Ok(repo.commit(
+        move_head.then_some("HEAD"),
+        &sig,
+        &sig,
+        &message(&format!("upload {name}"), &id, &[name]),
+        &tree,
+        &[&parent],
+    )?)
+}
+
 /// A pack of a repository: its path without extension and the objects its index lists.
 struct PackFile {
     base: PathBuf,

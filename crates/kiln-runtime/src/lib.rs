@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod admission;
 pub mod auth;
 pub mod error;
 pub mod exec;
@@ -49,6 +50,10 @@ use kiln_executor::{ExecutorPool, SessionHandle};
 pub use error::{Result, RuntimeError};
 pub use pools::{Executors, Pools};
 
+/// What a new WebAssembly session is counted as holding until its first turn measures it:
+/// 4 MiB (an idle Python session holds ~0.8 MiB, a fork of a warm `python-data` one ~3.5).
+pub const SESSION_OPEN_BYTES: u64 = 4 << 20;
+
 /// What the runtime is made of, read once by the binary.
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
@@ -66,6 +71,9 @@ pub struct RuntimeConfig {
     /// What starts live processes in sandboxes of templates that run commands (the Linux
     /// backend); `None`: no sandbox runs live processes.
     pub process_host: Option<std::sync::Arc<dyn kiln_core::process::ProcessHost>>,
+    /// How long a tenant's line of executions over its quota may grow, and how long one
+    /// waits in it ([`admission`]).
+    pub admission: admission::AdmissionConfig,
 }
 
 impl RuntimeConfig {
@@ -78,6 +86,7 @@ impl RuntimeConfig {
             routes: Vec::new(),
             max_exec_ms: exec::MAX_EXEC_MS,
             process_host: None,
+            admission: admission::AdmissionConfig::default(),
         }
     }
 }
@@ -95,6 +104,8 @@ pub struct Runtime {
     pub max_exec_ms: u64,
     /// Live processes in sandboxes (Linux templates).
     pub processes: processes::Processes,
+    /// Each tenant's line of executions over its executions quota.
+    pub admission: admission::Admission,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -121,7 +132,23 @@ impl Runtime {
             quotas: config.quotas,
             max_exec_ms: config.max_exec_ms.max(1),
             processes: processes::Processes::new(config.process_host),
+            admission: admission::Admission::new(config.admission),
         })
+    }
+
+    /// What a new session in a sandbox of `template` is counted as holding until its
+    /// first turn measures it: [`SESSION_OPEN_BYTES`] where its backend measures sessions
+    /// (WebAssembly), `None` (its memory cap) where it cannot.
+    pub fn session_holds(&self, template: &str) -> Option<u64> {
+        self.measures_sessions(template)
+            .then_some(SESSION_OPEN_BYTES)
+    }
+
+    /// Whether sessions of `template` report the memory they really hold.
+    pub fn measures_sessions(&self, template: &str) -> bool {
+        self.catalogue()
+            .get(template)
+            .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm)
     }
 
     /// The quotas of `caller`: the runtime's, with its key's overrides.

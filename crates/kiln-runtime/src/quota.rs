@@ -9,16 +9,24 @@ use serde::{Deserialize, Serialize};
 use crate::error::RuntimeError;
 
 /// What one tenant may hold at once.
+///
+/// Two sets of defaults: [`Quotas::default`] for each key of a server with keys, and
+/// [`Quotas::whole_machine`] for the one tenant of a server without them (`--no-auth`: a
+/// laptop, one team), which gets what the machine has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Quotas {
     /// Live sandboxes. Default 1 000.
     pub sandboxes: u64,
-    /// Live sessions (code contexts), all sandboxes together. Default 16.
+    /// Live sessions (code contexts), all sandboxes together. Default 64.
     pub sessions: u64,
-    /// The sum of the memory caps of live sessions (each pins its memory in a worker).
-    /// Default 1 GiB: two sessions at the default 512 MiB cap.
+    /// The memory live sessions really use, all together: what each has written of its
+    /// memory (private resident pages, measured by its worker after its turns), not its
+    /// cap, plus what a running turn may still grow. A session that cannot be measured (a
+    /// Linux box's) counts its cap. Default 2 GiB: about 600 idle Python sessions, or four
+    /// filled to the default 512 MiB cap.
     pub session_memory_bytes: u64,
-    /// Executions (and uploads) running at once. Default 16.
+    /// Executions running at once; more wait in the tenant's line
+    /// ([`crate::admission`]). Default 16.
     pub executions: u64,
     /// Bytes in all its workspaces together. Default 2 GiB.
     pub workspace_bytes: u64,
@@ -30,13 +38,56 @@ impl Default for Quotas {
     fn default() -> Self {
         Quotas {
             sandboxes: 1000,
-            sessions: 16,
-            session_memory_bytes: 1 << 30,
+            sessions: 64,
+            session_memory_bytes: 2 << 30,
             executions: 16,
             workspace_bytes: 2 << 30,
             cpu_weight: 1,
         }
     }
+}
+
+impl Quotas {
+    /// The quotas of the one tenant of a server without keys: the machine's capacity.
+    /// Sandboxes 10 000, sessions 1 024, session memory half the machine's memory (at least
+    /// the keyed default), executions 64 at once, workspaces half the free space of the file
+    /// system under `data_dir` (at least the keyed default).
+    pub fn whole_machine(data_dir: &std::path::Path) -> Quotas {
+        let keyed = Quotas::default();
+        Quotas {
+            sandboxes: 10_000,
+            sessions: 1024,
+            session_memory_bytes: (machine_memory_bytes() / 2).max(keyed.session_memory_bytes),
+            executions: 64,
+            workspace_bytes: (free_disk_bytes(data_dir) / 2).max(keyed.workspace_bytes),
+            cpu_weight: 1,
+        }
+    }
+}
+
+/// The machine's memory (`MemTotal`), 0 where it cannot be read.
+fn machine_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("MemTotal:"))
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<u64>()
+                        .ok()
+                })
+        })
+        .map_or(0, |kib| kib << 10)
+}
+
+/// Free bytes of the file system holding `dir` (or its nearest existing parent), 0 where
+/// it cannot be read.
+fn free_disk_bytes(dir: &std::path::Path) -> u64 {
+    let existing = dir.ancestors().find(|d| d.exists()).unwrap_or(dir);
+    rustix::fs::statvfs(existing).map_or(0, |s| s.f_bavail.saturating_mul(s.f_frsize))
 }
 
 /// A key's own quotas, where they differ from the server's defaults (stored in `keys.json`).
@@ -114,7 +165,7 @@ impl Usage {
         Ok(())
     }
 
-    /// Refuses one more session with a memory cap of `memory`.
+    /// Refuses one more session that holds `memory` bytes to begin with.
     pub fn check_session(&self, quotas: &Quotas, memory: u64) -> Result<(), RuntimeError> {
         if self.sessions >= quotas.sessions {
             return Err(exceeded(
@@ -136,16 +187,9 @@ impl Usage {
         Ok(())
     }
 
-    /// Refuses one more execution, or any while the workspaces are over their quota.
-    pub fn check_execution(&self, quotas: &Quotas) -> Result<(), RuntimeError> {
-        if self.executions >= quotas.executions {
-            return Err(exceeded(
-                "executions",
-                quotas.executions,
-                self.executions,
-                "executions",
-            ));
-        }
+    /// Refuses any execution while the workspaces are over their quota (how many run at
+    /// once is the tenant's line's business: [`crate::admission`]).
+    pub fn check_workspace(&self, quotas: &Quotas) -> Result<(), RuntimeError> {
         if self.workspace_bytes >= quotas.workspace_bytes {
             return Err(exceeded(
                 "workspaceBytes",

@@ -52,6 +52,8 @@ pub struct SandboxSpec {
     pub env: BTreeMap<String, String>,
     /// A token of its own that reaches it without an API key (E2B's envd access token).
     pub access_token: Option<String>,
+    /// The key that made it (set by [`crate::exec::create_sandbox`]).
+    pub key_id: Option<String>,
 }
 
 /// Default sandbox lifetime: 30 minutes.
@@ -108,6 +110,35 @@ impl SandboxSpec {
         ))
     }
 
+    /// The image a create request names: its `image` (or language), its `template` (an id
+    /// from the catalogue), or both where both name the same template; neither: `default`.
+    /// Two that name different templates are refused with `INVALID_OPTION`.
+    pub fn named_image(
+        catalogue: &kiln_core::template::Catalogue,
+        image: Option<&str>,
+        template: Option<&str>,
+        default: &str,
+    ) -> Result<String> {
+        match (image, template) {
+            (None, None) => Ok(default.to_owned()),
+            (Some(one), None) | (None, Some(one)) => Ok(one.to_owned()),
+            (Some(image), Some(template)) => {
+                let of_image = catalogue.resolve(image).map(|t| t.id.clone());
+                let of_template = catalogue.resolve(template).map(|t| t.id.clone());
+                match (of_image, of_template) {
+                    (Ok(a), Ok(b)) if a != b => Err(RuntimeError::InvalidOption {
+                        message: format!(
+                            "image {image:?} is template {a:?} but template names {b:?}; name one, or two that agree"
+                        ),
+                    }),
+                    // Agreeing, or one unknown: resolving it says which.
+                    (Ok(_), Err(_)) => Ok(template.to_owned()),
+                    _ => Ok(image.to_owned()),
+                }
+            }
+        }
+    }
+
     /// A sandbox of `template` in its default language with no network, its box's
     /// resources the template's (memory as `memory_bytes`), its workspace the template's
     /// owner's.
@@ -133,6 +164,7 @@ impl SandboxSpec {
             metadata: BTreeMap::new(),
             env: BTreeMap::new(),
             access_token: None,
+            key_id: None,
         }
     }
 
@@ -324,6 +356,10 @@ pub struct Sandbox {
     /// A token of its own that reaches it without an API key (E2B's envd access token).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub access_token: Option<String>,
+    /// The public id of the API key that made it: requests that reach it by its own
+    /// token (the E2B facade's sandbox plane) act with that key's quotas and rate limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_id: Option<String>,
     /// Runtime only: the folder the sandbox lives in.
     #[serde(skip)]
     pub dir: PathBuf,
@@ -435,6 +471,12 @@ struct Entry {
     running: Option<Running>,
     deleted: bool,
     handles: HashMap<String, SessionHandle>,
+    /// What each live session holds now, in bytes: measured after its turns, or what was
+    /// counted when it opened (see [`Quotas::session_memory_bytes`]).
+    session_use: HashMap<String, u64>,
+    /// Bytes a running session turn here may still grow its session's memory by (reserved
+    /// against the tenant's session memory quota while it runs).
+    turn_grant: u64,
     /// Held while the record is written: one writer per sandbox, so writes never race and
     /// the last one carries the newest state.
     writer: Arc<Mutex<()>>,
@@ -534,6 +576,8 @@ impl Registry {
                             running: None,
                             deleted: false,
                             handles: HashMap::new(),
+                            session_use: HashMap::new(),
+                            turn_grant: 0,
                             writer: Arc::default(),
                         },
                     );
@@ -603,6 +647,7 @@ impl Registry {
             metadata: spec.metadata.clone(),
             env: spec.env.clone(),
             access_token: spec.access_token.clone(),
+            key_id: spec.key_id.clone(),
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {
@@ -639,6 +684,8 @@ impl Registry {
                 running: None,
                 deleted: false,
                 handles: HashMap::new(),
+                session_use: HashMap::new(),
+                turn_grant: 0,
                 writer: Arc::default(),
             },
         );
@@ -750,9 +797,19 @@ impl Registry {
             if entry.meta.expires_ms > now {
                 usage.sandboxes += 1;
             }
-            let live = entry.handles.len() as u64;
-            usage.sessions += live;
-            usage.session_memory_bytes += live * entry.meta.memory_bytes;
+            usage.sessions += entry.handles.len() as u64;
+            usage.session_memory_bytes += entry
+                .handles
+                .keys()
+                .map(|s| {
+                    entry
+                        .session_use
+                        .get(s)
+                        .copied()
+                        .unwrap_or(entry.meta.memory_bytes)
+                })
+                .sum::<u64>()
+                + entry.turn_grant;
             usage.executions += u64::from(entry.running.is_some());
             usage.workspace_bytes += entry.meta.workspace_bytes;
         }
@@ -761,8 +818,7 @@ impl Registry {
 
     /// Marks a sandbox busy with work `work_id` (an execution, an upload); a second one is
     /// refused with 409 until it ends. The receiver fires if the work is cancelled. With
-    /// `quotas`, the tenant's concurrent executions and workspace bytes are checked first
-    /// (429). Also answers the tenant's usage as it was.
+    /// `quotas`, the tenant's workspace bytes are checked first (429). Also answers the tenant's usage as it was.
     pub fn begin(
         &self,
         tenant: &str,
@@ -779,7 +835,7 @@ impl Registry {
                     .running
                     .is_none()
                 {
-                    usage.check_execution(quotas)?;
+                    usage.check_workspace(quotas)?;
                 }
                 usage
             }
@@ -903,27 +959,30 @@ impl Registry {
         Ok(meta)
     }
 
-    /// Records a new session and the worker holding it, within the tenant's `quotas`
-    /// (checked here, where it is counted).
+    /// Records a new session and the worker holding it, counted as holding `holds` bytes
+    /// until a turn measures it (`None`: the sandbox's memory cap), within the tenant's
+    /// `quotas` (checked here, where it is counted).
     pub fn add_session(
         &self,
         id: &str,
         session: SessionMeta,
         handle: SessionHandle,
+        holds: Option<u64>,
         quotas: &Quotas,
     ) -> Result<()> {
         let mut sandboxes = self.lock();
-        let Some(tenant) = sandboxes
+        let Some((tenant, holds)) = sandboxes
             .get(id)
             .filter(|e| !e.deleted)
-            .map(|e| (e.meta.tenant.clone(), e.meta.memory_bytes))
+            .map(|e| (e.meta.tenant.clone(), holds.unwrap_or(e.meta.memory_bytes)))
         else {
             return Err(RuntimeError::SandboxNotFound { id: id.to_owned() });
         };
-        Registry::usage_of(&sandboxes, &tenant.0).check_session(quotas, tenant.1)?;
+        Registry::usage_of(&sandboxes, &tenant).check_session(quotas, holds)?;
         let Some(entry) = sandboxes.get_mut(id).filter(|e| !e.deleted) else {
             return Err(RuntimeError::SandboxNotFound { id: id.to_owned() });
         };
+        entry.session_use.insert(session.id.clone(), holds);
         entry.handles.insert(session.id.clone(), handle);
         entry.meta.sessions.insert(session.id.clone(), session);
         drop(sandboxes);
@@ -947,6 +1006,32 @@ impl Registry {
             });
         };
         Ok((meta.clone(), entry.handles.get(session).copied()))
+    }
+
+    /// Reserves for a session turn in sandbox `id` of `tenant` the room left under the
+    /// tenant's session memory quota: how many bytes the turn may grow its session by.
+    /// Counted as in use until [`Registry::end_turn`].
+    pub fn grant_turn(&self, tenant: &str, id: &str, quotas: &Quotas) -> u64 {
+        let mut sandboxes = self.lock();
+        let in_use = Registry::usage_of(&sandboxes, tenant).session_memory_bytes;
+        let room = quotas.session_memory_bytes.saturating_sub(in_use);
+        if let Some(entry) = sandboxes.get_mut(id) {
+            entry.turn_grant = room;
+        }
+        room
+    }
+
+    /// Ends a session turn's reservation; `holds` is what the session holds now, where
+    /// its worker measured it.
+    pub fn end_turn(&self, id: &str, session: &str, holds: Option<u64>) {
+        if let Some(entry) = self.lock().get_mut(id) {
+            entry.turn_grant = 0;
+            if let Some(bytes) = holds
+                && entry.handles.contains_key(session)
+            {
+                entry.session_use.insert(session.to_owned(), bytes);
+            }
+        }
     }
 
     /// Forgets a session's live state (it ended); its record stays until it is closed.

@@ -79,9 +79,12 @@ pub async fn open(
     let view = rt.registry.get(&caller.tenant, id)?;
     let request = session_request(rt, &view.meta, language);
     let quotas = rt.quotas(caller);
+    let holds = rt
+        .session_holds(view.meta.template())
+        .unwrap_or(view.meta.memory_bytes);
     rt.registry
         .usage(&caller.tenant)
-        .check_session(&quotas, view.meta.memory_bytes)?;
+        .check_session(&quotas, holds)?;
     let options = CallOptions::for_tenant(&caller.tenant, quotas.cpu_weight);
     let template = view.meta.template();
     let handle = rt
@@ -108,7 +111,11 @@ async fn record_session(
         created_ms: now_ms(),
         turns: 0,
     };
-    if let Err(error) = rt.registry.add_session(id, meta.clone(), handle, quotas) {
+    let holds = rt.session_holds(template);
+    if let Err(error) = rt
+        .registry
+        .add_session(id, meta.clone(), handle, holds, quotas)
+    {
         rt.close_session(template, &handle).await;
         return Err(error);
     }
@@ -248,9 +255,12 @@ async fn fork_begun(
         });
     }
     // Over the session quota: refused before a sandbox is made for nothing.
+    let holds = rt
+        .session_holds(parent.template())
+        .unwrap_or(parent.memory_bytes);
     rt.registry
         .usage(&caller.tenant)
-        .check_session(&rt.quotas(caller), parent.memory_bytes)?;
+        .check_session(&rt.quotas(caller), holds)?;
     let child = fork_sandbox(rt, caller, parent, session, work).await?;
     match fork_into(rt, caller, parent, &child, &meta, &handle).await {
         Ok(forked) => Ok(ForkedSession {
@@ -373,6 +383,7 @@ async fn fork_sandbox(
         metadata: Default::default(),
         env: parent.env.clone(),
         access_token: None,
+        key_id: parent.key_id.clone(),
     };
     let (rt, tenant, parent, summary, work) = (
         rt.clone(),

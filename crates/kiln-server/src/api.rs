@@ -32,8 +32,10 @@ type Shared = State<Arc<AppState>>;
 pub struct CreateBody {
     /// A template (`python`, `javascript`; see `GET /api/v1/templates`) or an image name one
     /// honours (`@ai-sandbox/python`, `python:3.12-slim`, `node:18-alpine`). An image no
-    /// installed template honours (`python:2.7`) is refused with `UNKNOWN_IMAGE`.
-    pub image: String,
+    /// installed template honours (`python:2.7`) is refused with `UNKNOWN_IMAGE`. May be
+    /// left out when `options.template` names the template.
+    #[serde(default)]
+    pub image: Option<String>,
     #[serde(default)]
     pub options: CreateOptions,
 }
@@ -60,6 +62,10 @@ pub struct CreateOptions {
     /// host names on the server's allowlist, such as the package indexes, through its proxy).
     #[schema(example = "none")]
     pub network: Option<String>,
+    /// A template by its id (`GET /api/v1/templates`), the same as `image`; both may be
+    /// sent when they name the same template.
+    #[schema(example = "python-data")]
+    pub template: Option<String>,
 }
 
 /// A CPU share, as a number or text (`0.5`, `"0.5"`).
@@ -122,9 +128,21 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
     let JsonBody(body) = body?;
     let options = &body.options;
+    if body.image.is_none() && options.template.is_none() {
+        return Err(ApiError::bad_request(
+            "INVALID_REQUEST",
+            "name the sandbox's image (`image`) or its template (`options.template`)",
+        ));
+    }
+    let image = SandboxSpec::named_image(
+        state.runtime.catalogue(),
+        body.image.as_deref(),
+        options.template.as_deref(),
+        "python",
+    )?;
     let spec = SandboxSpec::resolve(
         state.runtime.catalogue(),
-        &body.image,
+        &image,
         options.timeout,
         options.memory_limit.as_deref(),
     )?

@@ -93,7 +93,7 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
             | E::TooManySessions { .. }
             | E::IsAFolder { .. }
             | E::Cancelled => StatusCode::CONFLICT,
-            E::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            E::QuotaExceeded { .. } | E::ExecutionQueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             E::Workspace(tree) => match tree {
                 TreeError::NotFound { .. } => StatusCode::NOT_FOUND,
                 TreeError::IsDir { .. } | TreeError::Changed { .. } => StatusCode::CONFLICT,

@@ -78,6 +78,8 @@ pub struct ServerConfig {
     pub public_hosts: Vec<String>,
     /// Each tenant's quotas unless its key says otherwise.
     pub quotas: quota::Quotas,
+    /// The bounds of each tenant's line of executions over its quota.
+    pub admission: kiln_runtime::admission::AdmissionConfig,
     /// The templates the backends offer, in order of preference.
     pub catalogue: Catalogue,
     /// The model settings, read once from the environment by the binary.
@@ -104,6 +106,7 @@ impl AppState {
                 routes: config.routes.clone(),
                 max_exec_ms: config.max_exec_ms,
                 process_host: config.process_host.clone(),
+                admission: config.admission,
             },
             pools,
         )?;

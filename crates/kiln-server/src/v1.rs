@@ -59,6 +59,10 @@ pub struct NewSandbox {
     /// `python` or `javascript` (or an image name as in `/api/sandbox`). Default `python`.
     #[serde(alias = "image")]
     pub language: Option<String>,
+    /// A template by its id (`GET /api/v1/templates`: `python-data`, `linux-python`, …):
+    /// the same as `image`; both may be sent when they name the same template.
+    #[schema(example = "python-data")]
+    pub template: Option<String>,
     /// Lifetime in milliseconds (default 30 minutes, at least 1 second, at most 24 hours).
     #[schema(minimum = 1000, maximum = 86400000)]
     pub timeout_ms: Option<u64>,
@@ -85,7 +89,12 @@ pub async fn create(
     body: Result<JsonBody<NewSandbox>, HttpError>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
     let JsonBody(body) = body?;
-    let image = body.language.unwrap_or_else(|| "python".into());
+    let image = kiln_runtime::sandbox::SandboxSpec::named_image(
+        state.runtime.catalogue(),
+        body.language.as_deref(),
+        body.template.as_deref(),
+        "python",
+    )?;
     let spec = kiln_runtime::sandbox::SandboxSpec::resolve(
         state.runtime.catalogue(),
         &image,

@@ -50,6 +50,7 @@ fn app(auth: bool) -> App {
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
         process_host: None,
         e2b: None,
+        admission: Default::default(),
     };
     let key = auth.then(|| {
         kiln_runtime::auth::create_key(data.path(), "test", None, Default::default())

@@ -667,6 +667,7 @@ pub(crate) fn finish(
         fs_refused: stats.fs_refused.load(Ordering::Relaxed),
         files_changed: Some(stats.fs_touched.load(Ordering::Relaxed)),
         results: stdio.displays.take(),
+        session_memory_bytes: None,
     }
 }
 

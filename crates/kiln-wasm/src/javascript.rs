@@ -243,6 +243,20 @@ pub(crate) struct JsSession {
 }
 
 impl JsSession {
+    /// The memory cap the guest runs under now.
+    pub(crate) fn memory_cap(&self) -> usize {
+        self.store.data().memory.cap_bytes
+    }
+
+    pub(crate) fn set_memory_cap(&mut self, cap: usize) {
+        self.store.data_mut().memory.cap_bytes = cap;
+    }
+
+    /// Where the guest's linear memory starts in this process, and its size in bytes.
+    pub(crate) fn linear_memory(&self) -> (usize, usize) {
+        self.qjs.linear_memory(&self.store)
+    }
+
     pub async fn open(
         engine: &WasmEngine,
         runtime: &JsRuntime,

@@ -266,6 +266,14 @@ fn read_pages(base: usize, len: usize) -> std::io::Result<Option<Vec<Touch>>> {
     ))
 }
 
+/// Bytes of `[base, base + len)` that are private copies (pages the guest wrote), from the
+/// page map; `None` where it cannot be read.
+pub(crate) fn private_bytes(base: usize, len: usize) -> Option<u64> {
+    let pages = read_pages(base, len).ok().flatten()?;
+    let written = pages.iter().filter(|t| **t == Touch::Written).count();
+    Some(written as u64 * PAGE as u64)
+}
+
 /// Ranges of touched pages, of one kind each, in address order.
 ///
 /// Read pages merge across small gaps: populating a few extra pages for reading costs less

@@ -354,6 +354,24 @@ pub(crate) struct PythonGuest {
 }
 
 impl PythonGuest {
+    /// The memory cap the guest runs under now.
+    pub(crate) fn memory_cap(&self) -> usize {
+        self.store.data().memory.cap_bytes
+    }
+
+    pub(crate) fn set_memory_cap(&mut self, cap: usize) {
+        self.store.data_mut().memory.cap_bytes = cap;
+    }
+
+    /// Where the guest's linear memory starts in this process, and its size in bytes.
+    pub(crate) fn linear_memory(&self) -> (usize, usize) {
+        let memory = self.exports.memory;
+        (
+            memory.data_ptr(&self.store) as usize,
+            memory.data_size(&self.store),
+        )
+    }
+
     /// Instantiates the snapshot with the request's grants (its code is not run). With
     /// `echo` (sessions), a final expression's value is printed as in a REPL; without
     /// (one-shots), as in `python -c`, and a fresh instance's hot pages are populated up

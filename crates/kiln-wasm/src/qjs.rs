@@ -42,6 +42,14 @@ pub(crate) struct Qjs {
 }
 
 impl Qjs {
+    /// Where the guest's linear memory starts in this process, and its size in bytes.
+    pub(crate) fn linear_memory(&self, store: &Store<GuestState>) -> (usize, usize) {
+        (
+            self.memory.data_ptr(store) as usize,
+            self.memory.data_size(store),
+        )
+    }
+
     /// Initialises the reactor and runs `qjs` with `args` (options only: kiln evaluates the
     /// code itself), in `cwd` if given.
     pub(crate) async fn start(

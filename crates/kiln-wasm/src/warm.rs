@@ -860,6 +860,10 @@ mod tests {
             )
         }
         .cast::<u8>();
+        // SAFETY: map_over's contract: `base` starts the 64 KiB anonymous mapping just made,
+        // page-aligned as every mmap result is, owned by this test and borrowed by nothing, and the
+        // image is 64 KiB long, so exactly that mapping is replaced. (Had mmap failed, `base` would
+        // be MAP_FAILED, which MAP_FIXED refuses as unaligned: the unwrap fails before any access.)
         unsafe { image.map_over(base) }.unwrap();
         // SAFETY: the mapping is 64 KiB and this test's alone.
         let view = unsafe { std::slice::from_raw_parts_mut(base, 65536) };

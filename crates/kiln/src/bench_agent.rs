@@ -119,6 +119,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
         process_host: None,
         e2b: None,
+        admission: Default::default(),
         // Overhead, not quotas, is measured: every run keeps a session.
         quotas: kiln_runtime::quota::Quotas {
             sessions: 10_000,

@@ -3,12 +3,19 @@
 //!
 //! - `history_scale`: a history listing page (100 entries, and the default 1 000) and a diff
 //!   from `initial` to the newest change, at 100 and at 6 000 commits (each commit one
-//!   upload of one of ten files, so every diff has at most ten files).
+//!   upload of one of ten files, so every diff has at most ten files). Then `pages`: the
+//!   first page of 1 000 (`GET /api/v1/sandboxes/{id}/history`), and a page of 1 000 from a
+//!   cursor halfway down, at 1 000 and at 50 000 commits, and how the two sizes compare (a
+//!   page must cost what its entries cost, whatever the history's length: issue 32 §5).
+//!   50 000 uploads through the API would take most of an hour, so that history is written
+//!   straight into the sandbox's repository as the server lays one out
+//!   (`History::append_uploads_for_bench`), the server idle meanwhile.
 //! - `history_mixed_load`: four clients, each with its own sandbox and session, cycle through
 //!   a one-shot exec that writes a file, a session turn, an upload, a download and a history
 //!   page for `--seconds` (300 for the issue's figure) after a 60-s warm-up; throughput per
 //!   10-s window, the first and last compared.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,15 +26,17 @@ use serde_json::{Value, json};
 use crate::bench::{micros, summary};
 use crate::bench_child::{Spawned, spawn};
 
-fn start() -> anyhow::Result<Spawned> {
+/// A server and its data folder.
+fn start() -> anyhow::Result<(Spawned, PathBuf)> {
     let data = tempfile::tempdir()?;
     let data_path = data.path().join("data");
-    spawn("serve", data, "/readyz", |command| {
+    let server = spawn("serve", data, "/readyz", |command| {
         command
             .args(["serve", "--no-auth", "--rate-limit", "0", "--workers", "2"])
             .arg("--data-dir")
             .arg(&data_path);
-    })
+    })?;
+    Ok((server, data_path))
 }
 
 fn agent() -> ureq::Agent {
@@ -114,6 +123,100 @@ fn measure(agent: &ureq::Agent, base: &str, id: &str, iterations: usize) -> anyh
     }))
 }
 
+/// Pages of 1 000 at 1 000 and at 50 000 commits: the first page, and a page from a cursor
+/// halfway down (the cursors found by paging through the whole history once, also timed).
+fn page_scale(
+    agent: &ureq::Agent,
+    base: &str,
+    data: &Path,
+    iterations: usize,
+) -> anyhow::Result<Value> {
+    let id = sandbox(agent, base)?;
+    // The first upload makes the history (initial commit and this one).
+    upload(agent, base, &id, "f0.txt", b"0")?;
+    let history = kiln_runtime::history::History::open(
+        &data.join("sandboxes").join(&id).join("history.git"),
+    )?;
+    let mut commits = 2;
+    let mut out = serde_json::Map::new();
+    let mut medians = Vec::new();
+    for target in [1000, 50_000] {
+        let t = Instant::now();
+        history.append_uploads_for_bench(commits, target - commits, 100)?;
+        commits = target;
+        eprintln!(
+            "history_scale pages: {commits} commits (written in {:.1} s)",
+            t.elapsed().as_secs_f64()
+        );
+        // Once through the whole history, a page at a time, keeping every cursor.
+        let t = Instant::now();
+        let mut cursors = Vec::new();
+        let mut seen = 0;
+        let mut cursor: Option<String> = None;
+        loop {
+            let path = match &cursor {
+                None => format!("/api/v1/sandboxes/{id}/history"),
+                Some(c) => format!("/api/v1/sandboxes/{id}/history?cursor={c}"),
+            };
+            let page: Value = serde_json::from_slice(&get(agent, base, &path)?)?;
+            seen += page["history"].as_array().map_or(0, Vec::len);
+            cursor = page["nextCursor"].as_str().map(str::to_owned);
+            match &cursor {
+                Some(c) => cursors.push(c.clone()),
+                None => break,
+            }
+        }
+        let walk_ms = t.elapsed().as_secs_f64() * 1000.0;
+        anyhow::ensure!(seen == commits, "paged through {seen} entries of {commits}");
+        let middle = cursors.get(cursors.len().saturating_sub(1) / 2).cloned();
+        let mut first = Vec::new();
+        let mut seed = Vec::new();
+        let mut deep = Vec::new();
+        for _ in 0..iterations {
+            let t = Instant::now();
+            get(agent, base, &format!("/api/v1/sandboxes/{id}/history"))?;
+            first.push(micros(t.elapsed()));
+            let t = Instant::now();
+            get(
+                agent,
+                base,
+                &format!("/api/sandbox/{id}/history?limit=1000"),
+            )?;
+            seed.push(micros(t.elapsed()));
+            if let Some(c) = &middle {
+                let t = Instant::now();
+                get(
+                    agent,
+                    base,
+                    &format!("/api/v1/sandboxes/{id}/history?cursor={c}"),
+                )?;
+                deep.push(micros(t.elapsed()));
+            }
+        }
+        let first = summary(first);
+        medians.push(first["median_ms"].as_f64().unwrap_or(0.0));
+        let mut at = json!({
+            "first_page_1000": first,
+            "seed_route_first_page_1000": summary(seed),
+            "pages": cursors.len() + 1,
+            "whole_history_paged_ms": (walk_ms * 10.0).round() / 10.0,
+        });
+        if !deep.is_empty() {
+            at["middle_page_1000"] = summary(deep);
+        }
+        out.insert(format!("commits_{commits}"), at);
+    }
+    if let [small, large] = medians[..]
+        && small > 0.0
+    {
+        out.insert(
+            "first_page_50000_over_1000".into(),
+            json!((large / small * 1000.0).round() / 1000.0),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
 /// Runs the history measurements named in `explicit` into `report`.
 pub fn run(
     explicit: &dyn Fn(&str) -> bool,
@@ -121,10 +224,11 @@ pub fn run(
     seconds: f64,
     report: &mut serde_json::Map<String, Value>,
 ) -> anyhow::Result<()> {
-    let server = start()?;
+    let (server, data) = start()?;
     let base = server.base.clone();
     let agent = agent();
     if explicit("history_scale") {
+        let pages = page_scale(&agent, &base, &data, iterations.clamp(10, 50))?;
         let id = sandbox(&agent, &base)?;
         let iterations = iterations.clamp(5, 50);
         let mut commits = 1;
@@ -152,6 +256,7 @@ pub fn run(
                 measure(&agent, &base, &id, iterations)?,
             );
         }
+        at.insert("pages".into(), pages);
         report.insert("history_scale".into(), Value::Object(at));
     }
     if explicit("history_mixed_load") {

@@ -143,9 +143,17 @@ pub struct ServeArgs {
     /// against DNS rebinding; loopback names and the listen address are always accepted.
     #[arg(long = "public-host", value_name = "HOST")]
     pub public_hosts: Vec<String>,
-    /// Each tenant's quotas (a key may have its own: `kiln keys create --max-…`).
+    /// Each tenant's quotas (a key may have its own: `kiln keys create --max-…`). Without
+    /// keys (`--no-auth`) the one tenant's defaults are the machine's capacity instead.
     #[command(flatten)]
     pub quotas: QuotaArgs,
+    /// Executions of one tenant that may wait for a place when its executions quota is in
+    /// use; one more is refused with 429.
+    #[arg(long, default_value_t = 1024, env = "KILN_EXEC_QUEUE")]
+    pub exec_queue: usize,
+    /// Seconds one execution may wait in its tenant's line before it is refused with 429.
+    #[arg(long, default_value_t = 60, env = "KILN_EXEC_QUEUE_WAIT")]
+    pub exec_queue_wait: u64,
     /// Also serve Linux templates (`linux-python`, `linux-node`, `linux-go`, `linux-debian`,
     /// and Docker images such as python:3.11 and node:18) in live boxes. Needs root and the
     /// templates built (`kiln setup --template all`); templates not built are left out.
@@ -198,20 +206,23 @@ fn parse_route(text: &str) -> Result<(Language, String), String> {
 /// the key's own (unset: the server's).
 #[derive(Debug, Clone, Default, Args)]
 pub struct QuotaArgs {
-    /// Live sandboxes per tenant [serve default: 1000].
+    /// Live sandboxes per tenant [serve default: 1000; --no-auth: 10000].
     #[arg(long, env = "KILN_MAX_SANDBOXES")]
     pub max_sandboxes: Option<u64>,
-    /// Live sessions per tenant [serve default: 16].
+    /// Live sessions per tenant [serve default: 64; --no-auth: 1024].
     #[arg(long, env = "KILN_MAX_SESSIONS")]
     pub max_sessions: Option<u64>,
-    /// Sum of the memory caps of a tenant's live sessions, e.g. 1GiB or 768MiB [serve
-    /// default: 1GiB].
+    /// Memory a tenant's live sessions really hold together (what they wrote, measured
+    /// after their turns; a Linux session counts its cap), e.g. 2GiB or 768MiB [serve
+    /// default: 2GiB; --no-auth: half the machine's memory].
     #[arg(long, value_parser = parse_size, env = "KILN_MAX_SESSION_MEMORY")]
     pub max_session_memory: Option<u64>,
-    /// Executions (and uploads) a tenant may run at once [serve default: 16].
+    /// Executions a tenant may run at once; more wait in its line (--exec-queue) [serve
+    /// default: 16; --no-auth: 64].
     #[arg(long, env = "KILN_MAX_EXECUTIONS")]
     pub max_executions: Option<u64>,
-    /// Bytes in all of a tenant's workspaces, e.g. 2GiB [serve default: 2GiB].
+    /// Bytes in all of a tenant's workspaces, e.g. 2GiB [serve default: 2GiB; --no-auth:
+    /// half the data folder's free space].
     #[arg(long, value_parser = parse_size, env = "KILN_MAX_WORKSPACE")]
     pub max_workspace: Option<u64>,
     /// A tenant's share of worker CPU when tenants compete, 1 to 100 [serve default: 1].

@@ -43,7 +43,8 @@ fn definition(linux: &LinuxArgs, name: &str) -> anyhow::Result<Definition> {
     })
 }
 
-/// The names boxes with `network: allowlist` may reach.
+/// The names boxes with `network: allowlist` may reach (and the private ranges those names
+/// may lead to, where the operator lists any).
 pub fn allowlist(linux: &LinuxArgs) -> anyhow::Result<kiln_native::proxy::Allowlist> {
     let names: Vec<String> = if linux.network_allow.is_empty() {
         kiln_native::proxy::DEFAULT_NAMES
@@ -54,6 +55,26 @@ pub fn allowlist(linux: &LinuxArgs) -> anyhow::Result<kiln_native::proxy::Allowl
         linux.network_allow.clone()
     };
     kiln_native::proxy::Allowlist::new(&names).map_err(|e| anyhow::anyhow!("--network-allow: {e}"))
+}
+
+/// The CA bundle bound over boxes' own: `--box-ca-bundle FILE`, none with
+/// `--box-ca-bundle none`, and by default the host's (`SSL_CERT_FILE`, else the first of the
+/// usual places that exists), so boxes trust what the host trusts.
+pub fn box_ca_bundle(linux: &LinuxArgs) -> anyhow::Result<Option<std::path::PathBuf>> {
+    match &linux.box_ca_bundle {
+        Some(path) if path.as_os_str() == "none" || path.as_os_str().is_empty() => Ok(None),
+        Some(path) => {
+            let file = std::fs::metadata(path)
+                .with_context(|| format!("--box-ca-bundle {}", path.display()))?;
+            anyhow::ensure!(
+                file.is_file(),
+                "--box-ca-bundle {}: not a file",
+                path.display()
+            );
+            Ok(Some(path.canonicalize()?))
+        }
+        None => Ok(kiln_native::boxes::host_ca_bundle()),
+    }
 }
 
 /// The live boxes of this process.
@@ -91,7 +112,7 @@ pub fn backend(linux: &LinuxArgs) -> anyhow::Result<kiln_native::backend::Native
         boxes(linux)?,
         templates,
         std::sync::Arc::new(allowlist(linux)?),
-        linux.box_ca_bundle.clone(),
+        box_ca_bundle(linux)?,
     ))
 }
 
@@ -170,6 +191,7 @@ fn ensure(store: &Store, definition: &Definition, rebuild: bool) -> anyhow::Resu
     if !rebuild && let Some(template) = store.find(definition) {
         return Ok(template);
     }
+    // SAFETY: geteuid(2) takes no arguments, touches no memory of ours and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!(
             "building the {} template needs root (debootstrap, chroot and the uid shift)",
@@ -323,7 +345,7 @@ fn box_spec(args: &ExecArgs, definition: &Definition) -> anyhow::Result<BoxSpec>
     Ok(BoxSpec {
         workspace,
         network,
-        ca_bundle: args.linux.box_ca_bundle.clone(),
+        ca_bundle: box_ca_bundle(&args.linux)?,
         ..BoxSpec::new(template, limits)
     })
 }

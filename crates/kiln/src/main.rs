@@ -453,6 +453,13 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     templates.extend(kiln_wasm::templates());
     let catalogue = kiln_core::template::Catalogue::new(templates);
     let routes = python_route(&catalogue, args.routes, args.default_python_template)?;
+    // Without keys the one tenant gets the machine; with keys, each key the defaults.
+    let quotas = if args.no_auth {
+        kiln_runtime::quota::Quotas::whole_machine(&data_dir)
+    } else {
+        kiln_runtime::quota::Quotas::default()
+    }
+    .with(&args.quotas.overrides());
     let server = kiln_server::ServerConfig {
         listen: args.listen,
         data_dir,
@@ -460,7 +467,11 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         rate_limit: args.rate_limit,
         request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
         public_hosts: args.public_hosts,
-        quotas: kiln_runtime::quota::Quotas::default().with(&args.quotas.overrides()),
+        quotas,
+        admission: kiln_runtime::admission::AdmissionConfig {
+            max_queue: args.exec_queue,
+            max_wait: std::time::Duration::from_secs(args.exec_queue_wait),
+        },
         catalogue,
         llm: kiln_llm::LlmEnv::from_env(),
         routes,

@@ -78,7 +78,9 @@ impl From<kiln_runtime::RuntimeError> for RpcError {
             | E::SandboxDiskFull { .. } => "resource_exhausted",
             E::Workspace(TreeError::Io { .. }) | E::Internal { .. } => "internal",
             E::Workspace(_) | E::IsAFolder { .. } => "invalid_argument",
-            E::QuotaExceeded { .. } | E::TooManySessions { .. } => "resource_exhausted",
+            E::QuotaExceeded { .. } | E::ExecutionQueueFull { .. } | E::TooManySessions { .. } => {
+                "resource_exhausted"
+            }
             E::SandboxBusy { .. } => "unavailable",
             E::ExecutorLost { .. } | E::Saturated { .. } | E::ProcessFailed { .. } => "unavailable",
             E::Unsupported { .. } => "unimplemented",

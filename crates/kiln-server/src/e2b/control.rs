@@ -98,7 +98,9 @@ fn presented(request: &Request) -> Option<&str> {
 fn failed(e: RuntimeError) -> Response {
     let status = match &e {
         RuntimeError::SandboxNotFound { .. } => StatusCode::NOT_FOUND,
-        RuntimeError::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+        RuntimeError::QuotaExceeded { .. } | RuntimeError::ExecutionQueueFull { .. } => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
         RuntimeError::Saturated { .. } | RuntimeError::ExecutorLost { .. } => {
             StatusCode::SERVICE_UNAVAILABLE
         }

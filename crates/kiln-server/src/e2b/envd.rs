@@ -25,6 +25,7 @@ use sha2::{Digest, Sha256};
 
 use super::connect::{self, RpcError};
 use super::{E2b, HOME, SandboxCtx, check_sandbox, error};
+use crate::gate;
 
 /// The largest upload: 64 MiB (the most one file the history records).
 pub const MAX_UPLOAD_BYTES: usize = 64 << 20;
@@ -48,6 +49,8 @@ pub fn router(e2b: Arc<E2b>) -> Router {
         })
         .route_layer(from_fn_with_state("envd", super::label))
         .with_state(e2b.clone())
+        // The key's rate limit, as on /api/v1 (authenticate runs first and names the key).
+        .layer(from_fn_with_state(e2b.app.clone(), gate::rate_limit))
         .layer(from_fn_with_state(e2b, authenticate))
 }
 

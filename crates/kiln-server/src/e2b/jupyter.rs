@@ -32,6 +32,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::{E2b, HOME, SandboxCtx, check_sandbox};
+use crate::gate;
 
 /// How often a running cell's stream says it is alive.
 const KEEPALIVE: Duration = Duration::from_secs(5);
@@ -58,6 +59,8 @@ pub fn router(e2b: Arc<E2b>) -> Router {
         })
         .route_layer(from_fn_with_state("interpreter", super::label))
         .with_state(e2b.clone())
+        // The key's rate limit, as on /api/v1 (authenticate runs first and names the key).
+        .layer(from_fn_with_state(e2b.app.clone(), gate::rate_limit))
         .layer(from_fn_with_state(e2b, authenticate))
 }
 

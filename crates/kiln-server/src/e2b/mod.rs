@@ -282,11 +282,14 @@ pub fn check_sandbox(
             "this sandbox needs its access token (X-Access-Token) or a signed URL",
         ));
     }
-    let caller = Caller {
-        tenant: sandbox.tenant.clone(),
-        key_id: format!("sandbox:{}", target.e2b_id),
-        quotas: Default::default(),
+    // The work is the key's that made the sandbox: its quotas and its rate limit.
+    let Some(caller) = e2b.app.auth.acting_for(&sandbox) else {
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "the API key that created this sandbox was revoked",
+        ));
     };
+    request.extensions_mut().insert(caller.clone());
     request
         .extensions_mut()
         .insert(SandboxCtx { caller, sandbox });

@@ -360,6 +360,9 @@ async fn without_a_model_chat_says_how_to_configure_one() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_agent_runs_go_and_bash_and_routes_python_to_linux() {
     if std::env::var("KILN_SKIP_LINUX").is_ok_and(|v| v == "1") {
+        eprintln!(
+            "SKIPPED (KILN_SKIP_LINUX=1): chat::the_agent_runs_go_and_bash_and_routes_python_to_linux"
+        );
         return;
     }
     let go = "package main\n\nimport \"fmt\"\n\nfunc main() { fmt.Println(\"hello from go\") }\n";

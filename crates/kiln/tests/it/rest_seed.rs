@@ -496,3 +496,221 @@ async fn issue_16_attack_seed_000_plans_that_reach_past_guarded_os_are_refused_b
         "no refused plan ran at all"
     );
 }
+
+// Issue 32, §3: seed 000's `safe_open("notes.txt", "w")` failed in the guest with
+// `FileNotFoundError: '/'`: os.makedirs stat-ed its way up from the tenant's folder to `/`,
+// which the guest may not look at. Folders are now made from the tenant's folder down.
+
+/// A request on `notes` (as `tenant`) answered by a plan with this code; a create answers
+/// 201 by default.
+fn note(action: &str, code: &str, tenant: &'static str, request: &'static str) -> Case {
+    plain(action, "notes", code, tenant, request)
+}
+
+/// Dave's folder is a fresh one, made by kiln: top-level files, every mode, nested folders.
+fn issue_32_file_cases() -> Vec<Case> {
+    let read =
+        |path: &str| format!("with safe_open({path:?}) as f:\n    return {{'text': f.read()}}");
+    vec![
+        // Seed 000's own line: a file at the top of the tenant's folder.
+        note(
+            "create",
+            "with safe_open(\"notes.txt\", \"w\") as f:\n    f.write(ctx[\"body_json\"][\"text\"])\nREPLY = {\"body\": {\"saved\": \"notes.txt\"}}",
+            "dave",
+            "POST /notes",
+        )
+        .body(json!({"text": "hello"}))
+        .answers(201, None, json!({"saved": "notes.txt"})),
+        note("get", &read("notes.txt"), "dave", "GET /notes").ok(json!({"text": "hello"})),
+        note(
+            "patch",
+            "with safe_open('notes.txt', 'a') as f:\n    n = f.write(', again')\nreturn {'appended': n}",
+            "dave",
+            "PATCH /notes",
+        )
+        .ok(json!({"appended": 7})),
+        note("get", &read("notes.txt"), "dave", "GET /notes").ok(json!({"text": "hello, again"})),
+        // Bytes: wb then rb.
+        note(
+            "create",
+            "with safe_open('blob.bin', 'wb') as f:\n    f.write(bytes([0, 1, 255]) + 'kiln'.encode())\nreturn {'ok': True}",
+            "dave",
+            "POST /blobs",
+        )
+        .answers(201, None, json!({"ok": true})),
+        note(
+            "get",
+            "with safe_open('blob.bin', 'rb') as f:\n    return {'bytes': list(f.read())}",
+            "dave",
+            "GET /blobs",
+        )
+        .ok(json!({"bytes": [0, 1, 255, 107, 105, 108, 110]})),
+        // Nested folders, made on the first write; `x` refuses a file that exists.
+        note(
+            "create",
+            "with safe_open('a/b/c.txt', 'w') as f:\n    f.write('deep')\nwith safe_open('a/b2/d.txt', 'x') as f:\n    f.write('new')\nreturn {'ok': True}",
+            "dave",
+            "POST /deep",
+        )
+        .answers(201, None, json!({"ok": true})),
+        note("get", &read("a/b/c.txt"), "dave", "GET /deep").ok(json!({"text": "deep"})),
+        note("get", &read("./a//b2/d.txt"), "dave", "GET /deep").ok(json!({"text": "new"})),
+        note(
+            "create",
+            "safe_open('a/b2/d.txt', 'x')",
+            "dave",
+            "POST /deep",
+        )
+        .fails(500, "CODE_FAILED", "FileExistsError"),
+        // Reading a file that is not there is the code's error, not a policy's.
+        note("get", &read("a/none.txt"), "dave", "GET /deep")
+            .fails(500, "CODE_FAILED", "FileNotFoundError"),
+        // The refusals.
+        note("create", "safe_open('../x', 'w')", "dave", "POST /notes").fails(
+            403,
+            "POLICY_VIOLATION",
+            "safe_open refuses '../x': no '..'",
+        ),
+        note("get", &read("a/../../dave/notes.txt"), "dave", "GET /notes").fails(
+            403,
+            "POLICY_VIOLATION",
+            "no '..'",
+        ),
+        note("get", &read("/etc/passwd"), "dave", "GET /notes").fails(
+            403,
+            "POLICY_VIOLATION",
+            "absolute path '/etc/passwd'",
+        ),
+        note("create", "safe_open('/data/dave/x.txt', 'w')", "dave", "POST /notes").fails(
+            403,
+            "POLICY_VIOLATION",
+            "absolute path '/data/dave/x.txt'",
+        ),
+    ]
+}
+
+/// Carol's folder holds links planted from the host (a plan cannot make one: guarded `os`
+/// has no symlink, and pathlib.Path is refused): `other` -> `../alice` (Alice's folder),
+/// `passwd` -> `/etc/passwd`, and `inner` -> `a/b`, a link that stays inside.
+fn issue_32_link_cases() -> Vec<Case> {
+    let outside = "it leads outside the tenant's folder";
+    vec![
+        note(
+            "create",
+            "with safe_open('a/b/c.txt', 'w') as f:\n    f.write('mine')\nreturn {'ok': True}",
+            "carol",
+            "POST /deep",
+        )
+        .answers(201, None, json!({"ok": true})),
+        note(
+            "get",
+            "with safe_open('inner/c.txt') as f:\n    return {'text': f.read()}",
+            "carol",
+            "GET /deep",
+        )
+        .ok(json!({"text": "mine"})),
+        note(
+            "get",
+            "return {'text': safe_open('other/secret.txt').read()}",
+            "carol",
+            "GET /notes",
+        )
+        .fails(
+            403,
+            "POLICY_VIOLATION",
+            "safe_open refuses 'other/secret.txt': it leads outside",
+        ),
+        note(
+            "create",
+            "safe_open('other/new.txt', 'w')",
+            "carol",
+            "POST /notes",
+        )
+        .fails(403, "POLICY_VIOLATION", outside),
+        note(
+            "create",
+            "safe_open('other/deep/new.txt', 'a')",
+            "carol",
+            "POST /notes",
+        )
+        .fails(403, "POLICY_VIOLATION", outside),
+        note(
+            "get",
+            "return {'text': safe_open('passwd').read()}",
+            "carol",
+            "GET /notes",
+        )
+        .fails(403, "POLICY_VIOLATION", outside),
+        note("create", "safe_open('passwd', 'w')", "carol", "POST /notes").fails(
+            403,
+            "POLICY_VIOLATION",
+            outside,
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn issue_32_safe_open_reads_writes_appends_and_nests_in_the_guest_and_refuses_escapes() {
+    let mut cases = issue_32_file_cases();
+    cases.extend(issue_32_link_cases());
+    let (plans, requests): (Vec<Step>, Vec<_>) = cases
+        .into_iter()
+        .map(|c| (c.plan, (c.tenant, c.request, c.body, c.expect)))
+        .unzip();
+    let count = plans.len();
+    let fake = FakeProvider::start(plans).await.unwrap();
+    let env = vec![
+        ("KILN_LLM_MODEL", "openai-compatible:seed-000".to_string()),
+        ("KILN_LLM_BASE_URL", fake.base_url.clone()),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let tenants = data.join("tenants");
+    std::fs::create_dir_all(tenants.join("alice")).unwrap();
+    std::fs::write(tenants.join("alice/secret.txt"), "alice's").unwrap();
+    std::fs::create_dir_all(tenants.join("carol")).unwrap();
+    for (link, target) in [
+        ("other", "../alice"),
+        ("passwd", "/etc/passwd"),
+        ("inner", "a/b"),
+    ] {
+        std::os::unix::fs::symlink(target, tenants.join("carol").join(link)).unwrap();
+    }
+    let rest = tokio::task::spawn_blocking(move || {
+        let rest = Rest::start(&data, &["--deadline", "10"], &env);
+        for (n, (tenant, request, body, expect)) in requests.into_iter().enumerate() {
+            let (method, path) = request.split_once(' ').unwrap();
+            let body = body.map(|b| b.to_string());
+            let answer = rest.call(method, path, body.as_deref(), &[("x-session-id", tenant)]);
+            check(n, &format!("{tenant}: {request}"), &answer, &expect);
+        }
+        rest
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        fake.requests().len(),
+        count,
+        "every request asked the planner once"
+    );
+
+    // On the host: the files are in the tenant's own folder, and nothing went elsewhere.
+    let read = |path: &str| std::fs::read(tenants.join(path)).unwrap();
+    assert_eq!(read("dave/notes.txt"), b"hello, again");
+    assert_eq!(read("dave/blob.bin"), b"\x00\x01\xffkiln");
+    assert_eq!(read("dave/a/b/c.txt"), b"deep");
+    assert_eq!(read("dave/a/b2/d.txt"), b"new");
+    assert_eq!(read("carol/a/b/c.txt"), b"mine");
+    assert!(!tenants.join("x").exists() && !tenants.join("dave/x.txt").exists());
+    let mut alice: Vec<_> = std::fs::read_dir(tenants.join("alice"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    alice.sort();
+    assert_eq!(
+        alice,
+        ["secret.txt"],
+        "nothing was written through the link"
+    );
+    drop(rest);
+}

@@ -1,0 +1,349 @@
+//! Issue 32: defaults that serve one user well, and quotas every face honours. Each test
+//! failed on the main the issue was filed against.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::common::serve::*;
+
+/// A key of its own on `server` with the extra `kiln keys create` flags.
+fn key_with(server: &Server, name: &str, flags: &[&str]) -> Res<String> {
+    let output = kiln()
+        .args(["keys", "create", "--name", name])
+        .args(flags)
+        .arg("--data-dir")
+        .arg(&server.data)
+        .output()?;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?.trim().to_owned())
+}
+
+fn sandbox_as(server: &Server, key: &str, body: Value) -> Res<String> {
+    let (status, created) = server.call_as(Some(key), "POST", "/api/v1/sandboxes", Some(body))?;
+    assert_eq!(status, 201, "{created}");
+    Ok(created["containerId"]
+        .as_str()
+        .ok_or("no containerId")?
+        .to_owned())
+}
+
+fn session_as(server: &Server, key: &str, id: &str) -> Res<(u16, Value)> {
+    server.call_as(
+        Some(key),
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({})),
+    )
+}
+
+fn turn_as(server: &Server, key: &str, id: &str, session: &str, code: &str) -> Res<Value> {
+    let (status, body) = server.call_as(
+        Some(key),
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"code": code, "sessionId": session})),
+    )?;
+    assert_eq!(status, 200, "{body}");
+    Ok(body)
+}
+
+#[test]
+fn issue32_one_tenant_holds_64_idle_sessions_with_the_default_quotas() -> TestResult {
+    // Before: each session counted its 512 MiB cap against a 1 GiB quota, so a tenant held
+    // two; an idle session really holds about a megabyte.
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
+    let key = server.key.clone().ok_or("no key")?;
+    let mut sessions = Vec::new();
+    for _ in 0..5 {
+        let id = sandbox_as(&server, &key, json!({"language": "python"}))?;
+        for _ in 0..13 {
+            let (status, body) = session_as(&server, &key, &id)?;
+            assert_eq!(status, 201, "session {}: {body}", sessions.len());
+            let session = body["sessionId"].as_str().ok_or("no sessionId")?.to_owned();
+            sessions.push((id.clone(), session));
+        }
+    }
+    assert_eq!(sessions.len(), 65);
+    for (i, (id, session)) in sessions.iter().enumerate() {
+        let body = turn_as(&server, &key, id, session, &format!("x = {i}\nx"))?;
+        assert_eq!(body["status"], "success", "{body}");
+    }
+    // All of them live: each answers with its own state.
+    let (id, session) = &sessions[64];
+    let body = turn_as(&server, &key, id, session, "print(x)")?;
+    assert_eq!(body["stdout"], "64\n", "{body}");
+    Ok(())
+}
+
+#[test]
+fn issue32_sessions_filled_to_their_cap_are_still_stopped_by_the_quota() -> TestResult {
+    // The hostile case the quota exists for: sessions that each fill their memory. A key
+    // with 1 GiB of session memory fits two sessions of 450 MiB; the third cannot grow.
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
+    let key = key_with(&server, "filler", &["--max-session-memory", "1GiB"])?;
+    let id = sandbox_as(
+        &server,
+        &key,
+        json!({"language": "python", "memoryLimit": "512m"}),
+    )?;
+    let mut outcomes = Vec::new();
+    for _ in 0..3 {
+        let (status, body) = session_as(&server, &key, &id)?;
+        assert_eq!(status, 201, "{body}");
+        let session = body["sessionId"].as_str().ok_or("no sessionId")?.to_owned();
+        let body = turn_as(
+            &server,
+            &key,
+            &id,
+            &session,
+            "try:\n    hold = bytearray(450 << 20)\n    print('held')\nexcept MemoryError:\n    print('refused')",
+        )?;
+        outcomes.push(body["stdout"].as_str().unwrap_or_default().to_owned());
+    }
+    assert_eq!(outcomes, ["held\n", "held\n", "refused\n"]);
+    // The tenant's sessions now hold about 900 MiB of its 1 GiB: a fourth opens, and what
+    // it may grow is what is left.
+    let (status, body) = session_as(&server, &key, &id)?;
+    assert_eq!(status, 201, "{body}");
+    let session = body["sessionId"].as_str().ok_or("no sessionId")?.to_owned();
+    let body = turn_as(
+        &server,
+        &key,
+        &id,
+        &session,
+        "try:\n    hold = bytearray(200 << 20)\n    print('held')\nexcept MemoryError:\n    print('refused')",
+    )?;
+    assert_eq!(body["stdout"], "refused\n", "{body}");
+    // Another key of the server is not affected by this one's use.
+    let other = server.key.clone().ok_or("no key")?;
+    let theirs = sandbox_as(&server, &other, json!({"language": "python"}))?;
+    let (status, body) = session_as(&server, &other, &theirs)?;
+    assert_eq!(status, 201, "{body}");
+    let session = body["sessionId"].as_str().ok_or("no sessionId")?.to_owned();
+    let body = turn_as(
+        &server,
+        &other,
+        &theirs,
+        &session,
+        "hold = bytearray(300 << 20)\nprint('held')",
+    )?;
+    assert_eq!(body["stdout"], "held\n", "{body}");
+    Ok(())
+}
+
+#[test]
+fn issue32_a_session_count_quota_still_refuses_with_its_name() -> TestResult {
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
+    let key = key_with(&server, "two", &["--max-sessions", "2"])?;
+    let id = sandbox_as(&server, &key, json!({"language": "python"}))?;
+    for _ in 0..2 {
+        assert_eq!(session_as(&server, &key, &id)?.0, 201);
+    }
+    let (status, body) = session_as(&server, &key, &id)?;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "QUOTA_EXCEEDED", "{body}");
+    assert_eq!(body["error"]["details"]["quota"], "sessions", "{body}");
+    assert_eq!(body["error"]["details"]["limit"], 2, "{body}");
+    Ok(())
+}
+
+/// Runs `code` in each of `ids` at once as `key`; answers each (status, body).
+fn burst(server: &Server, key: &str, ids: &[String], code: &str) -> Vec<(u16, Value)> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                scope.spawn(move || {
+                    server
+                        .call_as(
+                            Some(key),
+                            "POST",
+                            &format!("/api/v1/sandboxes/{id}/exec"),
+                            Some(json!({"code": code})),
+                        )
+                        .unwrap_or((0, Value::Null))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or((0, Value::Null)))
+            .collect()
+    })
+}
+
+#[test]
+fn issue32_a_burst_over_the_executions_quota_waits_instead_of_failing() -> TestResult {
+    // Before: a 100-way burst against an executions quota of 16 got 68 × 429.
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
+    let key = key_with(&server, "bursty", &["--max-executions", "4"])?;
+    let ids = (0..40)
+        .map(|_| sandbox_as(&server, &key, json!({"language": "python"})))
+        .collect::<Res<Vec<_>>>()?;
+    let answers = burst(
+        &server,
+        &key,
+        &ids,
+        "import time\ntime.sleep(0.05)\nprint(7)",
+    );
+    let failed: Vec<_> = answers
+        .iter()
+        .filter(|(status, body)| *status != 200 || body["stdout"] != "7\n")
+        .collect();
+    assert!(failed.is_empty(), "{} failed: {failed:?}", failed.len());
+    Ok(())
+}
+
+#[test]
+fn issue32_the_line_is_bounded_in_length_and_wait_and_per_tenant() -> TestResult {
+    let server = start(Options {
+        auth: true,
+        extra: &["--exec-queue", "1", "--exec-queue-wait", "1"],
+        ..Options::default()
+    })?;
+    let key = key_with(&server, "one", &["--max-executions", "1"])?;
+    let other = server.key.clone().ok_or("no key")?;
+    let ids = (0..3)
+        .map(|_| sandbox_as(&server, &key, json!({"language": "python"})))
+        .collect::<Res<Vec<_>>>()?;
+    let theirs = sandbox_as(&server, &other, json!({"language": "python"}))?;
+    std::thread::scope(|scope| -> TestResult {
+        // One runs for 4 s; the next waits in the line; a third finds the line full.
+        let running = scope.spawn(|| {
+            server.call_as(
+                Some(&key),
+                "POST",
+                &format!("/api/v1/sandboxes/{}/exec", ids[0]),
+                Some(json!({"code": "import time\ntime.sleep(4)\nprint('slept')"})),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(700));
+        let waiting = scope.spawn(|| {
+            let started = Instant::now();
+            let answer = server.call_as(
+                Some(&key),
+                "POST",
+                &format!("/api/v1/sandboxes/{}/exec", ids[1]),
+                Some(json!({"code": "print(2)"})),
+            );
+            (answer, started.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let (status, full) = server.call_as(
+            Some(&key),
+            "POST",
+            &format!("/api/v1/sandboxes/{}/exec", ids[2]),
+            Some(json!({"code": "print(3)"})),
+        )?;
+        assert_eq!(status, 429, "{full}");
+        assert_eq!(full["error"]["code"], "QUOTA_EXCEEDED", "{full}");
+        assert_eq!(full["error"]["details"]["quota"], "executions", "{full}");
+        assert_eq!(full["error"]["details"]["queued"], 1, "{full}");
+        assert_eq!(full["error"]["details"]["waitedMs"], 0, "{full}");
+        // The other tenant is never queued behind this one.
+        let started = Instant::now();
+        let (status, mine) = server.call_as(
+            Some(&other),
+            "POST",
+            &format!("/api/v1/sandboxes/{theirs}/exec"),
+            Some(json!({"code": "print(1)"})),
+        )?;
+        assert_eq!(
+            (status, mine["stdout"].as_str()),
+            (200, Some("1\n")),
+            "{mine}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        // The waiting one gives up after its 1 s.
+        let (answer, took) = waiting.join().map_err(|_| "panicked")?;
+        let (status, waited) = answer?;
+        assert_eq!(status, 429, "{waited}");
+        assert!(
+            waited["error"]["details"]["waitedMs"].as_u64() >= Some(1000),
+            "{waited}"
+        );
+        assert!(took < Duration::from_secs(3), "{took:?}");
+        let (status, slept) = running.join().map_err(|_| "panicked")??;
+        assert_eq!((status, slept["stdout"].as_str()), (200, Some("slept\n")));
+        Ok(())
+    })?;
+    // The refused sandboxes are not left busy.
+    let (status, body) = server.call_as(
+        Some(&key),
+        "POST",
+        &format!("/api/v1/sandboxes/{}/exec", ids[1]),
+        Some(json!({"code": "print(2)"})),
+    )?;
+    assert_eq!(
+        (status, body["stdout"].as_str()),
+        (200, Some("2\n")),
+        "{body}"
+    );
+    Ok(())
+}
+
+#[test]
+fn issue32_template_is_accepted_on_create_and_must_agree_with_image() -> TestResult {
+    let server = start(Options::default())?;
+    // v1: `template` alone, or with an `image` naming the same template.
+    for body in [
+        json!({"template": "python-data"}),
+        json!({"image": "python-data", "template": "python-data"}),
+    ] {
+        let (status, created) = server.call("POST", "/api/v1/sandboxes", Some(body.clone()))?;
+        assert_eq!(status, 201, "{body}: {created}");
+        assert_eq!(created["template"], "python-data", "{created}");
+    }
+    let (status, refused) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"image": "javascript", "template": "python-data"})),
+    )?;
+    assert_eq!(status, 400, "{refused}");
+    assert_eq!(refused["error"]["code"], "INVALID_OPTION", "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("python-data"),
+        "{refused}"
+    );
+    // Seed 003: `options.template`.
+    let (status, created) = server.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"options": {"template": "python-data"}})),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    let (status, created) = server.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"image": "python", "options": {"template": "python-data"}})),
+    )?;
+    assert_eq!(status, 400, "{created}");
+    assert_eq!(created["error"]["code"], "INVALID_OPTION", "{created}");
+    let (status, created) = server.call("POST", "/api/sandbox", Some(json!({"options": {}})))?;
+    assert_eq!(status, 400, "{created}");
+    Ok(())
+}
