@@ -55,6 +55,46 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// The policy a server (`kiln serve`, `kiln rest`, `kiln runner`) gives its workers:
+    /// `KILN_WORKER_JAIL`'s, where `auto` (or nothing) means `require` for a process running
+    /// as root: a root worker that could not confine itself would run guests as root.
+    pub fn for_server() -> Policy {
+        match Policy::from_env() {
+            // SAFETY: geteuid takes no arguments and cannot fail.
+            Policy::Auto if unsafe { libc::geteuid() } == 0 => Policy::Require,
+            policy => policy,
+        }
+    }
+
+    /// Its name, as `KILN_WORKER_JAIL` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Off => "off",
+            Policy::Auto => "auto",
+            Policy::Require => "require",
+        }
+    }
+}
+
+/// Whether a server's workers are confined, as `/readyz` and `/metrics` say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JailReport {
+    /// The policy the workers run under.
+    pub policy: Policy,
+    /// Whether a worker could confine itself (checked at start).
+    pub confined: bool,
+}
+
+impl Default for JailReport {
+    fn default() -> Self {
+        JailReport {
+            policy: Policy::Auto,
+            confined: false,
+        }
+    }
+}
+
 /// The writable folders a pool passes its workers ([`WRITABLE_ENV`]).
 pub fn writable_from_env() -> Vec<PathBuf> {
     std::env::var(WRITABLE_ENV)

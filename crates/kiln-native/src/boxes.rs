@@ -1123,4 +1123,27 @@ mod tests {
         std::fs::create_dir(at("dir.pem")).unwrap();
         assert_eq!(find_ca_bundle(env(&at("dir.pem")), &[at("dir.pem")]), None);
     }
+
+    #[test]
+    fn a_full_box_says_how_full_and_the_ways_out() {
+        let said = full_box_message(Some(64), Some(64), "no thread: os error 11");
+        for part in [
+            "the box is full: its 64 tasks (processes and threads) fill its pids limit of 64",
+            "kill -9 -1",
+            "delete the sandbox and create another",
+            "(the agent said: no thread: os error 11)",
+        ] {
+            assert!(said.contains(part), "{part:?} not in {said}");
+        }
+        let said = full_box_message(None, Some(128), "x");
+        assert!(
+            said.contains("its processes fill its pids limit of 128"),
+            "{said}"
+        );
+        let said = full_box_message(None, None, "x");
+        assert!(
+            said.contains("its processes fill its pids limit,"),
+            "{said}"
+        );
+    }
 }

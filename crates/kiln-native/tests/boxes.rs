@@ -468,14 +468,16 @@ async fn the_allowlist_lets_pip_reach_the_index_and_nothing_else() {
         return;
     }
     let boxes = boxes();
-    let allow = kiln_native::proxy::Allowlist::new(&kiln_native::proxy::DEFAULT_NAMES).unwrap();
-    let host_bundle = PathBuf::from("/etc/ssl/certs/ca-certificates.crt");
+    // `localhost` is listed: a listed name must still never lead to the host.
+    let mut names = kiln_native::proxy::DEFAULT_NAMES.to_vec();
+    names.push("localhost");
+    let allow = kiln_native::proxy::Allowlist::new(&names).unwrap();
     let live = boxes
         .open(BoxSpec {
             network: Some(std::sync::Arc::new(allow)),
             // This host reaches the indexes through a TLS-inspecting proxy whose CA only
-            // the host's bundle has.
-            ca_bundle: host_bundle.exists().then_some(host_bundle),
+            // the host's bundle has: the one kiln finds by default.
+            ca_bundle: kiln_native::boxes::host_ca_bundle(),
             ..BoxSpec::new(
                 python().clone(),
                 BoxLimits {
@@ -524,11 +526,164 @@ async fn the_allowlist_lets_pip_reach_the_index_and_nothing_else() {
     )
     .await;
     assert!(!text(&out.stdout).contains("rc=0"), "{out:?}");
-    // The proxy never leads to the host itself.
+    // The proxy never leads to the host itself, though the name is listed: asked through
+    // the proxy (no_proxy would send 127.0.0.1 and localhost around it), on a listed port,
+    // it answers 403 with the reason; around the proxy the box's own loopback has nothing.
+    // Each command's own result is checked.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
-    let out = sh(&live, &format!("curl -sS -m 5 http://127.0.0.1:{port}/ 2>&1; curl -sS -m 5 --noproxy '*' http://127.0.0.1:{port}/ 2>&1; echo rc=$?")).await;
-    assert!(!text(&out.stdout).contains("rc=0"), "{out:?}");
+    let proxied = |url: &str| {
+        format!(
+            "curl -sS -m 5 -x http://127.0.0.1:3128 --noproxy '' -w '\\nstatus=%{{http_code}}\\n' {url} 2>&1; echo rc=$?"
+        )
+    };
+    let out = sh(&live, &proxied("http://localhost/")).await;
+    let got = text(&out.stdout);
+    assert!(
+        got.contains("status=403") && got.contains("may not reach") && got.contains("loopback"),
+        "{got}"
+    );
+    let out = sh(&live, &proxied(&format!("http://127.0.0.1:{port}/"))).await;
+    let got = text(&out.stdout);
+    assert!(got.contains("status=403"), "{got}");
+    let out = sh(
+        &live,
+        &format!("curl -sS -m 5 --noproxy '*' http://127.0.0.1:{port}/ 2>&1; echo rc=$?"),
+    )
+    .await;
+    let got = text(&out.stdout);
+    assert!(
+        got.contains("rc=7"),
+        "connection refused inside the box: {got}"
+    );
+    assert_eq!(
+        listener.accept().map(drop).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::WouldBlock),
+        "the host's listener was reached"
+    );
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_uring_is_refused_in_a_box_with_eperm() {
+    if skip() {
+        return;
+    }
+    // On this host io_uring works (unless the host turned it off for everyone), so the
+    // refusal below is the box's filter.
+    let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .map(|v| v.trim() != "0")
+        .unwrap_or(false);
+    if !disabled {
+        let mut params = [0u8; 120];
+        // SAFETY: io_uring_setup(1, params) reads and writes the 120-byte io_uring_params
+        // struct `params` (a live local) and answers a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_io_uring_setup, 1, params.as_mut_ptr()) };
+        assert!(fd >= 0, "io_uring_setup failed on the host");
+        // SAFETY: `fd` is the new io_uring fd, ours to close.
+        unsafe { libc::close(fd as i32) };
+    }
+    let boxes = boxes();
+    let live = open(&boxes, None).await;
+    // setup(entries, params), enter(fd, to_submit, min_complete, flags, sig, sigsz),
+    // register(fd, opcode, arg, nr_args): each -1 with EPERM, and the process lives on.
+    let script = "import ctypes; l = ctypes.CDLL(None, use_errno=True); p = ctypes.create_string_buffer(120)\n\
+                  for call in [(425, 1, p), (426, 0, 0, 0, 0, None, 0), (427, 0, 0, None, 0)]:\n\
+                  \x20   ctypes.set_errno(0); r = l.syscall(*call); print(r, ctypes.get_errno())\n\
+                  print('alive')";
+    for root in [false, true] {
+        let mut exec = Exec::new(vec!["python3".into(), "-c".into(), script.into()]);
+        exec.root = root;
+        let out = live.exec(exec, |_, _| {}).await.unwrap();
+        let eperm = libc::EPERM;
+        assert_eq!(
+            (text(&out.stdout), out.exit_code),
+            (
+                format!("-1 {eperm}\n-1 {eperm}\n-1 {eperm}\nalive\n"),
+                Some(0)
+            ),
+            "root: {root}: {out:?}"
+        );
+    }
+    live.close().await;
+}
+
+/// Fills `live` to its pids limit from outside any command's process group: a process that
+/// leaves its session and starts threads until none more fit, then keeps taking any room
+/// that frees.
+async fn fill(live: &LiveBox) {
+    let filler = "import os, threading, time\n\
+                  if os.fork(): os._exit(0)\n\
+                  os.setsid(); threading.stack_size(1 << 18)\n\
+                  while True:\n\
+                  \x20   try: threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n\
+                  \x20   except RuntimeError: time.sleep(0.005)";
+    let out = sh(
+        live,
+        &format!("python3 -c '{filler}' </dev/null >/dev/null 2>&1; echo filled"),
+    )
+    .await;
+    assert_eq!(text(&out.stdout), "filled\n", "{out:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_box_full_of_processes_says_what_to_do_and_can_be_emptied() {
+    if skip() {
+        return;
+    }
+    let boxes = boxes();
+    let live = open(&boxes, None).await;
+    // A shell started before the box fills (as a terminal or session would be).
+    let mut exec = Exec::new(vec!["bash".into()]);
+    exec.timeout = Duration::from_secs(60);
+    let mut shell = live.spawn(&exec).await.unwrap();
+    fill(&live).await;
+
+    let refused = live
+        .exec(Exec::new(vec!["true".into()]), |_, _| {})
+        .await
+        .unwrap_err()
+        .to_string();
+    for said in [
+        "the box is full",
+        "pids limit of 64",
+        "kill -9 -1",
+        "delete the sandbox",
+    ] {
+        assert!(refused.contains(said), "{said:?} not in {refused}");
+    }
+
+    // The way out the message names: `kill -9 -1` from the shell already running (a
+    // builtin: it needs no new process) ends every other process of the box's user.
+    live.write_stdin(shell.id, b"kill -9 -1; echo cleared\n".to_vec())
+        .await
+        .unwrap();
+    let mut said = Vec::new();
+    while !text(&said).contains("cleared") {
+        match tokio::time::timeout(Duration::from_secs(10), shell.next()).await {
+            Ok(Some(kiln_guest::proto::Reply::Output { data, .. })) => said.extend(data),
+            other => panic!("the shell did not answer: {other:?} {}", text(&said)),
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(text(&sh(&live, "echo alive").await.stdout), "alive\n");
+
+    // The host's way out: every process but the agent killed from outside.
+    fill(&live).await;
+    assert!(
+        live.exec(Exec::new(vec!["true".into()]), |_, _| {})
+            .await
+            .is_err(),
+        "the box filled again"
+    );
+    let killed = live.kill_all_but_agent().await;
+    assert!(killed >= 1, "{killed}");
+    assert_eq!(
+        text(&sh(&live, "echo alive again").await.stdout),
+        "alive again\n"
+    );
     live.close().await;
 }
 

@@ -353,10 +353,7 @@ _OPEN_MODE = re.compile(r"^[rwax](?:[bt]?\+?|\+[bt])$")
 def tenant_opener(root):
     """safe_open(path, mode="r", encoding=None): open() confined to the tenant's folder.
     Relative paths only; no `..`, no names starting with `.` (kiln's own), nothing that
-    resolves outside the folder (a link included). Writing creates missing folders, each
-    one under the tenant's folder: in the sandbox the tenant's folder is the only one the
-    guest may look at, so nothing above it is ever looked at (os.makedirs would stat its
-    way up to `/` and fail there)."""
+    resolves outside the folder. Writing creates missing folders."""
     real_root = os.path.realpath(root)
 
     def safe_open(path, mode="r", encoding=None):
@@ -373,27 +370,13 @@ def tenant_opener(root):
         parts = [p for p in path.split("/") if p not in ("", ".")]
         if not parts or any(p.startswith(".") for p in parts):
             raise PolicyError(f"safe_open refuses {path!r}: no '..', and no names starting with '.'")
-        # Links are followed (in the guest, lstat above the tenant's folder fails, which
-        # realpath takes as "no link there"); where they lead must stay inside.
         full = os.path.realpath(os.path.join(real_root, *parts))
         if not full.startswith(real_root + "/"):
             raise PolicyError(f"safe_open refuses {path!r}: it leads outside the tenant's folder")
         if mode[0] != "r":
-            _make_folders(real_root, full[len(real_root) + 1:].split("/")[:-1])
+            os.makedirs(os.path.dirname(full), exist_ok=True)
         if "b" in mode:
             return open(full, mode)
         return open(full, mode, encoding=encoding or "utf-8")
 
     return safe_open
-
-
-def _make_folders(root, names):
-    """Makes root/names[0]/names[1]/... where missing, one folder at a time from `root`
-    down (never looking above it)."""
-    at = root
-    for name in names:
-        at = at + "/" + name
-        try:
-            os.mkdir(at)
-        except FileExistsError:
-            pass

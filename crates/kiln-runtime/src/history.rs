@@ -245,6 +245,8 @@ struct RepoMemory {
     /// jiffy, at most 10 ms), so a later change of the same file always shows in its ctime,
     /// which guest code cannot set.
     blobs: Mutex<HashMap<(u64, u64), CachedBlob>>,
+    /// History entries already read, by commit ([`History::page`]).
+    entries: Mutex<EntryCache>,
     /// Changes recorded, for [`pack_check_due`].
     changes: AtomicU32,
     /// Whether a packer runs now.
@@ -254,10 +256,40 @@ struct RepoMemory {
 /// A stat-cache entry: size, mtime, ctime, the execute bit, and the blob.
 type CachedBlob = (u64, i64, i64, bool, Oid);
 
+/// History entries of one repository already read, each with its commit's first parent. A
+/// commit never changes once written (its id is the hash of its content), so an entry read
+/// once holds for good: a page of entries already read reads no object at all, and a page's
+/// cost does not depend on the history's length. Bounded by the bytes it holds: over
+/// [`ENTRY_CACHE_REPO_BYTES`] (or all repositories' over [`ENTRY_CACHE_BYTES`]) it starts
+/// again, so a client paging through a long history keeps only its last pages.
+#[derive(Debug, Default)]
+struct EntryCache {
+    entries: HashMap<Oid, (HistoryEntry, Option<Oid>)>,
+    /// About what `entries` holds, in bytes ([`entry_bytes`]).
+    bytes: usize,
+}
+
 static REPOS: Mutex<Option<HashMap<PathBuf, Arc<RepoMemory>>>> = Mutex::new(None);
 /// Stat-cache entries of all repositories together, and the most kept.
 static CACHED_BLOBS: AtomicUsize = AtomicUsize::new(0);
 const STAT_CACHE_MAX: usize = 200_000;
+/// Bytes of history entries kept for all repositories together, and for one: 4 MiB is about
+/// 16 pages of 1 000 of typical entries (one change's file list may be 1 000 names).
+static CACHED_ENTRY_BYTES: AtomicUsize = AtomicUsize::new(0);
+const ENTRY_CACHE_BYTES: usize = 64 << 20;
+const ENTRY_CACHE_REPO_BYTES: usize = 4 << 20;
+
+/// About the memory an entry takes in the cache.
+fn entry_bytes(entry: &HistoryEntry) -> usize {
+    let strings = [
+        &entry.id,
+        &entry.commit_id,
+        &entry.timestamp,
+        &entry.message,
+    ];
+    160 + strings.iter().map(|s| s.len()).sum::<usize>()
+        + entry.files.iter().map(|f| f.len() + 24).sum::<usize>()
+}
 
 fn memory(git_dir: &Path) -> Arc<RepoMemory> {
     let mut repos = REPOS.lock().unwrap_or_else(|e| e.into_inner());
@@ -300,6 +332,29 @@ impl RepoMemory {
             CACHED_BLOBS.fetch_add(1, Ordering::Relaxed);
         }
     }
+
+    /// The entry of commit `oid` and its first parent, if read before.
+    fn cached_entry(&self, oid: Oid) -> Option<(HistoryEntry, Option<Oid>)> {
+        let cache = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        cache.entries.get(&oid).cloned()
+    }
+
+    fn remember_entry(&self, oid: Oid, entry: &HistoryEntry, parent: Option<Oid>) {
+        let bytes = entry_bytes(entry);
+        let mut cache = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.bytes + bytes > ENTRY_CACHE_REPO_BYTES
+            || CACHED_ENTRY_BYTES.load(Ordering::Relaxed) + bytes > ENTRY_CACHE_BYTES
+        {
+            // Over a bound: this repository starts again (the others keep theirs).
+            CACHED_ENTRY_BYTES.fetch_sub(cache.bytes, Ordering::Relaxed);
+            cache.entries = HashMap::new();
+            cache.bytes = 0;
+        }
+        if cache.entries.insert(oid, (entry.clone(), parent)).is_none() {
+            cache.bytes += bytes;
+            CACHED_ENTRY_BYTES.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Forgets what is kept in memory for a repository (its sandbox is gone).
@@ -308,6 +363,8 @@ pub fn forget(git_dir: &Path) {
     if let Some(memory) = repos.as_mut().and_then(|r| r.remove(git_dir)) {
         let blobs = memory.blobs.lock().unwrap_or_else(|e| e.into_inner());
         CACHED_BLOBS.fetch_sub(blobs.len(), Ordering::Relaxed);
+        let entries = memory.entries.lock().unwrap_or_else(|e| e.into_inner());
+        CACHED_ENTRY_BYTES.fetch_sub(entries.bytes, Ordering::Relaxed);
     }
 }
 
@@ -646,35 +703,67 @@ impl History {
         })
     }
 
+    /// The entry of commit `oid` and the commit's first parent: from memory when read before
+    /// ([`EntryCache`]), else read (one object) and kept. A commit that cannot be read is an
+    /// error, never taken for the end of the history.
+    fn entry_at(&self, oid: Oid) -> Result<(HistoryEntry, Option<Oid>), HistoryError> {
+        if let Some(known) = self.memory.cached_entry(oid) {
+            return Ok(known);
+        }
+        let commit = self.repo.find_commit(oid)?;
+        let entry = self.entry(&commit)?;
+        let parent = commit.parent_id(0).ok();
+        self.memory.remember_entry(oid, &entry, parent);
+        Ok((entry, parent))
+    }
+
     /// The history, newest first: at most `limit` entries after the commit `cursor` (from the
-    /// head when `None`), and the cursor of the next page when there is one.
+    /// head when `None`), and the cursor of the next page when there is one (the id of the
+    /// page's last commit, when that commit has a parent).
+    ///
+    /// A page costs what its entries cost, however long the history: it starts at the head
+    /// or at the cursor's commit (found by id, no walk), follows first parents for `limit`
+    /// commits and stops; nothing counts or sorts the whole history. Entries read before
+    /// come from memory. A cursor that is not a commit id of this repository is
+    /// [`HistoryError::UnknownId`].
     pub fn page(
         &self,
         limit: usize,
         cursor: Option<&str>,
     ) -> Result<(Vec<HistoryEntry>, Option<String>), HistoryError> {
         let mut at = match cursor {
-            None => Some(self.head()?),
+            None => self.repo.head()?.target(),
             Some(cursor) => {
-                let oid = Oid::from_str(cursor)
-                    .map_err(|_| HistoryError::UnknownId(cursor.to_owned()))?;
-                let commit = self
-                    .repo
-                    .find_commit(oid)
-                    .map_err(|_| HistoryError::UnknownId(cursor.to_owned()))?;
-                commit.parent(0).ok()
+                let unknown = || HistoryError::UnknownId(cursor.to_owned());
+                if cursor.len() != 40 {
+                    return Err(unknown());
+                }
+                let oid = Oid::from_str(cursor).map_err(|_| unknown())?;
+                match self.memory.cached_entry(oid) {
+                    Some((_, parent)) => parent,
+                    None => {
+                        let commit = self.repo.find_commit(oid).map_err(|_| unknown())?;
+                        commit.parent_id(0).ok()
+                    }
+                }
             }
         };
-        let mut entries = Vec::new();
-        while let Some(commit) = at {
+        let mut entries = Vec::with_capacity(limit.min(MAX_HISTORY));
+        while let Some(oid) = at {
             if entries.len() == limit {
-                let next = entries.last().map(|e: &HistoryEntry| e.commit_id.clone());
-                return Ok((entries, next));
+                break;
             }
-            entries.push(self.entry(&commit)?);
-            at = commit.parent(0).ok();
+            let (entry, parent) = self.entry_at(oid)?;
+            entries.push(entry);
+            at = parent;
         }
-        Ok((entries, None))
+        // More after this page exactly when its last commit has a parent: known without
+        // reading that parent.
+        let next = match at {
+            Some(_) => entries.last().map(|e| e.commit_id.clone()),
+            None => None,
+        };
+        Ok((entries, next))
     }
 
     /// The history, newest first, at most `limit` entries.

@@ -11,7 +11,13 @@
 //! ```
 //!
 //! The image lives beside the mount point, never inside anything a guest can reach, so the
-//! file system's metadata is only ever written by the kernel, not crafted by a guest.
+//! file system's metadata is only ever written by the kernel, not crafted by a guest. It is
+//! mounted with `discard`, so the blocks of files deleted inside it are punched out of the
+//! image and go back to the host.
+//!
+//! A new volume is made only where the host's disk can keep its promise: the sizes of every
+//! volume beside it, its own included, may not pass the data folder's free space plus what
+//! those volumes already use, times `KILN_DISK_OVERCOMMIT` (default 1: no overcommit).
 //! Attaching is idempotent: kiln mounts every volume again when it starts (a mount left by
 //! a killed kiln is reused as it is). Needs root and `mkfs.ext4` (e2fsprogs).
 
@@ -51,6 +57,7 @@ pub fn attach(mount_point: &Path, bytes: u64) -> io::Result<()> {
     let image = image_of(mount_point);
     let fresh = !image.exists();
     if fresh {
+        check_room(mount_point, bytes, overcommit_ratio())?;
         make_image(&image, bytes)?;
     }
     std::fs::create_dir_all(mount_point)?;
@@ -86,6 +93,79 @@ pub fn detach(mount_point: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// How far volumes may promise more than the disk holds: `KILN_DISK_OVERCOMMIT` (a positive
+/// number; 1, the default, promises no more than the disk has).
+pub fn overcommit_ratio() -> f64 {
+    std::env::var("KILN_DISK_OVERCOMMIT")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .unwrap_or(1.0)
+}
+
+/// What the volumes of a data folder promise and hold, and what its disk has left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Room {
+    /// The sizes of the volumes (what they may grow to).
+    pub promised: u64,
+    /// The bytes their images hold now.
+    pub used: u64,
+    /// Free space on the file system holding them (for an unprivileged user: what is left
+    /// above the reserved blocks).
+    pub free: u64,
+}
+
+impl Room {
+    /// Whether the disk covers one more volume of `bytes`, with `ratio` of overcommit.
+    pub fn covers(&self, bytes: u64, ratio: f64) -> bool {
+        let wanted = self.promised.saturating_add(bytes) as f64;
+        wanted <= ratio * self.free.saturating_add(self.used) as f64
+    }
+}
+
+/// The volumes beside the one to be mounted at `mount_point` (every sandbox's image in the
+/// folder of sandboxes holding it), and the free space of their file system.
+pub fn room_beside(mount_point: &Path) -> io::Result<Room> {
+    use std::os::unix::fs::MetadataExt;
+    let own = mount_point.parent().unwrap_or(mount_point);
+    let sandboxes = own.parent().unwrap_or(own);
+    let mut room = Room::default();
+    for entry in std::fs::read_dir(sandboxes)?.flatten() {
+        let image = image_of(&entry.path().join("volume"));
+        if let Ok(meta) = std::fs::symlink_metadata(&image)
+            && meta.is_file()
+        {
+            room.promised += meta.len();
+            room.used += meta.blocks() * 512;
+        }
+    }
+    let stat = rustix::fs::statvfs(sandboxes).map_err(io::Error::from)?;
+    room.free = stat.f_bavail.saturating_mul(stat.f_frsize);
+    Ok(room)
+}
+
+/// Refuses (with `ENOSPC`, which a create answers as the server's disk being full) a new
+/// volume of `bytes` at `mount_point` that the host's disk cannot cover with `ratio` of
+/// overcommit; the figures go to the log.
+pub fn check_room(mount_point: &Path, bytes: u64, ratio: f64) -> io::Result<()> {
+    let bytes = bytes.clamp(MIN_BYTES, MAX_BYTES);
+    let room = room_beside(mount_point)?;
+    if room.covers(bytes, ratio) {
+        return Ok(());
+    }
+    tracing::warn!(
+        "refusing a volume of {} MiB: the volumes beside it promise {} MiB and hold {} MiB, \
+         and the disk has {} MiB free; with an overcommit of {ratio} it covers {} MiB in all \
+         (KILN_DISK_OVERCOMMIT raises it)",
+        bytes >> 20,
+        room.promised >> 20,
+        room.used >> 20,
+        room.free >> 20,
+        (ratio * room.free.saturating_add(room.used) as f64) as u64 >> 20,
+    );
+    Err(io::Error::from_raw_os_error(libc::ENOSPC))
+}
+
 /// A sparse image of `bytes` with an empty ext4 in it, made under a temporary name and
 /// renamed into place (a crash leaves no half-made image under the real name).
 fn make_image(image: &Path, bytes: u64) -> io::Result<()> {
@@ -118,7 +198,8 @@ fn make_image(image: &Path, bytes: u64) -> io::Result<()> {
 fn mount(image: &Path, mount_point: &Path) -> io::Result<()> {
     run(
         Command::new("mount")
-            .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime"])
+            // discard: blocks freed inside are punched out of the sparse image.
+            .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime,discard"])
             .arg(image)
             .arg(mount_point),
         "mount",
@@ -147,4 +228,53 @@ fn run(command: &mut Command, tool: &str) -> io::Result<()> {
         out.status,
         said.trim()
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_volume_fits_while_the_disk_covers_every_volumes_size() {
+        const G: u64 = 1 << 30;
+        // 10 GiB free, volumes of 6 GiB holding 1 GiB: 5 GiB more fit, not 6.
+        let room = Room {
+            promised: 6 * G,
+            used: G,
+            free: 10 * G,
+        };
+        assert!(room.covers(5 * G, 1.0));
+        assert!(!room.covers(5 * G + 1, 1.0));
+        // An overcommit of 2 doubles what the disk covers.
+        assert!(room.covers(16 * G, 2.0));
+        assert!(!room.covers(17 * G, 2.0));
+        // An empty folder on a full disk takes nothing; a huge one never overflows.
+        assert!(!Room::default().covers(MIN_BYTES, 1.0));
+        let huge = Room {
+            promised: u64::MAX,
+            used: u64::MAX,
+            free: u64::MAX,
+        };
+        assert!(huge.covers(u64::MAX, 1.0));
+    }
+
+    #[test]
+    fn the_room_counts_the_images_beside_a_new_volume() {
+        let data = tempfile::tempdir().expect("a folder");
+        let sandboxes = data.path().join("sandboxes");
+        for (id, size) in [("a", 64u64 << 20), ("b", 32 << 20)] {
+            std::fs::create_dir_all(sandboxes.join(id)).expect("made");
+            let image = std::fs::File::create(sandboxes.join(id).join("volume.img")).expect("made");
+            image.set_len(size).expect("sized");
+        }
+        std::fs::create_dir_all(sandboxes.join("new")).expect("made");
+        let mount_point = sandboxes.join("new").join("volume");
+        let room = room_beside(&mount_point).expect("counted");
+        assert_eq!(room.promised, 96 << 20);
+        assert!(room.used < 1 << 20, "sparse images hold next to nothing");
+        assert!(room.free > 0);
+        check_room(&mount_point, 16 << 20, 1.0).expect("16 MiB fits");
+        let refused = check_room(&mount_point, MAX_BYTES, 1e-9).expect_err("refused");
+        assert_eq!(refused.raw_os_error(), Some(libc::ENOSPC));
+    }
 }

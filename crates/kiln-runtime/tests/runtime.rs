@@ -687,3 +687,55 @@ async fn a_fork_with_its_workspace_counts_against_the_workspace_quota() {
         .await
         .expect("forked in place");
 }
+
+/// Issue 32: a volume mounted with `discard` gives the blocks of a deleted file back to the
+/// host (its sparse image shrinks again), instead of keeping them for good.
+#[test]
+fn a_volume_gives_the_blocks_of_deleted_files_back_to_the_host() {
+    use std::io::Write;
+    use std::os::unix::fs::MetadataExt;
+    if !volumes_available() {
+        return;
+    }
+    let data = tempfile::tempdir().expect("a temporary folder");
+    let mount_point = data.path().join("sandboxes").join("v").join("volume");
+    std::fs::create_dir_all(mount_point.parent().expect("a parent")).expect("made");
+    kiln_runtime::volume::attach(&mount_point, 256 << 20).expect("attached");
+    let image = kiln_runtime::volume::image_of(&mount_point);
+    let held = || std::fs::metadata(&image).expect("the image").blocks() * 512;
+    // SAFETY: sync(2) takes no arguments and cannot fail.
+    let sync = || unsafe { libc::sync() };
+    sync();
+    let empty = held();
+    let file = mount_point.join("workspace").join("big");
+    {
+        let mut out = std::fs::File::create(&file).expect("created");
+        let chunk = vec![0x5au8; 1 << 20];
+        for _ in 0..64 {
+            out.write_all(&chunk).expect("written");
+        }
+        out.sync_all().expect("synced");
+    }
+    sync();
+    let full = held();
+    assert!(
+        full >= empty + (60 << 20),
+        "64 MiB written: the image holds {full} bytes (empty: {empty})"
+    );
+    std::fs::remove_file(&file).expect("removed");
+    // The freed blocks are discarded when the journal commits; sync makes it commit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        sync();
+        let now = held();
+        if now <= empty + (4 << 20) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the deleted file's blocks stayed in the image: {now} bytes held (empty: {empty}, full: {full})"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    kiln_runtime::volume::detach(&mount_point).expect("detached");
+}

@@ -525,14 +525,22 @@ pub async fn delete(
     }))
 }
 
-/// A sandbox's history.
+/// A page of a sandbox's history.
 #[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct HistoryReply {
-    /// Newest first, ending with the initial commit.
+    /// Newest first; the last page ends with the initial commit.
     pub history: Vec<HistoryEntry>,
-    /// Pass as `cursor` for the next (older) page; absent on the last page.
+    /// Pass as `cursor` for the next (older) page: the commit id of this page's last entry.
+    /// Absent on the last page. There is no total: counting would walk the whole history.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "9fceb02d0ae598e95dc970b74767f19372d61af8")]
     pub next_cursor: Option<String>,
+    /// `nextCursor` again, under the name this reply used to give it (kept for clients
+    /// written against that).
+    #[serde(rename = "next_cursor", skip_serializing_if = "Option::is_none")]
+    #[schema(deprecated)]
+    pub next_cursor_old: Option<String>,
 }
 
 /// A page of history.
@@ -548,12 +556,13 @@ pub struct HistoryQuery {
 }
 
 /// The workspace's history: every change, newest first, a page at a time (`limit`, at most
-/// 1000; `cursor` from the previous page's `nextCursor`).
+/// 1000; `cursor` from the previous page's `nextCursor`). A page costs what its entries
+/// cost, however long the history: it starts at the cursor's commit and stops after `limit`.
 #[utoipa::path(get, path = "/api/sandbox/{id}/history", tag = "history",
     params(("id" = String, Path, description = "The container id"), HistoryQuery),
     responses(
         (status = 200, description = "The history", body = HistoryReply),
-        (status = 400, description = "Bad limit or cursor", body = ErrorBody),
+        (status = 400, description = "Bad limit, or a cursor that is not a commit of this history (INVALID_CURSOR)", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
     ))]
 pub async fn history(
@@ -569,6 +578,7 @@ pub async fn history(
         kiln_runtime::revisions::page(&state.runtime, &caller, &id, limit, query.cursor).await?;
     Ok(Json(HistoryReply {
         history,
+        next_cursor_old: next_cursor.clone(),
         next_cursor,
     }))
 }
@@ -667,9 +677,23 @@ pub async fn rollback(
 
 /// Health.
 #[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct Health {
     #[schema(example = "ok")]
     pub status: String,
+    /// Readiness only: whether the executor workers run confined (namespaces, read-only
+    /// mounts, seccomp), and under which `KILN_WORKER_JAIL` policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<WorkerJail>,
+}
+
+/// The executor workers' jail.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WorkerJail {
+    pub confined: bool,
+    /// `require`, `auto` or `off`.
+    #[schema(example = "require")]
+    pub jail: String,
 }
 
 /// Liveness: the server answers.
@@ -678,6 +702,7 @@ pub struct Health {
 pub async fn healthz() -> Json<Health> {
     Json(Health {
         status: "ok".into(),
+        workers: None,
     })
 }
 
@@ -703,6 +728,10 @@ pub async fn readyz(State(state): Shared) -> Result<Json<Health>, ApiError> {
     }
     Ok(Json(Health {
         status: "ready".into(),
+        workers: Some(WorkerJail {
+            confined: state.worker_jail.confined,
+            jail: state.worker_jail.policy.name().into(),
+        }),
     }))
 }
 
@@ -717,10 +746,19 @@ pub async fn metrics(
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4",
         )],
-        state.runtime.metrics.render(
-            state.runtime.registry.count(),
-            &state.runtime.executors.pools.worker_loads(),
-        ),
+        {
+            let mut text = state.runtime.metrics.render(
+                state.runtime.registry.count(),
+                &state.runtime.executors.pools.worker_loads(),
+            );
+            let jail = state.worker_jail;
+            text.push_str(&format!(
+                "# HELP kiln_workers_confined Whether the executor workers run confined (1) or not (0), by KILN_WORKER_JAIL policy.\n# TYPE kiln_workers_confined gauge\nkiln_workers_confined{{jail=\"{}\"}} {}\n",
+                jail.policy.name(),
+                u8::from(jail.confined)
+            ));
+            text
+        },
     )
 }
 

@@ -58,6 +58,8 @@ pub struct AppState {
     pub agent_limits: agent::AgentLimits,
     /// The model settings (for a chat request naming its own model).
     pub llm_env: kiln_llm::LlmEnv,
+    /// Whether the executor workers are confined.
+    pub worker_jail: kiln_executor::confine::JailReport,
 }
 
 /// Server settings.
@@ -80,6 +82,8 @@ pub struct ServerConfig {
     pub quotas: quota::Quotas,
     /// The bounds of each tenant's line of executions over its quota.
     pub admission: kiln_runtime::admission::AdmissionConfig,
+    /// Whether the executor workers are confined (`/readyz`, `/metrics`).
+    pub worker_jail: kiln_executor::confine::JailReport,
     /// The templates the backends offer, in order of preference.
     pub catalogue: Catalogue,
     /// The model settings, read once from the environment by the binary.
@@ -138,6 +142,7 @@ impl AppState {
                 ..agent::AgentLimits::default()
             },
             llm_env: config.llm.clone(),
+            worker_jail: config.worker_jail,
         })
     }
 }

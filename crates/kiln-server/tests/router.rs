@@ -51,6 +51,7 @@ fn app(auth: bool) -> App {
         process_host: None,
         e2b: None,
         admission: Default::default(),
+        worker_jail: Default::default(),
     };
     let key = auth.then(|| {
         kiln_runtime::auth::create_key(data.path(), "test", None, Default::default())

@@ -410,7 +410,11 @@ fn servers(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Result<()
     if explicit("history_scale") || explicit("history_mixed_load") {
         crate::bench_history::run(&explicit, n, args.seconds, report)?;
     }
-    if explicit("fair_share") || explicit("frozen_worker") || explicit("memory_return") {
+    if explicit("fair_share")
+        || explicit("frozen_worker")
+        || explicit("memory_return")
+        || explicit("tenant_burst")
+    {
         crate::bench_fair::run(&explicit, n, report)?;
     }
     if explicit("rest_crud_soak") {

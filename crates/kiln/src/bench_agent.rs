@@ -120,6 +120,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         process_host: None,
         e2b: None,
         admission: Default::default(),
+        worker_jail: Default::default(),
         // Overhead, not quotas, is measured: every run keeps a session.
         quotas: kiln_runtime::quota::Quotas {
             sessions: 10_000,

@@ -7,6 +7,9 @@
 //!   overruns when the worker running it is stopped.
 //! - `memory_return`: worker memory before a 100-way burst, right after it, and each second
 //!   after, until it is back within 25 % (or 60 s pass).
+//! - `tenant_burst`: a 200-way burst of one tenant's one-shots (200 sandboxes, the default
+//!   executions quota of 16: the rest wait in the tenant's line), its errors and how long it
+//!   took, and a second tenant's `print(1)` while it runs.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -175,6 +178,9 @@ pub fn run(
     if explicit("memory_return") {
         report.insert("memory_return".into(), memory_return(&agent, workers)?);
     }
+    if explicit("tenant_burst") {
+        report.insert("tenant_burst".into(), tenant_burst(&agent, workers)?);
+    }
     Ok(())
 }
 
@@ -329,4 +335,65 @@ fn memory_return(agent: &ureq::Agent, workers: usize) -> anyhow::Result<Value> {
         "curve": curve,
     });
     Ok(figure)
+}
+
+/// A 200-way burst of one tenant (default quotas), and another tenant's `print(1)` meanwhile.
+fn tenant_burst(agent: &ureq::Agent, workers: usize) -> anyhow::Result<Value> {
+    const BURST: usize = 200;
+    let server = start(workers, &[&[], &[]])?;
+    let ids = (0..BURST)
+        .map(|_| server.create(agent, 0))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mine = server.create(agent, 1)?;
+    for _ in 0..20 {
+        server.exec(agent, 1, &mine, "print(1)", 10_000)?;
+    }
+    let running = std::sync::atomic::AtomicBool::new(true);
+    let started = Instant::now();
+    let (outcomes, other) = std::thread::scope(|scope| {
+        let other = scope.spawn(|| {
+            let mut samples = Vec::new();
+            let mut failed = 0;
+            while running.load(std::sync::atomic::Ordering::Relaxed) {
+                let t = Instant::now();
+                match server.exec(agent, 1, &mine, "print(1)", 10_000) {
+                    Ok(reply) if reply["stdout"] == "1\n" => samples.push(micros(t.elapsed())),
+                    _ => failed += 1,
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (samples, failed)
+        });
+        let burst: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let server = &server;
+                scope.spawn(move || {
+                    let t = Instant::now();
+                    let reply = server.exec(&self::agent(), 0, id, "print(1)", 60_000);
+                    (reply, t.elapsed())
+                })
+            })
+            .collect();
+        let outcomes: Vec<_> = burst.into_iter().filter_map(|h| h.join().ok()).collect();
+        running.store(false, std::sync::atomic::Ordering::Relaxed);
+        (outcomes, other.join())
+    });
+    let took = started.elapsed();
+    let errors = outcomes
+        .iter()
+        .filter(|(reply, _)| !matches!(reply, Ok(r) if r["stdout"] == "1\n"))
+        .count();
+    let latencies: Vec<f64> = outcomes.iter().map(|(_, t)| micros(*t)).collect();
+    let (samples, other_failed) = other.map_err(|_| anyhow::anyhow!("sampler panicked"))?;
+    anyhow::ensure!(!samples.is_empty(), "the other tenant got no answer");
+    Ok(json!({
+        "burst": BURST,
+        "workers": workers,
+        "errors": errors,
+        "burst_wall_ms": (took.as_secs_f64() * 1000.0).round(),
+        "burst_request": summary(latencies),
+        "other_tenant_print1": summary(samples),
+        "other_tenant_errors": other_failed,
+    }))
 }

@@ -160,7 +160,11 @@ fn page_scale(
             };
             let page: Value = serde_json::from_slice(&get(agent, base, &path)?)?;
             seen += page["history"].as_array().map_or(0, Vec::len);
-            cursor = page["nextCursor"].as_str().map(str::to_owned);
+            // `nextCursor`; servers before issue 32 §5 spelled it `next_cursor` only.
+            cursor = page["nextCursor"]
+                .as_str()
+                .or(page["next_cursor"].as_str())
+                .map(str::to_owned);
             match &cursor {
                 Some(c) => cursors.push(c.clone()),
                 None => break,

@@ -112,6 +112,9 @@ pub enum Command {
     /// Internal: serve as an executor worker on stdin/stdout.
     #[command(name = "__worker", hide = true)]
     Worker,
+    /// Internal: confine this process as a worker would, and say whether it could.
+    #[command(name = "__jail-probe", hide = true)]
+    JailProbe,
 }
 
 #[derive(Debug, Args)]

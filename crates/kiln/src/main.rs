@@ -65,7 +65,10 @@ fn no_error_backtraces() {
 fn parse() -> anyhow::Result<(Cli, config::FileConfig)> {
     use clap::{CommandFactory, FromArgMatches};
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if args.get(1).is_some_and(|a| a == "__worker") {
+    if args
+        .get(1)
+        .is_some_and(|a| a == "__worker" || a == "__jail-probe")
+    {
         return Ok((Cli::parse(), config::FileConfig::default()));
     }
     let file = config::FileConfig::load(&args)?;
@@ -205,6 +208,7 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
             data_dir: dir,
         } => keys(command, &data_dir(dir)?),
         Command::Worker => worker(),
+        Command::JailProbe => jail_probe(),
     }
 }
 
@@ -438,6 +442,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     config.env.retain(|(name, _)| name != "KILN_LOG_FORMAT");
     let format = if logs_json(&args) { "json" } else { "text" };
     config.env.push(("KILN_LOG_FORMAT".into(), format.into()));
+    let worker_jail = worker_jail(&mut config)?;
     let pool = kiln_executor::ExecutorPool::new(config);
     let linux = if args.linux {
         Some(linux_cmd::backend(&args.linux_args)?)
@@ -468,6 +473,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
         public_hosts: args.public_hosts,
         quotas,
+        worker_jail,
         admission: kiln_runtime::admission::AdmissionConfig {
             max_queue: args.exec_queue,
             max_wait: std::time::Duration::from_secs(args.exec_queue_wait),
@@ -607,6 +613,65 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `kiln __jail-probe`: confines itself as a worker does (namespaces, read-only mounts, the
+/// seccomp filter) and exits 0, or says why it could not.
+fn jail_probe() -> anyhow::Result<ExitCode> {
+    use kiln_executor::confine;
+    confine::isolate(&confine::writable_from_env()).context("could not isolate itself")?;
+    confine::restrict().context("could not install its seccomp filter")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The jail a server's workers run in: the policy for servers (`require` as root, unless
+/// `KILN_WORKER_JAIL` says otherwise), passed to every worker of `config`, and whether a
+/// worker can confine itself here (a probe process tries). A server that requires the jail
+/// and cannot have it refuses to start, saying why; one told `off` says so loudly.
+pub(crate) fn worker_jail(
+    config: &mut kiln_executor::PoolConfig,
+) -> anyhow::Result<kiln_executor::confine::JailReport> {
+    use kiln_executor::confine::{JAIL_ENV, JailReport, Policy, WRITABLE_ENV};
+    let policy = Policy::for_server();
+    config.env.retain(|(name, _)| name != JAIL_ENV);
+    config.env.push((JAIL_ENV.into(), policy.name().into()));
+    if policy == Policy::Off {
+        eprintln!(
+            "kiln: WARNING: executor workers run UNCONFINED ({JAIL_ENV}=off): no namespaces, no seccomp filter; code that escaped WebAssembly would act as kiln's own user on this host"
+        );
+        return Ok(JailReport {
+            policy,
+            confined: false,
+        });
+    }
+    let output = std::process::Command::new(&config.program)
+        .arg("__jail-probe")
+        .env_clear()
+        .envs(config.env.iter().map(|(k, v)| (k, v)))
+        .env(WRITABLE_ENV, serde_json::to_string(&config.writable)?)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .context("could not start the worker jail probe")?;
+    if output.status.success() {
+        return Ok(JailReport {
+            policy,
+            confined: true,
+        });
+    }
+    let said = String::from_utf8_lossy(&output.stderr);
+    let reason = said.trim().trim_start_matches("kiln: ");
+    if policy == Policy::Require {
+        anyhow::bail!(
+            "the executor workers cannot confine themselves here: {reason}. kiln runs as root (or {JAIL_ENV}=require), where it refuses to run guests in unconfined workers: allow user, mount and network namespaces and seccomp on this host, or set {JAIL_ENV}=off to run them unconfined (not recommended)"
+        );
+    }
+    tracing::warn!(
+        "the executor workers cannot confine themselves here and run without their jail: {reason} (set {JAIL_ENV}=off to silence this, or require to refuse)"
+    );
+    Ok(JailReport {
+        policy,
+        confined: false,
+    })
 }
 
 /// `kiln __worker`: serves the wasm backend to its pool over stdin and stdout.

@@ -149,6 +149,7 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     }
     crate::prepare_before_send(&mut pool_config);
     pool_config.writable.push(crate::made_dir(&dir)?);
+    crate::worker_jail(&mut pool_config)?;
     let pool = Arc::new(kiln_executor::ExecutorPool::new(pool_config));
     let mut config = RestConfig::new(args.listen, dir, planner);
     config.auth_token = args

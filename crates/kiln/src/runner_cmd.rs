@@ -84,6 +84,7 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
         pool.workers = workers.max(1);
     }
     crate::prepare_before_send(&mut pool);
+    crate::worker_jail(&mut pool)?;
     let config = kiln_runner::RunnerConfig {
         listen: args
             .listen

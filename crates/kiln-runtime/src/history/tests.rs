@@ -429,3 +429,165 @@ fn a_history_made_on_first_use_is_made_once_whoever_races() {
     assert!(recorded.commit_id.is_some());
     assert_eq!(other.entries(10).unwrap().len(), 2);
 }
+
+/// Every entry of a history, paging `limit` at a time from a fresh handle; also checks each
+/// page's cursor is its last commit and only the last page has none.
+fn page_through(git_dir: &Path, limit: usize) -> Vec<HistoryEntry> {
+    let history = History::open(git_dir).unwrap();
+    let mut all = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let (page, next) = history.page(limit, cursor.as_deref()).unwrap();
+        assert!(!page.is_empty() && page.len() <= limit);
+        all.extend(page.iter().cloned());
+        match next {
+            Some(next) => {
+                assert_eq!(page.len(), limit, "only a full page has a next one");
+                assert_eq!(Some(&next), page.last().map(|e| &e.commit_id));
+                cursor = Some(next);
+            }
+            None => return all,
+        }
+    }
+}
+
+/// Issue 32 §5: paging a long history (packs and loose objects, as a long-lived sandbox has)
+/// visits every change once, newest first, in pages that neither overlap nor skip; the last
+/// page ends with `initial` and has no cursor; entries read again (from memory) are the same
+/// as read the first time, and as read by a process that never saw them.
+#[test]
+fn pages_of_a_long_history_neither_overlap_nor_skip() {
+    let s = setup();
+    let git_dir = s.dir.path().join("history.git");
+    let head = s.history.append_uploads_for_bench(1, 4_999, 100).unwrap();
+    let packs = std::fs::read_dir(git_dir.join("objects/pack"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension() == Some(OsStr::new("pack")))
+        .count();
+    assert!(packs >= 3, "{packs} packs");
+
+    let all = page_through(&git_dir, 1000);
+    assert_eq!(all.len(), 5000);
+    assert_eq!(all[0].commit_id, head);
+    assert_eq!(all[0].id, format!("upload_{:024x}", 4999));
+    assert_eq!(all[0].files, ["f9.txt"]);
+    assert_eq!(all[4998].id, format!("upload_{:024x}", 1));
+    assert_eq!(all[4999].id, INITIAL_ID);
+    let mut ids: Vec<&str> = all.iter().map(|e| e.commit_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 5000, "an entry came twice");
+
+    // Odd page sizes, and a page size that divides the history exactly.
+    let by_7: Vec<String> = page_through(&git_dir, 7)
+        .into_iter()
+        .map(|e| e.commit_id)
+        .collect();
+    let by_1000: Vec<String> = all.iter().map(|e| e.commit_id.clone()).collect();
+    assert_eq!(by_7, by_1000);
+    assert_eq!(page_through(&git_dir, 5000).len(), 5000);
+    assert_eq!(page_through(&git_dir, 1).len(), 5000);
+
+    // Read again (now from memory), and by a handle whose process never read them.
+    assert_eq!(
+        serde_json::to_string(&page_through(&git_dir, 1000)).unwrap(),
+        serde_json::to_string(&all).unwrap()
+    );
+    forget(&git_dir);
+    let (page, next) = History::open(&git_dir)
+        .unwrap()
+        .page(1000, Some(&all[2999].commit_id))
+        .unwrap();
+    assert_eq!(page[0].commit_id, all[3000].commit_id);
+    assert_eq!(page.len(), 1000);
+    assert_eq!(next.as_deref(), Some(all[3999].commit_id.as_str()));
+    assert_eq!(
+        serde_json::to_string(&page).unwrap(),
+        serde_json::to_string(&all[3000..4000]).unwrap()
+    );
+}
+
+#[test]
+fn the_last_page_has_no_cursor() {
+    let s = setup();
+    for i in 0..4 {
+        std::fs::write(s.ws.join("n.txt"), i.to_string()).unwrap();
+        s.history.record(&s.tree, "n", &format!("e{i}")).unwrap();
+    }
+    // Five entries: a page of exactly five, of more, and the page after the fifth.
+    let (page, next) = s.history.page(5, None).unwrap();
+    assert_eq!((page.len(), next), (5, None));
+    let (page, next) = s.history.page(1000, None).unwrap();
+    assert_eq!((page.len(), next), (5, None));
+    let (page, next) = s.history.page(4, None).unwrap();
+    assert_eq!(next.as_deref(), Some(page[3].commit_id.as_str()));
+    let (last, next) = s.history.page(4, next.as_deref()).unwrap();
+    assert_eq!(last.len(), 1);
+    assert_eq!(last[0].id, INITIAL_ID);
+    assert_eq!(next, None);
+    // After the initial commit there is nothing.
+    let (none, next) = s.history.page(4, Some(&last[0].commit_id)).unwrap();
+    assert!(none.is_empty());
+    assert_eq!(next, None);
+}
+
+/// A cursor must be the full id of a commit of this repository: anything else (malformed,
+/// short, unknown, a tree or a blob) is `UnknownId`, which the API answers INVALID_CURSOR.
+#[test]
+fn bad_cursors_are_refused() {
+    let s = setup();
+    std::fs::write(s.ws.join("a.txt"), "a").unwrap();
+    s.history.record(&s.tree, "a", "e1").unwrap();
+    let head = s.history.head().unwrap();
+    let tree = head.tree_id().to_string();
+    let blob = head.tree().unwrap().get(0).unwrap().id().to_string();
+    let short = head.id().to_string()[..12].to_owned();
+    let unknown = "0123456789abcdef0123456789abcdef01234567".to_owned();
+    for cursor in [
+        "zz".to_owned(),
+        String::new(),
+        short,
+        format!("{}0", head.id()),
+        "g".repeat(40),
+        unknown,
+        tree,
+        blob,
+    ] {
+        match s.history.page(10, Some(&cursor)) {
+            Err(HistoryError::UnknownId(id)) => assert_eq!(id, cursor),
+            other => panic!("{cursor:?}: {other:?}"),
+        }
+    }
+    // The head's own id is a good cursor (uppercase too: it is the same commit).
+    let upper = head.id().to_string().to_uppercase();
+    assert_eq!(s.history.page(10, Some(&upper)).unwrap().0.len(), 1);
+}
+
+/// A commit that cannot be read (an object gone) is an error, never the end of the history:
+/// a page must not end early without saying so.
+#[test]
+fn an_unreadable_commit_is_an_error_not_the_end() {
+    let s = setup();
+    let git_dir = s.dir.path().join("history.git");
+    let mut commits = Vec::new();
+    for i in 0..3 {
+        std::fs::write(s.ws.join("n.txt"), i.to_string()).unwrap();
+        commits.push(
+            s.history
+                .record(&s.tree, "n", &format!("e{i}"))
+                .unwrap()
+                .commit_id
+                .unwrap(),
+        );
+    }
+    // The middle commit's loose object goes; a process that never read it pages.
+    let gone = &commits[1];
+    std::fs::remove_file(git_dir.join("objects").join(&gone[..2]).join(&gone[2..])).unwrap();
+    forget(&git_dir);
+    let history = History::open(&git_dir).unwrap();
+    assert!(matches!(history.page(10, None), Err(HistoryError::Git(_))));
+    // The page above it still says there is more.
+    let (page, next) = history.page(1, None).unwrap();
+    assert_eq!(page[0].commit_id, commits[2]);
+    assert_eq!(next.as_deref(), Some(commits[2].as_str()));
+}

@@ -312,14 +312,10 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
     let state = tempfile::tempdir()?;
     let state_dir = state.path().to_str().ok_or("path")?;
     // This host reaches the package index through a TLS-inspecting proxy whose CA only the
-    // host's bundle has.
-    let bundle = "/etc/ssl/certs/ca-certificates.crt";
+    // host's bundle has: boxes get the host's bundle by default (no KILN_BOX_CA_BUNDLE).
     let server = start(Options {
         extra: &["--linux"],
-        env: &[
-            ("KILN_STATE_DIR", state_dir),
-            ("KILN_BOX_CA_BUNDLE", bundle),
-        ],
+        env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
     let (status, created) = server.call(
@@ -494,13 +490,15 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
         Some(json!({"command": ["sh", "-c", "pip download -q --no-deps -d /tmp six==1.16.0 && ls /tmp | grep -c six"], "timeoutMs": 120000})),
     )?;
     assert_eq!(ran["stdout"], "1\n", "{ran}");
+    // pip's own exit code (not that of a pipe's last command) says it failed.
     let (_, ran) = server.call(
         "POST",
         &format!("/api/v1/sandboxes/{id}/exec"),
-        Some(json!({"command": ["sh", "-c", "pip download -q --no-deps -d /tmp six==1.16.0 2>&1 | tail -1; echo rc=$?"], "timeoutMs": 60000})),
+        Some(json!({"command": ["sh", "-c", "out=$(pip download -q --no-deps -d /tmp six==1.16.0 2>&1); rc=$?; echo \"$out\" | tail -1; echo pip-rc=$rc"], "timeoutMs": 60000})),
     )?;
+    let said = ran["stdout"].as_str().unwrap_or("");
     assert!(
-        !ran["stdout"].as_str().unwrap_or("").contains("Saved"),
+        said.contains("pip-rc=") && !said.contains("pip-rc=0") && !said.contains("Saved"),
         "no network by default: {ran}"
     );
     server.call("DELETE", &format!("/api/v1/sandboxes/{net_id}"), None)?;
@@ -718,5 +716,225 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
     let status = server.child.0.wait()?;
     assert!(status.success(), "kiln serve stopped with {status}");
     assert_eq!(mounted(), 0, "a volume stayed mounted after kiln stopped");
+    Ok(())
+}
+
+/// Runs `kiln exec --template debian --network allowlist` with `allow` as its list, in a mount
+/// namespace of its own whose `/etc/hosts` is `hosts`, so listed names resolve where the test
+/// says; the box asks the proxy for a CONNECT to each of `names` and prints each answer.
+fn through_the_proxy(state: &Path, hosts: &Path, allow: &str, names: &[&str]) -> String {
+    let script = format!(
+        "for h in {}; do printf '== %s\\n' $h; exec 3<>/dev/tcp/127.0.0.1/3128; \
+         printf 'CONNECT %s:443 HTTP/1.1\\r\\nHost: %s:443\\r\\n\\r\\n' $h $h >&3; \
+         timeout 15 head -c 400 <&3; echo; exec 3<&-; done",
+        names.join(" ")
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "--", "sh", "-c"])
+        .arg("mount --bind \"$0\" /etc/hosts && exec \"$@\"")
+        .arg(hosts)
+        .arg(kiln().get_program())
+        .args([
+            "exec",
+            "--template",
+            "debian",
+            "--network",
+            "allowlist",
+            "--",
+        ])
+        .args(["bash", "-c", &script])
+        .env("KILN_STATE_DIR", state)
+        .env("KILN_NETWORK_ALLOW", allow)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The proxy's answer to each name in `through_the_proxy`'s output.
+fn answers(out: &str) -> std::collections::HashMap<String, String> {
+    out.split("== ")
+        .filter_map(|part| part.split_once('\n'))
+        .map(|(name, answer)| (name.trim().to_string(), answer.to_string()))
+        .collect()
+}
+
+/// Issue 32: a listed name resolving to a private network's address (RFC 1918, CGNAT,
+/// unique-local IPv6) or to the host's own is refused by the proxy, with the reason, unless
+/// the operator lists that range or address; each name's own answer is checked.
+#[test]
+fn the_proxy_refuses_listed_names_that_lead_to_private_or_host_addresses() {
+    if skip() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let etc = tempfile::tempdir().unwrap();
+    // One of this host's own addresses that is neither loopback nor link-local.
+    let own = kiln_native::proxy::host_addresses()
+        .into_iter()
+        .find(|a| match a {
+            std::net::IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_link_local(),
+            std::net::IpAddr::V6(_) => false,
+        })
+        .expect("this host has an IPv4 address besides loopback");
+    let hosts = etc.path().join("hosts");
+    std::fs::write(
+        &hosts,
+        format!(
+            "127.0.0.1 localhost\n10.255.255.1 lan.test\n100.64.0.7 cgnat.test\n\
+             192.168.7.7 home.test\nfd00:1::7 ula.test\n{own} me.test\n"
+        ),
+    )
+    .unwrap();
+    let names = ["lan.test", "cgnat.test", "home.test", "ula.test", "me.test"];
+    let listed = names.join(",");
+
+    let out = through_the_proxy(state.path(), &hosts, &listed, &names);
+    let got = answers(&out);
+    for (name, reason) in [
+        (
+            "lan.test",
+            "10.255.255.1 is a private network's address (RFC 1918)",
+        ),
+        ("cgnat.test", "carrier-grade NAT"),
+        ("home.test", "192.168.7.7 is a private network's address"),
+        ("ula.test", "unique-local IPv6"),
+        ("me.test", "one of this host's own addresses"),
+    ] {
+        let answer = got.get(name).map(String::as_str).unwrap_or("");
+        assert!(
+            answer.starts_with("HTTP/1.1 403 Forbidden") && answer.contains(reason),
+            "{name}: {reason:?} not in {answer:?} ({out})"
+        );
+    }
+
+    // The operator opens a range, and the host's address by itself: those names go through
+    // (whatever the far end then answers); the others stay refused.
+    let out = through_the_proxy(
+        state.path(),
+        &hosts,
+        &format!("{listed},10.255.255.0/24,{own}"),
+        &["lan.test", "me.test", "home.test"],
+    );
+    let got = answers(&out);
+    for name in ["lan.test", "me.test"] {
+        let answer = got.get(name).map(String::as_str).unwrap_or("");
+        assert!(
+            !answer.contains("403 Forbidden") && !answer.contains("may not reach"),
+            "{name} should pass the address check: {answer:?} ({out})"
+        );
+    }
+    let answer = got.get("home.test").map(String::as_str).unwrap_or("");
+    assert!(answer.starts_with("HTTP/1.1 403 Forbidden"), "{out}");
+}
+
+/// Issue 32: boxes trust what the host trusts by default (its CA bundle, found as its tools
+/// find it), `--box-ca-bundle FILE` overrides it and `--box-ca-bundle none` turns it off.
+#[test]
+fn boxes_get_the_hosts_ca_bundle_unless_told_otherwise() {
+    if skip() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let host = kiln_native::boxes::host_ca_bundle().expect("this host has a CA bundle");
+    let show = [
+        "--template",
+        "debian",
+        "--",
+        "sh",
+        "-c",
+        "echo \"[$SSL_CERT_FILE] [$PIP_CERT]\"; cat /etc/ssl/certs/ca-certificates.crt",
+    ];
+    let (code, out, err) = run(state.path(), &show);
+    assert_eq!(code, 0, "{err}");
+    let (said, bundle) = out.split_once('\n').unwrap_or_default();
+    let path = "/etc/ssl/certs/ca-certificates.crt";
+    assert_eq!(said, format!("[{path}] [{path}]"));
+    assert_eq!(bundle, std::fs::read_to_string(&host).unwrap());
+
+    let mine = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(mine.path(), "-----BEGIN CERTIFICATE-----\nmine\n").unwrap();
+    // Readable by the box's user, as a CA bundle is.
+    std::fs::set_permissions(
+        mine.path(),
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o644),
+    )
+    .unwrap();
+    let mut args = vec!["--box-ca-bundle", mine.path().to_str().unwrap()];
+    args.extend(show);
+    let (code, out, err) = run(state.path(), &args);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.ends_with("\n-----BEGIN CERTIFICATE-----\nmine\n"),
+        "{out}"
+    );
+
+    let mut args = vec!["--box-ca-bundle", "none"];
+    args.extend(show);
+    let (code, out, err) = run(state.path(), &args);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("[] []\n"), "{out}");
+
+    let (code, _, err) = run(
+        state.path(),
+        &[
+            "--box-ca-bundle",
+            "/no/such/bundle.pem",
+            "--template",
+            "debian",
+            "--",
+            "true",
+        ],
+    );
+    assert_ne!(code, 0);
+    assert!(err.contains("--box-ca-bundle /no/such/bundle.pem"), "{err}");
+}
+
+/// Issue 32: a Linux sandbox whose disk the host cannot cover is refused at create (507),
+/// before any volume is made; `KILN_DISK_OVERCOMMIT` sets how far sizes may pass free space.
+#[test]
+fn kiln_serve_linux_refuses_a_disk_the_host_cannot_cover() -> crate::common::serve::TestResult {
+    if skip() {
+        return Ok(());
+    }
+    use crate::common::serve::{Options, start};
+    use serde_json::json;
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    // An overcommit this small covers no volume at all.
+    let server = start(Options {
+        extra: &["--linux"],
+        env: &[
+            ("KILN_STATE_DIR", state_dir),
+            ("KILN_DISK_OVERCOMMIT", "0.000001"),
+        ],
+        ..Options::default()
+    })?;
+    let (status, refused) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"image": "debian", "resources": {"disk_mb": 64}})),
+    )?;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (507, Some("INSUFFICIENT_STORAGE")),
+        "{refused}"
+    );
+    let sandboxes = server.data.join("sandboxes");
+    let left = std::fs::read_dir(&sandboxes).map_or(0, |d| d.count());
+    assert_eq!(left, 0, "a refused create left a folder");
+    // A WebAssembly sandbox has no volume and is made as before.
+    let (status, made) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"language": "python"})),
+    )?;
+    assert_eq!(status, 201, "{made}");
     Ok(())
 }

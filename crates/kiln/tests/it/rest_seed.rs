@@ -591,7 +591,8 @@ fn issue_32_file_cases() -> Vec<Case> {
 
 /// Carol's folder holds links planted from the host (a plan cannot make one: guarded `os`
 /// has no symlink, and pathlib.Path is refused): `other` -> `../alice` (Alice's folder),
-/// `passwd` -> `/etc/passwd`, and `inner` -> `a/b`, a link that stays inside.
+/// `passwd` -> `/etc/passwd` (in the guest, readlink refuses a link to an absolute path),
+/// `loop` -> `loop`, and `inner` -> `a/b`, a link that stays inside.
 fn issue_32_link_cases() -> Vec<Case> {
     let outside = "it leads outside the tenant's folder";
     vec![
@@ -646,6 +647,18 @@ fn issue_32_link_cases() -> Vec<Case> {
             "POLICY_VIOLATION",
             outside,
         ),
+        // A link to itself cannot be followed either.
+        note(
+            "get",
+            "return {'text': safe_open('loop/x').read()}",
+            "carol",
+            "GET /notes",
+        )
+        .fails(
+            403,
+            "POLICY_VIOLATION",
+            "the link 'loop' cannot be followed inside it",
+        ),
     ]
 }
 
@@ -673,6 +686,7 @@ async fn issue_32_safe_open_reads_writes_appends_and_nests_in_the_guest_and_refu
         ("other", "../alice"),
         ("passwd", "/etc/passwd"),
         ("inner", "a/b"),
+        ("loop", "loop"),
     ] {
         std::os::unix::fs::symlink(target, tenants.join("carol").join(link)).unwrap();
     }

@@ -1,7 +1,10 @@
 //! The WebAssembly workers of a started `kiln serve` confine themselves (issue 15's defence
 //! in depth): read from /proc as any operator would check a process.
 
-use crate::common::serve::{Options, TestResult, start};
+use std::os::unix::process::CommandExt;
+use std::time::{Duration, Instant};
+
+use crate::common::serve::{KillOnDrop, Options, TestResult, kiln, send, start};
 use serde_json::json;
 
 /// The `kiln __worker` processes whose parent is `parent`.
@@ -111,5 +114,148 @@ fn wasm_workers_run_with_no_network_a_read_only_host_and_a_seccomp_filter() -> T
             }
         }
     }
+    Ok(())
+}
+
+/// A seccomp filter refusing `unshare` (EPERM) and allowing everything else: a host where
+/// processes cannot make namespaces, as some container runtimes set up.
+fn no_unshare_filter() -> Result<seccompiler::BpfProgram, Box<dyn std::error::Error + Send + Sync>>
+{
+    let arch = std::env::consts::ARCH.try_into()?;
+    let filter = seccompiler::SeccompFilter::new(
+        [(libc::SYS_unshare, vec![])].into_iter().collect(),
+        seccompiler::SeccompAction::Allow,
+        seccompiler::SeccompAction::Errno(libc::EPERM as u32),
+        arch,
+    )?;
+    Ok(filter.try_into()?)
+}
+
+/// Starts `kiln serve --no-auth` on `port` under `filter`, with `env`; its stderr goes to
+/// `log`.
+fn serve_filtered(
+    filter: &seccompiler::BpfProgram,
+    data: &std::path::Path,
+    port: u16,
+    env: &[(&str, &str)],
+    log: &std::path::Path,
+) -> Result<KillOnDrop, Box<dyn std::error::Error + Send + Sync>> {
+    let mut command = kiln();
+    command
+        .args(["serve", "--no-auth", "--workers", "1", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--data-dir")
+        .arg(data)
+        .env_remove("KILN_WORKER_JAIL")
+        .envs(env.iter().copied())
+        .stderr(std::fs::File::create(log)?);
+    if !is_root() {
+        // Not root: the server default is `auto`; ask for what root gets.
+        command.env("KILN_WORKER_JAIL", "require");
+    }
+    let filter = filter.clone();
+    // SAFETY: between fork and exec only the two prctl calls seccompiler makes run; the
+    // program was built before the fork, so nothing allocates.
+    unsafe {
+        command.pre_exec(move || seccompiler::apply_filter(&filter).map_err(std::io::Error::other));
+    }
+    Ok(KillOnDrop(command.spawn()?))
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid takes no arguments and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn free_port() -> Result<u16, Box<dyn std::error::Error + Send + Sync>> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+#[test]
+fn issue32_a_server_says_whether_its_workers_are_confined() -> TestResult {
+    let server = start(Options::default())?;
+    let (status, ready) = server.call("GET", "/readyz", None)?;
+    assert_eq!(status, 200, "{ready}");
+    assert_eq!(ready["workers"]["confined"], true, "{ready}");
+    let policy = if is_root() { "require" } else { "auto" };
+    assert_eq!(ready["workers"]["jail"], policy, "{ready}");
+    let metrics = String::from_utf8(send("GET", &server.url("/metrics"), None, None)?.body)?;
+    let line = format!("kiln_workers_confined{{jail=\"{policy}\"}} 1");
+    assert!(metrics.contains(&line), "no {line} in\n{metrics}");
+    Ok(())
+}
+
+#[test]
+fn issue32_a_root_server_refuses_to_start_with_workers_it_cannot_confine() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let filter = no_unshare_filter()?;
+    let log = dir.path().join("refused.log");
+    let mut refused = serve_filtered(&filter, &dir.path().join("a"), free_port()?, &[], &log)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = refused.0.try_wait()? {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kiln serve started: {}",
+            std::fs::read_to_string(&log)?
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let said = std::fs::read_to_string(&log)?;
+    assert!(!status.success(), "{said}");
+    assert!(said.contains("cannot confine themselves"), "{said}");
+    assert!(said.contains("KILN_WORKER_JAIL=off"), "{said}");
+    // Told `off`, it starts, says so loudly, and /readyz says the workers are unconfined.
+    let log = dir.path().join("off.log");
+    let port = free_port()?;
+    let _off = serve_filtered(
+        &filter,
+        &dir.path().join("b"),
+        port,
+        &[("KILN_WORKER_JAIL", "off")],
+        &log,
+    )?;
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let ready = loop {
+        if let Ok(reply) = send("GET", &format!("{base}/readyz"), None, None)
+            && reply.status == 200
+        {
+            break reply.json();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{}",
+            std::fs::read_to_string(&log)?
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        ready["workers"],
+        json!({"confined": false, "jail": "off"}),
+        "{ready}"
+    );
+    assert!(std::fs::read_to_string(&log)?.contains("UNCONFINED"));
+    // It still runs code.
+    let created = send(
+        "POST",
+        &format!("{base}/api/v1/sandboxes"),
+        None,
+        Some(("application/json", b"{}")),
+    )?
+    .json();
+    let id = created["containerId"].as_str().ok_or("no id")?;
+    let ran = send(
+        "POST",
+        &format!("{base}/api/v1/sandboxes/{id}/exec"),
+        None,
+        Some(("application/json", br#"{"code": "print(6 * 7)"}"#)),
+    )?
+    .json();
+    assert_eq!(ran["stdout"], "42\n", "{ran}");
     Ok(())
 }
