@@ -8,6 +8,7 @@ tenant and one request at a time in it, so a read-modify-write never races anoth
 import json
 import os
 import re
+import stat
 
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
@@ -353,7 +354,10 @@ _OPEN_MODE = re.compile(r"^[rwax](?:[bt]?\+?|\+[bt])$")
 def tenant_opener(root):
     """safe_open(path, mode="r", encoding=None): open() confined to the tenant's folder.
     Relative paths only; no `..`, no names starting with `.` (kiln's own), nothing that
-    resolves outside the folder. Writing creates missing folders."""
+    resolves outside the folder (a link included). Writing creates missing folders, each
+    one under the tenant's folder: in the sandbox the tenant's folder is the only one the
+    guest may look at, so nothing above it is ever looked at (os.makedirs would stat its
+    way up to `/` and fail there)."""
     real_root = os.path.realpath(root)
 
     def safe_open(path, mode="r", encoding=None):
@@ -370,13 +374,52 @@ def tenant_opener(root):
         parts = [p for p in path.split("/") if p not in ("", ".")]
         if not parts or any(p.startswith(".") for p in parts):
             raise PolicyError(f"safe_open refuses {path!r}: no '..', and no names starting with '.'")
+        # Links are followed (in the guest, lstat above the tenant's folder fails, which
+        # realpath takes as "no link there"); where they lead must stay inside.
         full = os.path.realpath(os.path.join(real_root, *parts))
         if not full.startswith(real_root + "/"):
             raise PolicyError(f"safe_open refuses {path!r}: it leads outside the tenant's folder")
+        names = full[len(real_root) + 1:].split("/")
+        link = _unresolved_link(real_root, names)
+        if link is not None:
+            raise PolicyError(
+                f"safe_open refuses {path!r}: it leads outside the tenant's folder (the link {link!r} cannot be followed inside it)"
+            )
         if mode[0] != "r":
-            os.makedirs(os.path.dirname(full), exist_ok=True)
+            _make_folders(real_root, names[:-1])
         if "b" in mode:
             return open(full, mode)
         return open(full, mode, encoding=encoding or "utf-8")
 
     return safe_open
+
+
+def _unresolved_link(root, names):
+    """The first of root/names... that is a link, or that cannot be looked at (None when
+    none is). realpath resolves every link it can read, so one left in its answer is one it
+    could not: in the guest, a link to an absolute path (readlink is refused) or one that
+    loops."""
+    at = root
+    for name in names:
+        at = at + "/" + name
+        try:
+            mode = os.lstat(at).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # the rest does not exist yet; open() or the folders make it
+        except OSError:
+            return at[len(root) + 1:]
+        if stat.S_ISLNK(mode):
+            return at[len(root) + 1:]
+    return None
+
+
+def _make_folders(root, names):
+    """Makes root/names[0]/names[1]/... where missing, one folder at a time from `root`
+    down (never looking above it)."""
+    at = root
+    for name in names:
+        at = at + "/" + name
+        try:
+            os.mkdir(at)
+        except FileExistsError:
+            pass

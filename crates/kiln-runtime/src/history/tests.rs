@@ -591,3 +591,42 @@ fn an_unreadable_commit_is_an_error_not_the_end() {
     assert_eq!(page[0].commit_id, commits[2]);
     assert_eq!(next.as_deref(), Some(commits[2].as_str()));
 }
+
+#[test]
+#[ignore]
+fn zz_measure() {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let s = setup();
+    let git_dir = s.dir.path().join("history.git");
+    let mut commits = 1;
+    for target in [1000usize, 50_000] {
+        s.history
+            .append_uploads_for_bench(commits, target - commits, 100)
+            .unwrap();
+        commits = target;
+        let (mut cold, mut warm) = (Vec::new(), Vec::new());
+        for _ in 0..30 {
+            forget(&git_dir);
+            let t = std::time::Instant::now();
+            let h = History::open(&git_dir).unwrap();
+            let (p, _) = h.page(1000, None).unwrap();
+            cold.push(t.elapsed().as_secs_f64() * 1e3);
+            assert_eq!(p.len(), 1000);
+            let t = std::time::Instant::now();
+            let h = History::open(&git_dir).unwrap();
+            let (p, _) = h.page(1000, None).unwrap();
+            warm.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = std::time::Instant::now();
+            let _ = serde_json::to_vec(&p).unwrap();
+            let _ = t;
+        }
+        eprintln!(
+            "{target}: cold {:.3} ms warm {:.3} ms",
+            median(cold),
+            median(warm)
+        );
+    }
+}

@@ -91,6 +91,9 @@ fn failed(e: RuntimeError) -> Response {
             StatusCode::BAD_GATEWAY
         }
         RuntimeError::SandboxBusy { .. } => StatusCode::CONFLICT,
+        RuntimeError::QuotaExceeded { .. } | RuntimeError::ExecutionQueueFull { .. } => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
         RuntimeError::Saturated { .. } | RuntimeError::ExecutorLost { .. } => {
             StatusCode::SERVICE_UNAVAILABLE
         }

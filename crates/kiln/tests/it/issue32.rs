@@ -354,3 +354,78 @@ fn issue32_template_is_accepted_on_create_and_must_agree_with_image() -> TestRes
     assert_eq!(status, 400, "{created}");
     Ok(())
 }
+
+/// A request to the E2B facade at `base` for sandbox `e2b_id` on `port` with its token.
+fn sandbox_plane(
+    base: &str,
+    method: &str,
+    path: &str,
+    e2b_id: &str,
+    port: u16,
+    token: &str,
+) -> Res<(u16, Option<String>)> {
+    let request = ureq::request(method, &format!("{base}{path}"))
+        .timeout(Duration::from_secs(30))
+        .set("e2b-sandbox-id", e2b_id)
+        .set("e2b-sandbox-port", &port.to_string())
+        .set("x-access-token", token);
+    let response = match request.call() {
+        Ok(response) => response,
+        Err(ureq::Error::Status(_, response)) => response,
+        Err(e) => return Err(e.into()),
+    };
+    Ok((
+        response.status(),
+        response.header("retry-after").map(str::to_owned),
+    ))
+}
+
+#[test]
+fn issue32_the_e2b_sandbox_planes_take_the_keys_rate_limit() -> TestResult {
+    // Before: only the control plane was rate limited; envd and the code interpreter ran
+    // every request of a sandbox whatever its key's limit.
+    let e2b_port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let listen = format!("127.0.0.1:{e2b_port}");
+    let server = start(Options {
+        auth: true,
+        extra: &["--rate-limit", "1", "--e2b-listen", &listen],
+        ..Options::default()
+    })?;
+    let base = format!("http://{listen}");
+    let key = server.key.clone().ok_or("no key")?;
+    let created: Value = ureq::post(&format!("{base}/sandboxes"))
+        .set("x-api-key", &key)
+        .send_json(json!({"templateID": "code-interpreter-v1"}))?
+        .into_json()?;
+    let id = created["sandboxID"]
+        .as_str()
+        .ok_or("no sandboxID")?
+        .to_owned();
+    let token = created["envdAccessToken"]
+        .as_str()
+        .ok_or("no envdAccessToken")?
+        .to_owned();
+    for (port, path) in [(49983, "/files?path=missing.txt"), (49999, "/contexts")] {
+        // One a second, bursts of two: a quick run of six meets the limit.
+        std::thread::sleep(Duration::from_secs(3));
+        let answers = (0..6)
+            .map(|_| sandbox_plane(&base, "GET", path, &id, port, &token))
+            .collect::<Res<Vec<_>>>()?;
+        let limited: Vec<_> = answers
+            .iter()
+            .filter(|(status, _)| *status == 429)
+            .collect();
+        assert!(!limited.is_empty(), "port {port}: {answers:?}");
+        assert!(
+            limited.iter().all(|(_, retry)| retry.is_some()),
+            "port {port}: {answers:?}"
+        );
+        assert!(
+            answers.iter().any(|(status, _)| *status != 429),
+            "port {port}: {answers:?}"
+        );
+    }
+    Ok(())
+}
