@@ -351,7 +351,17 @@ mod tests {
             write_frame(&mut self.to, &request).await.unwrap();
         }
 
+        /// The next reply, past one-shots' `Started` (its own test checks it).
         async fn next(&mut self) -> Response {
+            loop {
+                let response = self.frame().await;
+                if !matches!(response.reply, Reply::Started) {
+                    return response;
+                }
+            }
+        }
+
+        async fn frame(&mut self) -> Response {
             read_frame(&mut self.from).await.unwrap()
         }
 
@@ -520,6 +530,51 @@ mod tests {
         let late = worker.next().await;
         assert!(matches!(late.reply, Reply::Chunk { .. }));
         assert_eq!(done(worker.next().await.reply).stdout, b"early\nlate\n");
+    }
+
+    #[tokio::test]
+    async fn a_one_shot_says_it_started_before_anything_else_and_a_turn_does_not() {
+        let mut worker = Worker::start();
+        worker
+            .send(1, Op::Exec(code("print early\nprint late")), true)
+            .await;
+        let first = worker.frame().await;
+        assert_eq!(first.id, 1);
+        assert!(matches!(first.reply, Reply::Started), "{first:?}");
+        let mut replies = Vec::new();
+        loop {
+            let response = worker.frame().await;
+            let last = matches!(response.reply, Reply::Done(_));
+            replies.push(response.reply);
+            if last {
+                break;
+            }
+        }
+        assert!(
+            !replies.iter().any(|r| matches!(r, Reply::Started)),
+            "{replies:?}"
+        );
+        let request = code("");
+        worker
+            .send(
+                2,
+                Op::OpenSession {
+                    session: 7,
+                    request,
+                },
+                false,
+            )
+            .await;
+        assert!(matches!(worker.frame().await.reply, Reply::Opened));
+        let turn = Op::Turn {
+            session: 7,
+            code: "print x".into(),
+            limits: Limits::default(),
+            door: false,
+        };
+        worker.send(3, turn, false).await;
+        let answer = worker.frame().await;
+        assert!(matches!(answer.reply, Reply::Done(_)), "{answer:?}");
     }
 
     #[tokio::test]

@@ -30,13 +30,11 @@ use std::time::{Duration, Instant};
 
 use kiln_core::backend::Door;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::process::Command;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::protocol::{
-    Op, RemoteError, Reply, Request, Response, Share, encode, read_frame, write_encoded,
-};
+use crate::protocol::{Op, RemoteError, Reply, Request, Response, Share, encode, read_frame};
 
 /// How often the pool pings each worker and checks its health.
 pub const HEARTBEAT: Duration = Duration::from_millis(250);
@@ -62,7 +60,8 @@ pub struct PoolConfig {
     /// How long past an execution's deadline the pool waits for its answer before it kills
     /// the worker. Default 1 s.
     pub grace: Duration,
-    /// A worker silent this long gets no new work while another answers. Default 1 s.
+    /// A worker silent this long gets no new work while another answers. Default 400 ms:
+    /// one heartbeat missed by more than 150 ms.
     pub stall_after: Duration,
     /// A worker silent this long is killed and replaced. Default 10 s.
     pub kill_after: Duration,
@@ -120,7 +119,7 @@ impl PoolConfig {
             writable: vec![std::env::temp_dir()],
             session_slots: 900,
             grace: Duration::from_secs(1),
-            stall_after: Duration::from_secs(1),
+            stall_after: HEARTBEAT + Duration::from_millis(150),
             kill_after: Duration::from_secs(10),
             recycle_idle: Duration::from_secs(10),
             recycle_slack_bytes: 24 << 20,
@@ -166,6 +165,10 @@ pub enum PoolError {
     /// The worker refused or failed the request.
     #[error("{}", .0.message)]
     Remote(RemoteError),
+    /// The worker died before the one-shot started (the pool runs it elsewhere; callers
+    /// see this only when no worker took it).
+    #[error("the executor worker died before the execution started; it has been replaced")]
+    NotStarted,
     /// The request cannot be sent to a worker: it is too large.
     #[error("the request is too large to send to a worker: {0}")]
     TooLarge(String),
@@ -227,6 +230,10 @@ struct Waiter {
     done: oneshot::Sender<Result<Reply, PoolError>>,
     chunks: Option<mpsc::UnboundedSender<Chunk>>,
     door: Option<Door>,
+    /// A one-shot, which may run elsewhere if its worker dies before it starts.
+    movable: bool,
+    /// The worker said it started (`Reply::Started`).
+    started: bool,
 }
 
 type Pending = Arc<Mutex<HashMap<u64, Waiter>>>;
@@ -340,8 +347,8 @@ impl std::fmt::Debug for ExecutorPool {
 
 /// What `call` failed with.
 enum CallError {
-    /// The request never reached the worker (it had just exited): its op, to send
-    /// elsewhere.
+    /// The request never reached the worker (it had just exited), or reached it and its
+    /// worker died before it started: its op, to send elsewhere.
     NotSent(Box<Op>),
     Failed(PoolError),
 }
@@ -420,7 +427,9 @@ impl ExecutorPool {
         }
         let deadline = Duration::from_millis(request.limits.timeout_ms);
         let mut op = Op::Exec(request);
-        // A worker that exited between being chosen and being sent to gets one retry.
+        // A worker that exited between being chosen and being sent to, or that died before
+        // the one-shot started, leaves it to another: as many tries as workers, and one.
+        let tries = inner.slots.len() + 1;
         for attempt in 0.. {
             let worker = inner.worker(inner.pick(Placing::OneShot)?)?;
             match inner.call(&worker, op, &mut options, Some(deadline)).await {
@@ -428,12 +437,8 @@ impl ExecutorPool {
                 Ok(Reply::Failed(error)) => return Err(PoolError::Remote(error)),
                 Ok(other) => return Err(unexpected(&other)),
                 Err(CallError::Failed(error)) => return Err(error),
-                Err(CallError::NotSent(back)) if attempt == 0 => op = *back,
-                Err(CallError::NotSent(_)) => {
-                    return Err(PoolError::WorkerLost(
-                        "the worker had already exited".into(),
-                    ));
-                }
+                Err(CallError::NotSent(back)) if attempt + 1 < tries => op = *back,
+                Err(CallError::NotSent(_)) => return Err(PoolError::NotStarted),
             }
         }
         unreachable!("the loop returns")
@@ -780,8 +785,20 @@ impl Inner {
         };
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         tokio::spawn(async move {
-            while let Some(body) = rx.recv().await {
-                if write_encoded(&mut stdin, &body).await.is_err() {
+            // Frames waiting together go out in one write, each with its length.
+            let mut batch = Vec::new();
+            while let Some(first) = rx.recv().await {
+                batch.clear();
+                let mut next = Some(first);
+                while let Some(body) = next.take() {
+                    let len = u32::try_from(body.len()).unwrap_or(u32::MAX);
+                    batch.extend_from_slice(&len.to_le_bytes());
+                    batch.extend_from_slice(&body);
+                    if batch.len() < 1 << 20 {
+                        next = rx.try_recv().ok();
+                    }
+                }
+                if stdin.write_all(&batch).await.is_err() || stdin.flush().await.is_err() {
                     break;
                 }
             }
@@ -896,6 +913,8 @@ impl Inner {
                     done: tx,
                     chunks: options.chunks.clone(),
                     door: options.door.clone(),
+                    movable: matches!(request.op, Op::Exec(_)),
+                    started: false,
                 },
             );
         if !worker.is_alive() || worker.tx.send(body).is_err() {
@@ -919,7 +938,11 @@ impl Inner {
         let mut cancel = options.cancel.take();
         let reply = loop {
             tokio::select! {
-                reply = &mut rx => break reply.unwrap_or_else(|_| closed()),
+                reply = &mut rx => match reply {
+                    // Its worker died before it began: it had no effect, and may run elsewhere.
+                    Ok(Err(PoolError::NotStarted)) => return Err(CallError::NotSent(Box::new(request.op))),
+                    reply => break reply.unwrap_or_else(|_| closed()),
+                },
                 Ok(()) = async { match cancel.as_mut() { Some(c) => c.await, None => std::future::pending().await } } => {
                     cancel = None;
                     if let Ok(frame) = encode(&Request { id: 0, op: Op::Cancel { target: id }, stream: false, share: None }) {
@@ -1043,9 +1066,11 @@ struct ReplyReader {
 /// then fails every request it still held and removes its temporary folder.
 async fn read_replies(
     reader: ReplyReader,
-    mut stdout: Box<dyn AsyncRead + Unpin + Send>,
+    stdout: Box<dyn AsyncRead + Unpin + Send>,
     exit: std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>,
 ) {
+    // Buffered: a frame's length and body, and frames written together, in one read.
+    let mut stdout = tokio::io::BufReader::with_capacity(64 << 10, stdout);
     while let Ok(response) = read_frame::<_, Response>(&mut stdout).await {
         reader.heard.store(
             u64::try_from(reader.epoch.elapsed().as_millis()).unwrap_or(u64::MAX),
@@ -1054,6 +1079,11 @@ async fn read_replies(
         let mut pending = reader.pending.lock().unwrap_or_else(|e| e.into_inner());
         match response.reply {
             Reply::Pong => {}
+            Reply::Started => {
+                if let Some(waiter) = pending.get_mut(&response.id) {
+                    waiter.started = true;
+                }
+            }
             Reply::Door { call, data } => {
                 let door = pending.get(&response.id).and_then(|w| w.door.clone());
                 answer_door(door, response.id, call, data, reader.answers.clone());
@@ -1082,7 +1112,12 @@ async fn read_replies(
         .drain()
         .collect();
     for (_, waiter) in waiters {
-        let _ = waiter.done.send(Err(PoolError::WorkerLost(status.clone())));
+        let lost = if waiter.movable && !waiter.started {
+            PoolError::NotStarted
+        } else {
+            PoolError::WorkerLost(status.clone())
+        };
+        let _ = waiter.done.send(Err(lost));
     }
 }
 

@@ -99,6 +99,9 @@ pub enum Reply {
         #[serde(with = "kiln_core::base64_bytes")]
         data: Vec<u8>,
     },
+    /// A one-shot began to run (it got its turn of the CPU): from here on it may have had
+    /// effects. A one-shot whose worker dies before this is run again on another worker.
+    Started,
     Done(ExecResult),
     /// The answer to `Ping`.
     Pong,

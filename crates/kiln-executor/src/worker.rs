@@ -10,13 +10,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kiln_core::backend::{Backend, BackendError, BackendSession, Door, OutputChunk};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use crate::fair::FairScheduler;
-use crate::protocol::{
-    Op, RemoteError, Reply, Request, Response, encode, read_frame, write_encoded,
-};
+use crate::protocol::{Op, RemoteError, Reply, Request, Response, encode, read_frame};
 
 /// The async runtime a worker runs on: `threads` threads (1: the current thread). It polls
 /// for I/O after every task poll rather than every 61: a guest's poll lasts up to an epoch
@@ -64,7 +62,7 @@ pub fn stdio_pipes() -> std::io::Result<(
 
 /// Serves requests read from `input` with `backend`, writing responses to `output`, until
 /// `input` closes.
-pub async fn serve<B, R, W>(backend: B, mut input: R, output: W)
+pub async fn serve<B, R, W>(backend: B, input: R, output: W)
 where
     B: Backend,
     R: AsyncRead + Unpin,
@@ -86,6 +84,8 @@ where
         door_calls: Arc::default(),
         tx,
     };
+    // Buffered: a frame's length and body, and frames sent together, in one read.
+    let mut input = tokio::io::BufReader::with_capacity(64 << 10, input);
     while let Ok(request) = read_frame::<_, Request>(&mut input).await {
         let received = Instant::now();
         if let Some((request, stop)) = worker.control(request) {
@@ -113,27 +113,47 @@ async fn write_responses<W: AsyncWrite + Unpin>(
     mut rx: mpsc::UnboundedReceiver<Response>,
     mut output: W,
 ) {
-    while let Some(response) = rx.recv().await {
-        let body = match encode(&response) {
-            Ok(body) => body,
-            // A reply too large for a frame fails alone, as a reply.
-            Err(error) => {
-                let failed = Response {
-                    id: response.id,
-                    reply: Reply::Failed(RemoteError {
-                        kind: "too_large".into(),
-                        message: format!("the result could not be sent: {error}"),
-                    }),
-                };
-                match encode(&failed) {
-                    Ok(body) => body,
-                    Err(_) => continue,
-                }
+    // Replies waiting together go out in one write (a one-shot's `Started` and its `Done`
+    // usually do): one system call instead of two per frame.
+    let mut batch = Vec::new();
+    while let Some(first) = rx.recv().await {
+        batch.clear();
+        let mut next = Some(first);
+        while let Some(response) = next.take() {
+            let Some(body) = encode_reply(&response) else {
+                continue;
+            };
+            let len = u32::try_from(body.len()).unwrap_or(u32::MAX);
+            batch.extend_from_slice(&len.to_le_bytes());
+            batch.extend_from_slice(&body);
+            if batch.len() < BATCH_BYTES {
+                next = rx.try_recv().ok();
             }
-        };
-        if write_encoded(&mut output, &body).await.is_err() {
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        if output.write_all(&batch).await.is_err() || output.flush().await.is_err() {
             break;
         }
+    }
+}
+
+/// Replies are gathered into one write up to this many bytes.
+const BATCH_BYTES: usize = 1 << 20;
+
+/// A reply's frame body; one too large for a frame fails alone, as a reply.
+fn encode_reply(response: &Response) -> Option<Vec<u8>> {
+    match encode(response) {
+        Ok(body) => Some(body),
+        Err(error) => encode(&Response {
+            id: response.id,
+            reply: Reply::Failed(RemoteError {
+                kind: "too_large".into(),
+                message: format!("the result could not be sent: {error}"),
+            }),
+        })
+        .ok(),
     }
 }
 
@@ -231,7 +251,16 @@ impl<B: Backend> Worker<B> {
             .map_or(("", 1), |s| (s.tenant.as_str(), s.weight));
         let deadline = op_timeout(&request.op).map(|t| received + t);
         let mut op = request.op;
+        let tx = self.tx.clone();
         let work = self.scheduler.wrap(tenant, weight, deadline, async {
+            // First polled with a run token: a one-shot starts now, and the pool learns it
+            // (one that never started is run elsewhere if this worker dies).
+            if matches!(op, Op::Exec(_)) {
+                let _ = tx.send(Response {
+                    id,
+                    reply: Reply::Started,
+                });
+            }
             // The deadline counts from arrival: time spent waiting for a turn of the CPU
             // comes off the guest's own clock.
             shorten_timeout(&mut op, received.elapsed());

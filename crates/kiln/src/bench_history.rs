@@ -123,61 +123,83 @@ fn measure(agent: &ureq::Agent, base: &str, id: &str, iterations: usize) -> anyh
     }))
 }
 
-/// Pages of 1 000 at 1 000 and at 50 000 commits: the first page, and a page from a cursor
-/// halfway down (the cursors found by paging through the whole history once, also timed:
-/// each page then read for the first time; the medians are of pages read again).
+/// The sizes `pages` compares.
+const PAGE_SCALE_COMMITS: [usize; 2] = [1000, 50_000];
+
+/// A sandbox whose history holds `commits` changes (uploads), made through the API for the
+/// first two and written into its repository for the rest.
+fn long_history(
+    agent: &ureq::Agent,
+    base: &str,
+    data: &Path,
+    commits: usize,
+) -> anyhow::Result<String> {
+    let id = sandbox(agent, base)?;
+    // The first upload makes the history (its initial commit and this one).
+    upload(agent, base, &id, "f0.txt", b"0")?;
+    let t = Instant::now();
+    kiln_runtime::history::History::open(&data.join("sandboxes").join(&id).join("history.git"))?
+        .append_uploads_for_bench(2, commits - 2, 100)?;
+    eprintln!(
+        "history_scale pages: {commits} commits (written in {:.1} s)",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(id)
+}
+
+/// Pages through a whole history once (each page then read for the first time), checking
+/// it holds `commits` entries; the time and every page's cursor.
+fn page_through(
+    agent: &ureq::Agent,
+    base: &str,
+    id: &str,
+    commits: usize,
+) -> anyhow::Result<(f64, Vec<String>)> {
+    let t = Instant::now();
+    let mut cursors = Vec::new();
+    let mut seen = 0;
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            None => format!("/api/v1/sandboxes/{id}/history"),
+            Some(c) => format!("/api/v1/sandboxes/{id}/history?cursor={c}"),
+        };
+        let page: Value = serde_json::from_slice(&get(agent, base, &path)?)?;
+        seen += page["history"].as_array().map_or(0, Vec::len);
+        // `nextCursor`; servers before issue 32 §5 spelled it `next_cursor` only.
+        cursor = page["nextCursor"]
+            .as_str()
+            .or(page["next_cursor"].as_str())
+            .map(str::to_owned);
+        match &cursor {
+            Some(c) => cursors.push(c.clone()),
+            None => break,
+        }
+    }
+    anyhow::ensure!(seen == commits, "paged through {seen} entries of {commits}");
+    Ok((t.elapsed().as_secs_f64() * 1000.0, cursors))
+}
+
+/// Pages of 1 000 at 1 000 and at 50 000 commits, two sandboxes measured in turn (so both
+/// see the same load): the first page (`/api/v1` and the seed route), and at 50 000 a page
+/// from a cursor halfway down. Each history is paged through once first, timed: every page
+/// then read for the first time; the medians are of pages read again.
 fn page_scale(
     agent: &ureq::Agent,
     base: &str,
     data: &Path,
     iterations: usize,
 ) -> anyhow::Result<Value> {
-    let id = sandbox(agent, base)?;
-    // The first upload makes the history (initial commit and this one).
-    upload(agent, base, &id, "f0.txt", b"0")?;
-    let history = kiln_runtime::history::History::open(
-        &data.join("sandboxes").join(&id).join("history.git"),
-    )?;
-    let mut commits = 2;
-    let mut out = serde_json::Map::new();
-    let mut medians = Vec::new();
-    for target in [1000, 50_000] {
-        let t = Instant::now();
-        history.append_uploads_for_bench(commits, target - commits, 100)?;
-        commits = target;
-        eprintln!(
-            "history_scale pages: {commits} commits (written in {:.1} s)",
-            t.elapsed().as_secs_f64()
-        );
-        // Once through the whole history, a page at a time, keeping every cursor.
-        let t = Instant::now();
-        let mut cursors = Vec::new();
-        let mut seen = 0;
-        let mut cursor: Option<String> = None;
-        loop {
-            let path = match &cursor {
-                None => format!("/api/v1/sandboxes/{id}/history"),
-                Some(c) => format!("/api/v1/sandboxes/{id}/history?cursor={c}"),
-            };
-            let page: Value = serde_json::from_slice(&get(agent, base, &path)?)?;
-            seen += page["history"].as_array().map_or(0, Vec::len);
-            // `nextCursor`; servers before issue 32 §5 spelled it `next_cursor` only.
-            cursor = page["nextCursor"]
-                .as_str()
-                .or(page["next_cursor"].as_str())
-                .map(str::to_owned);
-            match &cursor {
-                Some(c) => cursors.push(c.clone()),
-                None => break,
-            }
-        }
-        let walk_ms = t.elapsed().as_secs_f64() * 1000.0;
-        anyhow::ensure!(seen == commits, "paged through {seen} entries of {commits}");
+    let mut sandboxes = Vec::new();
+    for commits in PAGE_SCALE_COMMITS {
+        let id = long_history(agent, base, data, commits)?;
+        let (walk_ms, cursors) = page_through(agent, base, &id, commits)?;
         let middle = cursors.get(cursors.len().saturating_sub(1) / 2).cloned();
-        let mut first = Vec::new();
-        let mut seed = Vec::new();
-        let mut deep = Vec::new();
-        for _ in 0..iterations {
+        sandboxes.push((commits, id, walk_ms, cursors.len() + 1, middle));
+    }
+    let mut samples = vec![(Vec::new(), Vec::new(), Vec::new()); sandboxes.len()];
+    for _ in 0..iterations {
+        for ((_, id, _, _, middle), (first, seed, deep)) in sandboxes.iter().zip(&mut samples) {
             let t = Instant::now();
             get(agent, base, &format!("/api/v1/sandboxes/{id}/history"))?;
             first.push(micros(t.elapsed()));
@@ -188,7 +210,7 @@ fn page_scale(
                 &format!("/api/sandbox/{id}/history?limit=1000"),
             )?;
             seed.push(micros(t.elapsed()));
-            if let Some(c) = &middle {
+            if let Some(c) = middle {
                 let t = Instant::now();
                 get(
                     agent,
@@ -198,16 +220,19 @@ fn page_scale(
                 deep.push(micros(t.elapsed()));
             }
         }
+    }
+    let mut out = serde_json::Map::new();
+    let mut medians = Vec::new();
+    for ((commits, _, walk_ms, pages, _), (first, seed, deep)) in sandboxes.into_iter().zip(samples)
+    {
         let first = summary(first);
         medians.push(first["median_ms"].as_f64().unwrap_or(0.0));
         let mut at = json!({
             "first_page_1000": first,
             "seed_route_first_page_1000": summary(seed),
-            "pages": cursors.len() + 1,
+            "pages": pages,
             "whole_history_paged_ms": (walk_ms * 10.0).round() / 10.0,
-            // Each page read for the first time (nothing of it in the server's memory yet).
-            "first_read_page_mean_ms":
-                (walk_ms / (cursors.len() + 1) as f64 * 1000.0).round() / 1000.0,
+            "first_read_page_mean_ms": (walk_ms / pages as f64 * 1000.0).round() / 1000.0,
         });
         if !deep.is_empty() {
             at["middle_page_1000"] = summary(deep);
@@ -236,7 +261,7 @@ pub fn run(
     let base = server.base.clone();
     let agent = agent();
     if explicit("history_scale") {
-        let pages = page_scale(&agent, &base, &data, iterations.clamp(10, 50))?;
+        let pages = page_scale(&agent, &base, &data, iterations.clamp(20, 100))?;
         let id = sandbox(&agent, &base)?;
         let iterations = iterations.clamp(5, 50);
         let mut commits = 1;

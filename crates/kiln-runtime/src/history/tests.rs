@@ -595,6 +595,14 @@ fn an_unreadable_commit_is_an_error_not_the_end() {
 #[test]
 #[ignore]
 fn zz_measure() {
+    fn cpu() -> f64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        ts.tv_sec as f64 * 1e3 + ts.tv_nsec as f64 / 1e6
+    }
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -602,31 +610,42 @@ fn zz_measure() {
     let s = setup();
     let git_dir = s.dir.path().join("history.git");
     let mut commits = 1;
-    for target in [1000usize, 50_000] {
+    let layout: Vec<usize> = std::env::var("ZZ_SIZES")
+        .unwrap_or("1000,50000".into())
+        .split(',')
+        .map(|x| x.parse().unwrap())
+        .collect();
+    for target in layout {
         s.history
             .append_uploads_for_bench(commits, target - commits, 100)
             .unwrap();
         commits = target;
-        let (mut cold, mut warm) = (Vec::new(), Vec::new());
-        for _ in 0..30 {
+        let (mut cold, mut warm, mut json, mut open) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..40 {
             forget(&git_dir);
-            let t = std::time::Instant::now();
+            let t = cpu();
             let h = History::open(&git_dir).unwrap();
             let (p, _) = h.page(1000, None).unwrap();
-            cold.push(t.elapsed().as_secs_f64() * 1e3);
+            cold.push(cpu() - t);
             assert_eq!(p.len(), 1000);
-            let t = std::time::Instant::now();
+            let t = cpu();
             let h = History::open(&git_dir).unwrap();
+            let _ = h.repo.head().unwrap().target();
+            open.push(cpu() - t);
+            let t = cpu();
             let (p, _) = h.page(1000, None).unwrap();
-            warm.push(t.elapsed().as_secs_f64() * 1e3);
-            let t = std::time::Instant::now();
+            warm.push(cpu() - t);
+            let t = cpu();
             let _ = serde_json::to_vec(&p).unwrap();
-            let _ = t;
+            json.push(cpu() - t);
         }
         eprintln!(
-            "{target}: cold {:.3} ms warm {:.3} ms",
+            "{target}: cpu cold {:.3} ms open {:.3} warm page {:.3} ms json {:.3}",
             median(cold),
-            median(warm)
+            median(open),
+            median(warm),
+            median(json)
         );
     }
 }

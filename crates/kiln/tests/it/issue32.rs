@@ -429,3 +429,49 @@ fn issue32_the_e2b_sandbox_planes_take_the_keys_rate_limit() -> TestResult {
     }
     Ok(())
 }
+
+#[test]
+fn issue32_one_shots_held_by_a_worker_that_dies_before_starting_them_run_elsewhere() -> TestResult {
+    // Before: with one of two workers stopped, new execs were still routed to it for about a
+    // second, and those it held failed with EXECUTOR_LOST when it was killed.
+    let server = start(Options::default())?;
+    let ids = (0..8)
+        .map(|_| server.new_sandbox("python"))
+        .collect::<Res<Vec<_>>>()?;
+    for id in &ids {
+        let (status, _) = server.exec(id, json!({"code": "print(0)"}))?;
+        assert_eq!(status, 200);
+    }
+    let pids = crate::serve::worker_pids(&server);
+    assert_eq!(pids.len(), 2, "{pids:?}");
+    let stopped = pids[0] as i32;
+    // SAFETY: kill(2) on this test's own server's worker.
+    assert_eq!(unsafe { libc::kill(stopped, libc::SIGSTOP) }, 0);
+    // At once, before any heartbeat could be missed: some of these go to the stopped one.
+    let answers = std::thread::scope(|scope| {
+        let handles: Vec<_> = ids
+            .iter()
+            .enumerate()
+            .map(|(n, id)| {
+                let server = &server;
+                scope.spawn(move || server.exec(id, json!({"code": format!("print({n})")})))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(600));
+        // SAFETY: as above; the worker dies without having read what it was sent.
+        assert_eq!(unsafe { libc::kill(stopped, libc::SIGKILL) }, 0);
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| "panicked"))
+            .collect::<Vec<_>>()
+    });
+    for (n, answer) in answers.into_iter().enumerate() {
+        let (status, body) = answer??;
+        assert_eq!(
+            (status, body["stdout"].as_str()),
+            (200, Some(format!("{n}\n").as_str())),
+            "{body}"
+        );
+    }
+    Ok(())
+}

@@ -1271,7 +1271,7 @@ fn attack_kill_9_mid_burst_loses_no_acknowledged_change() -> TestResult {
 // ---------------------------------------------------------------- issue 13: fair sharing
 
 /// The worker processes of a server (children of any of its threads).
-fn worker_pids(server: &Server) -> Vec<u32> {
+pub(crate) fn worker_pids(server: &Server) -> Vec<u32> {
     let pid = server.child.0.id();
     let mut pids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
         .into_iter()
