@@ -443,6 +443,39 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
+    async fn a_tenant_of_weight_three_gets_three_times_the_cpu_of_one_of_weight_one() {
+        // Issue 32: the per-tenant CPU weight (`--cpu-weight`) had no test at any level.
+        let scheduler = FairScheduler::new(1);
+        let mut tasks = Vec::new();
+        for (tenant, weight) in [("light", 1), ("heavy", 3)] {
+            for _ in 0..3 {
+                tasks.push(tokio::spawn(scheduler.wrap(
+                    tenant,
+                    weight,
+                    None,
+                    busy(
+                        Duration::from_millis(1),
+                        5000,
+                        Arc::new(AtomicUsize::new(0)),
+                    ),
+                )));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let usage: HashMap<_, _> = scheduler.usage_ms().into_iter().collect();
+        let (light, heavy) = (usage["light"], usage["heavy"]);
+        // Decayed use over weight is what is levelled: heavy ≈ 3 × light.
+        let ratio = heavy / light;
+        assert!(
+            (2.2..=4.0).contains(&ratio),
+            "weight 3 used {heavy} ms, weight 1 {light} ms (ratio {ratio})"
+        );
+        for task in tasks {
+            task.abort();
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
     async fn dropped_waiters_pass_their_token_on() {
         let scheduler = FairScheduler::new(1);
         let gate = Arc::new(tokio::sync::Notify::new());

@@ -13,9 +13,12 @@
 //! deadline answers as timed out, and its worker is killed and replaced.
 //!
 //! **Memory.** A worker with no sessions and nothing in flight for
-//! [`PoolConfig::recycle_idle`] whose anonymous resident memory is more than
-//! [`PoolConfig::recycle_slack_bytes`] above what it had when it started is replaced by a
-//! fresh one (guest memory slots keep pages resident for speed; a burst leaves many).
+//! [`PoolConfig::recycle_idle`] is replaced by a fresh one when its anonymous resident memory
+//! is more than [`PoolConfig::recycle_slack_bytes`] above what it had when it started (guest
+//! memory slots keep pages resident for speed; a burst leaves many), or its whole resident
+//! memory more than a quarter (and 16 MiB) above what it had once warm, after its first
+//! answer (sessions that imported pandas leave ~60 MiB of the compiled module's pages mapped
+//! in each worker: clean and shared, but what `ps` and an operator see).
 //!
 //! A worker that dies (crash, abort, `kill -9`) fails exactly the requests and sessions it
 //! held, and its slot gets a fresh one.
@@ -257,6 +260,10 @@ struct Worker {
     idle_since_ms: AtomicU64,
     /// Anonymous resident memory at its first answer; 0 until then.
     base_anon: AtomicU64,
+    /// Resident memory once warm (idle after its first answered request); 0 until then.
+    warm_rss: AtomicU64,
+    /// Requests it answered (or that ended on it).
+    served: AtomicU64,
     /// Its temporary folder (removed when it exits).
     tmp: PathBuf,
 }
@@ -816,6 +823,8 @@ impl Inner {
             last_heard_ms: Arc::new(AtomicU64::new(self.now_ms())),
             idle_since_ms: AtomicU64::new(self.now_ms()),
             base_anon: AtomicU64::new(0),
+            warm_rss: AtomicU64::new(0),
+            served: AtomicU64::new(0),
             tmp,
         };
         tokio::spawn(read_replies(
@@ -995,6 +1004,7 @@ impl<'a> InFlight<'a> {
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
+        self.0.served.fetch_add(1, Ordering::Relaxed);
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -1142,12 +1152,15 @@ fn sweep_stale_worker_folders() {
     }
 }
 
-/// Anonymous resident memory of process `pid`, from `/proc`.
-fn rss_anon_bytes(pid: u32) -> Option<u64> {
+/// Anonymous and whole resident memory of process `pid`, from `/proc`.
+fn rss_bytes(pid: u32) -> Option<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("RssAnon:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    let field = |name: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    };
+    Some((field("RssAnon:")?, field("VmRSS:")?))
 }
 
 /// The pool's health loop: pings, stall and wedge detection, memory recycling. Ends with
@@ -1191,7 +1204,7 @@ async fn watch(pool: Weak<Inner>) {
             if !first && !ticks.is_multiple_of(4) {
                 continue;
             }
-            let Some(anon) = worker.pid.and_then(rss_anon_bytes) else {
+            let Some((anon, rss)) = worker.pid.and_then(rss_bytes) else {
                 continue;
             };
             if first {
@@ -1208,9 +1221,17 @@ async fn watch(pool: Weak<Inner>) {
                 worker.idle_since_ms.store(now, Ordering::Relaxed);
                 continue;
             }
+            let warm = worker.warm_rss.load(Ordering::Relaxed);
+            if warm == 0 && worker.served.load(Ordering::Relaxed) > 0 {
+                // Idle a second after its first answers: the figure to come back to.
+                worker.warm_rss.store(rss.max(1), Ordering::Relaxed);
+                continue;
+            }
             let base = worker.base_anon.load(Ordering::Relaxed);
+            let grown_anon = anon > base.saturating_add(inner.config.recycle_slack_bytes);
+            let grown_rss = warm > 0 && rss > warm.saturating_add((warm / 4).max(16 << 20));
             if u128::from(now.saturating_sub(since)) >= inner.config.recycle_idle.as_millis()
-                && anon > base.saturating_add(inner.config.recycle_slack_bytes)
+                && (grown_anon || grown_rss)
             {
                 inner.recycle(slot, &worker, anon, base);
             }

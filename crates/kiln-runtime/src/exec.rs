@@ -18,6 +18,10 @@ use crate::quota::Quotas;
 use crate::sandbox::{Registry, Sandbox, SandboxSpec, now_ms};
 use kiln_workspace::{RelPath, Tree};
 
+mod command_line;
+
+pub use command_line::{CommandLine, CommandLineError, CommandProgram, parse_command_line};
+
 /// The default longest single execution: 5 minutes (bounded by the sandbox's remaining
 /// lifetime). An operator sets another in `RuntimeConfig::max_exec_ms`
 /// (`kiln serve --max-exec-time`).
@@ -417,6 +421,10 @@ fn program_code(state: &Runtime, sandbox: &Sandbox, spec: &RunSpec) -> Result<St
     })
 }
 
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one run's parts, each from a different place in `run`"
+)]
 async fn run_in(
     state: &Runtime,
     sandbox: &Sandbox,
@@ -474,7 +482,7 @@ async fn run_in(
                 turn_limits.session_growth_bytes = Some(state.registry.grant_turn(
                     &sandbox.tenant,
                     &sandbox.id,
-                    &quotas,
+                    quotas,
                 ));
             }
             let ran = match state.pool_for(sandbox.template()) {

@@ -82,7 +82,7 @@ impl HistoryError {
 }
 
 /// One entry of a sandbox's history.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct HistoryEntry {
     /// The change's id: an execution id (`python_run_…`), `upload_…`, `delete_…`,
@@ -260,13 +260,30 @@ type CachedBlob = (u64, i64, i64, bool, Oid);
 /// commit never changes once written (its id is the hash of its content), so an entry read
 /// once holds for good: a page of entries already read reads no object at all, and a page's
 /// cost does not depend on the history's length. Bounded by the bytes it holds: over
-/// [`ENTRY_CACHE_REPO_BYTES`] (or all repositories' over [`ENTRY_CACHE_BYTES`]) it starts
-/// again, so a client paging through a long history keeps only its last pages.
+/// [`ENTRY_CACHE_REPO_BYTES`] it starts again (a client paging through a long history keeps
+/// its last pages); when all repositories' together would pass [`ENTRY_CACHE_BYTES`], all
+/// start again (the ones in use fill theirs again).
 #[derive(Debug, Default)]
 struct EntryCache {
     entries: HashMap<Oid, (HistoryEntry, Option<Oid>)>,
-    /// About what `entries` holds, in bytes ([`entry_bytes`]).
+    /// About what `entries` holds, in bytes ([`entry_bytes`]), also counted in
+    /// [`CACHED_ENTRY_BYTES`] until dropped.
     bytes: usize,
+}
+
+impl Drop for EntryCache {
+    fn drop(&mut self) {
+        CACHED_ENTRY_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// Empties every repository's [`EntryCache`].
+fn clear_entry_caches() {
+    let repos = REPOS.lock().unwrap_or_else(|e| e.into_inner());
+    for memory in repos.iter().flat_map(|r| r.values()) {
+        let mut cache = memory.entries.lock().unwrap_or_else(|e| e.into_inner());
+        *cache = EntryCache::default();
+    }
 }
 
 static REPOS: Mutex<Option<HashMap<PathBuf, Arc<RepoMemory>>>> = Mutex::new(None);
@@ -277,7 +294,8 @@ const STAT_CACHE_MAX: usize = 200_000;
 /// 16 pages of 1 000 of typical entries (one change's file list may be 1 000 names).
 static CACHED_ENTRY_BYTES: AtomicUsize = AtomicUsize::new(0);
 const ENTRY_CACHE_BYTES: usize = 64 << 20;
-const ENTRY_CACHE_REPO_BYTES: usize = 4 << 20;
+/// (Tests page through histories far larger than this, to see it start again.)
+const ENTRY_CACHE_REPO_BYTES: usize = if cfg!(test) { 64 << 10 } else { 4 << 20 };
 
 /// About the memory an entry takes in the cache.
 fn entry_bytes(entry: &HistoryEntry) -> usize {
@@ -341,14 +359,14 @@ impl RepoMemory {
 
     fn remember_entry(&self, oid: Oid, entry: &HistoryEntry, parent: Option<Oid>) {
         let bytes = entry_bytes(entry);
+        if CACHED_ENTRY_BYTES.load(Ordering::Relaxed) + bytes > ENTRY_CACHE_BYTES {
+            // Taken without this repository's lock held: `clear_entry_caches` takes `REPOS`
+            // first, then each cache's lock.
+            clear_entry_caches();
+        }
         let mut cache = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.bytes + bytes > ENTRY_CACHE_REPO_BYTES
-            || CACHED_ENTRY_BYTES.load(Ordering::Relaxed) + bytes > ENTRY_CACHE_BYTES
-        {
-            // Over a bound: this repository starts again (the others keep theirs).
-            CACHED_ENTRY_BYTES.fetch_sub(cache.bytes, Ordering::Relaxed);
-            cache.entries = HashMap::new();
-            cache.bytes = 0;
+        if cache.bytes + bytes > ENTRY_CACHE_REPO_BYTES {
+            *cache = EntryCache::default();
         }
         if cache.entries.insert(oid, (entry.clone(), parent)).is_none() {
             cache.bytes += bytes;
@@ -363,8 +381,7 @@ pub fn forget(git_dir: &Path) {
     if let Some(memory) = repos.as_mut().and_then(|r| r.remove(git_dir)) {
         let blobs = memory.blobs.lock().unwrap_or_else(|e| e.into_inner());
         CACHED_BLOBS.fetch_sub(blobs.len(), Ordering::Relaxed);
-        let entries = memory.entries.lock().unwrap_or_else(|e| e.into_inner());
-        CACHED_ENTRY_BYTES.fetch_sub(entries.bytes, Ordering::Relaxed);
+        // Its entries are given back when the last handle on it goes (`EntryCache::drop`).
     }
 }
 

@@ -17,7 +17,7 @@ use utoipa::ToSchema;
 use crate::AppState;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::exec::{self, PythonProgram, RunSpec, check_files, exec_prefix, python_launcher};
+use crate::exec::{self, CommandProgram, RunSpec, check_files, exec_prefix};
 use crate::history::{HistoryEntry, MAX_HISTORY};
 use crate::sandbox::{SandboxSpec, SandboxView, new_id, rfc3339, workspace_path};
 pub use kiln_runtime::sandbox::{MAX_LIFETIME_MS, MIN_LIFETIME_MS};
@@ -232,59 +232,29 @@ pub struct ExecReply {
 
 /// What a command asks to run.
 enum Program {
-    /// A workspace file, with its arguments.
+    /// A workspace file, with its arguments (the runtime launches it as the backend needs).
     File(String, Vec<String>),
     Inline(String),
     /// An argv, run as given (Linux templates).
     Command(Vec<String>),
 }
 
-fn parse_command(command: &[String]) -> Result<(Language, Program), ApiError> {
-    let unsupported = || {
+/// A command for a code template, read by the runtime's one parser of command lines. A bare
+/// `-c CODE` / `-e CODE` runs as the code itself, which every backend runs; code with
+/// arguments or a module runs through the launcher that gives it CPython's `sys.argv`.
+fn parse_command(command: &[String], home: &str) -> Result<(Language, Program), ApiError> {
+    let line = exec::parse_command_line(command).map_err(|e| {
         ApiError::bad_request(
             "UNSUPPORTED_COMMAND",
-            format!(
-                "unsupported command {command:?}; use [\"python\", FILE, ARG…], [\"python\", \"-c\", CODE, ARG…], [\"python\", \"-m\", MODULE, ARG…], [\"node\", FILE, ARG…] or [\"node\", \"-e\", CODE]"
-            ),
+            format!("unsupported command {command:?}: {e}"),
         )
+    })?;
+    let program = match line.program {
+        CommandProgram::File(file) => Program::File(file, line.args),
+        CommandProgram::Inline(code) if line.args.is_empty() => Program::Inline(code),
+        _ => Program::Inline(line.launcher_at(home)),
     };
-    let (program, rest) = command.split_first().ok_or_else(unsupported)?;
-    let (language, inline_flag) = match program.as_str() {
-        "python" | "python3" => (Language::Python, "-c"),
-        "node" | "nodejs" => (Language::JavaScript, "-e"),
-        _ => return Err(unsupported()),
-    };
-    let python = language == Language::Python;
-    let launch = |program: PythonProgram<'_>, args: &[String]| {
-        Program::Inline(python_launcher(&program, args))
-    };
-    match rest {
-        [flag, code] if flag == inline_flag => Ok((language, Program::Inline(code.clone()))),
-        [flag, code, args @ ..] if python && flag == "-c" => {
-            Ok((language, launch(PythonProgram::Inline(code), args)))
-        }
-        [flag, module, args @ ..] if python && flag == "-m" => {
-            let dotted = !module.is_empty()
-                && module.split('.').all(|part| {
-                    part.chars()
-                        .next()
-                        .is_some_and(|c| c.is_alphabetic() || c == '_')
-                        && part.chars().all(|c| c.is_alphanumeric() || c == '_')
-                });
-            if !dotted {
-                return Err(ApiError::bad_request(
-                    "UNSUPPORTED_COMMAND",
-                    format!("{module:?} is not a module name (pkg.mod)"),
-                ));
-            }
-            Ok((language, launch(PythonProgram::Module(module), args)))
-        }
-        [file] if !file.starts_with('-') => Ok((language, Program::File(file.clone(), Vec::new()))),
-        [file, args @ ..] if !file.starts_with('-') => {
-            Ok((language, Program::File(file.clone(), args.to_vec())))
-        }
-        _ => Err(unsupported()),
-    }
+    Ok((line.language, program))
 }
 
 /// Run a command in a sandbox's workspace. Files sent stay there; a change to the files is
@@ -324,7 +294,11 @@ pub async fn exec(
         }
         (sandbox.language, Program::Command(body.command.clone()))
     } else {
-        parse_command(&body.command)?
+        let home = sandbox
+            .workspace_at
+            .as_deref()
+            .unwrap_or(kiln_core::WORKSPACE_GUEST);
+        parse_command(&body.command, home)?
     };
     if language != sandbox.language {
         return Err(ApiError::bad_request(

@@ -123,3 +123,17 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
         ApiError::new(status, error.code(), error.to_string()).with_details(error.details())
     }
 }
+
+impl ApiError {
+    /// A runtime failure of what the request's body names (an execution's `session`): the
+    /// one override of the mapping above, since a session named in the body that does not
+    /// exist is a bad request (400), not a missing URL (404).
+    pub fn named_in_body(error: kiln_runtime::RuntimeError) -> ApiError {
+        match error {
+            e @ kiln_runtime::RuntimeError::SessionNotFound { .. } => {
+                ApiError::bad_request(e.code(), e.to_string()).with_details(e.details())
+            }
+            other => other.into(),
+        }
+    }
+}

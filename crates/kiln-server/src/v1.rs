@@ -27,7 +27,6 @@ use crate::api::{self, SandboxInfo};
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::exec::{self, CodeExec, RunOutcome, RunSpec};
-use kiln_runtime::RuntimeError;
 use kiln_runtime::files::{self, FileChange, FileList};
 use kiln_runtime::sessions::{self, SessionInfo};
 
@@ -392,13 +391,7 @@ pub fn spec(
     id: &str,
     body: Execute,
 ) -> Result<RunSpec, ApiError> {
-    exec::prepare(&state.runtime, caller, id, body.into_code()?).map_err(|e| match e {
-        // Named in the body: a bad request, not a missing URL.
-        e @ RuntimeError::SessionNotFound { .. } => {
-            ApiError::bad_request(e.code(), e.to_string()).with_details(e.details())
-        }
-        other => other.into(),
-    })
+    exec::prepare(&state.runtime, caller, id, body.into_code()?).map_err(ApiError::named_in_body)
 }
 
 /// Run code in a sandbox and wait for the result.

@@ -21,6 +21,9 @@ use crate::guest::{
 use crate::output::OutputChunk;
 use crate::warm::{Image, Slot};
 
+mod note;
+use note::rich_note;
+
 /// Where the stdlib zip's folder appears in the guest.
 const LIB_GUEST: &str = "/usr/local/lib";
 /// Where matplotlib looks for its data: beside its module inside the zip.
@@ -52,25 +55,6 @@ static RICH_SETUP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 
 /// Run after a session's turn once the guest has imported pyplot: open figures are shown.
 const RICH_AFTER: &str = "__kiln_rich__().after()";
-
-/// Ends a one-shot's code that may plot: figures left open come back as PNG results
-/// ([`RICH`]'s, compiled only when pyplot was imported). As a final statement it echoes
-/// nothing and leaves line numbers as they were.
-static ONESHOT_FIGURES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "if \"matplotlib.pyplot\" in __import__(\"sys\").modules: exec({RICH:?}, _kiln := {{}}); _kiln[\"make\"]().after()"
-    )
-});
-
-/// Whether a one-shot may leave figures open: its code names plotting (matplotlib, pyplot,
-/// `plt`, `df.plot`, seaborn), or runs a program kiln does not read here (a script or a
-/// module, through the launcher). Other one-shots skip the figures statement, which costs
-/// a fresh instance about 40 µs even when pyplot was never imported.
-fn may_plot(code: &str) -> bool {
-    ["plot", "plt", "seaborn", "__main__"]
-        .iter()
-        .any(|word| code.contains(word))
-}
 
 /// CPython's hint on a missing module when site initialisation is off, which misleads here:
 /// there is no site-packages to add.
@@ -152,21 +136,29 @@ del _kiln_reborn
 "#;
 
 /// Run once where a guest's memory is captured (priming, a warm template's warm-up), and
-/// before the first turn of a session that starts from neither: replaces the runtime's
-/// `_reactor._run_turn` (what its `turn` export calls for each turn's code) with kiln's.
+/// before the first turn of a session that starts from neither (or of a one-shot that shows
+/// something): replaces the runtime's `_reactor._run_turn` (what its `turn` export calls for
+/// each turn's code) with kiln's (`python/turns.py`, with [`RICH`] beside it).
 ///
 /// - A one-shot's code is compiled straight from its source. The runtime's parses every
 ///   turn into Python `ast` objects and compiles those, which only a REPL's echo needs: a
 ///   `print(1+1)` one-shot took 0.40 ms instead of 0.53 ms and wrote 250 pages of memory
 ///   instead of 433.
-/// - A session (whose rich setup sets `_reactor._kiln_echo`) echoes its final expression.
-///   A one-line simple statement compiles in `single` mode, which echoes an expression
-///   statement through `sys.displayhook` as the tree would, in half the time (`x += 1`:
-///   25–28 against 49 µs in a guest). Lines that could start a compound statement
-///   (`for x in y: x` would echo each `x`), or hold `;` (`1; 2` would echo both), take the
-///   tree; so does anything `single` rejects, which then fails as it always did. The tree
-///   is parsed with `compile` itself: a `SyntaxError` shows no frame of `ast.py`, as
-///   `python -c` shows none.
+/// - A one-shot whose code may show something ends with kiln's note of what
+///   ([`rich_note`]): its last statement's value comes back as the main result (not
+///   printed: `python -c` prints none), `display(...)` is defined, and once pyplot is
+///   imported `plt.show()` shows the open figures as PNG results (figures left open come
+///   back at the end). The last statement is compiled apart, as an expression, where the
+///   note says it starts (an extra compile of that statement alone); it is parsed from the
+///   tree only where it follows a `;`. Other one-shots pay nothing for it.
+/// - A session (whose rich setup sets `_reactor._kiln_echo`) shows its final expression as
+///   its main result. A one-line simple statement compiles in `single` mode, which sends an
+///   expression statement's value to `sys.displayhook` as the tree would, in half the time
+///   (`x += 1`: 25–28 against 49 µs in a guest). Lines that could start a compound
+///   statement (`for x in y: x` would show each `x`), or hold `;` (`1; 2` would show
+///   both), take the tree; so does anything `single` rejects, which then fails as it
+///   always did. The tree is parsed with `compile` itself: a `SyntaxError` shows no frame
+///   of `ast.py`, as `python -c` shows none.
 /// - Tracebacks find a turn's lines through `linecache._getlines_from_code` (what
 ///   `traceback` and `inspect` ask), from the turn's source kept under its name. The
 ///   runtime registered every code object of every turn in `linecache` (~12 µs a session
@@ -176,85 +168,16 @@ del _kiln_reborn
 ///   the last check (at least 256 KiB, counting 256 bytes an entry besides its text).
 ///
 /// kiln's code is named `<reactor>`, whose frames the runtime leaves out of tracebacks.
-/// Where the runtime has no such function (another build), nothing changes.
-pub(crate) const FAST_TURNS_DEF: &str = r#"exec(compile("""
-def _kiln_fast_turns():
-    import sys, linecache, _weakref
-    reactor = sys.modules.get("_reactor")
-    if getattr(reactor, "_run_turn", None) is None or hasattr(reactor, "_kiln_echo"):
-        return
-    modules = sys.modules
-    code_type = type(_kiln_fast_turns.__code__)
-    ref = _weakref.ref
-    sources = {}
-    kept = 0
-    limit = 1 << 18
-    compound = ("if", "elif", "else", "for", "while", "try", "except", "finally", "with",
-                "def", "class", "async", "match", "case", "@")
-    def remember(text, name, codes):
-        nonlocal kept
-        refs = []
-        for c in codes:
-            refs.append(ref(c))
-            for k in c.co_consts:
-                if type(k) is code_type:
-                    codes.append(k)
-        sources[name] = (text, refs)
-        kept += len(text) + 256
-        if kept > limit:
-            sweep(name)
-    def sweep(name):
-        nonlocal kept, limit
-        for old, (text, refs) in list(sources.items()):
-            if old != name and all(r() is None for r in refs):
-                del sources[old]
-                kept -= len(text) + 256
-        limit = max(1 << 18, 2 * kept)
-    plain_lines = linecache._getlines_from_code
-    def _getlines_from_code(code):
-        entry = sources.get(getattr(code, "co_filename", None))
-        if entry is None:
-            return plain_lines(code)
-        return [line + "\\n" for line in entry[0].splitlines()]
-    def echoed(text, name, main):
-        import ast
-        tree = compile(text, name, "exec", ast.PyCF_ONLY_AST)
-        codes = []
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = compile(ast.Expression(tree.body.pop().value), name, "eval")
-            codes.append(last)
-        code = compile(tree, name, "exec")
-        codes.append(code)
-        remember(text, name, codes)
-        exec(code, main)
-        if last is not None:
-            sys.displayhook(eval(last, main))
-    def _run_turn(text, name):
-        main = modules["__main__"].__dict__
-        if not reactor._kiln_echo:
-            code = compile(text, name, "exec")
-            remember(text, name, [code])
-            exec(code, main)
-            return
-        line = text.rstrip()
-        if line and "\\n" not in line and "\\r" not in line and ";" not in line and not line.startswith(compound):
-            try:
-                code = compile(text, name, "single")
-            except SyntaxError:
-                code = None
-            if code is not None:
-                remember(text, name, [code])
-                exec(code, main)
-                return
-        echoed(text, name, main)
-    linecache._getlines_from_code = _getlines_from_code
-    reactor._kiln_sources = sources
-    reactor._kiln_echo = False
-    reactor._run_turn = _run_turn
-_kiln_fast_turns()
-""", "<reactor>", "exec"), {"__name__": "_kiln_fast_turns"})
-"#;
+/// Where the runtime has no such function (another build), nothing changes. Both files are
+/// embedded as raw triple-quoted strings (neither holds three `'` in a row), so this stays
+/// a constant: the primed module's and warm images' keys hash it.
+pub(crate) const FAST_TURNS_DEF: &str = concat!(
+    "exec(compile(r'''",
+    include_str!("python/turns.py"),
+    "''', \"<reactor>\", \"exec\"), {\"__name__\": \"_kiln_fast_turns\", \"RICH\": r'''",
+    include_str!("python/rich.py"),
+    "'''})\n"
+);
 
 /// Calls [`REBIRTH_DEF`]'s function; `{ENV}` is the environment as one string literal
 /// (`NAME=value` entries joined by NUL, JSON-quoted, which is also a Python string literal:
@@ -324,6 +247,86 @@ impl Shell {
     }
 }
 
+/// Refuses a fresh start of a warm template's primed module under a memory cap its primed
+/// memory does not fit with room to run (as an image mapped in the warm engine must).
+fn check_primed_fits(
+    runtime: &PythonRuntime,
+    request: &ExecRequest,
+    origin: &Origin,
+) -> Result<(), ExecError> {
+    if let (Origin::Fresh, Some(primed)) = (origin, runtime.primed)
+        && primed.rebirth
+    {
+        let min_mib = (primed.memory_len as u64).div_ceil(1 << 20) + 64;
+        if request.limits.memory_bytes < min_mib << 20 {
+            return Err(ExecError::MemoryTooSmall {
+                language: Language::Python,
+                min_mib,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The WASI context of a guest of `request`: the standard library and matplotlib's data
+/// read-only, its private `/tmp`, the request's grants, stdin, environment and clock.
+fn guest_wasi(
+    runtime: &PythonRuntime,
+    request: &ExecRequest,
+    tmp: &PrivateTmp,
+    stdio: &Stdio,
+    clock_origin: Instant,
+) -> Result<wasmtime_wasi::p1::WasiP1Ctx, ExecError> {
+    let mut preopens = vec![
+        Preopen {
+            host: &runtime.lib_dir,
+            guest: LIB_GUEST,
+            writable: false,
+        },
+        Preopen {
+            host: &runtime.mpl_data_dir,
+            guest: MPL_DATA_GUEST,
+            writable: false,
+        },
+        Preopen {
+            host: tmp.path(),
+            guest: "/tmp",
+            writable: true,
+        },
+    ];
+    push_grants(request, &mut preopens);
+    let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
+    let clock = crate::guest::GuestClock(clock_origin);
+    Ok(wasi_context(
+        &preopens,
+        BASE_ENV,
+        request,
+        stdio,
+        stdin,
+        &["python"],
+        clock,
+    )?)
+}
+
+/// The instance a guest of `request` runs in: for a one-shot, one made ahead of time where
+/// one is ready; else a new one (a fresh one-shot's hot pages populated up front).
+async fn shell_for(
+    runtime: &PythonRuntime,
+    request: &ExecRequest,
+    echo: bool,
+    origin: &Origin,
+) -> Result<Shell, ExecError> {
+    let fresh_oneshot = !echo && matches!(origin, Origin::Fresh);
+    let ready = (fresh_oneshot && request.limits.fuel.is_none())
+        .then(|| runtime.ready.take())
+        .flatten();
+    tracing::trace!(target: "kiln::timing", ready = ready.is_some(), "python guest opening");
+    match ready {
+        Some(shell) => Ok(shell),
+        None => Shell::new(runtime, &request.limits, fresh_oneshot).await,
+    }
+}
+
 /// A live Python instance.
 pub(crate) struct PythonGuest {
     store: Store<GuestState>,
@@ -332,7 +335,8 @@ pub(crate) struct PythonGuest {
     _tmp: PrivateTmp,
     /// Why the instance can no longer be used, if it cannot.
     pub ended: Option<String>,
-    /// Whether a final expression's value is printed.
+    /// Whether the guest is a session's: each turn's final expression is its main result, as
+    /// in a notebook (a one-shot's is too where [`rich_note`] finds one, without a setup).
     echo: bool,
     /// Turns run through [`PythonGuest::turn`] (a session's first runs its setup before).
     turns: u64,
@@ -373,7 +377,7 @@ impl PythonGuest {
     }
 
     /// Instantiates the snapshot with the request's grants (its code is not run). With
-    /// `echo` (sessions), a final expression's value is printed as in a REPL; without
+    /// `echo` (sessions), a final expression's value is shown as in a notebook; without
     /// (one-shots), as in `python -c`, and a fresh instance's hot pages are populated up
     /// front. A guest started from an image or forked (`origin`) must be opened with the
     /// warm engine's runtime ([`WasmEngine::warm_python`]).
@@ -384,19 +388,7 @@ impl PythonGuest {
         echo: bool,
         origin: Origin,
     ) -> Result<PythonGuest, ExecError> {
-        // A warm template's primed memory must fit the cap with room to run, as an image
-        // mapped in the warm engine must.
-        if let (Origin::Fresh, Some(primed)) = (&origin, runtime.primed)
-            && primed.rebirth
-        {
-            let min_mib = (primed.memory_len as u64).div_ceil(1 << 20) + 64;
-            if request.limits.memory_bytes < min_mib << 20 {
-                return Err(ExecError::MemoryTooSmall {
-                    language: Language::Python,
-                    min_mib,
-                });
-            }
-        }
+        check_primed_fits(runtime, request, &origin)?;
         let slot = match origin {
             Origin::Fresh => None,
             _ => Some(engine.warm_variant()?.take_slot()?),
@@ -410,55 +402,12 @@ impl PythonGuest {
         let tmp = engine.private_tmp().map_err(ExecError::Tmp)?;
         let stdio = Stdio::new(&request.limits);
         stdio.stderr.set_reword(SITE_HINT, PACKAGES_HINT);
-        let mut preopens = vec![
-            Preopen {
-                host: &runtime.lib_dir,
-                guest: LIB_GUEST,
-                writable: false,
-            },
-            Preopen {
-                host: &runtime.mpl_data_dir,
-                guest: MPL_DATA_GUEST,
-                writable: false,
-            },
-            Preopen {
-                host: tmp.path(),
-                guest: "/tmp",
-                writable: true,
-            },
-        ];
-        push_grants(request, &mut preopens);
-        let stdin = Box::new(MemoryInputPipe::new(request.stdin.clone()));
-        let clock = crate::guest::GuestClock(clock_origin);
-        let wasi = wasi_context(
-            &preopens,
-            BASE_ENV,
-            request,
-            &stdio,
-            stdin,
-            &["python"],
-            clock,
-        )?;
-        // A one-shot takes an instance made ahead of time where one is ready.
-        let ready = (!echo && matches!(origin, Origin::Fresh) && request.limits.fuel.is_none())
-            .then(|| runtime.ready.take())
-            .flatten();
-        tracing::trace!(target: "kiln::timing", ready = ready.is_some(), "python guest opening");
+        let wasi = guest_wasi(runtime, request, &tmp, &stdio, clock_origin)?;
         let Shell {
             mut store,
             exports,
             instance,
-        } = match ready {
-            Some(shell) => shell,
-            None => {
-                Shell::new(
-                    runtime,
-                    &request.limits,
-                    !echo && matches!(origin, Origin::Fresh),
-                )
-                .await?
-            }
-        };
+        } = shell_for(runtime, request, echo, &origin).await?;
         crate::guest::dress_store(&mut store, wasi, &request.limits);
         store.data_mut().displays = Some(stdio.displays.clone());
         let mut guest = PythonGuest {
@@ -477,21 +426,34 @@ impl PythonGuest {
             clock_origin,
             _slot: slot,
         };
+        guest.start(runtime, origin, &instance, request).await?;
+        Ok(guest)
+    }
+
+    /// Makes a new guest's memory its own before its first turn: a warm or forked start's
+    /// ([`PythonGuest::adopt`]), a primed one's folders and environment; then enters the
+    /// request's workspace.
+    async fn start(
+        &mut self,
+        runtime: &PythonRuntime,
+        origin: Origin,
+        instance: &wasmtime::Instance,
+        request: &ExecRequest,
+    ) -> Result<(), ExecError> {
         if !matches!(origin, Origin::Fresh) {
-            guest.adopt(origin, &instance, request).await?;
+            self.adopt(origin, instance, request).await?;
         } else if let Some(primed) = runtime.primed {
             // Its wasi-libc knew the priming run's folders: it asks for this guest's.
-            guest.reset_preopens(&instance).await?;
+            self.reset_preopens(instance).await?;
             if primed.rebirth {
-                guest.rebirth(request, true).await?;
+                self.rebirth(request, true).await?;
             }
         }
         if request.workspace.is_some() {
-            guest
-                .enter(request.workspace_guest(), &request.limits)
+            self.enter(request.workspace_guest(), &request.limits)
                 .await?;
         }
-        Ok(guest)
+        Ok(())
     }
 
     /// Makes `at` the guest's working directory before its next turn: one call of wasi-libc's
@@ -723,8 +685,13 @@ impl PythonGuest {
                 .await?;
             self.line_buffered = true;
         }
+        let code: std::borrow::Cow<'_, str> = if self.echo {
+            code.into()
+        } else {
+            self.oneshot_code(code, limits).await?.into()
+        };
         self.set_fuel(budget)?;
-        let mut result = self.run_turn(code, limits, listener.clone()).await?;
+        let mut result = self.run_turn(&code, limits, listener.clone()).await?;
         if self.echo && self.ended.is_none() && self.stdio.displays.armed() {
             // Figures the turn left open; what this says on stderr follows the turn's own.
             self.set_fuel(self.kiln_fuel())?;
@@ -735,6 +702,36 @@ impl PythonGuest {
         Ok(result)
     }
 
+    /// Runs kiln's own `code` (what a captured memory is made of: priming, a warm-up) as a
+    /// one-shot's turn with no note ([`PythonGuest::oneshot_code`]): nothing is shown, and
+    /// nothing a note sets up (`display`, a watch for pyplot) stays in the memory.
+    pub async fn plain_turn(
+        &mut self,
+        code: &str,
+        limits: &Limits,
+    ) -> Result<ExecResult, ExecError> {
+        let budget = self.budget(limits)?;
+        self.turns += 1;
+        self.set_fuel(budget)?;
+        self.run_turn(&format!("{code}\npass"), limits, None).await
+    }
+
+    /// What a one-shot's turn runs: its code, then a line that leaves its line numbers as
+    /// they were and shows nothing. That is kiln's note of what the code may show
+    /// ([`rich_note`]), which kiln's turn reads (a guest that started without it gets it
+    /// first), or else `pass` (the runtime's own turn would echo a final expression).
+    async fn oneshot_code(&mut self, code: &str, limits: &Limits) -> Result<String, ExecError> {
+        let Some(note) = rich_note(code) else {
+            return Ok(format!("{code}\npass"));
+        };
+        if !self.kiln_turns {
+            self.setup_turn(FAST_TURNS_DEF, limits, "rich results")
+                .await?;
+            self.kiln_turns = true;
+        }
+        Ok(format!("{code}\n#kiln:rich {note}"))
+    }
+
     /// Runs kiln's own setup `code` as a turn of its own; a failure says what it set up.
     async fn setup_turn(
         &mut self,
@@ -743,7 +740,13 @@ impl PythonGuest {
         what: &str,
     ) -> Result<(), ExecError> {
         self.set_fuel(self.kiln_fuel())?;
-        let result = self.run_turn(code, limits, None).await?;
+        // A one-shot's guest may run the runtime's own turn, which echoes a final expression.
+        let code: std::borrow::Cow<'_, str> = if self.echo {
+            code.into()
+        } else {
+            format!("{code}\npass").into()
+        };
+        let result = self.run_turn(&code, limits, None).await?;
         if result.success() {
             return Ok(());
         }
@@ -800,16 +803,6 @@ impl PythonGuest {
         let started = Instant::now();
         ensure_alive(&self.ended)?;
         let (deadline, clock_base) = begin_turn(&mut self.store, &self.stdio, limits, listener);
-
-        // `turn` echoes a final expression; a one-shot ends with a final statement that
-        // echoes nothing and leaves line numbers as they were: kiln's figures, or `pass`.
-        let code: std::borrow::Cow<'_, str> = if self.echo {
-            code.into()
-        } else if may_plot(code) {
-            format!("{code}\n{}", *ONESHOT_FIGURES).into()
-        } else {
-            format!("{code}\npass").into()
-        };
         let len = i32::try_from(code.len()).map_err(|_| ExecError::CodeTooLarge {
             bytes: code.len(),
             max: crate::engine::MAX_CODE_BYTES,

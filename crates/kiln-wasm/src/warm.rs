@@ -261,7 +261,7 @@ impl WasmEngine {
         };
         let mut guest = PythonGuest::open(self, runtime, &request, false, Origin::Fresh).await?;
         for (code, what) in turns {
-            let result = guest.turn(code, &request.limits, None).await?;
+            let result = guest.plain_turn(code, &request.limits).await?;
             if !result.success() {
                 return Err(instantiate_error(
                     Language::Python,

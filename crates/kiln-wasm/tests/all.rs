@@ -1998,3 +1998,36 @@ async fn a_first_run_compiles_its_runtime_off_the_callers_thread() -> TestResult
     );
     Ok(())
 }
+
+#[tokio::test]
+#[ignore = "scratch timing"]
+async fn zz_scratch_time_rich_oneshots() -> TestResult {
+    let engine = engine();
+    for code in [
+        "print(1+1)",
+        "x = 6\nx * 7",
+        "x = 6\nx * 7\nNone",
+        "f()",
+        "display(1)",
+        "print(1+1)\n1; 2",
+        "x = 1\nplt = 2\nprint(x)",
+    ] {
+        let code = if code == "f()" {
+            "def f(): pass\nf()"
+        } else {
+            code
+        };
+        for _ in 0..30 {
+            engine.execute(&py(code)).await?;
+        }
+        let mut samples = Vec::new();
+        for _ in 0..300 {
+            let t = Instant::now();
+            engine.execute(&py(code)).await?;
+            samples.push(t.elapsed());
+        }
+        samples.sort();
+        println!("{code:?}: median {:?} p90 {:?}", samples[150], samples[270]);
+    }
+    Ok(())
+}

@@ -414,6 +414,7 @@ fn servers(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Result<()
         || explicit("frozen_worker")
         || explicit("memory_return")
         || explicit("tenant_burst")
+        || explicit("session_memory_return")
     {
         crate::bench_fair::run(&explicit, n, report)?;
     }

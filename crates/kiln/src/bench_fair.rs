@@ -7,6 +7,8 @@
 //!   overruns when the worker running it is stopped.
 //! - `memory_return`: worker memory before a 100-way burst, right after it, and each second
 //!   after, until it is back within 25 % (or 60 s pass).
+//! - `session_memory_return`: worker memory before four sandboxes' pandas sessions, with
+//!   them, and each second after the sandboxes are deleted, until it is back within 25 %.
 //! - `tenant_burst`: a 200-way burst of one tenant's one-shots (200 sandboxes, the default
 //!   executions quota of 16: the rest wait in the tenant's line), its errors and how long it
 //!   took, and a second tenant's `print(1)` while it runs.
@@ -177,6 +179,12 @@ pub fn run(
     }
     if explicit("memory_return") {
         report.insert("memory_return".into(), memory_return(&agent, workers)?);
+    }
+    if explicit("session_memory_return") {
+        report.insert(
+            "session_memory_return".into(),
+            session_memory_return(&agent, workers)?,
+        );
     }
     if explicit("tenant_burst") {
         report.insert("tenant_burst".into(), tenant_burst(&agent, workers)?);
@@ -395,5 +403,73 @@ fn tenant_burst(agent: &ureq::Agent, workers: usize) -> anyhow::Result<Value> {
         "burst_request": summary(latencies),
         "other_tenant_print1": summary(samples),
         "other_tenant_errors": other_failed,
+    }))
+}
+
+/// Worker memory before, with and after four sandboxes' pandas sessions (deleted, as the
+/// reaper does at the end of their lifetime), sampled each second until back within 25 %.
+fn session_memory_return(agent: &ureq::Agent, workers: usize) -> anyhow::Result<Value> {
+    let server = start(workers, &[&[]])?;
+    // Every worker answers once (at once, so each gets one) and settles: warm.
+    let warm = (0..workers * 2)
+        .map(|_| server.create(agent, 0))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    std::thread::scope(|scope| {
+        for id in &warm {
+            let server = &server;
+            scope.spawn(move || server.exec(agent, 0, id, "print(1)", 10_000));
+        }
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let worker_rss = || -> Vec<f64> { server.workers().into_iter().map(rss_mib).collect() };
+    let baseline = worker_rss();
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        let id = server.create(agent, 0)?;
+        for _ in 0..2 {
+            let opened = server.post(
+                agent,
+                0,
+                &format!("/api/v1/sandboxes/{id}/sessions"),
+                &json!({}),
+            )?;
+            let session = opened["sessionId"].as_str().context("no sessionId")?;
+            let ran = server.post(
+                agent,
+                0,
+                &format!("/api/v1/sandboxes/{id}/exec"),
+                &json!({"sessionId": session, "timeoutMs": 60_000, "code":
+                    "import pandas as pd\ndf = pd.DataFrame({'a': range(200000)})\nprint(int(df.a.sum()))"}),
+            )?;
+            anyhow::ensure!(ran["stdout"] == "19999900000\n", "unexpected {ran}");
+        }
+        ids.push(id);
+    }
+    let with_sessions = worker_rss();
+    for id in &ids {
+        agent
+            .delete(&format!("{}/api/v1/sandboxes/{id}", server.base))
+            .set("authorization", &format!("Bearer {}", server.keys[0]))
+            .call()?;
+    }
+    let idle_from = Instant::now();
+    let limit = baseline.iter().sum::<f64>() * 1.25;
+    let mut curve = Vec::new();
+    let mut back_after = None;
+    while idle_from.elapsed() < Duration::from_secs(45) {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = worker_rss();
+        curve.push(json!({"t_s": idle_from.elapsed().as_secs(), "workers_rss_mib": now}));
+        if now.iter().sum::<f64>() <= limit {
+            back_after = Some(idle_from.elapsed().as_secs());
+            break;
+        }
+    }
+    Ok(json!({
+        "sessions": 8,
+        "workers_rss_mib_baseline": baseline,
+        "workers_rss_mib_with_sessions": with_sessions,
+        "within_25_percent_after_s": back_after,
+        "curve": curve,
     }))
 }

@@ -379,14 +379,20 @@ pub struct LinuxArgs {
     #[arg(long, env = "KILN_DEBIAN_MIRROR")]
     pub debian_mirror: Option<String>,
     /// A host name (or *.domain) boxes with `network: allowlist` may reach on ports 80 and
-    /// 443; repeatable. Default: pypi.org, files.pythonhosted.org, registry.npmjs.org.
+    /// 443; repeatable. Default: pypi.org, files.pythonhosted.org, registry.npmjs.org. A
+    /// name that resolves to a private (RFC 1918, 100.64/10, fc00::/7) or this host's own
+    /// address is refused unless that address or its range (`10.20.0.0/16`, `192.168.1.20`)
+    /// is listed too; loopback, link-local and multicast never are.
     #[arg(
         long = "network-allow",
         env = "KILN_NETWORK_ALLOW",
         value_delimiter = ','
     )]
     pub network_allow: Vec<String>,
-    /// A CA bundle bound over the boxes' own, for hosts behind a TLS-inspecting proxy.
+    /// The CA bundle bound over the boxes' own, so boxes trust what the host trusts (a
+    /// TLS-inspecting proxy's CA included). Default: the host's (SSL_CERT_FILE, else the
+    /// first of /etc/ssl/certs/ca-certificates.crt, /etc/pki/tls/certs/ca-bundle.crt,
+    /// /etc/ssl/ca-bundle.pem, /etc/ssl/cert.pem); `none`: the boxes' own.
     #[arg(long, env = "KILN_BOX_CA_BUNDLE")]
     pub box_ca_bundle: Option<PathBuf>,
 }

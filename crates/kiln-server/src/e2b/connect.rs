@@ -64,30 +64,31 @@ impl RpcError {
 }
 
 impl From<kiln_runtime::RuntimeError> for RpcError {
+    /// A runtime failure as an RPC answers it: the code of the facade's one status for it
+    /// ([`super::status_of`]).
     fn from(error: kiln_runtime::RuntimeError) -> RpcError {
-        use kiln_runtime::RuntimeError as E;
-        use kiln_workspace::TreeError;
-        let code = match &error {
-            E::SandboxNotFound { .. } | E::SandboxDeleted { .. } => "not_found",
-            E::FolderNotFound { .. } | E::ProcessNotFound { .. } | E::SessionNotFound { .. } => {
-                "not_found"
-            }
-            E::Workspace(TreeError::NotFound { .. }) => "not_found",
-            E::Workspace(TreeError::NoSpace { .. })
-            | E::NoSpace { .. }
-            | E::SandboxDiskFull { .. } => "resource_exhausted",
-            E::Workspace(TreeError::Io { .. }) | E::Internal { .. } => "internal",
-            E::Workspace(_) | E::IsAFolder { .. } => "invalid_argument",
-            E::QuotaExceeded { .. } | E::ExecutionQueueFull { .. } | E::TooManySessions { .. } => {
-                "resource_exhausted"
-            }
-            E::SandboxBusy { .. } => "unavailable",
-            E::ExecutorLost { .. } | E::Saturated { .. } | E::ProcessFailed { .. } => "unavailable",
-            E::Unsupported { .. } => "unimplemented",
-            E::Cancelled | E::SessionEnded { .. } => "aborted",
-            _ => "invalid_argument",
-        };
-        RpcError::new(code, kiln_runtime::sandbox::scrub_paths(&error.to_string()))
+        let status = super::status_of(&error, super::Route::Rpc);
+        RpcError::new(
+            code_for(status),
+            super::message_of(&error, super::Route::Rpc),
+        )
+    }
+}
+
+/// The Connect code of an HTTP status: the inverse of [`RpcError::status`], with 507 (a full
+/// disk, which Connect has no code of) as `resource_exhausted`.
+pub fn code_for(status: StatusCode) -> &'static str {
+    match status {
+        StatusCode::BAD_REQUEST => "invalid_argument",
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::CONFLICT => "aborted",
+        StatusCode::FORBIDDEN => "permission_denied",
+        StatusCode::UNAUTHORIZED => "unauthenticated",
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::INSUFFICIENT_STORAGE => "resource_exhausted",
+        StatusCode::NOT_IMPLEMENTED => "unimplemented",
+        StatusCode::SERVICE_UNAVAILABLE => "unavailable",
+        StatusCode::GATEWAY_TIMEOUT => "deadline_exceeded",
+        _ => "internal",
     }
 }
 

@@ -18,7 +18,7 @@ use kiln_runtime::{RuntimeError, exec};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{E2b, ENVD_VERSION, HOME, e2b_id, error, kiln_id};
+use super::{E2b, ENVD_VERSION, HOME, Route, e2b_id, error, kiln_id, message_of, status_of};
 use crate::gate;
 
 type Shared = State<Arc<E2b>>;
@@ -94,25 +94,12 @@ fn presented(request: &Request) -> Option<&str> {
         .map(str::trim)
 }
 
-/// A runtime failure as E2B says it.
+/// A runtime failure as E2B's control plane says it.
 fn failed(e: RuntimeError) -> Response {
-    let status = match &e {
-        RuntimeError::SandboxNotFound { .. } => StatusCode::NOT_FOUND,
-        RuntimeError::QuotaExceeded { .. } | RuntimeError::ExecutionQueueFull { .. } => {
-            StatusCode::TOO_MANY_REQUESTS
-        }
-        RuntimeError::Saturated { .. } | RuntimeError::ExecutorLost { .. } => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
-        RuntimeError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-        RuntimeError::SandboxBusy { .. } => StatusCode::CONFLICT,
-        _ => StatusCode::BAD_REQUEST,
-    };
-    let message = match &e {
-        RuntimeError::SandboxNotFound { id } => format!("sandbox \"{}\" not found", e2b_id(id)),
-        other => kiln_runtime::sandbox::scrub_paths(&other.to_string()),
-    };
-    error(status, message)
+    error(
+        status_of(&e, Route::Control),
+        message_of(&e, Route::Control),
+    )
 }
 
 /// A JSON body, or E2B's 400.

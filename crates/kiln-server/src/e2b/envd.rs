@@ -24,7 +24,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use super::connect::{self, RpcError};
-use super::{E2b, HOME, SandboxCtx, check_sandbox, error};
+use super::{E2b, HOME, Route, SandboxCtx, check_sandbox, error, message_of, status_of};
 use crate::gate;
 
 /// The largest upload: 64 MiB (the most one file the history records).
@@ -465,30 +465,15 @@ fn gzip_stream(
     })
 }
 
-/// A runtime failure of `/files`, as envd says it (404 not found, 400 a folder).
+/// A runtime failure of `/files`, as envd says it: a missing path or a folder in envd's own
+/// words, the rest as the facade says it ([`status_of`]).
 fn file_error(e: kiln_runtime::RuntimeError, path: &str) -> Response {
-    use kiln_runtime::RuntimeError as E;
-    match &e {
-        E::Workspace(kiln_workspace::TreeError::NotFound { .. }) | E::FolderNotFound { .. } => {
-            error(
-                StatusCode::NOT_FOUND,
-                format!("path '{path}' does not exist"),
-            )
-        }
-        E::IsAFolder { .. } | E::Workspace(kiln_workspace::TreeError::IsDir { .. }) => error(
-            StatusCode::BAD_REQUEST,
-            format!("path '{path}' is a directory"),
-        ),
-        E::QuotaExceeded { .. } | E::SandboxDiskFull { .. } | E::NoSpace { .. } => error(
-            StatusCode::INSUFFICIENT_STORAGE,
-            kiln_runtime::sandbox::scrub_paths(&e.to_string()),
-        ),
-        E::SandboxBusy { .. } => error(StatusCode::CONFLICT, e.to_string()),
-        _ => {
-            let rpc = RpcError::from(e);
-            error(rpc.status(), rpc.message)
-        }
-    }
+    let message = match e.code() {
+        "FILE_NOT_FOUND" => format!("path '{path}' does not exist"),
+        "PATH_IS_A_DIRECTORY" => format!("path '{path}' is a directory"),
+        _ => message_of(&e, Route::Files),
+    };
+    error(status_of(&e, Route::Files), message)
 }
 
 /// `POST /files`: multipart (each part's file name its path) or one octet-stream body

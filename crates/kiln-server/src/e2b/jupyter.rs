@@ -31,7 +31,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::{E2b, HOME, SandboxCtx, check_sandbox};
+use super::{E2b, HOME, Route, SandboxCtx, check_sandbox, message_of, status_of};
 use crate::gate;
 
 /// How often a running cell's stream says it is alive.
@@ -84,23 +84,12 @@ fn text(status: StatusCode, message: impl Into<String>) -> Response {
         .into_response()
 }
 
+/// A runtime failure as the code interpreter says it: plain text.
 fn failed(e: RuntimeError) -> Response {
-    let status = match &e {
-        RuntimeError::SessionNotFound { .. } => StatusCode::NOT_FOUND,
-        RuntimeError::SandboxNotFound { .. } | RuntimeError::SandboxDeleted { .. } => {
-            StatusCode::BAD_GATEWAY
-        }
-        RuntimeError::SandboxBusy { .. } => StatusCode::CONFLICT,
-        RuntimeError::QuotaExceeded { .. } | RuntimeError::ExecutionQueueFull { .. } => {
-            StatusCode::TOO_MANY_REQUESTS
-        }
-        RuntimeError::Saturated { .. } | RuntimeError::ExecutorLost { .. } => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
-        RuntimeError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-        _ => StatusCode::BAD_REQUEST,
-    };
-    text(status, kiln_runtime::sandbox::scrub_paths(&e.to_string()))
+    text(
+        status_of(&e, Route::Interpreter),
+        message_of(&e, Route::Interpreter),
+    )
 }
 
 /// A language as the SDKs name it (`js` and `ts` too); `None` for one kiln cannot run here.

@@ -31,6 +31,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{from_fn, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
+use kiln_runtime::RuntimeError;
 use kiln_runtime::auth::Caller;
 use kiln_runtime::sandbox::Sandbox;
 use serde_json::json;
@@ -229,6 +230,104 @@ fn signed_target(e2b: &E2b, request: &Request) -> Option<Target> {
     })
 }
 
+/// Which of the facade's routes answers a runtime failure: each says some failures its own
+/// way (see [`status_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The control plane ([`control`]).
+    Control,
+    /// envd's Connect services: filesystem and process ([`envd`], [`process`]).
+    Rpc,
+    /// envd's `/files` ([`envd`]).
+    Files,
+    /// The code interpreter ([`jupyter`]).
+    Interpreter,
+}
+
+/// The facade's one mapping of runtime failures onto E2B's wire: the HTTP status `route`
+/// answers `error` with. A Connect RPC answers the code of that status
+/// ([`connect::code_for`]), and so the status that code has.
+pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
+    use RuntimeError as E;
+    use kiln_workspace::TreeError as T;
+    // Where a route answers differently from the facade's table below, and why.
+    match (route, error) {
+        // A gone sandbox is 502 "not running" to the code interpreter's SDKs.
+        (Route::Interpreter, E::SandboxNotFound { .. } | E::SandboxDeleted { .. }) => {
+            return StatusCode::BAD_GATEWAY;
+        }
+        // envd's `/files` says a write that the key's quota refuses is 507, as a full disk:
+        // the SDKs' `NotEnoughSpaceException`.
+        (Route::Files, E::QuotaExceeded { .. }) => return StatusCode::INSUFFICIENT_STORAGE,
+        // Connect has no "conflict" for a busy sandbox: it is `unavailable` there.
+        (Route::Rpc, E::SandboxBusy { .. }) => return StatusCode::SERVICE_UNAVAILABLE,
+        // The control plane and the code interpreter tell apart only a missing sandbox or
+        // session, a busy sandbox, quotas, an overloaded server and kiln's own faults;
+        // anything else they answer 400, as they always have.
+        (Route::Control | Route::Interpreter, _)
+            if !matches!(
+                error,
+                E::SandboxNotFound { .. }
+                    | E::SandboxDeleted { .. }
+                    | E::SessionNotFound { .. }
+                    | E::SandboxBusy { .. }
+                    | E::QuotaExceeded { .. }
+                    | E::ExecutionQueueFull { .. }
+                    | E::Saturated { .. }
+                    | E::ExecutorLost { .. }
+                    | E::Internal { .. }
+            ) =>
+        {
+            return StatusCode::BAD_REQUEST;
+        }
+        _ => {}
+    }
+    match error {
+        E::SandboxNotFound { .. }
+        | E::SandboxDeleted { .. }
+        | E::SessionNotFound { .. }
+        | E::FolderNotFound { .. }
+        | E::ProcessNotFound { .. }
+        | E::Workspace(T::NotFound { .. }) => StatusCode::NOT_FOUND,
+        E::SandboxBusy { .. } | E::Cancelled | E::SessionEnded { .. } => StatusCode::CONFLICT,
+        E::QuotaExceeded { .. } | E::ExecutionQueueFull { .. } | E::TooManySessions { .. } => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
+        E::NoSpace { .. } | E::SandboxDiskFull { .. } | E::Workspace(T::NoSpace { .. }) => {
+            StatusCode::INSUFFICIENT_STORAGE
+        }
+        E::Internal { .. } | E::Workspace(T::Io { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+        E::ExecutorLost { .. } | E::Saturated { .. } | E::ProcessFailed { .. } => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+        E::Unsupported { .. } => StatusCode::NOT_IMPLEMENTED,
+        E::Workspace(_)
+        | E::IsAFolder { .. }
+        | E::ProgramUnreadable { .. }
+        | E::FileTooLarge { .. }
+        | E::TooManyFiles { .. }
+        | E::FilesTooLarge { .. }
+        | E::ExecutionNotFound { .. }
+        | E::InvalidCursor { .. }
+        | E::UnsupportedLanguage { .. }
+        | E::InvalidOption { .. }
+        | E::InvalidEnv { .. }
+        | E::UnknownImage { .. }
+        | E::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+    }
+}
+
+/// What the facade says of a runtime failure on `route`: the runtime's message without host
+/// paths; the control plane names a missing sandbox by its E2B id, as E2B does.
+pub fn message_of(error: &RuntimeError, route: Route) -> String {
+    match (route, error) {
+        (Route::Control, RuntimeError::SandboxNotFound { id }) => {
+            format!("sandbox \"{}\" not found", e2b_id(id))
+        }
+        _ => kiln_runtime::sandbox::scrub_paths(&error.to_string()),
+    }
+}
+
 /// E2B's error body: `{"code": status, "message": …}`.
 pub fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (
@@ -309,4 +408,227 @@ pub async fn serve(
     axum::serve(listener, router(app, config))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_workspace::TreeError;
+
+    fn quota() -> RuntimeError {
+        RuntimeError::QuotaExceeded {
+            quota: "sessions".into(),
+            limit: 2,
+            in_use: 2,
+            asked: None,
+            unit: "sessions".into(),
+        }
+    }
+
+    /// The wire every route gave each failure before the facade mapped them in one place,
+    /// pinned: (failure, control plane, Connect code, `/files`, code interpreter).
+    #[test]
+    fn each_route_answers_each_failure_as_it_did() {
+        let message = || "m".to_owned();
+        let path = || "a.txt".to_owned();
+        let table: Vec<(RuntimeError, u16, &str, u16, u16)> = vec![
+            (
+                RuntimeError::SandboxNotFound { id: "sb_1".into() },
+                404,
+                "not_found",
+                404,
+                502,
+            ),
+            // These two never reach the control plane (it runs no code and opens no
+            // session); it would now say 404 for them, not 400.
+            (
+                RuntimeError::SandboxDeleted { id: "sb_1".into() },
+                404,
+                "not_found",
+                404,
+                502,
+            ),
+            (
+                RuntimeError::SessionNotFound {
+                    id: "sb_1".into(),
+                    session: "s".into(),
+                },
+                404,
+                "not_found",
+                404,
+                404,
+            ),
+            (
+                RuntimeError::SandboxBusy {
+                    id: "sb_1".into(),
+                    running: "x".into(),
+                },
+                409,
+                "unavailable",
+                409,
+                409,
+            ),
+            (quota(), 429, "resource_exhausted", 507, 429),
+            (
+                RuntimeError::ExecutionQueueFull {
+                    limit: 1,
+                    running: 1,
+                    queued: 0,
+                    waited_ms: 0,
+                },
+                429,
+                "resource_exhausted",
+                429,
+                429,
+            ),
+            (
+                RuntimeError::TooManySessions { limit: 8 },
+                400,
+                "resource_exhausted",
+                429,
+                400,
+            ),
+            (
+                RuntimeError::NoSpace { what: message() },
+                400,
+                "resource_exhausted",
+                507,
+                400,
+            ),
+            (
+                RuntimeError::SandboxDiskFull { disk_mb: 1 },
+                400,
+                "resource_exhausted",
+                507,
+                400,
+            ),
+            // `/files` said 429 here before, unlike every other full disk.
+            (
+                RuntimeError::Workspace(TreeError::NoSpace { path: path() }),
+                400,
+                "resource_exhausted",
+                507,
+                400,
+            ),
+            (
+                RuntimeError::Internal { message: message() },
+                500,
+                "internal",
+                500,
+                500,
+            ),
+            (
+                RuntimeError::Workspace(TreeError::Io {
+                    op: "read",
+                    path: path(),
+                    source: std::io::Error::other("x"),
+                }),
+                400,
+                "internal",
+                500,
+                400,
+            ),
+            (
+                RuntimeError::ExecutorLost { detail: message() },
+                503,
+                "unavailable",
+                503,
+                503,
+            ),
+            (
+                RuntimeError::Saturated { message: message() },
+                503,
+                "unavailable",
+                503,
+                503,
+            ),
+            (
+                RuntimeError::ProcessFailed { message: message() },
+                400,
+                "unavailable",
+                503,
+                400,
+            ),
+            (
+                RuntimeError::Unsupported { message: message() },
+                400,
+                "unimplemented",
+                501,
+                400,
+            ),
+            (RuntimeError::Cancelled, 400, "aborted", 409, 400),
+            (
+                RuntimeError::FolderNotFound { path: path() },
+                400,
+                "not_found",
+                404,
+                400,
+            ),
+            (
+                RuntimeError::Workspace(TreeError::NotFound { path: path() }),
+                400,
+                "not_found",
+                404,
+                400,
+            ),
+            (
+                RuntimeError::IsAFolder { path: path() },
+                400,
+                "invalid_argument",
+                400,
+                400,
+            ),
+            (
+                RuntimeError::InvalidOption { message: message() },
+                400,
+                "invalid_argument",
+                400,
+                400,
+            ),
+        ];
+        for (error, control, rpc, files, interpreter) in table {
+            let name = format!("{error:?}");
+            let said = (
+                status_of(&error, Route::Control).as_u16(),
+                status_of(&error, Route::Files).as_u16(),
+                status_of(&error, Route::Interpreter).as_u16(),
+                connect::RpcError::from(error).code,
+            );
+            assert_eq!(said, (control, files, interpreter, rpc), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_connect_code_keeps_its_status() {
+        for code in [
+            "invalid_argument",
+            "not_found",
+            "aborted",
+            "permission_denied",
+            "unauthenticated",
+            "resource_exhausted",
+            "unimplemented",
+            "unavailable",
+            "deadline_exceeded",
+            "internal",
+        ] {
+            let status = connect::RpcError::new(code, "").status();
+            assert_eq!(connect::code_for(status), code);
+        }
+    }
+
+    #[test]
+    fn the_control_plane_names_a_missing_sandbox_by_its_e2b_id() {
+        let missing = RuntimeError::SandboxNotFound {
+            id: "sb_abc".into(),
+        };
+        assert_eq!(
+            message_of(&missing, Route::Control),
+            "sandbox \"abc\" not found"
+        );
+        assert_eq!(
+            message_of(&missing, Route::Interpreter),
+            "no sandbox \"sb_abc\": it never existed, was deleted, or expired"
+        );
+    }
 }

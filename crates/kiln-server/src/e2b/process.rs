@@ -18,7 +18,7 @@ use bytes::Bytes;
 use kiln_core::TerminalSize;
 use kiln_core::backend::StreamKind;
 use kiln_core::process::ProcessEvent;
-use kiln_runtime::exec::{self, CodeExec, PythonProgram};
+use kiln_runtime::exec::{self, CodeExec, CommandLineError, CommandProgram};
 use kiln_runtime::processes::{self, Follow, Running, StartProcess};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -427,21 +427,28 @@ async fn wasm_command(
 ) -> Response {
     let pid = NEXT_PID.fetch_add(1, Ordering::Relaxed);
     let start = envelope(&json!({"event": {"start": {"pid": pid}}}));
-    let Some((assigned, program)) = python_command(argv) else {
-        let why = format!(
-            "kiln: this sandbox runs WebAssembly Python ({}), which has no shell and no processes: only `python -c CODE`, `python FILE` and `python -m MODULE` run here. Create the sandbox from the \"base\" template (a Linux sandbox) to run any command.\n",
-            ctx.sandbox.template()
-        );
-        let frames = vec![
-            start,
-            event_frame(&ProcessEvent::Stderr(Bytes::from(why))),
-            event_frame(&ProcessEvent::Exited {
-                code: Some(127),
-                signal: None,
-            }),
-            connect::end_stream(None),
-        ];
-        return connect::stream_response(futures::stream::iter(frames));
+    let (assigned, program) = match python_command(argv) {
+        Ok(command) => command,
+        Err(not_run) => {
+            let refused = match not_run {
+                NotRun::Refused(e) => format!("{e}; "),
+                NotRun::NoShell => String::new(),
+            };
+            let why = format!(
+                "kiln: {refused}this sandbox runs WebAssembly Python ({}), which has no shell and no processes: only `python -c CODE`, `python FILE` and `python -m MODULE` run here. Create the sandbox from the \"base\" template (a Linux sandbox) to run any command.\n",
+                ctx.sandbox.template()
+            );
+            let frames = vec![
+                start,
+                event_frame(&ProcessEvent::Stderr(Bytes::from(why))),
+                event_frame(&ProcessEvent::Exited {
+                    code: Some(127),
+                    signal: None,
+                }),
+                connect::end_stream(None),
+            ];
+            return connect::stream_response(futures::stream::iter(frames));
+        }
     };
     let mut env = envs;
     env.extend(assigned);
@@ -556,13 +563,24 @@ struct PythonCommand {
     args: Vec<String>,
 }
 
+/// Why a command does not run in a WebAssembly sandbox.
+#[derive(Debug, PartialEq)]
+enum NotRun {
+    /// It needs a shell (pipes, redirections, expansions), or names no Python program.
+    NoShell,
+    /// A `python` command line kiln does not run (an option it does not take, a bad module).
+    Refused(CommandLineError),
+}
+
 /// `python…` commands, as `bash -l -c "…"` or as argv: the environment assignments before
-/// the program, and what it runs. `None`: not a Python command kiln runs on WebAssembly.
-fn python_command(argv: &[String]) -> Option<(BTreeMap<String, String>, PythonCommand)> {
+/// the program, and what it runs, read by the runtime's one parser of command lines.
+fn python_command(argv: &[String]) -> Result<(BTreeMap<String, String>, PythonCommand), NotRun> {
     let words = match argv {
         [shell, rest @ ..] if matches!(shell.rsplit('/').next(), Some("bash" | "sh")) => {
-            let at = rest.iter().position(|a| a == "-c")?;
-            split_words(rest.get(at + 1)?)?
+            let at = rest.iter().position(|a| a == "-c").ok_or(NotRun::NoShell)?;
+            rest.get(at + 1)
+                .and_then(|line| split_words(line))
+                .ok_or(NotRun::NoShell)?
         }
         _ => argv.to_vec(),
     };
@@ -580,39 +598,32 @@ fn python_command(argv: &[String]) -> Option<(BTreeMap<String, String>, PythonCo
             _ => break,
         }
     }
-    let program = words.next()?;
-    if !matches!(program.rsplit('/').next(), Some("python" | "python3")) {
-        return None;
-    }
-    let rest: Vec<String> = words.collect();
-    let command = match rest.split_first() {
-        Some((flag, tail)) if flag == "-c" => {
-            let (code, args) = tail.split_first()?;
-            PythonCommand {
-                code: exec::python_launcher_at(&PythonProgram::Inline(code), args, super::HOME),
-                file: None,
-                args: Vec::new(),
-            }
+    let words: Vec<String> = words.collect();
+    let line = match exec::parse_command_line(&words) {
+        Ok(line) if line.language == kiln_core::Language::Python => line,
+        Ok(_) | Err(CommandLineError::Empty | CommandLineError::UnknownProgram { .. }) => {
+            return Err(NotRun::NoShell);
         }
-        Some((flag, tail)) if flag == "-m" => {
-            let (module, args) = tail.split_first()?;
-            PythonCommand {
-                code: exec::python_launcher_at(&PythonProgram::Module(module), args, super::HOME),
-                file: None,
-                args: Vec::new(),
-            }
-        }
-        Some((file, args)) if !file.starts_with('-') => {
-            let rel = file.strip_prefix("/home/user/").unwrap_or(file);
+        Err(refused) => return Err(NotRun::Refused(refused)),
+    };
+    let command = match line.program {
+        CommandProgram::File(file) => {
+            let rel = file.strip_prefix("/home/user/").unwrap_or(&file);
             PythonCommand {
                 code: String::new(),
-                file: Some(kiln_runtime::sandbox::workspace_path(rel).ok()?),
-                args: args.to_vec(),
+                file: Some(
+                    kiln_runtime::sandbox::workspace_path(rel).map_err(|_| NotRun::NoShell)?,
+                ),
+                args: line.args,
             }
         }
-        _ => return None,
+        _ => PythonCommand {
+            code: line.launcher_at(super::HOME),
+            file: None,
+            args: Vec::new(),
+        },
     };
-    Some((env, command))
+    Ok((env, command))
 }
 
 /// Splits a command line into words as a POSIX shell would (quotes and backslashes);
@@ -715,26 +726,41 @@ mod tests {
     }
 
     #[test]
-    fn python_commands_are_recognised_and_others_are_not() {
+    fn python_commands_are_recognised_and_others_are_not() -> Result<(), NotRun> {
         let bash = |line: &str| strings(&["/bin/bash", "-l", "-c", line]);
-        let (env, cmd) =
-            python_command(&bash("FOO=bar python3 -c 'import os; print(1)' x")).unwrap();
+        let (env, cmd) = python_command(&bash("FOO=bar python3 -c 'import os; print(1)' x"))?;
         assert_eq!(env.get("FOO").map(String::as_str), Some("bar"));
         assert!(cmd.code.contains("import os; print(1)") && cmd.file.is_none());
-        let (_, cmd) = python_command(&bash("python /home/user/app.py a b")).unwrap();
-        assert_eq!(cmd.file.unwrap().as_str(), "app.py");
+        assert!(cmd.code.contains(r#"_kiln_sys.argv = ["-c", "x"]"#));
+        let (_, cmd) = python_command(&bash("python /home/user/app.py a b"))?;
+        assert_eq!(
+            cmd.file.map(|f| f.as_str().to_owned()).as_deref(),
+            Some("app.py")
+        );
         assert_eq!(cmd.args, strings(&["a", "b"]));
-        assert!(python_command(&bash("python -m json.tool")).is_some());
+        let (_, cmd) = python_command(&bash("python -m json.tool"))?;
+        assert!(cmd.code.contains(r#"run_module("json.tool""#) && cmd.file.is_none());
         for other in [
             "echo hi",
             "ls",
-            "python3 -V",
-            "python3 -c",
             "node -e 1",
             "pip install x",
+            "python3 x | y",
+            "",
         ] {
-            assert!(python_command(&bash(other)).is_none(), "{other}");
+            assert_eq!(
+                python_command(&bash(other)).unwrap_err(),
+                NotRun::NoShell,
+                "{other}"
+            );
         }
-        assert!(python_command(&strings(&["python3", "-c", "print(2)"])).is_some());
+        // A Python command line kiln does not run says why.
+        for refused in ["python3 -V", "python3 -c", "python -m ../x", "python"] {
+            let NotRun::Refused(_) = python_command(&bash(refused)).unwrap_err() else {
+                panic!("{refused} is refused without a reason");
+            };
+        }
+        python_command(&strings(&["python3", "-c", "print(2)"]))?;
+        Ok(())
     }
 }

@@ -1,14 +1,13 @@
-# kiln's rich results for Python sessions: a cell's final value, `display(...)` and
-# matplotlib figures go to the host as frames through `_host.call` (b"kiln:display " + JSON
-# of {"main": bool, "data": {mime: text}}). A session compiles this the first time it shows
-# something (see `rich_setup.py`); a one-shot that imported pyplot compiles it at its end and
-# calls `after()`. `make()` returns what they call.
+# kiln's rich results for Python: a cell's final value, `display(...)` and matplotlib
+# figures go to the host as frames through `_host.call` (b"kiln:display " + JSON of
+# {"main": bool, "data": {mime: text}}). A session compiles this the first time it shows
+# something (see `rich_setup.py`), a one-shot too (see `turns.py`). `make()` returns what
+# they call.
 
 
 def make():
     import json
     import sys
-    import warnings
 
     import _host
 
@@ -92,15 +91,21 @@ def make():
         def watch(self):
             # matplotlib draws off screen (Agg): say nothing of it, and have the host show
             # open figures after each turn.
+            import warnings
+
             warnings.filterwarnings(
                 "ignore", message=".*non-interactive, and thus cannot be shown"
             )
             _host.call(b"kiln:figures")
 
-        def after(self):
+        def patch(self):
+            # `plt.show()` shows the open figures as results at once, and closes them.
             pyplot = sys.modules.get("matplotlib.pyplot")
             if pyplot is not None and pyplot.show is not kiln_rich_show:
                 pyplot.show = kiln_rich_show
+
+        def after(self):
+            self.patch()
             figures()
 
     return Rich()

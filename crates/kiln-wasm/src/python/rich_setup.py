@@ -18,13 +18,12 @@ def _kiln_rich_setup(source):
         return loaded[0]
 
     def hook(value):
-        # As CPython's own hook does (echo the repr, keep the value in `_`), and the value
-        # as a result.
+        # As CPython's own hook does (keep the value in `_`), but the value is the cell's
+        # main result instead of a line on stdout, as in a notebook.
         if value is None:
             return
         builtins._ = None
         text = repr(value)
-        sys.stdout.write(text + "\n")
         builtins._ = value
         rich().main(value, text)
 

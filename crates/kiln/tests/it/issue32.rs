@@ -475,3 +475,81 @@ fn issue32_one_shots_held_by_a_worker_that_dies_before_starting_them_run_elsewhe
     }
     Ok(())
 }
+
+/// Resident memory of process `pid`, in bytes.
+fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
+#[test]
+fn issue32_workers_give_their_memory_back_within_30_s_of_going_idle() -> TestResult {
+    // Before: after sessions that imported pandas were gone, workers kept ~60 MiB each of
+    // the module's pages mapped (37 % of the growth returned in 15 s, then nothing).
+    let server = start(Options::default())?;
+    let warm = (0..4)
+        .map(|_| server.new_sandbox("python"))
+        .collect::<Res<Vec<_>>>()?;
+    std::thread::scope(|scope| {
+        for id in &warm {
+            let server = &server;
+            scope.spawn(move || server.exec(id, json!({"code": "print(1)"})));
+        }
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let workers = crate::serve::worker_pids(&server);
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    let baseline: u64 = workers.iter().map(|p| rss_bytes(*p)).sum();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = server.new_sandbox("python")?;
+        for _ in 0..2 {
+            let (status, opened) = server.call(
+                "POST",
+                &format!("/api/v1/sandboxes/{id}/sessions"),
+                Some(json!({})),
+            )?;
+            assert_eq!(status, 201, "{opened}");
+            let (_, ran) = server.exec(
+                &id,
+                json!({"sessionId": opened["sessionId"], "timeoutMs": 60_000,
+                    "code": "import pandas as pd\nprint(int(pd.Series(range(100000)).sum()))"}),
+            )?;
+            assert_eq!(ran["stdout"], "4999950000\n", "{ran}");
+        }
+        ids.push(id);
+    }
+    let busy: u64 = crate::serve::worker_pids(&server)
+        .iter()
+        .map(|p| rss_bytes(*p))
+        .sum();
+    assert!(busy > baseline * 2, "busy {busy}, baseline {baseline}");
+    for id in &ids {
+        let (status, _) = server.call("DELETE", &format!("/api/v1/sandboxes/{id}"), None)?;
+        assert_eq!(status, 204);
+    }
+    let idle_from = Instant::now();
+    let back = loop {
+        let now: u64 = crate::serve::worker_pids(&server)
+            .iter()
+            .map(|p| rss_bytes(*p))
+            .sum();
+        if now * 4 <= baseline * 5 {
+            break idle_from.elapsed();
+        }
+        assert!(
+            idle_from.elapsed() < Duration::from_secs(30),
+            "workers hold {now} bytes 30 s after going idle; {baseline} before"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    eprintln!("workers back within 25 % of their warm memory after {back:?}");
+    // The fresh workers serve as before.
+    let (status, ran) = server.exec(&warm[0], json!({"code": "print(2)"}))?;
+    assert_eq!((status, ran["stdout"].as_str()), (200, Some("2\n")));
+    Ok(())
+}
