@@ -526,6 +526,10 @@ fn io_error(what: &str, error: &std::io::Error) -> RuntimeError {
     if matches!(error.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
         return RuntimeError::no_space(what);
     }
+    // A refusal of kiln's own (a disk the host cannot cover): its words name figures only.
+    if error.kind() == std::io::ErrorKind::StorageFull && error.raw_os_error().is_none() {
+        return RuntimeError::no_space(format!("{what}: {error}"));
+    }
     tracing::error!("{what}: {error}");
     RuntimeError::internal(scrub_paths(&format!("{what}: {error}")))
 }

@@ -144,26 +144,27 @@ pub fn room_beside(mount_point: &Path) -> io::Result<Room> {
     Ok(room)
 }
 
-/// Refuses (with `ENOSPC`, which a create answers as the server's disk being full) a new
-/// volume of `bytes` at `mount_point` that the host's disk cannot cover with `ratio` of
-/// overcommit; the figures go to the log.
+/// Refuses (`StorageFull`, which a create answers as 507 with these figures) a new volume of
+/// `bytes` at `mount_point` that the host's disk cannot cover with `ratio` of overcommit.
 pub fn check_room(mount_point: &Path, bytes: u64, ratio: f64) -> io::Result<()> {
     let bytes = bytes.clamp(MIN_BYTES, MAX_BYTES);
     let room = room_beside(mount_point)?;
     if room.covers(bytes, ratio) {
         return Ok(());
     }
-    tracing::warn!(
-        "refusing a volume of {} MiB: the volumes beside it promise {} MiB and hold {} MiB, \
-         and the disk has {} MiB free; with an overcommit of {ratio} it covers {} MiB in all \
-         (KILN_DISK_OVERCOMMIT raises it)",
+    let why = format!(
+        "a disk of {} MiB (resources.disk_mb) does not fit: the live sandboxes' disks promise {} MiB \
+         and hold {} MiB, and the host's disk has {} MiB free; with an overcommit of {ratio} it \
+         covers {} MiB in all. Ask for a smaller disk_mb, delete sandboxes, or raise \
+         KILN_DISK_OVERCOMMIT",
         bytes >> 20,
         room.promised >> 20,
         room.used >> 20,
         room.free >> 20,
         (ratio * room.free.saturating_add(room.used) as f64) as u64 >> 20,
     );
-    Err(io::Error::from_raw_os_error(libc::ENOSPC))
+    tracing::warn!("refusing a volume: {why}");
+    Err(io::Error::new(io::ErrorKind::StorageFull, why))
 }
 
 /// A sparse image of `bytes` with an empty ext4 in it, made under a temporary name and
@@ -275,6 +276,11 @@ mod tests {
         assert!(room.free > 0);
         check_room(&mount_point, 16 << 20, 1.0).expect("16 MiB fits");
         let refused = check_room(&mount_point, MAX_BYTES, 1e-9).expect_err("refused");
-        assert_eq!(refused.raw_os_error(), Some(libc::ENOSPC));
+        assert_eq!(refused.kind(), io::ErrorKind::StorageFull);
+        let said = refused.to_string();
+        assert!(
+            said.contains("resources.disk_mb") && said.contains("KILN_DISK_OVERCOMMIT"),
+            "{said}"
+        );
     }
 }

@@ -926,6 +926,11 @@ fn kiln_serve_linux_refuses_a_disk_the_host_cannot_cover() -> crate::common::ser
         (507, Some("INSUFFICIENT_STORAGE")),
         "{refused}"
     );
+    let said = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        said.contains("a disk of 64 MiB") && said.contains("KILN_DISK_OVERCOMMIT"),
+        "{refused}"
+    );
     let sandboxes = server.data.join("sandboxes");
     let left = std::fs::read_dir(&sandboxes).map_or(0, |d| d.count());
     assert_eq!(left, 0, "a refused create left a folder");
