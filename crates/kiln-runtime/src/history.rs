@@ -14,9 +14,11 @@
 //! `~` after it) is stored with one more `~` and given back as it was, so a guest's nested
 //! repository is recorded as plain files and restored exactly.
 //!
-//! Histories are linear: listing follows first parents from the head, a page at a time, and
-//! reads each change's file list from its message (no tree diff per entry). The root commit
-//! is also `refs/kiln/initial`, so a diff from `initial` needs no walk. Loose objects are
+//! Histories are linear: listing follows first parents from the head or a cursor, a page at a
+//! time (nothing walks or counts the whole history), and reads each change's file list from
+//! its message (no tree diff per entry); entries read once are kept in memory by commit id
+//! ([`History::page`]). The root commit is also `refs/kiln/initial`, so a diff from
+//! `initial` needs no walk. Loose objects are
 //! packed now and then ([`History::pack_if_due`]).
 
 use std::collections::{BTreeMap, HashMap};

@@ -11,7 +11,10 @@ use crate::history::{HistoryEntry, HistoryError, MAX_HISTORY};
 use crate::sandbox::new_id;
 
 /// A page of changes, newest first (at most `limit`, 1 to [`MAX_HISTORY`]), starting after
-/// `cursor` (the previous page's last id); returns the next page's cursor too.
+/// `cursor` (the previous page's cursor: its last entry's commit id); returns the next page's
+/// cursor too, `None` on the last page. Costs what the page's entries cost, however long the
+/// history ([`crate::history::History::page`]); a cursor that is not a commit of this
+/// history is [`RuntimeError::InvalidCursor`].
 pub async fn page(
     rt: &Runtime,
     caller: &Caller,
