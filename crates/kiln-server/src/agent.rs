@@ -542,6 +542,17 @@ fn describe(outcome: &exec::RunOutcome, note: Option<String>) -> String {
     if !stderr.is_empty() {
         text.push_str(&format!("stderr:\n{stderr}"));
     }
+    // A Python cell's final value (and what it `display`ed) is a result, not output: the
+    // model reads its text.
+    for result in &outcome.result.results {
+        if result.data.keys().any(|mime| mime.starts_with("image/")) {
+            continue;
+        }
+        if let Some(shown) = result.data.get("text/plain") {
+            let label = if result.main { "value" } else { "displayed" };
+            text.push_str(&format!("{label}:\n{shown}\n"));
+        }
+    }
     // Images reach the user as `display` events; the model reads that they were shown.
     let images = outcome
         .result

@@ -40,6 +40,15 @@ async fn run(request: ExecRequest) -> ExecResult {
     engine().execute(&request).await.expect("execute")
 }
 
+/// The `text/plain` form of a run's main result (its final expression's value), if it has
+/// one; a run has at most one.
+fn shown(result: &ExecResult) -> Option<&str> {
+    let mut main = result.results.iter().filter(|r| r.main);
+    let text = main.next().map(|r| r.data["text/plain"].as_str());
+    assert!(main.next().is_none(), "{:?}", result.results);
+    text
+}
+
 // ---------------------------------------------------------------- behaviour
 
 #[tokio::test]
@@ -614,7 +623,7 @@ async fn python_sessions_keep_state_and_end_on_exit() -> TestResult {
         .await?;
     assert_eq!(second.stdout_text(), "42 True\n");
     let echoed = session.run("x * 2", &limits).await?;
-    assert_eq!(echoed.stdout_text(), "84\n");
+    assert_eq!(shown(&echoed), Some("84"));
     let failed = session.run("1/0", &limits).await?;
     assert_eq!(failed.exit_code, 1);
     assert!(failed.stderr_text().contains("ZeroDivisionError"));
@@ -628,7 +637,7 @@ async fn python_sessions_keep_state_and_end_on_exit() -> TestResult {
 }
 
 /// Issue 16: a cell's final value, `display(...)` and matplotlib figures come back as rich
-/// results; the REPL echo on stdout stays as it was.
+/// results. Issue 32: the final value is not printed on stdout too (as E2B's `run_code`).
 #[tokio::test]
 async fn python_sessions_return_rich_results() -> TestResult {
     let mut session = engine()
@@ -636,7 +645,7 @@ async fn python_sessions_return_rich_results() -> TestResult {
         .await?;
     let limits = Limits::default();
     let value = session.run("x = 41\nx + 1", &limits).await?;
-    assert_eq!(value.stdout_text(), "42\n");
+    assert_eq!(value.stdout_text(), "");
     assert_eq!(value.results.len(), 1, "{:?}", value.results);
     assert!(value.results[0].main);
     assert_eq!(value.results[0].data["text/plain"], "42");
@@ -680,8 +689,8 @@ async fn python_sessions_return_rich_results() -> TestResult {
     Ok(())
 }
 
-/// Issue 16: a one-shot's figures left open come back as PNG results; a one-shot has no
-/// final-value result (as `python -c`).
+/// Issue 16: a one-shot's figures left open come back as PNG results. Issue 32: after its
+/// final value, which is its main result and is not printed (as `python -c` prints none).
 #[tokio::test]
 async fn python_one_shots_return_their_figures() -> TestResult {
     let result = run(py(
@@ -690,11 +699,96 @@ async fn python_one_shots_return_their_figures() -> TestResult {
     .await;
     assert_eq!(result.stdout_text(), "");
     assert_eq!(result.exit_code, 0, "{}", result.stderr_text());
-    assert_eq!(result.results.len(), 1, "{:?}", result.results);
-    assert!(!result.results[0].main);
-    assert!(result.results[0].data["image/png"].starts_with("iVBORw0KGgo"));
+    assert_eq!(result.results.len(), 2, "{:?}", result.results);
+    assert_eq!(shown(&result), Some("2"));
+    assert!(result.results[0].main);
+    assert!(!result.results[1].main);
+    assert!(result.results[1].data["image/png"].starts_with("iVBORw0KGgo"));
     let plain = run(py("print(1)")).await;
     assert!(plain.results.is_empty());
+    Ok(())
+}
+
+/// Issue 32: a one-shot shows what a session shows: its final value (its main result, not
+/// printed), `display(...)`, the figures each `plt.show()` shows (without Agg's warning);
+/// code that shows nothing runs as before, and mistakes read as they did.
+#[tokio::test]
+async fn python_one_shots_return_rich_results() -> TestResult {
+    let value = run(py("x = 6\nx * 7")).await;
+    assert_eq!(
+        (
+            value.stdout_text().as_str(),
+            shown(&value),
+            value.results.len()
+        ),
+        ("", Some("42"), 1)
+    );
+    let printed = run(py("print(1)")).await;
+    assert_eq!(printed.stdout_text(), "1\n");
+    assert!(printed.results.is_empty(), "{:?}", printed.results);
+    let displayed = run(py("display({'a': 1})")).await;
+    assert_eq!(displayed.exit_code, 0, "{}", displayed.stderr_text());
+    assert_eq!(displayed.results.len(), 1, "{:?}", displayed.results);
+    assert!(!displayed.results[0].main);
+    assert_eq!(displayed.results[0].data["text/plain"], "{'a': 1}");
+    for quiet in [
+        "def f(): pass\nf()",
+        "x = 1",
+        "for i in range(2):\n    i",
+        "None",
+    ] {
+        let result = run(py(quiet)).await;
+        assert!(
+            result.results.is_empty() && result.stdout.is_empty() && result.exit_code == 0,
+            "{quiet:?}: {result:?}"
+        );
+    }
+    let multiline = run(py("d = {'a': 1}\nsorted(\n    d,\n)  # the keys")).await;
+    assert_eq!(shown(&multiline), Some("['a']"));
+    let joined = run(py("x = 1; x + 1")).await;
+    assert_eq!(shown(&joined), Some("2"));
+    let frame = run(py("import pandas as pd\npd.DataFrame({'a': [1, 2]})")).await;
+    assert!(
+        frame.results[0].main && frame.results[0].data["text/html"].contains("<table"),
+        "{:?}",
+        frame.results
+    );
+    let plot = run(py(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()\nplt.plot([2, 1])\nplt.show()\nprint('done')",
+    ))
+    .await;
+    assert_eq!(
+        (plot.stdout_text().as_str(), plot.stderr_text().as_str()),
+        ("done\n", "")
+    );
+    // Each `show()` showed its own figure and closed it.
+    assert_eq!(plot.results.len(), 2, "{:?}", plot.results);
+    for figure in &plot.results {
+        assert!(!figure.main && figure.data["image/png"].starts_with("iVBORw0KGgo"));
+    }
+    // The last line is compiled apart: its error keeps its line, and a mistake before it
+    // reads as it did.
+    let failed = run(py("x = 0\n1 / x")).await;
+    assert!(failed.results.is_empty(), "{:?}", failed.results);
+    assert_division_traceback(&failed.stderr_text(), &["line 2, in <module>\n    1 / x\n"]);
+    let mistake = run(py("def f(:\n    pass\nf()")).await;
+    assert_eq!(mistake.exit_code, 1);
+    assert!(
+        mistake.stderr_text().starts_with("  File \"<turn ")
+            && mistake
+                .stderr_text()
+                .ends_with("\", line 1\n    def f(:\n          ^\nSyntaxError: invalid syntax\n"),
+        "{}",
+        mistake.stderr_text()
+    );
+    // A guest that starts without kiln's turn (the fuel engine's) gets it first.
+    let counted = run(with_fuel(py("x = 6\nx * 7"), 1_000_000_000)).await;
+    assert_eq!(
+        (counted.stdout_text().as_str(), shown(&counted)),
+        ("", Some("42")),
+        "{}",
+        counted.stderr_text()
+    );
     Ok(())
 }
 
@@ -792,7 +886,7 @@ fn assert_division_traceback(stderr: &str, parts: &[&str]) {
 }
 
 /// A session's one-line turn compiles in `single` mode (half the compile of a tree): what it
-/// echoes, and how it fails, is what the tree gives — the final expression only, nothing for
+/// shows, and how it fails, is what the tree gives — the final expression only, nothing for
 /// a compound statement or an annotation, the last of `;`-joined ones, errors as `python -c`.
 #[tokio::test]
 async fn one_line_turns_echo_as_the_tree_does() -> TestResult {
@@ -800,39 +894,47 @@ async fn one_line_turns_echo_as_the_tree_does() -> TestResult {
         .open_session(Language::Python, &SessionOptions::default())
         .await?;
     let limits = Limits::default();
-    let cases: &[(&str, &str)] = &[
-        ("x = 5", ""),
-        ("x", "5\n"),
-        ("1 + 1", "2\n"),
-        ("x += 1", ""),
-        ("x\n", "6\n"),
-        ("print('a')", "a\n"),
-        ("None", ""),
-        ("'doc'", "'doc'\n"),
-        ("1; 2", "2\n"),
-        ("for i in range(3): i", ""),
-        ("if True: 7", ""),
-        ("y: int = 3", ""),
-        ("y, __annotate__(1)", "(3, {'y': <class 'int'>})\n"),
-        ("formatted = 8", ""),
-        ("formatted", "8\n"),
-        ("match = [1, 2]", ""),
-        ("match[1]", "2\n"),
-        ("(lambda: 9)()", "9\n"),
-        ("[i * i for i in range(4)]", "[0, 1, 4, 9]\n"),
-        ("def f(): return 1 / 0", ""),
-        ("x = 1  # a comment; with a semicolon", ""),
-        ("x", "1\n"),
+    let cases: &[(&str, Option<&str>)] = &[
+        ("x = 5", None),
+        ("x", Some("5")),
+        ("1 + 1", Some("2")),
+        ("x += 1", None),
+        ("x\n", Some("6")),
+        ("None", None),
+        ("'doc'", Some("'doc'")),
+        ("1; 2", Some("2")),
+        ("for i in range(3): i", None),
+        ("if True: 7", None),
+        ("y: int = 3", None),
+        ("y, __annotate__(1)", Some("(3, {'y': <class 'int'>})")),
+        ("formatted = 8", None),
+        ("formatted", Some("8")),
+        ("match = [1, 2]", None),
+        ("match[1]", Some("2")),
+        ("(lambda: 9)()", Some("9")),
+        ("[i * i for i in range(4)]", Some("[0, 1, 4, 9]")),
+        ("def f(): return 1 / 0", None),
+        ("x = 1  # a comment; with a semicolon", None),
+        ("x", Some("1")),
     ];
-    for (code, echoed) in cases {
+    for (code, value) in cases {
         let result = session.run(code, &limits).await?;
         assert_eq!(
-            (result.stdout_text().as_str(), result.exit_code),
-            (*echoed, 0),
+            (
+                shown(&result),
+                result.stdout_text().as_str(),
+                result.exit_code
+            ),
+            (*value, "", 0),
             "{code:?}: {}",
             result.stderr_text()
         );
     }
+    let printed = session.run("print('a')", &limits).await?;
+    assert_eq!(
+        (shown(&printed), printed.stdout_text().as_str()),
+        (None, "a\n")
+    );
     // A failing one-liner, through a function a one-line compound statement defined: both
     // lines shown, no frame of kiln's.
     let failed = session.run("f()", &limits).await?;
@@ -1265,8 +1367,8 @@ async fn python_fuel_stops_at_the_same_point_every_run() -> TestResult {
     let err = plain.run("1", &options.limits).await.unwrap_err();
     assert!(matches!(err, ExecError::FuelUnavailable { .. }), "{err}");
     assert_eq!(
-        plain.run("1 + 1", &Limits::default()).await?.stdout_text(),
-        "2\n"
+        shown(&plain.run("1 + 1", &Limits::default()).await?),
+        Some("2")
     );
     Ok(())
 }
@@ -1832,10 +1934,13 @@ async fn session_output_streams_as_it_is_written() -> TestResult {
     Ok(())
 }
 
+/// Issue 32: a final expression's value is the main result, one-shot or session, and
+/// neither prints it (a one-shot's stdout is `python -c`'s; a session's is E2B's `run_code`'s).
 #[tokio::test]
-async fn one_shots_do_not_echo_a_final_expression_but_sessions_do() -> TestResult {
+async fn final_expressions_are_results_not_output_in_one_shots_and_sessions() -> TestResult {
     let result = run(py("1 + 1")).await;
     assert_eq!(result.stdout_text(), "");
+    assert_eq!(shown(&result), Some("2"));
     let result = run(py("for i in range(2):\n    print(i)")).await;
     assert_eq!(result.stdout_text(), "0\n1\n");
     let result = run(py("x = 1\nraise KeyError(x)")).await;
@@ -1848,14 +1953,18 @@ async fn one_shots_do_not_echo_a_final_expression_but_sessions_do() -> TestResul
         .open_session(Language::Python, &SessionOptions::default())
         .await?;
     let echoed = session.run("1 + 1", &Limits::default()).await?;
-    assert_eq!(echoed.stdout_text(), "2\n");
-    // As in a REPL: the final expression only, after what comes before it; None not shown.
+    assert_eq!(echoed.stdout_text(), "");
+    assert_eq!(shown(&echoed), Some("2"));
+    // As in a notebook: the final expression only, after what comes before it; None not
+    // shown.
     let echoed = session
         .run("print('a')\ny = 20\ny + 1", &Limits::default())
         .await?;
-    assert_eq!(echoed.stdout_text(), "a\n21\n");
+    assert_eq!(echoed.stdout_text(), "a\n");
+    assert_eq!(shown(&echoed), Some("21"));
     let echoed = session.run("print('b')", &Limits::default()).await?;
     assert_eq!(echoed.stdout_text(), "b\n");
+    assert_eq!(shown(&echoed), None);
     Ok(())
 }
 
@@ -1897,7 +2006,7 @@ async fn syntax_errors_read_as_python_shows_them_in_one_shots_and_sessions() -> 
     assert_eq!(failed.exit_code, 1);
     python_like(&failed.stderr_text());
     let echoed = session.run("x + 1", &limits).await?;
-    assert_eq!(echoed.stdout_text(), "42\n");
+    assert_eq!(shown(&echoed), Some("42"));
     // A session with an environment of its own starts unprimed: its setup turn installs
     // kiln's turn, so it reads the same.
     let options = SessionOptions {
@@ -1910,7 +2019,7 @@ async fn syntax_errors_read_as_python_shows_them_in_one_shots_and_sessions() -> 
     let echoed = session
         .run("import os, sys\n'_kiln_sources' in dir(sys.modules['_reactor']), os.environ['GREETING']", &limits)
         .await?;
-    assert_eq!(echoed.stdout_text(), "(True, 'hi')\n");
+    assert_eq!(shown(&echoed), Some("(True, 'hi')"));
     Ok(())
 }
 
@@ -1996,38 +2105,5 @@ async fn a_first_run_compiles_its_runtime_off_the_callers_thread() -> TestResult
         longest < took / 3,
         "the thread was blocked for {longest:?} of the {took:?} the first run took"
     );
-    Ok(())
-}
-
-#[tokio::test]
-#[ignore = "scratch timing"]
-async fn zz_scratch_time_rich_oneshots() -> TestResult {
-    let engine = engine();
-    for code in [
-        "print(1+1)",
-        "x = 6\nx * 7",
-        "x = 6\nx * 7\nNone",
-        "f()",
-        "display(1)",
-        "print(1+1)\n1; 2",
-        "x = 1\nplt = 2\nprint(x)",
-    ] {
-        let code = if code == "f()" {
-            "def f(): pass\nf()"
-        } else {
-            code
-        };
-        for _ in 0..30 {
-            engine.execute(&py(code)).await?;
-        }
-        let mut samples = Vec::new();
-        for _ in 0..300 {
-            let t = Instant::now();
-            engine.execute(&py(code)).await?;
-            samples.push(t.elapsed());
-        }
-        samples.sort();
-        println!("{code:?}: median {:?} p90 {:?}", samples[150], samples[270]);
-    }
     Ok(())
 }

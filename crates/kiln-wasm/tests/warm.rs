@@ -41,6 +41,18 @@ async fn out(session: &mut kiln_wasm::Session, code: &str) -> String {
     result.stdout_text()
 }
 
+/// The text of a session turn's final value (its main result; nothing on stdout).
+async fn value(session: &mut kiln_wasm::Session, code: &str) -> String {
+    let result = session
+        .run(code, &kiln_core::Limits::default())
+        .await
+        .expect("turn");
+    assert!(result.success(), "{code}: {}", result.stderr_text());
+    assert_eq!(result.stdout_text(), "", "{code}");
+    let main = result.results.iter().find(|r| r.main).expect("a value");
+    main.data["text/plain"].clone()
+}
+
 #[tokio::test]
 async fn python_data_starts_with_the_data_stack_imported_and_its_own_environment() -> TestResult {
     let mut request = data(
@@ -70,7 +82,7 @@ async fn python_data_starts_with_the_data_stack_imported_and_its_own_environment
         .await?;
     assert_eq!(result.stdout_text(), "None\n");
     // Its one-shots and sessions show a mistake as `python -c` does (no frame of `ast.py`),
-    // and its sessions echo a final expression.
+    // and its sessions show a final expression's value.
     let result = engine().execute(&data("x = (1")).await?;
     let stderr = result.stderr_text();
     assert!(
@@ -83,8 +95,8 @@ async fn python_data_starts_with_the_data_stack_imported_and_its_own_environment
         .open_session(Language::Python, &options(Some(PYTHON_DATA)))
         .await?;
     assert_eq!(
-        out(&mut session, "import numpy as np\nint(np.arange(3).sum())").await,
-        "3\n"
+        value(&mut session, "import numpy as np\nint(np.arange(3).sum())").await,
+        "3"
     );
     let failed = session.run("x = (1", &kiln_core::Limits::default()).await?;
     assert!(
@@ -92,7 +104,7 @@ async fn python_data_starts_with_the_data_stack_imported_and_its_own_environment
         "{}",
         failed.stderr_text()
     );
-    assert_eq!(out(&mut session, "np.int64(7) * 6").await, "np.int64(42)\n");
+    assert_eq!(value(&mut session, "np.int64(7) * 6").await, "np.int64(42)");
     Ok(())
 }
 
@@ -290,7 +302,7 @@ async fn primed_starts_are_each_guests_own() -> TestResult {
         out(&mut session, "print(time.monotonic() > t)").await,
         "True\n"
     );
-    assert_eq!(out(&mut session, "x = 41\nx + 1").await, "42\n");
+    assert_eq!(value(&mut session, "x = 41\nx + 1").await, "42");
     Ok(())
 }
 

@@ -775,10 +775,12 @@ fn exec(
         })?
     };
     if !args.json {
-        let figures = (!result.results.is_empty()).then(|| {
+        // A final expression's value (the main result) goes unsaid, as `python -c` says
+        // nothing of it; what the code showed on purpose is counted.
+        let shown = result.results.iter().filter(|r| !r.main).count();
+        let figures = (shown > 0).then(|| {
             format!(
-                "{} rich result(s) (figures, displayed values) not shown here: `kiln exec --json` returns them",
-                result.results.len()
+                "{shown} rich result(s) (figures, displayed values) not shown here: `kiln exec --json` returns them"
             )
         });
         let reasons = [

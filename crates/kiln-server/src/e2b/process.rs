@@ -566,7 +566,8 @@ struct PythonCommand {
 /// Why a command does not run in a WebAssembly sandbox.
 #[derive(Debug, PartialEq)]
 enum NotRun {
-    /// It needs a shell (pipes, redirections, expansions), or names no Python program.
+    /// Anything but a Python command line: it needs a shell (pipes, redirections,
+    /// expansions), runs another program, or names a file outside the workspace.
     NoShell,
     /// A `python` command line kiln does not run (an option it does not take, a bad module).
     Refused(CommandLineError),

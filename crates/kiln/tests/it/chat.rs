@@ -490,3 +490,40 @@ async fn the_agent_runs_go_and_bash_and_routes_python_to_linux() {
     );
     drop(server);
 }
+
+/// Issue 32: a session cell's final value is a result, not a line of stdout; the model still
+/// reads it (and what the cell `display`ed) in the tool result.
+#[tokio::test(flavor = "multi_thread")]
+async fn issue32_the_model_reads_a_cells_final_value() {
+    let fake = FakeProvider::start(vec![
+        Step::tool(
+            "v",
+            "execute_code",
+            json!({"language": "python", "code": "display('first')\nx = 6\nx * 7"}),
+        ),
+        Step::Text("It is 42.".into()),
+    ])
+    .await
+    .unwrap();
+    let env = openai(&fake);
+    let server = tokio::task::spawn_blocking(move || serve(&env))
+        .await
+        .unwrap();
+    let (status, events) = tokio::task::spawn_blocking(move || {
+        let reply = chat(&server, user("what is 6*7?"));
+        drop(server);
+        reply
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    let (_, result) = events
+        .iter()
+        .find(|(n, _)| n == "tool_result")
+        .expect("tool result");
+    let text = result["result"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("displayed:\n'first'\nvalue:\n42\n") && !text.contains("stdout:"),
+        "{text}"
+    );
+}

@@ -9,6 +9,7 @@ mod fork;
 mod issue32;
 mod linux;
 mod rest;
+mod rich_oneshot;
 mod runner;
 mod serve;
 mod storage;

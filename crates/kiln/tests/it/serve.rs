@@ -1319,6 +1319,10 @@ fn issue13_quotas_answer_429_naming_the_quota_and_hold_under_a_race() -> TestRes
             "1",
             "--max-workspace",
             "1MiB",
+            // No line: an execution over the quota is refused at once (the line itself is
+            // issue 32's, tested in `issue32_the_line_is_bounded_…`).
+            "--exec-queue",
+            "0",
         ],
         ..Options::default()
     })?;
@@ -1959,7 +1963,8 @@ fn rich_results_come_back_in_json_and_in_the_stream() -> TestResult {
         "the first figure came after the output: {names:?}"
     );
     let (_, result) = events.last().ok_or("no events")?;
-    assert_eq!(result["stdout"], "between\n'done'\n", "{result}");
+    // Issue 32: the cell's value is its main result, not a line of stdout too.
+    assert_eq!(result["stdout"], "between\n", "{result}");
     assert_eq!(result["stderr"], "", "{result}");
     assert_eq!(
         result["results"].as_array().map(Vec::len),
