@@ -36,3 +36,75 @@ def test_a_key_limited_to_two_sessions_gets_a_clear_error_on_its_third_context(t
         assert sbx.run_code("6 * 7", context=third).text == "42"
     finally:
         sbx.kill()
+
+
+def test_a_key_over_its_rate_limit_gets_429_on_envd_and_interpreter_routes(monkeypatch, tmp_path):
+    """Only the control plane was rate limited: a sandbox's envd and code-interpreter routes
+    ran every request whatever the key's limit. A server of its own with one request a
+    second (bursts of two) per key."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from e2b_code_interpreter import Sandbox
+
+    kiln = os.environ.get("KILN_BIN")
+    assert kiln, "scripts/e2b-check sets KILN_BIN (the kiln under test)"
+    key = subprocess.run(
+        [kiln, "keys", "create", "--name", "rated", "--data-dir", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    api, e2b_port = free_port(), free_port()
+    with open(tmp_path / "serve.log", "w") as log:
+        server = subprocess.Popen(
+            [kiln, "serve", "--data-dir", str(tmp_path), "--listen", f"127.0.0.1:{api}",
+             "--e2b-listen", f"127.0.0.1:{e2b_port}", "--rate-limit", "1", "--log-format", "json"],
+            stdin=subprocess.DEVNULL,
+            stderr=log,
+        )
+    try:
+        url = f"http://127.0.0.1:{e2b_port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except Exception:
+                assert time.time() < deadline, (tmp_path / "serve.log").read_text()
+                time.sleep(0.1)
+        monkeypatch.setenv("E2B_API_URL", url)
+        monkeypatch.setenv("E2B_SANDBOX_URL", url)
+        sbx = Sandbox.create(
+            os.environ.get("KILN_E2B_CODE_INTERPRETER", "code-interpreter-v1"),
+            api_key="e2b_" + key.removeprefix("kiln_"),
+        )
+
+        def limited(call):
+            said = []
+            for n in range(8):
+                try:
+                    call(n)
+                except Exception as e:  # the SDKs raise their own kinds for a 429
+                    said.append(f"{type(e).__name__}: {e}")
+            return said
+
+        time.sleep(3)
+        envd = limited(lambda n: sbx.files.write(f"n{n}.txt", "x"))
+        assert envd and all("429" in s or "RateLimit" in s or "Rate limit" in s for s in envd), envd
+        assert len(envd) < 8, "every request was refused"
+        time.sleep(3)
+        interpreter = limited(lambda n: sbx.run_code(f"{n} + 1"))
+        assert interpreter and all("429" in s or "RateLimit" in s for s in interpreter), interpreter
+        assert len(interpreter) < 8, "every request was refused"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
