@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use kiln_core::backend::Door;
 use kiln_core::{ExecRequest, ExecResult, Language, Limits, Outcome};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::process::Command;
 use tokio::sync::{mpsc, oneshot};
 
@@ -780,7 +780,7 @@ impl Inner {
         let Started {
             pid,
             task,
-            mut stdin,
+            stdin,
             stdout,
             exit,
         } = match started {
@@ -790,26 +790,8 @@ impl Inner {
                 return Err(e);
             }
         };
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-        tokio::spawn(async move {
-            // Frames waiting together go out in one write, each with its length.
-            let mut batch = Vec::new();
-            while let Some(first) = rx.recv().await {
-                batch.clear();
-                let mut next = Some(first);
-                while let Some(body) = next.take() {
-                    let len = u32::try_from(body.len()).unwrap_or(u32::MAX);
-                    batch.extend_from_slice(&len.to_le_bytes());
-                    batch.extend_from_slice(&body);
-                    if batch.len() < 1 << 20 {
-                        next = rx.try_recv().ok();
-                    }
-                }
-                if stdin.write_all(&batch).await.is_err() || stdin.flush().await.is_err() {
-                    break;
-                }
-            }
-        });
+        let (tx, rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        tokio::spawn(crate::protocol::write_batched(rx, stdin, Some));
         let worker = Worker {
             generation,
             tx,

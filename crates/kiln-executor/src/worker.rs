@@ -10,11 +10,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kiln_core::backend::{Backend, BackendError, BackendSession, Door, OutputChunk};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use crate::fair::FairScheduler;
-use crate::protocol::{Op, RemoteError, Reply, Request, Response, encode, read_frame};
+use crate::protocol::{
+    Op, RemoteError, Reply, Request, Response, encode, read_frame, write_batched,
+};
 
 /// The async runtime a worker runs on: `threads` threads (1: the current thread). It polls
 /// for I/O after every task poll rather than every 61: a guest's poll lasts up to an epoch
@@ -108,39 +110,11 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Writes each response as a frame, until every sender is gone or the pool stops reading.
-async fn write_responses<W: AsyncWrite + Unpin>(
-    mut rx: mpsc::UnboundedReceiver<Response>,
-    mut output: W,
-) {
-    // Replies waiting together go out in one write (a one-shot's `Started` and its `Done`
-    // usually do): one system call instead of two per frame.
-    let mut batch = Vec::new();
-    while let Some(first) = rx.recv().await {
-        batch.clear();
-        let mut next = Some(first);
-        while let Some(response) = next.take() {
-            let Some(body) = encode_reply(&response) else {
-                continue;
-            };
-            let len = u32::try_from(body.len()).unwrap_or(u32::MAX);
-            batch.extend_from_slice(&len.to_le_bytes());
-            batch.extend_from_slice(&body);
-            if batch.len() < BATCH_BYTES {
-                next = rx.try_recv().ok();
-            }
-        }
-        if batch.is_empty() {
-            continue;
-        }
-        if output.write_all(&batch).await.is_err() || output.flush().await.is_err() {
-            break;
-        }
-    }
+/// Writes each response as a frame, until every sender is gone or the pool stops reading;
+/// replies waiting together (a one-shot's `Started` and its `Done`, usually) in one write.
+async fn write_responses<W: AsyncWrite + Unpin>(rx: mpsc::UnboundedReceiver<Response>, output: W) {
+    write_batched(rx, output, |response| encode_reply(&response)).await;
 }
-
-/// Replies are gathered into one write up to this many bytes.
-const BATCH_BYTES: usize = 1 << 20;
 
 /// A reply's frame body; one too large for a frame fails alone, as a reply.
 fn encode_reply(response: &Response) -> Option<Vec<u8>> {

@@ -144,6 +144,13 @@ impl Runtime {
             .then_some(SESSION_OPEN_BYTES)
     }
 
+    /// What a new session in `sandbox` counts before its first turn, in bytes: as
+    /// [`Runtime::session_holds`], else the sandbox's memory cap.
+    pub fn new_session_holds(&self, sandbox: &sandbox::Sandbox) -> u64 {
+        self.session_holds(sandbox.template())
+            .unwrap_or(sandbox.memory_bytes)
+    }
+
     /// Whether sessions of `template` report the memory they really hold.
     pub fn measures_sessions(&self, template: &str) -> bool {
         self.catalogue()

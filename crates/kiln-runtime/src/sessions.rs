@@ -79,12 +79,9 @@ pub async fn open(
     let view = rt.registry.get(&caller.tenant, id)?;
     let request = session_request(rt, &view.meta, language);
     let quotas = rt.quotas(caller);
-    let holds = rt
-        .session_holds(view.meta.template())
-        .unwrap_or(view.meta.memory_bytes);
     rt.registry
         .usage(&caller.tenant)
-        .check_session(&quotas, holds)?;
+        .check_session(&quotas, rt.new_session_holds(&view.meta))?;
     let options = CallOptions::for_tenant(&caller.tenant, quotas.cpu_weight);
     let template = view.meta.template();
     let handle = rt
@@ -255,12 +252,9 @@ async fn fork_begun(
         });
     }
     // Over the session quota: refused before a sandbox is made for nothing.
-    let holds = rt
-        .session_holds(parent.template())
-        .unwrap_or(parent.memory_bytes);
     rt.registry
         .usage(&caller.tenant)
-        .check_session(&rt.quotas(caller), holds)?;
+        .check_session(&rt.quotas(caller), rt.new_session_holds(parent))?;
     let child = fork_sandbox(rt, caller, parent, session, work).await?;
     match fork_into(rt, caller, parent, &child, &meta, &handle).await {
         Ok(forked) => Ok(ForkedSession {
