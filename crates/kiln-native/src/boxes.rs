@@ -80,6 +80,9 @@ pub struct BoxSpec {
     pub network: Option<Arc<Allowlist>>,
     /// A host CA bundle bound over the box's (for hosts behind a TLS-inspecting proxy).
     pub ca_bundle: Option<PathBuf>,
+    /// The template's root filesystem itself is the box's root, written in place (no
+    /// overlay, no capped layer): only a template build, whose folder is a staging copy.
+    pub in_place: bool,
 }
 
 impl BoxSpec {
@@ -91,6 +94,7 @@ impl BoxSpec {
             limits,
             network: None,
             ca_bundle: None,
+            in_place: false,
         }
     }
 }
@@ -481,6 +485,20 @@ impl Boxes {
         let base = self.config.uid_base;
         let (layer, rootfs) = (dir.join("layer"), dir.join("rootfs"));
         let nosuid = libc::MS_NOSUID | libc::MS_NODEV;
+        if spec.in_place {
+            // A template build: its staging root, bound where the runtime (inside the box's
+            // user namespace, which cannot see into kiln's cache) finds it.
+            let source = spec.template.rootfs.to_string_lossy();
+            mount(&source, &rootfs, "", libc::MS_BIND, "").map_err(start_err("root"))?;
+            return mount(
+                "",
+                &rootfs,
+                "",
+                libc::MS_BIND | libc::MS_REMOUNT | nosuid,
+                "",
+            )
+            .map_err(start_err("root"));
+        }
         mount(
             "kiln-layer",
             &layer,

@@ -1,6 +1,13 @@
-//! Builds a template's root filesystem: `debootstrap` (minbase) from a Debian mirror, then
-//! `apt-get install` of the template's packages, the unprivileged user, the post-install
-//! script, cleaning, and the ownership shift that lets a box's user namespace own it.
+//! Builds a template's root filesystem. Only the first step runs as the host's root:
+//! `debootstrap --foreign` (minbase) downloads Debian's base packages from the mirror,
+//! checks them against the mirror's signed index and unpacks them, running nothing from
+//! them. The tree is then shifted to the unprivileged uids a box's user namespace maps, and
+//! every later step runs inside a box's own jail with the new tree as its root (a user
+//! namespace, no host mounts, the boxes' seccomp filter and capabilities, a cgroup, and a
+//! network that reaches only the mirror and the allowlist through kiln's proxy):
+//! debootstrap's second stage (the base packages' maintainer scripts), `apt-get install` of
+//! the template's packages, its unprivileged user, its post-install script, the installed
+//! versions and cleaning. So a template author can do no more than code in a box can.
 //!
 //! A build happens in a hidden folder beside the store and is renamed into place only when
 //! every step succeeded, so the store holds whole templates or nothing; a failure says which
@@ -15,7 +22,13 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::boxes::{BoxSpec, Boxes, Exec, LiveBox};
+use crate::jail::BoxLimits;
+use crate::proxy::Allowlist;
 use crate::template::{Definition, USER_HOME, USER_NAME, USER_UID};
+
+/// The longest one jailed step may run.
+const STEP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30 * 60);
 
 /// Where templates are built and kept.
 #[derive(Debug, Clone)]
@@ -70,8 +83,8 @@ pub struct BuildError {
     pub message: String,
 }
 
-/// What a build reports as it goes.
-pub trait Progress {
+/// What a build reports as it goes (from the thread that drives the jailed steps too).
+pub trait Progress: Sync {
     /// Step `index` of `total` begins.
     fn step(&self, index: usize, total: usize, name: &str);
     /// A line of a step's tool output.
@@ -95,22 +108,53 @@ path-exclude /usr/share/locale/*
 path-include /usr/share/locale/locale.alias
 ";
 
-/// What debootstrap installed before the exclusions applied.
+/// What debootstrap installed before the exclusions applied, caches and logs; no name
+/// resolution (a box has no network unless kiln's proxy carries it) and kiln's own host
+/// names. Run in the jail, as the last step.
 const CLEAN: &str = "find /usr/share/doc -depth -type f ! -name copyright -delete; \
     find /usr/share/doc -depth -type d -empty -delete; \
     rm -rf /usr/share/man/* /usr/share/info/*; \
     find /usr/share/locale -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} +; \
-    apt-get clean";
+    apt-get clean; \
+    rm -rf /var/lib/apt/lists/* /var/log/* /var/tmp/* /var/cache/debconf/* /debootstrap; \
+    rm -f /etc/hostname /etc/hosts /etc/resolv.conf; \
+    echo kiln > /etc/hostname; \
+    printf '127.0.0.1\\tlocalhost kiln\\n::1\\tlocalhost ip6-localhost ip6-loopback\\n' > /etc/hosts; \
+    : > /etc/resolv.conf";
 
-const STEPS: [&str; 7] = [
+const STEPS: [&str; 9] = [
     "debootstrap",
+    "ownership",
+    "jail",
+    "configure",
     "apt-get install",
     "user",
     "post-install",
     "clean",
-    "ownership",
     "seal",
 ];
+
+/// What a build's jail may use: all the host's CPUs, memory and tasks enough for a
+/// compiler, a `/tmp` of 1 GiB.
+fn build_limits() -> BoxLimits {
+    BoxLimits {
+        memory_bytes: 4 << 30,
+        vcpus: std::thread::available_parallelism().map_or(1, |n| n.get()) as f64,
+        pids: 4096,
+        disk_bytes: 4 << 30,
+        weight: 100,
+    }
+}
+
+/// Where a build's jailed steps run.
+#[derive(Debug, Clone, Copy)]
+pub struct Jail<'a> {
+    /// The boxes that run them (the agent, the container runtime, the state folder).
+    pub boxes: &'a Boxes,
+    /// What the build's network may reach beside the mirror (a `post_install` that runs
+    /// `pip install` needs the package index): the boxes' allowlist.
+    pub allow: &'a Allowlist,
+}
 
 impl Store {
     /// Reads the Debian mirror from the host's apt sources (the first `URIs:` or `deb`
@@ -154,22 +198,25 @@ impl Store {
         })
     }
 
-    /// The built template, building it first if it is not in the store.
+    /// The built template, building it first (in `jail`) if it is not in the store.
     pub fn ensure(
         &self,
         definition: &Definition,
+        jail: Jail<'_>,
         progress: &dyn Progress,
     ) -> Result<Template, BuildError> {
         match self.find(definition) {
             Some(template) => Ok(template),
-            None => self.build(definition, progress),
+            None => self.build(definition, jail, progress),
         }
     }
 
-    /// Builds `definition`'s root filesystem (even if one is in the store: it is replaced).
+    /// Builds `definition`'s root filesystem (even if one is in the store: it is replaced):
+    /// debootstrap's download as the host's root, every later step in `jail`.
     pub fn build(
         &self,
         definition: &Definition,
+        jail: Jail<'_>,
         progress: &dyn Progress,
     ) -> Result<Template, BuildError> {
         let fail = |step: &'static str| {
@@ -190,17 +237,15 @@ impl Store {
             rootfs: staging.join("rootfs"),
             debs: self.root.join("debs"),
             suite: definition.suite().map_err(fail("prepare"))?.to_string(),
-            step: std::cell::Cell::new(0),
+            step: std::sync::atomic::AtomicUsize::new(0),
         };
         std::fs::create_dir_all(&job.debs)
             .map_err(|e| fail("prepare")(format!("{}: {e}", job.debs.display())))?;
         job.bootstrap().map_err(fail("debootstrap"))?;
-        job.install().map_err(fail("apt-get install"))?;
-        job.add_user().map_err(fail("user"))?;
-        let versions = job.post_install().map_err(fail("post-install"))?;
-        job.clean().map_err(fail("clean"))?;
         job.next("ownership");
+        job.prepare().map_err(fail("ownership"))?;
         shift_ownership(&job.rootfs, self.uid_base).map_err(fail("ownership"))?;
+        let versions = job.jailed(jail)?;
         job.next("seal");
         let built = Built {
             name: definition.name.clone(),
@@ -223,11 +268,15 @@ impl Store {
         std::fs::create_dir_all(&self.root).map_err(|e| format!("{}: {e}", self.root.display()))?;
         self.remove_abandoned_builds();
         let hash = definition.build_hash(&self.mirror, self.uid_base);
+        // The pid says whose build it is; the count tells apart builds one process runs at
+        // once.
+        static BUILDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let staging = self.root.join(format!(
-            ".build-{}-{}-{}",
+            ".build-{}-{}-{}-{}",
             definition.name,
             &hash[..16],
-            std::process::id()
+            std::process::id(),
+            BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         let _ = std::fs::remove_dir_all(&staging);
         std::fs::create_dir_all(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
@@ -255,7 +304,8 @@ impl Store {
         })
     }
 
-    /// Removes builds a dead process left half-made.
+    /// Removes builds a dead process left half-made (this process's own builds, running or
+    /// not, remove themselves).
     fn remove_abandoned_builds(&self) {
         let Ok(dir) = std::fs::read_dir(&self.root) else {
             return;
@@ -264,7 +314,7 @@ impl Store {
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some(pid) = name
                 .strip_prefix(".build-")
-                .and_then(|rest| rest.rsplit('-').next())
+                .and_then(|rest| rest.rsplit('-').nth(1))
                 .and_then(|pid| pid.parse::<i32>().ok())
             else {
                 continue;
@@ -272,7 +322,7 @@ impl Store {
             // SAFETY: kill(2) takes only integers and touches no memory of ours, and with signal 0
             // it sends nothing, whatever `pid` is: it only checks that the process exists.
             let alive = unsafe { libc::kill(pid, 0) } == 0;
-            if !alive || pid == std::process::id() as i32 {
+            if !alive {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
@@ -299,27 +349,34 @@ struct Job<'a> {
     definition: &'a Definition,
     progress: &'a dyn Progress,
     rootfs: PathBuf,
-    /// The package cache shared by every build.
+    /// The package cache debootstrap's download shares between builds (never seen by a
+    /// jailed step: debootstrap copies what it needs into the new root).
     debs: PathBuf,
     suite: String,
-    step: std::cell::Cell<usize>,
+    step: std::sync::atomic::AtomicUsize,
 }
 
 impl Job<'_> {
     fn next(&self, name: &str) {
-        self.step.set(self.step.get() + 1);
-        self.progress.step(self.step.get(), STEPS.len(), name);
+        let step = self.step.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        self.progress.step(step, STEPS.len(), name);
     }
 
-    fn in_root(&self, script: &str) -> Result<(), String> {
-        in_root(&self.rootfs, &self.debs, script, self.progress)
+    fn fail(&self, step: &'static str) -> impl Fn(String) -> BuildError + '_ {
+        move |message| BuildError {
+            template: self.definition.name.clone(),
+            step,
+            message,
+        }
     }
 
+    /// Downloads, checks and unpacks the base packages, running none of them.
     fn bootstrap(&self) -> Result<(), String> {
         self.next("debootstrap");
         run(
             Command::new("debootstrap")
                 .arg("--variant=minbase")
+                .arg("--foreign")
                 .arg(format!("--cache-dir={}", self.debs.display()))
                 .arg(&self.suite)
                 .arg(&self.rootfs)
@@ -328,49 +385,278 @@ impl Job<'_> {
         )
     }
 
-    fn install(&self) -> Result<(), String> {
-        self.next("apt-get install");
-        std::fs::write(
-            self.rootfs.join("etc/apt/sources.list"),
-            format!("deb {} {} main\n", self.store.mirror, self.suite),
-        )
-        .map_err(|e| e.to_string())?;
+    /// While the tree holds only what debootstrap unpacked: apt's source and the
+    /// documentation exclusions, an empty `/tmp`, and the agent's mount point.
+    fn prepare(&self) -> Result<(), String> {
+        let write = |path: &str, text: &str| {
+            let path = self.rootfs.join(path);
+            std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))
+        };
+        write(
+            "etc/apt/sources.list",
+            &format!("deb {} {} main\n", self.store.mirror, self.suite),
+        )?;
         // Documentation, manual pages and translations are left out (copyright files stay).
-        std::fs::write(self.rootfs.join("etc/dpkg/dpkg.cfg.d/01-kiln-nodoc"), NODOC)
+        std::fs::create_dir_all(self.rootfs.join("etc/dpkg/dpkg.cfg.d"))
             .map_err(|e| e.to_string())?;
-        if self.definition.packages.is_empty() {
-            return Ok(());
+        write("etc/dpkg/dpkg.cfg.d/01-kiln-nodoc", NODOC)?;
+        if let Ok(entries) = std::fs::read_dir(self.rootfs.join("tmp")) {
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let _ = match entry.file_type() {
+                    Ok(kind) if kind.is_dir() => std::fs::remove_dir_all(&path),
+                    _ => std::fs::remove_file(&path),
+                };
+            }
         }
-        self.in_root(&format!(
-            "apt-get update -q && apt-get install -y -q --no-install-recommends {}",
-            self.definition.packages.join(" ")
-        ))
+        // The runtime mounts on these and refuses a link (a foreign debootstrap leaves
+        // `/proc` a link to the host's).
+        for dir in ["proc", "sys", "dev", "tmp"] {
+            let path = self.rootfs.join(dir);
+            if std::fs::symlink_metadata(&path).is_ok_and(|m| !m.is_dir()) {
+                std::fs::remove_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            }
+            std::fs::create_dir_all(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        let kiln = self.rootfs.join(".kiln");
+        std::fs::create_dir_all(&kiln).map_err(|e| e.to_string())?;
+        write(".kiln/agent", "")?;
+        std::fs::set_permissions(kiln.join("agent"), std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())
     }
 
-    fn add_user(&self) -> Result<(), String> {
+    /// Every step after the ownership shift, in a box whose root is the new tree: answers
+    /// the installed versions. The box is driven from a thread of its own (a build is
+    /// called from plain code and from async code alike).
+    fn jailed(
+        &self,
+        jail: Jail<'_>,
+    ) -> Result<std::collections::BTreeMap<String, String>, BuildError> {
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .map_err(|e| self.fail("jail")(e.to_string()))?;
+                    runtime.block_on(self.in_jail(jail))
+                })
+                .join()
+                .unwrap_or_else(|_| Err(self.fail("jail")("the build's thread panicked".into())))
+        })
+    }
+
+    async fn in_jail(
+        &self,
+        jail: Jail<'_>,
+    ) -> Result<std::collections::BTreeMap<String, String>, BuildError> {
+        self.next("jail");
+        let (host, port) = mirror_host(&self.store.mirror).map_err(self.fail("jail"))?;
+        let allow = jail
+            .allow
+            .with_host(&host, port)
+            .map_err(|e| self.fail("jail")(format!("the mirror {}: {e}", self.store.mirror)))?;
+        let template = Template {
+            definition: self.definition.clone(),
+            built: Built {
+                name: self.definition.name.clone(),
+                hash: String::new(),
+                suite: self.suite.clone(),
+                versions: Default::default(),
+                uid_base: self.store.uid_base,
+                size_bytes: 0,
+                build_seconds: 0.0,
+            },
+            rootfs: self.rootfs.clone(),
+        };
+        let live = jail
+            .boxes
+            .open(BoxSpec {
+                network: Some(std::sync::Arc::new(allow)),
+                in_place: true,
+                ..BoxSpec::new(template, build_limits())
+            })
+            .await
+            .map_err(|e| self.fail("jail")(e.to_string()))?;
+        let versions = self.steps(&live).await;
+        live.close().await;
+        versions
+    }
+
+    async fn steps(
+        &self,
+        live: &LiveBox,
+    ) -> Result<std::collections::BTreeMap<String, String>, BuildError> {
+        self.next("configure");
+        // `container=lxc`: in a box no device can be made, and debootstrap then does not try.
+        self.sh(
+            live,
+            "container=lxc /debootstrap/debootstrap --second-stage",
+        )
+        .await
+        .map_err(self.fail("configure"))?;
+        self.next("apt-get install");
+        if !self.definition.packages.is_empty() {
+            self.sh(
+                live,
+                &format!(
+                    "apt-get update -q && apt-get install -y -q --no-install-recommends {}",
+                    self.definition.packages.join(" ")
+                ),
+            )
+            .await
+            .map_err(self.fail("apt-get install"))?;
+        }
         self.next("user");
-        self.in_root(&format!(
-            "useradd --uid {USER_UID} --user-group --create-home --home-dir {USER_HOME} \
-             --shell {shell} {USER_NAME} && mkdir -p {dir} && chown {USER_NAME}:{USER_NAME} {dir}",
-            shell = self.definition.default_shell,
-            dir = self.definition.working_dir,
-        ))
-    }
-
-    /// Runs the template's script; answers the installed versions of its `versions`.
-    fn post_install(&self) -> Result<std::collections::BTreeMap<String, String>, String> {
+        self.sh(
+            live,
+            &format!(
+                "useradd --uid {USER_UID} --user-group --create-home --home-dir {USER_HOME} \
+                 --shell {shell} {USER_NAME} && mkdir -p {dir} && chown {USER_NAME}:{USER_NAME} {dir}",
+                shell = self.definition.default_shell,
+                dir = self.definition.working_dir,
+            ),
+        )
+        .await
+        .map_err(self.fail("user"))?;
         self.next("post-install");
         if let Some(script) = &self.definition.post_install {
-            self.in_root(script)?;
+            self.sh(live, script)
+                .await
+                .map_err(self.fail("post-install"))?;
         }
-        installed_versions(&self.rootfs, &self.definition.versions)
+        let versions = if self.definition.versions.is_empty() {
+            Default::default()
+        } else {
+            let mut argv = vec!["dpkg-query", "-W", "-f", "${Package}\t${Version}\n"];
+            argv.extend(self.definition.versions.iter().map(String::as_str));
+            let listed = self
+                .command(live, argv.iter().map(|a| a.to_string()).collect())
+                .await
+                .map_err(|e| self.fail("post-install")(format!("dpkg-query: {e}")))?;
+            String::from_utf8_lossy(&listed)
+                .lines()
+                .filter_map(|l| l.split_once('\t'))
+                .map(|(p, v)| (p.to_string(), v.to_string()))
+                .collect()
+        };
+        self.next("clean");
+        self.sh(live, CLEAN).await.map_err(self.fail("clean"))?;
+        Ok(versions)
     }
 
-    fn clean(&self) -> Result<(), String> {
-        self.next("clean");
-        self.in_root(CLEAN)?;
-        clean(&self.rootfs)
+    /// Runs `script` with `sh -e` as the box's root.
+    async fn sh(&self, live: &LiveBox, script: &str) -> Result<Vec<u8>, String> {
+        self.command(live, vec!["/bin/sh".into(), "-ec".into(), script.into()])
+            .await
     }
+
+    /// Runs `argv` as the box's root, passing each output line to the progress; answers its
+    /// standard output, or why it failed with its last lines.
+    async fn command(&self, live: &LiveBox, argv: Vec<String>) -> Result<Vec<u8>, String> {
+        let program = argv.first().cloned().unwrap_or_default();
+        let mut exec = Exec::new(argv);
+        exec.root = true;
+        exec.cwd = Some("/".into());
+        exec.timeout = STEP_TIMEOUT;
+        exec.max_output = 4 << 20;
+        exec.env = vec![
+            ("DEBIAN_FRONTEND".into(), "noninteractive".into()),
+            ("LC_ALL".into(), "C".into()),
+        ];
+        let mut lines = Lines::default();
+        let out = live
+            .exec(exec, |stderr, data| lines.feed(stderr, data, self.progress))
+            .await
+            .map_err(|e| format!("{program}: {e}"))?;
+        lines.flush(self.progress);
+        let why = if out.timed_out {
+            format!("ran past {} minutes", STEP_TIMEOUT.as_secs() / 60)
+        } else if out.oom_killed {
+            format!(
+                "ran out of memory (a build's jail has {} GiB)",
+                build_limits().memory_bytes >> 30
+            )
+        } else {
+            match (out.exit_code, out.signal) {
+                (Some(0), _) => return Ok(out.stdout),
+                (Some(code), _) => format!("exited with {code}"),
+                (None, Some(signal)) => format!("was killed by signal {signal}"),
+                (None, None) => "ended without a status".into(),
+            }
+        };
+        Err(format!(
+            "{program} {why}; its last lines:\n{}",
+            lines.tail.iter().cloned().collect::<Vec<_>>().join("\n")
+        ))
+    }
+}
+
+/// A jailed step's output cut into lines (for the progress, and the last few for an error).
+#[derive(Default)]
+struct Lines {
+    partial: [Vec<u8>; 2],
+    tail: std::collections::VecDeque<String>,
+}
+
+impl Lines {
+    fn feed(&mut self, stderr: bool, data: &[u8], progress: &dyn Progress) {
+        let partial = &mut self.partial[usize::from(stderr)];
+        partial.extend_from_slice(data);
+        while let Some(end) = partial.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = partial.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line[..end]).into_owned();
+            progress.line(&line);
+            self.tail.push_back(line);
+            if self.tail.len() > 8 {
+                self.tail.pop_front();
+            }
+        }
+        // A line that never ends is cut, so one stream cannot hold a build's memory.
+        if partial.len() > 64 << 10 {
+            partial.truncate(4096);
+            partial.push(b'\n');
+            self.feed(stderr, &[], progress);
+        }
+    }
+
+    fn flush(&mut self, progress: &dyn Progress) {
+        for stderr in [false, true] {
+            if !self.partial[usize::from(stderr)].is_empty() {
+                self.feed(stderr, b"\n", progress);
+            }
+        }
+    }
+}
+
+/// The mirror's host and port (`http://deb.debian.org/debian` is `deb.debian.org`, 80).
+fn mirror_host(mirror: &str) -> Result<(String, u16), String> {
+    let (scheme, rest) = mirror
+        .split_once("://")
+        .ok_or_else(|| format!("the mirror {mirror:?} is not an http:// or https:// address"))?;
+    let default_port = match scheme {
+        "http" => 80,
+        "https" => 443,
+        _ => {
+            return Err(format!(
+                "the mirror {mirror:?} is not an http:// or https:// address"
+            ));
+        }
+    };
+    let authority = rest.split('/').next().unwrap_or_default();
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((host, port)) if !port.contains(']') => (
+            host,
+            port.parse()
+                .map_err(|_| format!("the mirror {mirror:?} has a bad port"))?,
+        ),
+        _ => (authority, default_port),
+    };
+    if host.is_empty() {
+        return Err(format!("the mirror {mirror:?} names no host"));
+    }
+    Ok((host.to_string(), port))
 }
 
 struct RemoveOnDrop(Option<PathBuf>);
@@ -446,95 +732,6 @@ fn run(command: &mut Command, progress: &dyn Progress) -> Result<(), String> {
     ))
 }
 
-/// Runs `script` as root inside `rootfs` (chroot), in a private mount namespace holding
-/// `/proc` and the shared package cache, so nothing stays mounted when it ends.
-fn in_root(
-    rootfs: &Path,
-    debs: &Path,
-    script: &str,
-    progress: &dyn Progress,
-) -> Result<(), String> {
-    let setup = "set -e; mount -t proc proc \"$1/proc\"; \
-                 mount --bind \"$2\" \"$1/var/cache/apt/archives\"; \
-                 exec chroot \"$1\" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-                 HOME=/root DEBIAN_FRONTEND=noninteractive LC_ALL=C /bin/sh -ec \"$3\"";
-    run(
-        Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "--fork", "--"])
-            .args(["/bin/sh", "-c", setup, "kiln-build"])
-            .arg(rootfs)
-            .arg(debs)
-            .arg(script),
-        progress,
-    )
-}
-
-fn installed_versions(
-    rootfs: &Path,
-    packages: &[String],
-) -> Result<std::collections::BTreeMap<String, String>, String> {
-    if packages.is_empty() {
-        return Ok(Default::default());
-    }
-    let output = Command::new("chroot")
-        .arg(rootfs)
-        .args(["dpkg-query", "-W", "-f", "${Package}\t${Version}\n"])
-        .args(packages)
-        .output()
-        .map_err(|e| format!("dpkg-query: {e}"))?;
-    if !output.status.success() {
-        return Err(format!(
-            "dpkg-query: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|l| l.split_once('\t'))
-        .map(|(p, v)| (p.to_string(), v.to_string()))
-        .collect())
-}
-
-/// Drops caches and logs, leaves no name resolution (a box has no network unless kiln's
-/// proxy carries it) and makes the mount point of the agent.
-fn clean(rootfs: &Path) -> Result<(), String> {
-    for dir in [
-        "var/lib/apt/lists",
-        "var/log",
-        "tmp",
-        "var/tmp",
-        "var/cache/debconf",
-    ] {
-        let dir = rootfs.join(dir);
-        if let Ok(entries) = std::fs::read_dir(&dir) {
-            for entry in entries.flatten() {
-                let path = entry.path();
-                let _ = if path.is_dir() && !path.is_symlink() {
-                    std::fs::remove_dir_all(&path)
-                } else {
-                    std::fs::remove_file(&path)
-                };
-            }
-        }
-    }
-    let write = |path: &str, text: &str| {
-        let path = rootfs.join(path);
-        let _ = std::fs::remove_file(&path);
-        std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))
-    };
-    write("etc/hostname", "kiln\n")?;
-    write(
-        "etc/hosts",
-        "127.0.0.1\tlocalhost kiln\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-    )?;
-    write("etc/resolv.conf", "")?;
-    let kiln = rootfs.join(".kiln");
-    std::fs::create_dir_all(&kiln).map_err(|e| e.to_string())?;
-    std::fs::write(kiln.join("agent"), b"").map_err(|e| e.to_string())?;
-    std::fs::set_permissions(kiln.join("agent"), std::fs::Permissions::from_mode(0o755))
-        .map_err(|e| e.to_string())
-}
-
 /// Adds `base` to every file's owner and group, so that the box's user namespace (which maps
 /// its uid 0 to host `base`) sees its files as Debian made them. Each inode is shifted once
 /// (hard links), symlinks are not followed, and modes are restored (a chown clears the
@@ -585,4 +782,57 @@ fn disk_usage(root: &Path) -> u64 {
         }
     }
     total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mirror_names_its_host_and_port() {
+        assert_eq!(
+            mirror_host("http://deb.debian.org/debian").unwrap(),
+            ("deb.debian.org".into(), 80)
+        );
+        assert_eq!(
+            mirror_host("https://mirror.example:8443/debian/").unwrap(),
+            ("mirror.example".into(), 8443)
+        );
+        assert_eq!(
+            mirror_host("http://apt@10.0.0.5:3142/debian").unwrap(),
+            ("10.0.0.5".into(), 3142)
+        );
+        assert_eq!(
+            mirror_host("http://[fd00::5]/debian").unwrap(),
+            ("[fd00::5]".into(), 80)
+        );
+        for bad in [
+            "deb.debian.org/debian",
+            "ftp://x/debian",
+            "http:///debian",
+            "http://x:port/",
+        ] {
+            assert!(mirror_host(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_build_may_reach_its_mirror_even_on_a_private_address_but_never_loopback() {
+        let boxes = Allowlist::new(&["pypi.org"]).unwrap();
+        let private: std::net::IpAddr = "10.0.0.5".parse().unwrap();
+        assert!(boxes.reach(private, &[]).is_err());
+        let build = boxes.with_host("10.0.0.5", 3142).unwrap();
+        assert!(build.allows("10.0.0.5", 3142));
+        assert!(build.reach(private, &[]).is_ok());
+        assert!(build.allows("pypi.org", 443));
+        // Only the mirror's address, not its neighbours.
+        assert!(build.reach("10.0.0.6".parse().unwrap(), &[]).is_err());
+        let named = boxes.with_host("deb.debian.org", 80).unwrap();
+        assert!(named.allows("deb.debian.org", 80));
+        assert!(!named.allows("security.debian.org", 80));
+        for never in ["127.0.0.1", "localhost", "169.254.169.254", "[::1]"] {
+            let err = boxes.with_host(never, 80).unwrap_err();
+            assert!(err.contains("never reaches"), "{never}: {err}");
+        }
+    }
 }

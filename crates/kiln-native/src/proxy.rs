@@ -206,6 +206,45 @@ impl Allowlist {
         }
     }
 
+    /// This list and one host more, on `port` too: a template build's Debian mirror. A
+    /// name is listed with the addresses it resolves to here that a box could not otherwise
+    /// reach (private ones, the host's own), because the operator chose the mirror; an
+    /// address is listed by itself. A mirror on a loopback or link-local address cannot be
+    /// reached through the proxy at all: that is an error that says so.
+    pub fn with_host(&self, host: &str, port: u16) -> Result<Allowlist, String> {
+        let mut list = self.clone();
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let addresses: Vec<IpAddr> = match bare.parse::<IpAddr>() {
+            Ok(ip) => vec![ip],
+            Err(_) => {
+                let named = Allowlist::new(&[bare])?;
+                list.names.extend(named.names);
+                std::net::ToSocketAddrs::to_socket_addrs(&(bare, port))
+                    .map(|found| found.map(|a| a.ip()).collect())
+                    .unwrap_or_default()
+            }
+        };
+        let own = host_addresses();
+        for ip in addresses {
+            let listed = Cidr::parse(&ip.to_string()).ok_or_else(|| format!("{ip}?"))?;
+            match classify(ip) {
+                Reach::Never(why) => {
+                    return Err(format!(
+                        "{host} is {why} ({ip}), which a build reaches only through kiln's proxy and the proxy never reaches: use a mirror on an address a box may reach"
+                    ));
+                }
+                Reach::Private(_) => list.addresses.push(listed),
+                Reach::Public if own.contains(&ip) => list.addresses.push(listed),
+                Reach::Public if bare.parse::<IpAddr>().is_ok() => list.addresses.push(listed),
+                Reach::Public => {}
+            }
+        }
+        if !list.ports.contains(&port) {
+            list.ports.push(port);
+        }
+        Ok(list)
+    }
+
     pub fn names(&self) -> &[String] {
         &self.names
     }

@@ -22,9 +22,9 @@ pub const SHIPPED: [(&str, &str); 4] = [
 /// The Debian releases a template may be built from.
 pub const SUITES: [&str; 3] = ["bookworm", "trixie", "bullseye"];
 
-/// Bumped whenever the builder's steps change what a root filesystem holds, so every
-/// template is rebuilt once.
-pub const BUILDER_VERSION: u32 = 1;
+/// Bumped whenever the builder's steps change what a root filesystem holds (or how it is
+/// made: 2 builds in the jail), so every template is rebuilt once.
+pub const BUILDER_VERSION: u32 = 2;
 
 /// The largest definition file read.
 const MAX_DEFINITION_BYTES: u64 = 64 << 10;

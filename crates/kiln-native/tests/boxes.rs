@@ -57,8 +57,22 @@ fn python() -> &'static Template {
             .into_iter()
             .find(|d| d.name == "python")
             .unwrap();
-        store().ensure(&definition, &Stderr).unwrap()
+        let (boxes, allow) = (boxes(), allowlist());
+        store()
+            .ensure(&definition, jail(&boxes, &allow), &Stderr)
+            .unwrap()
     })
+}
+
+fn allowlist() -> kiln_native::proxy::Allowlist {
+    kiln_native::proxy::Allowlist::new(&kiln_native::proxy::DEFAULT_NAMES).unwrap()
+}
+
+fn jail<'a>(
+    boxes: &'a Boxes,
+    allow: &'a kiln_native::proxy::Allowlist,
+) -> kiln_native::builder::Jail<'a> {
+    kiln_native::builder::Jail { boxes, allow }
 }
 
 fn boxes() -> Boxes {
@@ -439,7 +453,10 @@ fn a_failed_build_says_which_step_failed_and_leaves_nothing() {
     )
     .unwrap();
     let store = store();
-    let err = store.build(&definition, &Stderr).unwrap_err();
+    let (boxes, allow) = (boxes(), allowlist());
+    let err = store
+        .build(&definition, jail(&boxes, &allow), &Stderr)
+        .unwrap_err();
     assert_eq!(err.step, "post-install", "{err}");
     assert!(err.to_string().contains("about to fail"), "{err}");
     assert!(store.find(&definition).is_none());
@@ -450,6 +467,76 @@ fn a_failed_build_says_which_step_failed_and_leaves_nothing() {
         .filter(|n| n.contains("broken"))
         .collect();
     assert!(left.is_empty(), "a failed build left {left:?}");
+}
+
+/// A template author gets a box's jail, not the host's root: `apt-get` and `post_install` run
+/// as the box's root (uids shifted, host uid 100 000), in the box's pid namespace, with
+/// the boxes' capabilities and seccomp filter, and a network that reaches the mirror
+/// only through kiln's proxy. A tree the script leaves behind is not walked by the host
+/// with plain paths: a link it plants where cleaning happens leads nowhere on the host.
+#[test]
+fn a_template_build_runs_its_scripts_in_the_jail() {
+    if skip() {
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    let victim = std::env::temp_dir().join(format!("kiln-build-victim-{}", std::process::id()));
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("keep"), "the host's").unwrap();
+    let definition = kiln_native::template::Definition::parse(
+        &format!(
+            r#"name: jailprobe
+base: debian:bookworm
+packages: [hello]
+versions: [hello]
+post_install: |
+  exec > /probe.txt 2>&1
+  echo "uid_map $(cat /proc/self/uid_map | tr -s ' ' | sed 's/^ //')"
+  echo "pid1 $(cat /proc/1/comm)"
+  (exec 3<>/dev/tcp/1.1.1.1/80) 2>/dev/null && echo "direct reached" || echo "direct refused"
+  unshare --user true 2>/dev/null && echo "userns made" || echo "userns refused"
+  mount -t tmpfs none /mnt 2>/dev/null && echo "mount made" || echo "mount refused"
+  hello
+  echo "whoami $(id -u)"
+  # Where the host's old cleaning followed links: /var/log becomes one to a host folder.
+  rm -rf /var/log && ln -s {victim} /var/log
+  exit 0
+"#,
+            victim = victim.display()
+        ),
+        "test",
+    )
+    .unwrap();
+    let store = store();
+    let (boxes, allow) = (boxes(), allowlist());
+    let built = store.build(&definition, jail(&boxes, &allow), &Stderr);
+    let template = built.unwrap();
+    let probe = std::fs::read_to_string(template.rootfs.join("probe.txt")).unwrap();
+    let meta = std::fs::metadata(template.rootfs.join("probe.txt")).unwrap();
+    let home = std::fs::metadata(template.rootfs.join("home/user")).unwrap();
+    let folder = template.rootfs.parent().unwrap().to_path_buf();
+    let kept = std::fs::read_to_string(victim.join("keep"));
+    let _ = std::fs::remove_dir_all(&folder);
+    let _ = std::fs::remove_dir_all(&victim);
+    for line in [
+        "uid_map 0 100000 65536",
+        "pid1 agent",
+        "direct refused",
+        "userns refused",
+        "mount refused",
+        "Hello, world!",
+        "whoami 0",
+    ] {
+        assert!(probe.lines().any(|l| l == line), "no {line:?} in:\n{probe}");
+    }
+    assert!(
+        template.built.versions.contains_key("hello"),
+        "{:?}",
+        template.built.versions
+    );
+    assert_eq!((meta.uid(), meta.gid()), (100_000, 100_000));
+    assert_eq!(home.uid(), 100_000 + kiln_native::template::USER_UID);
+    assert_eq!(kept.ok().as_deref(), Some("the host's"));
 }
 
 fn free_bytes(path: &str) -> u64 {

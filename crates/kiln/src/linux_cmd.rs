@@ -187,19 +187,29 @@ impl kiln_native::builder::Progress for BuildProgress {
     }
 }
 
-fn ensure(store: &Store, definition: &Definition, rebuild: bool) -> anyhow::Result<Template> {
+fn ensure(
+    store: &Store,
+    definition: &Definition,
+    rebuild: bool,
+    linux: &LinuxArgs,
+) -> anyhow::Result<Template> {
     if !rebuild && let Some(template) = store.find(definition) {
         return Ok(template);
     }
     // SAFETY: geteuid(2) takes no arguments, touches no memory of ours and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!(
-            "building the {} template needs root (debootstrap, chroot and the uid shift)",
+            "building the {} template needs root (debootstrap, the uid shift and the box it is built in)",
             definition.name
         );
     }
+    let (boxes, allow) = (boxes(linux)?, allowlist(linux)?);
+    let jail = kiln_native::builder::Jail {
+        boxes: &boxes,
+        allow: &allow,
+    };
     let progress = BuildProgress::new(&definition.name);
-    match store.build(definition, &progress) {
+    match store.build(definition, jail, &progress) {
         Ok(template) => {
             progress.finish(&format!(
                 "✓ {} template built in {:.0} s ({} MiB)",
@@ -228,7 +238,7 @@ pub fn setup(names: &[String], rebuild: bool, linux: &LinuxArgs) -> anyhow::Resu
             .collect::<anyhow::Result<_>>()?
     };
     for definition in &wanted {
-        let template = ensure(&store, definition, rebuild)?;
+        let template = ensure(&store, definition, rebuild, linux)?;
         eprintln!(
             "kiln: template {} ready: {} ({})",
             definition.name,
@@ -321,7 +331,7 @@ fn exec_of(args: &ExecArgs, argv: Vec<String>) -> anyhow::Result<Exec> {
 /// The box: the template (built first if needed), its resources (memory from --memory),
 /// the workspace and the network.
 fn box_spec(args: &ExecArgs, definition: &Definition) -> anyhow::Result<BoxSpec> {
-    let template = ensure(&store(&args.linux), definition, false)?;
+    let template = ensure(&store(&args.linux), definition, false, &args.linux)?;
     let resources = definition.resources;
     let limits = BoxLimits {
         memory_bytes: args.memory.unwrap_or(resources.memory_mb << 20),
