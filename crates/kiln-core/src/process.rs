@@ -69,9 +69,48 @@ pub struct BoxUsage {
     pub memory_bytes: u64,
 }
 
+/// One process in a sandbox's box, as the box sees it (its pids, its uids).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BoxProcess {
+    pub pid: u32,
+    /// Its parent (0 for the box's first process, kiln's agent).
+    pub ppid: u32,
+    /// Its process group (what a group signal reaches).
+    pub pgid: u32,
+    /// Its user inside the box (0 root, 1000 the box's user).
+    pub uid: u32,
+    /// The program's name (the kernel's, up to 15 bytes).
+    pub name: String,
+    /// Its command line (cut at 4 KiB; empty for a zombie).
+    pub argv: Vec<String>,
+    /// One letter, as `ps` shows it: R running, S sleeping, D in a disk wait, T stopped,
+    /// Z a zombie.
+    pub state: String,
+    /// When it started, in milliseconds since the Unix epoch.
+    pub started_ms: u64,
+    /// CPU time it used (user and system), in milliseconds.
+    pub cpu_ms: u64,
+    /// Its resident memory, in bytes.
+    pub memory_bytes: u64,
+    /// Whether it is kiln's agent (the box's pid 1): it cannot be signalled.
+    pub agent: bool,
+}
+
+/// Where a sandbox's box stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BoxState {
+    /// No box runs (none started yet, or it idled out): the next command starts one.
+    Stopped,
+    Running,
+    /// Frozen: its processes keep their memory and do nothing until resumed.
+    Paused,
+}
+
 /// A backend that starts live processes in a sandbox. `request` carries the sandbox: its
 /// template, workspace (and where the guest sees it), network, resources and memory limit;
-/// its code is not used.
+/// its code is not used. The box of a sandbox is named by its workspace.
 pub trait ProcessHost: Send + Sync + 'static {
     fn start<'a>(
         &'a self,
@@ -81,6 +120,35 @@ pub trait ProcessHost: Send + Sync + 'static {
 
     /// What the live box of `workspace` uses now; `None` when none runs.
     fn usage<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, Option<BoxUsage>>;
+
+    /// Where the box of `workspace` stands.
+    fn state<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, BoxState>;
+
+    /// The processes of the box of `workspace` (none when no box runs).
+    fn processes<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, Vec<BoxProcess>>;
+
+    /// Sends `signal` to process `pid` (as the box numbers it), or with `group` to every
+    /// process of its group: how many got it, `None` when the box has no such pid (or no box
+    /// runs). The agent is refused ([`crate::backend::ErrorKind::Limits`]).
+    fn signal<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        pid: u32,
+        signal: i32,
+        group: bool,
+    ) -> BoxFuture<'a, Result<Option<usize>, BackendError>>;
+
+    /// Kills every process of the box of `workspace` but the agent (resuming it first if it
+    /// is paused): its files stay. How many were killed (0 when no box runs).
+    fn restart<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, usize>;
+
+    /// Freezes (`paused`) or thaws the box of `workspace`. A box that is not running is
+    /// remembered as paused all the same, and resumes with the next command.
+    fn set_paused<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        paused: bool,
+    ) -> BoxFuture<'a, Result<BoxState, BackendError>>;
 }
 
 impl std::fmt::Debug for dyn ProcessHost {

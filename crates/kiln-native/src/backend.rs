@@ -86,6 +86,9 @@ struct Inner {
     /// What boxes of sandboxes with `network: allowlist` may reach.
     allowlist: Arc<Allowlist>,
     ca_bundle: Option<PathBuf>,
+    /// Workspaces whose sandbox is paused (its box frozen, or none running): the idle
+    /// reaper leaves their boxes alone, and the next command resumes them.
+    paused: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
 }
 
 /// The Linux backend. Cheap to clone.
@@ -139,6 +142,7 @@ impl NativeBackend {
                 held: tokio::sync::Mutex::new(HashMap::new()),
                 allowlist,
                 ca_bundle,
+                paused: Default::default(),
             }),
         }
     }
@@ -184,10 +188,19 @@ impl NativeBackend {
         workspace: &PathBuf,
     ) -> Result<Arc<LiveBox>, BackendError> {
         let mut held = self.inner.held.lock().await;
+        // A command to a paused sandbox resumes it (E2B's auto-resume).
+        let was_paused = self.paused().remove(workspace);
         if let Some(entry) = held.get_mut(workspace)
             && entry.live.is_alive()
         {
             entry.last_used = Instant::now();
+            if was_paused || entry.live.is_paused() {
+                entry
+                    .live
+                    .set_paused(false)
+                    .await
+                    .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?;
+            }
             return Ok(entry.live.clone());
         }
         let live = Arc::new(
@@ -213,12 +226,16 @@ impl NativeBackend {
     /// for `idle`. Run it now and then (see [`NativeBackend::start_reaper`]).
     pub async fn reap(&self, idle: Duration) -> usize {
         let mut held = self.inner.held.lock().await;
+        self.paused().retain(|workspace| workspace.exists());
+        let paused = self.paused().clone();
         let done: Vec<PathBuf> = held
             .iter()
             .filter(|(workspace, entry)| {
                 !workspace.exists()
                     || !entry.live.is_alive()
-                    || (entry.last_used.elapsed() >= idle && Arc::strong_count(&entry.live) == 1)
+                    || (entry.last_used.elapsed() >= idle
+                        && Arc::strong_count(&entry.live) == 1
+                        && !paused.contains(*workspace))
             })
             .map(|(workspace, _)| workspace.clone())
             .collect();
@@ -255,7 +272,55 @@ impl NativeBackend {
     /// commands again, its files and installed packages kept. `None`: no box runs for it.
     pub async fn kill_processes(&self, workspace: &std::path::Path) -> Option<usize> {
         let live = self.live_box(workspace).await?;
+        // A frozen box's processes die only once thawed.
+        if self.paused().remove(workspace) || live.is_paused() {
+            let _ = live.set_paused(false).await;
+        }
         Some(live.kill_all_but_agent().await)
+    }
+
+    fn paused(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<PathBuf>> {
+        self.inner.paused.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where the box of `workspace` stands.
+    pub async fn state(&self, workspace: &std::path::Path) -> kiln_core::process::BoxState {
+        use kiln_core::process::BoxState;
+        if self.paused().contains(workspace) {
+            return BoxState::Paused;
+        }
+        match self.live_box(workspace).await {
+            Some(live) if live.is_paused() => BoxState::Paused,
+            Some(_) => BoxState::Running,
+            None => BoxState::Stopped,
+        }
+    }
+
+    /// Pauses (freezes) or resumes the box of `workspace`; a sandbox with no box running is
+    /// marked paused all the same (its next command resumes it, starting a box).
+    pub async fn set_paused(
+        &self,
+        workspace: &std::path::Path,
+        paused: bool,
+    ) -> Result<kiln_core::process::BoxState, BackendError> {
+        // Under the boxes' lock, so no command starts or resumes the box meanwhile.
+        let held = self.inner.held.lock().await;
+        let live = held
+            .get(workspace)
+            .filter(|entry| entry.live.is_alive())
+            .map(|entry| entry.live.clone());
+        if let Some(live) = &live {
+            live.set_paused(paused)
+                .await
+                .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?;
+        }
+        if paused {
+            self.paused().insert(workspace.to_path_buf());
+        } else {
+            self.paused().remove(workspace);
+        }
+        drop(held);
+        Ok(self.state(workspace).await)
     }
 
     /// Live boxes held for sandboxes.

@@ -680,6 +680,8 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
             .stderr(Stdio::null())
             .status()
     };
+    // A frozen box's processes cannot die (on v1) until thawed.
+    let _ = Cgroups::detect().set_frozen(&cgroup_path(id), false, KILL_GRACE);
     let _ = runc(&["kill", "--all", id, "KILL"]);
     let started = Instant::now();
     // kiln is the agent's subreaper (see `Boxes::new`): reap it, so no zombie is left.
@@ -981,6 +983,83 @@ impl LiveBox {
         tokio::task::spawn_blocking(move || kill_all_but(cgroups, &cgroup, agent))
             .await
             .unwrap_or(0)
+    }
+
+    /// The box's processes, as it sees them (read from the host: works while paused).
+    pub async fn processes(&self) -> Vec<kiln_core::process::BoxProcess> {
+        let (cgroups, cgroup, base) = (
+            self.cgroups,
+            self.cgroup.clone(),
+            self.template.built.uid_base,
+        );
+        tokio::task::spawn_blocking(move || {
+            crate::procs::tasks(&cgroups.processes(&cgroup), base)
+                .into_iter()
+                .map(|t| t.process)
+                .collect()
+        })
+        .await
+        .unwrap_or_default()
+    }
+
+    /// Sends `signal` to the box's process `pid` (the box's number), or to every process of
+    /// its group: how many got it; `None` when the box has no such process. The agent
+    /// (pid 1) is refused: closing or restarting the box is how it ends.
+    pub async fn signal_pid(
+        &self,
+        pid: u32,
+        signal: i32,
+        group: bool,
+    ) -> Result<Option<usize>, BoxError> {
+        if pid == 1 {
+            return Err(BoxError::Refused(
+                "pid 1 is kiln's agent, which keeps the box: restart the box to end every process, or delete the sandbox".into(),
+            ));
+        }
+        let (cgroups, cgroup, base) = (
+            self.cgroups,
+            self.cgroup.clone(),
+            self.template.built.uid_base,
+        );
+        let sent = tokio::task::spawn_blocking(move || {
+            let tasks = crate::procs::tasks(&cgroups.processes(&cgroup), base);
+            let target = tasks.iter().find(|t| t.process.pid == pid)?;
+            let chosen: Vec<i32> = if group {
+                tasks
+                    .iter()
+                    .filter(|t| t.host_pgid == target.host_pgid && !t.process.agent)
+                    .map(|t| t.host_pid)
+                    .collect()
+            } else {
+                vec![target.host_pid]
+            };
+            Some(
+                chosen
+                    .into_iter()
+                    .filter(|host_pid| signal_in_cgroup(*host_pid, &cgroup, signal))
+                    .count(),
+            )
+        })
+        .await
+        .map_err(|e| BoxError::Refused(e.to_string()))?;
+        Ok(sent)
+    }
+
+    /// Whether the box is frozen.
+    pub fn is_paused(&self) -> bool {
+        self.cgroups.is_frozen(&self.cgroup)
+    }
+
+    /// Freezes the box's every process (`paused`) or thaws them. Its agent is frozen too, so
+    /// nothing may be asked of it until it is thawed.
+    pub async fn set_paused(&self, paused: bool) -> Result<(), BoxError> {
+        let (cgroups, cgroup) = (self.cgroups, self.cgroup.clone());
+        tokio::task::spawn_blocking(move || {
+            cgroups.set_frozen(&cgroup, paused, Duration::from_secs(2))
+        })
+        .await
+        .map_err(|e| BoxError::Refused(e.to_string()))?
+        .map_err(BoxError::Refused)
     }
 
     /// How many times the box's processes were killed for memory.

@@ -223,6 +223,70 @@ impl Cgroups {
         }
     }
 
+    /// The file that freezes the box's cgroup: v1's freezer controller's `freezer.state`,
+    /// v2's `cgroup.freeze`.
+    fn freezer(self, cgroup: &str) -> std::path::PathBuf {
+        let cgroup = cgroup.trim_start_matches('/');
+        match self {
+            Cgroups::V2 => std::path::Path::new("/sys/fs/cgroup")
+                .join(cgroup)
+                .join("cgroup.freeze"),
+            Cgroups::V1 => std::path::Path::new("/sys/fs/cgroup/freezer")
+                .join(cgroup)
+                .join("freezer.state"),
+        }
+    }
+
+    /// Whether the kernel has frozen every task of the cgroup (a freeze under way is not).
+    pub fn is_frozen(self, cgroup: &str) -> bool {
+        match self {
+            Cgroups::V2 => {
+                let events = self.freezer(cgroup).with_file_name("cgroup.events");
+                std::fs::read_to_string(events)
+                    .is_ok_and(|text| text.lines().any(|l| l.trim() == "frozen 1"))
+            }
+            Cgroups::V1 => std::fs::read_to_string(self.freezer(cgroup))
+                .is_ok_and(|state| state.trim() == "FROZEN"),
+        }
+    }
+
+    /// Freezes (or thaws) every task of the cgroup, and waits until the kernel says it is
+    /// done: a task that forks meanwhile is frozen too (the kernel freezes new children of
+    /// a freezing cgroup). Gives up after `within`, thawing again, with the reason.
+    pub fn set_frozen(
+        self,
+        cgroup: &str,
+        frozen: bool,
+        within: std::time::Duration,
+    ) -> Result<(), String> {
+        let file = self.freezer(cgroup);
+        let value = match (self, frozen) {
+            (Cgroups::V2, true) => "1",
+            (Cgroups::V2, false) => "0",
+            (Cgroups::V1, true) => "FROZEN",
+            (Cgroups::V1, false) => "THAWED",
+        };
+        let started = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_micros(50);
+        loop {
+            std::fs::write(&file, value).map_err(|e| format!("{}: {e}", file.display()))?;
+            if self.is_frozen(cgroup) == frozen {
+                return Ok(());
+            }
+            if started.elapsed() >= within {
+                if frozen {
+                    let _ = self.set_frozen(cgroup, false, within);
+                }
+                return Err(format!(
+                    "the kernel did not {} the box's tasks within {within:?}",
+                    if frozen { "freeze" } else { "thaw" }
+                ));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// How many times the box's processes were killed for memory, from its cgroup.
     pub fn oom_kills(self, cgroup: &str) -> u64 {
         let cgroup = cgroup.trim_start_matches('/');

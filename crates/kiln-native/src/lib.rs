@@ -15,6 +15,7 @@ pub mod builder;
 pub mod channel;
 pub mod jail;
 pub mod process;
+mod procs;
 pub mod proxy;
 pub mod template;
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kiln_core::backend::{BackendError, ErrorKind};
 use kiln_core::process::{
-    BoxFuture, BoxUsage, Process, ProcessEvent, ProcessHost, ProcessSpec, Started,
+    BoxFuture, BoxState, BoxUsage, Process, ProcessEvent, ProcessHost, ProcessSpec, Started,
 };
 use kiln_core::{ExecRequest, TerminalSize};
 use kiln_guest::proto::{Reply, WindowSize};
@@ -145,5 +145,50 @@ impl ProcessHost for NativeBackend {
                 memory_bytes: live.memory_bytes(),
             })
         })
+    }
+
+    fn state<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, BoxState> {
+        Box::pin(NativeBackend::state(self, workspace))
+    }
+
+    fn processes<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+    ) -> BoxFuture<'a, Vec<kiln_core::process::BoxProcess>> {
+        Box::pin(async move {
+            match self.live_box(workspace).await {
+                Some(live) => live.processes().await,
+                None => Vec::new(),
+            }
+        })
+    }
+
+    fn signal<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        pid: u32,
+        signal: i32,
+        group: bool,
+    ) -> BoxFuture<'a, Result<Option<usize>, BackendError>> {
+        Box::pin(async move {
+            let Some(live) = self.live_box(workspace).await else {
+                return Ok(None);
+            };
+            live.signal_pid(pid, signal, group)
+                .await
+                .map_err(|e| BackendError::new(ErrorKind::Limits, e.to_string()))
+        })
+    }
+
+    fn restart<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, usize> {
+        Box::pin(async move { self.kill_processes(workspace).await.unwrap_or(0) })
+    }
+
+    fn set_paused<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        paused: bool,
+    ) -> BoxFuture<'a, Result<BoxState, BackendError>> {
+        Box::pin(NativeBackend::set_paused(self, workspace, paused))
     }
 }

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use kiln_core::process::{Process, ProcessEvent, ProcessHost, ProcessSpec};
+use kiln_core::process::{BoxProcess, BoxState, Process, ProcessEvent, ProcessHost, ProcessSpec};
 use kiln_core::{ExecRequest, Limits, TerminalSize};
 use tokio::sync::broadcast;
 
@@ -389,4 +389,74 @@ fn check_start(asked: &StartProcess) -> Result<()> {
         return Err(invalid("a tag is at most 256 bytes"));
     }
     Ok(())
+}
+
+/// Where a Linux sandbox's box stands (`None` for a WebAssembly sandbox, which has none).
+pub async fn box_state(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Option<BoxState> {
+    if !runs_processes(rt, sandbox) {
+        return None;
+    }
+    let host = rt.processes.host.clone()?;
+    Some(host.state(&sandbox.workspace()).await)
+}
+
+/// The box of sandbox `id`: where it stands and its processes, as the box sees them.
+pub async fn box_processes(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+) -> Result<(BoxState, Vec<BoxProcess>)> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    let host = host_for(rt, &sandbox)?;
+    let workspace = sandbox.workspace();
+    let state = host.state(&workspace).await;
+    Ok((state, host.processes(&workspace).await))
+}
+
+/// Sends `signal` to process `pid` of sandbox `id`'s box (or its whole group): how many got
+/// it.
+pub async fn signal_box_process(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+    pid: u32,
+    signal: i32,
+    group: bool,
+) -> Result<usize> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    let host = host_for(rt, &sandbox)?;
+    match host.signal(&sandbox.workspace(), pid, signal, group).await {
+        Ok(Some(sent)) => Ok(sent),
+        Ok(None) => Err(RuntimeError::ProcessNotFound {
+            id: id.to_string(),
+            process: format!("pid {pid}"),
+        }),
+        Err(e) => Err(RuntimeError::InvalidRequest { message: e.message }),
+    }
+}
+
+/// Ends every process of sandbox `id`'s box but kiln's agent (resuming it first if it is
+/// paused); its files, inside and outside the workspace, stay. How many were killed.
+pub async fn restart_box(rt: &Runtime, caller: &Caller, id: &str) -> Result<usize> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    let host = host_for(rt, &sandbox)?;
+    Ok(host.restart(&sandbox.workspace()).await)
+}
+
+/// Pauses (freezes) or resumes sandbox `id`'s box: where it stands after, and how long it
+/// took.
+pub async fn set_paused(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+    paused: bool,
+) -> Result<(BoxState, std::time::Duration)> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    let host = host_for(rt, &sandbox)?;
+    let started = std::time::Instant::now();
+    let state = host
+        .set_paused(&sandbox.workspace(), paused)
+        .await
+        .map_err(|e| RuntimeError::Internal { message: e.message })?;
+    Ok((state, started.elapsed()))
 }

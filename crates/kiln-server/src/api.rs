@@ -379,6 +379,11 @@ pub struct SandboxInfo {
     /// `idle` or `running`.
     #[schema(example = "idle")]
     pub status: String,
+    /// A Linux sandbox's box: `running`, `paused` (frozen, see `POST .../pause`) or
+    /// `stopped` (none runs; the next command starts one). Absent for WebAssembly.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "running")]
+    pub state: Option<String>,
     /// The execution running now, if any.
     pub current_execution: Option<String>,
     pub created_at: String,
@@ -424,6 +429,7 @@ impl SandboxInfo {
                 "idle"
             }
             .into(),
+            state: None,
             current_execution: view.running.clone(),
             created_at: rfc3339(sandbox.created_ms),
             expires_at: rfc3339(sandbox.expires_ms),

@@ -12,6 +12,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod boxes;
 pub mod chat;
 pub mod e2b;
 pub mod error;
@@ -155,6 +156,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sandboxes", get(v1::list).post(v1::create))
         .route("/sandboxes/{id}", get(v1::get).delete(v1::delete))
         .route("/sandboxes/{id}/renew", post(v1::renew))
+        .route("/sandboxes/{id}/processes", get(boxes::list))
+        .route(
+            "/sandboxes/{id}/processes/{pid}/signal",
+            post(boxes::signal),
+        )
+        .route("/sandboxes/{id}/restart", post(boxes::restart))
+        .route("/sandboxes/{id}/pause", post(boxes::pause))
+        .route("/sandboxes/{id}/resume", post(boxes::resume))
         .route("/sandboxes/{id}/exec", post(v1::execute))
         .route("/sandboxes/{id}/exec/stream", post(v1::execute_stream))
         .route("/sandboxes/{id}/ws", get(v1::websocket))

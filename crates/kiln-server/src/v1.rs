@@ -175,10 +175,17 @@ pub async fn get(
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let Path(id) = id.map_err(path_error)?;
-    Ok(Json(
-        SandboxInfo::from_view(&state.runtime.registry.get(&caller.tenant, &id)?)
-            .described(state.runtime.catalogue()),
-    ))
+    let view = state.runtime.registry.get(&caller.tenant, &id)?;
+    let mut info = SandboxInfo::from_view(&view).described(state.runtime.catalogue());
+    info.state = kiln_runtime::processes::box_state(&state.runtime, &view.meta)
+        .await
+        .map(|s| {
+            serde_json::to_value(s)
+                .ok()
+                .and_then(|v| v.as_str().map(String::from))
+        })
+        .unwrap_or_default();
+    Ok(Json(info))
 }
 
 /// Delete a sandbox (a running execution is cancelled).

@@ -292,7 +292,13 @@ fn disk_mb(workspace_quota: u64, sandbox: &Sandbox) -> u64 {
 }
 
 /// E2B's `ListedSandbox` (and, with the token, `SandboxDetail`).
-fn listed_json(e2b: &E2b, workspace_quota: u64, sandbox: &Sandbox, detail: bool) -> Value {
+fn listed_json(
+    e2b: &E2b,
+    workspace_quota: u64,
+    sandbox: &Sandbox,
+    state: &str,
+    detail: bool,
+) -> Value {
     let mut value = json!({
         "templateID": sandbox.image,
         "alias": sandbox.template(),
@@ -303,7 +309,7 @@ fn listed_json(e2b: &E2b, workspace_quota: u64, sandbox: &Sandbox, detail: bool)
         "cpuCount": cpu_count(sandbox),
         "memoryMB": sandbox.memory_bytes >> 20,
         "diskSizeMB": disk_mb(workspace_quota, sandbox),
-        "state": "running",
+        "state": state,
         "envdVersion": ENVD_VERSION,
         "metadata": sandbox.metadata,
     });
@@ -337,7 +343,8 @@ async fn info(
     match find(&e2b, &caller, &id) {
         Ok(sandbox) => {
             let quota = e2b.app.runtime.quotas(&caller).workspace_bytes;
-            axum::Json(listed_json(&e2b, quota, &sandbox, true)).into_response()
+            let state = e2b_state(&e2b, &sandbox).await;
+            axum::Json(listed_json(&e2b, quota, &sandbox, state, true)).into_response()
         }
         Err(response) => response,
     }
@@ -422,21 +429,58 @@ async fn connect(
             Err(e) => return failed(e),
         }
     }
+    // Connecting to a paused sandbox resumes it (E2B answers 201 then, 200 when it ran).
+    if e2b_state(&e2b, &sandbox).await == "paused" {
+        if let Err(e) =
+            kiln_runtime::processes::set_paused(&e2b.app.runtime, &caller, &sandbox.id, false).await
+        {
+            return failed(e);
+        }
+        return (
+            StatusCode::CREATED,
+            axum::Json(sandbox_json(&e2b, &sandbox)),
+        )
+            .into_response();
+    }
     axum::Json(sandbox_json(&e2b, &sandbox)).into_response()
 }
 
+/// E2B's state of a sandbox: `paused` while its box is frozen, else `running`.
+async fn e2b_state(e2b: &E2b, sandbox: &Sandbox) -> &'static str {
+    match kiln_runtime::processes::box_state(&e2b.app.runtime, sandbox).await {
+        Some(kiln_core::process::BoxState::Paused) => "paused",
+        _ => "running",
+    }
+}
+
+/// `POST /sandboxes/{id}/pause`: a Linux sandbox's box is frozen (its processes, memory and
+/// files kept); `connect` or any command resumes it. 409 when it is paused already, as
+/// E2B answers.
 async fn pause(
     State(e2b): Shared,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Response {
-    if let Err(response) = find(&e2b, &caller, &id) {
-        return response;
+    let sandbox = match find(&e2b, &caller, &id) {
+        Ok(sandbox) => sandbox,
+        Err(response) => return response,
+    };
+    if !kiln_runtime::processes::runs_processes(&e2b.app.runtime, &sandbox) {
+        return error(
+            StatusCode::NOT_IMPLEMENTED,
+            "kiln pauses Linux sandboxes only (a WebAssembly sandbox has no box to freeze yet): extend its life with set_timeout instead",
+        );
     }
-    error(
-        StatusCode::NOT_IMPLEMENTED,
-        "kiln does not pause sandboxes yet: extend its life with set_timeout instead",
-    )
+    if e2b_state(&e2b, &sandbox).await == "paused" {
+        return error(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        );
+    }
+    match kiln_runtime::processes::set_paused(&e2b.app.runtime, &caller, &sandbox.id, true).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => failed(e),
+    }
 }
 
 /// `GET /sandboxes/{id}/metrics`: one sample, now.
@@ -496,10 +540,10 @@ async fn list(
             Err(e) => return error(StatusCode::BAD_REQUEST, format!("metadata: {e}")),
         },
     };
-    let running = query
+    let states: Option<Vec<String>> = query
         .state
         .as_deref()
-        .is_none_or(|s| s.split(',').any(|s| s.trim() == "running"));
+        .map(|s| s.split(',').map(|s| s.trim().to_string()).collect());
     let after_ms = match query.started_after.as_deref().map(parse_rfc3339) {
         None => None,
         Some(Some(ms)) => Some(ms),
@@ -516,10 +560,10 @@ async fn list(
         .runtime
         .registry
         .list(&caller.tenant, None, usize::MAX);
-    let mut all: Vec<Sandbox> = views
+    let all: Vec<Sandbox> = views
         .into_iter()
         .map(|v| v.meta)
-        .filter(|s| s.access_token.is_some() && running)
+        .filter(|s| s.access_token.is_some())
         .filter(|s| wanted.iter().all(|(k, v)| s.metadata.get(k) == Some(v)))
         .filter(|s| after_ms.is_none_or(|after| s.created_ms > after))
         .filter(|s| {
@@ -529,12 +573,23 @@ async fn list(
                 .is_none_or(|t| s.image == t || s.template() == t)
         })
         .collect();
+    let mut stated = Vec::with_capacity(all.len());
+    for sandbox in all {
+        let state = e2b_state(&e2b, &sandbox).await;
+        if states
+            .as_ref()
+            .is_none_or(|wanted| wanted.iter().any(|w| w == state))
+        {
+            stated.push((sandbox, state));
+        }
+    }
+    let mut all = stated;
     if query.order.as_deref() == Some("desc") {
         all.reverse();
     }
     let start = match query.next_token.as_deref() {
         None | Some("") => 0,
-        Some(token) => match all.iter().position(|s| e2b_id(&s.id) == token) {
+        Some(token) => match all.iter().position(|(s, _)| e2b_id(&s.id) == token) {
             Some(at) => at + 1,
             None => {
                 return error(
@@ -544,16 +599,16 @@ async fn list(
             }
         },
     };
-    let page: Vec<&Sandbox> = all[start.min(all.len())..].iter().take(limit).collect();
+    let page: Vec<&(Sandbox, &str)> = all[start.min(all.len())..].iter().take(limit).collect();
     let more = start + page.len() < all.len();
     let quota = e2b.app.runtime.quotas(&caller).workspace_bytes;
     let body: Vec<Value> = page
         .iter()
-        .map(|s| listed_json(&e2b, quota, s, false))
+        .map(|(s, state)| listed_json(&e2b, quota, s, state, false))
         .collect();
     let mut response = axum::Json(body).into_response();
     if more
-        && let Some(last) = page.last()
+        && let Some((last, _)) = page.last()
         && let Ok(value) = HeaderValue::from_str(e2b_id(&last.id))
     {
         response.headers_mut().insert("x-next-token", value);

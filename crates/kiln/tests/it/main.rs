@@ -6,6 +6,7 @@ mod all;
 mod chat;
 mod common;
 mod fork;
+mod interactive;
 mod issue32;
 mod linux;
 mod rest;

@@ -1,0 +1,160 @@
+//! A box's processes as the box sees them, read by the host from `/proc` (its pids from
+//! each task's `NSpid`, its uids shifted back), and signals to them by the box's pids.
+//! Nothing here asks the agent, so it works while a box is paused.
+//!
+//! What `/proc` says of a box's process is the box's to choose (its command line, its
+//! name): every read is capped, and names are taken as bytes, never as paths.
+
+use std::io::Read;
+
+use kiln_core::process::BoxProcess;
+
+/// The longest command line read of a process.
+const MAX_CMDLINE: u64 = 4 << 10;
+
+/// A task of the box: its host pid and what the box sees.
+#[derive(Debug, Clone)]
+pub(crate) struct Task {
+    pub host_pid: i32,
+    /// Its process group, as the host numbers it.
+    pub host_pgid: i32,
+    pub process: BoxProcess,
+}
+
+fn read_capped(path: &str, cap: u64) -> Option<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(cap)
+        .read_to_end(&mut bytes)
+        .ok()?;
+    Some(bytes)
+}
+
+/// The host's boot time (seconds since the epoch) and clock ticks per second.
+fn clock() -> (u64, u64) {
+    let boot = std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
+        })
+        .unwrap_or(0);
+    // SAFETY: sysconf(3) takes an integer name and touches no memory of ours.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (boot, u64::try_from(ticks).unwrap_or(100).max(1))
+}
+
+/// Reads one task of the box; `None` when it is gone (or is not the box's).
+fn task(host_pid: i32, uid_base: u32, boot: u64, ticks: u64, page: u64) -> Option<Task> {
+    let status =
+        String::from_utf8(read_capped(&format!("/proc/{host_pid}/status"), 16 << 10)?).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    };
+    // The innermost pid namespace's number is the box's.
+    let pid: u32 = field("NSpid")?.split_whitespace().last()?.parse().ok()?;
+    let uid: u32 = field("Uid")?.split_whitespace().nth(1)?.parse().ok()?;
+    let stat = read_capped(&format!("/proc/{host_pid}/stat"), 4 << 10)?;
+    // `pid (name) state ppid pgrp …`: the name may hold spaces and parentheses, so it
+    // ends at the last ')'.
+    let open = stat.iter().position(|b| *b == b'(')?;
+    let close = stat.iter().rposition(|b| *b == b')')?;
+    let name = String::from_utf8_lossy(stat.get(open + 1..close)?).into_owned();
+    let rest = String::from_utf8_lossy(stat.get(close + 1..)?).into_owned();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // Fields from the state on (stat(5)'s field 3 is fields[0]).
+    let number = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    let state = fields.first()?.to_string();
+    let host_pgid = i32::try_from(number(5)?).ok()?;
+    let cpu_ticks = number(14)? + number(15)?;
+    let started_ticks = number(22)?;
+    let rss_pages = number(24)?;
+    let argv = read_capped(&format!("/proc/{host_pid}/cmdline"), MAX_CMDLINE)
+        .unwrap_or_default()
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    Some(Task {
+        host_pid,
+        host_pgid,
+        process: BoxProcess {
+            pid,
+            ppid: 0,
+            pgid: 0,
+            uid: uid.saturating_sub(uid_base),
+            name,
+            argv,
+            state,
+            started_ms: boot * 1000 + started_ticks * 1000 / ticks,
+            cpu_ms: cpu_ticks * 1000 / ticks,
+            memory_bytes: rss_pages * page,
+            agent: pid == 1,
+        },
+    })
+}
+
+/// The tasks of the box whose processes (host pids, thread group leaders) are `host_pids`,
+/// ordered by the box's pid, each with its parent and group in the box's numbers.
+pub(crate) fn tasks(host_pids: &[i32], uid_base: u32) -> Vec<Task> {
+    let (boot, ticks) = clock();
+    // SAFETY: sysconf(3) takes an integer name and touches no memory of ours.
+    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let mut tasks: Vec<Task> = host_pids
+        .iter()
+        .filter_map(|pid| task(*pid, uid_base, boot, ticks, page))
+        .collect();
+    let box_pid = |host: i32| {
+        tasks
+            .iter()
+            .find(|t| t.host_pid == host)
+            .map(|t| t.process.pid)
+    };
+    let mapped: Vec<(u32, u32)> = tasks
+        .iter()
+        .map(|t| {
+            let ppid = std::fs::read_to_string(format!("/proc/{}/status", t.host_pid))
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("PPid:")?.trim().parse::<i32>().ok())
+                })
+                .and_then(box_pid)
+                .unwrap_or(0);
+            (ppid, box_pid(t.host_pgid).unwrap_or(0))
+        })
+        .collect();
+    for (t, (ppid, pgid)) in tasks.iter_mut().zip(mapped) {
+        t.process.ppid = ppid;
+        t.process.pgid = pgid;
+    }
+    tasks.sort_by_key(|t| t.process.pid);
+    tasks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_reads_as_a_task_of_its_own_namespace() {
+        let me = std::process::id() as i32;
+        let found = tasks(&[me], 0);
+        assert_eq!(found.len(), 1);
+        let task = &found[0].process;
+        // Not in a pid namespace of its own here: the innermost pid is the host's.
+        assert_eq!(task.pid, me as u32);
+        assert!(!task.argv.is_empty());
+        assert!(task.memory_bytes > 0);
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        assert!(task.started_ms <= now_ms + 1000 && task.started_ms > now_ms - 3_600_000);
+        assert!(tasks(&[i32::MAX], 0).is_empty(), "a gone pid is left out");
+    }
+}
