@@ -1,5 +1,6 @@
 //! `kiln bench --only native`: Linux boxes. Creating a box from a built template, `echo hi`
-//! and `python3 -c 'print(1)'` in a live box, closing it, host memory per idle box, the
+//! and `python3 -c 'print(1)'` in a live box, pausing and resuming it while it runs a dev
+//! server, closing it, host memory per idle box, the
 //! template's build time (first and cached), `kiln exec --template` as a whole process, and
 //! plain `python3` on the host in the same run for comparison.
 
@@ -176,6 +177,31 @@ async fn commands(
         }
     }
     report.insert("native_python".into(), summary(python));
+    // Pause (the cgroup frozen) and resume of a box running a dev server.
+    let server = Exec::new(
+        ["sh", "-c", "python3 -m http.server 8000 >/dev/null 2>&1 &"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+    );
+    live.exec(server, |_, _| {}).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (mut pauses, mut resumes) = (Vec::new(), Vec::new());
+    for i in 0..n.clamp(10, 200) + 3 {
+        let t = Instant::now();
+        live.set_paused(true).await?;
+        let paused = t.elapsed();
+        anyhow::ensure!(live.is_paused(), "the box did not freeze");
+        let t = Instant::now();
+        live.set_paused(false).await?;
+        if i >= 3 {
+            pauses.push(micros(paused));
+            resumes.push(micros(t.elapsed()));
+        }
+    }
+    run_ok(&live, &["echo", "hi"], "hi\n").await?;
+    report.insert("native_pause".into(), summary(pauses));
+    report.insert("native_resume".into(), summary(resumes));
     live.close().await;
     Ok(())
 }

@@ -137,10 +137,45 @@ def test_the_code_interpreter_template_is_webassembly_python(sandbox_factory):
     assert sbx.commands.run("python3 -c 'print(6*7)'").stdout == "42\n"
 
 
-def test_pause_is_refused_plainly(sandbox):
+def pause(sbx):
+    if hasattr(sbx, "pause"):
+        return sbx.pause()
+    return sbx.beta_pause()
+
+
+def test_pause_freezes_the_box_and_connect_resumes_it(sandbox, test_id):
+    import time
+
+    from e2b import SandboxQuery, SandboxState
+
+    sandbox.commands.run(
+        "i=0; while :; do i=$((i+1)); echo $i > count.txt; sleep 0.05; done", background=True
+    )
+    time.sleep(0.5)
+    pause(sandbox)
+    assert sandbox.get_info().state.value == "paused"
+    query = SandboxQuery(metadata={"sandbox_test_id": test_id}, state=[SandboxState.PAUSED])
+    assert [s.sandbox_id for s in Sandbox.list(query=query).next_items()] == [sandbox.sandbox_id]
+    # Frozen: the counter (read from the host's side of the workspace) stands still.
+    before = sandbox.files.read("count.txt")
+    time.sleep(0.6)
+    assert sandbox.files.read("count.txt") == before
+    # Pausing again is no error (kiln answers 409, which the SDK takes as "already paused").
+    pause(sandbox)
+    assert sandbox.get_info().state.value == "paused"
+    resumed = Sandbox.connect(sandbox.sandbox_id)
+    assert resumed.get_info().state.value == "running"
+    deadline = time.time() + 5
+    while sandbox.files.read("count.txt") == before:
+        assert time.time() < deadline, "the counter did not go on after connect"
+        time.sleep(0.05)
+    assert resumed.commands.run("echo awake").stdout == "awake\n"
+
+
+def test_pausing_a_webassembly_sandbox_is_refused_plainly(sandbox_factory):
+    sbx = sandbox_factory(CODE_INTERPRETER)
     with pytest.raises(Exception) as raised:
-        if hasattr(sandbox, "pause"):
-            sandbox.pause()
-        else:
-            sandbox.beta_pause()
-    assert "does not pause" in str(raised.value)
+        pause(sbx)
+    assert "pauses Linux sandboxes only" in str(raised.value)
+
+
