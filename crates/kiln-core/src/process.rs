@@ -97,6 +97,21 @@ pub struct BoxProcess {
     pub agent: bool,
 }
 
+/// A TCP port a process of the box listens on.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BoxPort {
+    pub port: u16,
+    /// The address it listens on (`0.0.0.0`, `127.0.0.1`, `::`, …).
+    pub address: String,
+    /// Whether kiln reaches it (a preview connects to `127.0.0.1:port` in the box, which a
+    /// socket on a wildcard or loopback address takes).
+    pub reachable: bool,
+    /// The listening process, where the box still shows it.
+    pub pid: Option<u32>,
+    pub name: Option<String>,
+}
+
 /// Where a sandbox's box stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -141,6 +156,17 @@ pub trait ProcessHost: Send + Sync + 'static {
     /// Kills every process of the box of `workspace` but the agent (resuming it first if it
     /// is paused): its files stay. How many were killed (0 when no box runs).
     fn restart<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, usize>;
+
+    /// The TCP ports the box of `workspace` listens on (none when no box runs).
+    fn ports<'a>(&'a self, workspace: &'a std::path::Path) -> BoxFuture<'a, Vec<BoxPort>>;
+
+    /// A connection to `127.0.0.1:port` inside the box of `workspace` (a paused box is
+    /// resumed first): a stream whose bytes go both ways until either side closes.
+    fn connect<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        port: u16,
+    ) -> BoxFuture<'a, Result<tokio::io::DuplexStream, BackendError>>;
 
     /// Freezes (`paused`) or thaws the box of `workspace`. A box that is not running is
     /// remembered as paused all the same, and resumes with the next command.

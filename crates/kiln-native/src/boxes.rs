@@ -1045,6 +1045,79 @@ impl LiveBox {
         Ok(sent)
     }
 
+    /// The TCP ports the box's processes listen on (read from the host, through the
+    /// agent's network namespace).
+    pub async fn ports(&self) -> Vec<kiln_core::process::BoxPort> {
+        let (cgroups, cgroup, base, agent) = (
+            self.cgroups,
+            self.cgroup.clone(),
+            self.template.built.uid_base,
+            self.host_pid,
+        );
+        tokio::task::spawn_blocking(move || {
+            let tasks = crate::procs::tasks(&cgroups.processes(&cgroup), base);
+            crate::procs::listening(agent, &tasks)
+        })
+        .await
+        .unwrap_or_default()
+    }
+
+    /// A connection to `127.0.0.1:port` inside the box, made by the agent (the box has no
+    /// network interface of its own): what is written to the stream reaches the box's
+    /// server, what it answers comes back, and either side's end closes the other.
+    pub async fn connect(&self, port: u16) -> Result<tokio::io::DuplexStream, BoxError> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut replies = self.channel.call(Op::Connect { port }).await?;
+        match replies.next().await {
+            Some(Reply::Connected) => {}
+            Some(Reply::Failed(failure)) => return Err(BoxError::Refused(failure.message)),
+            other => {
+                return Err(BoxError::Refused(format!(
+                    "the agent answered a connect with {other:?}"
+                )));
+            }
+        }
+        let target = replies.id;
+        let (ours, theirs) = tokio::io::duplex(256 << 10);
+        let (mut from_client, mut to_client) = tokio::io::split(ours);
+        tokio::spawn(async move {
+            while let Some(reply) = replies.next().await {
+                match reply {
+                    Reply::Output { data, .. } => {
+                        if to_client.write_all(&data).await.is_err() {
+                            break;
+                        }
+                    }
+                    Reply::Closed | Reply::Failed(_) => break,
+                    _ => {}
+                }
+            }
+            let _ = to_client.shutdown().await;
+        });
+        let channel = self.channel.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; kiln_guest::proto::CHUNK_BYTES.min(256 << 10)];
+            loop {
+                match from_client.read(&mut buf).await {
+                    Ok(0) | Err(_) => {
+                        let _ = channel.write(target, Vec::new(), true).await;
+                        return;
+                    }
+                    Ok(n) => {
+                        if channel
+                            .write(target, buf[..n].to_vec(), false)
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        Ok(theirs)
+    }
+
     /// Whether the box is frozen.
     pub fn is_paused(&self) -> bool {
         self.cgroups.is_frozen(&self.cgroup)

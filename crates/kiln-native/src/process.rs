@@ -184,6 +184,40 @@ impl ProcessHost for NativeBackend {
         Box::pin(async move { self.kill_processes(workspace).await.unwrap_or(0) })
     }
 
+    fn ports<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+    ) -> BoxFuture<'a, Vec<kiln_core::process::BoxPort>> {
+        Box::pin(async move {
+            match self.live_box(workspace).await {
+                Some(live) => live.ports().await,
+                None => Vec::new(),
+            }
+        })
+    }
+
+    fn connect<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        port: u16,
+    ) -> BoxFuture<'a, Result<tokio::io::DuplexStream, BackendError>> {
+        Box::pin(async move {
+            let Some(live) = self.live_box(workspace).await else {
+                return Err(BackendError::new(
+                    ErrorKind::Unsupported,
+                    "no box runs for this sandbox: start its server first",
+                ));
+            };
+            // Preview traffic resumes a paused box.
+            if NativeBackend::state(self, workspace).await == BoxState::Paused {
+                NativeBackend::set_paused(self, workspace, false).await?;
+            }
+            live.connect(port)
+                .await
+                .map_err(|e| BackendError::new(ErrorKind::Unsupported, e.to_string()))
+        })
+    }
+
     fn set_paused<'a>(
         &'a self,
         workspace: &'a std::path::Path,

@@ -136,9 +136,101 @@ pub(crate) fn tasks(host_pids: &[i32], uid_base: u32) -> Vec<Task> {
     tasks
 }
 
+/// The sockets listening in the network namespace of host process `net_pid` (the box's
+/// agent), from its `/proc/PID/net/tcp` and `tcp6`, each with the task holding it.
+pub(crate) fn listening(net_pid: i32, tasks: &[Task]) -> Vec<kiln_core::process::BoxPort> {
+    let mut found = Vec::new();
+    for (file, v6) in [("tcp", false), ("tcp6", true)] {
+        let Some(text) = read_capped(&format!("/proc/{net_pid}/net/{file}"), 4 << 20) else {
+            continue;
+        };
+        for line in String::from_utf8_lossy(&text).lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // sl local_address rem_address st … inode (field 9)
+            if fields.len() < 10 || fields[3] != "0A" {
+                continue;
+            }
+            let Some((address, port)) = fields[1].split_once(':') else {
+                continue;
+            };
+            let Ok(port) = u16::from_str_radix(port, 16) else {
+                continue;
+            };
+            let Some(ip) = hex_address(address, v6) else {
+                continue;
+            };
+            let reachable = ip.is_unspecified()
+                || ip.is_loopback()
+                || matches!(ip, std::net::IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()));
+            let owner = socket_owner(fields[9], tasks);
+            found.push(kiln_core::process::BoxPort {
+                port,
+                address: ip.to_string(),
+                reachable,
+                pid: owner.map(|t| t.process.pid),
+                name: owner.map(|t| t.process.name.clone()),
+            });
+        }
+    }
+    found.sort_by(|a, b| (a.port, &a.address).cmp(&(b.port, &b.address)));
+    found.dedup_by(|a, b| a.port == b.port && a.address == b.address);
+    found
+}
+
+/// `/proc/net/tcp`'s address: the kernel's 32-bit words in host (little-endian) order.
+fn hex_address(hex: &str, v6: bool) -> Option<std::net::IpAddr> {
+    let words: Vec<u32> = (0..hex.len() / 8)
+        .map(|i| u32::from_str_radix(hex.get(i * 8..i * 8 + 8)?, 16).ok())
+        .collect::<Option<_>>()?;
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    match (v6, bytes.len()) {
+        (false, 4) => Some(std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?)),
+        (true, 16) => Some(std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?)),
+        _ => None,
+    }
+}
+
+/// The task with an open file descriptor on socket `inode`.
+fn socket_owner<'a>(inode: &str, tasks: &'a [Task]) -> Option<&'a Task> {
+    let wanted = format!("socket:[{inode}]");
+    tasks.iter().find(|task| {
+        std::fs::read_dir(format!("/proc/{}/fd", task.host_pid))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .take(4096)
+            .any(|fd| {
+                std::fs::read_link(fd.path())
+                    .is_ok_and(|target| target.as_os_str() == wanted.as_str())
+            })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_listening_socket_of_this_process_is_found_with_its_owner() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let me = std::process::id() as i32;
+        let tasks = tasks(&[me], 0);
+        let found = listening(me, &tasks);
+        let ours = found.iter().find(|p| p.port == port).expect("listed");
+        assert_eq!(ours.address, "127.0.0.1");
+        assert!(ours.reachable);
+        assert_eq!(ours.pid, Some(me as u32));
+        assert_eq!(
+            hex_address("00000000000000000000000001000000", true),
+            Some("::1".parse().unwrap())
+        );
+        assert_eq!(
+            hex_address("0100007F", false),
+            Some("127.0.0.1".parse().unwrap())
+        );
+        assert_eq!(hex_address("zz", false), None);
+    }
 
     #[test]
     fn this_process_reads_as_a_task_of_its_own_namespace() {

@@ -460,3 +460,27 @@ pub async fn set_paused(
         .map_err(|e| RuntimeError::Internal { message: e.message })?;
     Ok((state, started.elapsed()))
 }
+
+/// The TCP ports sandbox `id`'s box listens on.
+pub async fn box_ports(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+) -> Result<(BoxState, Vec<kiln_core::process::BoxPort>)> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    let host = host_for(rt, &sandbox)?;
+    let workspace = sandbox.workspace();
+    Ok((host.state(&workspace).await, host.ports(&workspace).await))
+}
+
+/// A connection to `port` inside `sandbox`'s box (for a preview).
+pub async fn connect_box(
+    rt: &Runtime,
+    sandbox: &crate::sandbox::Sandbox,
+    port: u16,
+) -> Result<tokio::io::DuplexStream> {
+    let host = host_for(rt, sandbox)?;
+    host.connect(&sandbox.workspace(), port)
+        .await
+        .map_err(|e| RuntimeError::ProcessFailed { message: e.message })
+}

@@ -87,7 +87,7 @@ fn presented_key(request: &Request) -> Option<&str> {
     headers.get("x-api-key").and_then(|v| v.to_str().ok())
 }
 
-fn check_key(state: &AppState, request: &Request) -> Result<Caller, ApiError> {
+pub(crate) fn check_key(state: &AppState, request: &Request) -> Result<Caller, ApiError> {
     match &state.auth {
         Auth::Off => Ok(Caller::local()),
         Auth::Keys(store) => {
@@ -220,6 +220,19 @@ pub async fn authenticate(
     if PUBLIC.contains(&path) || path.starts_with("/docs/") || path.starts_with("/redoc/") {
         return next.run(request).await;
     }
+    // A preview: the owner's key or a token for this sandbox and port; anything else is
+    // told the sandbox does not exist.
+    if path.starts_with("/preview/") {
+        let Some(caller) = crate::preview::preview_caller(&state, &request) else {
+            let id = crate::preview::parse_path(path).map_or("?", |(id, _, _)| id);
+            return crate::preview::not_found(id);
+        };
+        let key = KeyId(caller.key_id.clone());
+        request.extensions_mut().insert(caller);
+        let mut response = next.run(request).await;
+        response.extensions_mut().insert(key);
+        return response;
+    }
     match check_key(&state, &request) {
         Err(error) => {
             let mut response = error.into_response();
@@ -313,7 +326,8 @@ pub async fn json_errors(
     request: Request,
     next: Next,
 ) -> Response {
-    if request.uri().path().starts_with("/mcp") {
+    // MCP has JSON-RPC's error shape; a preview answers what the box's server answers.
+    if request.uri().path().starts_with("/mcp") || request.uri().path().starts_with("/preview/") {
         return next.run(request).await;
     }
     kiln_http::error::reshape_errors(State(errors), request, next).await

@@ -19,6 +19,7 @@ pub mod error;
 pub mod gate;
 pub mod mcp;
 pub mod openapi;
+pub mod preview;
 pub mod templates;
 pub mod v1;
 
@@ -61,6 +62,8 @@ pub struct AppState {
     pub llm_env: kiln_llm::LlmEnv,
     /// Whether the executor workers are confined.
     pub worker_jail: kiln_executor::confine::JailReport,
+    /// Signs and checks preview tokens.
+    pub previews: preview::Signer,
 }
 
 /// Server settings.
@@ -144,6 +147,7 @@ impl AppState {
             },
             llm_env: config.llm.clone(),
             worker_jail: config.worker_jail,
+            previews: preview::Signer::open(&config.data_dir)?,
         })
     }
 }
@@ -162,6 +166,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             post(boxes::signal),
         )
         .route("/sandboxes/{id}/restart", post(boxes::restart))
+        .route("/sandboxes/{id}/ports", get(preview::ports))
+        .route("/sandboxes/{id}/previews", post(preview::create_link))
         .route("/sandboxes/{id}/pause", post(boxes::pause))
         .route("/sandboxes/{id}/resume", post(boxes::resume))
         .route("/sandboxes/{id}/exec", post(v1::execute))
@@ -205,6 +211,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/api/sandbox/{id}/diff", post(api::diff))
         .route("/api/sandbox/{id}/rollback", post(api::rollback))
         .nest("/api/v1", v1)
+        .route("/preview/{id}/{port}", axum::routing::any(preview::proxy))
+        .route("/preview/{id}/{port}/", axum::routing::any(preview::proxy))
+        .route(
+            "/preview/{id}/{port}/{*path}",
+            axum::routing::any(preview::proxy),
+        )
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
         .route("/metrics", get(api::metrics))

@@ -310,3 +310,229 @@ fn issue33_a_paused_box_is_frozen_even_while_forking_and_the_next_command_resume
     }
     Ok(())
 }
+
+/// A server for the box: `/echo` answers the path, query and headers it got as JSON,
+/// `/ws` is a WebSocket echo (text frames, upper-cased back), anything else is a file.
+const SERVER_PY: &str = r#"
+import base64, hashlib, http.server, json, socketserver, struct, sys
+
+class Handler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        if self.path.startswith("/echo"):
+            body = json.dumps({"path": self.path, "headers": dict(self.headers)}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif self.path == "/ws":
+            key = self.headers["Sec-WebSocket-Key"]
+            accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+            self.send_response(101)
+            self.send_header("Upgrade", "websocket")
+            self.send_header("Connection", "Upgrade")
+            self.send_header("Sec-WebSocket-Accept", accept)
+            self.end_headers()
+            self.wfile.flush()
+            while True:
+                head = self.rfile.read(2)
+                if len(head) < 2:
+                    return
+                opcode, length = head[0] & 15, head[1] & 127
+                if length == 126:
+                    length = struct.unpack(">H", self.rfile.read(2))[0]
+                elif length == 127:
+                    length = struct.unpack(">Q", self.rfile.read(8))[0]
+                mask = self.rfile.read(4)
+                data = bytes(b ^ mask[i % 4] for i, b in enumerate(self.rfile.read(length)))
+                if opcode == 8:
+                    return
+                reply = data.upper()
+                self.wfile.write(bytes([0x81, len(reply)]) + reply)
+                self.wfile.flush()
+        else:
+            super().do_GET()
+
+socketserver.ThreadingTCPServer.allow_reuse_address = True
+with socketserver.ThreadingTCPServer(("0.0.0.0", int(sys.argv[1])), Handler) as server:
+    server.serve_forever()
+"#;
+
+#[test]
+fn issue33_previews_reach_a_boxs_server_with_the_owners_key_or_a_token_and_nothing_else()
+-> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        auth: true,
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let (_, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-python"})),
+    )?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let (status, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({
+            "command": ["sh", "-c", "head -c 20000000 /dev/urandom > big.bin; echo hello > index.html; python3 server.py 8000 >/dev/null 2>&1 &"],
+            "files": {"server.py": SERVER_PY},
+        })),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    // The port shows once the server listens.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ports = loop {
+        let (status, ports) = server.call("GET", &format!("/api/v1/sandboxes/{id}/ports"), None)?;
+        assert_eq!(status, 200, "{ports}");
+        if ports["ports"].as_array().is_some_and(|p| !p.is_empty()) {
+            break ports;
+        }
+        assert!(Instant::now() < deadline, "nothing listened: {ports}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let listed = &ports["ports"][0];
+    assert_eq!(listed["port"], 8000, "{ports}");
+    assert_eq!(listed["address"], "0.0.0.0", "{ports}");
+    assert_eq!(listed["reachable"], true, "{ports}");
+    assert_eq!(listed["name"], "python3", "{ports}");
+    assert_eq!(listed["preview"], format!("/preview/{id}/8000/"), "{ports}");
+
+    let get = |path: &str,
+               key: Option<&str>,
+               cookie: Option<&str>|
+     -> Res<(u16, Vec<u8>, Option<String>)> {
+        let mut request = ureq::get(&server.url(path));
+        if let Some(key) = key {
+            request = request.set("authorization", &format!("Bearer {key}"));
+        }
+        if let Some(cookie) = cookie {
+            request = request.set("cookie", cookie);
+        }
+        let response = match request.call() {
+            Ok(response) => response,
+            Err(ureq::Error::Status(_, response)) => response,
+            Err(e) => return Err(e.into()),
+        };
+        let status = response.status();
+        let set_cookie = response.header("set-cookie").map(String::from);
+        let mut body = Vec::new();
+        std::io::Read::read_to_end(&mut response.into_reader(), &mut body)?;
+        Ok((status, body, set_cookie))
+    };
+    let key = server.key.clone().ok_or("no key")?;
+    // The owner's key: the box's own path, and none of kiln's credentials reach it.
+    let (status, body, _) = get(&format!("/preview/{id}/8000/index.html"), Some(&key), None)?;
+    assert_eq!((status, body.as_slice()), (200, b"hello\n".as_slice()));
+    let (status, body, _) = get(&format!("/preview/{id}/8000/echo?a=1"), Some(&key), None)?;
+    assert_eq!(status, 200);
+    let echoed: Value = serde_json::from_slice(&body)?;
+    assert_eq!(echoed["path"], "/echo?a=1", "{echoed}");
+    let headers = echoed["headers"].to_string().to_ascii_lowercase();
+    assert!(
+        !headers.contains(&key.to_ascii_lowercase()),
+        "the key reached the box: {echoed}"
+    );
+    assert!(!headers.contains("authorization"), "{echoed}");
+    assert_eq!(echoed["headers"]["host"], "localhost:8000", "{echoed}");
+    // A large file comes through whole.
+    let (status, big, _) = get(&format!("/preview/{id}/8000/big.bin"), Some(&key), None)?;
+    assert_eq!((status, big.len()), (200, 20_000_000));
+    let through_files = send(
+        "GET",
+        &server.url(&format!("/api/v1/sandboxes/{id}/files/big.bin")),
+        Some(&key),
+        None,
+    )?;
+    assert!(
+        through_files.body == big,
+        "the preview changed the file's bytes"
+    );
+
+    // Nobody else: no key, another tenant's key, a token of another port or sandbox, a
+    // forged or expired one: each is 404, as for an unknown sandbox.
+    let other = create_key(&server.data, None)?;
+    for (key, what) in [(None, "no key"), (Some(other.as_str()), "another tenant")] {
+        let (status, body, _) = get(&format!("/preview/{id}/8000/index.html"), key, None)?;
+        assert_eq!(status, 404, "{what}: {}", String::from_utf8_lossy(&body));
+    }
+    let link = |port: u16, ttl: u64| -> Res<Value> {
+        let (status, link) = server.call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/previews"),
+            Some(json!({"port": port, "ttlSeconds": ttl})),
+        )?;
+        assert_eq!(status, 201, "{link}");
+        Ok(link)
+    };
+    let made = link(8000, 600)?;
+    let url = made["url"].as_str().ok_or("no url")?;
+    let (status, body, cookie) = get(url, None, None)?;
+    assert_eq!((status, body.as_slice()), (200, b"hello\n".as_slice()));
+    let cookie = cookie.ok_or("no cookie")?;
+    assert!(
+        cookie.contains(&format!("Path=/preview/{id}/8000/")),
+        "{cookie}"
+    );
+    assert!(cookie.contains("HttpOnly"), "{cookie}");
+    let pair = cookie.split(';').next().unwrap_or_default().to_string();
+    let (status, _, _) = get(&format!("/preview/{id}/8000/echo"), None, Some(&pair))?;
+    assert_eq!(status, 200, "the cookie carries the page's own requests");
+    let token = made["token"].as_str().ok_or("no token")?;
+    let (status, _, _) = get(
+        &format!("/preview/{id}/8001/?kiln_preview_token={token}"),
+        None,
+        None,
+    )?;
+    assert_eq!(status, 404, "a token for port 8000 opened 8001");
+    let mut forged = token.to_string();
+    forged.insert(3, 'x');
+    let (status, _, _) = get(
+        &format!("/preview/{id}/8000/?kiln_preview_token={forged}"),
+        None,
+        None,
+    )?;
+    assert_eq!(status, 404, "a forged token");
+    let short = link(8000, 1)?;
+    std::thread::sleep(Duration::from_millis(1100));
+    let (status, _, _) = get(short["url"].as_str().ok_or("no url")?, None, None)?;
+    assert_eq!(status, 404, "an expired token");
+    for (port, ttl) in [(80, 60), (8000, 0), (8000, 10_000_000)] {
+        let (status, refused) = server.call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/previews"),
+            Some(json!({"port": port, "ttlSeconds": ttl})),
+        )?;
+        assert_eq!(status, 400, "{port} {ttl}: {refused}");
+    }
+    let (status, _, _) = get(&format!("/preview/{id}/80/"), Some(&key), None)?;
+    assert_eq!(status, 400, "a privileged port");
+    let (status, body, _) = get(&format!("/preview/{id}/9999/"), Some(&key), None)?;
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+
+    // WebSocket through the preview, and a paused box wakes for preview traffic.
+    server.call("POST", &format!("/api/v1/sandboxes/{id}/pause"), None)?;
+    let ws_url = server
+        .url(&format!("/preview/{id}/8000/ws?kiln_preview_token={token}"))
+        .replace("http://", "ws://");
+    let (mut socket, _) = tungstenite::connect(ws_url.as_str())?;
+    socket.send(tungstenite::Message::Text("hello box".into()))?;
+    match socket.read()? {
+        tungstenite::Message::Text(text) => assert_eq!(text.as_str(), "HELLO BOX"),
+        other => panic!("the echo answered {other:?}"),
+    }
+    let _ = socket.close(None);
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert_eq!(info["state"], "running", "{info}");
+    Ok(())
+}
