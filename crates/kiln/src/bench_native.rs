@@ -202,6 +202,7 @@ async fn commands(
     run_ok(&live, &["echo", "hi"], "hi\n").await?;
     report.insert("native_pause".into(), summary(pauses));
     report.insert("native_resume".into(), summary(resumes));
+    previews(&live, n, report).await?;
     live.close().await;
     Ok(())
 }
@@ -285,5 +286,61 @@ fn processes(n: usize, report: &mut Report) -> anyhow::Result<()> {
     if !plain.is_empty() {
         report.insert("host_python3_process".into(), summary(plain));
     }
+    Ok(())
+}
+
+/// A preview's path without kiln's HTTP layer: a connection through the agent to the box's
+/// `python3 -m http.server`, the first byte of a small page, and a 64 MiB file's rate.
+async fn previews(live: &LiveBox, n: usize, report: &mut Report) -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let files = Exec::new(
+        [
+            "sh",
+            "-c",
+            "echo hello > small.html && head -c 67108864 /dev/zero > big.bin",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+    );
+    live.exec(files, |_, _| {}).await?;
+    // Written where the dev server started: the box's working dir.
+    let get = |path: &str| format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
+    let mut first = Vec::new();
+    for i in 0..n.clamp(10, 200) + 3 {
+        let t = Instant::now();
+        let mut stream = live.connect(8000).await?;
+        stream.write_all(get("/small.html").as_bytes()).await?;
+        let mut byte = [0u8; 1];
+        anyhow::ensure!(stream.read(&mut byte).await? == 1, "no answer");
+        if i >= 3 {
+            first.push(micros(t.elapsed()));
+        }
+        let mut rest = Vec::new();
+        stream.read_to_end(&mut rest).await?;
+    }
+    report.insert("native_preview_first_byte".into(), summary(first));
+    let mut rates = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let mut stream = live.connect(8000).await?;
+        stream.write_all(get("/big.bin").as_bytes()).await?;
+        let mut total = 0usize;
+        let mut buf = vec![0u8; 256 << 10];
+        loop {
+            let got = stream.read(&mut buf).await?;
+            if got == 0 {
+                break;
+            }
+            total += got;
+        }
+        anyhow::ensure!(total > 64 << 20, "the large file came short: {total} bytes");
+        rates.push(total as f64 / t.elapsed().as_secs_f64() / 1e6);
+    }
+    rates.sort_by(f64::total_cmp);
+    report.insert(
+        "native_preview_large_file".into(),
+        json!({"mib": 64, "median_mb_s": (rates[rates.len() / 2] * 10.0).round() / 10.0}),
+    );
     Ok(())
 }
