@@ -220,6 +220,21 @@ pub async fn authenticate(
     if PUBLIC.contains(&path) || path.starts_with("/docs/") || path.starts_with("/redoc/") {
         return next.run(request).await;
     }
+    if path.starts_with("/terminal/assets/") {
+        return next.run(request).await;
+    }
+    // A terminal's page: the owner's key or a link's token for this very terminal.
+    if path.starts_with("/terminal/") {
+        let Some(caller) = crate::terminals::page_caller(&state, &request) else {
+            let id = crate::terminals::parse_path(path).map_or("?", |(id, _)| id);
+            return crate::preview::not_found(id);
+        };
+        let key = KeyId(caller.key_id.clone());
+        request.extensions_mut().insert(caller);
+        let mut response = next.run(request).await;
+        response.extensions_mut().insert(key);
+        return response;
+    }
     // A preview: the owner's key or a token for this sandbox and port; anything else is
     // told the sandbox does not exist.
     if path.starts_with("/preview/") {

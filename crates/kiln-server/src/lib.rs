@@ -21,6 +21,7 @@ pub mod mcp;
 pub mod openapi;
 pub mod preview;
 pub mod templates;
+pub mod terminals;
 pub mod v1;
 
 // The runtime's modules under their old names, for the handlers.
@@ -62,8 +63,10 @@ pub struct AppState {
     pub llm_env: kiln_llm::LlmEnv,
     /// Whether the executor workers are confined.
     pub worker_jail: kiln_executor::confine::JailReport,
-    /// Signs and checks preview tokens.
+    /// Signs and checks preview (and terminal page) tokens.
     pub previews: preview::Signer,
+    /// Linux sandboxes' terminals.
+    pub terminals: terminals::Terminals,
 }
 
 /// Server settings.
@@ -148,6 +151,7 @@ impl AppState {
             llm_env: config.llm.clone(),
             worker_jail: config.worker_jail,
             previews: preview::Signer::open(&config.data_dir)?,
+            terminals: terminals::Terminals::default(),
         })
     }
 }
@@ -167,6 +171,18 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/sandboxes/{id}/restart", post(boxes::restart))
         .route("/sandboxes/{id}/ports", get(preview::ports))
+        .route(
+            "/sandboxes/{id}/terminals",
+            get(terminals::list).post(terminals::create),
+        )
+        .route(
+            "/sandboxes/{id}/terminals/{tid}",
+            get(terminals::attach).delete(terminals::delete),
+        )
+        .route(
+            "/sandboxes/{id}/terminals/{tid}/links",
+            post(terminals::link),
+        )
         .route("/sandboxes/{id}/previews", post(preview::create_link))
         .route("/sandboxes/{id}/pause", post(boxes::pause))
         .route("/sandboxes/{id}/resume", post(boxes::resume))
@@ -211,6 +227,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/api/sandbox/{id}/diff", post(api::diff))
         .route("/api/sandbox/{id}/rollback", post(api::rollback))
         .nest("/api/v1", v1)
+        .route("/terminal/assets/{name}", get(terminals::asset))
+        .route("/terminal/{id}/{tid}/", get(terminals::page))
+        .route("/terminal/{id}/{tid}/ws", get(terminals::page_socket))
         .route("/preview/{id}/{port}", axum::routing::any(preview::proxy))
         .route("/preview/{id}/{port}/", axum::routing::any(preview::proxy))
         .route(

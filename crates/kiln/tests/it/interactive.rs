@@ -536,3 +536,282 @@ fn issue33_previews_reach_a_boxs_server_with_the_owners_key_or_a_token_and_nothi
     assert_eq!(info["state"], "running", "{info}");
     Ok(())
 }
+
+type Socket = tungstenite::WebSocket<tungstenite::stream::MaybeTlsStream<std::net::TcpStream>>;
+
+/// A WebSocket to a terminal, with the owner's key (or `key`).
+fn attach(server: &Server, id: &str, tid: &str, query: &str, key: Option<&str>) -> Res<Socket> {
+    use tungstenite::client::IntoClientRequest;
+    let url = server
+        .url(&format!("/api/v1/sandboxes/{id}/terminals/{tid}?{query}"))
+        .replace("http://", "ws://");
+    let mut request = url.into_client_request()?;
+    let key = key
+        .map(String::from)
+        .or_else(|| server.key.clone())
+        .ok_or("no key")?;
+    request
+        .headers_mut()
+        .insert("authorization", format!("Bearer {key}").parse()?);
+    let (socket, _) = tungstenite::connect(request)?;
+    if let tungstenite::stream::MaybeTlsStream::Plain(stream) = socket.get_ref() {
+        stream.set_read_timeout(Some(Duration::from_secs(15)))?;
+    }
+    Ok(socket)
+}
+
+/// The next control frame (output before it is added to `seen`).
+fn control(socket: &mut Socket, seen: &mut Vec<u8>) -> Res<Value> {
+    loop {
+        match socket.read()? {
+            tungstenite::Message::Text(text) => return Ok(serde_json::from_str(text.as_str())?),
+            tungstenite::Message::Binary(data) => seen.extend_from_slice(&data),
+            _ => {}
+        }
+    }
+}
+
+/// Reads output until it holds `needle` (controls are collected in `controls`).
+fn until(
+    socket: &mut Socket,
+    seen: &mut Vec<u8>,
+    needle: &str,
+    controls: &mut Vec<Value>,
+) -> Res<()> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !String::from_utf8_lossy(seen).contains(needle) {
+        assert!(
+            Instant::now() < deadline,
+            "no {needle:?} in {:?}",
+            String::from_utf8_lossy(seen)
+        );
+        match socket.read()? {
+            tungstenite::Message::Binary(data) => seen.extend_from_slice(&data),
+            tungstenite::Message::Text(text) => controls.push(serde_json::from_str(text.as_str())?),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn keys(socket: &mut Socket, text: &str) -> Res<()> {
+    socket.send(tungstenite::Message::Binary(
+        text.as_bytes().to_vec().into(),
+    ))?;
+    Ok(())
+}
+
+fn say(socket: &mut Socket, value: Value) -> Res<()> {
+    socket.send(tungstenite::Message::Text(value.to_string().into()))?;
+    Ok(())
+}
+
+#[test]
+fn issue33_terminals_detach_reattach_with_replay_viewers_takeover_and_a_bounded_ring() -> TestResult
+{
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        auth: true,
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let (_, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-debian"})),
+    )?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let (status, opened) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/terminals"),
+        Some(json!({"cols": 100, "rows": 30})),
+    )?;
+    assert_eq!(status, 201, "{opened}");
+    let tid = opened["terminalId"].as_str().ok_or("no id")?.to_string();
+    assert_eq!(opened["page"], format!("/terminal/{id}/{tid}/"), "{opened}");
+
+    // Attach, type, see the answer; resize and see the shell's view of it.
+    let mut first = attach(&server, &id, &tid, "", None)?;
+    let mut seen = Vec::new();
+    let hello = control(&mut first, &mut seen)?;
+    assert_eq!(
+        (hello["type"].clone(), hello["writer"].clone()),
+        (json!("attached"), json!(true)),
+        "{hello}"
+    );
+    let mut controls = Vec::new();
+    keys(&mut first, "echo kiln-$((6*7))\r")?;
+    until(&mut first, &mut seen, "kiln-42", &mut controls)?;
+    say(
+        &mut first,
+        json!({"type": "resize", "cols": 50, "rows": 10}),
+    )?;
+    keys(&mut first, "stty size\r")?;
+    until(&mut first, &mut seen, "10 50", &mut controls)?;
+
+    // A viewer watches but cannot type.
+    let mut viewer = attach(&server, &id, &tid, "mode=read", None)?;
+    let mut watched = Vec::new();
+    let hello = control(&mut viewer, &mut watched)?;
+    assert_eq!(hello["writer"], false, "{hello}");
+    keys(&mut viewer, "echo from-the-viewer\r")?;
+    // Something that keeps running while nobody is attached.
+    keys(
+        &mut first,
+        "i=0; while :; do echo tick$i; i=$((i+1)); sleep 0.1; done\r",
+    )?;
+    until(&mut first, &mut seen, "tick3", &mut controls)?;
+    until(&mut viewer, &mut watched, "tick3", &mut Vec::new())?;
+    drop(first);
+    drop(viewer);
+    let (_, listed) = server.call("GET", &format!("/api/v1/sandboxes/{id}/terminals"), None)?;
+    let before = listed["terminals"][0]["outputBytes"]
+        .as_u64()
+        .ok_or("no count")?;
+    std::thread::sleep(Duration::from_millis(800));
+    let (_, listed) = server.call("GET", &format!("/api/v1/sandboxes/{id}/terminals"), None)?;
+    assert!(
+        listed["terminals"][0]["outputBytes"].as_u64() > Some(before),
+        "the loop stopped while detached: {listed}"
+    );
+
+    // Reattach from the start: the replay holds what came before, and the loop still runs.
+    let mut again = attach(&server, &id, &tid, "offset=0", None)?;
+    let mut replayed = Vec::new();
+    let hello = control(&mut again, &mut replayed)?;
+    assert_eq!(
+        (hello["offset"].clone(), hello["lost"].clone()),
+        (json!(0), json!(0)),
+        "{hello}"
+    );
+    let end = hello["end"].as_u64().ok_or("no end")? as usize;
+    while replayed.len() < end {
+        if let tungstenite::Message::Binary(data) = again.read()? {
+            replayed.extend_from_slice(&data);
+        }
+    }
+    let text = String::from_utf8_lossy(&replayed).into_owned();
+    assert!(text.contains("kiln-42") && text.contains("tick3"), "{text}");
+    assert!(
+        !text.contains("from-the-viewer"),
+        "a viewer's keys reached the shell"
+    );
+    let last_tick = text.matches("tick").count();
+    until(
+        &mut again,
+        &mut replayed,
+        &format!("tick{}", last_tick + 2),
+        &mut Vec::new(),
+    )?;
+
+    // Takeover: the writer is told it only watches now.
+    let mut owner = attach(&server, &id, &tid, "takeover=true&offset=999999999", None)?;
+    let hello = control(&mut owner, &mut Vec::new())?;
+    assert_eq!(hello["writer"], true, "{hello}");
+    let mut told = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut sink = Vec::new();
+        let said = control(&mut again, &mut sink)?;
+        if said["type"] == "writer" {
+            assert_eq!(said["writer"], false, "{said}");
+            break;
+        }
+        told.push(said);
+        assert!(Instant::now() < deadline, "{told:?}");
+    }
+    // A signal stops the loop; a flood of output stays within the ring.
+    say(&mut owner, json!({"type": "signal", "signal": "INT"}))?;
+    let mut out = Vec::new();
+    keys(
+        &mut owner,
+        "head -c 3000000 /dev/zero | tr '\\0' x; echo; echo flood-$((1+1))\r",
+    )?;
+    until(&mut owner, &mut out, "flood-2", &mut Vec::new())?;
+    drop(owner);
+    drop(again);
+    let mut late = attach(&server, &id, &tid, "mode=read", None)?;
+    let hello = control(&mut late, &mut Vec::new())?;
+    assert!(hello["lost"].as_u64() > Some(0), "{hello}");
+    let kept = hello["end"].as_u64().unwrap_or(0) - hello["offset"].as_u64().unwrap_or(0);
+    assert!(kept <= 1 << 20, "the ring kept {kept} bytes");
+    drop(late);
+
+    // Refusals: bad controls, another tenant, an unknown terminal.
+    let other = create_key(&server.data, None)?;
+    let (status, _) = server.call_as(
+        Some(&other),
+        "GET",
+        &format!("/api/v1/sandboxes/{id}/terminals"),
+        None,
+    )?;
+    assert_eq!(status, 404);
+    assert!(
+        attach(&server, &id, &tid, "", Some(&other)).is_err(),
+        "another tenant attached"
+    );
+    let (status, _) = server.call(
+        "GET",
+        &format!("/api/v1/sandboxes/{id}/terminals/t999"),
+        None,
+    )?;
+    assert_eq!(status, 404);
+    for body in [
+        json!({"cols": 0}),
+        json!({"rows": 5000}),
+        json!({"shell": "zsh"}),
+    ] {
+        let (status, refused) = server.call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/terminals"),
+            Some(body.clone()),
+        )?;
+        assert_eq!(status, 400, "{body}: {refused}");
+    }
+
+    // The browser page, by a link's token (which opens only this terminal).
+    let (status, link) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/terminals/{tid}/links"),
+        Some(json!({})),
+    )?;
+    assert_eq!(status, 201, "{link}");
+    let page = send(
+        "GET",
+        &server.url(link["url"].as_str().ok_or("no url")?),
+        None,
+        None,
+    )?;
+    assert_eq!(page.status, 200);
+    assert!(String::from_utf8_lossy(&page.body).contains("/terminal/assets/xterm.js"));
+    let token = link["url"]
+        .as_str()
+        .unwrap_or_default()
+        .split("kiln_preview_token=")
+        .nth(1)
+        .unwrap_or_default();
+    let elsewhere = send(
+        "GET",
+        &server.url(&format!("/terminal/{id}/t999/?kiln_preview_token={token}")),
+        None,
+        None,
+    )?;
+    assert_eq!(elsewhere.status, 404);
+    let asset = send("GET", &server.url("/terminal/assets/xterm.js"), None, None)?;
+    assert_eq!(asset.status, 200);
+
+    let (status, _) = server.call(
+        "DELETE",
+        &format!("/api/v1/sandboxes/{id}/terminals/{tid}"),
+        None,
+    )?;
+    assert_eq!(status, 204);
+    let (_, listed) = server.call("GET", &format!("/api/v1/sandboxes/{id}/terminals"), None)?;
+    assert_eq!(listed["terminals"], json!([]), "{listed}");
+    Ok(())
+}
