@@ -815,3 +815,179 @@ fn issue33_terminals_detach_reattach_with_replay_viewers_takeover_and_a_bounded_
     assert_eq!(listed["terminals"], json!([]), "{listed}");
     Ok(())
 }
+
+/// Headless Chromium driven over the DevTools protocol: open a page, evaluate JavaScript in
+/// it, close it.
+struct Browser {
+    child: std::process::Child,
+    port: u16,
+    _profile: tempfile::TempDir,
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Tab {
+    id: String,
+    socket: tungstenite::WebSocket<tungstenite::stream::MaybeTlsStream<std::net::TcpStream>>,
+    next: u64,
+}
+
+impl Browser {
+    fn start() -> Res<Browser> {
+        use std::io::BufRead;
+        let profile = tempfile::tempdir()?;
+        let mut child = std::process::Command::new(crate::common::chromium()?)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--remote-debugging-port=0",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg("about:blank")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let stderr = child.stderr.take().ok_or("no stderr")?;
+        let mut lines = std::io::BufReader::new(stderr).lines();
+        let port = loop {
+            let line = lines.next().ok_or("chromium ended before it listened")??;
+            if let Some(rest) = line.split("ws://127.0.0.1:").nth(1) {
+                break rest.split('/').next().unwrap_or_default().parse()?;
+            }
+        };
+        // Keep reading its stderr so it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Browser {
+            child,
+            port,
+            _profile: profile,
+        })
+    }
+
+    fn open(&self, url: &str) -> Res<Tab> {
+        let target: Value = ureq::put(&format!("http://127.0.0.1:{}/json/new?{url}", self.port))
+            .call()?
+            .into_json()?;
+        let ws = target["webSocketDebuggerUrl"].as_str().ok_or("no debugger url")?;
+        let (socket, _) = tungstenite::connect(ws)?;
+        Ok(Tab {
+            id: target["id"].as_str().unwrap_or_default().to_string(),
+            socket,
+            next: 1,
+        })
+    }
+
+    fn close(&self, tab: Tab) -> Res<()> {
+        drop(tab.socket);
+        ureq::get(&format!("http://127.0.0.1:{}/json/close/{}", self.port, tab.id)).call()?;
+        Ok(())
+    }
+}
+
+impl Tab {
+    /// The value of a JavaScript expression in the page.
+    fn eval(&mut self, expression: &str) -> Res<Value> {
+        let id = self.next;
+        self.next += 1;
+        self.socket.send(tungstenite::Message::Text(
+            json!({"id": id, "method": "Runtime.evaluate",
+                   "params": {"expression": expression, "returnByValue": true}})
+            .to_string()
+            .into(),
+        ))?;
+        loop {
+            if let tungstenite::Message::Text(text) = self.socket.read()? {
+                let reply: Value = serde_json::from_str(text.as_str())?;
+                if reply["id"] == id {
+                    return Ok(reply["result"]["result"]["value"].clone());
+                }
+            }
+        }
+    }
+
+    /// Waits until `expression` is true in the page.
+    fn wait(&mut self, expression: &str, what: &str) -> Res<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.eval(expression)? != json!(true) {
+            assert!(Instant::now() < deadline, "the page never had {what}: {}", self.screen()?);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
+    }
+
+    /// The terminal's text, scrollback included.
+    fn screen(&mut self) -> Res<String> {
+        let text = self.eval(
+            "(() => { if (!window.kiln) return ''; const b = kiln.term.buffer.active; let s = ''; \
+             for (let i = 0; i < b.length; i++) s += b.getLine(i).translateToString(true) + '\\n'; return s; })()",
+        )?;
+        Ok(text.as_str().unwrap_or_default().to_string())
+    }
+}
+
+#[test]
+fn issue33_a_terminal_in_a_browser_survives_closing_its_tab() -> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        auth: true,
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let (_, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-debian"})),
+    )?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let (_, opened) = server.call("POST", &format!("/api/v1/sandboxes/{id}/terminals"), Some(json!({})))?;
+    let tid = opened["terminalId"].as_str().ok_or("no id")?.to_string();
+    let (_, link) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/terminals/{tid}/links"),
+        Some(json!({"ttlSeconds": 600})),
+    )?;
+    let url = server.url(link["url"].as_str().ok_or("no url")?);
+
+    let browser = Browser::start()?;
+    let mut tab = browser.open(&url)?;
+    tab.wait("!!(window.kiln && kiln.state.writer)", "the keyboard")?;
+    // Typed as a user would (xterm's input is what a keystroke makes).
+    tab.eval("kiln.term.input('echo browser-$((2*21))\\r')")?;
+    tab.wait("(() => { const b = kiln.term.buffer.active; for (let i = 0; i < b.length; i++) if (b.getLine(i).translateToString(true).includes('browser-42')) return true; return false; })()", "the command's output")?;
+    // Resized in the page: the shell sees the new size.
+    tab.eval("kiln.term.resize(60, 15)")?;
+    tab.eval("kiln.term.input('stty size\\r')")?;
+    tab.wait("(() => { const b = kiln.term.buffer.active; for (let i = 0; i < b.length; i++) if (b.getLine(i).translateToString(true).trim() === '15 60') return true; return false; })()", "the new size")?;
+    tab.eval("kiln.term.input('i=0; while :; do echo ping$i; i=$((i+1)); sleep 0.2; done\\r')")?;
+    tab.wait("(() => { const b = kiln.term.buffer.active; for (let i = 0; i < b.length; i++) if (b.getLine(i).translateToString(true).startsWith('ping3')) return true; return false; })()", "the loop's output")?;
+    browser.close(tab)?;
+    std::thread::sleep(Duration::from_millis(1500));
+
+    // A new tab: the scrollback is there, and the loop went on while no one looked.
+    let mut tab = browser.open(&url)?;
+    tab.wait("!!(window.kiln && kiln.state.open)", "a connection")?;
+    tab.wait("(() => { const b = kiln.term.buffer.active; for (let i = 0; i < b.length; i++) if (b.getLine(i).translateToString(true).startsWith('ping12')) return true; return false; })()", "the loop's later output")?;
+    let screen = tab.screen()?;
+    assert!(screen.contains("browser-42"), "no scrollback: {screen}");
+    let (_, listed) = server.call("GET", &format!("/api/v1/sandboxes/{id}/terminals"), None)?;
+    assert_eq!(listed["terminals"][0]["exited"], false, "{listed}");
+    Ok(())
+}
