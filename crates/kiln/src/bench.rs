@@ -114,6 +114,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if named(&args, "native") {
         crate::bench_native::run(&args, n, &mut report)?;
     }
+    // Interactive environments through a real `kiln serve --linux`: likewise.
+    if named(&args, "interactive") {
+        crate::bench_interactive::run(n, &mut report)?;
+    }
     println!(
         "{}",
         serde_json::to_string_pretty(&serde_json::Value::Object(report))?

@@ -7,6 +7,7 @@ mod bench_child;
 mod bench_fair;
 mod bench_history;
 mod bench_http;
+mod bench_interactive;
 mod bench_native;
 mod bench_rest;
 mod bench_runner;
