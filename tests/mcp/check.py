@@ -30,6 +30,7 @@ KILN = os.path.abspath(sys.argv[1])
 EXPECTED_TOOLS = {
     "run_python", "run_javascript", "run_go", "run_bash", "sandbox_create", "session_create", "session_run",
     "session_close", "fork_session", "write_file", "read_file", "list_files",
+    "sandbox_processes", "sandbox_signal", "sandbox_restart", "sandbox_pause", "sandbox_resume",
 }
 
 
@@ -231,9 +232,69 @@ async def over_http():
     print("mcp-check: streamable HTTP ok")
 
 
+async def linux_boxes():
+    """The box tools on a Linux sandbox (kiln serve --linux, which needs root, as CI runs)."""
+    with tempfile.TemporaryDirectory() as data_dir, tempfile.TemporaryDirectory() as state_dir:
+        port = free_port()
+        server = subprocess.Popen([KILN, "serve", "--linux", "--no-auth", "--listen", f"127.0.0.1:{port}",
+                                   "--data-dir", data_dir],
+                                  env={**os.environ, "KILN_STATE_DIR": state_dir},
+                                  stderr=open(os.path.join(data_dir, "serve.log"), "w"))
+        try:
+            deadline = time.time() + 300
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2)
+                    break
+                except Exception:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.1)
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1/sandboxes",
+                                             data=json.dumps({"template": "linux-python"}).encode(),
+                                             headers={"content-type": "application/json"})
+            sandbox = json.load(urllib.request.urlopen(request))["containerId"]
+            async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+                started = await client.call_tool("run_bash", {"sandbox_id": sandbox, "code":
+                    "sleep 300 >/dev/null 2>&1 & python3 -m http.server 8000 >/dev/null 2>&1 & echo started"})
+                check(not started.is_error and "started" in text(started), f"run_bash: {text(started)}")
+                deadline = time.time() + 10
+                while True:
+                    seen = data(await client.call_tool("sandbox_processes", {"sandbox_id": sandbox}))
+                    if seen["ports"]:
+                        break
+                    check(time.time() < deadline, f"no port: {seen}")
+                    time.sleep(0.1)
+                check(seen["state"] == "running", f"state: {seen}")
+                check(seen["ports"][0]["port"] == 8000 and seen["ports"][0]["preview"] == f"/preview/{sandbox}/8000/", f"ports: {seen}")
+                sleeper = [p["pid"] for p in seen["processes"] if p["argv"] == ["sleep", "300"]]
+                check(len(sleeper) == 1, f"processes: {seen}")
+                paused = data(await client.call_tool("sandbox_pause", {"sandbox_id": sandbox}))
+                check(paused["state"] == "paused", f"pause: {paused}")
+                resumed = data(await client.call_tool("sandbox_resume", {"sandbox_id": sandbox}))
+                check(resumed["state"] == "running", f"resume: {resumed}")
+                sent = data(await client.call_tool("sandbox_signal", {"sandbox_id": sandbox, "pid": sleeper[0], "signal": "KILL"}))
+                check(sent == {"signalled": 1}, f"signal: {sent}")
+                for bad in [{"pid": 1}, {"pid": 99999}, {"pid": sleeper[0], "signal": "NOPE"}]:
+                    result = await client.call_tool("sandbox_signal", {"sandbox_id": sandbox, **bad})
+                    check(result.is_error, f"sandbox_signal {bad}: {text(result)}")
+                restarted = data(await client.call_tool("sandbox_restart", {"sandbox_id": sandbox}))
+                check(restarted["killed"] >= 1, f"restart: {restarted}")
+                seen = data(await client.call_tool("sandbox_processes", {"sandbox_id": sandbox}))
+                check([p["agent"] for p in seen["processes"]] == [True] and seen["ports"] == [], f"after restart: {seen}")
+                wasm = data(await client.call_tool("sandbox_create", {}))["sandbox_id"]
+                result = await client.call_tool("sandbox_pause", {"sandbox_id": wasm})
+                check(result.is_error and data(result)["error"]["code"] == "UNSUPPORTED", f"a wasm pause: {text(result)}")
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    print("mcp-check: Linux box tools ok")
+
+
 async def main():
     await over_stdio()
     await over_http()
+    await linux_boxes()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 //! Tools: `run_python`, `run_javascript` (a fresh sandbox, or a sandbox's workspace),
 //! `sandbox_create`, `session_create` / `session_run` / `session_close` (state persists between
 //! runs), `fork_session` (a copy of a session's state), `write_file`, `read_file`,
-//! `list_files`. Input schemas are derived from the Rust types below.
+//! `list_files`; for a Linux sandbox's box, `sandbox_processes` (with its ports),
+//! `sandbox_signal`, `sandbox_restart`, `sandbox_pause` and `sandbox_resume`. Input schemas are derived from the Rust types below.
 
 use std::sync::Arc;
 
@@ -108,6 +109,27 @@ pub struct WriteFile {
 pub struct ReadFile {
     pub sandbox_id: String,
     pub path: String,
+}
+
+/// A Linux sandbox's box.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct BoxOf {
+    pub sandbox_id: String,
+}
+
+/// A signal for a process of a Linux sandbox's box.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SignalProcess {
+    pub sandbox_id: String,
+    /// The process's pid inside the box (from sandbox_processes).
+    pub pid: u32,
+    /// A name (TERM, KILL, INT, HUP, QUIT, USR1, USR2, STOP, CONT, WINCH) or a number 1–64;
+    /// default TERM.
+    #[serde(default)]
+    pub signal: Option<Value>,
+    /// Signal the process's whole group. Default false.
+    #[serde(default)]
+    pub group: Option<bool>,
 }
 
 /// List files.
@@ -346,6 +368,23 @@ impl KilnMcp {
         )
     }
 
+    async fn set_paused(
+        &self,
+        context: RequestContext<RoleServer>,
+        id: String,
+        paused: bool,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let changed =
+            kiln_runtime::processes::set_paused(&self.runtime, &caller, &id, paused).await;
+        Ok(reply(changed, |(state, took)| {
+            answer(
+                json!({ "sandbox_id": id, "state": state, "took_ms": took.as_secs_f64() * 1000.0 }),
+                false,
+            )
+        }))
+    }
+
     async fn new_sandbox(
         &self,
         caller: &Caller,
@@ -570,6 +609,108 @@ impl KilnMcp {
         Ok(reply(read, |bytes| {
             CallToolResult::success(vec![file_content(uri, bytes)])
         }))
+    }
+
+    #[tool(
+        description = "A Linux sandbox's box: its state (running, paused or stopped), its processes (pid, parent, user, command line, CPU, memory) and the TCP ports they listen on, each with its preview path on the kiln server. Background processes started with run_bash (`cmd &`) keep running and show here."
+    )]
+    async fn sandbox_processes(
+        &self,
+        Parameters(input): Parameters<BoxOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let id = input.sandbox_id;
+        let seen = async {
+            let (state, found) =
+                kiln_runtime::processes::box_processes(&self.runtime, &caller, &id).await?;
+            let (_, ports) =
+                kiln_runtime::processes::box_ports(&self.runtime, &caller, &id).await?;
+            Ok::<_, RuntimeError>((state, found, ports))
+        }
+        .await;
+        Ok(reply(seen, |(state, found, ports)| {
+            answer(
+                json!({
+                    "sandbox_id": id,
+                    "state": state,
+                    "processes": found.iter().map(|p| json!({
+                        "pid": p.pid, "ppid": p.ppid, "uid": p.uid, "argv": p.argv,
+                        "state": p.state, "cpu_ms": p.cpu_ms, "memory_bytes": p.memory_bytes,
+                        "agent": p.agent,
+                    })).collect::<Vec<_>>(),
+                    "ports": ports.iter().map(|p| json!({
+                        "port": p.port, "address": p.address, "reachable": p.reachable,
+                        "pid": p.pid, "name": p.name,
+                        "preview": format!("/preview/{id}/{}/", p.port),
+                    })).collect::<Vec<_>>(),
+                }),
+                false,
+            )
+        }))
+    }
+
+    #[tool(
+        description = "Send a signal to a process of a Linux sandbox's box (or to its whole process group): TERM by default, KILL to end it at once."
+    )]
+    async fn sandbox_signal(
+        &self,
+        Parameters(input): Parameters<SignalProcess>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let signal = match crate::boxes::signal_number(input.signal.as_ref()) {
+            Ok(signal) => signal,
+            Err(message) => return Ok(refused(RuntimeError::InvalidRequest { message })),
+        };
+        let sent = kiln_runtime::processes::signal_box_process(
+            &self.runtime,
+            &caller,
+            &input.sandbox_id,
+            input.pid,
+            signal,
+            input.group.unwrap_or(false),
+        )
+        .await;
+        Ok(reply(sent, |sent| {
+            answer(json!({ "signalled": sent }), false)
+        }))
+    }
+
+    #[tool(
+        description = "Restart a Linux sandbox's box: every process ends (servers, background jobs, a fork bomb); its files, in the workspace and outside it, stay."
+    )]
+    async fn sandbox_restart(
+        &self,
+        Parameters(input): Parameters<BoxOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let killed =
+            kiln_runtime::processes::restart_box(&self.runtime, &caller, &input.sandbox_id).await;
+        Ok(reply(killed, |killed| {
+            answer(json!({ "killed": killed }), false)
+        }))
+    }
+
+    #[tool(
+        description = "Pause a Linux sandbox's box: its processes are frozen with their memory, files and connections, using no CPU, until sandbox_resume or the next command."
+    )]
+    async fn sandbox_pause(
+        &self,
+        Parameters(input): Parameters<BoxOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.set_paused(context, input.sandbox_id, true).await
+    }
+
+    #[tool(description = "Resume a paused Linux sandbox's box.")]
+    async fn sandbox_resume(
+        &self,
+        Parameters(input): Parameters<BoxOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.set_paused(context, input.sandbox_id, false).await
     }
 
     #[tool(description = "List the files in a sandbox's workspace (recursive).")]

@@ -881,7 +881,9 @@ impl Browser {
         let target: Value = ureq::put(&format!("http://127.0.0.1:{}/json/new?{url}", self.port))
             .call()?
             .into_json()?;
-        let ws = target["webSocketDebuggerUrl"].as_str().ok_or("no debugger url")?;
+        let ws = target["webSocketDebuggerUrl"]
+            .as_str()
+            .ok_or("no debugger url")?;
         let (socket, _) = tungstenite::connect(ws)?;
         Ok(Tab {
             id: target["id"].as_str().unwrap_or_default().to_string(),
@@ -892,7 +894,11 @@ impl Browser {
 
     fn close(&self, tab: Tab) -> Res<()> {
         drop(tab.socket);
-        ureq::get(&format!("http://127.0.0.1:{}/json/close/{}", self.port, tab.id)).call()?;
+        ureq::get(&format!(
+            "http://127.0.0.1:{}/json/close/{}",
+            self.port, tab.id
+        ))
+        .call()?;
         Ok(())
     }
 }
@@ -922,7 +928,11 @@ impl Tab {
     fn wait(&mut self, expression: &str, what: &str) -> Res<()> {
         let deadline = Instant::now() + Duration::from_secs(20);
         while self.eval(expression)? != json!(true) {
-            assert!(Instant::now() < deadline, "the page never had {what}: {}", self.screen()?);
+            assert!(
+                Instant::now() < deadline,
+                "the page never had {what}: {}",
+                self.screen()?
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         Ok(())
@@ -957,7 +967,11 @@ fn issue33_a_terminal_in_a_browser_survives_closing_its_tab() -> TestResult {
         Some(json!({"template": "linux-debian"})),
     )?;
     let id = created["containerId"].as_str().ok_or("no id")?.to_string();
-    let (_, opened) = server.call("POST", &format!("/api/v1/sandboxes/{id}/terminals"), Some(json!({})))?;
+    let (_, opened) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/terminals"),
+        Some(json!({})),
+    )?;
     let tid = opened["terminalId"].as_str().ok_or("no id")?.to_string();
     let (_, link) = server.call(
         "POST",
