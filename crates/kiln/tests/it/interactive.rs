@@ -1005,3 +1005,78 @@ fn issue33_a_terminal_in_a_browser_survives_closing_its_tab() -> TestResult {
     assert_eq!(listed["terminals"][0]["exited"], false, "{listed}");
     Ok(())
 }
+
+/// Host processes whose command line is exactly `argv`, and whether each is frozen.
+fn host_processes(argv: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            (String::from_utf8_lossy(&cmdline).replace('\0', " ").trim() == argv).then_some(pid)
+        })
+        .collect()
+}
+
+/// kill -9 of kiln while a box is paused: its frozen processes cannot end by themselves (the
+/// agent that would kill them is frozen too), so they stay until the next kiln on the same
+/// state folder, which thaws and removes the box: no orphan is left.
+#[test]
+fn issue33_a_paused_box_of_a_killed_kiln_is_thawed_and_removed_by_the_next_one() -> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let mut server = start(Options {
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let (_, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-debian"})),
+    )?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    sh(&server, &id, "sleep 86397.5 >/dev/null 2>&1 &")?;
+    let (_, paused) = server.call("POST", &format!("/api/v1/sandboxes/{id}/pause"), None)?;
+    assert_eq!(paused["state"], "paused");
+    server.child.0.kill()?;
+    server.child.0.wait()?;
+    std::thread::sleep(Duration::from_millis(500));
+    let frozen = host_processes("sleep 86397.5");
+    assert_eq!(
+        frozen.len(),
+        1,
+        "the frozen process should wait for the next kiln"
+    );
+
+    // The next kiln on the folder (here a `kiln exec`) thaws and removes what is left.
+    let out = kiln()
+        .args(["exec", "--template", "debian", "--", "true"])
+        .env("KILN_STATE_DIR", state.path())
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !host_processes("sleep 86397.5").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "an orphan of the paused box is left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let boxes: Vec<_> = std::fs::read_dir(state.path())?
+        .flatten()
+        .filter_map(|p| std::fs::read_dir(p.path().join("boxes")).ok())
+        .flat_map(|d| d.flatten())
+        .collect();
+    assert!(boxes.is_empty(), "{boxes:?}");
+    Ok(())
+}
