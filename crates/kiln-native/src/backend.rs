@@ -76,6 +76,17 @@ pub fn template_info(template: &Template) -> TemplateInfo {
 struct Held {
     live: Arc<LiveBox>,
     last_used: Instant,
+    /// Preview connections open to it (each keeps it from idling).
+    connections: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Counts one open connection while it lives.
+struct Connection(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 struct Inner {
@@ -215,6 +226,7 @@ impl NativeBackend {
             Held {
                 live: live.clone(),
                 last_used: Instant::now(),
+                connections: Arc::default(),
             },
         ) {
             close_later(old.live);
@@ -222,41 +234,85 @@ impl NativeBackend {
         Ok(live)
     }
 
-    /// Closes the boxes whose workspace is gone (the sandbox was deleted) or that idled
-    /// for `idle`. Run it now and then (see [`NativeBackend::start_reaper`]).
-    pub async fn reap(&self, idle: Duration) -> usize {
+    /// Closes the boxes whose workspace is gone (the sandbox was deleted) or whose agent
+    /// died, and gives `action` to those that idled for `idle`: nothing ran in them (no
+    /// command, and no process, terminal or preview connection holds them). A paused box
+    /// is not idle again. Answers how many it closed or paused. Run it now and then (see
+    /// [`NativeBackend::start_reaper`]).
+    pub async fn reap(&self, idle: Duration, action: IdleAction) -> usize {
         let mut held = self.inner.held.lock().await;
         self.paused().retain(|workspace| workspace.exists());
         let paused = self.paused().clone();
-        let done: Vec<PathBuf> = held
+        let gone: Vec<PathBuf> = held
+            .iter()
+            .filter(|(workspace, entry)| !workspace.exists() || !entry.live.is_alive())
+            .map(|(workspace, _)| workspace.clone())
+            .collect();
+        let idled: Vec<PathBuf> = held
             .iter()
             .filter(|(workspace, entry)| {
-                !workspace.exists()
-                    || !entry.live.is_alive()
-                    || (entry.last_used.elapsed() >= idle
-                        && Arc::strong_count(&entry.live) == 1
-                        && !paused.contains(*workspace))
+                !gone.contains(workspace)
+                    && entry.last_used.elapsed() >= idle
+                    && Arc::strong_count(&entry.live) == 1
+                    && entry.connections.load(std::sync::atomic::Ordering::Relaxed) == 0
+                    && !paused.contains(*workspace)
+                    && !entry.live.is_paused()
             })
             .map(|(workspace, _)| workspace.clone())
             .collect();
-        for workspace in &done {
+        for workspace in &gone {
             if let Some(entry) = held.remove(workspace) {
                 close_later(entry.live);
             }
         }
-        done.len()
+        for workspace in &idled {
+            match action {
+                IdleAction::Stop => {
+                    if let Some(entry) = held.remove(workspace) {
+                        close_later(entry.live);
+                    }
+                }
+                IdleAction::Pause => {
+                    if let Some(entry) = held.get(workspace)
+                        && entry.live.set_paused(true).await.is_ok()
+                    {
+                        self.paused().insert(workspace.clone());
+                    }
+                }
+            }
+        }
+        gone.len() + idled.len()
     }
 
     /// Reaps every few seconds, for as long as the backend lives.
-    pub fn start_reaper(&self, idle: Duration) {
+    pub fn start_reaper(&self, idle: Duration, action: IdleAction) {
         let weak = Arc::downgrade(&self.inner);
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(Duration::from_secs(5)).await;
+                tokio::time::sleep(Duration::from_secs(5).min(idle)).await;
                 let Some(inner) = weak.upgrade() else { return };
-                NativeBackend { inner }.reap(idle).await;
+                NativeBackend { inner }.reap(idle, action).await;
             }
         });
+    }
+
+    /// A connection to `port` in the box of `workspace`, counted as activity while it is
+    /// open (the box does not idle under it). `None`: no box runs.
+    pub(crate) async fn connect_box(
+        &self,
+        workspace: &std::path::Path,
+        port: u16,
+    ) -> Option<Result<tokio::io::DuplexStream, crate::boxes::BoxError>> {
+        let (live, guard) = {
+            let mut held = self.inner.held.lock().await;
+            let entry = held.get_mut(workspace).filter(|e| e.live.is_alive())?;
+            entry.last_used = Instant::now();
+            entry
+                .connections
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            (entry.live.clone(), Connection(entry.connections.clone()))
+        };
+        Some(live.connect(port, guard).await)
     }
 
     /// The live box of `workspace`, if one runs.
@@ -337,6 +393,15 @@ impl NativeBackend {
             }
         }
     }
+}
+
+/// What an idle box gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleAction {
+    /// Frozen with everything in it; the next command resumes it.
+    Pause,
+    /// Closed: the workspace stays, the rest is lost.
+    Stop,
 }
 
 /// Closes a box once no execution holds it.

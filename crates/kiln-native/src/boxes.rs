@@ -1065,7 +1065,12 @@ impl LiveBox {
     /// A connection to `127.0.0.1:port` inside the box, made by the agent (the box has no
     /// network interface of its own): what is written to the stream reaches the box's
     /// server, what it answers comes back, and either side's end closes the other.
-    pub async fn connect(&self, port: u16) -> Result<tokio::io::DuplexStream, BoxError> {
+    /// `keep` lives as long as the connection (a guard that counts it as activity).
+    pub async fn connect(
+        &self,
+        port: u16,
+        keep: impl Send + 'static,
+    ) -> Result<tokio::io::DuplexStream, BoxError> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut replies = self.channel.call(Op::Connect { port }).await?;
         match replies.next().await {
@@ -1081,6 +1086,7 @@ impl LiveBox {
         let (ours, theirs) = tokio::io::duplex(256 << 10);
         let (mut from_client, mut to_client) = tokio::io::split(ours);
         tokio::spawn(async move {
+            let _keep = keep;
             while let Some(reply) = replies.next().await {
                 match reply {
                     Reply::Output { data, .. } => {

@@ -202,19 +202,19 @@ impl ProcessHost for NativeBackend {
         port: u16,
     ) -> BoxFuture<'a, Result<tokio::io::DuplexStream, BackendError>> {
         Box::pin(async move {
-            let Some(live) = self.live_box(workspace).await else {
-                return Err(BackendError::new(
-                    ErrorKind::Unsupported,
-                    "no box runs for this sandbox: start its server first",
-                ));
-            };
-            // Preview traffic resumes a paused box.
+            // Preview traffic resumes a paused box, and counts as activity.
             if NativeBackend::state(self, workspace).await == BoxState::Paused {
                 NativeBackend::set_paused(self, workspace, false).await?;
             }
-            live.connect(port)
-                .await
-                .map_err(|e| BackendError::new(ErrorKind::Unsupported, e.to_string()))
+            match self.connect_box(workspace, port).await {
+                None => Err(BackendError::new(
+                    ErrorKind::Unsupported,
+                    "no box runs for this sandbox: start its server first",
+                )),
+                Some(connected) => {
+                    connected.map_err(|e| BackendError::new(ErrorKind::Unsupported, e.to_string()))
+                }
+            }
         })
     }
 

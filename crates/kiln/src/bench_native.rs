@@ -309,7 +309,7 @@ async fn previews(live: &LiveBox, n: usize, report: &mut Report) -> anyhow::Resu
     let mut first = Vec::new();
     for i in 0..n.clamp(10, 200) + 3 {
         let t = Instant::now();
-        let mut stream = live.connect(8000).await?;
+        let mut stream = live.connect(8000, ()).await?;
         stream.write_all(get("/small.html").as_bytes()).await?;
         let mut byte = [0u8; 1];
         anyhow::ensure!(stream.read(&mut byte).await? == 1, "no answer");
@@ -323,7 +323,7 @@ async fn previews(live: &LiveBox, n: usize, report: &mut Report) -> anyhow::Resu
     let mut rates = Vec::new();
     for _ in 0..5 {
         let t = Instant::now();
-        let mut stream = live.connect(8000).await?;
+        let mut stream = live.connect(8000, ()).await?;
         stream.write_all(get("/big.bin").as_bytes()).await?;
         let mut total = 0usize;
         let mut buf = vec![0u8; 256 << 10];

@@ -395,6 +395,16 @@ pub struct LinuxArgs {
     /// /etc/ssl/ca-bundle.pem, /etc/ssl/cert.pem); `none`: the boxes' own.
     #[arg(long, env = "KILN_BOX_CA_BUNDLE")]
     pub box_ca_bundle: Option<PathBuf>,
+    /// How long a Linux sandbox's box may run no command, process, terminal or preview
+    /// before --box-idle-action (`kiln serve --linux`).
+    #[arg(long, env = "KILN_BOX_IDLE", default_value = "15m", value_parser = parse_duration_ms)]
+    pub box_idle: u64,
+    /// What an idle box gets: `pause` (frozen with everything in it, its processes and the
+    /// files outside the workspace included; the next command resumes it) or `stop` (closed:
+    /// the workspace stays, the rest is lost). Either way the box goes when its sandbox does.
+    #[arg(long, env = "KILN_BOX_IDLE_ACTION", default_value = "pause",
+          value_parser = ["pause", "stop"])]
+    pub box_idle_action: String,
 }
 
 impl ExecArgs {

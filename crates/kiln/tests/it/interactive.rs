@@ -1080,3 +1080,75 @@ fn issue33_a_paused_box_of_a_killed_kiln_is_thawed_and_removed_by_the_next_one()
     assert!(boxes.is_empty(), "{boxes:?}");
     Ok(())
 }
+
+/// An idle box is paused (by default) with everything in it, or stopped with
+/// `--box-idle-action stop`; an open terminal is activity.
+#[test]
+fn issue33_an_idle_box_is_paused_with_everything_kept_or_stopped_when_told() -> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    for action in ["pause", "stop"] {
+        let state = tempfile::tempdir()?;
+        let state_dir = state.path().to_str().ok_or("path")?;
+        let server = start(Options {
+            extra: &["--linux", "--box-idle", "2s", "--box-idle-action", action],
+            env: &[("KILN_STATE_DIR", state_dir)],
+            ..Options::default()
+        })?;
+        let make = || -> Res<String> {
+            let (_, created) = server.call(
+                "POST",
+                "/api/v1/sandboxes",
+                Some(json!({"template": "linux-debian"})),
+            )?;
+            Ok(created["containerId"].as_str().ok_or("no id")?.to_string())
+        };
+        let (idle, busy) = (make()?, make()?);
+        sh(
+            &server,
+            &idle,
+            "echo kept > /var/tmp/outside; sleep 600 >/dev/null 2>&1 &",
+        )?;
+        sh(&server, &busy, "true")?;
+        let (status, _) = server.call(
+            "POST",
+            &format!("/api/v1/sandboxes/{busy}/terminals"),
+            Some(json!({})),
+        )?;
+        assert_eq!(status, 201);
+        let wanted = if action == "pause" {
+            "paused"
+        } else {
+            "stopped"
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{idle}"), None)?;
+            if info["state"] == wanted {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{action}: still {info}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{busy}"), None)?;
+        assert_eq!(
+            info["state"], "running",
+            "a box with a terminal idled: {info}"
+        );
+        // The next command resumes (or restarts) it.
+        let ran = sh(
+            &server,
+            &idle,
+            "cat /var/tmp/outside 2>/dev/null; pgrep -x sleep >/dev/null && echo sleeping; true",
+        )?;
+        let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{idle}"), None)?;
+        assert_eq!(info["state"], "running", "{info}");
+        if action == "pause" {
+            assert_eq!(ran["stdout"], "kept\nsleeping\n", "{action}: {ran}");
+        } else {
+            assert_eq!(ran["stdout"], "", "{action}: {ran}");
+        }
+    }
+    Ok(())
+}
