@@ -1089,10 +1089,8 @@ impl LiveBox {
             let _keep = keep;
             while let Some(reply) = replies.next().await {
                 match reply {
-                    Reply::Output { data, .. } => {
-                        if to_client.write_all(&data).await.is_err() {
-                            break;
-                        }
+                    Reply::Output { data, .. } if to_client.write_all(&data).await.is_err() => {
+                        break;
                     }
                     Reply::Closed | Reply::Failed(_) => break,
                     _ => {}
