@@ -52,6 +52,8 @@ pub struct SandboxSpec {
     pub env: BTreeMap<String, String>,
     /// A token of its own that reaches it without an API key (E2B's envd access token).
     pub access_token: Option<String>,
+    /// See [`Sandbox::public_ports`].
+    pub public_ports: bool,
     /// The key that made it (set by [`crate::exec::create_sandbox`]).
     pub key_id: Option<String>,
 }
@@ -164,6 +166,7 @@ impl SandboxSpec {
             metadata: BTreeMap::new(),
             env: BTreeMap::new(),
             access_token: None,
+            public_ports: false,
             key_id: None,
         }
     }
@@ -356,6 +359,10 @@ pub struct Sandbox {
     /// A token of its own that reaches it without an API key (E2B's envd access token).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub access_token: Option<String>,
+    /// Whether anyone may reach the servers its box runs through the E2B facade's host
+    /// names (`{port}-{id}.{domain}`) without a token: E2B's `allowPublicTraffic`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub public_ports: bool,
     /// The public id of the API key that made it: requests that reach it by its own
     /// token (the E2B facade's sandbox plane) act with that key's quotas and rate limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -651,6 +658,7 @@ impl Registry {
             metadata: spec.metadata.clone(),
             env: spec.env.clone(),
             access_token: spec.access_token.clone(),
+            public_ports: spec.public_ports,
             key_id: spec.key_id.clone(),
             dir: self.root.join("sandboxes").join(&id),
         };

@@ -377,6 +377,7 @@ async fn fork_sandbox(
         metadata: Default::default(),
         env: parent.env.clone(),
         access_token: None,
+        public_ports: false,
         key_id: parent.key_id.clone(),
     };
     let (rt, tenant, parent, summary, work) = (

@@ -228,7 +228,7 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
 pub async fn proxy(
     State(state): State<Arc<AppState>>,
     Extension(caller): Extension<Caller>,
-    mut request: Request,
+    request: Request,
 ) -> Response {
     let path = request.uri().path().to_string();
     let Some((id, port, rest)) = parse_path(&path) else {
@@ -237,14 +237,6 @@ pub async fn proxy(
     let Ok(view) = state.runtime.registry.get(&caller.tenant, id) else {
         return not_found(id);
     };
-    let sandbox = view.meta;
-    if !port_allowed(port) {
-        return ApiError::bad_request(
-            "PORT_NOT_ALLOWED",
-            format!("port {port} is privileged; previews reach ports 1024 and up"),
-        )
-        .into_response();
-    }
     // A token given in the query goes on in a cookie, with the same expiry.
     let query_token = request.uri().query().and_then(|q| {
         form_urlencoded(q)
@@ -252,7 +244,41 @@ pub async fn proxy(
             .find(|(n, _)| n == TOKEN_PARAM)
             .map(|(_, v)| v)
     });
-    let stream = match processes::connect_box(&state.runtime, &sandbox, port).await {
+    let prefix = format!("/preview/{id}/{port}");
+    let mut response = forward(&state, &view.meta, port, rest, Some(&prefix), request).await;
+    if let Some(token) = query_token
+        && response.status() != StatusCode::SWITCHING_PROTOCOLS
+        && let Ok(cookie) = HeaderValue::from_str(&format!(
+            "{COOKIE}={token}; Path={prefix}/; HttpOnly; SameSite=Lax"
+        ))
+    {
+        // The page's own requests (scripts, images, its WebSocket) carry the cookie.
+        response.headers_mut().append(header::SET_COOKIE, cookie);
+    }
+    response
+}
+
+/// Passes `request` to `sandbox`'s server on `port` as a request for `/{rest}` (its query
+/// kept, less kiln's token), streamed both ways, an upgrade (WebSocket) carried through.
+/// `prefix`: where the preview is mounted on kiln, told to the server as
+/// `X-Forwarded-Prefix`. The caller has checked who may reach it.
+pub async fn forward(
+    state: &AppState,
+    sandbox: &kiln_runtime::sandbox::Sandbox,
+    port: u16,
+    rest: &str,
+    prefix: Option<&str>,
+    mut request: Request,
+) -> Response {
+    let id = sandbox.id.as_str();
+    if !port_allowed(port) {
+        return ApiError::bad_request(
+            "PORT_NOT_ALLOWED",
+            format!("port {port} is privileged; previews reach ports 1024 and up"),
+        )
+        .into_response();
+    }
+    let stream = match processes::connect_box(&state.runtime, sandbox, port).await {
         Ok(stream) => stream,
         Err(kiln_runtime::error::RuntimeError::ProcessFailed { message }) => {
             return ApiError::new(
@@ -325,10 +351,10 @@ pub async fn proxy(
         }
         upstream = upstream.header(name, value);
     }
-    let prefix = format!("/preview/{id}/{port}");
-    upstream = upstream
-        .header(header::HOST, format!("localhost:{port}"))
-        .header("x-forwarded-prefix", prefix.as_str());
+    upstream = upstream.header(header::HOST, format!("localhost:{port}"));
+    if let Some(prefix) = prefix {
+        upstream = upstream.header("x-forwarded-prefix", prefix);
+    }
     if let Some(host) = parts.headers.get(header::HOST) {
         upstream = upstream.header("x-forwarded-host", host);
     }
@@ -368,16 +394,7 @@ pub async fn proxy(
     for hop in HOP {
         parts.headers.remove(hop);
     }
-    let mut response = Response::from_parts(parts, Body::new(body));
-    if let Some(token) = query_token {
-        // The page's own requests (scripts, images, its WebSocket) carry the cookie.
-        if let Ok(cookie) = HeaderValue::from_str(&format!(
-            "{COOKIE}={token}; Path={prefix}/; HttpOnly; SameSite=Lax"
-        )) {
-            response.headers_mut().append(header::SET_COOKIE, cookie);
-        }
-    }
-    response
+    Response::from_parts(parts, Body::new(body))
 }
 
 /// Copies both ways until either side ends or nothing moves for [`IDLE`].

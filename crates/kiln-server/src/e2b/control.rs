@@ -130,6 +130,15 @@ struct NewSandbox {
     env_vars: Option<BTreeMap<String, String>>,
     #[serde(rename = "allow_internet_access")]
     allow_internet_access: Option<bool>,
+    /// `{"allowPublicTraffic": false}` makes the box's servers (`get_host`) need the
+    /// sandbox's traffic token; E2B's default lets anyone reach them.
+    network: Option<NetworkOptions>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NetworkOptions {
+    allow_public_traffic: Option<bool>,
 }
 
 /// The most metadata entries, and the longest key and value.
@@ -246,6 +255,11 @@ async fn create_sandbox(
     spec.metadata = metadata;
     spec.env = env;
     spec.access_token = Some(kiln_runtime::sandbox::random_hex(24));
+    spec.public_ports = asked
+        .network
+        .as_ref()
+        .and_then(|n| n.allow_public_traffic)
+        .unwrap_or(true);
     exec::create_sandbox(rt, caller, spec).await.map_err(failed)
 }
 

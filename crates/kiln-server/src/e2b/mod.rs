@@ -48,6 +48,8 @@ pub const HOME: &str = "/home/user";
 
 /// The code interpreter's port; every other port is envd's.
 pub const JUPYTER_PORT: u16 = 49999;
+/// The port envd answers on (E2B's sandbox plane).
+pub const ENVD_PORT: u16 = 49983;
 
 /// The facade's settings.
 #[derive(Debug, Clone, Default)]
@@ -72,6 +74,8 @@ struct Planes {
     control: Router,
     envd: Router,
     jupyter: Router,
+    /// A server in the sandbox's box, on another port (`get_host`).
+    ports: Router,
 }
 
 /// The sandbox a sandbox-plane request is for, and who owns it (set once its token
@@ -118,6 +122,7 @@ pub fn router(app: Arc<AppState>, config: E2bConfig) -> Router {
         control: control::router(e2b.clone()),
         envd: envd::router(e2b.clone()),
         jupyter: jupyter::router(e2b.clone()),
+        ports: ports_router(e2b.clone()),
         e2b,
     });
     Router::new()
@@ -144,7 +149,9 @@ async fn dispatch(State(planes): State<Arc<Planes>>, mut request: Request) -> Re
     let plane = match &target {
         None => planes.control.clone(),
         Some(t) if t.port == JUPYTER_PORT => planes.jupyter.clone(),
-        Some(_) => planes.envd.clone(),
+        Some(t) if t.port == ENVD_PORT => planes.envd.clone(),
+        // Any other port is a server the sandbox's box runs: `get_host(port)`.
+        Some(_) => planes.ports.clone(),
     };
     if let Some(target) = target {
         request.extensions_mut().insert(target);
@@ -631,4 +638,39 @@ mod tests {
             "no sandbox \"sb_abc\": it never existed, was deleted, or expired"
         );
     }
+}
+
+/// The routes of a server a sandbox's box runs, reached by E2B's host names
+/// (`{port}-{id}.{domain}`, what `get_host(port)` answers): anyone where the sandbox allows
+/// public traffic (E2B's default), else with its traffic token
+/// (`e2b-traffic-access-token`); then as a kiln preview of that port.
+fn ports_router(e2b: Arc<E2b>) -> Router {
+    Router::new()
+        .fallback(port_request)
+        .with_state(e2b.clone())
+        .layer(from_fn_with_state(e2b.app.clone(), gate::rate_limit))
+        .layer(from_fn_with_state(e2b, port_gate))
+}
+
+async fn port_gate(
+    State(e2b): State<Arc<E2b>>,
+    mut request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let headers = ["e2b-traffic-access-token", "x-access-token"];
+    if let Err(response) = check_sandbox(&e2b, &mut request, &headers, |s| s.public_ports) {
+        return response;
+    }
+    next.run(request).await
+}
+
+async fn port_request(State(e2b): State<Arc<E2b>>, request: Request) -> Response {
+    let (Some(ctx), Some(target)) = (
+        request.extensions().get::<SandboxCtx>().cloned(),
+        request.extensions().get::<Target>().cloned(),
+    ) else {
+        return error(StatusCode::BAD_REQUEST, "no sandbox named");
+    };
+    let rest = request.uri().path().trim_start_matches('/').to_owned();
+    crate::preview::forward(&e2b.app, &ctx.sandbox, target.port, &rest, None, request).await
 }
