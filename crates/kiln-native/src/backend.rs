@@ -100,6 +100,9 @@ struct Inner {
     /// Workspaces whose sandbox is paused (its box frozen, or none running): the idle
     /// reaper leaves their boxes alone, and the next command resumes them.
     paused: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
+    /// Boxes being closed, by workspace: a new box of the same sandbox waits for its old one
+    /// to be gone (they would share the upper layer on the sandbox's volume).
+    closing: std::sync::Mutex<HashMap<PathBuf, tokio::task::JoinHandle<()>>>,
 }
 
 /// The Linux backend. Cheap to clone.
@@ -154,6 +157,7 @@ impl NativeBackend {
                 allowlist,
                 ca_bundle,
                 paused: Default::default(),
+                closing: Default::default(),
             }),
         }
     }
@@ -182,6 +186,7 @@ impl NativeBackend {
         };
         BoxSpec {
             workspace: request.workspace.clone(),
+            layer: request.workspace.as_deref().and_then(persistent_layer),
             network: match request.network {
                 kiln_core::Network::None => None,
                 kiln_core::Network::Allowlist => Some(self.inner.allowlist.clone()),
@@ -214,6 +219,19 @@ impl NativeBackend {
             }
             return Ok(entry.live.clone());
         }
+        // A dead box of this sandbox goes first, and one being closed is waited for.
+        if let Some(old) = held.remove(workspace) {
+            old.live.destroy_now().await;
+        }
+        let closing = self
+            .inner
+            .closing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(workspace);
+        if let Some(closing) = closing {
+            let _ = tokio::time::timeout(Duration::from_secs(10), closing).await;
+        }
         let live = Arc::new(
             self.inner
                 .boxes
@@ -229,7 +247,7 @@ impl NativeBackend {
                 connections: Arc::default(),
             },
         ) {
-            close_later(old.live);
+            self.close_later(workspace, old.live);
         }
         Ok(live)
     }
@@ -262,14 +280,14 @@ impl NativeBackend {
             .collect();
         for workspace in &gone {
             if let Some(entry) = held.remove(workspace) {
-                close_later(entry.live);
+                self.close_later(workspace, entry.live);
             }
         }
         for workspace in &idled {
             match action {
                 IdleAction::Stop => {
                     if let Some(entry) = held.remove(workspace) {
-                        close_later(entry.live);
+                        self.close_later(workspace, entry.live);
                     }
                 }
                 IdleAction::Pause => {
@@ -379,6 +397,27 @@ impl NativeBackend {
         Ok(self.state(workspace).await)
     }
 
+    /// Closes a box once no execution holds it, remembered as closing for its workspace.
+    fn close_later(&self, workspace: &std::path::Path, live: Arc<LiveBox>) {
+        let task = tokio::spawn(async move {
+            let mut live = live;
+            loop {
+                match Arc::try_unwrap(live) {
+                    Ok(owned) => return owned.close().await,
+                    Err(shared) => {
+                        live = shared;
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        });
+        self.inner
+            .closing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(workspace.to_path_buf(), task);
+    }
+
     /// Live boxes held for sandboxes.
     pub async fn held(&self) -> usize {
         self.inner.held.lock().await.len()
@@ -404,20 +443,22 @@ pub enum IdleAction {
     Stop,
 }
 
-/// Closes a box once no execution holds it.
-fn close_later(live: Arc<LiveBox>) {
-    tokio::spawn(async move {
-        let mut live = live;
-        loop {
-            match Arc::try_unwrap(live) {
-                Ok(owned) => return owned.close().await,
-                Err(shared) => {
-                    live = shared;
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-        }
-    });
+/// Where a sandbox's box keeps what it writes outside its workspace: `.layer` on the
+/// sandbox's volume, beside `workspace` (the volume's root is out of the guest's reach; see
+/// kiln-runtime's `volume`), so it outlives the box (a stop, a kiln restart) and counts
+/// against the volume's size. `None` when the workspace is no volume's (its box then writes
+/// into a tmpfs of its own).
+pub fn persistent_layer(workspace: &std::path::Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    if workspace.file_name()? != "workspace" {
+        return None;
+    }
+    let volume = workspace.parent()?;
+    let (own, outer) = (
+        std::fs::symlink_metadata(volume).ok()?,
+        std::fs::symlink_metadata(volume.parent()?).ok()?,
+    );
+    (own.is_dir() && own.dev() != outer.dev()).then(|| volume.join(".layer"))
 }
 
 /// Code up to this size is passed on the command line (`python3 -c`, `node -e`, `bash -c`),

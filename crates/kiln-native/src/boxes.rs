@@ -83,6 +83,10 @@ pub struct BoxSpec {
     /// The template's root filesystem itself is the box's root, written in place (no
     /// overlay, no capped layer): only a template build, whose folder is a staging copy.
     pub in_place: bool,
+    /// A host folder that keeps what the box writes outside its workspace (the overlay's
+    /// upper layer), across boxes: on the sandbox's volume. `None`: a tmpfs of the box's own,
+    /// of `limits.disk_bytes`, gone with the box.
+    pub layer: Option<PathBuf>,
 }
 
 impl BoxSpec {
@@ -95,6 +99,7 @@ impl BoxSpec {
             network: None,
             ca_bundle: None,
             in_place: false,
+            layer: None,
         }
     }
 }
@@ -499,18 +504,46 @@ impl Boxes {
             )
             .map_err(start_err("root"));
         }
-        mount(
-            "kiln-layer",
-            &layer,
-            "tmpfs",
-            nosuid,
-            &format!("size={},mode=0711", spec.limits.disk_bytes),
-        )
-        .map_err(start_err("layer"))?;
-        let (upper, work) = (layer.join("upper"), layer.join("work"));
-        for path in [&upper, &work] {
-            std::fs::create_dir(path).map_err(|e| start_err("layer")(e.to_string()))?;
-        }
+        let (upper, work) = match &spec.layer {
+            // The sandbox's own folder on its volume, made once (the volume's root is the
+            // host's: the guest reaches only its workspace).
+            Some(kept) => {
+                for path in [kept.clone(), kept.join("upper"), kept.join("work")] {
+                    match std::fs::create_dir(&path) {
+                        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                            return Err(start_err("layer")(format!("{}: {e}", path.display())));
+                        }
+                        _ => {}
+                    }
+                    let kind = std::fs::symlink_metadata(&path)
+                        .map_err(|e| start_err("layer")(format!("{}: {e}", path.display())))?;
+                    if !kind.is_dir() {
+                        return Err(start_err("layer")(format!(
+                            "{} is not a folder",
+                            path.display()
+                        )));
+                    }
+                }
+                std::fs::set_permissions(kept, std::fs::Permissions::from_mode(0o700))
+                    .map_err(|e| start_err("layer")(e.to_string()))?;
+                (kept.join("upper"), kept.join("work"))
+            }
+            None => {
+                mount(
+                    "kiln-layer",
+                    &layer,
+                    "tmpfs",
+                    nosuid,
+                    &format!("size={},mode=0711", spec.limits.disk_bytes),
+                )
+                .map_err(start_err("layer"))?;
+                let (upper, work) = (layer.join("upper"), layer.join("work"));
+                for path in [&upper, &work] {
+                    std::fs::create_dir(path).map_err(|e| start_err("layer")(e.to_string()))?;
+                }
+                (upper, work)
+            }
+        };
         std::os::unix::fs::chown(&upper, Some(base), Some(base))
             .and_then(|()| std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(0o755)))
             .map_err(|e| start_err("layer")(e.to_string()))?;
@@ -1120,6 +1153,21 @@ impl LiveBox {
             }
         });
         Ok(theirs)
+    }
+
+    /// Removes the box now (a dead box replaced by a new one): what [`LiveBox::close`] does,
+    /// for a box others may still hold; they find it gone.
+    pub async fn destroy_now(&self) {
+        let (runtime, runtime_root, id, dir, pid) = (
+            self.runtime.clone(),
+            self.runtime_root.clone(),
+            self.id.clone(),
+            self.dir.clone(),
+            self.host_pid,
+        );
+        let _ =
+            tokio::task::spawn_blocking(move || destroy(&runtime, &runtime_root, &id, &dir, pid))
+                .await;
     }
 
     /// Whether the box is frozen.

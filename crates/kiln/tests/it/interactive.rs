@@ -1082,7 +1082,8 @@ fn issue33_a_paused_box_of_a_killed_kiln_is_thawed_and_removed_by_the_next_one()
 }
 
 /// An idle box is paused (by default) with everything in it, or stopped with
-/// `--box-idle-action stop`; an open terminal is activity.
+/// `--box-idle-action stop` (its files, in and out of the workspace, kept; its processes
+/// gone); an open terminal is activity.
 #[test]
 fn issue33_an_idle_box_is_paused_with_everything_kept_or_stopped_when_told() -> TestResult {
     if skip() {
@@ -1144,11 +1145,68 @@ fn issue33_an_idle_box_is_paused_with_everything_kept_or_stopped_when_told() -> 
         )?;
         let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{idle}"), None)?;
         assert_eq!(info["state"], "running", "{info}");
+        // Files outside the workspace live on the sandbox's volume: a stopped box's
+        // successor finds them too; only a paused box keeps its processes.
         if action == "pause" {
             assert_eq!(ran["stdout"], "kept\nsleeping\n", "{action}: {ran}");
         } else {
-            assert_eq!(ran["stdout"], "", "{action}: {ran}");
+            assert_eq!(ran["stdout"], "kept\n", "{action}: {ran}");
         }
     }
+    Ok(())
+}
+
+/// What a box writes outside its workspace lives on the sandbox's volume: a kiln restart (its
+/// boxes gone) finds it again, and it counts against the sandbox's disk with the workspace.
+#[test]
+fn issue33_files_outside_the_workspace_outlive_a_kiln_restart_within_the_sandboxes_disk()
+-> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let data = tempfile::tempdir()?;
+    let id = {
+        let server = start(Options {
+            data: Some(data.path()),
+            extra: &["--linux"],
+            env: &[("KILN_STATE_DIR", state_dir)],
+            ..Options::default()
+        })?;
+        let (status, created) = server.call(
+            "POST",
+            "/api/v1/sandboxes",
+            Some(json!({"template": "linux-debian", "resources": {"disk_mb": 48}})),
+        )?;
+        assert_eq!(status, 201, "{created}");
+        let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+        let ran = sh(
+            &server,
+            &id,
+            "echo kept > /var/tmp/outside && mkdir -p /home/user/.config && echo cfg > /home/user/.config/app && \
+             head -c 50000000 /dev/zero > /var/tmp/big 2>/dev/null; echo \"big: $?\"; rm -f /var/tmp/big; \
+             head -c 20000000 /dev/zero > in-workspace.bin && echo ok",
+        )?;
+        // One disk for both: 50 MB outside the workspace does not fit a 48 MiB sandbox.
+        assert_eq!(ran["stdout"], "big: 1\nok\n", "{ran}");
+        let mut server = server;
+        // SAFETY: kill sends a signal to the server's pid, which this test started.
+        unsafe { libc::kill(server.child.0.id() as i32, libc::SIGTERM) };
+        assert!(server.child.0.wait()?.success());
+        id
+    };
+    let server = start(Options {
+        data: Some(data.path()),
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let ran = sh(
+        &server,
+        &id,
+        "cat /var/tmp/outside /home/user/.config/app; stat -c %s in-workspace.bin; id -un",
+    )?;
+    assert_eq!(ran["stdout"], "kept\ncfg\n20000000\nuser\n", "{ran}");
     Ok(())
 }
