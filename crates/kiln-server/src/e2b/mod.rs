@@ -417,6 +417,41 @@ pub async fn serve(
         .await
 }
 
+/// The routes of a server a sandbox's box runs, reached by E2B's host names
+/// (`{port}-{id}.{domain}`, what `get_host(port)` answers): anyone where the sandbox allows
+/// public traffic (E2B's default), else with its traffic token
+/// (`e2b-traffic-access-token`); then as a kiln preview of that port.
+fn ports_router(e2b: Arc<E2b>) -> Router {
+    Router::new()
+        .fallback(port_request)
+        .with_state(e2b.clone())
+        .layer(from_fn_with_state(e2b.app.clone(), gate::rate_limit))
+        .layer(from_fn_with_state(e2b, port_gate))
+}
+
+async fn port_gate(
+    State(e2b): State<Arc<E2b>>,
+    mut request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let headers = ["e2b-traffic-access-token", "x-access-token"];
+    if let Err(response) = check_sandbox(&e2b, &mut request, &headers, |s| s.public_ports) {
+        return response;
+    }
+    next.run(request).await
+}
+
+async fn port_request(State(e2b): State<Arc<E2b>>, request: Request) -> Response {
+    let (Some(ctx), Some(target)) = (
+        request.extensions().get::<SandboxCtx>().cloned(),
+        request.extensions().get::<Target>().cloned(),
+    ) else {
+        return error(StatusCode::BAD_REQUEST, "no sandbox named");
+    };
+    let rest = request.uri().path().trim_start_matches('/').to_owned();
+    crate::preview::forward(&e2b.app, &ctx.sandbox, target.port, &rest, None, request).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -638,39 +673,4 @@ mod tests {
             "no sandbox \"sb_abc\": it never existed, was deleted, or expired"
         );
     }
-}
-
-/// The routes of a server a sandbox's box runs, reached by E2B's host names
-/// (`{port}-{id}.{domain}`, what `get_host(port)` answers): anyone where the sandbox allows
-/// public traffic (E2B's default), else with its traffic token
-/// (`e2b-traffic-access-token`); then as a kiln preview of that port.
-fn ports_router(e2b: Arc<E2b>) -> Router {
-    Router::new()
-        .fallback(port_request)
-        .with_state(e2b.clone())
-        .layer(from_fn_with_state(e2b.app.clone(), gate::rate_limit))
-        .layer(from_fn_with_state(e2b, port_gate))
-}
-
-async fn port_gate(
-    State(e2b): State<Arc<E2b>>,
-    mut request: Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let headers = ["e2b-traffic-access-token", "x-access-token"];
-    if let Err(response) = check_sandbox(&e2b, &mut request, &headers, |s| s.public_ports) {
-        return response;
-    }
-    next.run(request).await
-}
-
-async fn port_request(State(e2b): State<Arc<E2b>>, request: Request) -> Response {
-    let (Some(ctx), Some(target)) = (
-        request.extensions().get::<SandboxCtx>().cloned(),
-        request.extensions().get::<Target>().cloned(),
-    ) else {
-        return error(StatusCode::BAD_REQUEST, "no sandbox named");
-    };
-    let rest = request.uri().path().trim_start_matches('/').to_owned();
-    crate::preview::forward(&e2b.app, &ctx.sandbox, target.port, &rest, None, request).await
 }
