@@ -31,6 +31,7 @@ EXPECTED_TOOLS = {
     "run_python", "run_javascript", "run_go", "run_bash", "sandbox_create", "session_create", "session_run",
     "session_close", "fork_session", "write_file", "read_file", "list_files",
     "sandbox_processes", "sandbox_signal", "sandbox_restart", "sandbox_pause", "sandbox_resume",
+    "sandbox_hibernate",
 }
 
 
@@ -282,6 +283,10 @@ async def linux_boxes():
                 check(restarted["killed"] >= 1, f"restart: {restarted}")
                 seen = data(await client.call_tool("sandbox_processes", {"sandbox_id": sandbox}))
                 check([p["agent"] for p in seen["processes"]] == [True] and seen["ports"] == [], f"after restart: {seen}")
+                slept = data(await client.call_tool("sandbox_hibernate", {"sandbox_id": sandbox}))
+                check(slept["state"] == "hibernated" and "processes ended" in slept["processes"], f"hibernate: {slept}")
+                woke = await client.call_tool("run_bash", {"sandbox_id": sandbox, "code": "echo awake"})
+                check("awake" in text(woke), f"after hibernation: {text(woke)}")
                 wasm = data(await client.call_tool("sandbox_create", {}))["sandbox_id"]
                 result = await client.call_tool("sandbox_pause", {"sandbox_id": wasm})
                 check(result.is_error and data(result)["error"]["code"] == "UNSUPPORTED", f"a wasm pause: {text(result)}")

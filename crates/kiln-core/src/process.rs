@@ -121,6 +121,9 @@ pub enum BoxState {
     Running,
     /// Frozen: its processes keep their memory and do nothing until resumed.
     Paused,
+    /// Put away: its memory returned to the host and its files kept (the workspace and what
+    /// the box wrote outside it); the next command starts a box from them.
+    Hibernated,
 }
 
 /// A backend that starts live processes in a sandbox. `request` carries the sandbox: its
@@ -167,6 +170,14 @@ pub trait ProcessHost: Send + Sync + 'static {
         workspace: &'a std::path::Path,
         port: u16,
     ) -> BoxFuture<'a, Result<tokio::io::DuplexStream, BackendError>>;
+
+    /// Hibernates the box of `workspace`: its memory goes back to the host, its files stay,
+    /// and the next command brings a box back. Answers what became of its processes (kiln
+    /// checkpoints none yet: they end, and the answer says why).
+    fn hibernate<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<(BoxState, String), BackendError>>;
 
     /// Freezes (`paused`) or thaws the box of `workspace`. A box that is not running is
     /// remembered as paused all the same, and resumes with the next command.

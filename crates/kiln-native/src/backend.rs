@@ -99,7 +99,10 @@ struct Inner {
     ca_bundle: Option<PathBuf>,
     /// Workspaces whose sandbox is paused (its box frozen, or none running): the idle
     /// reaper leaves their boxes alone, and the next command resumes them.
-    paused: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
+    paused: std::sync::Mutex<HashMap<PathBuf, Instant>>,
+    /// Workspaces whose box was hibernated (closed, its files kept): the next command
+    /// starts one again.
+    hibernated: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
     /// Boxes being closed, by workspace: a new box of the same sandbox waits for its old one
     /// to be gone (they would share the upper layer on the sandbox's volume).
     closing: std::sync::Mutex<HashMap<PathBuf, tokio::task::JoinHandle<()>>>,
@@ -157,6 +160,7 @@ impl NativeBackend {
                 allowlist,
                 ca_bundle,
                 paused: Default::default(),
+                hibernated: Default::default(),
                 closing: Default::default(),
             }),
         }
@@ -205,7 +209,8 @@ impl NativeBackend {
     ) -> Result<Arc<LiveBox>, BackendError> {
         let mut held = self.inner.held.lock().await;
         // A command to a paused sandbox resumes it (E2B's auto-resume).
-        let was_paused = self.paused().remove(workspace);
+        let was_paused = self.paused().remove(workspace).is_some();
+        self.hibernated().remove(workspace);
         if let Some(entry) = held.get_mut(workspace)
             && entry.live.is_alive()
         {
@@ -253,13 +258,15 @@ impl NativeBackend {
     }
 
     /// Closes the boxes whose workspace is gone (the sandbox was deleted) or whose agent
-    /// died, and gives `action` to those that idled for `idle`: nothing ran in them (no
-    /// command, and no process, terminal or preview connection holds them). A paused box
-    /// is not idle again. Answers how many it closed or paused. Run it now and then (see
+    /// died, gives `policy.action` to those that idled for `policy.idle` (nothing ran in
+    /// them: no command, and no process, terminal or preview connection holds them; a paused
+    /// box is not idle again), and hibernates those paused for `policy.hibernate_after`.
+    /// Answers how many it closed, paused or hibernated. Run it now and then (see
     /// [`NativeBackend::start_reaper`]).
-    pub async fn reap(&self, idle: Duration, action: IdleAction) -> usize {
+    pub async fn reap(&self, policy: IdlePolicy) -> usize {
         let mut held = self.inner.held.lock().await;
-        self.paused().retain(|workspace| workspace.exists());
+        self.paused().retain(|workspace, _| workspace.exists());
+        self.hibernated().retain(|workspace| workspace.exists());
         let paused = self.paused().clone();
         let gone: Vec<PathBuf> = held
             .iter()
@@ -270,21 +277,29 @@ impl NativeBackend {
             .iter()
             .filter(|(workspace, entry)| {
                 !gone.contains(workspace)
-                    && entry.last_used.elapsed() >= idle
+                    && entry.last_used.elapsed() >= policy.idle
                     && Arc::strong_count(&entry.live) == 1
                     && entry.connections.load(std::sync::atomic::Ordering::Relaxed) == 0
-                    && !paused.contains(*workspace)
+                    && !paused.contains_key(*workspace)
                     && !entry.live.is_paused()
             })
             .map(|(workspace, _)| workspace.clone())
             .collect();
+        let sleepy: Vec<PathBuf> = match policy.hibernate_after {
+            Some(after) => paused
+                .iter()
+                .filter(|(_, since)| since.elapsed() >= after)
+                .map(|(workspace, _)| workspace.clone())
+                .collect(),
+            None => Vec::new(),
+        };
         for workspace in &gone {
             if let Some(entry) = held.remove(workspace) {
                 self.close_later(workspace, entry.live);
             }
         }
         for workspace in &idled {
-            match action {
+            match policy.action {
                 IdleAction::Stop => {
                     if let Some(entry) = held.remove(workspace) {
                         self.close_later(workspace, entry.live);
@@ -294,22 +309,30 @@ impl NativeBackend {
                     if let Some(entry) = held.get(workspace)
                         && entry.live.set_paused(true).await.is_ok()
                     {
-                        self.paused().insert(workspace.clone());
+                        self.paused().insert(workspace.clone(), Instant::now());
                     }
                 }
             }
         }
-        gone.len() + idled.len()
+        drop(held);
+        for workspace in &sleepy {
+            let _ = self.hibernate(workspace).await;
+        }
+        gone.len() + idled.len() + sleepy.len()
     }
 
     /// Reaps every few seconds, for as long as the backend lives.
-    pub fn start_reaper(&self, idle: Duration, action: IdleAction) {
+    pub fn start_reaper(&self, policy: IdlePolicy) {
         let weak = Arc::downgrade(&self.inner);
+        let every = Duration::from_secs(5)
+            .min(policy.idle)
+            .min(policy.hibernate_after.unwrap_or(Duration::MAX))
+            .max(Duration::from_millis(100));
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(Duration::from_secs(5).min(idle)).await;
+                tokio::time::sleep(every).await;
                 let Some(inner) = weak.upgrade() else { return };
-                NativeBackend { inner }.reap(idle, action).await;
+                NativeBackend { inner }.reap(policy).await;
             }
         });
     }
@@ -347,20 +370,50 @@ impl NativeBackend {
     pub async fn kill_processes(&self, workspace: &std::path::Path) -> Option<usize> {
         let live = self.live_box(workspace).await?;
         // A frozen box's processes die only once thawed.
-        if self.paused().remove(workspace) || live.is_paused() {
+        if self.paused().remove(workspace).is_some() || live.is_paused() {
             let _ = live.set_paused(false).await;
         }
         Some(live.kill_all_but_agent().await)
     }
 
-    fn paused(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<PathBuf>> {
+    fn paused(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Instant>> {
         self.inner.paused.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn hibernated(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<PathBuf>> {
+        self.inner
+            .hibernated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hibernates the box of `workspace`: closed at once (its processes end; kiln checkpoints
+    /// none yet), its memory returned, its files kept on the sandbox's volume; the sandbox
+    /// stays `hibernated` until its next command. Answers why its processes ended.
+    pub async fn hibernate(
+        &self,
+        workspace: &std::path::Path,
+    ) -> Result<(kiln_core::process::BoxState, String), BackendError> {
+        let entry = self.inner.held.lock().await.remove(workspace);
+        self.paused().remove(workspace);
+        self.hibernated().insert(workspace.to_path_buf());
+        if let Some(entry) = entry {
+            // Killed now, whoever holds it (a terminal's shell ends with it).
+            entry.live.destroy_now().await;
+        }
+        Ok((
+            kiln_core::process::BoxState::Hibernated,
+            checkpoint_unavailable(),
+        ))
     }
 
     /// Where the box of `workspace` stands.
     pub async fn state(&self, workspace: &std::path::Path) -> kiln_core::process::BoxState {
         use kiln_core::process::BoxState;
-        if self.paused().contains(workspace) {
+        if self.hibernated().contains(workspace) {
+            return BoxState::Hibernated;
+        }
+        if self.paused().contains_key(workspace) {
             return BoxState::Paused;
         }
         match self.live_box(workspace).await {
@@ -389,7 +442,10 @@ impl NativeBackend {
                 .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?;
         }
         if paused {
-            self.paused().insert(workspace.to_path_buf());
+            self.paused()
+                .entry(workspace.to_path_buf())
+                .or_insert_with(Instant::now);
+            self.hibernated().remove(workspace);
         } else {
             self.paused().remove(workspace);
         }
@@ -432,6 +488,47 @@ impl NativeBackend {
             }
         }
     }
+}
+
+/// What becomes of boxes nothing uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdlePolicy {
+    /// How long a box may run nothing before `action`.
+    pub idle: Duration,
+    pub action: IdleAction,
+    /// How long a box stays paused before it is hibernated (`None`: it stays paused).
+    pub hibernate_after: Option<Duration>,
+}
+
+/// Why a hibernated box's processes ended: kiln does not checkpoint them yet, and what this
+/// host's CRIU says (asked once).
+pub fn checkpoint_unavailable() -> String {
+    static SAID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SAID.get_or_init(|| {
+        let host = match std::process::Command::new("criu")
+            .arg("check")
+            .stdin(std::process::Stdio::null())
+            .output()
+        {
+            Err(_) => "CRIU is not installed here".to_string(),
+            Ok(out) if out.status.success() => "this host's CRIU passes `criu check`".to_string(),
+            Ok(out) => {
+                let said = String::from_utf8_lossy(&out.stderr);
+                let last = said
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("it failed")
+                    .trim()
+                    .to_string();
+                format!("this host's CRIU cannot checkpoint (`criu check`: {last})")
+            }
+        };
+        format!(
+            "the box's processes ended and its files were kept: kiln does not checkpoint processes yet ({host})"
+        )
+    })
+    .clone()
 }
 
 /// What an idle box gets.

@@ -218,6 +218,13 @@ impl ProcessHost for NativeBackend {
         })
     }
 
+    fn hibernate<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<(BoxState, String), BackendError>> {
+        Box::pin(NativeBackend::hibernate(self, workspace))
+    }
+
     fn set_paused<'a>(
         &'a self,
         workspace: &'a std::path::Path,

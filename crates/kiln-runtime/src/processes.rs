@@ -484,3 +484,20 @@ pub async fn connect_box(
         .await
         .map_err(|e| RuntimeError::ProcessFailed { message: e.message })
 }
+
+/// Hibernates sandbox `id`'s box: its memory returned, its files kept; answers what became
+/// of its processes.
+pub async fn hibernate(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+) -> Result<(BoxState, String, std::time::Duration)> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    let host = host_for(rt, &sandbox)?;
+    let started = std::time::Instant::now();
+    let (state, why) = host
+        .hibernate(&sandbox.workspace())
+        .await
+        .map_err(|e| RuntimeError::Internal { message: e.message })?;
+    Ok((state, why, started.elapsed()))
+}

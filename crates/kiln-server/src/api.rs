@@ -379,8 +379,9 @@ pub struct SandboxInfo {
     /// `idle` or `running`.
     #[schema(example = "idle")]
     pub status: String,
-    /// A Linux sandbox's box: `running`, `paused` (frozen, see `POST .../pause`) or
-    /// `stopped` (none runs; the next command starts one). Absent for WebAssembly.
+    /// A Linux sandbox's box: `running`, `paused` (frozen, see `POST .../pause`),
+    /// `hibernated` (its memory returned, its files kept) or `stopped` (none runs; the next
+    /// command starts one). Absent for WebAssembly.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(example = "running")]
     pub state: Option<String>,

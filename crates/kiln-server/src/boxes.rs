@@ -61,7 +61,8 @@ pub struct ProcessInfo {
 #[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ProcessList {
-    /// `running`, `paused` or `stopped` (no box runs; the next command starts one).
+    /// `running`, `paused`, `hibernated` or `stopped` (no box runs; the next command
+    /// starts one).
     #[schema(example = "running")]
     pub state: String,
     pub processes: Vec<ProcessInfo>,
@@ -100,6 +101,9 @@ pub struct BoxChange {
     /// Processes ended (a restart only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub killed: Option<usize>,
+    /// What became of the box's processes (a hibernation only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub processes: Option<String>,
 }
 
 fn state_name(state: kiln_core::process::BoxState) -> String {
@@ -244,6 +248,7 @@ pub async fn restart(
         state: state_name(box_state),
         took_ms: started.elapsed().as_secs_f64() * 1000.0,
         killed: Some(killed),
+        processes: None,
     }))
 }
 
@@ -282,6 +287,31 @@ pub async fn resume(
     change(&state, &caller, &id, false).await
 }
 
+/// Hibernate a box: its memory goes back to the host and its files stay (the workspace and
+/// what it wrote outside it); the next command starts a box from them. Its processes end
+/// (kiln checkpoints none yet): `processes` says so, and why.
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/hibernate", tag = "v1 boxes",
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 200, description = "Hibernated", body = BoxChange),
+        (status = 400, description = "A WebAssembly sandbox (no box)", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn hibernate(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<BoxChange>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let (box_state, why, took) = processes::hibernate(&state.runtime, &caller, &id).await?;
+    Ok(Json(BoxChange {
+        state: state_name(box_state),
+        took_ms: took.as_secs_f64() * 1000.0,
+        killed: None,
+        processes: Some(why),
+    }))
+}
+
 async fn change(
     state: &AppState,
     caller: &Caller,
@@ -293,6 +323,7 @@ async fn change(
         state: state_name(box_state),
         took_ms: took.as_secs_f64() * 1000.0,
         killed: None,
+        processes: None,
     }))
 }
 

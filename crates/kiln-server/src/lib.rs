@@ -186,6 +186,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sandboxes/{id}/previews", post(preview::create_link))
         .route("/sandboxes/{id}/pause", post(boxes::pause))
         .route("/sandboxes/{id}/resume", post(boxes::resume))
+        .route("/sandboxes/{id}/hibernate", post(boxes::hibernate))
         .route("/sandboxes/{id}/exec", post(v1::execute))
         .route("/sandboxes/{id}/exec/stream", post(v1::execute_stream))
         .route("/sandboxes/{id}/ws", get(v1::websocket))

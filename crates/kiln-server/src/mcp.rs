@@ -704,6 +704,25 @@ impl KilnMcp {
         self.set_paused(context, input.sandbox_id, true).await
     }
 
+    #[tool(
+        description = "Hibernate a Linux sandbox's box: its memory goes back to the host and its files stay (in the workspace and outside it); its processes end. The next command starts a box from its files."
+    )]
+    async fn sandbox_hibernate(
+        &self,
+        Parameters(input): Parameters<BoxOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let id = input.sandbox_id;
+        let done = kiln_runtime::processes::hibernate(&self.runtime, &caller, &id).await;
+        Ok(reply(done, |(state, why, took)| {
+            answer(
+                json!({ "sandbox_id": id, "state": state, "processes": why, "took_ms": took.as_secs_f64() * 1000.0 }),
+                false,
+            )
+        }))
+    }
+
     #[tool(description = "Resume a paused Linux sandbox's box.")]
     async fn sandbox_resume(
         &self,

@@ -405,6 +405,11 @@ pub struct LinuxArgs {
     #[arg(long, env = "KILN_BOX_IDLE_ACTION", default_value = "pause",
           value_parser = ["pause", "stop"])]
     pub box_idle_action: String,
+    /// How long a box stays paused before it is hibernated: its memory returned, its files
+    /// kept, its processes ended (kiln checkpoints none yet); its next command starts a box
+    /// again. Unset (the default): a paused box stays paused until its sandbox goes.
+    #[arg(long, env = "KILN_BOX_HIBERNATE_AFTER", value_parser = parse_duration_ms)]
+    pub box_hibernate_after: Option<u64>,
 }
 
 impl ExecArgs {

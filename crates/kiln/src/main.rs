@@ -499,14 +499,18 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         pool.start_all()?;
         let mut pools = wasm_pools(pool);
         if let Some(backend) = &linux {
-            backend.start_reaper(
-                std::time::Duration::from_millis(args.linux_args.box_idle),
-                if args.linux_args.box_idle_action == "stop" {
+            backend.start_reaper(kiln_native::backend::IdlePolicy {
+                idle: std::time::Duration::from_millis(args.linux_args.box_idle),
+                action: if args.linux_args.box_idle_action == "stop" {
                     kiln_native::backend::IdleAction::Stop
                 } else {
                     kiln_native::backend::IdleAction::Pause
                 },
-            );
+                hibernate_after: args
+                    .linux_args
+                    .box_hibernate_after
+                    .map(std::time::Duration::from_millis),
+            });
             let native = kiln_executor::ExecutorPool::new(linux_cmd::pool_config(backend.clone()));
             native.start_all()?;
             pools = pools.with(kiln_core::template::BackendKind::Native, native);

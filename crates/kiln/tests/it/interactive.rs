@@ -1210,3 +1210,108 @@ fn issue33_files_outside_the_workspace_outlive_a_kiln_restart_within_the_sandbox
     assert_eq!(ran["stdout"], "kept\ncfg\n20000000\nuser\n", "{ran}");
     Ok(())
 }
+
+/// Hibernation returns a box's memory and keeps its files; the answer says its processes
+/// ended and why (kiln checkpoints none; this host's CRIU cannot either). An idle box is
+/// paused, then hibernated after `--box-hibernate-after`.
+#[test]
+fn issue33_hibernation_returns_a_boxs_memory_keeps_its_files_and_says_what_became_of_its_processes()
+-> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let make = |server: &Server| -> Res<String> {
+        let (_, created) = server.call(
+            "POST",
+            "/api/v1/sandboxes",
+            Some(json!({"template": "linux-debian"})),
+        )?;
+        Ok(created["containerId"].as_str().ok_or("no id")?.to_string())
+    };
+    // By hand: a box with processes, and a file outside the workspace.
+    let id = make(&server)?;
+    sh(
+        &server,
+        &id,
+        "echo kept > /var/tmp/outside; (head -c 67108864 /dev/zero | tail -c 1 >/dev/null; sleep 599.25) >/dev/null 2>&1 & sleep 599.25 >/dev/null 2>&1 &",
+    )?;
+    let boxes_before = std::fs::read_dir(state.path())?
+        .flatten()
+        .filter_map(|p| std::fs::read_dir(p.path().join("boxes")).ok())
+        .flat_map(|d| d.flatten())
+        .count();
+    assert!(boxes_before >= 1);
+    let (status, slept) =
+        server.call("POST", &format!("/api/v1/sandboxes/{id}/hibernate"), None)?;
+    assert_eq!(status, 200, "{slept}");
+    assert_eq!(slept["state"], "hibernated", "{slept}");
+    let why = slept["processes"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("processes ended") && why.contains("CRIU"),
+        "{slept}"
+    );
+    let list = listed(&server, &id)?;
+    assert_eq!(
+        (list["state"].clone(), list["processes"].clone()),
+        (json!("hibernated"), json!([])),
+        "{list}"
+    );
+    assert!(
+        host_processes("sleep 599.25").is_empty(),
+        "a hibernated box's process still runs"
+    );
+    // The box is gone (its cgroup, its memory with it).
+    let boxes_after = std::fs::read_dir(state.path())?
+        .flatten()
+        .filter_map(|p| std::fs::read_dir(p.path().join("boxes")).ok())
+        .flat_map(|d| d.flatten())
+        .count();
+    assert_eq!(
+        boxes_after,
+        boxes_before - 1,
+        "the hibernated box is still there"
+    );
+    // The next command brings a box back, from the files.
+    let ran = sh(
+        &server,
+        &id,
+        "cat /var/tmp/outside; pgrep -x sleep || echo no-sleep",
+    )?;
+    assert_eq!(ran["stdout"], "kept\nno-sleep\n", "{ran}");
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert_eq!(info["state"], "running", "{info}");
+
+    // By policy: idle → paused → hibernated.
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &["--linux", "--box-idle", "1s", "--box-hibernate-after", "1s"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let idle = make(&server)?;
+    sh(&server, &idle, "true")?;
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{idle}"), None)?;
+        let now = info["state"].as_str().unwrap_or_default().to_string();
+        if seen.last() != Some(&now) {
+            seen.push(now.clone());
+        }
+        if now == "hibernated" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "states: {seen:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(seen.contains(&"paused".to_string()), "states: {seen:?}");
+    Ok(())
+}
