@@ -216,6 +216,12 @@ pub async fn authenticate(
     mut request: Request,
     next: Next,
 ) -> Response {
+    // A preview by host name is the box's server's whole site, answered here.
+    if let Some(domain) = &state.preview_domain
+        && let Some((id, port)) = crate::preview::host_target(request.headers(), domain)
+    {
+        return crate::preview::by_host(&state, request, &id, port).await;
+    }
     let path = request.uri().path();
     if PUBLIC.contains(&path) || path.starts_with("/docs/") || path.starts_with("/redoc/") {
         return next.run(request).await;

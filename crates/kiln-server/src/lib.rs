@@ -67,6 +67,8 @@ pub struct AppState {
     pub previews: preview::Signer,
     /// Linux sandboxes' terminals.
     pub terminals: terminals::Terminals,
+    /// The domain of previews by host name, if the operator gave one.
+    pub preview_domain: Option<String>,
 }
 
 /// Server settings.
@@ -85,6 +87,8 @@ pub struct ServerConfig {
     /// Extra host names clients use to reach this server (for `/mcp`'s `Host` check;
     /// loopback names and the listen address are always accepted).
     pub public_hosts: Vec<String>,
+    /// Previews by host name: `{port}-{id}.{domain}` (see [`preview::by_host`]).
+    pub preview_domain: Option<String>,
     /// Each tenant's quotas unless its key says otherwise.
     pub quotas: quota::Quotas,
     /// The bounds of each tenant's line of executions over its quota.
@@ -152,6 +156,7 @@ impl AppState {
             worker_jail: config.worker_jail,
             previews: preview::Signer::open(&config.data_dir)?,
             terminals: terminals::Terminals::default(),
+            preview_domain: config.preview_domain.clone(),
         })
     }
 }

@@ -397,6 +397,87 @@ pub async fn forward(
     Response::from_parts(parts, Body::new(body))
 }
 
+/// The sandbox and port a `Host` of `{port}-{id}.{domain}` names (`id` with or without
+/// its `sb_`).
+pub fn host_target(headers: &HeaderMap, domain: &str) -> Option<(String, u16)> {
+    let host = headers.get(header::HOST)?.to_str().ok()?;
+    let host = host.rsplit_once(':').map_or(host, |(name, port)| {
+        if port.chars().all(|c| c.is_ascii_digit()) {
+            name
+        } else {
+            host
+        }
+    });
+    let label = host
+        .to_ascii_lowercase()
+        .strip_suffix(&domain.trim_matches('.').to_ascii_lowercase())?
+        .strip_suffix('.')?
+        .to_string();
+    let (port, id) = label.split_once('-')?;
+    let port: u16 = port.parse().ok().filter(|p| *p > 0)?;
+    if id.is_empty() || id.contains('.') {
+        return None;
+    }
+    let id = if id.starts_with("sb_") {
+        id.to_string()
+    } else {
+        format!("sb_{id}")
+    };
+    Some((id, port))
+}
+
+/// A request to `{port}-{id}.{domain}`: as `/preview/{id}/{port}/` with its path, for the
+/// owner's key or a token of this sandbox and port (in the query once, then in a cookie of
+/// this host), counted against the owner's rate limit; anything else is 404.
+pub async fn by_host(state: &AppState, request: Request, id: &str, port: u16) -> Response {
+    let has_key = request.headers().contains_key(header::AUTHORIZATION)
+        || request
+            .headers()
+            .contains_key(HeaderName::from_static("x-api-key"));
+    let caller = if has_key || matches!(state.auth, kiln_runtime::auth::Auth::Off) {
+        crate::gate::check_key(state, &request).ok()
+    } else {
+        presented_token(&request)
+            .and_then(|token| state.previews.check(&token, now_ms()))
+            .filter(|grant| grant.sandbox == id && grant.port == port)
+            .and_then(|grant| {
+                let sandbox = state.runtime.registry.get(&grant.tenant, id).ok()?.meta;
+                state.auth.acting_for(&sandbox)
+            })
+    };
+    let Some(caller) = caller else {
+        return not_found(id);
+    };
+    let Ok(view) = state.runtime.registry.get(&caller.tenant, id) else {
+        return not_found(id);
+    };
+    if let Err(wait) = state.limiter.take(&caller.key_id) {
+        let seconds = wait.ceil().max(1.0) as u64;
+        return ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "RATE_LIMITED",
+            format!("too many requests for this key; retry in {seconds} s"),
+        )
+        .into_response();
+    }
+    let query_token = request.uri().query().and_then(|q| {
+        form_urlencoded(q)
+            .into_iter()
+            .find(|(n, _)| n == TOKEN_PARAM)
+            .map(|(_, v)| v)
+    });
+    let rest = request.uri().path().trim_start_matches('/').to_string();
+    let mut response = forward(state, &view.meta, port, &rest, None, request).await;
+    if let Some(token) = query_token
+        && response.status() != StatusCode::SWITCHING_PROTOCOLS
+        && let Ok(cookie) =
+            HeaderValue::from_str(&format!("{COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax"))
+    {
+        response.headers_mut().append(header::SET_COOKIE, cookie);
+    }
+    response
+}
+
 /// Copies both ways until either side ends or nothing moves for [`IDLE`].
 async fn pump<A, B>(a: A, b: B)
 where
@@ -448,6 +529,10 @@ pub struct PortInfo {
     /// The preview's path on this server (with the owner's key, or add a token).
     #[schema(example = "/preview/sb_3f2a9c1b7d4e5f60718293a4/8000/")]
     pub preview: String,
+    /// Its host name, where the server has a preview domain (`--preview-domain`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "8000-3f2a9c1b7d4e5f60718293a4.preview.example.com")]
+    pub host: Option<String>,
 }
 
 /// A box's listening ports.
@@ -490,6 +575,10 @@ pub async fn ports(
             .into_iter()
             .map(|p| PortInfo {
                 preview: format!("/preview/{id}/{}/", p.port),
+                host: state
+                    .preview_domain
+                    .as_ref()
+                    .map(|domain| format!("{}-{}.{domain}", p.port, id.trim_start_matches("sb_"))),
                 port: p.port,
                 address: p.address,
                 reachable: p.reachable,

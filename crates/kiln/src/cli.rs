@@ -191,6 +191,11 @@ pub struct ServeArgs {
         requires = "e2b_listen"
     )]
     pub e2b_domain: Option<String>,
+    /// Serve previews by host name too: `{port}-{id}.DOMAIN` (the sandbox id without its
+    /// `sb_`) reaches what the sandbox's box serves on that port, at its own root path, as
+    /// `/preview/{id}/{port}/` does. Needs wildcard DNS for the domain (and TLS in front).
+    #[arg(long, env = "KILN_PREVIEW_DOMAIN", value_name = "DOMAIN")]
+    pub preview_domain: Option<String>,
     #[command(flatten)]
     pub linux_args: LinuxArgs,
 }

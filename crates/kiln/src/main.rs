@@ -473,6 +473,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         rate_limit: args.rate_limit,
         request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
         public_hosts: args.public_hosts,
+        preview_domain: args.preview_domain.clone(),
         quotas,
         worker_jail,
         admission: kiln_runtime::admission::AdmissionConfig {

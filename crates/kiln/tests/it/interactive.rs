@@ -1315,3 +1315,137 @@ fn issue33_hibernation_returns_a_boxs_memory_keeps_its_files_and_says_what_becam
     assert!(seen.contains(&"paused".to_string()), "states: {seen:?}");
     Ok(())
 }
+
+/// A plain HTTP/1.1 GET to `base` with its own `Host`: (status, head, body).
+fn get_with_host(
+    base: &str,
+    host: &str,
+    path: &str,
+    extra: &[(&str, &str)],
+) -> Res<(u16, String, Vec<u8>)> {
+    use std::io::Write;
+    let address = base.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(address)?;
+    stream.set_read_timeout(Some(Duration::from_secs(15)))?;
+    let mut head = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+    for (name, value) in extra {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes())?;
+    let mut answer = Vec::new();
+    std::io::Read::read_to_end(&mut stream, &mut answer)?;
+    let split = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or("no head")?;
+    let head = String::from_utf8_lossy(&answer[..split]).into_owned();
+    let status = head.split(' ').nth(1).ok_or("no status")?.parse()?;
+    let mut body = answer[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        // Dechunk.
+        let mut plain = Vec::new();
+        let mut rest = body.as_slice();
+        while let Some(end) = rest.windows(2).position(|w| w == b"\r\n") {
+            let size = usize::from_str_radix(String::from_utf8_lossy(&rest[..end]).trim(), 16)?;
+            if size == 0 {
+                break;
+            }
+            plain.extend_from_slice(&rest[end + 2..end + 2 + size]);
+            rest = &rest[end + 2 + size + 2..];
+        }
+        body = plain;
+    }
+    Ok((status, head, body))
+}
+
+#[test]
+fn issue33_previews_by_host_name_with_a_preview_domain() -> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        auth: true,
+        extra: &["--linux", "--preview-domain", "preview.test"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let (_, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-python"})),
+    )?;
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    sh(
+        &server,
+        &id,
+        "mkdir -p site/css && echo '<h1>home</h1>' > site/index.html && echo 'h1{}' > site/css/a.css && cd site && python3 -m http.server 8000 >/dev/null 2>&1 &",
+    )?;
+    let host = format!("8000-{}.preview.test", id.trim_start_matches("sb_"));
+    let key = server.key.clone().ok_or("no key")?;
+    let bearer = format!("Bearer {key}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, _, body) =
+            get_with_host(&server.base, &host, "/", &[("authorization", &bearer)])?;
+        if status == 200 {
+            assert!(String::from_utf8_lossy(&body).contains("<h1>home</h1>"));
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The site's own absolute paths work at its root.
+    let (status, _, body) = get_with_host(
+        &server.base,
+        &host,
+        "/css/a.css",
+        &[("authorization", &bearer)],
+    )?;
+    assert_eq!((status, body.as_slice()), (200, b"h1{}\n".as_slice()));
+    let (_, ports) = server.call("GET", &format!("/api/v1/sandboxes/{id}/ports"), None)?;
+    assert_eq!(ports["ports"][0]["host"], host, "{ports}");
+    // No key: 404; another tenant: 404; a token: 200 and a cookie for this host.
+    let (status, _, _) = get_with_host(&server.base, &host, "/", &[])?;
+    assert_eq!(status, 404);
+    let other = format!("Bearer {}", create_key(&server.data, None)?);
+    let (status, _, _) = get_with_host(&server.base, &host, "/", &[("authorization", &other)])?;
+    assert_eq!(status, 404);
+    let (_, link) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/previews"),
+        Some(json!({"port": 8000})),
+    )?;
+    let token = link["token"].as_str().ok_or("no token")?;
+    let (status, head, _) = get_with_host(
+        &server.base,
+        &host,
+        &format!("/?kiln_preview_token={token}"),
+        &[],
+    )?;
+    assert_eq!(status, 200, "{head}");
+    let cookie = head
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("set-cookie: ")
+                .or_else(|| l.strip_prefix("Set-Cookie: "))
+        })
+        .ok_or("no cookie")?;
+    assert!(cookie.contains("Path=/;"), "{cookie}");
+    let pair = cookie.split(';').next().unwrap_or_default();
+    let (status, _, _) = get_with_host(&server.base, &host, "/css/a.css", &[("cookie", pair)])?;
+    assert_eq!(status, 200);
+    // The token opens this port only.
+    let elsewhere = format!("8001-{}.preview.test", id.trim_start_matches("sb_"));
+    let (status, _, _) = get_with_host(&server.base, &elsewhere, "/", &[("cookie", pair)])?;
+    assert_eq!(status, 404);
+    // The API itself is untouched on the server's own name.
+    let (status, _) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert_eq!(status, 200);
+    Ok(())
+}
