@@ -113,6 +113,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         rate_limit: 0,
         request_timeout: Duration::from_secs(600),
         public_hosts: Vec::new(),
+        preview_domain: None,
         catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
         llm: kiln_llm::LlmEnv::from_env(),
         routes: Vec::new(),
