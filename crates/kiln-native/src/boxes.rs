@@ -238,7 +238,7 @@ pub struct LiveBox {
     /// The agent's pid on the host.
     pub host_pid: i32,
     /// Set once [`LiveBox::close`] has removed the box.
-    closed: bool,
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for LiveBox {
@@ -246,7 +246,7 @@ impl Drop for LiveBox {
     /// its agent sees the channel close and kills what it started, and its container,
     /// cgroup, layers and folder go here (blocking, briefly).
     fn drop(&mut self) {
-        if !self.closed {
+        if !self.closed.load(std::sync::atomic::Ordering::Acquire) {
             destroy(
                 &self.runtime,
                 &self.runtime_root,
@@ -466,7 +466,7 @@ impl Boxes {
             runtime_root: self.runtime_root.clone(),
             template: spec.template,
             host_pid,
-            closed: false,
+            closed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -1158,6 +1158,12 @@ impl LiveBox {
     /// Removes the box now (a dead box replaced by a new one): what [`LiveBox::close`] does,
     /// for a box others may still hold; they find it gone.
     pub async fn destroy_now(&self) {
+        // Once only: the last holder's drop must not remove it again.
+        if self.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
+        // The agent ends when its channel closes, taking what it started (as in `close`).
+        self.channel.close().await;
         let (runtime, runtime_root, id, dir, pid) = (
             self.runtime.clone(),
             self.runtime_root.clone(),
@@ -1289,9 +1295,11 @@ impl LiveBox {
 
     /// Stops the box: every process in it is killed, its container, cgroup, layers and
     /// folder removed.
-    pub async fn close(mut self) {
+    pub async fn close(self) {
+        if self.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
         self.channel.close().await;
-        self.closed = true;
         let (runtime, runtime_root, id, dir, pid) = (
             self.runtime.clone(),
             self.runtime_root.clone(),

@@ -15,7 +15,21 @@ pub(crate) struct Spawned {
 }
 
 impl Drop for Spawned {
+    /// Stopped with SIGTERM (a server closes its boxes and sessions), killed if it has not
+    /// ended in 10 s.
     fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: kill sends a signal to the child's pid, which this bench started and has
+            // not reaped (try_wait said it still runs).
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

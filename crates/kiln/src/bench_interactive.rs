@@ -1,7 +1,8 @@
 //! `kiln bench --only interactive`: a Linux sandbox through a real `kiln serve --linux`
 //! (this binary, no keys): a terminal keystroke's echo over its WebSocket, a preview's first
-//! byte of a small page from `python3 -m http.server` and a large file's rate, and pause and
-//! resume through the API, each as a client sees it.
+//! byte of a small page from `python3 -m http.server` and a large file's rate, pause and
+//! resume, and hibernation and the first command after it, through the API, each as a client
+//! sees it.
 
 use std::io::Read;
 use std::time::{Duration, Instant};
@@ -162,6 +163,28 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     }
     report.insert("interactive_pause".into(), summary(pauses));
     report.insert("interactive_resume".into(), summary(resumes));
+
+    // Hibernation (the box closed, its files kept) and the first command after it, which
+    // starts a box from them.
+    let (mut sleeps, mut wakes) = (Vec::new(), Vec::new());
+    for _ in 0..10 {
+        let t = Instant::now();
+        let slept = post(&format!("/api/v1/sandboxes/{id}/hibernate"), json!({}))?;
+        anyhow::ensure!(slept["state"] == "hibernated", "{slept}");
+        sleeps.push(micros(t.elapsed()));
+        let t = Instant::now();
+        let ran = post(
+            &format!("/api/v1/sandboxes/{id}/exec"),
+            json!({"command": ["cat", "small.html"]}),
+        )?;
+        anyhow::ensure!(ran["stdout"] == "hello\n", "{ran}");
+        wakes.push(micros(t.elapsed()));
+    }
+    report.insert("interactive_hibernate".into(), summary(sleeps));
+    report.insert(
+        "interactive_first_command_after_hibernation".into(),
+        summary(wakes),
+    );
     drop(server);
     Ok(())
 }

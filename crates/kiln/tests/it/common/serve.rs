@@ -36,7 +36,22 @@ pub const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 pub struct KillOnDrop(pub Child);
 
 impl Drop for KillOnDrop {
+    /// Stopped as an operator would (SIGTERM: a server closes its boxes, thawing paused
+    /// ones, which nothing would clean once the test's state folder is gone), killed if it
+    /// has not ended in 10 s.
     fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            // SAFETY: kill sends a signal to the child's pid, which this test started and
+            // has not reaped (try_wait said it still runs).
+            unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = self.0.try_wait() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
