@@ -390,6 +390,21 @@ fn command(spec: &Spawn) -> Result<(Command, Option<Arc<OwnedFd>>), Failure> {
 fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
     let (mut command, terminal) = command(&spec)?;
     let program = &spec.argv[0];
+    // The threads that read the process's output start first, waiting for its streams: a
+    // process that fills the box's pids limit at once (a fork bomb) cannot then leave the
+    // agent without a thread to read it, and a box already full is told before anything
+    // starts.
+    let mut readers = Vec::new();
+    for _ in 0..if terminal.is_some() { 1 } else { 2 } {
+        let (give, take) = std::sync::mpsc::channel::<(bool, OwnedFd)>();
+        let worker = agent.clone();
+        thread(move || {
+            if let Ok((stderr, fd)) = take.recv() {
+                pump(&worker, id, stderr, fd);
+            }
+        })?;
+        readers.push(give);
+    }
     // Held across the fork so the reaper cannot take the child before it is in the table.
     let mut table = agent.table();
     let mut child = command.spawn().map_err(|e| match e.raw_os_error() {
@@ -437,18 +452,9 @@ fn spawn(agent: &Arc<Agent>, id: u64, spec: Spawn) -> Result<(), Failure> {
     // The child is reaped by the signal thread; dropping `Child` does not wait.
     drop(child);
     send(&agent.out, id, Reply::Spawned { pid: pid as u32 });
-    for (stderr, fd) in streams {
-        let worker = agent.clone();
-        if let Err(failure) = thread(move || pump(&worker, id, stderr, fd)) {
-            // Without its output the process is no use: it ends, reported as the failure
-            // (after `Spawned`, before any exit).
-            agent.table().procs.remove(&id);
-            // SAFETY: kill(2) takes only integers and touches no memory of ours; `-pid` names the
-            // process group of the child just spawned (setsid in `command`), and a group already
-            // gone only makes the call fail (ignored).
-            unsafe { libc::kill(-pid, libc::SIGKILL) };
-            return Err(failure);
-        }
+    // Each stream to a reader already waiting (a reader left without one ends).
+    for (give, stream) in readers.into_iter().zip(streams) {
+        let _ = give.send(stream);
     }
     Ok(())
 }

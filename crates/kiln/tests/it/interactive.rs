@@ -92,7 +92,19 @@ fn issue33_a_boxs_processes_are_listed_signalled_and_restarted() -> TestResult {
         &id,
         "setsid sh -c 'sleep 601 & sleep 602 & wait' >/dev/null 2>&1 &",
     )?;
-    let list = listed(&server, &id)?;
+    // Background processes start after their exec answers: wait until all three run.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let list = loop {
+        let list = listed(&server, &id)?;
+        let running = ["600", "601", "602"]
+            .iter()
+            .all(|n| pids_of(&list, &["sleep", n]).len() == 1);
+        if running {
+            break list;
+        }
+        assert!(Instant::now() < deadline, "{list}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert_eq!(list["state"], "running", "{list}");
     let agent = &list["processes"][0];
     assert_eq!(agent["pid"], 1, "{list}");
