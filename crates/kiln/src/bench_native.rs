@@ -224,6 +224,18 @@ async fn idle_boxes(
     tokio::time::sleep(Duration::from_secs(1)).await;
     let after = mem_available();
     let agents: u64 = open.iter().map(|b| pss(b.host_pid)).sum();
+    // The same boxes paused: what freezing costs beyond what they hold.
+    let t = Instant::now();
+    for live in &open {
+        live.set_paused(true).await?;
+    }
+    let pause_all = t.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let paused = mem_available();
+    let charged: u64 = open.iter().map(|b| b.memory_bytes()).sum();
+    for live in &open {
+        live.set_paused(false).await?;
+    }
     let t = Instant::now();
     for live in open {
         live.close().await;
@@ -237,6 +249,11 @@ async fn idle_boxes(
             "boxes": idle,
             "host_memory_per_box_mib": mib(per_box as f64),
             "agent_pss_per_box_mib": mib(agents as f64 / idle.max(1) as f64),
+            "host_memory_per_paused_box_mib": mib(
+                before.saturating_sub(paused) as f64 / idle.max(1) as f64
+            ),
+            "cgroup_memory_per_paused_box_mib": mib(charged as f64 / idle.max(1) as f64),
+            "pause_all_s": (pause_all.as_secs_f64() * 100.0).round() / 100.0,
             "close_all_s": (close_all.as_secs_f64() * 100.0).round() / 100.0,
         }),
     );
