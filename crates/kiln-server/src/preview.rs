@@ -202,6 +202,10 @@ fn port_allowed(port: u16) -> bool {
     port >= 1024
 }
 
+/// What a preview served under kiln's origin may do: run scripts, forms, popups and
+/// downloads, in an origin of its own (no `allow-same-origin`).
+pub const SANDBOX_POLICY: &str = "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads allow-pointer-lock";
+
 /// Hop-by-hop headers (RFC 9110 §7.6.1) a proxy does not pass on, but for an upgrade.
 const HOP: [&str; 7] = [
     "keep-alive",
@@ -393,6 +397,15 @@ pub async fn forward(
     parts.version = axum::http::Version::HTTP_11;
     for hop in HOP {
         parts.headers.remove(hop);
+    }
+    // A preview under kiln's own origin runs in an opaque one: its scripts cannot read
+    // kiln's pages, other previews or terminals, nor send their cookies (a site by host
+    // name, `--preview-domain`, has an origin of its own instead).
+    if prefix.is_some() {
+        parts.headers.append(
+            header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static(SANDBOX_POLICY),
+        );
     }
     Response::from_parts(parts, Body::new(body))
 }

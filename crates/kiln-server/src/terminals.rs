@@ -793,13 +793,37 @@ pub fn page_caller(state: &AppState, request: &axum::extract::Request) -> Option
 }
 
 /// `GET /terminal/{id}/{tid}/ws`: the page's WebSocket (as [`attach`], by the page's cookie).
+/// A browser says where the page that opens it came from (`Origin`): only kiln's own page,
+/// on this very host, may; a preview's page (an opaque origin, `null`) or another site's
+/// may not use the cookie to reach the terminal.
 pub async fn page_socket(
     state: State<Arc<AppState>>,
     caller: Extension<Caller>,
+    headers: axum::http::HeaderMap,
     path: Result<Path<(String, String)>, PathRejection>,
     query: Result<Query<Attach>, QueryRejection>,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let host = headers
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or_default();
+        let from = origin.to_str().unwrap_or_default();
+        let same = from
+            .strip_prefix("http://")
+            .or_else(|| from.strip_prefix("https://"))
+            .is_some_and(|rest| rest == host);
+        if !same {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "CROSS_ORIGIN",
+                format!(
+                    "a terminal's page socket opens only from kiln's own page on {host}, not from {from:?}"
+                ),
+            ));
+        }
+    }
     attach(state, caller, path, query, upgrade).await
 }
 

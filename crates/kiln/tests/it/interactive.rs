@@ -446,6 +446,17 @@ fn issue33_previews_reach_a_boxs_server_with_the_owners_key_or_a_token_and_nothi
     // The owner's key: the box's own path, and none of kiln's credentials reach it.
     let (status, body, _) = get(&format!("/preview/{id}/8000/index.html"), Some(&key), None)?;
     assert_eq!((status, body.as_slice()), (200, b"hello\n".as_slice()));
+    // Under kiln's origin a preview page runs sandboxed, in an opaque origin of its own.
+    let policy = ureq::get(&server.url(&format!("/preview/{id}/8000/index.html")))
+        .set("authorization", &format!("Bearer {key}"))
+        .call()?
+        .header("content-security-policy")
+        .map(String::from)
+        .unwrap_or_default();
+    assert!(
+        policy.starts_with("sandbox ") && !policy.contains("allow-same-origin"),
+        "{policy}"
+    );
     let (status, body, _) = get(&format!("/preview/{id}/8000/echo?a=1"), Some(&key), None)?;
     assert_eq!(status, 200);
     let echoed: Value = serde_json::from_slice(&body)?;
@@ -816,6 +827,27 @@ fn issue33_terminals_detach_reattach_with_replay_viewers_takeover_and_a_bounded_
     assert_eq!(elsewhere.status, 404);
     let asset = send("GET", &server.url("/terminal/assets/xterm.js"), None, None)?;
     assert_eq!(asset.status, 200);
+    // The page's socket, with the link's cookie: from kiln's own page only. A preview's page
+    // (an opaque origin, `null`) or another site cannot drive the terminal with it.
+    let socket = |origin: &str| -> Res<u16> {
+        use tungstenite::client::IntoClientRequest;
+        let url = server
+            .url(&format!("/terminal/{id}/{tid}/ws"))
+            .replace("http://", "ws://");
+        let mut request = url.into_client_request()?;
+        request
+            .headers_mut()
+            .insert("cookie", format!("kiln_preview={token}").parse()?);
+        request.headers_mut().insert("origin", origin.parse()?);
+        Ok(match tungstenite::connect(request) {
+            Ok(_) => 101,
+            Err(tungstenite::Error::Http(response)) => response.status().as_u16(),
+            Err(e) => return Err(e.into()),
+        })
+    };
+    assert_eq!(socket(&server.base)?, 101, "kiln's own page");
+    assert_eq!(socket("null")?, 403, "a sandboxed preview's page");
+    assert_eq!(socket("http://evil.example")?, 403, "another site");
 
     let (status, _) = server.call(
         "DELETE",
