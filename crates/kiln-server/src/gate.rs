@@ -286,6 +286,13 @@ pub async fn rate_limit(
     let Some(Err(wait)) = waited else {
         return next.run(request).await;
     };
+    // The refused request's body is read first (a little of it, briefly): answering before
+    // it and closing would break a client still sending it (a broken pipe, not a 429).
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        axum::body::to_bytes(request.into_body(), 1 << 20),
+    )
+    .await;
     let seconds = wait.ceil().max(1.0) as u64;
     let mut response = ApiError::new(
         StatusCode::TOO_MANY_REQUESTS,
