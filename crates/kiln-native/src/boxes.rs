@@ -1296,20 +1296,7 @@ impl LiveBox {
     /// Stops the box: every process in it is killed, its container, cgroup, layers and
     /// folder removed.
     pub async fn close(self) {
-        if self.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
-            return;
-        }
-        self.channel.close().await;
-        let (runtime, runtime_root, id, dir, pid) = (
-            self.runtime.clone(),
-            self.runtime_root.clone(),
-            self.id.clone(),
-            self.dir.clone(),
-            self.host_pid,
-        );
-        let _ =
-            tokio::task::spawn_blocking(move || destroy(&runtime, &runtime_root, &id, &dir, pid))
-                .await;
+        self.destroy_now().await;
     }
 }
 

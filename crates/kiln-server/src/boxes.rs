@@ -18,12 +18,7 @@ use crate::error::{ApiError, ErrorBody};
 
 type Shared = State<Arc<AppState>>;
 
-fn path_error(rejection: PathRejection) -> ApiError {
-    ApiError::bad_request(
-        "INVALID_PATH",
-        format!("bad path in the URL: {}", rejection.body_text()),
-    )
-}
+use crate::v1::path_error;
 
 /// One process of a sandbox's box, as the box sees it.
 #[derive(Debug, Serialize, ToSchema)]
@@ -106,7 +101,8 @@ pub struct BoxChange {
     pub processes: Option<String>,
 }
 
-fn state_name(state: kiln_core::process::BoxState) -> String {
+/// A box state's name on the wire (`running`, `paused`, …).
+pub fn state_name(state: kiln_core::process::BoxState) -> String {
     serde_json::to_value(state)
         .ok()
         .and_then(|v| v.as_str().map(str::to_string))

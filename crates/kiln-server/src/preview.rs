@@ -122,13 +122,7 @@ impl Signer {
         let mac = b64().decode(mac).ok()?;
         let expected = hmac_sha256(&self.key, &payload);
         // Compared in constant time.
-        if mac.len() != expected.len()
-            || mac
-                .iter()
-                .zip(expected)
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                != 0
-        {
+        if !crate::e2b::same_secret(&mac, &expected) {
             return None;
         }
         let text = String::from_utf8(payload).ok()?;
@@ -180,11 +174,7 @@ fn form_urlencoded(query: &str) -> Vec<(String, String)> {
     serde_urlencoded::from_str::<Vec<(String, String)>>(query).unwrap_or_default()
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+use kiln_runtime::sandbox::now_ms;
 
 /// The same answer as for a sandbox that does not exist.
 pub fn not_found(id: &str) -> Response {
@@ -443,21 +433,7 @@ pub fn host_target(headers: &HeaderMap, domain: &str) -> Option<(String, u16)> {
 /// owner's key or a token of this sandbox and port (in the query once, then in a cookie of
 /// this host), counted against the owner's rate limit; anything else is 404.
 pub async fn by_host(state: &AppState, request: Request, id: &str, port: u16) -> Response {
-    let has_key = request.headers().contains_key(header::AUTHORIZATION)
-        || request
-            .headers()
-            .contains_key(HeaderName::from_static("x-api-key"));
-    let caller = if has_key || matches!(state.auth, kiln_runtime::auth::Auth::Off) {
-        crate::gate::check_key(state, &request).ok()
-    } else {
-        presented_token(&request)
-            .and_then(|token| state.previews.check(&token, now_ms()))
-            .filter(|grant| grant.sandbox == id && grant.port == port)
-            .and_then(|grant| {
-                let sandbox = state.runtime.registry.get(&grant.tenant, id).ok()?.meta;
-                state.auth.acting_for(&sandbox)
-            })
-    };
+    let caller = caller_for(state, &request, id, id, port);
     let Some(caller) = caller else {
         return not_found(id);
     };
@@ -557,12 +533,7 @@ pub struct PortList {
     pub ports: Vec<PortInfo>,
 }
 
-fn path_error(rejection: PathRejection) -> ApiError {
-    ApiError::bad_request(
-        "INVALID_PATH",
-        format!("bad path in the URL: {}", rejection.body_text()),
-    )
-}
+use crate::v1::path_error;
 
 /// List the TCP ports a Linux sandbox's box listens on.
 #[utoipa::path(get, path = "/api/v1/sandboxes/{id}/ports", tag = "v1 boxes",
@@ -580,10 +551,7 @@ pub async fn ports(
     let Path(id) = id.map_err(path_error)?;
     let (box_state, found) = processes::box_ports(&state.runtime, &caller, &id).await?;
     Ok(Json(PortList {
-        state: serde_json::to_value(box_state)
-            .ok()
-            .and_then(|v| v.as_str().map(String::from))
-            .unwrap_or_default(),
+        state: crate::boxes::state_name(box_state),
         ports: found
             .into_iter()
             .map(|p| PortInfo {
@@ -690,6 +658,19 @@ pub async fn create_link(
 /// for this very sandbox and port. `None`: answer 404.
 pub fn preview_caller(state: &AppState, request: &Request) -> Option<Caller> {
     let (id, port, _) = parse_path(request.uri().path())?;
+    caller_for(state, request, id, id, port)
+}
+
+/// Who a request for sandbox `id` acts as, on a route a token may open too: the key it
+/// carries (or the one tenant without keys), else the grant of a valid token for `scope` (the
+/// sandbox, or `{id}/{terminal}`) and `port` (0 for a terminal). `None`: answer 404.
+pub fn caller_for(
+    state: &AppState,
+    request: &Request,
+    id: &str,
+    scope: &str,
+    port: u16,
+) -> Option<Caller> {
     let has_key = request.headers().contains_key(header::AUTHORIZATION)
         || request
             .headers()
@@ -698,7 +679,7 @@ pub fn preview_caller(state: &AppState, request: &Request) -> Option<Caller> {
         return crate::gate::check_key(state, request).ok();
     }
     let grant = state.previews.check(&presented_token(request)?, now_ms())?;
-    if grant.sandbox != id || grant.port != port {
+    if grant.sandbox != scope || grant.port != port {
         return None;
     }
     let sandbox = state.runtime.registry.get(&grant.tenant, id).ok()?.meta;

@@ -171,11 +171,7 @@ impl Terminals {
     }
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+use kiln_runtime::sandbox::now_ms;
 
 /// Keeps a terminal's output in its ring and tells its attachments, until its shell ends.
 fn pump(
@@ -262,12 +258,7 @@ pub struct NewTerminal {
     pub env: BTreeMap<String, String>,
 }
 
-fn path_error(rejection: PathRejection) -> ApiError {
-    ApiError::bad_request(
-        "INVALID_PATH",
-        format!("bad path in the URL: {}", rejection.body_text()),
-    )
-}
+use crate::v1::path_error;
 
 fn not_found(id: &str, tid: &str) -> ApiError {
     ApiError::new(
@@ -778,18 +769,7 @@ pub fn parse_path(path: &str) -> Option<(&str, &str)> {
 /// very terminal. `None`: answer 404.
 pub fn page_caller(state: &AppState, request: &axum::extract::Request) -> Option<Caller> {
     let (id, tid) = parse_path(request.uri().path())?;
-    let has_key = request.headers().contains_key(header::AUTHORIZATION)
-        || request.headers().contains_key("x-api-key");
-    if has_key || matches!(state.auth, kiln_runtime::auth::Auth::Off) {
-        return crate::gate::check_key(state, request).ok();
-    }
-    let token = crate::preview::presented_token(request)?;
-    let grant = state.previews.check(&token, now_ms())?;
-    if grant.sandbox != format!("{id}/{tid}") || grant.port != 0 {
-        return None;
-    }
-    let sandbox = state.runtime.registry.get(&grant.tenant, id).ok()?.meta;
-    state.auth.acting_for(&sandbox)
+    crate::preview::caller_for(state, request, id, &format!("{id}/{tid}"), 0)
 }
 
 /// `GET /terminal/{id}/{tid}/ws`: the page's WebSocket (as [`attach`], by the page's cookie).

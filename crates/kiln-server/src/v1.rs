@@ -37,7 +37,7 @@ pub const MAX_PAGE: usize = 500;
 /// Largest file one upload may carry: 32 MiB (the body limit).
 pub const MAX_FILE_BYTES: usize = crate::MAX_BODY_BYTES;
 
-fn path_error(rejection: PathRejection) -> ApiError {
+pub(crate) fn path_error(rejection: PathRejection) -> ApiError {
     ApiError::bad_request(
         "INVALID_PATH",
         format!("bad path in the URL: {}", rejection.body_text()),
@@ -179,12 +179,7 @@ pub async fn get(
     let mut info = SandboxInfo::from_view(&view).described(state.runtime.catalogue());
     info.state = kiln_runtime::processes::box_state(&state.runtime, &view.meta)
         .await
-        .map(|s| {
-            serde_json::to_value(s)
-                .ok()
-                .and_then(|v| v.as_str().map(String::from))
-        })
-        .unwrap_or_default();
+        .map(crate::boxes::state_name);
     Ok(Json(info))
 }
 

@@ -11,12 +11,18 @@ use serde_json::{Value, json};
 use crate::common::serve::*;
 
 fn skip() -> bool {
-    let skip = std::env::var("KILN_SKIP_LINUX").is_ok_and(|v| v == "1");
-    if skip {
-        let test = std::thread::current().name().unwrap_or("?").to_owned();
-        eprintln!("SKIPPED (KILN_SKIP_LINUX=1): {test}");
-    }
-    skip
+    crate::common::skip_linux()
+}
+
+/// A new sandbox of a Linux `template` (`linux-debian`, `linux-python`).
+fn new_box(server: &Server, template: &str) -> Res<String> {
+    let (status, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({ "template": template })),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    Ok(created["containerId"].as_str().ok_or("no id")?.to_string())
 }
 
 fn sh(server: &Server, id: &str, script: &str) -> Res<Value> {
@@ -237,12 +243,7 @@ fn issue33_a_paused_box_is_frozen_even_while_forking_and_the_next_command_resume
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
-    let (_, created) = server.call(
-        "POST",
-        "/api/v1/sandboxes",
-        Some(json!({"template": "linux-debian"})),
-    )?;
-    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let id = new_box(&server, "linux-debian")?;
     // A counter in the workspace (read from the host, which needs nothing of the box), and
     // a process that forks without end.
     sh(
@@ -387,12 +388,7 @@ fn issue33_previews_reach_a_boxs_server_with_the_owners_key_or_a_token_and_nothi
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
-    let (_, created) = server.call(
-        "POST",
-        "/api/v1/sandboxes",
-        Some(json!({"template": "linux-python"})),
-    )?;
-    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let id = new_box(&server, "linux-python")?;
     let (status, ran) = server.call(
         "POST",
         &format!("/api/v1/sandboxes/{id}/exec"),
@@ -643,12 +639,7 @@ fn issue33_terminals_detach_reattach_with_replay_viewers_takeover_and_a_bounded_
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
-    let (_, created) = server.call(
-        "POST",
-        "/api/v1/sandboxes",
-        Some(json!({"template": "linux-debian"})),
-    )?;
-    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let id = new_box(&server, "linux-debian")?;
     let (status, opened) = server.call(
         "POST",
         &format!("/api/v1/sandboxes/{id}/terminals"),
@@ -1005,12 +996,7 @@ fn issue33_a_terminal_in_a_browser_survives_closing_its_tab() -> TestResult {
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
-    let (_, created) = server.call(
-        "POST",
-        "/api/v1/sandboxes",
-        Some(json!({"template": "linux-debian"})),
-    )?;
-    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let id = new_box(&server, "linux-debian")?;
     let (_, opened) = server.call(
         "POST",
         &format!("/api/v1/sandboxes/{id}/terminals"),
@@ -1079,12 +1065,7 @@ fn issue33_a_paused_box_of_a_killed_kiln_is_thawed_and_removed_by_the_next_one()
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
-    let (_, created) = server.call(
-        "POST",
-        "/api/v1/sandboxes",
-        Some(json!({"template": "linux-debian"})),
-    )?;
-    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let id = new_box(&server, "linux-debian")?;
     sh(&server, &id, "sleep 86397.5 >/dev/null 2>&1 &")?;
     let (_, paused) = server.call("POST", &format!("/api/v1/sandboxes/{id}/pause"), None)?;
     assert_eq!(paused["state"], "paused");
@@ -1419,12 +1400,7 @@ fn issue33_previews_by_host_name_with_a_preview_domain() -> TestResult {
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
-    let (_, created) = server.call(
-        "POST",
-        "/api/v1/sandboxes",
-        Some(json!({"template": "linux-python"})),
-    )?;
-    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let id = new_box(&server, "linux-python")?;
     sh(
         &server,
         &id,

@@ -8,14 +8,7 @@ use std::time::{Duration, Instant};
 use crate::common::serve::kiln;
 
 fn skip() -> bool {
-    let skip = std::env::var("KILN_SKIP_LINUX").is_ok_and(|v| v == "1");
-    if skip {
-        // Loud, so a skipped test never passes for a run one (libtest names the thread after
-        // the test; scripts/test and .ci/run refuse KILN_SKIP_LINUX).
-        let test = std::thread::current().name().unwrap_or("?").to_owned();
-        eprintln!("SKIPPED (KILN_SKIP_LINUX=1): {test}");
-    }
-    skip
+    crate::common::skip_linux()
 }
 
 fn run(state: &Path, args: &[&str]) -> (i32, String, String) {

@@ -4,6 +4,18 @@ use std::process::{Command, Stdio};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
+/// Whether the Linux tests are skipped (`KILN_SKIP_LINUX=1`), said loudly so a skipped test
+/// never passes for a run one (libtest names the thread after the test; scripts/test and
+/// .ci/run refuse KILN_SKIP_LINUX).
+pub fn skip_linux() -> bool {
+    let skip = std::env::var("KILN_SKIP_LINUX").is_ok_and(|v| v == "1");
+    if skip {
+        let test = std::thread::current().name().unwrap_or("?").to_owned();
+        eprintln!("SKIPPED (KILN_SKIP_LINUX=1): {test}");
+    }
+    skip
+}
+
 pub fn chromium() -> Res<&'static str> {
     for name in ["chromium", "chromium-browser", "google-chrome"] {
         if Command::new(name)
