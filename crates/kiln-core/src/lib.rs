@@ -326,6 +326,10 @@ pub struct ExecRequest {
     /// The live box's resources (Linux templates); `None`: the template's defaults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<template::Resources>,
+    /// What becomes of the sandbox's live box when nothing uses it (Linux templates), where
+    /// the sandbox chose otherwise than the backend's default. Not sent to workers.
+    #[serde(skip)]
+    pub idle: process::IdleOverrides,
 }
 
 /// A sandbox's network.
@@ -398,6 +402,7 @@ impl ExecRequest {
             command: None,
             network: Network::None,
             resources: None,
+            idle: process::IdleOverrides::default(),
         }
     }
 

@@ -126,6 +126,47 @@ pub enum BoxState {
     Hibernated,
 }
 
+/// What becomes of a sandbox's box that nothing uses: no command, process, terminal or
+/// preview connection holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdlePolicy {
+    /// How long a box may run nothing before `action`.
+    pub idle: std::time::Duration,
+    pub action: IdleAction,
+    /// How long a box stays paused before it is hibernated (`None`: it stays paused).
+    pub hibernate_after: Option<std::time::Duration>,
+}
+
+impl IdlePolicy {
+    /// This policy with a sandbox's own choices in place of its defaults.
+    pub fn with(self, own: &IdleOverrides) -> IdlePolicy {
+        IdlePolicy {
+            idle: own.idle.unwrap_or(self.idle),
+            action: own.action.unwrap_or(self.action),
+            hibernate_after: own.hibernate_after.or(self.hibernate_after),
+        }
+    }
+}
+
+/// A sandbox's own idle policy, where it differs from its backend's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IdleOverrides {
+    pub idle: Option<std::time::Duration>,
+    pub action: Option<IdleAction>,
+    pub hibernate_after: Option<std::time::Duration>,
+}
+
+/// What an idle box gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleAction {
+    /// Frozen with everything in it; the next command resumes it.
+    Pause,
+    /// Closed: the workspace and what the box wrote outside it stay, its processes end.
+    Stop,
+    /// Hibernated: as `Stop`, and the sandbox shows `hibernated` until its next command.
+    Hibernate,
+}
+
 /// A backend that starts live processes in a sandbox. `request` carries the sandbox: its
 /// template, workspace (and where the guest sees it), network, resources and memory limit;
 /// its code is not used. The box of a sandbox is named by its workspace.

@@ -78,6 +78,8 @@ struct Held {
     last_used: Instant,
     /// Preview connections open to it (each keeps it from idling).
     connections: Arc<std::sync::atomic::AtomicUsize>,
+    /// Its sandbox's own idle policy, where it differs from the backend's.
+    policy: kiln_core::process::IdleOverrides,
 }
 
 /// Counts one open connection while it lives.
@@ -215,6 +217,7 @@ impl NativeBackend {
             && entry.live.is_alive()
         {
             entry.last_used = Instant::now();
+            entry.policy = request.idle;
             if was_paused || entry.live.is_paused() {
                 entry
                     .live
@@ -250,6 +253,7 @@ impl NativeBackend {
                 live: live.clone(),
                 last_used: Instant::now(),
                 connections: Arc::default(),
+                policy: request.idle,
             },
         ) {
             self.close_later(workspace, old.live);
@@ -273,33 +277,40 @@ impl NativeBackend {
             .filter(|(workspace, entry)| !workspace.exists() || !entry.live.is_alive())
             .map(|(workspace, _)| workspace.clone())
             .collect();
-        let idled: Vec<PathBuf> = held
+        let policy_of = |workspace: &PathBuf| {
+            held.get(workspace)
+                .map_or(policy, |entry| policy.with(&entry.policy))
+        };
+        let idled: Vec<(PathBuf, IdleAction)> = held
             .iter()
             .filter(|(workspace, entry)| {
                 !gone.contains(workspace)
-                    && entry.last_used.elapsed() >= policy.idle
+                    && entry.last_used.elapsed() >= policy.with(&entry.policy).idle
                     && Arc::strong_count(&entry.live) == 1
                     && entry.connections.load(std::sync::atomic::Ordering::Relaxed) == 0
                     && !paused.contains_key(*workspace)
                     && !entry.live.is_paused()
             })
+            .map(|(workspace, entry)| (workspace.clone(), policy.with(&entry.policy).action))
+            .collect();
+        let mut sleepy: Vec<PathBuf> = paused
+            .iter()
+            .filter(|(workspace, since)| {
+                policy_of(workspace)
+                    .hibernate_after
+                    .is_some_and(|after| since.elapsed() >= after)
+            })
             .map(|(workspace, _)| workspace.clone())
             .collect();
-        let sleepy: Vec<PathBuf> = match policy.hibernate_after {
-            Some(after) => paused
-                .iter()
-                .filter(|(_, since)| since.elapsed() >= after)
-                .map(|(workspace, _)| workspace.clone())
-                .collect(),
-            None => Vec::new(),
-        };
+        let acted = gone.len() + idled.len() + sleepy.len();
         for workspace in &gone {
             if let Some(entry) = held.remove(workspace) {
                 self.close_later(workspace, entry.live);
             }
         }
-        for workspace in &idled {
-            match policy.action {
+        for (workspace, action) in &idled {
+            match action {
+                IdleAction::Hibernate => sleepy.push(workspace.clone()),
                 IdleAction::Stop => {
                     if let Some(entry) = held.remove(workspace) {
                         self.close_later(workspace, entry.live);
@@ -318,13 +329,14 @@ impl NativeBackend {
         for workspace in &sleepy {
             let _ = self.hibernate(workspace).await;
         }
-        gone.len() + idled.len() + sleepy.len()
+        acted
     }
 
     /// Reaps every few seconds, for as long as the backend lives.
     pub fn start_reaper(&self, policy: IdlePolicy) {
         let weak = Arc::downgrade(&self.inner);
-        let every = Duration::from_secs(5)
+        // A sandbox's own policy may be shorter than the backend's: every second at most.
+        let every = Duration::from_secs(1)
             .min(policy.idle)
             .min(policy.hibernate_after.unwrap_or(Duration::MAX))
             .max(Duration::from_millis(100));
@@ -490,15 +502,7 @@ impl NativeBackend {
     }
 }
 
-/// What becomes of boxes nothing uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct IdlePolicy {
-    /// How long a box may run nothing before `action`.
-    pub idle: Duration,
-    pub action: IdleAction,
-    /// How long a box stays paused before it is hibernated (`None`: it stays paused).
-    pub hibernate_after: Option<Duration>,
-}
+pub use kiln_core::process::{IdleAction, IdlePolicy};
 
 /// Why a hibernated box's processes ended: kiln does not checkpoint them yet, and what this
 /// host's CRIU says (asked once).
@@ -529,15 +533,6 @@ pub fn checkpoint_unavailable() -> String {
         )
     })
     .clone()
-}
-
-/// What an idle box gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IdleAction {
-    /// Frozen with everything in it; the next command resumes it.
-    Pause,
-    /// Closed: the workspace stays, the rest is lost.
-    Stop,
 }
 
 /// Where a sandbox's box keeps what it writes outside its workspace: `.layer` on the

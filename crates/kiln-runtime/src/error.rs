@@ -16,6 +16,14 @@ pub enum RuntimeError {
     SandboxNotFound { id: String },
     #[error("sandbox {id} is running {running}; retry when it finishes (or cancel it)")]
     SandboxBusy { id: String, running: String },
+    #[error(
+        "sandbox {id} is {state} and its lifecycle does not resume it on a request (autoResume false): resume it first (POST /api/v1/sandboxes/{id}/resume)"
+    )]
+    SandboxPaused { id: String, state: &'static str },
+    #[error(
+        "port {port} is not one this sandbox lets previews reach (its lifecycle.allowedPorts: {allowed:?})"
+    )]
+    PortNotAllowed { port: u16, allowed: Vec<u16> },
     #[error("sandbox {id} was deleted while this ran; its result is gone")]
     SandboxDeleted { id: String },
     #[error("sandbox {id} has no session {session:?}")]
@@ -144,6 +152,8 @@ impl RuntimeError {
         match self {
             E::SandboxNotFound { .. } => "SANDBOX_NOT_FOUND",
             E::SandboxBusy { .. } => "SANDBOX_BUSY",
+            E::SandboxPaused { .. } => "SANDBOX_PAUSED",
+            E::PortNotAllowed { .. } => "PORT_NOT_ALLOWED",
             E::SandboxDeleted { .. } => "SANDBOX_DELETED",
             E::SessionNotFound { .. } => "SESSION_NOT_FOUND",
             E::SessionEnded { .. } => "SESSION_ENDED",

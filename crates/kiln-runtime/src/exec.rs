@@ -234,6 +234,11 @@ pub async fn create_sandbox(
 ) -> Result<Sandbox> {
     let quotas = rt.quotas(caller);
     spec.key_id = Some(caller.key_id.clone());
+    if let Some(cap) = rt.max_life_ms {
+        let own = spec.lifecycle.max_duration_ms.map_or(cap, |m| m.min(cap));
+        spec.lifecycle.max_duration_ms = Some(own);
+        spec.lifetime_ms = spec.lifetime_ms.min(own);
+    }
     let (rt, tenant) = (rt.clone(), caller.tenant.clone());
     // Blocking work runs to its end even when the caller stops waiting.
     blocking(move || rt.registry.create(&tenant, &spec, &quotas)).await
@@ -435,6 +440,7 @@ async fn run_in(
     quotas: &Quotas,
     workspace_room: u64,
 ) -> Result<(ExecResult, Limits)> {
+    crate::processes::awake(state, sandbox).await?;
     // Most runs send no files and name no program file: no workspace handle is opened for
     // them (recording the change opens its own, off the async threads).
     if !spec.files.is_empty() {
@@ -534,6 +540,7 @@ fn one_shot(
     });
     request.workspace = Some(sandbox.workspace());
     request.workspace_at = sandbox.workspace_at.clone();
+    request.idle = sandbox.lifecycle.box_policy();
     request.stdin = spec.stdin.clone();
     request.env = sandbox_env(sandbox, &spec.env);
     request.limits = limits.clone();

@@ -30,6 +30,7 @@ pub mod error;
 pub mod exec;
 pub mod files;
 pub mod history;
+pub mod lifecycle;
 pub mod live;
 pub mod metrics;
 pub mod outputs;
@@ -74,6 +75,9 @@ pub struct RuntimeConfig {
     /// How long a tenant's line of executions over its quota may grow, and how long one
     /// waits in it ([`admission`]).
     pub admission: admission::AdmissionConfig,
+    /// The operator's cap on every sandbox's life from its creation, whatever renews it;
+    /// `None` (the default): no cap but the sandbox's own.
+    pub max_life_ms: Option<u64>,
 }
 
 impl RuntimeConfig {
@@ -87,6 +91,7 @@ impl RuntimeConfig {
             max_exec_ms: exec::MAX_EXEC_MS,
             process_host: None,
             admission: admission::AdmissionConfig::default(),
+            max_life_ms: None,
         }
     }
 }
@@ -106,6 +111,8 @@ pub struct Runtime {
     pub processes: processes::Processes,
     /// Each tenant's line of executions over its executions quota.
     pub admission: admission::Admission,
+    /// The operator's cap on every sandbox's life ([`RuntimeConfig::max_life_ms`]).
+    pub max_life_ms: Option<u64>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -133,6 +140,7 @@ impl Runtime {
             max_exec_ms: config.max_exec_ms.max(1),
             processes: processes::Processes::new(config.process_host),
             admission: admission::Admission::new(config.admission),
+            max_life_ms: config.max_life_ms,
         })
     }
 
@@ -246,6 +254,16 @@ impl Runtime {
         let removed = self.registry.reap_expired();
         for id in &removed.ids {
             self.processes.kill_all(id).await;
+        }
+        // Paused where it stands, its processes and files kept (E2B's autoPause).
+        if let Some(host) = self.processes.host() {
+            for sandbox in &removed.paused {
+                if processes::runs_processes(self, sandbox)
+                    && let Err(e) = host.set_paused(&sandbox.workspace(), true).await
+                {
+                    tracing::warn!(sandbox = %sandbox.id, "could not pause a sandbox at its timeout: {}", e.message);
+                }
+            }
         }
         for (template, handle) in removed.handles {
             self.close_session(&template, &handle).await;

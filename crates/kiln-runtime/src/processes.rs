@@ -242,6 +242,7 @@ pub async fn start(
     let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
     let host = host_for(rt, &sandbox)?;
     check_start(&asked)?;
+    awake(rt, &sandbox).await?;
     if rt.processes.lock().get(id).map_or(0, BTreeMap::len) >= MAX_PROCESSES_PER_SANDBOX {
         return Err(RuntimeError::Saturated {
             message: format!(
@@ -336,6 +337,7 @@ fn box_request(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> ExecRequest {
     request.resources = sandbox.resources;
     request.workspace = Some(sandbox.workspace());
     request.workspace_at = sandbox.workspace_at.clone();
+    request.idle = sandbox.lifecycle.box_policy();
     request.env = crate::exec::sandbox_env(sandbox, &[]);
     request.limits = Limits {
         memory_bytes: sandbox.memory_bytes,
@@ -387,6 +389,41 @@ fn check_start(asked: &StartProcess) -> Result<()> {
     }
     if asked.tag.as_ref().is_some_and(|t| t.len() > 256) {
         return Err(invalid("a tag is at most 256 bytes"));
+    }
+    Ok(())
+}
+
+/// Refuses a request that would resume a paused or hibernated sandbox whose lifecycle turned
+/// auto-resume off (`SANDBOX_PAUSED`); any other passes (and resumes it).
+pub async fn awake(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<()> {
+    if sandbox.lifecycle.auto_resume() {
+        return Ok(());
+    }
+    match box_state(rt, sandbox).await {
+        Some(state @ (BoxState::Paused | BoxState::Hibernated)) => {
+            Err(RuntimeError::SandboxPaused {
+                id: sandbox.id.clone(),
+                state: if state == BoxState::Paused {
+                    "paused"
+                } else {
+                    "hibernated"
+                },
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Resumes a paused box for a request that needs it running (a terminal attaching), unless
+/// its lifecycle turned auto-resume off ([`awake`]).
+pub async fn wake(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<()> {
+    awake(rt, sandbox).await?;
+    if box_state(rt, sandbox).await == Some(BoxState::Paused)
+        && let Some(host) = rt.processes.host.clone()
+    {
+        host.set_paused(&sandbox.workspace(), false)
+            .await
+            .map_err(|e| RuntimeError::Internal { message: e.message })?;
     }
     Ok(())
 }
@@ -480,6 +517,13 @@ pub async fn connect_box(
     port: u16,
 ) -> Result<tokio::io::DuplexStream> {
     let host = host_for(rt, sandbox)?;
+    if !sandbox.lifecycle.allows_port(port) {
+        return Err(RuntimeError::PortNotAllowed {
+            port,
+            allowed: sandbox.lifecycle.allowed_ports.clone().unwrap_or_default(),
+        });
+    }
+    awake(rt, sandbox).await?;
     host.connect(&sandbox.workspace(), port)
         .await
         .map_err(|e| RuntimeError::ProcessFailed { message: e.message })

@@ -23,6 +23,7 @@ use tokio::sync::oneshot;
 
 use crate::error::{Result, RuntimeError};
 use crate::history::History;
+use crate::lifecycle::Lifecycle;
 use crate::quota::{Quotas, Usage};
 use crate::store;
 use kiln_workspace::{RelPath, Tree};
@@ -56,6 +57,9 @@ pub struct SandboxSpec {
     pub public_ports: bool,
     /// The key that made it (set by [`crate::exec::create_sandbox`]).
     pub key_id: Option<String>,
+    /// When it ends and what becomes of its box ([`crate::lifecycle`]); a
+    /// `terminate_after_idle_ms` means no fixed life: `lifetime_ms` is then that window.
+    pub lifecycle: Lifecycle,
 }
 
 /// Default sandbox lifetime: 30 minutes.
@@ -84,7 +88,18 @@ impl SandboxSpec {
                 templates: catalogue.templates().iter().map(|t| t.id.clone()).collect(),
             })?;
         let language = template.default_language();
-        let lifetime_ms = lifetime_ms.unwrap_or(DEFAULT_LIFETIME_MS);
+        let Some(lifetime_ms) = lifetime_ms else {
+            let memory =
+                SandboxSpec::resolve(catalogue, image, Some(MIN_LIFETIME_MS), memory_limit)?
+                    .memory_bytes;
+            return Ok(SandboxSpec::of_template(
+                image.trim(),
+                template,
+                DEFAULT_LIFETIME_MS,
+                memory,
+            )
+            .with_idle_life(crate::lifecycle::DEFAULT_IDLE_LIFE_MS));
+        };
         if !(MIN_LIFETIME_MS..=MAX_LIFETIME_MS).contains(&lifetime_ms) {
             return Err(RuntimeError::InvalidOption {
                 message: format!(
@@ -168,7 +183,45 @@ impl SandboxSpec {
             access_token: None,
             public_ports: false,
             key_id: None,
+            lifecycle: Lifecycle::default(),
         }
+    }
+
+    /// The sandbox with no fixed life: it ends after `window_ms` without a request (each
+    /// request moves its end).
+    pub fn with_idle_life(mut self, window_ms: u64) -> SandboxSpec {
+        self.lifetime_ms = window_ms;
+        self.lifecycle.terminate_after_idle_ms = Some(window_ms);
+        self
+    }
+
+    /// The sandbox with the lifecycle a create request gives (checked against its template
+    /// and its life: see [`Lifecycle::check`]); what `asked` leaves out stays as it is.
+    pub fn with_lifecycle(
+        mut self,
+        catalogue: &kiln_core::template::Catalogue,
+        asked: Option<&Lifecycle>,
+    ) -> Result<SandboxSpec> {
+        let Some(asked) = asked else { return Ok(self) };
+        let boxed = catalogue
+            .get(&self.template)
+            .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Native);
+        let fixed = self.lifecycle.terminate_after_idle_ms.is_none();
+        asked.check(boxed, fixed)?;
+        let window = asked
+            .terminate_after_idle_ms
+            .or(self.lifecycle.terminate_after_idle_ms);
+        self.lifecycle = Lifecycle {
+            terminate_after_idle_ms: window,
+            ..asked.clone()
+        };
+        if let Some(window) = window {
+            self.lifetime_ms = window;
+        }
+        if let Some(cap) = self.lifecycle.max_duration_ms {
+            self.lifetime_ms = self.lifetime_ms.min(cap);
+        }
+        Ok(self)
     }
 
     /// The sandbox with the resources `asked` changes (seed 002's limits): CPU, processes
@@ -367,12 +420,45 @@ pub struct Sandbox {
     /// token (the E2B facade's sandbox plane) act with that key's quotas and rate limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_id: Option<String>,
+    /// When it ends and what becomes of its box ([`crate::lifecycle`]).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub lifecycle: Lifecycle,
+    /// Whether the end of its fixed life paused it (`onTimeout: "pause"`): it is kept
+    /// [`crate::lifecycle::PAUSED_KEEP_MS`] more, then deleted unless renewed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
     /// Runtime only: the folder the sandbox lives in.
     #[serde(skip)]
     pub dir: PathBuf,
 }
 
+fn is_default(lifecycle: &Lifecycle) -> bool {
+    *lifecycle == Lifecycle::default()
+}
+
 impl Sandbox {
+    /// Where its life ends at the latest (`maxDurationMs` from creation); `u64::MAX`: no cap.
+    pub fn hard_end_ms(&self) -> u64 {
+        self.lifecycle
+            .max_duration_ms
+            .map_or(u64::MAX, |cap| self.created_ms.saturating_add(cap))
+    }
+
+    /// Moves the end of a life that requests extend (no fixed life) to a full window from
+    /// now; answers whether it moved enough to be worth saving (a tenth of the window, at
+    /// most a minute: a crash loses at most that much of its life).
+    fn slide(&mut self, now: u64) -> bool {
+        let Some(window) = self.lifecycle.terminate_after_idle_ms else {
+            return false;
+        };
+        let end = now.saturating_add(window).min(self.hard_end_ms());
+        if end > self.expires_ms.saturating_add((window / 10).min(60_000)) {
+            self.expires_ms = end;
+            return true;
+        }
+        false
+    }
+
     /// The template it was made from.
     pub fn template(&self) -> &str {
         self.template.as_deref().unwrap_or(self.language.name())
@@ -548,6 +634,9 @@ pub struct Removed {
     pub handles: Vec<(String, SessionHandle)>,
     /// The ids of the sandboxes removed.
     pub ids: Vec<String>,
+    /// Sandboxes whose fixed life ended with `onTimeout: "pause"`: kept, their boxes to
+    /// pause.
+    pub paused: Vec<Sandbox>,
 }
 
 impl Registry {
@@ -645,7 +734,9 @@ impl Registry {
             template: Some(spec.template.clone()),
             language: spec.language,
             created_ms,
-            expires_ms: created_ms.saturating_add(spec.lifetime_ms),
+            expires_ms: created_ms
+                .saturating_add(spec.lifetime_ms)
+                .min(created_ms.saturating_add(spec.lifecycle.max_duration_ms.unwrap_or(u64::MAX))),
             memory_bytes: spec.memory_bytes,
             executions: 0,
             cpu_time_ms: 0,
@@ -660,6 +751,8 @@ impl Registry {
             access_token: spec.access_token.clone(),
             public_ports: spec.public_ports,
             key_id: spec.key_id.clone(),
+            lifecycle: spec.lifecycle.clone(),
+            timed_out: false,
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {
@@ -729,20 +822,35 @@ impl Registry {
     }
 
     /// A live sandbox of `tenant` (another tenant's is "not found").
+    /// A request to it: a sandbox with no fixed life lives a full window from now.
     pub fn get(&self, tenant: &str, id: &str) -> Result<SandboxView> {
         let mut sandboxes = self.lock();
-        Registry::find(&mut sandboxes, tenant, id).map(|e| Registry::view(e))
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        let moved = entry.meta.slide(now_ms());
+        let view = Registry::view(entry);
+        drop(sandboxes);
+        if moved {
+            self.mark_dirty(id);
+        }
+        Ok(view)
     }
 
     /// A live sandbox by id alone, whoever's it is (for a request that proves itself with
     /// the sandbox's own access token, checked by the caller).
+    /// Like [`Registry::get`], a request to it.
     pub fn lookup(&self, id: &str) -> Option<SandboxView> {
         let now = now_ms();
-        let sandboxes = self.lock();
-        sandboxes
-            .get(id)
-            .filter(|e| e.meta.expires_ms > now && !e.deleted)
-            .map(Registry::view)
+        let mut sandboxes = self.lock();
+        let entry = sandboxes
+            .get_mut(id)
+            .filter(|e| e.meta.expires_ms > now && !e.deleted)?;
+        let moved = entry.meta.slide(now);
+        let view = Registry::view(entry);
+        drop(sandboxes);
+        if moved {
+            self.mark_dirty(id);
+        }
+        Some(view)
     }
 
     /// The first live sandbox (of any tenant) `wanted` picks.
@@ -916,6 +1024,14 @@ impl Registry {
         Ok(())
     }
 
+    /// Has sandbox `id`'s record written with the usage counters.
+    fn mark_dirty(&self, id: &str) {
+        self.dirty
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned());
+    }
+
     /// Writes the usage counters that changed since the last call.
     pub fn flush_usage(&self) {
         let ids: Vec<String> = self
@@ -964,7 +1080,10 @@ impl Registry {
     pub fn renew(&self, tenant: &str, id: &str, lifetime_ms: u64) -> Result<Sandbox> {
         let mut sandboxes = self.lock();
         let entry = Registry::find(&mut sandboxes, tenant, id)?;
-        entry.meta.expires_ms = now_ms().saturating_add(lifetime_ms);
+        entry.meta.expires_ms = now_ms()
+            .saturating_add(lifetime_ms)
+            .min(entry.meta.hard_end_ms());
+        entry.meta.timed_out = false;
         let meta = entry.meta.clone();
         drop(sandboxes);
         self.persist(id)?;
@@ -1117,6 +1236,7 @@ impl Registry {
                 .drain()
                 .map(|(_, h)| (entry.meta.template().to_owned(), h))
                 .collect(),
+            paused: Vec::new(),
         };
         if let Some(running) = &mut entry.running {
             entry.deleted = true;
@@ -1131,12 +1251,28 @@ impl Registry {
         Ok(removed)
     }
 
-    /// Removes every sandbox whose lifetime is over and that runs nothing.
+    /// Removes every sandbox whose lifetime is over and that runs nothing; one whose
+    /// lifecycle says `onTimeout: "pause"` is kept instead (the first time its life ends),
+    /// for its box to be paused.
     pub fn reap_expired(&self) -> Removed {
         let now = now_ms();
         let mut removed = Removed::default();
         let expired: Vec<Entry> = {
             let mut sandboxes = self.lock();
+            for entry in sandboxes.values_mut().filter(|e| {
+                e.meta.expires_ms <= now
+                    && e.running.is_none()
+                    && !e.deleted
+                    && !e.meta.timed_out
+                    && e.meta.lifecycle.pauses_on_timeout()
+                    && e.meta.hard_end_ms() > now
+            }) {
+                entry.meta.timed_out = true;
+                entry.meta.expires_ms = now
+                    .saturating_add(crate::lifecycle::PAUSED_KEEP_MS)
+                    .min(entry.meta.hard_end_ms());
+                removed.paused.push(entry.meta.clone());
+            }
             let ids: Vec<String> = sandboxes
                 .values()
                 .filter(|e| e.meta.expires_ms <= now && e.running.is_none())
@@ -1144,6 +1280,11 @@ impl Registry {
                 .collect();
             ids.iter().filter_map(|id| sandboxes.remove(id)).collect()
         };
+        for kept in &removed.paused {
+            if let Err(e) = self.persist(&kept.id) {
+                tracing::warn!("could not save sandbox {}: {e}", kept.id);
+            }
+        }
         for mut entry in expired {
             removed.ids.push(entry.meta.id.clone());
             let _ = std::fs::remove_file(entry.meta.meta_path());

@@ -57,6 +57,7 @@ fn session_request(rt: &Runtime, sandbox: &Sandbox, language: Language) -> ExecR
     let mut request = ExecRequest::new(language, "");
     request.workspace = Some(sandbox.workspace());
     request.workspace_at = sandbox.workspace_at.clone();
+    request.idle = sandbox.lifecycle.box_policy();
     request.env = crate::exec::sandbox_env(sandbox, &[]);
     request.limits = Limits {
         memory_bytes: sandbox.memory_bytes,
@@ -77,6 +78,7 @@ pub async fn open(
     session_id: String,
 ) -> Result<SessionInfo> {
     let view = rt.registry.get(&caller.tenant, id)?;
+    crate::processes::awake(rt, &view.meta).await?;
     let request = session_request(rt, &view.meta, language);
     let quotas = rt.quotas(caller);
     rt.registry
@@ -356,10 +358,15 @@ async fn fork_sandbox(
     work: &str,
 ) -> Result<Sandbox> {
     let quotas = rt.quotas(caller);
-    let lifetime_ms = parent.expires_ms.saturating_sub(parent.created_ms).clamp(
-        crate::sandbox::MIN_LIFETIME_MS,
-        crate::sandbox::MAX_LIFETIME_MS,
-    );
+    // A fork lives as its parent does: a fixed life as long as the parent's, or the same
+    // window of idleness.
+    let lifetime_ms = match parent.lifecycle.terminate_after_idle_ms {
+        Some(window) => window,
+        None => parent.expires_ms.saturating_sub(parent.created_ms).clamp(
+            crate::sandbox::MIN_LIFETIME_MS,
+            crate::sandbox::MAX_LIFETIME_MS,
+        ),
+    };
     let owner = rt
         .catalogue()
         .get(parent.template())
@@ -379,6 +386,7 @@ async fn fork_sandbox(
         access_token: None,
         public_ports: false,
         key_id: parent.key_id.clone(),
+        lifecycle: parent.lifecycle.clone(),
     };
     let (rt, tenant, parent, summary, work) = (
         rt.clone(),

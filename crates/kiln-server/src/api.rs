@@ -388,7 +388,17 @@ pub struct SandboxInfo {
     /// The execution running now, if any.
     pub current_execution: Option<String>,
     pub created_at: String,
+    /// When it ends unless something extends it: a fixed life's end (`timeoutMs`), or,
+    /// with no fixed life, `lifecycle.terminateAfterIdleMs` after the last request.
     pub expires_at: String,
+    /// When and how it ends and what becomes of its box, where the create request or the
+    /// server chose (see the create body's `lifecycle`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<kiln_runtime::lifecycle::Lifecycle>,
+    /// Whether the end of its fixed life paused it (`lifecycle.onTimeout: "pause"`); renew
+    /// it (`POST .../renew`) to give it a life again.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
     pub resource_usage: ResourceUsage,
     /// Session ids, with whether each still holds live state.
     pub sessions: Vec<SessionInfo>,
@@ -434,6 +444,8 @@ impl SandboxInfo {
             current_execution: view.running.clone(),
             created_at: rfc3339(sandbox.created_ms),
             expires_at: rfc3339(sandbox.expires_ms),
+            lifecycle: (sandbox.lifecycle != Default::default()).then(|| sandbox.lifecycle.clone()),
+            timed_out: sandbox.timed_out,
             resource_usage: ResourceUsage {
                 executions: sandbox.executions,
                 execution_time_ms: sandbox.cpu_time_ms,

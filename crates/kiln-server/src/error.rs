@@ -88,11 +88,13 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
             | E::FolderNotFound { .. }
             | E::ProcessNotFound { .. } => StatusCode::NOT_FOUND,
             E::SandboxBusy { .. }
+            | E::SandboxPaused { .. }
             | E::SandboxDeleted { .. }
             | E::SessionEnded { .. }
             | E::TooManySessions { .. }
             | E::IsAFolder { .. }
             | E::Cancelled => StatusCode::CONFLICT,
+            E::PortNotAllowed { .. } => StatusCode::FORBIDDEN,
             E::QuotaExceeded { .. } | E::ExecutionQueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             E::Workspace(tree) => match tree {
                 TreeError::NotFound { .. } => StatusCode::NOT_FOUND,

@@ -103,6 +103,8 @@ pub struct ServerConfig {
     pub routes: Vec<(kiln_core::Language, String)>,
     /// The longest one execution may run (default 5 minutes).
     pub max_exec_ms: u64,
+    /// The operator's cap on every sandbox's life (`--max-sandbox-life`); `None`: none.
+    pub max_life_ms: Option<u64>,
     /// What starts live processes in sandboxes (the Linux backend), if anything does.
     pub process_host: Option<Arc<dyn kiln_core::process::ProcessHost>>,
     /// Where the E2B facade listens, and its settings; `None`: no facade.
@@ -122,6 +124,7 @@ impl AppState {
                 max_exec_ms: config.max_exec_ms,
                 process_host: config.process_host.clone(),
                 admission: config.admission,
+                max_life_ms: config.max_life_ms,
             },
             pools,
         )?;

@@ -186,10 +186,25 @@ pub fn not_found(id: &str) -> Response {
     .into_response()
 }
 
-/// Whether a box's `port` may be previewed: an unprivileged one (the privileged ones are
-/// where a box's root would run system services).
-fn port_allowed(port: u16) -> bool {
-    port >= 1024
+/// Whether a box's `port` may be previewed: one its sandbox lists in
+/// `lifecycle.allowedPorts`, or, where it lists none, an unprivileged one (the privileged
+/// ones are where a box's root would run system services).
+fn port_allowed(sandbox: &kiln_runtime::sandbox::Sandbox, port: u16) -> Result<(), ApiError> {
+    match &sandbox.lifecycle.allowed_ports {
+        Some(_) if sandbox.lifecycle.allows_port(port) => Ok(()),
+        Some(_) => Err(kiln_runtime::RuntimeError::PortNotAllowed {
+            port,
+            allowed: sandbox.lifecycle.allowed_ports.clone().unwrap_or_default(),
+        }
+        .into()),
+        None if port >= 1024 => Ok(()),
+        None => Err(ApiError::bad_request(
+            "PORT_NOT_ALLOWED",
+            format!(
+                "port {port} is privileged; previews reach ports 1024 and up, or those the sandbox lists in lifecycle.allowedPorts"
+            ),
+        )),
+    }
 }
 
 /// What a preview served under kiln's origin may do: run scripts, forms, popups and
@@ -265,12 +280,8 @@ pub async fn forward(
     mut request: Request,
 ) -> Response {
     let id = sandbox.id.as_str();
-    if !port_allowed(port) {
-        return ApiError::bad_request(
-            "PORT_NOT_ALLOWED",
-            format!("port {port} is privileged; previews reach ports 1024 and up"),
-        )
-        .into_response();
+    if let Err(refused) = port_allowed(sandbox, port) {
+        return refused.into_response();
     }
     let stream = match processes::connect_box(&state.runtime, sandbox, port).await {
         Ok(stream) => stream,
@@ -617,15 +628,7 @@ pub async fn create_link(
             "a WebAssembly sandbox serves nothing to preview; create the sandbox from a Linux template",
         ));
     }
-    if !port_allowed(body.port) {
-        return Err(ApiError::bad_request(
-            "PORT_NOT_ALLOWED",
-            format!(
-                "port {} cannot be previewed: previews reach ports 1024 and up",
-                body.port
-            ),
-        ));
-    }
+    port_allowed(&sandbox, body.port)?;
     let ttl = body.ttl_seconds.unwrap_or(3600);
     if !(1..=MAX_TOKEN_SECONDS).contains(&ttl) {
         return Err(ApiError::bad_request(

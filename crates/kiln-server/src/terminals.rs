@@ -455,6 +455,10 @@ pub async fn attach(
     let Ok(upgrade) = upgrade else {
         return Ok(Json(terminal.info()).into_response());
     };
+    // Attaching to a paused sandbox's terminal resumes it (or is refused, SANDBOX_PAUSED,
+    // where its lifecycle says autoResume false).
+    let sandbox = state.runtime.registry.get(&caller.tenant, &id)?.meta;
+    processes::wake(&state.runtime, &sandbox).await?;
     Ok(upgrade
         .max_message_size(1 << 20)
         .on_upgrade(move |socket| {

@@ -62,7 +62,9 @@ pub struct NewSandbox {
     /// the same as `image`; both may be sent when they name the same template.
     #[schema(example = "python-data")]
     pub template: Option<String>,
-    /// Lifetime in milliseconds (default 30 minutes, at least 1 second, at most 24 hours).
+    /// A fixed life in milliseconds (at least 1 second, at most 24 hours; renewable with
+    /// `POST .../renew`). Without one the sandbox has no fixed end: it lives until
+    /// `lifecycle.terminateAfterIdleMs` (default 7 days) pass with no request to it.
     #[schema(minimum = 1000, maximum = 86400000)]
     pub timeout_ms: Option<u64>,
     /// Memory cap per execution, e.g. "512m".
@@ -73,6 +75,9 @@ pub struct NewSandbox {
     /// Seed 002's limits of the sandbox's box (`vcpus`, `disk_mb`, `pids`: Linux templates;
     /// `memory_mb` anywhere, instead of `memoryLimit`): what it leaves out is the template's.
     pub resources: Option<kiln_core::template::ResourceRequest>,
+    /// When it ends and what becomes of its box when idle (seed 002's `idle_timeout`,
+    /// `max_duration`, `persistence`, `allowed_ports`; E2B's `onTimeout` and `autoResume`).
+    pub lifecycle: Option<kiln_runtime::lifecycle::Lifecycle>,
 }
 
 /// Create a sandbox.
@@ -101,7 +106,8 @@ pub async fn create(
         body.memory_limit.as_deref(),
     )?
     .with_network(state.runtime.catalogue(), body.network.as_deref())?
-    .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?;
+    .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?
+    .with_lifecycle(state.runtime.catalogue(), body.lifecycle.as_ref())?;
     let id = exec::create_sandbox(&state.runtime, &caller, spec)
         .await?
         .id;

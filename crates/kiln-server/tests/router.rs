@@ -49,6 +49,7 @@ fn app(auth: bool) -> App {
         llm: kiln_llm::LlmEnv::default(),
         routes: Vec::new(),
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
+        max_life_ms: None,
         process_host: None,
         e2b: None,
         admission: Default::default(),

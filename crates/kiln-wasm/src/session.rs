@@ -237,6 +237,7 @@ impl SessionOptions {
             command: None,
             network: kiln_core::Network::None,
             resources: None,
+            idle: Default::default(),
         }
     }
 }

@@ -118,6 +118,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         llm: kiln_llm::LlmEnv::from_env(),
         routes: Vec::new(),
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
+        max_life_ms: None,
         process_host: None,
         e2b: None,
         admission: Default::default(),

@@ -166,6 +166,11 @@ pub struct ServeArgs {
     /// (each execution is also bounded by its sandbox's remaining life).
     #[arg(long, env = "KILN_MAX_EXEC_TIME", default_value = "5m", value_parser = parse_duration_ms)]
     pub max_exec_time: u64,
+    /// A cap on every sandbox's life from its creation, whatever renews it (`24h`, `7d`).
+    /// Unset (the default): a sandbox without a fixed life (`timeoutMs`) lives until it
+    /// idles `lifecycle.terminateAfterIdleMs` (default 7 days), however long that is.
+    #[arg(long, env = "KILN_MAX_SANDBOX_LIFE", value_parser = parse_life_ms)]
+    pub max_sandbox_life: Option<u64>,
     /// Run a language's code in a template of your choice where a request names no sandbox
     /// (MCP's run tools, the chat agent, default sandboxes): `python=linux-python`,
     /// `javascript=linux-node`; repeatable. Default: the WebAssembly templates.
@@ -407,8 +412,10 @@ pub struct LinuxArgs {
     /// What an idle box gets: `pause` (frozen with everything in it, its processes and the
     /// files outside the workspace included; the next command resumes it) or `stop` (closed:
     /// the workspace stays, the rest is lost). Either way the box goes when its sandbox does.
+    /// `hibernate`: as `stop`, and the sandbox shows `hibernated`. A sandbox's own
+    /// `lifecycle.onIdle` (or `persistence`) chooses for itself.
     #[arg(long, env = "KILN_BOX_IDLE_ACTION", default_value = "pause",
-          value_parser = ["pause", "stop"])]
+          value_parser = ["pause", "stop", "hibernate"])]
     pub box_idle_action: String,
     /// How long a box stays paused before it is hibernated: its memory returned, its files
     /// kept, its processes ended (kiln checkpoints none yet); its next command starts a box
@@ -508,6 +515,15 @@ fn parse_language(text: &str) -> Result<Language, String> {
 
 /// `500ms`, `10s`, `2m`, or a bare number of seconds.
 pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    parse_duration_up_to(text, 86_400_000.0, "24h")
+}
+
+/// A life: as [`parse_duration_ms`], up to a year (`7d`, `36h`).
+pub fn parse_life_ms(text: &str) -> Result<u64, String> {
+    parse_duration_up_to(text, 365.0 * 86_400_000.0, "365d")
+}
+
+fn parse_duration_up_to(text: &str, max_ms: f64, max_said: &str) -> Result<u64, String> {
     let text = text.trim();
     let (number, unit) = split_unit(text);
     let value: f64 = number
@@ -517,11 +533,17 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
         "ms" => 1.0,
         "" | "s" => 1_000.0,
         "m" => 60_000.0,
-        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use ms, s or m)")),
+        "h" => 3_600_000.0,
+        "d" => 86_400_000.0,
+        _ => {
+            return Err(format!(
+                "{text:?}: unknown unit {unit:?} (use ms, s, m, h or d)"
+            ));
+        }
     };
     let ms = value * factor;
-    if !ms.is_finite() || !(1.0..=86_400_000.0).contains(&ms) {
-        return Err(format!("{text:?} is out of range (1ms to 24h)"));
+    if !ms.is_finite() || !(1.0..=max_ms).contains(&ms) {
+        return Err(format!("{text:?} is out of range (1ms to {max_said})"));
     }
     Ok(ms as u64)
 }

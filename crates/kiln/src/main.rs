@@ -484,6 +484,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         llm: kiln_llm::LlmEnv::from_env(),
         routes,
         max_exec_ms: args.max_exec_time,
+        max_life_ms: args.max_sandbox_life,
         process_host: linux
             .clone()
             .map(|b| std::sync::Arc::new(b) as std::sync::Arc<dyn kiln_core::process::ProcessHost>),
@@ -502,10 +503,10 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         if let Some(backend) = &linux {
             backend.start_reaper(kiln_native::backend::IdlePolicy {
                 idle: std::time::Duration::from_millis(args.linux_args.box_idle),
-                action: if args.linux_args.box_idle_action == "stop" {
-                    kiln_native::backend::IdleAction::Stop
-                } else {
-                    kiln_native::backend::IdleAction::Pause
+                action: match args.linux_args.box_idle_action.as_str() {
+                    "stop" => kiln_native::backend::IdleAction::Stop,
+                    "hibernate" => kiln_native::backend::IdleAction::Hibernate,
+                    _ => kiln_native::backend::IdleAction::Pause,
                 },
                 hibernate_after: args
                     .linux_args

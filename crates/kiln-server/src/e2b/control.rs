@@ -133,6 +133,16 @@ struct NewSandbox {
     /// `{"allowPublicTraffic": false}` makes the box's servers (`get_host`) need the
     /// sandbox's traffic token; E2B's default lets anyone reach them.
     network: Option<NetworkOptions>,
+    /// `lifecycle={"on_timeout": "pause"}`: the timeout pauses the sandbox, not kills it.
+    auto_pause: Option<bool>,
+    /// `lifecycle={"auto_resume": …}`: whether a request to a paused sandbox resumes it
+    /// (kiln's default: yes).
+    auto_resume: Option<AutoResume>,
+}
+
+#[derive(Debug, Deserialize)]
+struct AutoResume {
+    enabled: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -260,6 +270,19 @@ async fn create_sandbox(
         .as_ref()
         .and_then(|n| n.allow_public_traffic)
         .unwrap_or(true);
+    let lifecycle = kiln_runtime::lifecycle::Lifecycle {
+        on_timeout: asked
+            .auto_pause
+            .filter(|pause| *pause)
+            .map(|_| kiln_runtime::lifecycle::OnTimeout::Pause),
+        auto_resume: asked.auto_resume.map(|a| a.enabled),
+        ..Default::default()
+    };
+    if lifecycle != Default::default() {
+        spec = spec
+            .with_lifecycle(rt.catalogue(), Some(&lifecycle))
+            .map_err(|e| error(StatusCode::BAD_REQUEST, e.to_string()))?;
+    }
     exec::create_sandbox(rt, caller, spec).await.map_err(failed)
 }
 
@@ -331,6 +354,10 @@ fn listed_json(
         value["envdAccessToken"] = json!(sandbox.access_token);
         value["domain"] = json!(e2b.config.domain);
         value["allowInternetAccess"] = json!(sandbox.network == kiln_core::Network::Allowlist);
+        value["lifecycle"] = json!({
+            "onTimeout": if sandbox.lifecycle.pauses_on_timeout() { "pause" } else { "kill" },
+            "autoResume": sandbox.lifecycle.auto_resume(),
+        });
     }
     value
 }

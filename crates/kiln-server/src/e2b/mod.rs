@@ -296,7 +296,10 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
         | E::FolderNotFound { .. }
         | E::ProcessNotFound { .. }
         | E::Workspace(T::NotFound { .. }) => StatusCode::NOT_FOUND,
-        E::SandboxBusy { .. } | E::Cancelled | E::SessionEnded { .. } => StatusCode::CONFLICT,
+        E::SandboxBusy { .. } | E::SandboxPaused { .. } | E::Cancelled | E::SessionEnded { .. } => {
+            StatusCode::CONFLICT
+        }
+        E::PortNotAllowed { .. } => StatusCode::FORBIDDEN,
         E::QuotaExceeded { .. } | E::ExecutionQueueFull { .. } | E::TooManySessions { .. } => {
             StatusCode::TOO_MANY_REQUESTS
         }

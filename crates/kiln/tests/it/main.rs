@@ -8,6 +8,7 @@ mod common;
 mod fork;
 mod interactive;
 mod issue32;
+mod lifecycle;
 mod linux;
 mod rest;
 mod rich_oneshot;
