@@ -327,8 +327,8 @@ pub struct ExecRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<template::Resources>,
     /// What becomes of the sandbox's live box when nothing uses it (Linux templates), where
-    /// the sandbox chose otherwise than the backend's default. Not sent to workers.
-    #[serde(skip)]
+    /// the sandbox chose otherwise than the backend's default.
+    #[serde(default, skip_serializing_if = "process::IdleOverrides::is_default")]
     pub idle: process::IdleOverrides,
 }
 

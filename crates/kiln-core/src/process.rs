@@ -149,15 +149,21 @@ impl IdlePolicy {
 }
 
 /// A sandbox's own idle policy, where it differs from its backend's.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct IdleOverrides {
     pub idle: Option<std::time::Duration>,
     pub action: Option<IdleAction>,
     pub hibernate_after: Option<std::time::Duration>,
 }
 
+impl IdleOverrides {
+    pub fn is_default(&self) -> bool {
+        *self == IdleOverrides::default()
+    }
+}
+
 /// What an idle box gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum IdleAction {
     /// Frozen with everything in it; the next command resumes it.
     Pause,

@@ -164,3 +164,141 @@ fn issue33_bad_lifecycles_are_refused_naming_the_field() -> TestResult {
     assert_eq!(status_of(&capped, &fixed)?, 404);
     Ok(())
 }
+
+fn sh(server: &Server, id: &str, script: &str) -> Res<(u16, Value)> {
+    server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"command": ["sh", "-c", script]})),
+    )
+}
+
+/// Waits until `id`'s GET shows `want` (a field and its value).
+fn until_shown(server: &Server, id: &str, field: &str, want: Value) -> Res<Value> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+        if info[field] == want {
+            return Ok(info);
+        }
+        assert!(Instant::now() < deadline, "{id}: {field} never became {want}: {info}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_previews()
+-> TestResult {
+    if crate::common::skip_linux() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    // The server's own idle policy is its default (15 minutes): what happens below is the
+    // sandboxes' own.
+    let server = start(Options {
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let boxed = |lifecycle: Value, extra: Value| -> Res<String> {
+        let mut body = json!({"template": "linux-debian", "lifecycle": lifecycle});
+        if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+            body.extend(extra.clone());
+        }
+        created_id(&server, body)
+    };
+    let pauses = boxed(json!({"idleTimeoutMs": 1000}), json!({}))?;
+    let snapshots = boxed(
+        json!({"idleTimeoutMs": 1000, "persistence": "snapshot"}),
+        json!({}),
+    )?;
+    let stays = boxed(json!({"autoResume": false}), json!({}))?;
+    let times_out = boxed(json!({"onTimeout": "pause"}), json!({"timeoutMs": 3000}))?;
+    for id in [&pauses, &snapshots, &stays, &times_out] {
+        let (status, ran) = sh(&server, id, "sleep 600 >/dev/null 2>&1 &")?;
+        assert_eq!(status, 200, "{ran}");
+    }
+    until_shown(&server, &pauses, "state", json!("paused"))?;
+    until_shown(&server, &snapshots, "state", json!("hibernated"))?;
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{stays}"), None)?;
+    assert_eq!(info["state"], "running", "the server's idle policy acted: {info}");
+    assert_eq!(info["lifecycle"]["autoResume"], false, "{info}");
+
+    // autoResume false: a paused sandbox refuses commands, terminals and sessions until
+    // resumed, and keeps its processes.
+    let (status, paused) = server.call("POST", &format!("/api/v1/sandboxes/{stays}/pause"), None)?;
+    assert_eq!(status, 200, "{paused}");
+    let (status, refused) = sh(&server, &stays, "echo hi")?;
+    assert_eq!(status, 409, "{refused}");
+    assert_eq!(refused["error"]["code"], "SANDBOX_PAUSED", "{refused}");
+    assert!(refused.to_string().contains("/resume"), "{refused}");
+    let (status, refused) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{stays}/terminals"),
+        Some(json!({})),
+    )?;
+    assert_eq!(status, 409, "{refused}");
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{stays}"), None)?;
+    assert_eq!(info["state"], "paused", "a refused request resumed it: {info}");
+    let (status, _) = server.call("POST", &format!("/api/v1/sandboxes/{stays}/resume"), None)?;
+    assert_eq!(status, 200);
+    let (status, ran) = sh(&server, &stays, "pgrep -x sleep >/dev/null && echo kept")?;
+    assert_eq!((status, ran["stdout"].as_str()), (200, Some("kept\n")), "{ran}");
+
+    // onTimeout pause: the end of its life pauses it, and keeps it.
+    let info = until_shown(&server, &times_out, "timedOut", json!(true))?;
+    assert_eq!(info["state"], "paused", "{info}");
+    // A command resumes it (autoResume is on), its processes kept; a renewal gives it a
+    // life again.
+    let (status, ran) = sh(&server, &times_out, "pgrep -x sleep >/dev/null && echo kept")?;
+    assert_eq!((status, ran["stdout"].as_str()), (200, Some("kept\n")), "{ran}");
+    let (status, renewed) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{times_out}/renew"),
+        Some(json!({"timeoutMs": 600000})),
+    )?;
+    assert_eq!(status, 200, "{renewed}");
+    assert_eq!(renewed.get("timedOut"), None, "{renewed}");
+
+    // allowedPorts: previews reach the listed port and no other, even one that listens.
+    let ports = created_id(
+        &server,
+        json!({"template": "linux-python", "lifecycle": {"allowedPorts": [8001]}}),
+    )?;
+    let (status, ran) = sh(
+        &server,
+        &ports,
+        "echo hello > index.html; for p in 8000 8001; do python3 -m http.server $p >/dev/null 2>&1 & done",
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, listed) = server.call("GET", &format!("/api/v1/sandboxes/{ports}/ports"), None)?;
+        if listed["ports"].as_array().is_some_and(|p| p.len() == 2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not both listen: {listed}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let preview = |port: u16| -> Res<(u16, String)> {
+        let reply = send(
+            "GET",
+            &server.url(&format!("/preview/{ports}/{port}/index.html")),
+            None,
+            None,
+        )?;
+        Ok((reply.status, String::from_utf8_lossy(&reply.body).into_owned()))
+    };
+    assert_eq!(preview(8001)?, (200, "hello\n".to_string()));
+    let (status, refused) = preview(8000)?;
+    assert_eq!(status, 403, "{refused}");
+    assert!(refused.contains("PORT_NOT_ALLOWED"), "{refused}");
+    let (status, refused) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{ports}/previews"),
+        Some(json!({"port": 8000})),
+    )?;
+    assert_eq!(status, 403, "{refused}");
+    Ok(())
+}
