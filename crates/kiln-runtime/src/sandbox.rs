@@ -444,6 +444,13 @@ impl Sandbox {
             .map_or(u64::MAX, |cap| self.created_ms.saturating_add(cap))
     }
 
+    /// Whether it is alive at `now`: before its end, or past the end of a fixed life that
+    /// pauses it (`onTimeout: "pause"`) and that the reaper has yet to pause.
+    pub fn live_at(&self, now: u64) -> bool {
+        self.expires_ms > now
+            || (self.lifecycle.pauses_on_timeout() && !self.timed_out && self.hard_end_ms() > now)
+    }
+
     /// Moves the end of a life that requests extend (no fixed life) to a full window from
     /// now; answers whether it moved enough to be worth saving (a tenth of the window, at
     /// most a minute: a crash loses at most that much of its life).
@@ -805,7 +812,7 @@ impl Registry {
         let now = now_ms();
         match sandboxes.get_mut(id) {
             Some(entry)
-                if entry.meta.tenant == tenant && entry.meta.expires_ms > now && !entry.deleted =>
+                if entry.meta.tenant == tenant && entry.meta.live_at(now) && !entry.deleted =>
             {
                 Ok(entry)
             }
@@ -843,7 +850,7 @@ impl Registry {
         let mut sandboxes = self.lock();
         let entry = sandboxes
             .get_mut(id)
-            .filter(|e| e.meta.expires_ms > now && !e.deleted)?;
+            .filter(|e| e.meta.live_at(now) && !e.deleted)?;
         let moved = entry.meta.slide(now);
         let view = Registry::view(entry);
         drop(sandboxes);
@@ -859,7 +866,7 @@ impl Registry {
         let sandboxes = self.lock();
         sandboxes
             .values()
-            .filter(|e| e.meta.expires_ms > now && !e.deleted)
+            .filter(|e| e.meta.live_at(now) && !e.deleted)
             .find(|e| wanted(&e.meta))
             .map(Registry::view)
     }
@@ -875,7 +882,7 @@ impl Registry {
         let sandboxes = self.lock();
         let mut mine: Vec<&Entry> = sandboxes
             .values()
-            .filter(|e| e.meta.tenant == tenant && e.meta.expires_ms > now && !e.deleted)
+            .filter(|e| e.meta.tenant == tenant && e.meta.live_at(now) && !e.deleted)
             .collect();
         mine.sort_by(|a, b| (a.meta.created_ms, &a.meta.id).cmp(&(b.meta.created_ms, &b.meta.id)));
         // Another tenant's sandbox id is a cursor like any unknown one.
@@ -914,7 +921,7 @@ impl Registry {
             if entry.meta.tenant != tenant || entry.deleted {
                 continue;
             }
-            if entry.meta.expires_ms > now {
+            if entry.meta.live_at(now) {
                 usage.sandboxes += 1;
             }
             usage.sessions += entry.handles.len() as u64;
@@ -1275,7 +1282,7 @@ impl Registry {
             }
             let ids: Vec<String> = sandboxes
                 .values()
-                .filter(|e| e.meta.expires_ms <= now && e.running.is_none())
+                .filter(|e| !e.meta.live_at(now) && e.running.is_none())
                 .map(|e| e.meta.id.clone())
                 .collect();
             ids.iter().filter_map(|id| sandboxes.remove(id)).collect()

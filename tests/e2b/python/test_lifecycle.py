@@ -179,3 +179,33 @@ def test_pausing_a_webassembly_sandbox_is_refused_plainly(sandbox_factory):
     assert "pauses Linux sandboxes only" in str(raised.value)
 
 
+
+
+def test_a_timeout_with_on_timeout_pause_pauses_it_and_connect_resumes_it(sandbox_factory):
+    import time
+
+    sbx = sandbox_factory(timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": False})
+    sbx.commands.run("sleep 600", background=True)
+    deadline = time.time() + 20
+    while sbx.get_info().state.value != "paused":
+        assert time.time() < deadline, "the timeout did not pause it"
+        time.sleep(0.2)
+    info = sbx.get_info()
+    # Newer SDKs read the sandbox's lifecycle back.
+    if getattr(info, "lifecycle", None) is not None:
+        assert info.lifecycle["on_timeout"] == "pause"
+        assert info.lifecycle["auto_resume"] is False
+    # auto_resume False: a command does not wake it.
+    with pytest.raises(Exception) as refused:
+        sbx.commands.run("echo hi")
+    assert "autoResume" in str(refused.value) or "paused" in str(refused.value)
+    assert sbx.get_info().state.value == "paused"
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    assert resumed.get_info().state.value == "running"
+    assert "sleep 600" in resumed.commands.run("pgrep -a sleep").stdout
+
+
+def test_on_timeout_pause_is_refused_for_a_webassembly_sandbox():
+    with pytest.raises(Exception) as refused:
+        Sandbox.create(CODE_INTERPRETER, timeout=30, lifecycle={"on_timeout": "pause"})
+    assert "WebAssembly" in str(refused.value)
