@@ -31,7 +31,7 @@ EXPECTED_TOOLS = {
     "run_python", "run_javascript", "run_go", "run_bash", "sandbox_create", "session_create", "session_run",
     "session_close", "fork_session", "write_file", "read_file", "list_files",
     "sandbox_processes", "sandbox_signal", "sandbox_restart", "sandbox_pause", "sandbox_resume",
-    "sandbox_hibernate",
+    "sandbox_hibernate", "sandbox_terminal", "sandbox_preview_link",
 }
 
 
@@ -287,9 +287,29 @@ async def linux_boxes():
                 check(slept["state"] == "hibernated" and "processes ended" in slept["processes"], f"hibernate: {slept}")
                 woke = await client.call_tool("run_bash", {"sandbox_id": sandbox, "code": "echo awake"})
                 check("awake" in text(woke), f"after hibernation: {text(woke)}")
+                # A terminal a person can open: the command typed in, its output, a signed page.
+                opened = data(await client.call_tool("sandbox_terminal", {
+                    "sandbox_id": sandbox, "command": "echo from-$((6*7)); python3 -m http.server 8001 >/dev/null 2>&1 &",
+                    "wait_ms": 1500}))
+                check("from-42" in opened["output"] and not opened["exited"], f"terminal: {opened}")
+                check(opened["page"].startswith(f"/terminal/{sandbox}/{opened['terminal_id']}/?kiln_preview_token="), f"page: {opened}")
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}{opened['page']}")
+                check(page.status == 200 and b"xterm" in page.read(), "the terminal page did not load")
+                deadline = time.time() + 10
+                while not data(await client.call_tool("sandbox_processes", {"sandbox_id": sandbox}))["ports"]:
+                    check(time.time() < deadline, "the terminal's server never listened")
+                    time.sleep(0.1)
+                link = data(await client.call_tool("sandbox_preview_link", {"sandbox_id": sandbox, "port": 8001}))
+                check(link["url"].startswith(f"/preview/{sandbox}/8001/?kiln_preview_token="), f"link: {link}")
+                listing = urllib.request.urlopen(f"http://127.0.0.1:{port}{link['url']}")
+                check(listing.status == 200 and b"Directory listing" in listing.read(), "the preview link did not reach the server")
+                refused = await client.call_tool("sandbox_preview_link", {"sandbox_id": sandbox, "port": 22})
+                check(refused.is_error and data(refused)["error"]["code"] == "PORT_NOT_ALLOWED", f"port 22: {text(refused)}")
                 wasm = data(await client.call_tool("sandbox_create", {}))["sandbox_id"]
                 result = await client.call_tool("sandbox_pause", {"sandbox_id": wasm})
                 check(result.is_error and data(result)["error"]["code"] == "UNSUPPORTED", f"a wasm pause: {text(result)}")
+                result = await client.call_tool("sandbox_terminal", {"sandbox_id": wasm})
+                check(result.is_error and data(result)["error"]["code"] == "UNSUPPORTED", f"a wasm terminal: {text(result)}")
         finally:
             server.terminate()
             server.wait(timeout=30)

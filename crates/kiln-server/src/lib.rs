@@ -256,7 +256,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/redoc/redoc.standalone.js", get(openapi::redoc_js))
         .nest_service(
             "/mcp",
-            mcp::http_service(state.runtime.clone(), state.mcp_hosts.clone()),
+            mcp::http_service(state.clone(), state.mcp_hosts.clone()),
         )
         .fallback(api::not_found)
         // Innermost first: each layer wraps those above it.

@@ -145,6 +145,34 @@ pub struct ListFiles {
 #[derive(Clone)]
 pub struct KilnMcp {
     runtime: Arc<Runtime>,
+    /// The HTTP server it is part of (`/mcp` on `kiln serve`): terminals and links live
+    /// there. `None` over stdio.
+    app: Option<Arc<crate::AppState>>,
+}
+
+/// Open a terminal.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct OpenTerminal {
+    pub sandbox_id: String,
+    /// A command line typed into the terminal's shell once it starts (`npm run dev`,
+    /// `python3 -m http.server 8000`); the shell stays when it ends.
+    #[serde(default)]
+    pub command: Option<String>,
+    /// How long to wait for output before answering, in milliseconds (default 1000, at
+    /// most 10000).
+    #[serde(default)]
+    pub wait_ms: Option<u64>,
+}
+
+/// A link to a preview of a port of a Linux sandbox's box.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct PreviewOf {
+    pub sandbox_id: String,
+    /// The port a server in the box listens on (sandbox_processes lists them).
+    pub port: u16,
+    /// How long the link works, in seconds (default 3600, at most 7 days).
+    #[serde(default)]
+    pub ttl_seconds: Option<u64>,
 }
 
 impl std::fmt::Debug for KilnMcp {
@@ -272,7 +300,7 @@ fn file_content(uri: String, bytes: Vec<u8>) -> ContentBlock {
 impl KilnMcp {
     /// A server over `runtime`.
     pub fn new(runtime: Arc<Runtime>) -> KilnMcp {
-        KilnMcp { runtime }
+        KilnMcp { runtime, app: None }
     }
 
     /// Who is calling: the bearer key's tenant over HTTP, the local tenant over stdio.
@@ -723,6 +751,104 @@ impl KilnMcp {
         }))
     }
 
+    #[tool(
+        description = "Open a terminal in a Linux sandbox's box, optionally typing a command into its shell (a dev server, a REPL). The shell keeps running when nobody watches. Answers the terminal's id, its output so far, and a signed link to its browser page (xterm.js on the kiln server) that a person can open to watch and type."
+    )]
+    async fn sandbox_terminal(
+        &self,
+        Parameters(input): Parameters<OpenTerminal>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let Some(app) = &self.app else {
+            return Ok(refused(RuntimeError::Unsupported {
+                message: "terminals live on `kiln serve` (MCP at /mcp); `kiln mcp` over stdio has no server to open one on".into(),
+            }));
+        };
+        let wait = std::time::Duration::from_millis(input.wait_ms.unwrap_or(1000).min(10_000));
+        let opened = async {
+            let terminal = crate::terminals::open(
+                app,
+                &caller,
+                &input.sandbox_id,
+                crate::terminals::NewTerminal::default(),
+            )
+            .await?;
+            if let Some(command) = &input.command {
+                terminal
+                    .type_in(format!("{command}\n").into_bytes())
+                    .await?;
+            }
+            tokio::time::sleep(wait).await;
+            let link = crate::terminals::page_link(
+                app,
+                &caller,
+                &input.sandbox_id,
+                &terminal.info().terminal_id,
+                3600,
+            )?;
+            Ok::<_, crate::error::ApiError>((terminal, link))
+        }
+        .await;
+        Ok(match opened {
+            Ok((terminal, link)) => {
+                let info = terminal.info();
+                answer(
+                    json!({
+                        "sandbox_id": input.sandbox_id,
+                        "terminal_id": info.terminal_id,
+                        "output": String::from_utf8_lossy(&terminal.tail(16 << 10)),
+                        "exited": info.exited,
+                        "page": link.url,
+                        "page_expires_at": link.expires_at,
+                        "attach": info.attach,
+                    }),
+                    false,
+                )
+            }
+            Err(e) => answer(
+                json!({ "error": { "code": e.code(), "message": e.message() } }),
+                true,
+            ),
+        })
+    }
+
+    #[tool(
+        description = "A signed link to a preview of a server in a Linux sandbox's box (HTTP and WebSocket, on the kiln server): a person can open it without an API key until it expires."
+    )]
+    async fn sandbox_preview_link(
+        &self,
+        Parameters(input): Parameters<PreviewOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let Some(app) = &self.app else {
+            return Ok(refused(RuntimeError::Unsupported {
+                message:
+                    "previews live on `kiln serve` (MCP at /mcp); `kiln mcp` over stdio serves none"
+                        .into(),
+            }));
+        };
+        Ok(
+            match crate::preview::link(
+                app,
+                &caller,
+                &input.sandbox_id,
+                input.port,
+                input.ttl_seconds.unwrap_or(3600),
+            ) {
+                Ok(link) => answer(
+                    json!({ "sandbox_id": input.sandbox_id, "port": link.port, "url": link.url, "expires_at": link.expires_at }),
+                    false,
+                ),
+                Err(e) => answer(
+                    json!({ "error": { "code": e.code(), "message": e.message() } }),
+                    true,
+                ),
+            },
+        )
+    }
+
     #[tool(description = "Resume a paused Linux sandbox's box.")]
     async fn sandbox_resume(
         &self,
@@ -757,7 +883,7 @@ impl ServerHandler for KilnMcp {
 
 /// The streamable-HTTP service for `/mcp` on `kiln serve`.
 pub fn http_service(
-    runtime: Arc<Runtime>,
+    app: Arc<crate::AppState>,
     allowed_hosts: Vec<String>,
 ) -> rmcp::transport::streamable_http_server::StreamableHttpService<
     KilnMcp,
@@ -769,7 +895,12 @@ pub fn http_service(
     let mut config = StreamableHttpServerConfig::default();
     config.allowed_hosts = allowed_hosts;
     StreamableHttpService::new(
-        move || Ok(KilnMcp::new(runtime.clone())),
+        move || {
+            Ok(KilnMcp {
+                runtime: app.runtime.clone(),
+                app: Some(app.clone()),
+            })
+        },
         Arc::new(LocalSessionManager::default()),
         config,
     )

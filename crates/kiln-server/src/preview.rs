@@ -621,15 +621,33 @@ pub async fn create_link(
 ) -> Result<(StatusCode, Json<PreviewLink>), ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let JsonBody(body) = body?;
-    let sandbox = state.runtime.registry.get(&caller.tenant, &id)?.meta;
+    let link = link(
+        &state,
+        &caller,
+        &id,
+        body.port,
+        body.ttl_seconds.unwrap_or(3600),
+    )?;
+    Ok((StatusCode::CREATED, Json(link)))
+}
+
+/// A signed link to `port` of sandbox `id`'s box, working `ttl` seconds (the route above,
+/// and MCP's `sandbox_preview_link`).
+pub fn link(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+    port: u16,
+    ttl: u64,
+) -> Result<PreviewLink, ApiError> {
+    let sandbox = state.runtime.registry.get(&caller.tenant, id)?.meta;
     if !processes::runs_processes(&state.runtime, &sandbox) {
         return Err(ApiError::bad_request(
             "UNSUPPORTED",
             "a WebAssembly sandbox serves nothing to preview; create the sandbox from a Linux template",
         ));
     }
-    port_allowed(&sandbox, body.port)?;
-    let ttl = body.ttl_seconds.unwrap_or(3600);
+    port_allowed(&sandbox, port)?;
     if !(1..=MAX_TOKEN_SECONDS).contains(&ttl) {
         return Err(ApiError::bad_request(
             "INVALID_OPTION",
@@ -639,22 +657,16 @@ pub async fn create_link(
     let grant = Grant {
         tenant: caller.tenant.clone(),
         sandbox: sandbox.id.clone(),
-        port: body.port,
+        port,
         expires_ms: now_ms() + ttl * 1000,
     };
     let token = state.previews.sign(&grant);
-    Ok((
-        StatusCode::CREATED,
-        Json(PreviewLink {
-            port: body.port,
-            url: format!(
-                "/preview/{}/{}/?{TOKEN_PARAM}={token}",
-                sandbox.id, body.port
-            ),
-            expires_at: kiln_runtime::sandbox::rfc3339(grant.expires_ms),
-            token,
-        }),
-    ))
+    Ok(PreviewLink {
+        port,
+        url: format!("/preview/{}/{port}/?{TOKEN_PARAM}={token}", sandbox.id),
+        expires_at: kiln_runtime::sandbox::rfc3339(grant.expires_ms),
+        token,
+    })
 }
 
 /// The caller a preview request acts as: the owner's key, or the grant of a valid token

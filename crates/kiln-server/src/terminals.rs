@@ -111,7 +111,18 @@ impl Terminal {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn info(&self) -> TerminalInfo {
+    /// The last `most` bytes it wrote (from its ring).
+    pub fn tail(&self, most: usize) -> Vec<u8> {
+        let (_, bytes, _) = Self::lock(&self.ring).since(0);
+        bytes[bytes.len().saturating_sub(most)..].to_vec()
+    }
+
+    /// Types `data` into it, as its writer would.
+    pub async fn type_in(&self, data: Vec<u8>) -> Result<(), ApiError> {
+        Ok(self.process.write_stdin(data, false).await?)
+    }
+
+    pub fn info(&self) -> TerminalInfo {
         let size = *Self::lock(&self.size);
         let exited = *Self::lock(&self.exited);
         TerminalInfo {
@@ -286,6 +297,18 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<TerminalInfo>), ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let JsonBody(body) = body?;
+    let terminal = open(&state, &caller, &id, body).await?;
+    Ok((StatusCode::CREATED, Json(terminal.info())))
+}
+
+/// Opens a terminal in sandbox `id`'s box (the route above, and MCP's `sandbox_terminal`).
+pub async fn open(
+    state: &Arc<AppState>,
+    caller: &Caller,
+    id: &str,
+    body: NewTerminal,
+) -> Result<Arc<Terminal>, ApiError> {
+    let id = id.to_string();
     let size = TerminalSize {
         cols: body.cols.unwrap_or(80),
         rows: body.rows.unwrap_or(24),
@@ -315,7 +338,7 @@ pub async fn create(
         .or_insert_with(|| "xterm-256color".into());
     let (running, events) = processes::start(
         &state.runtime,
-        &caller,
+        caller,
         &id,
         StartProcess {
             argv,
@@ -349,7 +372,7 @@ pub async fn create(
         .or_default()
         .insert(terminal.id.clone(), terminal.clone());
     pump(state.clone(), terminal.clone(), events);
-    Ok((StatusCode::CREATED, Json(terminal.info())))
+    Ok(terminal)
 }
 
 /// A sandbox's terminals.
@@ -732,7 +755,18 @@ pub async fn link(
     if state.terminals.get(&id, &tid).is_none() {
         return Err(not_found(&id, &tid));
     }
-    let ttl = body.ttl_seconds.unwrap_or(3600);
+    let link = page_link(&state, &caller, &id, &tid, body.ttl_seconds.unwrap_or(3600))?;
+    Ok((StatusCode::CREATED, Json(link)))
+}
+
+/// A signed link to terminal `tid`'s page, working `ttl` seconds.
+pub fn page_link(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+    tid: &str,
+    ttl: u64,
+) -> Result<TerminalLink, ApiError> {
     if !(1..=crate::preview::MAX_TOKEN_SECONDS).contains(&ttl) {
         return Err(ApiError::bad_request(
             "INVALID_OPTION",
@@ -749,16 +783,13 @@ pub async fn link(
         expires_ms: now_ms() + ttl * 1000,
     };
     let token = state.previews.sign(&grant);
-    Ok((
-        StatusCode::CREATED,
-        Json(TerminalLink {
-            url: format!(
-                "/terminal/{id}/{tid}/?{}={token}",
-                crate::preview::TOKEN_PARAM
-            ),
-            expires_at: kiln_runtime::sandbox::rfc3339(grant.expires_ms),
-        }),
-    ))
+    Ok(TerminalLink {
+        url: format!(
+            "/terminal/{id}/{tid}/?{}={token}",
+            crate::preview::TOKEN_PARAM
+        ),
+        expires_at: kiln_runtime::sandbox::rfc3339(grant.expires_ms),
+    })
 }
 
 /// `/terminal/{id}/{tid}/…`: the sandbox and terminal it names.

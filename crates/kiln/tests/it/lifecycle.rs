@@ -181,14 +181,17 @@ fn until_shown(server: &Server, id: &str, field: &str, want: Value) -> Res<Value
         if info[field] == want {
             return Ok(info);
         }
-        assert!(Instant::now() < deadline, "{id}: {field} never became {want}: {info}");
+        assert!(
+            Instant::now() < deadline,
+            "{id}: {field} never became {want}: {info}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
 
 #[test]
-fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_previews()
--> TestResult {
+fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_previews() -> TestResult
+{
     if crate::common::skip_linux() {
         return Ok(());
     }
@@ -222,12 +225,16 @@ fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_pre
     until_shown(&server, &pauses, "state", json!("paused"))?;
     until_shown(&server, &snapshots, "state", json!("hibernated"))?;
     let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{stays}"), None)?;
-    assert_eq!(info["state"], "running", "the server's idle policy acted: {info}");
+    assert_eq!(
+        info["state"], "running",
+        "the server's idle policy acted: {info}"
+    );
     assert_eq!(info["lifecycle"]["autoResume"], false, "{info}");
 
     // autoResume false: a paused sandbox refuses commands, terminals and sessions until
     // resumed, and keeps its processes.
-    let (status, paused) = server.call("POST", &format!("/api/v1/sandboxes/{stays}/pause"), None)?;
+    let (status, paused) =
+        server.call("POST", &format!("/api/v1/sandboxes/{stays}/pause"), None)?;
     assert_eq!(status, 200, "{paused}");
     let (status, refused) = sh(&server, &stays, "echo hi")?;
     assert_eq!(status, 409, "{refused}");
@@ -240,19 +247,34 @@ fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_pre
     )?;
     assert_eq!(status, 409, "{refused}");
     let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{stays}"), None)?;
-    assert_eq!(info["state"], "paused", "a refused request resumed it: {info}");
+    assert_eq!(
+        info["state"], "paused",
+        "a refused request resumed it: {info}"
+    );
     let (status, _) = server.call("POST", &format!("/api/v1/sandboxes/{stays}/resume"), None)?;
     assert_eq!(status, 200);
     let (status, ran) = sh(&server, &stays, "pgrep -x sleep >/dev/null && echo kept")?;
-    assert_eq!((status, ran["stdout"].as_str()), (200, Some("kept\n")), "{ran}");
+    assert_eq!(
+        (status, ran["stdout"].as_str()),
+        (200, Some("kept\n")),
+        "{ran}"
+    );
 
     // onTimeout pause: the end of its life pauses it, and keeps it.
     let info = until_shown(&server, &times_out, "timedOut", json!(true))?;
     assert_eq!(info["state"], "paused", "{info}");
     // A command resumes it (autoResume is on), its processes kept; a renewal gives it a
     // life again.
-    let (status, ran) = sh(&server, &times_out, "pgrep -x sleep >/dev/null && echo kept")?;
-    assert_eq!((status, ran["stdout"].as_str()), (200, Some("kept\n")), "{ran}");
+    let (status, ran) = sh(
+        &server,
+        &times_out,
+        "pgrep -x sleep >/dev/null && echo kept",
+    )?;
+    assert_eq!(
+        (status, ran["stdout"].as_str()),
+        (200, Some("kept\n")),
+        "{ran}"
+    );
     let (status, renewed) = server.call(
         "POST",
         &format!("/api/v1/sandboxes/{times_out}/renew"),
@@ -288,7 +310,10 @@ fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_pre
             None,
             None,
         )?;
-        Ok((reply.status, String::from_utf8_lossy(&reply.body).into_owned()))
+        Ok((
+            reply.status,
+            String::from_utf8_lossy(&reply.body).into_owned(),
+        ))
     };
     assert_eq!(preview(8001)?, (200, "hello\n".to_string()));
     let (status, refused) = preview(8000)?;
