@@ -241,6 +241,20 @@ pub async fn authenticate(
         response.extensions_mut().insert(key);
         return response;
     }
+    // A static site: the owner's key, or a link's token for a folder of this sandbox.
+    if path.starts_with("/site/") {
+        let Some((caller, scope)) = crate::site::caller(&state, &request) else {
+            return crate::preview::not_found(crate::site::parse_path(path).unwrap_or("?"));
+        };
+        let key = KeyId(caller.key_id.clone());
+        request.extensions_mut().insert(caller);
+        if let Some(scope) = scope {
+            request.extensions_mut().insert(scope);
+        }
+        let mut response = next.run(request).await;
+        response.extensions_mut().insert(key);
+        return response;
+    }
     // A preview: the owner's key or a token for this sandbox and port; anything else is
     // told the sandbox does not exist.
     if path.starts_with("/preview/") {

@@ -20,6 +20,7 @@ pub mod gate;
 pub mod mcp;
 pub mod openapi;
 pub mod preview;
+pub mod site;
 pub mod templates;
 pub mod terminals;
 pub mod v1;
@@ -192,6 +193,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             post(terminals::link),
         )
         .route("/sandboxes/{id}/previews", post(preview::create_link))
+        .route("/sandboxes/{id}/sites", post(site::create_link))
         .route("/sandboxes/{id}/pause", post(boxes::pause))
         .route("/sandboxes/{id}/resume", post(boxes::resume))
         .route("/sandboxes/{id}/hibernate", post(boxes::hibernate))
@@ -239,6 +241,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/terminal/assets/{name}", get(terminals::asset))
         .route("/terminal/{id}/{tid}/", get(terminals::page))
         .route("/terminal/{id}/{tid}/ws", get(terminals::page_socket))
+        .route("/site/{id}", get(site::root))
+        .route("/site/{id}/", axum::routing::any(site::serve))
+        .route("/site/{id}/{*path}", axum::routing::any(site::serve))
         .route("/preview/{id}/{port}", axum::routing::any(preview::proxy))
         .route("/preview/{id}/{port}/", axum::routing::any(preview::proxy))
         .route(

@@ -35,7 +35,7 @@ use crate::error::{ApiError, ErrorBody};
 pub const IDLE: Duration = Duration::from_secs(600);
 /// The query parameter and the cookie a token travels in.
 pub const TOKEN_PARAM: &str = "kiln_preview_token";
-const COOKIE: &str = "kiln_preview";
+pub(crate) const COOKIE: &str = "kiln_preview";
 /// The longest a token lives: 7 days.
 pub const MAX_TOKEN_SECONDS: u64 = 7 * 24 * 3600;
 

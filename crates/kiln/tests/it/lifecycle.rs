@@ -327,3 +327,179 @@ fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_pre
     assert_eq!(status, 403, "{refused}");
     Ok(())
 }
+
+/// A GET that follows no redirect: its status, the headers asked for, its body.
+fn fetch(
+    url: &str,
+    key: Option<&str>,
+    cookie: Option<&str>,
+    headers: &[&str],
+) -> Res<(u16, Vec<Option<String>>, String)> {
+    let agent = ureq::AgentBuilder::new().redirects(0).build();
+    let mut request = agent.get(url);
+    if let Some(key) = key {
+        request = request.set("authorization", &format!("Bearer {key}"));
+    }
+    if let Some(cookie) = cookie {
+        request = request.set("cookie", cookie);
+    }
+    let response = match request.call() {
+        Ok(response) => response,
+        Err(ureq::Error::Status(_, response)) => response,
+        Err(e) => return Err(e.into()),
+    };
+    let status = response.status();
+    let seen = headers
+        .iter()
+        .map(|h| response.header(h).map(String::from))
+        .collect();
+    Ok((status, seen, response.into_string()?))
+}
+
+/// A folder of the workspace served as a site, with no server in the sandbox: the owner's
+/// key reads any file; a link reads its folder only, until it expires; nothing follows a
+/// link the guest planted; pages run sandboxed.
+#[test]
+fn issue33_a_static_site_of_a_workspace_folder_for_the_owner_or_a_folder_link() -> TestResult {
+    let server = start(Options {
+        auth: true,
+        ..Options::default()
+    })?;
+    let key = server.key.clone().ok_or("no key")?;
+    let id = created_id(&server, json!({}))?;
+    for (path, text) in [
+        (
+            "public/index.html",
+            "<h1>site</h1><script src=app.js></script>",
+        ),
+        ("public/app.js", "console.log(1)"),
+        ("public/sub/index.html", "<p>sub</p>"),
+        ("secret.txt", "the secret"),
+    ] {
+        let reply = send(
+            "PUT",
+            &server.url(&format!("/api/v1/sandboxes/{id}/files/{path}")),
+            Some(&key),
+            Some(("application/octet-stream", text.as_bytes())),
+        )?;
+        assert_eq!(reply.status, 201, "{path}");
+    }
+    // A link the guest planted, to a file outside the link's folder.
+    std::os::unix::fs::symlink(
+        "../secret.txt",
+        server
+            .data
+            .join(format!("sandboxes/{id}/workspace/public/leak")),
+    )?;
+    let site = |path: &str| server.url(&format!("/site/{id}/{path}"));
+    const WANTED: &[&str] = &[
+        "content-type",
+        "content-security-policy",
+        "location",
+        "set-cookie",
+    ];
+
+    // The owner's key: any file, a folder's index.html, a folder without its slash sent to it.
+    let (status, seen, body) = fetch(&site("public/"), Some(&key), None, WANTED)?;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, "<h1>site</h1><script src=app.js></script>")
+    );
+    assert_eq!(seen[0].as_deref(), Some("text/html; charset=utf-8"));
+    assert!(
+        seen[1]
+            .as_deref()
+            .is_some_and(|p| p.starts_with("sandbox ") && !p.contains("allow-same-origin")),
+        "{seen:?}"
+    );
+    let (status, seen, _) = fetch(&site("public/sub"), Some(&key), None, WANTED)?;
+    assert_eq!(
+        (status, seen[2].as_deref()),
+        (308, Some(format!("/site/{id}/public/sub/").as_str()))
+    );
+    assert_eq!(
+        fetch(&site("secret.txt"), Some(&key), None, WANTED)?.2,
+        "the secret"
+    );
+    let (status, _, body) = fetch(&site("public/leak"), Some(&key), None, WANTED)?;
+    assert!(
+        status == 400 && !body.contains("the secret"),
+        "a planted link was followed: {status} {body}"
+    );
+    let (status, _, _) = fetch(&site("nothing.html"), Some(&key), None, WANTED)?;
+    assert_eq!(status, 404);
+    // Without the key or a link: as if it did not exist.
+    let (status, _, body) = fetch(&site("public/"), None, None, WANTED)?;
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("SANDBOX_NOT_FOUND"), "{body}");
+    let reply = send(
+        "POST",
+        &site("public/"),
+        Some(&key),
+        Some(("text/plain", b"x")),
+    )?;
+    assert_eq!(reply.status, 405);
+
+    // A link to `public`: its folder and subfolders, with the token carried on in a cookie.
+    let (status, link) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sites"),
+        Some(json!({"folder": "public"})),
+    )?;
+    assert_eq!(status, 201, "{link}");
+    let url = link["url"].as_str().ok_or("url")?;
+    assert!(
+        url.starts_with(&format!("/site/{id}/public/?kiln_preview_token=")),
+        "{link}"
+    );
+    let (status, seen, body) = fetch(&server.url(url), None, None, WANTED)?;
+    assert_eq!(status, 200, "{body}");
+    let cookie = seen[3].clone().ok_or("no cookie")?;
+    let cookie = cookie.split(';').next().ok_or("cookie")?.to_string();
+    let (status, seen, body) = fetch(&site("public/app.js"), None, Some(&cookie), WANTED)?;
+    assert_eq!((status, body.as_str()), (200, "console.log(1)"));
+    assert_eq!(seen[0].as_deref(), Some("text/javascript; charset=utf-8"));
+    assert_eq!(
+        fetch(&site("public/sub/"), None, Some(&cookie), WANTED)?.2,
+        "<p>sub</p>"
+    );
+    // Nothing outside the folder, however it is spelled.
+    let token = url.split("kiln_preview_token=").nth(1).ok_or("token")?;
+    for outside in [
+        "secret.txt".to_string(),
+        format!("secret.txt?kiln_preview_token={token}"),
+        "public/%2e%2e/secret.txt".to_string(),
+        "public/..%2fsecret.txt".to_string(),
+        "public2/x".to_string(),
+        "public/leak".to_string(),
+    ] {
+        let (status, _, body) = fetch(&site(&outside), None, Some(&cookie), WANTED)?;
+        assert!(
+            status != 200 && !body.contains("the secret"),
+            "{outside}: {status} {body}"
+        );
+    }
+    // Bad folders are refused; an expired link reads nothing.
+    for bad in [
+        json!({"folder": "../x"}),
+        json!({"folder": "a\u{0}b"}),
+        json!({"ttlSeconds": 0}),
+    ] {
+        let (status, refused) = server.call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/sites"),
+            Some(bad.clone()),
+        )?;
+        assert_eq!(status, 400, "{bad}: {refused}");
+    }
+    let (_, short) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sites"),
+        Some(json!({"folder": "public/sub", "ttlSeconds": 1})),
+    )?;
+    let short = short["url"].as_str().ok_or("url")?.to_string();
+    assert_eq!(fetch(&server.url(&short), None, None, WANTED)?.0, 200);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(fetch(&server.url(&short), None, None, WANTED)?.0, 404);
+    Ok(())
+}
