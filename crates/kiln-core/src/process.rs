@@ -233,6 +233,11 @@ pub trait ProcessHost: Send + Sync + 'static {
         workspace: &'a std::path::Path,
         paused: bool,
     ) -> BoxFuture<'a, Result<BoxState, BackendError>>;
+
+    /// The boxes paused now (their workspaces), each with how long it has been paused.
+    fn paused(&self) -> BoxFuture<'_, Vec<(std::path::PathBuf, std::time::Duration)>> {
+        Box::pin(async { Vec::new() })
+    }
 }
 
 impl std::fmt::Debug for dyn ProcessHost {

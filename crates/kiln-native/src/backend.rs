@@ -388,6 +388,14 @@ impl NativeBackend {
         Some(live.kill_all_but_agent().await)
     }
 
+    /// The sandboxes paused now, each with how long it has been.
+    pub fn paused_boxes(&self) -> Vec<(PathBuf, Duration)> {
+        self.paused()
+            .iter()
+            .map(|(workspace, since)| (workspace.clone(), since.elapsed()))
+            .collect()
+    }
+
     fn paused(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Instant>> {
         self.inner.paused.lock().unwrap_or_else(|e| e.into_inner())
     }

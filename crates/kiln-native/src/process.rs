@@ -232,4 +232,8 @@ impl ProcessHost for NativeBackend {
     ) -> BoxFuture<'a, Result<BoxState, BackendError>> {
         Box::pin(NativeBackend::set_paused(self, workspace, paused))
     }
+
+    fn paused(&self) -> BoxFuture<'_, Vec<(std::path::PathBuf, std::time::Duration)>> {
+        Box::pin(async move { NativeBackend::paused_boxes(self) })
+    }
 }

@@ -246,6 +246,62 @@ impl Runtime {
         Ok(())
     }
 
+    /// Keeps each tenant within its quota of paused boxes ([`quota::Quotas::paused_boxes`]):
+    /// its longest-paused boxes over it are hibernated (their files kept, their processes
+    /// ended). `quotas_of` gives the quotas of a sandbox's owner. Answers how many it
+    /// hibernated.
+    pub async fn enforce_paused_quota(
+        &self,
+        quotas_of: impl Fn(&sandbox::Sandbox) -> quota::Quotas,
+    ) -> usize {
+        let Some(host) = self.processes.host() else {
+            return 0;
+        };
+        let paused = host.paused().await;
+        if paused.is_empty() {
+            return 0;
+        }
+        let wanted = paused.iter().map(|(w, _)| w.clone()).collect();
+        let sandboxes = self.registry.by_workspace(&wanted);
+        let mut by_tenant: std::collections::BTreeMap<
+            &str,
+            Vec<(std::time::Duration, &sandbox::Sandbox)>,
+        > = Default::default();
+        for (workspace, since) in &paused {
+            if let Some(sandbox) = sandboxes.get(workspace) {
+                by_tenant
+                    .entry(sandbox.tenant.as_str())
+                    .or_default()
+                    .push((*since, sandbox));
+            }
+        }
+        let mut hibernated = 0;
+        for (tenant, mut boxes) in by_tenant {
+            let limit = boxes
+                .iter()
+                .map(|(_, s)| quotas_of(s).paused_boxes)
+                .max()
+                .unwrap_or(0) as usize;
+            if boxes.len() <= limit {
+                continue;
+            }
+            // The longest-paused first.
+            boxes.sort_by(|a, b| b.0.cmp(&a.0));
+            let over = boxes.len() - limit;
+            for (_, sandbox) in boxes.into_iter().take(over) {
+                if host.hibernate(&sandbox.workspace()).await.is_ok() {
+                    hibernated += 1;
+                    tracing::info!(
+                        sandbox = %sandbox.id,
+                        tenant,
+                        "hibernated a paused box: its tenant keeps at most {limit} paused"
+                    );
+                }
+            }
+        }
+        hibernated
+    }
+
     /// Housekeeping, every second while serving: writes changed usage counters and removes
     /// expired sandboxes (closing their sessions).
     pub async fn tick(self: &std::sync::Arc<Self>) {

@@ -32,6 +32,10 @@ pub struct Quotas {
     pub workspace_bytes: u64,
     /// Its share of worker CPU when tenants compete (≥ 1). Default 1.
     pub cpu_weight: u32,
+    /// Linux boxes it keeps paused at once (frozen, their memory held). Over it, its
+    /// longest-paused box is hibernated (files kept, processes ended) to make room. Default
+    /// 16.
+    pub paused_boxes: u64,
 }
 
 impl Default for Quotas {
@@ -43,6 +47,7 @@ impl Default for Quotas {
             executions: 16,
             workspace_bytes: 2 << 30,
             cpu_weight: 1,
+            paused_boxes: 16,
         }
     }
 }
@@ -61,6 +66,7 @@ impl Quotas {
             executions: 64,
             workspace_bytes: (free_disk_bytes(data_dir) / 2).max(keyed.workspace_bytes),
             cpu_weight: 1,
+            paused_boxes: 128,
         }
     }
 }
@@ -106,6 +112,8 @@ pub struct QuotaOverrides {
     pub workspace_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_weight: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_boxes: Option<u64>,
 }
 
 impl QuotaOverrides {
@@ -126,6 +134,7 @@ impl Quotas {
             executions: overrides.executions.unwrap_or(self.executions),
             workspace_bytes: overrides.workspace_bytes.unwrap_or(self.workspace_bytes),
             cpu_weight: overrides.cpu_weight.unwrap_or(self.cpu_weight).max(1),
+            paused_boxes: overrides.paused_boxes.unwrap_or(self.paused_boxes),
         }
     }
 }

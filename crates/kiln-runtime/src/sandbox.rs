@@ -1304,6 +1304,21 @@ impl Registry {
         removed
     }
 
+    /// The live sandboxes whose workspaces are among `workspaces`, by workspace.
+    pub fn by_workspace(
+        &self,
+        workspaces: &std::collections::HashSet<PathBuf>,
+    ) -> HashMap<PathBuf, Sandbox> {
+        let now = now_ms();
+        self.lock()
+            .values()
+            .filter(|e| !e.deleted && e.meta.live_at(now))
+            .map(|e| (e.meta.workspace(), &e.meta))
+            .filter(|(workspace, _)| workspaces.contains(workspace))
+            .map(|(workspace, meta)| (workspace, meta.clone()))
+            .collect()
+    }
+
     /// Live sandboxes (all tenants).
     pub fn count(&self) -> usize {
         self.lock().values().filter(|e| !e.deleted).count()

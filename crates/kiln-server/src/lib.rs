@@ -284,11 +284,18 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// Runs the server until ctrl-c or SIGTERM; running requests finish first.
 pub async fn serve(config: ServerConfig, pools: Pools) -> std::io::Result<()> {
     let state = Arc::new(AppState::open(&config, pools)?);
-    let runtime = state.runtime.clone();
+    let ticking = state.clone();
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
+            let runtime = &ticking.runtime;
             runtime.tick().await;
+            runtime
+                .enforce_paused_quota(|sandbox| match ticking.auth.acting_for(sandbox) {
+                    Some(owner) => runtime.quotas(&owner),
+                    None => runtime.quotas,
+                })
+                .await;
         }
     });
     let listener = tokio::net::TcpListener::bind(config.listen).await?;

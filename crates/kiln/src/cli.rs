@@ -241,6 +241,11 @@ pub struct QuotaArgs {
     /// A tenant's share of worker CPU when tenants compete, 1 to 100 [serve default: 1].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100), env = "KILN_CPU_WEIGHT")]
     pub cpu_weight: Option<u32>,
+    /// Linux boxes a tenant keeps paused at once (frozen with their memory); over it, its
+    /// longest-paused box is hibernated (files kept, processes ended) [serve default: 16;
+    /// --no-auth: 128].
+    #[arg(long, env = "KILN_MAX_PAUSED_BOXES")]
+    pub max_paused_boxes: Option<u64>,
 }
 
 impl QuotaArgs {
@@ -252,6 +257,7 @@ impl QuotaArgs {
             executions: self.max_executions,
             workspace_bytes: self.max_workspace,
             cpu_weight: self.cpu_weight,
+            paused_boxes: self.max_paused_boxes,
         }
     }
 }

@@ -503,3 +503,53 @@ fn issue33_a_static_site_of_a_workspace_folder_for_the_owner_or_a_folder_link() 
     assert_eq!(fetch(&server.url(&short), None, None, WANTED)?.0, 404);
     Ok(())
 }
+
+/// Paused boxes hold their memory: a tenant keeps at most its quota of them, and the
+/// longest-paused go to hibernation (files kept) to make room.
+#[test]
+fn issue33_paused_boxes_over_the_tenants_quota_are_hibernated_longest_paused_first() -> TestResult {
+    if crate::common::skip_linux() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &["--linux", "--max-paused-boxes", "2"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = created_id(&server, json!({"template": "linux-debian"}))?;
+        let (status, ran) = sh(
+            &server,
+            &id,
+            "echo kept > /var/tmp/file; sleep 600 >/dev/null 2>&1 &",
+        )?;
+        assert_eq!(status, 200, "{ran}");
+        ids.push(id);
+    }
+    for id in &ids {
+        let (status, paused) =
+            server.call("POST", &format!("/api/v1/sandboxes/{id}/pause"), None)?;
+        assert_eq!(
+            (status, &paused["state"]),
+            (200, &json!("paused")),
+            "{paused}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    until_shown(&server, &ids[0], "state", json!("hibernated"))?;
+    for id in &ids[1..] {
+        let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+        assert_eq!(info["state"], "paused", "{info}");
+    }
+    // The hibernated one's files are kept.
+    let (status, ran) = sh(&server, &ids[0], "cat /var/tmp/file")?;
+    assert_eq!(
+        (status, ran["stdout"].as_str()),
+        (200, Some("kept\n")),
+        "{ran}"
+    );
+    Ok(())
+}
