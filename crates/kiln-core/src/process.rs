@@ -126,6 +126,16 @@ pub enum BoxState {
     Hibernated,
 }
 
+/// A change of a sandbox's box: where it stands now, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoxEvent {
+    /// The sandbox's workspace (what names its box).
+    pub workspace: std::path::PathBuf,
+    pub state: BoxState,
+    /// Why, in a few words (`idle`, `a command`, `preview traffic`, `asked`, …).
+    pub reason: String,
+}
+
 /// What becomes of a sandbox's box that nothing uses: no command, process, terminal or
 /// preview connection holds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,9 +231,11 @@ pub trait ProcessHost: Send + Sync + 'static {
     /// Hibernates the box of `workspace`: its memory goes back to the host, its files stay,
     /// and the next command brings a box back. Answers what became of its processes (kiln
     /// checkpoints none yet: they end, and the answer says why).
+    /// `reason` says who asked, for the sandbox's events ([`BoxEvent`]).
     fn hibernate<'a>(
         &'a self,
         workspace: &'a std::path::Path,
+        reason: &'a str,
     ) -> BoxFuture<'a, Result<(BoxState, String), BackendError>>;
 
     /// Freezes (`paused`) or thaws the box of `workspace`. A box that is not running is
@@ -232,7 +244,13 @@ pub trait ProcessHost: Send + Sync + 'static {
         &'a self,
         workspace: &'a std::path::Path,
         paused: bool,
+        reason: &'a str,
     ) -> BoxFuture<'a, Result<BoxState, BackendError>>;
+
+    /// The changes of every box's state, as they happen (`None`: this host tells none).
+    fn subscribe(&self) -> Option<tokio::sync::broadcast::Receiver<BoxEvent>> {
+        None
+    }
 
     /// The boxes paused now (their workspaces), each with how long it has been paused.
     fn paused(&self) -> BoxFuture<'_, Vec<(std::path::PathBuf, std::time::Duration)>> {

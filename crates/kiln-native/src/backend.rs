@@ -28,6 +28,7 @@ use crate::boxes::{BoxSpec, Boxes, Exec, LiveBox};
 use crate::builder::Template;
 use crate::jail::BoxLimits;
 use crate::proxy::Allowlist;
+use kiln_core::process::BoxState;
 
 /// The catalogue id of a Linux template.
 pub fn catalogue_id(name: &str) -> String {
@@ -108,6 +109,8 @@ struct Inner {
     /// Boxes being closed, by workspace: a new box of the same sandbox waits for its old one
     /// to be gone (they would share the upper layer on the sandbox's volume).
     closing: std::sync::Mutex<HashMap<PathBuf, tokio::task::JoinHandle<()>>>,
+    /// Every change of a box's state, for whoever listens.
+    events: tokio::sync::broadcast::Sender<kiln_core::process::BoxEvent>,
 }
 
 /// The Linux backend. Cheap to clone.
@@ -164,6 +167,7 @@ impl NativeBackend {
                 paused: Default::default(),
                 hibernated: Default::default(),
                 closing: Default::default(),
+                events: tokio::sync::broadcast::channel(1024).0,
             }),
         }
     }
@@ -224,6 +228,7 @@ impl NativeBackend {
                     .set_paused(false)
                     .await
                     .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?;
+                self.emit(workspace, BoxState::Running, "resumed by a request");
             }
             return Ok(entry.live.clone());
         }
@@ -247,6 +252,7 @@ impl NativeBackend {
                 .await
                 .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?,
         );
+        self.emit(workspace, BoxState::Running, "started for a request");
         if let Some(old) = held.insert(
             workspace.clone(),
             Held {
@@ -305,6 +311,9 @@ impl NativeBackend {
         let acted = gone.len() + idled.len() + sleepy.len();
         for workspace in &gone {
             if let Some(entry) = held.remove(workspace) {
+                if workspace.exists() {
+                    self.emit(workspace, BoxState::Stopped, "its agent ended");
+                }
                 self.close_later(workspace, entry.live);
             }
         }
@@ -313,6 +322,7 @@ impl NativeBackend {
                 IdleAction::Hibernate => sleepy.push(workspace.clone()),
                 IdleAction::Stop => {
                     if let Some(entry) = held.remove(workspace) {
+                        self.emit(workspace, BoxState::Stopped, "idle");
                         self.close_later(workspace, entry.live);
                     }
                 }
@@ -321,13 +331,14 @@ impl NativeBackend {
                         && entry.live.set_paused(true).await.is_ok()
                     {
                         self.paused().insert(workspace.clone(), Instant::now());
+                        self.emit(workspace, BoxState::Paused, "idle");
                     }
                 }
             }
         }
         drop(held);
         for workspace in &sleepy {
-            let _ = self.hibernate(workspace).await;
+            let _ = self.hibernate(workspace, "idle").await;
         }
         acted
     }
@@ -385,7 +396,13 @@ impl NativeBackend {
         if self.paused().remove(workspace).is_some() || live.is_paused() {
             let _ = live.set_paused(false).await;
         }
-        Some(live.kill_all_but_agent().await)
+        let killed = live.kill_all_but_agent().await;
+        self.emit(
+            workspace,
+            BoxState::Running,
+            "restarted: its processes ended",
+        );
+        Some(killed)
     }
 
     /// The sandboxes paused now, each with how long it has been.
@@ -413,6 +430,7 @@ impl NativeBackend {
     pub async fn hibernate(
         &self,
         workspace: &std::path::Path,
+        reason: &str,
     ) -> Result<(kiln_core::process::BoxState, String), BackendError> {
         let entry = self.inner.held.lock().await.remove(workspace);
         self.paused().remove(workspace);
@@ -421,6 +439,7 @@ impl NativeBackend {
             // Killed now, whoever holds it (a terminal's shell ends with it).
             entry.live.destroy_now().await;
         }
+        self.emit(workspace, BoxState::Hibernated, reason);
         Ok((
             kiln_core::process::BoxState::Hibernated,
             checkpoint_unavailable(),
@@ -449,7 +468,9 @@ impl NativeBackend {
         &self,
         workspace: &std::path::Path,
         paused: bool,
+        reason: &str,
     ) -> Result<kiln_core::process::BoxState, BackendError> {
+        let before = self.state(workspace).await;
         // Under the boxes' lock, so no command starts or resumes the box meanwhile.
         let held = self.inner.held.lock().await;
         let live = held
@@ -470,7 +491,25 @@ impl NativeBackend {
             self.paused().remove(workspace);
         }
         drop(held);
-        Ok(self.state(workspace).await)
+        let after = self.state(workspace).await;
+        if after != before {
+            self.emit(workspace, after, reason);
+        }
+        Ok(after)
+    }
+
+    /// Every change of a box's state from now on.
+    pub fn box_events(&self) -> tokio::sync::broadcast::Receiver<kiln_core::process::BoxEvent> {
+        self.inner.events.subscribe()
+    }
+
+    /// Tells listeners that the box of `workspace` now stands at `state`, and why.
+    fn emit(&self, workspace: &std::path::Path, state: BoxState, reason: &str) {
+        let _ = self.inner.events.send(kiln_core::process::BoxEvent {
+            workspace: workspace.to_path_buf(),
+            state,
+            reason: reason.to_string(),
+        });
     }
 
     /// Closes a box once no execution holds it, remembered as closing for its workspace.

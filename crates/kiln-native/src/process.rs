@@ -204,7 +204,7 @@ impl ProcessHost for NativeBackend {
         Box::pin(async move {
             // Preview traffic resumes a paused box, and counts as activity.
             if NativeBackend::state(self, workspace).await == BoxState::Paused {
-                NativeBackend::set_paused(self, workspace, false).await?;
+                NativeBackend::set_paused(self, workspace, false, "preview traffic").await?;
             }
             match self.connect_box(workspace, port).await {
                 None => Err(BackendError::new(
@@ -221,16 +221,22 @@ impl ProcessHost for NativeBackend {
     fn hibernate<'a>(
         &'a self,
         workspace: &'a std::path::Path,
+        reason: &'a str,
     ) -> BoxFuture<'a, Result<(BoxState, String), BackendError>> {
-        Box::pin(NativeBackend::hibernate(self, workspace))
+        Box::pin(NativeBackend::hibernate(self, workspace, reason))
     }
 
     fn set_paused<'a>(
         &'a self,
         workspace: &'a std::path::Path,
         paused: bool,
+        reason: &'a str,
     ) -> BoxFuture<'a, Result<BoxState, BackendError>> {
-        Box::pin(NativeBackend::set_paused(self, workspace, paused))
+        Box::pin(NativeBackend::set_paused(self, workspace, paused, reason))
+    }
+
+    fn subscribe(&self) -> Option<tokio::sync::broadcast::Receiver<kiln_core::process::BoxEvent>> {
+        Some(self.box_events())
     }
 
     fn paused(&self) -> BoxFuture<'_, Vec<(std::path::PathBuf, std::time::Duration)>> {

@@ -239,9 +239,11 @@ pub async fn create_sandbox(
         spec.lifecycle.max_duration_ms = Some(own);
         spec.lifetime_ms = spec.lifetime_ms.min(own);
     }
-    let (rt, tenant) = (rt.clone(), caller.tenant.clone());
+    let (runtime, tenant) = (rt.clone(), caller.tenant.clone());
     // Blocking work runs to its end even when the caller stops waiting.
-    blocking(move || rt.registry.create(&tenant, &spec, &quotas)).await
+    let made = blocking(move || runtime.registry.create(&tenant, &spec, &quotas)).await?;
+    rt.events.record(&made.id, "created", made.template());
+    Ok(made)
 }
 
 /// Creates a sandbox of `language`'s preferred template (the WebAssembly one for python and

@@ -27,6 +27,7 @@
 pub mod admission;
 pub mod auth;
 pub mod error;
+pub mod events;
 pub mod exec;
 pub mod files;
 pub mod history;
@@ -113,6 +114,8 @@ pub struct Runtime {
     pub admission: admission::Admission,
     /// The operator's cap on every sandbox's life ([`RuntimeConfig::max_life_ms`]).
     pub max_life_ms: Option<u64>,
+    /// What happened to each sandbox ([`events`]).
+    pub events: events::Events,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -141,6 +144,7 @@ impl Runtime {
             processes: processes::Processes::new(config.process_host),
             admission: admission::Admission::new(config.admission),
             max_life_ms: config.max_life_ms,
+            events: events::Events::default(),
         })
     }
 
@@ -240,6 +244,7 @@ impl Runtime {
         self.registry.get(&caller.tenant, id)?;
         self.processes.kill_all(id).await;
         let removed = self.registry.delete(&caller.tenant, id)?;
+        self.events.record(id, "deleted", "asked");
         for (template, handle) in removed.handles {
             self.close_session(&template, &handle).await;
         }
@@ -289,7 +294,14 @@ impl Runtime {
             boxes.sort_by(|a, b| b.0.cmp(&a.0));
             let over = boxes.len() - limit;
             for (_, sandbox) in boxes.into_iter().take(over) {
-                if host.hibernate(&sandbox.workspace()).await.is_ok() {
+                if host
+                    .hibernate(
+                        &sandbox.workspace(),
+                        "over its tenant's quota of paused boxes",
+                    )
+                    .await
+                    .is_ok()
+                {
                     hibernated += 1;
                     tracing::info!(
                         sandbox = %sandbox.id,
@@ -302,6 +314,35 @@ impl Runtime {
         hibernated
     }
 
+    /// Hears the process host's box events and records each as its sandbox's (call once,
+    /// while serving).
+    pub fn start_events(self: &std::sync::Arc<Self>) {
+        let Some(mut heard) = self.processes.host().and_then(|host| host.subscribe()) else {
+            return;
+        };
+        let weak = std::sync::Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let event = match heard.recv().await {
+                    Ok(event) => event,
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(_) => return,
+                };
+                let Some(rt) = weak.upgrade() else { return };
+                let wanted = std::iter::once(event.workspace.clone()).collect();
+                if let Some(sandbox) = rt.registry.by_workspace(&wanted).values().next() {
+                    let state = match event.state {
+                        kiln_core::process::BoxState::Stopped => "stopped",
+                        kiln_core::process::BoxState::Running => "running",
+                        kiln_core::process::BoxState::Paused => "paused",
+                        kiln_core::process::BoxState::Hibernated => "hibernated",
+                    };
+                    rt.events.record(&sandbox.id, state, &event.reason);
+                }
+            }
+        });
+    }
+
     /// Housekeeping, every second while serving: writes changed usage counters and removes
     /// expired sandboxes (closing their sessions).
     pub async fn tick(self: &std::sync::Arc<Self>) {
@@ -310,12 +351,15 @@ impl Runtime {
         let removed = self.registry.reap_expired();
         for id in &removed.ids {
             self.processes.kill_all(id).await;
+            self.events.record(id, "deleted", "its life ended");
         }
         // Paused where it stands, its processes and files kept (E2B's autoPause).
         if let Some(host) = self.processes.host() {
             for sandbox in &removed.paused {
                 if processes::runs_processes(self, sandbox)
-                    && let Err(e) = host.set_paused(&sandbox.workspace(), true).await
+                    && let Err(e) = host
+                        .set_paused(&sandbox.workspace(), true, "its timeout (onTimeout: pause)")
+                        .await
                 {
                     tracing::warn!(sandbox = %sandbox.id, "could not pause a sandbox at its timeout: {}", e.message);
                 }

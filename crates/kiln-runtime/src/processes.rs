@@ -421,7 +421,7 @@ pub async fn wake(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<()>
     if box_state(rt, sandbox).await == Some(BoxState::Paused)
         && let Some(host) = rt.processes.host.clone()
     {
-        host.set_paused(&sandbox.workspace(), false)
+        host.set_paused(&sandbox.workspace(), false, "a terminal attached")
             .await
             .map_err(|e| RuntimeError::Internal { message: e.message })?;
     }
@@ -492,7 +492,7 @@ pub async fn set_paused(
     let host = host_for(rt, &sandbox)?;
     let started = std::time::Instant::now();
     let state = host
-        .set_paused(&sandbox.workspace(), paused)
+        .set_paused(&sandbox.workspace(), paused, "asked")
         .await
         .map_err(|e| RuntimeError::Internal { message: e.message })?;
     Ok((state, started.elapsed()))
@@ -540,7 +540,7 @@ pub async fn hibernate(
     let host = host_for(rt, &sandbox)?;
     let started = std::time::Instant::now();
     let (state, why) = host
-        .hibernate(&sandbox.workspace())
+        .hibernate(&sandbox.workspace(), "asked")
         .await
         .map_err(|e| RuntimeError::Internal { message: e.message })?;
     Ok((state, why, started.elapsed()))

@@ -405,6 +405,8 @@ async fn fork_sandbox(
                 seed_from(&parent, child, in_use, &quotas)
             })?;
         crate::exec::record(&rt.registry, &child, &summary, &work)?;
+        rt.events
+            .record(&child.id, "created", &format!("a fork of {}", parent.id));
         Ok(child)
     })
     .await

@@ -346,3 +346,83 @@ mod tests {
         }
     }
 }
+
+/// The events route's query.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct EventsQuery {
+    /// After the kept events, go on streaming new ones as Server-Sent Events (`event:
+    /// <state>`, `data:` the event) until the sandbox is deleted.
+    pub follow: Option<bool>,
+}
+
+/// A sandbox's kept events, oldest first.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventList {
+    pub events: Vec<kiln_runtime::events::SandboxEvent>,
+}
+
+/// What happened to a sandbox and its box, and why: `created`, `running`, `paused`,
+/// `hibernated`, `stopped`, `deleted` (the newest 128, kept in memory since kiln started).
+#[utoipa::path(get, path = "/api/v1/sandboxes/{id}/events", tag = "v1 boxes",
+    params(("id" = String, Path, description = "The sandbox id"), EventsQuery),
+    responses(
+        (status = 200, description = "Its events (JSON), or with follow=true a stream of them (text/event-stream)", body = EventList),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn events(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    query: Result<axum::extract::Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse;
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    let Path(id) = id.map_err(path_error)?;
+    let axum::extract::Query(query) =
+        query.map_err(|e| ApiError::bad_request("INVALID_QUERY", e.body_text()))?;
+    state.runtime.registry.get(&caller.tenant, &id)?;
+    if !query.follow.unwrap_or(false) {
+        return Ok(Json(EventList {
+            events: state.runtime.events.of(&id),
+        })
+        .into_response());
+    }
+    // Subscribed before the kept ones are read: nothing falls between them.
+    let live = state.runtime.events.subscribe();
+    let kept: std::collections::VecDeque<_> = state.runtime.events.of(&id).into();
+    let last = kept.back().map_or(0, |e| e.seq);
+    let stream = futures::stream::unfold(
+        (kept, live, last, false),
+        move |(mut kept, mut live, last, done)| {
+            let id = id.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                let event = match kept.pop_front() {
+                    Some(event) => event,
+                    None => loop {
+                        match live.recv().await {
+                            Ok(event) if event.sandbox_id == id && event.seq > last => break event,
+                            Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                            Err(_) => return None,
+                        }
+                    },
+                };
+                let ended = event.state == "deleted";
+                let sse = Event::default()
+                    .event(event.state.clone())
+                    .data(serde_json::to_string(&event).unwrap_or_default());
+                Some((
+                    Ok::<_, std::convert::Infallible>(sse),
+                    (kept, live, last, ended),
+                ))
+            }
+        },
+    );
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}

@@ -194,6 +194,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/sandboxes/{id}/previews", post(preview::create_link))
         .route("/sandboxes/{id}/sites", post(site::create_link))
+        .route("/sandboxes/{id}/events", get(boxes::events))
         .route("/sandboxes/{id}/pause", post(boxes::pause))
         .route("/sandboxes/{id}/resume", post(boxes::resume))
         .route("/sandboxes/{id}/hibernate", post(boxes::hibernate))
@@ -284,6 +285,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// Runs the server until ctrl-c or SIGTERM; running requests finish first.
 pub async fn serve(config: ServerConfig, pools: Pools) -> std::io::Result<()> {
     let state = Arc::new(AppState::open(&config, pools)?);
+    state.runtime.start_events();
     let ticking = state.clone();
     tokio::spawn(async move {
         loop {

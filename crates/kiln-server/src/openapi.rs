@@ -24,7 +24,7 @@ mod mcp;
         crate::templates::list,
         v1::list, v1::create, v1::get, v1::delete, v1::renew,
         crate::boxes::list, crate::boxes::signal, crate::boxes::restart, crate::boxes::pause, crate::boxes::resume, crate::boxes::hibernate,
-        crate::preview::ports, crate::preview::create_link, crate::site::create_link,
+        crate::preview::ports, crate::preview::create_link, crate::site::create_link, crate::boxes::events,
         crate::terminals::create, crate::terminals::list, crate::terminals::attach, crate::terminals::delete, crate::terminals::link,
         v1::execute, v1::execute_stream, v1::websocket, v1::cancel,
         v1::create_session, v1::list_sessions, v1::restart_session, v1::fork_session, v1::close_session,

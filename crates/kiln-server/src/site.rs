@@ -261,7 +261,7 @@ pub struct SiteLink {
 
 /// Make a signed link to a folder of a sandbox's workspace, served as a static site (any
 /// sandbox, WebAssembly included). The owner's key reads `/site/{id}/…` without one.
-#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/sites", tag = "v1 previews",
+#[utoipa::path(post, path = "/api/v1/sandboxes/{id}/sites", tag = "v1 boxes",
     request_body = NewSite,
     params(("id" = String, Path, description = "The sandbox id")),
     responses(

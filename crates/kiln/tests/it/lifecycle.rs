@@ -283,6 +283,80 @@ fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_pre
     assert_eq!(status, 200, "{renewed}");
     assert_eq!(renewed.get("timedOut"), None, "{renewed}");
 
+    // Each sandbox's events say what became of it and why.
+    let events = |id: &str| -> Res<Vec<(String, String)>> {
+        let (status, list) = server.call("GET", &format!("/api/v1/sandboxes/{id}/events"), None)?;
+        assert_eq!(status, 200, "{list}");
+        Ok(list["events"]
+            .as_array()
+            .ok_or("events")?
+            .iter()
+            .map(|e| {
+                (
+                    e["state"].as_str().unwrap_or_default().to_string(),
+                    e["reason"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect())
+    };
+    let has = |seen: &[(String, String)], state: &str, reason: &str| {
+        seen.iter().any(|(s, r)| s == state && r.contains(reason))
+    };
+    let seen = events(&pauses)?;
+    assert_eq!(
+        seen.first().map(|(s, _)| s.as_str()),
+        Some("created"),
+        "{seen:?}"
+    );
+    assert!(
+        has(&seen, "running", "started") && has(&seen, "paused", "idle"),
+        "{seen:?}"
+    );
+    assert!(has(&events(&snapshots)?, "hibernated", "idle"));
+    let seen = events(&stays)?;
+    assert!(
+        has(&seen, "paused", "asked") && has(&seen, "running", "asked"),
+        "{seen:?}"
+    );
+    let seen = events(&times_out)?;
+    assert!(
+        has(&seen, "paused", "timeout") && has(&seen, "running", "request"),
+        "{seen:?}"
+    );
+    // A follower hears the kept events, then new ones, to the sandbox's deletion.
+    let follow =
+        ureq::get(&server.url(&format!("/api/v1/sandboxes/{stays}/events?follow=true"))).call()?;
+    assert_eq!(follow.content_type(), "text/event-stream");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(follow.into_reader()));
+    let mut heard = Vec::new();
+    let deleter = {
+        let url = server.url(&format!("/api/v1/sandboxes/{stays}"));
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            let _ = ureq::delete(&url).call();
+        })
+    };
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(state) = line.strip_prefix("event: ") {
+            heard.push(state.to_string());
+            if state == "deleted" {
+                break;
+            }
+        }
+    }
+    deleter.join().map_err(|_| "deleter")?;
+    assert_eq!(
+        heard.first().map(String::as_str),
+        Some("created"),
+        "{heard:?}"
+    );
+    assert_eq!(
+        heard.last().map(String::as_str),
+        Some("deleted"),
+        "{heard:?}"
+    );
+
     // allowedPorts: previews reach the listed port and no other, even one that listens.
     let ports = created_id(
         &server,
