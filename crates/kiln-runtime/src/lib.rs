@@ -291,7 +291,7 @@ impl Runtime {
                 continue;
             }
             // The longest-paused first.
-            boxes.sort_by(|a, b| b.0.cmp(&a.0));
+            boxes.sort_by_key(|b| std::cmp::Reverse(b.0));
             let over = boxes.len() - limit;
             for (_, sandbox) in boxes.into_iter().take(over) {
                 if host

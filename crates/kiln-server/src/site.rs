@@ -168,18 +168,16 @@ pub async fn serve(
             RuntimeError::Workspace(kiln_workspace::TreeError::NotFound { .. })
         )
     };
-    let folder = if wanted.is_empty() {
-        true
-    } else {
+    // Not the root: a file, or a folder (answered below).
+    if !wanted.is_empty() {
         match files::open(runtime, &caller, &id, wanted.clone()).await {
             Ok(_) if path.ends_with('/') => return Err(site_not_found(&id, &path)),
             Ok((file, size)) => return Ok(respond(&request, &id, file, size, &wanted)),
-            Err(RuntimeError::IsAFolder { .. }) => true,
+            Err(RuntimeError::IsAFolder { .. }) => {}
             Err(e) if not_found(&e) => return Err(site_not_found(&id, &path)),
             Err(e) => return Err(e.into()),
         }
-    };
-    debug_assert!(folder);
+    }
     if !wanted.is_empty() && !path.ends_with('/') {
         let query = request
             .uri()
