@@ -577,7 +577,11 @@ mod tests {
         assert_eq!(parse_duration_ms("1.5s"), Ok(1500));
         assert_eq!(parse_duration_ms("2m"), Ok(120_000));
         assert!(parse_duration_ms("0").is_err());
-        assert!(parse_duration_ms("10h").is_err());
+        assert_eq!(parse_duration_ms("10h"), Ok(36_000_000));
+        assert!(parse_duration_ms("25h").is_err(), "past 24 hours");
+        assert!(parse_duration_ms("10x").is_err());
+        assert_eq!(parse_life_ms("7d"), Ok(7 * 86_400_000));
+        assert!(parse_life_ms("400d").is_err(), "past a year");
         assert!(parse_duration_ms("abc").is_err());
         assert_eq!(parse_bytes("512m"), Ok(512 << 20));
         assert_eq!(parse_bytes("1G"), Ok(1 << 30));
