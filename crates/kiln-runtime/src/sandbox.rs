@@ -844,6 +844,20 @@ impl Registry {
 
     /// A live sandbox by id alone, whoever's it is (for a request that proves itself with
     /// the sandbox's own access token, checked by the caller).
+    /// Use of sandbox `id` that is no request (a keystroke in its terminal): a sandbox with
+    /// no fixed life lives a full window from now.
+    pub fn touch(&self, id: &str) {
+        let now = now_ms();
+        let moved = self
+            .lock()
+            .get_mut(id)
+            .filter(|e| e.meta.live_at(now) && !e.deleted)
+            .is_some_and(|e| e.meta.slide(now));
+        if moved {
+            self.mark_dirty(id);
+        }
+    }
+
     /// Like [`Registry::get`], a request to it.
     pub fn lookup(&self, id: &str) -> Option<SandboxView> {
         let now = now_ms();

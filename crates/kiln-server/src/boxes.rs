@@ -357,6 +357,20 @@ pub struct EventsQuery {
     pub follow: Option<bool>,
 }
 
+/// One Server-Sent Event of a followed sandbox.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventSse {
+    /// The state it is now: `created`, `running`, `paused`, `hibernated`, `stopped` or
+    /// `deleted` (the last event).
+    #[schema(example = "paused")]
+    pub event: String,
+    /// The event as JSON text (a `SandboxEvent`).
+    #[schema(
+        example = "{\"seq\":7,\"at\":\"2026-11-28T04:00:35.623Z\",\"sandboxId\":\"sb_…\",\"state\":\"paused\",\"reason\":\"idle\"}"
+    )]
+    pub data: String,
+}
+
 /// A sandbox's kept events, oldest first.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct EventList {
@@ -368,7 +382,11 @@ pub struct EventList {
 #[utoipa::path(get, path = "/api/v1/sandboxes/{id}/events", tag = "v1 boxes",
     params(("id" = String, Path, description = "The sandbox id"), EventsQuery),
     responses(
-        (status = 200, description = "Its events (JSON), or with follow=true a stream of them (text/event-stream)", body = EventList),
+        (status = 200, description = "Its events (JSON), or with follow=true a stream of them (text/event-stream: `event:` the state, `data:` the event)",
+            content(
+                (EventList = "application/json"),
+                (EventSse = "text/event-stream"),
+            )),
         (status = 404, description = "No such sandbox", body = ErrorBody),
     ))]
 pub async fn events(

@@ -482,11 +482,13 @@ pub async fn attach(
     // where its lifecycle says autoResume false).
     let sandbox = state.runtime.registry.get(&caller.tenant, &id)?.meta;
     processes::wake(&state.runtime, &sandbox).await?;
+    let runtime = state.runtime.clone();
     Ok(upgrade
         .max_message_size(1 << 20)
         .on_upgrade(move |socket| {
             session(
                 socket,
+                runtime,
                 terminal,
                 asked.offset.unwrap_or(0),
                 write,
@@ -521,6 +523,7 @@ async fn send_bytes(socket: &mut WebSocket, data: &[u8]) -> bool {
 /// One attachment, until the client leaves (the shell goes on).
 async fn session(
     mut socket: WebSocket,
+    runtime: Arc<kiln_runtime::Runtime>,
     terminal: Arc<Terminal>,
     offset: u64,
     write: bool,
@@ -595,6 +598,8 @@ async fn session(
             },
             message = socket.recv() => match message {
                 Some(Ok(Message::Binary(data))) if writer => {
+                    // A keystroke is use: the sandbox's idle life starts again.
+                    runtime.registry.touch(&terminal.sandbox);
                     alive = terminal.process.write_stdin(data.to_vec(), false).await.is_ok();
                 }
                 Some(Ok(Message::Text(text))) => {

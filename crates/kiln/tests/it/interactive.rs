@@ -1469,3 +1469,51 @@ fn issue33_previews_by_host_name_with_a_preview_domain() -> TestResult {
     assert_eq!(status, 200);
     Ok(())
 }
+
+/// Keystrokes in a terminal are use: a sandbox without a fixed life lives on while someone
+/// types, with no other request, and ends its idle window after they stop.
+#[test]
+fn issue33_terminal_keystrokes_keep_a_sandbox_without_a_fixed_life_alive() -> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        auth: true,
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let (status, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-debian", "lifecycle": {"terminateAfterIdleMs": 3000}})),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    let id = created["containerId"].as_str().ok_or("id")?.to_string();
+    let (status, opened) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/terminals"),
+        Some(json!({})),
+    )?;
+    assert_eq!(status, 201, "{opened}");
+    let tid = opened["terminalId"].as_str().ok_or("tid")?.to_string();
+    let mut socket = attach(&server, &id, &tid, "", None)?;
+    let mut seen = Vec::new();
+    control(&mut socket, &mut seen)?;
+    let typing = Instant::now();
+    let mut i = 0;
+    while typing.elapsed() < Duration::from_millis(5500) {
+        keys(&mut socket, &format!("echo tick{i}\n"))?;
+        i += 1;
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (status, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert_eq!(status, 200, "a sandbox in use ended: {info}");
+    drop(socket);
+    std::thread::sleep(Duration::from_millis(4500));
+    let (status, _) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert_eq!(status, 404, "an idle sandbox lived on");
+    Ok(())
+}
