@@ -275,7 +275,12 @@ async fn create_sandbox(
             .auto_pause
             .filter(|pause| *pause)
             .map(|_| kiln_runtime::lifecycle::OnTimeout::Pause),
-        auto_resume: asked.auto_resume.map(|a| a.enabled),
+        // Older SDKs send `autoResume` on every create; a WebAssembly sandbox has no box
+        // to resume, so it means nothing there.
+        auto_resume: asked
+            .auto_resume
+            .filter(|_| template.backend == BackendKind::Native)
+            .map(|a| a.enabled),
         ..Default::default()
     };
     if lifecycle != Default::default() {
