@@ -195,6 +195,27 @@ impl SandboxSpec {
         self
     }
 
+    /// The sandbox with its box's previews open to anyone (`public`), where its template
+    /// runs a box; refused for one that does not.
+    pub fn with_public_previews(
+        mut self,
+        catalogue: &kiln_core::template::Catalogue,
+        public: bool,
+    ) -> Result<SandboxSpec> {
+        if public {
+            let boxed = catalogue
+                .get(&self.template)
+                .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Native);
+            if !boxed {
+                return Err(RuntimeError::InvalidOption {
+                    message: "publicPreviews is about a Linux box's servers; this template runs WebAssembly, which serves none".into(),
+                });
+            }
+            self.public_ports = true;
+        }
+        Ok(self)
+    }
+
     /// The sandbox with the lifecycle a create request gives (checked against its template
     /// and its life: see [`Lifecycle::check`]); what `asked` leaves out stays as it is.
     pub fn with_lifecycle(

@@ -399,6 +399,9 @@ pub struct SandboxInfo {
     /// it (`POST .../renew`) to give it a life again.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub timed_out: bool,
+    /// Whether anyone may open its box's previews without a key or a link.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub public_previews: bool,
     pub resource_usage: ResourceUsage,
     /// Session ids, with whether each still holds live state.
     pub sessions: Vec<SessionInfo>,
@@ -446,6 +449,7 @@ impl SandboxInfo {
             expires_at: rfc3339(sandbox.expires_ms),
             lifecycle: (sandbox.lifecycle != Default::default()).then(|| sandbox.lifecycle.clone()),
             timed_out: sandbox.timed_out,
+            public_previews: sandbox.public_ports,
             resource_usage: ResourceUsage {
                 executions: sandbox.executions,
                 execution_time_ms: sandbox.cpu_time_ms,

@@ -444,7 +444,8 @@ pub fn host_target(headers: &HeaderMap, domain: &str) -> Option<(String, u16)> {
 /// owner's key or a token of this sandbox and port (in the query once, then in a cookie of
 /// this host), counted against the owner's rate limit; anything else is 404.
 pub async fn by_host(state: &AppState, request: Request, id: &str, port: u16) -> Response {
-    let caller = caller_for(state, &request, id, id, port);
+    let caller =
+        caller_for(state, &request, id, id, port).or_else(|| public_caller(state, &request, id));
     let Some(caller) = caller else {
         return not_found(id);
     };
@@ -673,7 +674,24 @@ pub fn link(
 /// for this very sandbox and port. `None`: answer 404.
 pub fn preview_caller(state: &AppState, request: &Request) -> Option<Caller> {
     let (id, port, _) = parse_path(request.uri().path())?;
-    caller_for(state, request, id, id, port)
+    caller_for(state, request, id, id, port).or_else(|| public_caller(state, request, id))
+}
+
+/// The owner of sandbox `id` when its previews are public (`publicPreviews`, or E2B's
+/// default `allowPublicTraffic`) and the request carries no key (a wrong key stays refused).
+fn public_caller(state: &AppState, request: &Request, id: &str) -> Option<Caller> {
+    let has_key = request.headers().contains_key(header::AUTHORIZATION)
+        || request
+            .headers()
+            .contains_key(HeaderName::from_static("x-api-key"));
+    if has_key {
+        return None;
+    }
+    let sandbox = state.runtime.registry.lookup(id)?.meta;
+    if !sandbox.public_ports {
+        return None;
+    }
+    state.auth.acting_for(&sandbox)
 }
 
 /// Who a request for sandbox `id` acts as, on a route a token may open too: the key it

@@ -78,6 +78,11 @@ pub struct NewSandbox {
     /// When it ends and what becomes of its box when idle (seed 002's `idle_timeout`,
     /// `max_duration`, `persistence`, `allowed_ports`; E2B's `onTimeout` and `autoResume`).
     pub lifecycle: Option<kiln_runtime::lifecycle::Lifecycle>,
+    /// Let anyone who can reach kiln open the previews of its box's servers
+    /// (`/preview/{id}/{port}/…`, and `{port}-{id}.DOMAIN`) without a key or a link, within
+    /// `lifecycle.allowedPorts`; their requests count against the owner's rate limit.
+    /// Default false. Linux templates.
+    pub public_previews: Option<bool>,
 }
 
 /// Create a sandbox.
@@ -107,7 +112,11 @@ pub async fn create(
     )?
     .with_network(state.runtime.catalogue(), body.network.as_deref())?
     .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?
-    .with_lifecycle(state.runtime.catalogue(), body.lifecycle.as_ref())?;
+    .with_lifecycle(state.runtime.catalogue(), body.lifecycle.as_ref())?
+    .with_public_previews(
+        state.runtime.catalogue(),
+        body.public_previews.unwrap_or(false),
+    )?;
     let id = exec::create_sandbox(&state.runtime, &caller, spec)
         .await?
         .id;

@@ -627,3 +627,74 @@ fn issue33_paused_boxes_over_the_tenants_quota_are_hibernated_longest_paused_fir
     );
     Ok(())
 }
+
+/// `publicPreviews`: anyone reaches the box's servers (within `allowedPorts`) without a key
+/// or a link; a private sandbox's stay 404; a wrong key is still refused.
+#[test]
+fn issue33_public_previews_need_no_key_where_the_sandbox_says_so() -> TestResult {
+    if crate::common::skip_linux() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        auth: true,
+        extra: &["--linux"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let public = created_id(
+        &server,
+        json!({"template": "linux-python", "publicPreviews": true, "lifecycle": {"allowedPorts": [8000]}}),
+    )?;
+    let private = created_id(&server, json!({"template": "linux-python"}))?;
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{public}"), None)?;
+    assert_eq!(info["publicPreviews"], true, "{info}");
+    for id in [&public, &private] {
+        let (status, ran) = sh(
+            &server,
+            id,
+            "echo hello > index.html; for p in 8000 8001; do python3 -m http.server $p >/dev/null 2>&1 & done",
+        )?;
+        assert_eq!(status, 200, "{ran}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let get = |id: &str, port: u16, key: Option<&str>| -> Res<(u16, String)> {
+        let reply = send(
+            "GET",
+            &server.url(&format!("/preview/{id}/{port}/index.html")),
+            key,
+            None,
+        )?;
+        Ok((
+            reply.status,
+            String::from_utf8_lossy(&reply.body).into_owned(),
+        ))
+    };
+    loop {
+        let key = server.key.clone();
+        if get(&public, 8000, key.as_deref())?.0 == 200
+            && get(&private, 8000, key.as_deref())?.0 == 200
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the servers never answered");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(get(&public, 8000, None)?, (200, "hello\n".to_string()));
+    assert_eq!(get(&public, 8001, None)?.0, 403, "outside allowedPorts");
+    assert_eq!(
+        get(&private, 8000, None)?.0,
+        404,
+        "a private preview opened"
+    );
+    assert_eq!(
+        get(&public, 8000, Some("kiln_wrong"))?.0,
+        404,
+        "a wrong key passed"
+    );
+    let (status, refused) = create(&server, json!({"publicPreviews": true}))?;
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused.to_string().contains("WebAssembly"), "{refused}");
+    Ok(())
+}
