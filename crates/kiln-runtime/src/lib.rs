@@ -338,6 +338,9 @@ impl Runtime {
                         kiln_core::process::BoxState::Hibernated => "hibernated",
                     };
                     rt.events.record(&sandbox.id, state, &event.reason);
+                    if event.state == kiln_core::process::BoxState::Running {
+                        rt.registry.revive(&sandbox.id);
+                    }
                 }
             }
         });

@@ -448,9 +448,17 @@ pub struct Sandbox {
     /// [`crate::lifecycle::PAUSED_KEEP_MS`] more, then deleted unless renewed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub timed_out: bool,
+    /// The length of its fixed life, as last given (create or renew): what a sandbox its
+    /// timeout paused gets again when it resumes. 0 in records older than it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub life_ms: u64,
     /// Runtime only: the folder the sandbox lives in.
     #[serde(skip)]
     pub dir: PathBuf,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 fn is_default(lifecycle: &Lifecycle) -> bool {
@@ -781,6 +789,7 @@ impl Registry {
             key_id: spec.key_id.clone(),
             lifecycle: spec.lifecycle.clone(),
             timed_out: false,
+            life_ms: spec.lifetime_ms,
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {
@@ -865,6 +874,35 @@ impl Registry {
 
     /// A live sandbox by id alone, whoever's it is (for a request that proves itself with
     /// the sandbox's own access token, checked by the caller).
+    /// A sandbox its timeout paused (`onTimeout: "pause"`) resumed: it gets a life as long
+    /// as its last one again (E2B's auto-resume), and may time out again. Nothing for any
+    /// other.
+    pub fn revive(&self, id: &str) {
+        let revived = {
+            let mut sandboxes = self.lock();
+            match sandboxes
+                .get_mut(id)
+                .filter(|e| !e.deleted && e.meta.timed_out)
+            {
+                Some(entry) => {
+                    let life = if entry.meta.life_ms == 0 {
+                        DEFAULT_LIFETIME_MS
+                    } else {
+                        entry.meta.life_ms
+                    };
+                    entry.meta.timed_out = false;
+                    entry.meta.expires_ms =
+                        now_ms().saturating_add(life).min(entry.meta.hard_end_ms());
+                    true
+                }
+                None => false,
+            }
+        };
+        if revived && let Err(e) = self.persist(id) {
+            tracing::warn!("could not save sandbox {id}: {e}");
+        }
+    }
+
     /// Use of sandbox `id` that is no request (a keystroke in its terminal): a sandbox with
     /// no fixed life lives a full window from now.
     pub fn touch(&self, id: &str) {
@@ -1126,6 +1164,7 @@ impl Registry {
             .saturating_add(lifetime_ms)
             .min(entry.meta.hard_end_ms());
         entry.meta.timed_out = false;
+        entry.meta.life_ms = lifetime_ms;
         let meta = entry.meta.clone();
         drop(sandboxes);
         self.persist(id)?;

@@ -263,8 +263,9 @@ fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_pre
     // onTimeout pause: the end of its life pauses it, and keeps it.
     let info = until_shown(&server, &times_out, "timedOut", json!(true))?;
     assert_eq!(info["state"], "paused", "{info}");
-    // A command resumes it (autoResume is on), its processes kept; a renewal gives it a
-    // life again.
+    // A command resumes it (autoResume is on), its processes kept, and it gets its 3-second
+    // life again (as E2B's auto-resume does): it times out, and is paused, once more. A
+    // renewal gives it a longer life.
     let (status, ran) = sh(
         &server,
         &times_out,
@@ -275,6 +276,9 @@ fn issue33_a_linux_sandboxs_own_lifecycle_idles_resumes_times_out_and_bounds_pre
         (200, Some("kept\n")),
         "{ran}"
     );
+    until_shown(&server, &times_out, "timedOut", Value::Null)?;
+    let info = until_shown(&server, &times_out, "timedOut", json!(true))?;
+    assert_eq!(info["state"], "paused", "{info}");
     let (status, renewed) = server.call(
         "POST",
         &format!("/api/v1/sandboxes/{times_out}/renew"),
