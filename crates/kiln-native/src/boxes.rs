@@ -401,19 +401,17 @@ impl Boxes {
             dir: dir.clone(),
             armed: true,
         };
-        let (our_end, host_pid) = {
+        let (pipes, host_pid) = {
             let (boxes, id, dir, spec) = (self.clone(), id.clone(), dir.clone(), spec.clone());
             tokio::task::spawn_blocking(move || boxes.start(&id, &dir, &spec))
                 .await
                 .map_err(|e| start_err("runtime")(e.to_string()))??
         };
-        let std_stream = std::os::unix::net::UnixStream::from(our_end);
-        std_stream
-            .set_nonblocking(true)
+        follow_log(&dir, pipes.log);
+        let read = tokio::net::unix::pipe::Receiver::from_owned_fd(pipes.from_agent)
             .map_err(|e| start_err("channel")(e.to_string()))?;
-        let stream = tokio::net::UnixStream::from_std(std_stream)
+        let write = tokio::net::unix::pipe::Sender::from_owned_fd(pipes.to_agent)
             .map_err(|e| start_err("channel")(e.to_string()))?;
-        let (read, write) = stream.into_split();
         let channel = Arc::new(Channel::new(read, write));
         let mut hello = channel.call(Op::Hello).await?;
         match tokio::time::timeout(HELLO_TIMEOUT, hello.next()).await {
@@ -472,7 +470,7 @@ impl Boxes {
 
     /// Makes the folder, mounts the layers, writes the bundle and runs the container; returns
     /// the host's end of the agent's channel and the agent's host pid.
-    fn start(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(OwnedFd, i32), BoxError> {
+    fn start(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(AgentPipes, i32), BoxError> {
         for path in [dir, &dir.join("layer"), &dir.join("rootfs")] {
             std::fs::create_dir(path)
                 .map_err(|e| start_err("folder")(format!("{}: {e}", path.display())))?;
@@ -594,31 +592,15 @@ impl Boxes {
             .map_err(|e| start_err("bundle")(e.to_string()))
     }
 
-    /// Runs the container, its agent's stdin and stdout one end of a socket pair; answers
-    /// the other end and the agent's host pid.
-    fn run_container(&self, id: &str, dir: &Path) -> Result<(OwnedFd, i32), BoxError> {
-        let mut fds = [0; 2];
-        // SAFETY: `fds` is a live [c_int; 2], where socketpair writes the two new fds; the other
-        // arguments are integers.
-        if unsafe {
-            libc::socketpair(
-                libc::AF_UNIX,
-                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
-                0,
-                fds.as_mut_ptr(),
-            )
-        } != 0
-        {
-            return Err(start_err("channel")(
-                std::io::Error::last_os_error().to_string(),
-            ));
-        }
-        let (ours, theirs) =
-            // SAFETY: socketpair succeeded, so fds[0] and fds[1] are two new open fds that nothing
-            // else owns; each goes to exactly one OwnedFd, which closes it.
-            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        let log = std::fs::File::create(dir.join("agent.log"))
-            .map_err(|e| start_err("bundle")(e.to_string()))?;
+    /// Runs the container, its agent's stdin, stdout and stderr pipes (not a socket: a pipe
+    /// is what a checkpoint of the box can carry over, runc reconnecting it on restore);
+    /// answers kiln's ends and the agent's host pid. What runc itself says goes to the same
+    /// stderr, and so to `agent.log` when it fails.
+    fn run_container(&self, id: &str, dir: &Path) -> Result<(AgentPipes, i32), BoxError> {
+        let pipe = || std::io::pipe().map_err(|e| start_err("channel")(e.to_string()));
+        let (agent_in, to_agent) = pipe()?;
+        let (from_agent, agent_out) = pipe()?;
+        let (log, agent_err) = pipe()?;
         let pid_file = dir.join("agent.pid");
         let status = Command::new(&self.config.runtime)
             .arg("--root")
@@ -628,16 +610,14 @@ impl Boxes {
             .arg("--bundle")
             .arg(dir)
             .arg(id)
-            .stdin(Stdio::from(
-                theirs
-                    .try_clone()
-                    .map_err(|e| start_err("channel")(e.to_string()))?,
-            ))
-            .stdout(Stdio::from(theirs))
-            .stderr(Stdio::from(log))
+            .stdin(Stdio::from(agent_in))
+            .stdout(Stdio::from(agent_out))
+            .stderr(Stdio::from(agent_err))
             .status()
             .map_err(|e| start_err("runtime")(e.to_string()))?;
         if !status.success() {
+            // runc is gone and started nothing: what it wrote is all there is.
+            keep_log(dir, log);
             return Err(start_err("runtime")(format!(
                 "{} exited with {status}: {}",
                 self.config.runtime.display(),
@@ -648,8 +628,52 @@ impl Boxes {
             .ok()
             .and_then(|p| p.trim().parse().ok())
             .unwrap_or(0);
-        Ok((ours, host_pid))
+        Ok((
+            AgentPipes {
+                from_agent: from_agent.into(),
+                to_agent: to_agent.into(),
+                log: log.into(),
+            },
+            host_pid,
+        ))
     }
+}
+
+/// kiln's ends of a box agent's stdio.
+struct AgentPipes {
+    from_agent: OwnedFd,
+    to_agent: OwnedFd,
+    /// The agent's stderr, kept in `agent.log`.
+    log: OwnedFd,
+}
+
+/// The most of an agent's stderr `agent.log` keeps.
+const MAX_AGENT_LOG: u64 = 1 << 20;
+
+/// Writes what `log` holds to `agent.log` now, up to its end (every writer gone).
+fn keep_log(dir: &Path, log: std::io::PipeReader) {
+    if let Ok(mut file) = std::fs::File::create(dir.join("agent.log")) {
+        let _ = std::io::copy(&mut std::io::Read::take(log, MAX_AGENT_LOG), &mut file);
+    }
+}
+
+/// Copies an agent's stderr into `agent.log` (its first [`MAX_AGENT_LOG`] bytes) for as
+/// long as the box lives; past the cap the rest is read and dropped, so the agent never
+/// blocks on it.
+fn follow_log(dir: &Path, log: OwnedFd) {
+    let path = dir.join("agent.log");
+    let Ok(reader) = tokio::net::unix::pipe::Receiver::from_owned_fd(log) else {
+        return;
+    };
+    tokio::spawn(async move {
+        let mut reader = tokio::io::AsyncReadExt::take(reader, MAX_AGENT_LOG);
+        // Without a log file the agent's words are still read (an agent whose stderr
+        // closed would fail on its next line).
+        if let Ok(mut file) = tokio::fs::File::create(&path).await {
+            let _ = tokio::io::copy(&mut reader, &mut file).await;
+        }
+        let _ = tokio::io::copy(&mut reader.into_inner(), &mut tokio::io::sink()).await;
+    });
 }
 
 /// The prefix of each kiln process's folder in the state directory.
