@@ -183,6 +183,18 @@ pub enum IdleAction {
     Hibernate,
 }
 
+impl BoxState {
+    /// Its name, as the API shows it (`stopped`, `running`, `paused`, `hibernated`).
+    pub fn name(self) -> &'static str {
+        match self {
+            BoxState::Stopped => "stopped",
+            BoxState::Running => "running",
+            BoxState::Paused => "paused",
+            BoxState::Hibernated => "hibernated",
+        }
+    }
+}
+
 /// A backend that starts live processes in a sandbox. `request` carries the sandbox: its
 /// template, workspace (and where the guest sees it), network, resources and memory limit;
 /// its code is not used. The box of a sandbox is named by its workspace.

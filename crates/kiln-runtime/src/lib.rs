@@ -331,13 +331,8 @@ impl Runtime {
                 let Some(rt) = weak.upgrade() else { return };
                 let wanted = std::iter::once(event.workspace.clone()).collect();
                 if let Some(sandbox) = rt.registry.by_workspace(&wanted).values().next() {
-                    let state = match event.state {
-                        kiln_core::process::BoxState::Stopped => "stopped",
-                        kiln_core::process::BoxState::Running => "running",
-                        kiln_core::process::BoxState::Paused => "paused",
-                        kiln_core::process::BoxState::Hibernated => "hibernated",
-                    };
-                    rt.events.record(&sandbox.id, state, &event.reason);
+                    rt.events
+                        .record(&sandbox.id, event.state.name(), &event.reason);
                     if event.state == kiln_core::process::BoxState::Running {
                         rt.registry.revive(&sandbox.id);
                     }

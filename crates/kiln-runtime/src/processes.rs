@@ -403,11 +403,7 @@ pub async fn awake(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<()
         Some(state @ (BoxState::Paused | BoxState::Hibernated)) => {
             Err(RuntimeError::SandboxPaused {
                 id: sandbox.id.clone(),
-                state: if state == BoxState::Paused {
-                    "paused"
-                } else {
-                    "hibernated"
-                },
+                state: state.name(),
             })
         }
         _ => Ok(()),

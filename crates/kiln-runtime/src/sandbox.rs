@@ -195,6 +195,13 @@ impl SandboxSpec {
         self
     }
 
+    /// Whether its template runs a Linux box (WebAssembly ones have none).
+    fn runs_box(&self, catalogue: &kiln_core::template::Catalogue) -> bool {
+        catalogue
+            .get(&self.template)
+            .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Native)
+    }
+
     /// The sandbox with its box's previews open to anyone (`public`), where its template
     /// runs a box; refused for one that does not.
     pub fn with_public_previews(
@@ -203,10 +210,7 @@ impl SandboxSpec {
         public: bool,
     ) -> Result<SandboxSpec> {
         if public {
-            let boxed = catalogue
-                .get(&self.template)
-                .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Native);
-            if !boxed {
+            if !self.runs_box(catalogue) {
                 return Err(RuntimeError::InvalidOption {
                     message: "publicPreviews is about a Linux box's servers; this template runs WebAssembly, which serves none".into(),
                 });
@@ -224,9 +228,7 @@ impl SandboxSpec {
         asked: Option<&Lifecycle>,
     ) -> Result<SandboxSpec> {
         let Some(asked) = asked else { return Ok(self) };
-        let boxed = catalogue
-            .get(&self.template)
-            .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Native);
+        let boxed = self.runs_box(catalogue);
         let fixed = self.lifecycle.terminate_after_idle_ms.is_none();
         asked.check(boxed, fixed)?;
         let window = asked

@@ -103,10 +103,7 @@ pub struct BoxChange {
 
 /// A box state's name on the wire (`running`, `paused`, …).
 pub fn state_name(state: kiln_core::process::BoxState) -> String {
-    serde_json::to_value(state)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default()
+    state.name().to_string()
 }
 
 /// Signal names a client may use, with or without `SIG`.

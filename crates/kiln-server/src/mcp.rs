@@ -198,6 +198,14 @@ fn timeout_ms(seconds: Option<f64>) -> Result<Option<u64>, RuntimeError> {
 }
 
 /// A tool answer: JSON text, flagged as an error when the code did not succeed.
+/// A refusal of the HTTP faces' kind, as a tool error.
+fn api_refused(error: &crate::error::ApiError) -> CallToolResult {
+    answer(
+        json!({ "error": { "code": error.code(), "message": error.message() } }),
+        true,
+    )
+}
+
 fn answer(value: Value, failed: bool) -> CallToolResult {
     let text = serde_json::to_string_pretty(&value).unwrap_or_default();
     if failed {
@@ -301,6 +309,16 @@ impl KilnMcp {
     /// A server over `runtime`.
     pub fn new(runtime: Arc<Runtime>) -> KilnMcp {
         KilnMcp { runtime, app: None }
+    }
+
+    /// The HTTP server this MCP is part of, for what lives there (`what`: terminals,
+    /// previews); over stdio, the refusal that says so.
+    fn served(&self, what: &str) -> Result<&Arc<crate::AppState>, RuntimeError> {
+        self.app.as_ref().ok_or_else(|| RuntimeError::Unsupported {
+            message: format!(
+                "{what} live on `kiln serve` (MCP at /mcp); `kiln mcp` over stdio has none"
+            ),
+        })
     }
 
     /// Who is calling: the bearer key's tenant over HTTP, the local tenant over stdio.
@@ -760,10 +778,9 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let Some(app) = &self.app else {
-            return Ok(refused(RuntimeError::Unsupported {
-                message: "terminals live on `kiln serve` (MCP at /mcp); `kiln mcp` over stdio has no server to open one on".into(),
-            }));
+        let app = match self.served("terminals") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
         };
         let wait = std::time::Duration::from_millis(input.wait_ms.unwrap_or(1000).min(10_000));
         let opened = async {
@@ -806,10 +823,7 @@ impl KilnMcp {
                     false,
                 )
             }
-            Err(e) => answer(
-                json!({ "error": { "code": e.code(), "message": e.message() } }),
-                true,
-            ),
+            Err(e) => api_refused(&e),
         })
     }
 
@@ -822,12 +836,9 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let Some(app) = &self.app else {
-            return Ok(refused(RuntimeError::Unsupported {
-                message:
-                    "previews live on `kiln serve` (MCP at /mcp); `kiln mcp` over stdio serves none"
-                        .into(),
-            }));
+        let app = match self.served("previews") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
         };
         Ok(
             match crate::preview::link(
@@ -841,10 +852,7 @@ impl KilnMcp {
                     json!({ "sandbox_id": input.sandbox_id, "port": link.port, "url": link.url, "expires_at": link.expires_at }),
                     false,
                 ),
-                Err(e) => answer(
-                    json!({ "error": { "code": e.code(), "message": e.message() } }),
-                    true,
-                ),
+                Err(e) => api_refused(&e),
             },
         )
     }

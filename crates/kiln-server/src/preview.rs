@@ -170,6 +170,26 @@ pub fn presented_token(request: &Request) -> Option<String> {
         })
 }
 
+/// A token given in the request's query (`?kiln_preview_token=`), which kiln then sets as
+/// a cookie so the page's own requests carry it.
+pub fn query_token(request: &Request) -> Option<String> {
+    request.uri().query().and_then(|q| {
+        form_urlencoded(q)
+            .into_iter()
+            .find(|(n, _)| n == TOKEN_PARAM)
+            .map(|(_, v)| v)
+    })
+}
+
+/// Whether the request carries an API key (which is then checked, never bypassed by a
+/// token or a public sandbox).
+pub fn presents_key(request: &Request) -> bool {
+    request.headers().contains_key(header::AUTHORIZATION)
+        || request
+            .headers()
+            .contains_key(HeaderName::from_static("x-api-key"))
+}
+
 fn form_urlencoded(query: &str) -> Vec<(String, String)> {
     serde_urlencoded::from_str::<Vec<(String, String)>>(query).unwrap_or_default()
 }
@@ -247,12 +267,7 @@ pub async fn proxy(
         return not_found(id);
     };
     // A token given in the query goes on in a cookie, with the same expiry.
-    let query_token = request.uri().query().and_then(|q| {
-        form_urlencoded(q)
-            .into_iter()
-            .find(|(n, _)| n == TOKEN_PARAM)
-            .map(|(_, v)| v)
-    });
+    let query_token = query_token(&request);
     let prefix = format!("/preview/{id}/{port}");
     let mut response = forward(&state, &view.meta, port, rest, Some(&prefix), request).await;
     if let Some(token) = query_token
@@ -461,12 +476,7 @@ pub async fn by_host(state: &AppState, request: Request, id: &str, port: u16) ->
         )
         .into_response();
     }
-    let query_token = request.uri().query().and_then(|q| {
-        form_urlencoded(q)
-            .into_iter()
-            .find(|(n, _)| n == TOKEN_PARAM)
-            .map(|(_, v)| v)
-    });
+    let query_token = query_token(&request);
     let rest = request.uri().path().trim_start_matches('/').to_string();
     let mut response = forward(state, &view.meta, port, &rest, None, request).await;
     if let Some(token) = query_token
@@ -680,11 +690,7 @@ pub fn preview_caller(state: &AppState, request: &Request) -> Option<Caller> {
 /// The owner of sandbox `id` when its previews are public (`publicPreviews`, or E2B's
 /// default `allowPublicTraffic`) and the request carries no key (a wrong key stays refused).
 fn public_caller(state: &AppState, request: &Request, id: &str) -> Option<Caller> {
-    let has_key = request.headers().contains_key(header::AUTHORIZATION)
-        || request
-            .headers()
-            .contains_key(HeaderName::from_static("x-api-key"));
-    if has_key {
+    if presents_key(request) {
         return None;
     }
     let sandbox = state.runtime.registry.lookup(id)?.meta;
@@ -704,11 +710,7 @@ pub fn caller_for(
     scope: &str,
     port: u16,
 ) -> Option<Caller> {
-    let has_key = request.headers().contains_key(header::AUTHORIZATION)
-        || request
-            .headers()
-            .contains_key(HeaderName::from_static("x-api-key"));
-    if has_key || matches!(state.auth, kiln_runtime::auth::Auth::Off) {
+    if presents_key(request) || matches!(state.auth, kiln_runtime::auth::Auth::Off) {
         return crate::gate::check_key(state, request).ok();
     }
     let grant = state.previews.check(&presented_token(request)?, now_ms())?;

@@ -42,9 +42,8 @@ pub fn parse_path(path: &str) -> Option<&str> {
 /// `None`: answer 404.
 pub fn caller(state: &AppState, request: &Request) -> Option<(Caller, Option<SiteScope>)> {
     let id = parse_path(request.uri().path())?;
-    let has_key = request.headers().contains_key(header::AUTHORIZATION)
-        || request.headers().contains_key("x-api-key");
-    if has_key || matches!(state.auth, kiln_runtime::auth::Auth::Off) {
+    if crate::preview::presents_key(request) || matches!(state.auth, kiln_runtime::auth::Auth::Off)
+    {
         return crate::gate::check_key(state, request)
             .ok()
             .map(|c| (c, None));
@@ -218,15 +217,11 @@ fn respond(request: &Request, id: &str, file: std::fs::File, size: u64, served: 
     )
         .into_response();
     // A link's token goes on in a cookie, so the page's own requests carry it.
-    if let Some(token) = request.uri().query().and_then(|q| {
-        serde_urlencoded::from_str::<Vec<(String, String)>>(q)
-            .unwrap_or_default()
-            .into_iter()
-            .find(|(n, _)| n == TOKEN_PARAM)
-            .map(|(_, v)| v)
-    }) && let Ok(cookie) = HeaderValue::from_str(&format!(
-        "{COOKIE}={token}; Path=/site/{id}/; HttpOnly; SameSite=Lax"
-    )) {
+    if let Some(token) = crate::preview::query_token(request)
+        && let Ok(cookie) = HeaderValue::from_str(&format!(
+            "{COOKIE}={token}; Path=/site/{id}/; HttpOnly; SameSite=Lax"
+        ))
+    {
         response.headers_mut().append(header::SET_COOKIE, cookie);
     }
     response

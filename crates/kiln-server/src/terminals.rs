@@ -460,7 +460,7 @@ pub async fn attach(
 ) -> Result<Response, ApiError> {
     let Path((id, tid)) = path.map_err(path_error)?;
     let Query(asked) = query.map_err(|e| ApiError::bad_request("INVALID_QUERY", e.body_text()))?;
-    state.runtime.registry.get(&caller.tenant, &id)?;
+    let sandbox = state.runtime.registry.get(&caller.tenant, &id)?.meta;
     let terminal = state
         .terminals
         .get(&id, &tid)
@@ -480,7 +480,6 @@ pub async fn attach(
     };
     // Attaching to a paused sandbox's terminal resumes it (or is refused, SANDBOX_PAUSED,
     // where its lifecycle says autoResume false).
-    let sandbox = state.runtime.registry.get(&caller.tenant, &id)?.meta;
     processes::wake(&state.runtime, &sandbox).await?;
     let runtime = state.runtime.clone();
     Ok(upgrade
