@@ -52,6 +52,11 @@ pub trait Process: Send + Sync {
     fn signal(&self, signal: i32) -> BoxFuture<'_, Result<(), BackendError>>;
     /// Resizes its terminal.
     fn resize(&self, size: TerminalSize) -> BoxFuture<'_, Result<(), BackendError>>;
+    /// Kills it because its sandbox is going: as `signal(SIGKILL)`, except that a process
+    /// of a hibernated box is not woken to be killed (it goes with its checkpoint).
+    fn end(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+        self.signal(9)
+    }
 }
 
 /// The events of a started process.

@@ -26,6 +26,7 @@ use kiln_guest::proto::Reply;
 
 use crate::boxes::{BoxSpec, Boxes, Exec, LiveBox};
 use crate::builder::Template;
+use crate::checkpoint::{self, BoxRecipe};
 use crate::jail::BoxLimits;
 use crate::proxy::Allowlist;
 use kiln_core::process::BoxState;
@@ -81,6 +82,8 @@ struct Held {
     connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Its sandbox's own idle policy, where it differs from the backend's.
     policy: kiln_core::process::IdleOverrides,
+    /// What it was started with (kept with its checkpoint, to start it again).
+    recipe: BoxRecipe,
 }
 
 /// Counts one open connection while it lives.
@@ -111,6 +114,9 @@ struct Inner {
     closing: std::sync::Mutex<HashMap<PathBuf, tokio::task::JoinHandle<()>>>,
     /// Every change of a box's state, for whoever listens.
     events: tokio::sync::broadcast::Sender<kiln_core::process::BoxEvent>,
+    /// Workspaces whose box is being checkpointed now: nothing starts or restores a box of
+    /// theirs meanwhile.
+    checkpointing: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
 }
 
 /// The Linux backend. Cheap to clone.
@@ -168,6 +174,7 @@ impl NativeBackend {
                 hibernated: Default::default(),
                 closing: Default::default(),
                 events: tokio::sync::broadcast::channel(1024).0,
+                checkpointing: Default::default(),
             }),
         }
     }
@@ -185,8 +192,32 @@ impl NativeBackend {
     }
 
     fn spec(&self, template: &Template, request: &ExecRequest) -> BoxSpec {
+        self.spec_of(
+            template,
+            request.workspace.clone(),
+            &self.recipe(template, request),
+        )
+    }
+
+    /// What a box for `request` is started with.
+    fn recipe(&self, template: &Template, request: &ExecRequest) -> BoxRecipe {
+        BoxRecipe {
+            template: catalogue_id(&template.definition.name),
+            limits: limits(template, request),
+            network: matches!(request.network, kiln_core::Network::Allowlist),
+            workspace_at: request.workspace_at.clone(),
+            idle: request.idle,
+        }
+    }
+
+    fn spec_of(
+        &self,
+        template: &Template,
+        workspace: Option<PathBuf>,
+        recipe: &BoxRecipe,
+    ) -> BoxSpec {
         // The workspace (and the commands' default folder) where the request wants it.
-        let template = match &request.workspace_at {
+        let template = match &recipe.workspace_at {
             Some(at) => {
                 let mut moved = template.clone();
                 moved.definition.working_dir = at.clone();
@@ -195,15 +226,46 @@ impl NativeBackend {
             None => template.clone(),
         };
         BoxSpec {
-            workspace: request.workspace.clone(),
-            layer: request.workspace.as_deref().and_then(persistent_layer),
-            network: match request.network {
-                kiln_core::Network::None => None,
-                kiln_core::Network::Allowlist => Some(self.inner.allowlist.clone()),
-            },
+            layer: workspace.as_deref().and_then(persistent_layer),
+            workspace,
+            network: recipe
+                .network
+                .then(|| self.inner.allowlist.clone()),
             ca_bundle: self.inner.ca_bundle.clone(),
-            ..BoxSpec::new(template.clone(), limits(&template, request))
+            ..BoxSpec::new(template, recipe.limits)
         }
+    }
+
+    /// The boxes' table, once no checkpoint of `workspace`'s box is being taken (a box of
+    /// the sandbox must not start over the layer CRIU is still dumping).
+    async fn settled(
+        &self,
+        workspace: &std::path::Path,
+    ) -> Result<tokio::sync::MutexGuard<'_, HashMap<PathBuf, Held>>, BackendError> {
+        let started = Instant::now();
+        loop {
+            let held = self.inner.held.lock().await;
+            if !self.checkpointing().contains(workspace) {
+                return Ok(held);
+            }
+            drop(held);
+            if started.elapsed() > CHECKPOINT_WAIT {
+                return Err(BackendError::new(
+                    ErrorKind::Instantiate,
+                    format!(
+                        "the sandbox's box is still being checkpointed after {CHECKPOINT_WAIT:?}; try again"
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn checkpointing(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<PathBuf>> {
+        self.inner
+            .checkpointing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// The live box of the request's workspace, started if there is none (or it died).
@@ -213,7 +275,7 @@ impl NativeBackend {
         request: &ExecRequest,
         workspace: &PathBuf,
     ) -> Result<Arc<LiveBox>, BackendError> {
-        let mut held = self.inner.held.lock().await;
+        let mut held = self.settled(workspace).await?;
         // A command to a paused sandbox resumes it (E2B's auto-resume).
         let was_paused = self.paused().remove(workspace).is_some();
         self.hibernated().remove(workspace);
@@ -245,6 +307,10 @@ impl NativeBackend {
         if let Some(closing) = closing {
             let _ = tokio::time::timeout(Duration::from_secs(10), closing).await;
         }
+        // A hibernated box comes back from its checkpoint, its processes as they were.
+        if let Some(live) = self.restore(&mut held, workspace).await {
+            return Ok(live);
+        }
         let live = Arc::new(
             self.inner
                 .boxes
@@ -260,11 +326,144 @@ impl NativeBackend {
                 last_used: Instant::now(),
                 connections: Arc::default(),
                 policy: request.idle,
+                recipe: self.recipe(template, request),
             },
         ) {
             self.close_later(workspace, old.live);
         }
         Ok(live)
+    }
+
+    /// Restores the box of `workspace` from its checkpoint, if it has one: its processes go
+    /// on where they were. The checkpoint is used up either way; one that fails to restore
+    /// is said in the box's events (its processes are gone, its files kept) and answers
+    /// `None`, as does a sandbox with no checkpoint. Called with the boxes' table locked.
+    async fn restore(
+        &self,
+        held: &mut HashMap<PathBuf, Held>,
+        workspace: &std::path::Path,
+    ) -> Option<Arc<LiveBox>> {
+        let folder = checkpoint::folder(workspace)?;
+        let Some(record) = checkpoint::read(&folder) else {
+            // Not complete: a kiln that died while it checkpointed left it.
+            if folder.exists() {
+                checkpoint::remove(&folder);
+            }
+            return None;
+        };
+        let started = Instant::now();
+        let template = self
+            .inner
+            .templates
+            .iter()
+            .find(|(info, _)| info.id == record.recipe.template)
+            .map(|(_, t)| t);
+        let restored = match template {
+            None => Err(format!(
+                "its template {} is no longer served",
+                record.recipe.template
+            )),
+            Some(template) => {
+                let spec = self.spec_of(template, Some(workspace.to_path_buf()), &record.recipe);
+                let images = checkpoint::images(&folder);
+                let from = crate::boxes::Restore {
+                    images: &images,
+                    lineage: record.lineage,
+                    carried: &record.carried,
+                };
+                self.inner
+                    .boxes
+                    .restore(spec, from)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+        };
+        checkpoint::remove(&folder);
+        self.hibernated().remove(workspace);
+        self.paused().remove(workspace);
+        match restored {
+            Ok(live) => {
+                let live = Arc::new(live);
+                held.insert(
+                    workspace.to_path_buf(),
+                    Held {
+                        live: live.clone(),
+                        last_used: Instant::now(),
+                        connections: Arc::default(),
+                        policy: record.recipe.idle,
+                        recipe: record.recipe,
+                    },
+                );
+                self.emit(
+                    workspace,
+                    BoxState::Running,
+                    &format!(
+                        "restored from its checkpoint in {} ms, its processes as they were",
+                        started.elapsed().as_millis()
+                    ),
+                );
+                Some(live)
+            }
+            Err(e) => {
+                tracing::warn!(workspace = %workspace.display(), error = %e, "a checkpoint did not restore");
+                self.emit(
+                    workspace,
+                    BoxState::Stopped,
+                    &format!(
+                        "its checkpoint could not be restored, so its processes are gone (its files are kept): {e}"
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    /// The live box of lineage `lineage` for `workspace` (a process started in it asks),
+    /// restored now from its checkpoint if it is hibernated. `None`: that box is gone for
+    /// good (closed, replaced, or its checkpoint failed).
+    pub(crate) async fn restored(
+        &self,
+        workspace: &std::path::Path,
+        lineage: u64,
+    ) -> Option<Arc<LiveBox>> {
+        let mut held = self.settled(workspace).await.ok()?;
+        if let Some(entry) = held.get(workspace).filter(|e| e.live.is_alive()) {
+            return (entry.live.lineage == lineage).then(|| entry.live.clone());
+        }
+        let record = checkpoint::folder(workspace).and_then(|f| checkpoint::read(&f))?;
+        if record.lineage != lineage {
+            return None;
+        }
+        self.restore(&mut held, workspace)
+            .await
+            .filter(|live| live.lineage == lineage)
+    }
+
+    /// Waits for the box of lineage `lineage` of `workspace` to be restored (by whatever
+    /// request wakes it), without waking it: the box, or `None` once it is gone for good.
+    pub(crate) async fn await_restored(
+        &self,
+        workspace: &std::path::Path,
+        lineage: u64,
+    ) -> Option<Arc<LiveBox>> {
+        let mut events = self.box_events();
+        loop {
+            {
+                // Under the table's lock: a restore holds it from reading the checkpoint
+                // to adding the box.
+                let held = self.inner.held.lock().await;
+                if let Some(entry) = held.get(workspace).filter(|e| e.live.is_alive()) {
+                    return (entry.live.lineage == lineage).then(|| entry.live.clone());
+                }
+                if !self.checkpointing().contains(workspace) {
+                    let record = checkpoint::folder(workspace).and_then(|f| checkpoint::read(&f));
+                    if record.is_none_or(|r| r.lineage != lineage) {
+                        return None;
+                    }
+                }
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(2), events.recv()).await;
+        }
     }
 
     /// Closes the boxes whose workspace is gone (the sandbox was deleted) or whose agent
@@ -424,32 +623,92 @@ impl NativeBackend {
             .unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Hibernates the box of `workspace`: closed at once (its processes end; kiln checkpoints
-    /// none yet), its memory returned, its files kept on the sandbox's volume; the sandbox
-    /// stays `hibernated` until its next command. Answers why its processes ended.
+    /// Hibernates the box of `workspace`: its memory goes back to the host, its files stay
+    /// on the sandbox's volume, and where CRIU can, its processes are checkpointed to disk
+    /// and come back as they were on its next request (or resume); where it cannot, they end
+    /// (and the answer says why). The sandbox stays `hibernated` until then. Answers what
+    /// became of its processes.
     pub async fn hibernate(
         &self,
         workspace: &std::path::Path,
         reason: &str,
     ) -> Result<(kiln_core::process::BoxState, String), BackendError> {
-        let entry = self.inner.held.lock().await.remove(workspace);
-        self.paused().remove(workspace);
-        self.hibernated().insert(workspace.to_path_buf());
-        if let Some(entry) = entry {
-            // Killed now, whoever holds it (a terminal's shell ends with it).
-            entry.live.destroy_now().await;
-        }
+        let entry = {
+            let mut held = self.settled(workspace).await?;
+            let entry = held.remove(workspace);
+            self.paused().remove(workspace);
+            self.hibernated().insert(workspace.to_path_buf());
+            if entry.is_some() {
+                self.checkpointing().insert(workspace.to_path_buf());
+            }
+            entry
+        };
+        let said = match entry {
+            None => match checkpoint::folder(workspace).and_then(|f| checkpoint::read(&f)) {
+                Some(_) => "it was hibernated already: its processes are checkpointed and come back on its next request".to_string(),
+                None => "no box ran: its files are kept".to_string(),
+            },
+            Some(entry) => {
+                let said = match self.checkpoint(workspace, &entry).await {
+                    Ok(said) => said,
+                    Err(why) => {
+                        // Killed now, whoever holds it (a terminal's shell ends with it).
+                        entry.live.destroy_now().await;
+                        format!("the box's processes ended and its files were kept: {why}")
+                    }
+                };
+                self.checkpointing().remove(workspace);
+                said
+            }
+        };
         self.emit(workspace, BoxState::Hibernated, reason);
-        Ok((
-            kiln_core::process::BoxState::Hibernated,
-            checkpoint_unavailable(),
+        Ok((kiln_core::process::BoxState::Hibernated, said))
+    }
+
+    /// Checkpoints the box of `entry` (the table no longer holds it) and removes it; what
+    /// to tell, or why it could not be (the box is then still there).
+    async fn checkpoint(&self, workspace: &std::path::Path, entry: &Held) -> Result<String, String> {
+        let criu = self.inner.boxes.criu()?.to_path_buf();
+        let folder = checkpoint::folder(workspace).ok_or(
+            "its sandbox has no volume to keep the box's layer on, so its processes could not come back over the same files",
+        )?;
+        if !entry.live.is_alive() {
+            return Err("its box had ended".into());
+        }
+        let started = Instant::now();
+        let images = checkpoint::prepare(&folder, self.inner.boxes.root_uid())
+            .map_err(|e| format!("{}: {e}", folder.display()))?;
+        let processes = entry.live.processes().await.len();
+        let carried = match entry.live.checkpoint(&criu, &images).await {
+            Ok(carried) => carried,
+            Err(e) => {
+                checkpoint::remove(&folder);
+                return Err(format!("checkpointing them failed: {e}"));
+            }
+        };
+        entry.live.destroy_now().await;
+        let record = checkpoint::Record {
+            lineage: entry.live.lineage,
+            carried,
+            recipe: entry.recipe.clone(),
+            bytes: checkpoint::size(&images),
+            made_ms: checkpoint::now_ms(),
+        };
+        if let Err(e) = checkpoint::complete(&folder, &record) {
+            checkpoint::remove(&folder);
+            return Err(format!("its checkpoint could not be kept: {e}"));
+        }
+        Ok(format!(
+            "its {processes} processes were checkpointed ({} MiB on disk, in {} ms) and come back as they were on its next request or resume",
+            record.bytes.div_ceil(1 << 20),
+            started.elapsed().as_millis()
         ))
     }
 
     /// Where the box of `workspace` stands.
     pub async fn state(&self, workspace: &std::path::Path) -> kiln_core::process::BoxState {
         use kiln_core::process::BoxState;
-        if self.hibernated().contains(workspace) {
+        if self.hibernated().contains(workspace) || self.checkpointed(workspace) {
             return BoxState::Hibernated;
         }
         if self.paused().contains_key(workspace) {
@@ -472,11 +731,18 @@ impl NativeBackend {
     ) -> Result<kiln_core::process::BoxState, BackendError> {
         let before = self.state(workspace).await;
         // Under the boxes' lock, so no command starts or resumes the box meanwhile.
-        let held = self.inner.held.lock().await;
-        let live = held
+        let mut held = self.settled(workspace).await?;
+        let mut live = held
             .get(workspace)
             .filter(|entry| entry.live.is_alive())
             .map(|entry| entry.live.clone());
+        if live.is_none() && self.checkpointed(workspace) {
+            if paused {
+                // Hibernated it stays: a checkpoint is already more asleep than paused.
+                return Ok(BoxState::Hibernated);
+            }
+            live = self.restore(&mut held, workspace).await;
+        }
         if let Some(live) = &live {
             live.set_paused(paused)
                 .await
@@ -496,6 +762,11 @@ impl NativeBackend {
             self.emit(workspace, after, reason);
         }
         Ok(after)
+    }
+
+    /// Whether `workspace`'s box is checkpointed on disk (hibernated, to be restored).
+    fn checkpointed(&self, workspace: &std::path::Path) -> bool {
+        checkpoint::folder(workspace).is_some_and(|f| checkpoint::read(&f).is_some())
     }
 
     /// Every change of a box's state from now on.
@@ -551,36 +822,8 @@ impl NativeBackend {
 
 pub use kiln_core::process::{IdleAction, IdlePolicy};
 
-/// Why a hibernated box's processes ended: kiln does not checkpoint them yet, and what this
-/// host's CRIU says (asked once).
-pub fn checkpoint_unavailable() -> String {
-    static SAID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SAID.get_or_init(|| {
-        let host = match std::process::Command::new("criu")
-            .arg("check")
-            .stdin(std::process::Stdio::null())
-            .output()
-        {
-            Err(_) => "CRIU is not installed here".to_string(),
-            Ok(out) if out.status.success() => "this host's CRIU passes `criu check`".to_string(),
-            Ok(out) => {
-                let said = String::from_utf8_lossy(&out.stderr);
-                let last = said
-                    .lines()
-                    .rev()
-                    .find(|l| !l.trim().is_empty())
-                    .unwrap_or("it failed")
-                    .trim()
-                    .to_string();
-                format!("this host's CRIU cannot checkpoint (`criu check`: {last})")
-            }
-        };
-        format!(
-            "the box's processes ended and its files were kept: kiln does not checkpoint processes yet ({host})"
-        )
-    })
-    .clone()
-}
+/// The longest a request waits for a checkpoint of its sandbox's box to be taken.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(120);
 
 /// Where a sandbox's box keeps what it writes outside its workspace: `.layer` on the
 /// sandbox's volume, beside `workspace` (the volume's root is out of the guest's reach; see
@@ -823,7 +1066,11 @@ impl Backend for NativeBackend {
                     .map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?,
             ),
         };
-        NativeSession::start(live, &request).await
+        let resume = request
+            .workspace
+            .clone()
+            .map(|workspace| (self.clone(), workspace));
+        NativeSession::start(live, &request, resume).await
     }
 }
 
@@ -902,6 +1149,9 @@ impl TurnStream {
 /// A Python session in a Linux box: one interpreter process that keeps its variables.
 pub struct NativeSession {
     live: Arc<LiveBox>,
+    /// Where its box is restored from when it was hibernated with a checkpoint (a sandbox's
+    /// session: its interpreter comes back with the box, its variables kept).
+    resume: Option<(NativeBackend, PathBuf)>,
     target: u64,
     replies: crate::channel::Replies,
     /// `\0TOKEN:`, the start of a turn's end marker.
@@ -921,6 +1171,7 @@ impl NativeSession {
     async fn start(
         live: Arc<LiveBox>,
         request: &ExecRequest,
+        resume: Option<(NativeBackend, PathBuf)>,
     ) -> Result<NativeSession, BackendError> {
         let mut bytes = [0u8; 12];
         let _ = std::fs::File::open("/dev/urandom")
@@ -941,6 +1192,7 @@ impl NativeSession {
         Ok(NativeSession {
             target: replies.id,
             live,
+            resume,
             replies,
             marker: format!("\0{token}:").into_bytes(),
             ended: None,
@@ -949,6 +1201,23 @@ impl NativeSession {
 
     fn end(&mut self, why: &str) {
         self.ended = Some(why.to_string());
+    }
+
+    /// Takes up its interpreter in the box restored from a checkpoint of its box, if its box
+    /// was hibernated so (restoring it now).
+    async fn reattach(&mut self) {
+        if self.live.is_alive() {
+            return;
+        }
+        let Some((backend, workspace)) = &self.resume else {
+            return;
+        };
+        if let Some(live) = backend.restored(workspace, self.live.lineage).await
+            && let Some(replies) = live.adopt(self.target)
+        {
+            self.live = live;
+            self.replies = replies;
+        }
     }
 }
 
@@ -966,6 +1235,7 @@ impl BackendSession for NativeSession {
                 format!("the session ended earlier ({why}); open a new one"),
             ));
         }
+        self.reattach().await;
         let started = Instant::now();
         let oom_before = self.live.oom_kills();
         let mut input = format!("{}\n", code.len()).into_bytes();

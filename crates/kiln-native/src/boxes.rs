@@ -20,7 +20,7 @@ use std::sync::Arc;
 use kiln_guest::proto::{Credentials, Failure, Op, Reply, Spawn};
 
 use crate::builder::Template;
-use crate::channel::{Channel, ChannelClosed};
+use crate::channel::{Carried, Channel, ChannelClosed};
 use crate::jail::{self, BoxLimits, Cgroups};
 use crate::proxy::{self, Allowlist};
 use crate::template::{USER_HOME, USER_NAME, USER_UID};
@@ -43,6 +43,9 @@ pub struct BoxesConfig {
     pub runtime: PathBuf,
     /// Host uid that a box's root maps to.
     pub uid_base: u32,
+    /// CRIU, which checkpoints a hibernated box's processes (see [`Boxes::criu`]). `None`:
+    /// boxes hibernate keeping their files only.
+    pub criu: Option<PathBuf>,
 }
 
 /// A box could not be made, or a command could not run in it.
@@ -67,6 +70,8 @@ pub struct Boxes {
     runtime_root: PathBuf,
     /// This process's claim on its folder of the state directory, held while it lives.
     _claim: Arc<std::fs::File>,
+    /// Whether CRIU checkpoints here, asked once.
+    criu: Arc<std::sync::OnceLock<Result<PathBuf, String>>>,
 }
 
 /// What a box is made of.
@@ -237,6 +242,9 @@ pub struct LiveBox {
     template: Template,
     /// The agent's pid on the host.
     pub host_pid: i32,
+    /// Which box this is, kept over checkpoints: a box restored from a checkpoint has the
+    /// lineage of the box checkpointed, so a process started in one is known in the other.
+    pub lineage: u64,
     /// Set once [`LiveBox::close`] has removed the box.
     closed: std::sync::atomic::AtomicBool,
 }
@@ -308,11 +316,25 @@ fn unmount(target: &Path) {
     unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
 }
 
-fn random_id() -> String {
+fn random_bytes() -> [u8; 8] {
     let mut bytes = [0u8; 8];
     let _ = std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
-    format!("{ID_PREFIX}{}", hex::encode(bytes))
+    bytes
+}
+
+fn random_id() -> String {
+    format!("{ID_PREFIX}{}", hex::encode(random_bytes()))
+}
+
+/// A checkpoint of a box to restore: its images (CRIU's, written by
+/// [`LiveBox::checkpoint`]), the lineage of the box they were taken of and what its
+/// channel had open.
+#[derive(Debug, Clone)]
+pub struct Restore<'a> {
+    pub images: &'a Path,
+    pub lineage: u64,
+    pub carried: &'a crate::channel::Carried,
 }
 
 impl Boxes {
@@ -322,6 +344,12 @@ impl Boxes {
     pub fn user_owner(&self) -> (u32, u32) {
         let id = self.config.uid_base + USER_UID;
         (id, id)
+    }
+
+    /// The host uid of a box's root: who may read a box's checkpoint images (CRIU restores
+    /// the box's processes as it).
+    pub fn root_uid(&self) -> u32 {
+        self.config.uid_base
     }
 
     pub fn new(config: BoxesConfig) -> Result<Boxes, BoxError> {
@@ -379,7 +407,46 @@ impl Boxes {
             boxes_dir,
             runtime_root,
             _claim: Arc::new(claim),
+            criu: Arc::default(),
         })
+    }
+
+    /// The CRIU that checkpoints boxes here: the configured one, if `criu check` passes
+    /// (asked once); otherwise why not, in words for a user.
+    pub fn criu(&self) -> Result<&Path, &str> {
+        self.criu
+            .get_or_init(|| {
+                let Some(criu) = self.config.criu.clone() else {
+                    return Err("CRIU is not installed here (scripts/build-criu builds it)".into());
+                };
+                match Command::new(&criu)
+                    .arg("check")
+                    .stdin(Stdio::null())
+                    .output()
+                {
+                    Err(e) => Err(format!(
+                        "CRIU ({}) does not run: {e} (scripts/build-criu builds it)",
+                        criu.display()
+                    )),
+                    Ok(out) if out.status.success() => Ok(criu),
+                    Ok(out) => {
+                        let said = String::from_utf8_lossy(&out.stderr);
+                        let last = said
+                            .lines()
+                            .rev()
+                            .find(|l| !l.trim().is_empty())
+                            .unwrap_or("it failed")
+                            .trim()
+                            .to_string();
+                        Err(format!(
+                            "this host's CRIU ({}) cannot checkpoint (`criu check`: {last}); scripts/build-criu builds one that can",
+                            criu.display()
+                        ))
+                    }
+                }
+            })
+            .as_deref()
+            .map_err(String::as_str)
     }
 
     /// The host's cgroup layout.
@@ -393,6 +460,27 @@ impl Boxes {
 
     /// Starts a box.
     pub async fn open(&self, spec: BoxSpec) -> Result<LiveBox, BoxError> {
+        self.open_from(spec, None).await
+    }
+
+    /// Starts a box from a checkpoint of one (taken with [`LiveBox::checkpoint`] of a box
+    /// of the same spec, whose layer `spec.layer` kept): its processes go on where they were.
+    /// The images are read, not removed.
+    pub async fn restore(&self, spec: BoxSpec, from: Restore<'_>) -> Result<LiveBox, BoxError> {
+        if spec.layer.is_none() {
+            return Err(BoxError::Refused(
+                "only a box whose layer outlives it (on a sandbox's volume) can be restored"
+                    .into(),
+            ));
+        }
+        self.open_from(spec, Some(from)).await
+    }
+
+    async fn open_from(
+        &self,
+        spec: BoxSpec,
+        from: Option<Restore<'_>>,
+    ) -> Result<LiveBox, BoxError> {
         let id = random_id();
         let dir = self.boxes_dir.join(&id);
         let made = Made {
@@ -403,7 +491,8 @@ impl Boxes {
         };
         let (pipes, host_pid) = {
             let (boxes, id, dir, spec) = (self.clone(), id.clone(), dir.clone(), spec.clone());
-            tokio::task::spawn_blocking(move || boxes.start(&id, &dir, &spec))
+            let images = from.as_ref().map(|from| from.images.to_path_buf());
+            tokio::task::spawn_blocking(move || boxes.start(&id, &dir, &spec, images.as_deref()))
                 .await
                 .map_err(|e| start_err("runtime")(e.to_string()))??
         };
@@ -412,7 +501,9 @@ impl Boxes {
             .map_err(|e| start_err("channel")(e.to_string()))?;
         let write = tokio::net::unix::pipe::Sender::from_owned_fd(pipes.to_agent)
             .map_err(|e| start_err("channel")(e.to_string()))?;
-        let channel = Arc::new(Channel::new(read, write));
+        let carried = from.as_ref().map(|from| from.carried.clone()).unwrap_or_default();
+        let (channel, mut accepted) = Channel::resumed(read, write, &carried);
+        let channel = Arc::new(channel);
         let mut hello = channel.call(Op::Hello).await?;
         match tokio::time::timeout(HELLO_TIMEOUT, hello.next()).await {
             Ok(Some(Reply::Hello { .. })) => {}
@@ -431,7 +522,11 @@ impl Boxes {
         }
         let mut network_env = Vec::new();
         if let Some(allow) = &spec.network {
-            let accepted = channel.listen(proxy::PROXY_PORT).await?;
+            // A restored agent still listens for the proxy where its box's old one did.
+            let accepted = match accepted.take() {
+                Some(accepted) => accepted,
+                None => channel.listen(proxy::PROXY_PORT).await?,
+            };
             tokio::spawn(proxy::serve(channel.clone(), accepted, allow.clone()));
             let url = format!("http://127.0.0.1:{}", proxy::PROXY_PORT);
             for key in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"] {
@@ -464,13 +559,22 @@ impl Boxes {
             runtime_root: self.runtime_root.clone(),
             template: spec.template,
             host_pid,
+            lineage: from
+                .as_ref()
+                .map_or_else(|| u64::from_le_bytes(random_bytes()), |from| from.lineage),
             closed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     /// Makes the folder, mounts the layers, writes the bundle and runs the container; returns
     /// the host's end of the agent's channel and the agent's host pid.
-    fn start(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(AgentPipes, i32), BoxError> {
+    fn start(
+        &self,
+        id: &str,
+        dir: &Path,
+        spec: &BoxSpec,
+        images: Option<&Path>,
+    ) -> Result<(AgentPipes, i32), BoxError> {
         for path in [dir, &dir.join("layer"), &dir.join("rootfs")] {
             std::fs::create_dir(path)
                 .map_err(|e| start_err("folder")(format!("{}: {e}", path.display())))?;
@@ -479,7 +583,7 @@ impl Boxes {
             .map_err(|e| start_err("folder")(e.to_string()))?;
         self.mount_layers(dir, spec)?;
         self.write_bundle(id, dir, spec)?;
-        self.run_container(id, dir)
+        self.run_container(id, dir, images)
     }
 
     /// Mounts the size-capped tmpfs of the upper layer and the overlay root over the
@@ -595,17 +699,40 @@ impl Boxes {
     /// Runs the container, its agent's stdin, stdout and stderr pipes (not a socket: a pipe
     /// is what a checkpoint of the box can carry over, runc reconnecting it on restore);
     /// answers kiln's ends and the agent's host pid. What runc itself says goes to the same
-    /// stderr, and so to `agent.log` when it fails.
-    fn run_container(&self, id: &str, dir: &Path) -> Result<(AgentPipes, i32), BoxError> {
+    /// stderr, and so to `agent.log` when it fails. With `images`, the container is restored
+    /// from them (runc hands these pipes to the restored agent in place of its old ones).
+    fn run_container(
+        &self,
+        id: &str,
+        dir: &Path,
+        images: Option<&Path>,
+    ) -> Result<(AgentPipes, i32), BoxError> {
         let pipe = || std::io::pipe().map_err(|e| start_err("channel")(e.to_string()));
         let (agent_in, to_agent) = pipe()?;
         let (from_agent, agent_out) = pipe()?;
         let (log, agent_err) = pipe()?;
         let pid_file = dir.join("agent.pid");
-        let status = Command::new(&self.config.runtime)
-            .arg("--root")
-            .arg(&self.runtime_root)
-            .args(["run", "--detach", "--no-new-keyring", "--pid-file"])
+        let mut command = Command::new(&self.config.runtime);
+        command.arg("--root").arg(&self.runtime_root);
+        match images {
+            None => {
+                command.args(["run", "--detach", "--no-new-keyring"]);
+            }
+            Some(images) => {
+                let criu = self.criu().map_err(|e| start_err("restore")(e.to_string()))?;
+                command
+                    .arg("--criu")
+                    .arg(criu)
+                    .args(["restore", "--detach"])
+                    .args(CRIU_FLAGS)
+                    .arg("--image-path")
+                    .arg(images)
+                    .arg("--work-path")
+                    .arg(images);
+            }
+        }
+        let status = command
+            .arg("--pid-file")
             .arg(&pid_file)
             .arg("--bundle")
             .arg(dir)
@@ -614,15 +741,24 @@ impl Boxes {
             .stdout(Stdio::from(agent_out))
             .stderr(Stdio::from(agent_err))
             .status()
-            .map_err(|e| start_err("runtime")(e.to_string()))?;
+            .map_err(|e| start_err("runtime")(e.to_string()));
+        // The command holds the agent's ends of its pipes: gone now, so kiln sees the agent's
+        // end (and runc's, when it fails) as the pipes closing.
+        drop(command);
+        let status = status?;
         if !status.success() {
             // runc is gone and started nothing: what it wrote is all there is.
             keep_log(dir, log);
-            return Err(start_err("runtime")(format!(
-                "{} exited with {status}: {}",
-                self.config.runtime.display(),
-                log_tail(dir)
-            )));
+            let criu_said = images
+                .map(|images| format!(" (CRIU's log: {})", criu_log_tail(&images.join("restore.log"))))
+                .unwrap_or_default();
+            return Err(start_err(if images.is_some() { "restore" } else { "runtime" })(
+                format!(
+                    "{} exited with {status}: {}{criu_said}",
+                    self.config.runtime.display(),
+                    log_tail(dir)
+                ),
+            ));
         }
         let host_pid = std::fs::read_to_string(&pid_file)
             .ok()
@@ -636,6 +772,28 @@ impl Boxes {
             },
             host_pid,
         ))
+    }
+}
+
+/// What runc asks of CRIU on a box's checkpoint and restore: connections inside the box
+/// (the agent's to a dev server, a preview's) are carried over, as are file locks (a package
+/// manager's).
+const CRIU_FLAGS: [&str; 2] = ["--tcp-established", "--file-locks"];
+
+/// The last lines of a CRIU log that say what went wrong (its errors, else its end).
+fn criu_log_tail(log: &Path) -> String {
+    let text = std::fs::read(log).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text[text.len().saturating_sub(64 << 10)..]).into_owned();
+    let errors: Vec<&str> = text.lines().filter(|l| l.contains("Error")).collect();
+    let lines: Vec<&str> = if errors.is_empty() {
+        text.lines().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect()
+    } else {
+        errors.into_iter().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect()
+    };
+    if lines.is_empty() {
+        "empty".to_string()
+    } else {
+        lines.join(" / ")
     }
 }
 
@@ -755,7 +913,9 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
     // 100 ms steps).
     let mut deleted = false;
     while !deleted && started.elapsed() < KILL_GRACE {
-        deleted = runc(&["delete", id]).is_ok_and(|s| s.success());
+        // A container runc removed itself (after a checkpoint) has no state left.
+        deleted = runc(&["delete", id]).is_ok_and(|s| s.success())
+            || !runtime_root.join(id).exists();
         if !deleted {
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -1200,6 +1360,51 @@ impl LiveBox {
                 .await;
     }
 
+    /// Checkpoints the box with CRIU into `images` (an empty folder out of the guest's
+    /// reach), which ends it: every process's memory and state, its open files and its
+    /// connections inside the box are written there for [`Boxes::restore`]. Answers what its
+    /// channel had open (to be handed to the restore). On failure the box is left running
+    /// and the error says why (CRIU's own words).
+    pub async fn checkpoint(&self, criu: &Path, images: &Path) -> Result<Carried, String> {
+        // A frozen box is thawed first: CRIU freezes it again itself, and the processes of a
+        // frozen cgroup (v1) cannot be killed when the dump is done.
+        if self.is_paused() {
+            self.set_paused(false).await.map_err(|e| e.to_string())?;
+        }
+        let carried = self.channel.carried();
+        let mut command = Command::new(&self.runtime);
+        command
+            .arg("--root")
+            .arg(&self.runtime_root)
+            .arg("--criu")
+            .arg(criu)
+            .arg("checkpoint")
+            .args(CRIU_FLAGS)
+            .arg("--image-path")
+            .arg(images)
+            .arg("--work-path")
+            .arg(images)
+            .arg(&self.id)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        let images = images.to_path_buf();
+        let out = tokio::task::spawn_blocking(move || command.output())
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("{}: {e}", self.runtime.display()))?;
+        if out.status.success() {
+            return Ok(carried);
+        }
+        let said = String::from_utf8_lossy(&out.stderr);
+        let said = said.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+        Err(format!(
+            "runc checkpoint exited with {}: {} (CRIU's log: {})",
+            out.status,
+            said.trim(),
+            criu_log_tail(&images.join("dump.log"))
+        ))
+    }
+
     /// Whether the box is frozen.
     pub fn is_paused(&self) -> bool {
         self.cgroups.is_frozen(&self.cgroup)
@@ -1310,6 +1515,12 @@ impl LiveBox {
                 return Ok(output);
             }
         }
+    }
+
+    /// Stream `target` of the box this one was restored from (a process started there):
+    /// its replies from now on. `None`: not a stream the checkpoint carried, or taken already.
+    pub fn adopt(&self, target: u64) -> Option<crate::channel::Replies> {
+        self.channel.adopt(target)
     }
 
     /// Whether the box is still running.

@@ -15,7 +15,28 @@ struct Route {
     accepts: Option<mpsc::UnboundedSender<Replies>>,
 }
 
-type Routes = std::sync::Arc<Mutex<Option<HashMap<u64, Route>>>>;
+/// The most replies a parked stream keeps for whoever adopts it (the rest are dropped).
+const PARKED_REPLIES: usize = 256;
+
+/// The routes of a channel: by id, and the streams a checkpointed box had open that no one
+/// has adopted yet since it was restored ([`Channel::adopt`]), each with its latest replies.
+#[derive(Default)]
+struct Table {
+    routes: HashMap<u64, Route>,
+    parked: HashMap<u64, std::collections::VecDeque<Reply>>,
+}
+
+type Routes = std::sync::Arc<Mutex<Option<Table>>>;
+
+/// What a channel had open, to be carried over a checkpoint of its box: the next request
+/// id (a restored channel goes on from there, so no new request shares an id with a stream
+/// the agent still writes to), the streams open and which of them are listeners.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Carried {
+    pub next: u64,
+    pub streams: Vec<u64>,
+    pub listeners: Vec<u64>,
+}
 
 /// One agent's channel.
 pub struct Channel {
@@ -68,10 +89,42 @@ async fn read_response<R: AsyncRead + Unpin>(input: &mut R) -> Result<Response, 
 impl Channel {
     /// Starts routing the responses read from `input`.
     pub fn new(
-        mut input: impl AsyncRead + Send + Unpin + 'static,
+        input: impl AsyncRead + Send + Unpin + 'static,
         output: impl AsyncWrite + Send + Unpin + 'static,
     ) -> Channel {
-        let routes: Routes = std::sync::Arc::new(Mutex::new(Some(HashMap::new())));
+        Channel::resumed(input, output, &Carried::default()).0
+    }
+
+    /// A channel to the agent of a restored box, which goes on writing to the streams its
+    /// old channel had open (`carried`): each is parked until [`Channel::adopt`] takes it
+    /// (its latest [`PARKED_REPLIES`] replies kept), a listener's accepted connections are
+    /// the receiver answered, and new requests take ids after the old ones.
+    pub fn resumed(
+        mut input: impl AsyncRead + Send + Unpin + 'static,
+        output: impl AsyncWrite + Send + Unpin + 'static,
+        carried: &Carried,
+    ) -> (Channel, Option<mpsc::UnboundedReceiver<Replies>>) {
+        let mut table = Table::default();
+        let mut accepted = None;
+        for id in &carried.streams {
+            if carried.listeners.contains(id) {
+                let (accepts, rx) = mpsc::unbounded_channel();
+                // The stream of the listener itself is never read again (its `Listening`
+                // came before the checkpoint).
+                let (tx, _) = mpsc::unbounded_channel();
+                table.routes.insert(
+                    *id,
+                    Route {
+                        tx,
+                        accepts: Some(accepts),
+                    },
+                );
+                accepted.get_or_insert(rx);
+            } else {
+                table.parked.insert(*id, Default::default());
+            }
+        }
+        let routes: Routes = std::sync::Arc::new(Mutex::new(Some(table)));
         let reader = {
             let routes = routes.clone();
             tokio::spawn(async move {
@@ -85,29 +138,80 @@ impl Channel {
                     if let Reply::Accepted { conn } = reply {
                         // The connection's route exists before its first byte is read.
                         let (tx, rx) = mpsc::unbounded_channel();
-                        table.insert(conn, Route { tx, accepts: None });
-                        if let Some(accepts) = table.get(&id).and_then(|r| r.accepts.as_ref()) {
+                        table.routes.insert(conn, Route { tx, accepts: None });
+                        if let Some(accepts) =
+                            table.routes.get(&id).and_then(|r| r.accepts.as_ref())
+                        {
                             let _ = accepts.send(Replies { id: conn, rx });
                         }
                         continue;
                     }
-                    if let Some(route) = table.get(&id) {
+                    if let Some(route) = table.routes.get(&id) {
                         let _ = route.tx.send(reply);
-                    }
-                    if last {
-                        table.remove(&id);
+                        if last {
+                            table.routes.remove(&id);
+                        }
+                    } else if let Some(parked) = table.parked.get_mut(&id) {
+                        if parked.len() == PARKED_REPLIES {
+                            parked.pop_front();
+                        }
+                        parked.push_back(reply);
                     }
                 }
                 // Every waiting request sees the end.
                 routes.lock().unwrap_or_else(|e| e.into_inner()).take();
             })
         };
-        Channel {
+        let channel = Channel {
             writer: tokio::sync::Mutex::new(Box::new(output)),
             routes,
-            next: AtomicU64::new(1),
+            next: AtomicU64::new(carried.next.max(1)),
             reader,
+        };
+        (channel, accepted)
+    }
+
+    /// What this channel has open now, for a checkpoint of its box ([`Channel::resumed`]).
+    pub fn carried(&self) -> Carried {
+        let guard = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut carried = Carried {
+            next: self.next.load(Ordering::Relaxed),
+            ..Carried::default()
+        };
+        if let Some(table) = guard.as_ref() {
+            // Accepted connections (the agent's ids) die with the host's side of them.
+            for (id, route) in &table.routes {
+                if id & proto::AGENT_ID_BIT == 0 {
+                    carried.streams.push(*id);
+                    if route.accepts.is_some() {
+                        carried.listeners.push(*id);
+                    }
+                }
+            }
+            carried.streams.extend(table.parked.keys());
         }
+        carried.streams.sort_unstable();
+        carried.listeners.sort_unstable();
+        carried
+    }
+
+    /// Takes stream `id` of the box's life before its checkpoint: its replies from now on,
+    /// after those kept while it was parked. `None`: not a stream this channel carried over,
+    /// or one already adopted.
+    pub fn adopt(&self, id: u64) -> Option<Replies> {
+        let mut guard = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        let table = guard.as_mut()?;
+        let parked = table.parked.remove(&id)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut ended = false;
+        for reply in parked {
+            ended |= reply.is_final();
+            let _ = tx.send(reply);
+        }
+        if !ended {
+            table.routes.insert(id, Route { tx, accepts: None });
+        }
+        Some(Replies { id, rx })
     }
 
     /// Sends a request whose replies are wanted.
@@ -127,6 +231,7 @@ impl Channel {
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
             .ok_or_else(|| ChannelClosed("the channel ended".into()))?
+            .routes
             .insert(id, Route { tx, accepts });
         self.send_frame(&Request { id, op }).await?;
         Ok(Replies { id, rx })

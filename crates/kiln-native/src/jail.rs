@@ -8,7 +8,7 @@
 use serde_json::{Value, json};
 
 /// The limits of one box.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct BoxLimits {
     pub memory_bytes: u64,
     /// CPUs' worth of time per period (1.5 = one and a half cores).

@@ -8,11 +8,13 @@
 //!   mounts, capabilities, seccomp.
 //! - [`boxes`]: live boxes started by runc with the guest agent (`kiln-guest`) as PID 1;
 //!   commands run through the agent.
+//! - [`checkpoint`]: hibernated boxes' CRIU checkpoints on disk, restored on the next request.
 
 pub mod backend;
 pub mod boxes;
 pub mod builder;
 pub mod channel;
+pub mod checkpoint;
 pub mod jail;
 pub mod process;
 mod procs;

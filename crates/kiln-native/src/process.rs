@@ -14,9 +14,15 @@ use kiln_guest::proto::{Reply, WindowSize};
 use crate::backend::NativeBackend;
 use crate::boxes::{BoxError, Exec, LiveBox};
 
-/// A process in a live box.
+/// A process in a live box. Across a hibernation with a checkpoint it stays the same
+/// process: the box restored from the checkpoint (the same lineage) carries it on.
 struct BoxProcess {
-    live: Arc<LiveBox>,
+    backend: NativeBackend,
+    workspace: std::path::PathBuf,
+    /// The lineage of the box it was started in.
+    lineage: u64,
+    /// The box it runs in now (replaced when its box is restored).
+    live: std::sync::Mutex<Arc<LiveBox>>,
     /// The agent's id of the spawn request.
     target: u64,
     pid: u32,
@@ -26,28 +32,61 @@ fn gone(e: BoxError) -> BackendError {
     BackendError::new(ErrorKind::SessionEnded, e.to_string())
 }
 
-impl Process for BoxProcess {
+impl BoxProcess {
+    fn current(&self) -> Arc<LiveBox> {
+        self.live
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Its box, restored first if it is hibernated (a keystroke wakes it).
+    async fn live(&self) -> Result<Arc<LiveBox>, BackendError> {
+        let current = self.current();
+        if current.is_alive() {
+            return Ok(current);
+        }
+        match self.backend.restored(&self.workspace, self.lineage).await {
+            Some(live) => {
+                *self.live.lock().unwrap_or_else(|e| e.into_inner()) = live.clone();
+                Ok(live)
+            }
+            None => Err(BackendError::new(
+                ErrorKind::SessionEnded,
+                "the process ended with its box",
+            )),
+        }
+    }
+}
+
+/// A started process, as its owner holds it.
+struct Handle(Arc<BoxProcess>);
+
+impl Process for Handle {
     fn pid(&self) -> u32 {
-        self.pid
+        self.0.pid
     }
 
     fn write_stdin(&self, data: Vec<u8>, eof: bool) -> BoxFuture<'_, Result<(), BackendError>> {
         Box::pin(async move {
+            let live = self.0.live().await?;
             for chunk in data.chunks(kiln_guest::proto::CHUNK_BYTES) {
-                self.live
-                    .write_stdin(self.target, chunk.to_vec())
+                live.write_stdin(self.0.target, chunk.to_vec())
                     .await
                     .map_err(gone)?;
             }
             if eof {
-                self.live.close_stdin(self.target).await.map_err(gone)?;
+                live.close_stdin(self.0.target).await.map_err(gone)?;
             }
             Ok(())
         })
     }
 
     fn signal(&self, signal: i32) -> BoxFuture<'_, Result<(), BackendError>> {
-        Box::pin(async move { self.live.signal(self.target, signal).await.map_err(gone) })
+        Box::pin(async move {
+            let live = self.0.live().await?;
+            live.signal(self.0.target, signal).await.map_err(gone)
+        })
     }
 
     fn resize(&self, size: TerminalSize) -> BoxFuture<'_, Result<(), BackendError>> {
@@ -56,7 +95,21 @@ impl Process for BoxProcess {
                 rows: size.rows,
                 cols: size.cols,
             };
-            self.live.resize(self.target, size).await.map_err(gone)
+            let live = self.0.live().await?;
+            live.resize(self.0.target, size).await.map_err(gone)
+        })
+    }
+
+    fn end(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async move {
+            let live = self.0.current();
+            if !live.is_alive() {
+                // Hibernated (or gone): it goes with its checkpoint, unwoken.
+                return Ok(());
+            }
+            live.signal(self.0.target, libc::SIGKILL)
+                .await
+                .map_err(gone)
         })
     }
 }
@@ -100,6 +153,15 @@ impl ProcessHost for NativeBackend {
                 })?;
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             let on_terminal = terminal.is_some();
+            let process = Arc::new(BoxProcess {
+                backend: self.clone(),
+                workspace: workspace.clone(),
+                lineage: live.lineage,
+                live: std::sync::Mutex::new(live),
+                target,
+                pid,
+            });
+            let pump = process.clone();
             tokio::spawn(async move {
                 loop {
                     let event = match replies.next().await {
@@ -118,13 +180,29 @@ impl ProcessHost for NativeBackend {
                             return;
                         }
                         Some(_) => continue,
-                        // The box ended under the process: it was killed with it.
                         None => {
-                            let _ = tx.send(ProcessEvent::Exited {
-                                code: None,
-                                signal: Some(libc::SIGKILL),
-                            });
-                            return;
+                            // The box ended under the process. Checkpointed, it goes on in
+                            // the box restored from the checkpoint (once something wakes
+                            // it); otherwise it was killed with its box.
+                            let resumed = pump
+                                .backend
+                                .await_restored(&pump.workspace, pump.lineage)
+                                .await
+                                .and_then(|live| Some((live.adopt(pump.target)?, live)));
+                            match resumed {
+                                Some((adopted, live)) => {
+                                    *pump.live.lock().unwrap_or_else(|e| e.into_inner()) = live;
+                                    replies = adopted;
+                                    continue;
+                                }
+                                None => {
+                                    let _ = tx.send(ProcessEvent::Exited {
+                                        code: None,
+                                        signal: Some(libc::SIGKILL),
+                                    });
+                                    return;
+                                }
+                            }
                         }
                     };
                     if tx.send(event).is_err() {
@@ -132,7 +210,7 @@ impl ProcessHost for NativeBackend {
                     }
                 }
             });
-            let process: Box<dyn Process> = Box::new(BoxProcess { live, target, pid });
+            let process: Box<dyn Process> = Box::new(Handle(process));
             Ok((process, rx))
         })
     }

@@ -226,7 +226,7 @@ impl Processes {
             .remove(id);
         let all = self.lock().remove(id).unwrap_or_default();
         for process in all.values() {
-            let _ = process.signal(libc::SIGKILL).await;
+            let _ = process.control.end().await;
         }
     }
 }

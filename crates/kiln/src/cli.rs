@@ -391,6 +391,12 @@ pub struct LinuxArgs {
     /// The OCI container runtime that starts boxes.
     #[arg(long, env = "KILN_CONTAINER_RUNTIME", default_value = "runc")]
     pub container_runtime: PathBuf,
+    /// CRIU, which checkpoints a hibernated box's processes so they come back as they were;
+    /// `none`: hibernation keeps files only. Default: the one scripts/build-criu puts in
+    /// kiln's cache (tools/criu-4.1.1/criu), else `criu` on PATH. Used only where
+    /// `criu check` passes.
+    #[arg(long, env = "KILN_CRIU")]
+    pub criu: Option<PathBuf>,
     /// The Debian mirror templates are built from (default: the host's apt mirror).
     #[arg(long, env = "KILN_DEBIAN_MIRROR")]
     pub debian_mirror: Option<String>,

@@ -87,7 +87,30 @@ pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
         agent,
         runtime: linux.container_runtime.clone(),
         uid_base: linux.uid_base,
+        criu: criu(linux),
     })?)
+}
+
+/// The CRIU boxes are checkpointed with: `--criu` (`none`: no checkpoints), else the one
+/// scripts/build-criu builds into kiln's cache, else `criu` on PATH.
+pub fn criu(linux: &LinuxArgs) -> Option<std::path::PathBuf> {
+    match &linux.criu {
+        Some(path) if path.as_os_str() == "none" || path.as_os_str().is_empty() => None,
+        Some(path) => Some(path.clone()),
+        None => {
+            let built = crate::config::cache_dir()
+                .root()
+                .join("tools/criu-4.1.1/criu");
+            if built.is_file() {
+                return Some(built);
+            }
+            std::env::var_os("PATH").and_then(|paths| {
+                std::env::split_paths(&paths)
+                    .map(|dir| dir.join("criu"))
+                    .find(|p| p.is_file())
+            })
+        }
+    }
 }
 
 /// The Linux backend of `kiln serve --linux`: every built template (those not built are

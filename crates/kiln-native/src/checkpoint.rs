@@ -1,0 +1,166 @@
+//! Checkpoints of hibernated boxes on disk: CRIU's images of the box's processes, and what
+//! kiln needs to restore them (the box's spec, the lineage of the box, what its agent's
+//! channel had open).
+//!
+//! ```text
+//! sandboxes/<id>/checkpoint/           0700, beside the volume's mount point: out of the
+//!                                      guest's reach (it sees only volume/workspace)
+//! sandboxes/<id>/checkpoint/images/    CRIU's images (and its dump and restore logs)
+//! sandboxes/<id>/checkpoint/kiln.json  written last: a checkpoint without it is incomplete
+//! ```
+//!
+//! Only a box whose writable layer outlives it (`.layer` on the sandbox's volume) is
+//! checkpointed: its processes come back over the same files. A checkpoint is used once:
+//! restored (or failing to restore), it is removed, so the same processes never run twice.
+
+use std::path::{Path, PathBuf};
+
+use kiln_core::process::IdleOverrides;
+
+use crate::channel::Carried;
+use crate::jail::BoxLimits;
+
+/// What a box was started with, to start it again the same way from its checkpoint.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BoxRecipe {
+    /// Its template's catalogue id (`linux-python`).
+    pub template: String,
+    pub limits: BoxLimits,
+    /// Whether it had the allowlist proxy (`network: allowlist`).
+    pub network: bool,
+    /// Where its workspace was mounted, when not at the template's working dir.
+    pub workspace_at: Option<String>,
+    pub idle: IdleOverrides,
+}
+
+/// A checkpoint's record (`kiln.json`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Record {
+    pub lineage: u64,
+    pub carried: Carried,
+    pub recipe: BoxRecipe,
+    /// The images' size on disk.
+    pub bytes: u64,
+    /// When it was taken (ms since the epoch).
+    pub made_ms: u64,
+}
+
+const RECORD: &str = "kiln.json";
+
+/// The checkpoint folder of the sandbox whose workspace is `workspace`: only for a
+/// workspace on a volume (`sandboxes/<id>/volume/workspace` → `sandboxes/<id>/checkpoint`).
+pub fn folder(workspace: &Path) -> Option<PathBuf> {
+    crate::backend::persistent_layer(workspace)?;
+    Some(workspace.parent()?.parent()?.join("checkpoint"))
+}
+
+/// The folder CRIU writes its images to, in a checkpoint folder.
+pub fn images(folder: &Path) -> PathBuf {
+    folder.join("images")
+}
+
+/// The record of the complete checkpoint in `folder`, if there is one.
+pub fn read(folder: &Path) -> Option<Record> {
+    let file = std::fs::File::open(folder.join(RECORD)).ok()?;
+    // A record is small; one this big was not written by kiln.
+    let mut text = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, 1 << 20), &mut text).ok()?;
+    serde_json::from_slice(&text).ok()
+}
+
+/// Makes `folder` afresh (anything left in it is removed) with an empty images folder,
+/// both entered only by root and `owner` (the host uid of the box's root: CRIU restores the
+/// box's processes as it, and they read their images; the guest never sees the path).
+pub fn prepare(folder: &Path, owner: u32) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    remove(folder);
+    std::fs::DirBuilder::new().mode(0o700).create(folder)?;
+    let images = images(folder);
+    std::fs::DirBuilder::new().mode(0o700).create(&images)?;
+    for path in [folder, images.as_path()] {
+        std::os::unix::fs::lchown(path, Some(owner), Some(owner))?;
+    }
+    Ok(images)
+}
+
+/// Writes the record, making the checkpoint complete (written aside, then renamed).
+pub fn complete(folder: &Path, record: &Record) -> std::io::Result<()> {
+    let partial = folder.join(format!("{RECORD}.partial"));
+    std::fs::write(&partial, serde_json::to_vec(record).map_err(std::io::Error::other)?)?;
+    std::fs::rename(&partial, folder.join(RECORD))
+}
+
+/// Removes a checkpoint (used, failed or abandoned).
+pub fn remove(folder: &Path) {
+    let _ = std::fs::remove_dir_all(folder);
+}
+
+/// The bytes the files under `folder` take (CRIU's images: plain files in one folder).
+pub fn size(folder: &Path) -> u64 {
+    std::fs::read_dir(folder)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.metadata().ok())
+        .filter(std::fs::Metadata::is_file)
+        .map(|m| m.len())
+        .sum()
+}
+
+/// Now, in ms since the epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_round_trips_and_an_incomplete_checkpoint_reads_as_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join("checkpoint");
+        let images = prepare(&folder, 0).unwrap();
+        assert!(images.is_dir());
+        assert_eq!(read(&folder), None, "no record yet: incomplete");
+        std::fs::write(images.join("pages-1.img"), vec![0u8; 4096]).unwrap();
+        let record = Record {
+            lineage: 7,
+            carried: Carried {
+                next: 42,
+                streams: vec![3, 9],
+                listeners: vec![3],
+            },
+            recipe: BoxRecipe {
+                template: "linux-python".into(),
+                limits: BoxLimits {
+                    memory_bytes: 1 << 30,
+                    vcpus: 1.5,
+                    pids: 256,
+                    disk_bytes: 1 << 30,
+                    weight: 100,
+                },
+                network: true,
+                workspace_at: None,
+                idle: IdleOverrides::default(),
+            },
+            bytes: size(&images),
+            made_ms: now_ms(),
+        };
+        assert_eq!(record.bytes, 4096);
+        complete(&folder, &record).unwrap();
+        assert_eq!(read(&folder), Some(record));
+        // A record that is not one (a torn or foreign file) is no checkpoint.
+        std::fs::write(folder.join(RECORD), b"{not json").unwrap();
+        assert_eq!(read(&folder), None);
+        // Preparing again starts from nothing.
+        let images = prepare(&folder, 0).unwrap();
+        assert_eq!(size(&images), 0);
+        remove(&folder);
+        assert!(!folder.exists());
+    }
+}
