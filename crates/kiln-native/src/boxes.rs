@@ -417,7 +417,10 @@ impl Boxes {
         self.criu
             .get_or_init(|| {
                 let Some(criu) = self.config.criu.clone() else {
-                    return Err("CRIU is not installed here (scripts/build-criu builds it)".into());
+                    return Err(
+                        "kiln has no CRIU to checkpoint them with (--criu none, or none was found: scripts/build-criu builds one)"
+                            .into(),
+                    );
                 };
                 match Command::new(&criu)
                     .arg("check")
@@ -764,6 +767,11 @@ impl Boxes {
             .ok()
             .and_then(|p| p.trim().parse().ok())
             .unwrap_or(0);
+        if images.is_some() {
+            // runc brings a new box's loopback up, not a restored one's (whose server would
+            // then answer nothing on 127.0.0.1).
+            loopback_up(host_pid).map_err(start_err("restore"))?;
+        }
         Ok((
             AgentPipes {
                 from_agent: from_agent.into(),
@@ -795,6 +803,49 @@ fn criu_log_tail(log: &Path) -> String {
     } else {
         lines.join(" / ")
     }
+}
+
+/// Brings up the loopback interface in the network namespace of host process `pid` (the
+/// kernel gives it 127.0.0.1 and ::1 as it comes up), from a thread that joins the namespace
+/// for this alone and then ends.
+fn loopback_up(pid: i32) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let namespace = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+        .map_err(|e| format!("the box's network namespace: {e}"))?;
+    std::thread::spawn(move || {
+        let fail = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
+        // SAFETY: setns(2) takes an fd (open for the call) and a flag; it moves only this
+        // thread, which ends when this closure returns.
+        if unsafe { libc::setns(namespace.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(fail("joining the box's network namespace"));
+        }
+        // SAFETY: socket(2) takes integers only; the fd it answers is owned below.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(fail("a socket in the box's network namespace"));
+        }
+        // SAFETY: `fd` is a new socket that nothing else owns.
+        let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ifreq is plain data (a name and a union of integers): all zeros is valid.
+        let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
+        for (to, from) in request.ifr_name.iter_mut().zip(b"lo\0") {
+            *to = *from as libc::c_char;
+        }
+        // SAFETY: SIOCGIFFLAGS and SIOCSIFFLAGS read and write the ifreq they are given, which
+        // lives on this stack for both calls; the socket is open.
+        unsafe {
+            if libc::ioctl(socket.as_raw_fd(), libc::SIOCGIFFLAGS, &mut request) != 0 {
+                return Err(fail("reading the box's loopback flags"));
+            }
+            request.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            if libc::ioctl(socket.as_raw_fd(), libc::SIOCSIFFLAGS, &request) != 0 {
+                return Err(fail("bringing the box's loopback up"));
+            }
+        }
+        Ok(())
+    })
+    .join()
+    .map_err(|_| "bringing the box's loopback up panicked".to_string())?
 }
 
 /// kiln's ends of a box agent's stdio.

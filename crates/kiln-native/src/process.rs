@@ -280,8 +280,12 @@ impl ProcessHost for NativeBackend {
         port: u16,
     ) -> BoxFuture<'a, Result<tokio::io::DuplexStream, BackendError>> {
         Box::pin(async move {
-            // Preview traffic resumes a paused box, and counts as activity.
-            if NativeBackend::state(self, workspace).await == BoxState::Paused {
+            // Preview traffic resumes a paused box (a hibernated one from its checkpoint),
+            // and counts as activity.
+            if matches!(
+                NativeBackend::state(self, workspace).await,
+                BoxState::Paused | BoxState::Hibernated
+            ) {
                 NativeBackend::set_paused(self, workspace, false, "preview traffic").await?;
             }
             match self.connect_box(workspace, port).await {

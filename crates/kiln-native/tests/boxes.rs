@@ -95,7 +95,7 @@ fn boxes() -> Boxes {
         agent,
         runtime: "runc".into(),
         uid_base: 100_000,
-        criu: Some(cache().join("tools/criu-4.1.1/criu")),
+        criu: Some(cache().join("tools/criu/criu")),
     })
     .unwrap()
 }

@@ -393,7 +393,7 @@ pub struct LinuxArgs {
     pub container_runtime: PathBuf,
     /// CRIU, which checkpoints a hibernated box's processes so they come back as they were;
     /// `none`: hibernation keeps files only. Default: the one scripts/build-criu puts in
-    /// kiln's cache (tools/criu-4.1.1/criu), else `criu` on PATH. Used only where
+    /// kiln's cache (tools/criu/criu), else `criu` on PATH. Used only where
     /// `criu check` passes.
     #[arg(long, env = "KILN_CRIU")]
     pub criu: Option<PathBuf>,

@@ -100,7 +100,7 @@ pub fn criu(linux: &LinuxArgs) -> Option<std::path::PathBuf> {
         None => {
             let built = crate::config::cache_dir()
                 .root()
-                .join("tools/criu-4.1.1/criu");
+                .join("tools/criu/criu");
             if built.is_file() {
                 return Some(built);
             }

@@ -1236,9 +1236,9 @@ fn issue33_files_outside_the_workspace_outlive_a_kiln_restart_within_the_sandbox
     Ok(())
 }
 
-/// Hibernation returns a box's memory and keeps its files; the answer says its processes
-/// ended and why (kiln checkpoints none; this host's CRIU cannot either). An idle box is
-/// paused, then hibernated after `--box-hibernate-after`.
+/// Hibernation without CRIU (`--criu none`) returns a box's memory and keeps its files; the
+/// answer says its processes ended and why. An idle box is paused, then hibernated after
+/// `--box-hibernate-after`.
 #[test]
 fn issue33_hibernation_returns_a_boxs_memory_keeps_its_files_and_says_what_became_of_its_processes()
 -> TestResult {
@@ -1248,7 +1248,7 @@ fn issue33_hibernation_returns_a_boxs_memory_keeps_its_files_and_says_what_becam
     let state = tempfile::tempdir()?;
     let state_dir = state.path().to_str().ok_or("path")?;
     let server = start(Options {
-        extra: &["--linux"],
+        extra: &["--linux", "--criu", "none"],
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
@@ -1515,5 +1515,177 @@ fn issue33_terminal_keystrokes_keep_a_sandbox_without_a_fixed_life_alive() -> Te
     std::thread::sleep(Duration::from_millis(4500));
     let (status, _) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
     assert_eq!(status, 404, "an idle sandbox lived on");
+    Ok(())
+}
+
+/// A small server that counts its requests in memory: what a checkpoint must carry over.
+const COUNTER_PY: &str = r#"
+import http.server, sys
+count = 0
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def do_GET(self):
+        global count
+        count += 1
+        body = str(count).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("0.0.0.0", int(sys.argv[1])), Handler).serve_forever()
+"#;
+
+/// Hibernation with CRIU: a box's processes are checkpointed to disk (its memory goes back
+/// to the host) and come back as they were: a server's in-memory count, a terminal's shell
+/// variable (the keystroke wakes the box; the attached socket carries on), a Python
+/// session's variables, on the next request of any kind, and after a kiln restart too. A
+/// checkpoint that no longer restores falls back to the files, and says so.
+#[test]
+fn issue33_hibernation_checkpoints_processes_terminals_and_sessions_and_restores_them_even_after_a_restart()
+-> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let data = tempfile::tempdir()?;
+    let env = [("KILN_STATE_DIR", state_dir)];
+    let options = || Options {
+        auth: true,
+        data: Some(data.path()),
+        extra: &["--linux"],
+        env: &env,
+        ..Options::default()
+    };
+    let server = start(options())?;
+    let id = new_box(&server, "linux-python")?;
+    let (status, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({
+            "command": ["sh", "-c", "echo kept > /var/tmp/outside; python3 counter.py 8000 >/dev/null 2>&1 &"],
+            "files": {"counter.py": COUNTER_PY},
+        })),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    let count = |server: &Server| -> Res<String> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let reply = send(
+                "GET",
+                &server.url(&format!("/preview/{id}/8000/")),
+                server.key.as_deref(),
+                None,
+            )?;
+            if reply.status == 200 {
+                return Ok(String::from_utf8_lossy(&reply.body).into_owned());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the counter never answered: {} {}",
+                reply.status,
+                String::from_utf8_lossy(&reply.body)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(count(&server)?, "1");
+    assert_eq!(count(&server)?, "2");
+
+    // A terminal with a shell variable, attached through the hibernation.
+    let (status, opened) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/terminals"),
+        Some(json!({"cols": 80, "rows": 24})),
+    )?;
+    assert_eq!(status, 201, "{opened}");
+    let tid = opened["terminalId"].as_str().ok_or("no id")?.to_string();
+    let mut socket = attach(&server, &id, &tid, "", None)?;
+    let (mut seen, mut controls) = (Vec::new(), Vec::new());
+    control(&mut socket, &mut seen)?;
+    keys(&mut socket, "X=kiln-$((6*7)); echo set-$X\r")?;
+    until(&mut socket, &mut seen, "set-kiln-42", &mut controls)?;
+    // A Python session with a variable.
+    let (status, opened) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({"language": "python"})),
+    )?;
+    assert_eq!(status, 201, "{opened}");
+    let session = opened["sessionId"].as_str().ok_or("no session")?.to_string();
+    let turn = |server: &Server, code: &str| -> Res<String> {
+        let (status, body) = server.exec(&id, json!({"code": code, "sessionId": session}))?;
+        assert_eq!((status, body["status"].as_str()), (200, Some("success")), "{body}");
+        Ok(body["stdout"].as_str().unwrap_or_default().to_string())
+    };
+    turn(&server, "v = 41")?;
+
+    let (status, slept) =
+        server.call("POST", &format!("/api/v1/sandboxes/{id}/hibernate"), None)?;
+    assert_eq!(status, 200, "{slept}");
+    assert_eq!(slept["state"], "hibernated", "{slept}");
+    let said = slept["processes"].as_str().unwrap_or_default();
+    assert!(said.contains("were checkpointed"), "{slept}");
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert_eq!(info["state"], "hibernated", "{info}");
+    assert!(
+        host_processes("counter.py 8000").is_empty(),
+        "a hibernated box's server still runs on the host"
+    );
+    let checkpoint = data.path().join(format!("sandboxes/{id}/checkpoint"));
+    assert!(checkpoint.join("kiln.json").is_file(), "no checkpoint kept");
+
+    // A keystroke wakes it: the shell still knows its variable.
+    keys(&mut socket, "echo again-$X\r")?;
+    until(&mut socket, &mut seen, "again-kiln-42", &mut controls)?;
+    assert!(!checkpoint.exists(), "a checkpoint is used once");
+    assert_eq!(turn(&server, "print(v + 1)")?, "42\n");
+    assert_eq!(count(&server)?, "3");
+
+    // Hibernated again, kiln restarts, and preview traffic brings it back.
+    let (status, slept) =
+        server.call("POST", &format!("/api/v1/sandboxes/{id}/hibernate"), None)?;
+    assert_eq!(status, 200, "{slept}");
+    drop(socket);
+    let key = server.key.clone();
+    let mut server = server;
+    // SAFETY: kill sends a signal to the server's pid, which this test started.
+    unsafe { libc::kill(server.child.0.id() as i32, libc::SIGTERM) };
+    assert!(server.child.0.wait()?.success());
+    let mut server = start(options())?;
+    server.key = key;
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert_eq!(info["state"], "hibernated", "{info}");
+    assert_eq!(count(&server)?, "4");
+    let (_, events) = server.call("GET", &format!("/api/v1/sandboxes/{id}/events"), None)?;
+    assert!(
+        events.to_string().contains("restored from its checkpoint"),
+        "{events}"
+    );
+
+    // A checkpoint that no longer restores: the files are kept, the processes are not, and
+    // the events say why.
+    let (status, slept) =
+        server.call("POST", &format!("/api/v1/sandboxes/{id}/hibernate"), None)?;
+    assert_eq!(status, 200, "{slept}");
+    for image in std::fs::read_dir(checkpoint.join("images"))? {
+        let image = image?.path();
+        if image.to_string_lossy().contains("pages-") {
+            std::fs::remove_file(image)?;
+        }
+    }
+    let ran = sh(
+        &server,
+        &id,
+        "cat /var/tmp/outside; pgrep -f 'counter[.]py 8000' >/dev/null && echo still || echo gone",
+    )?;
+    assert_eq!(ran["stdout"], "kept\ngone\n", "{ran}");
+    let (_, events) = server.call("GET", &format!("/api/v1/sandboxes/{id}/events"), None)?;
+    assert!(
+        events.to_string().contains("could not be restored"),
+        "{events}"
+    );
+    assert!(!checkpoint.exists(), "a failed checkpoint is removed");
     Ok(())
 }
