@@ -299,3 +299,79 @@ impl Drop for Channel {
         self.reader.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn output(text: &str) -> Reply {
+        Reply::Output {
+            stderr: false,
+            data: text.as_bytes().to_vec(),
+        }
+    }
+
+    /// A restored box's agent goes on writing to the streams its old channel had open: each
+    /// is parked (its latest replies kept, within a bound) until adopted, a stream the old
+    /// channel did not carry is dropped, a carried listener's connections arrive, and new
+    /// requests take ids after the old ones.
+    #[tokio::test]
+    async fn a_resumed_channel_parks_carried_streams_until_adopted_and_goes_on_from_their_ids() {
+        let (host_read, mut agent_write) = tokio::io::duplex(1 << 20);
+        let (mut agent_read, host_write) = tokio::io::duplex(1 << 20);
+        let carried = Carried {
+            next: 100,
+            streams: vec![5, 7],
+            listeners: vec![7],
+        };
+        let (channel, accepted) = Channel::resumed(host_read, host_write, &carried);
+        let mut accepted = accepted.expect("the listener's connections");
+        let conn = proto::AGENT_ID_BIT | 1;
+        let mut frames = Vec::new();
+        for i in 0..PARKED_REPLIES + 44 {
+            frames.push(Response { id: 5, reply: output(&format!("{i};")) });
+        }
+        frames.push(Response { id: 9, reply: output("nobody's") });
+        frames.push(Response { id: 7, reply: Reply::Accepted { conn } });
+        frames.push(Response { id: conn, reply: output("over the connection") });
+        for frame in &frames {
+            agent_write.write_all(&proto::encode(frame).unwrap()).await.unwrap();
+        }
+        let mut connection = accepted.recv().await.expect("a connection");
+        assert_eq!(connection.id, conn);
+        assert_eq!(connection.next().await, Some(output("over the connection")));
+
+        // Every frame before the connection's has been routed by now.
+        let mut adopted = channel.adopt(5).expect("stream 5 was carried");
+        assert!(channel.adopt(5).is_none(), "a stream is adopted once");
+        assert!(channel.adopt(9).is_none(), "stream 9 was not carried");
+        // The oldest replies beyond the bound were dropped; the latest are kept, in order.
+        assert_eq!(adopted.next().await, Some(output("44;")));
+        for _ in 1..PARKED_REPLIES {
+            assert!(matches!(adopted.next().await, Some(Reply::Output { .. })));
+        }
+        // Replies after the adoption arrive as to any request.
+        let exited = Reply::Exited { code: Some(0), signal: None };
+        agent_write
+            .write_all(&proto::encode(&Response { id: 5, reply: exited.clone() }).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(adopted.next().await, Some(exited));
+        assert_eq!(adopted.next().await, None, "its route ends with its final reply");
+
+        // A new request takes an id after the old channel's.
+        let _hello = channel.call(Op::Hello).await.unwrap();
+        let mut prefix = [0u8; 4];
+        agent_read.read_exact(&mut prefix).await.unwrap();
+        let mut body = vec![0u8; proto::frame_len(prefix).unwrap()];
+        agent_read.read_exact(&mut body).await.unwrap();
+        let request: Request = serde_json::from_slice(&body).unwrap();
+        assert_eq!(request.id, 100);
+        // What it would carry over now: the listener and the hello (not the agent's
+        // connection, nor stream 5, which ended).
+        let now = channel.carried();
+        assert_eq!(now.next, 101);
+        assert_eq!(now.streams, vec![7, 100]);
+        assert_eq!(now.listeners, vec![7]);
+    }
+}

@@ -164,14 +164,24 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     report.insert("interactive_pause".into(), summary(pauses));
     report.insert("interactive_resume".into(), summary(resumes));
 
-    // Hibernation (the box closed, its files kept) and the first command after it, which
-    // starts a box from them.
+    // Hibernation (the box checkpointed with CRIU where it can, and closed; its files kept)
+    // and the first command after it, which restores the box from its checkpoint (or starts
+    // one from the files). The dev server still answering after it says which happened.
+    // A process holding 100 MiB of memory it wrote, for the checkpoint to carry.
+    post(
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        json!({"command": ["sh", "-c",
+            "python3 -c 'import time; x = b\"k\" * (100 << 20); time.sleep(86400)' >/dev/null 2>&1 &"]}),
+    )?;
+    std::thread::sleep(Duration::from_millis(500));
     let (mut sleeps, mut wakes) = (Vec::new(), Vec::new());
+    let mut said = String::new();
     for _ in 0..10 {
         let t = Instant::now();
         let slept = post(&format!("/api/v1/sandboxes/{id}/hibernate"), json!({}))?;
         anyhow::ensure!(slept["state"] == "hibernated", "{slept}");
         sleeps.push(micros(t.elapsed()));
+        said = slept["processes"].as_str().unwrap_or_default().to_string();
         let t = Instant::now();
         let ran = post(
             &format!("/api/v1/sandboxes/{id}/exec"),
@@ -180,6 +190,18 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         anyhow::ensure!(ran["stdout"] == "hello\n", "{ran}");
         wakes.push(micros(t.elapsed()));
     }
+    let served = agent
+        .get(&format!("{base}/preview/{id}/8000/small.html"))
+        .call()
+        .ok()
+        .and_then(|r| r.into_string().ok());
+    report.insert(
+        "interactive_hibernation".into(),
+        json!({
+            "said": said,
+            "dev_server_survived": served.as_deref() == Some("hello\n"),
+        }),
+    );
     report.insert("interactive_hibernate".into(), summary(sleeps));
     report.insert(
         "interactive_first_command_after_hibernation".into(),
