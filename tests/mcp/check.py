@@ -284,7 +284,7 @@ async def linux_boxes():
                 seen = data(await client.call_tool("sandbox_processes", {"sandbox_id": sandbox}))
                 check([p["agent"] for p in seen["processes"]] == [True] and seen["ports"] == [], f"after restart: {seen}")
                 slept = data(await client.call_tool("sandbox_hibernate", {"sandbox_id": sandbox}))
-                check(slept["state"] == "hibernated" and "processes ended" in slept["processes"], f"hibernate: {slept}")
+                check(slept["state"] == "hibernated" and "checkpointed" in slept["processes"], f"hibernate: {slept}")
                 woke = await client.call_tool("run_bash", {"sandbox_id": sandbox, "code": "echo awake"})
                 check("awake" in text(woke), f"after hibernation: {text(woke)}")
                 # A terminal a person can open: the command typed in, its output, a signed page.

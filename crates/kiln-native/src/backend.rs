@@ -228,9 +228,7 @@ impl NativeBackend {
         BoxSpec {
             layer: workspace.as_deref().and_then(persistent_layer),
             workspace,
-            network: recipe
-                .network
-                .then(|| self.inner.allowlist.clone()),
+            network: recipe.network.then(|| self.inner.allowlist.clone()),
             ca_bundle: self.inner.ca_bundle.clone(),
             ..BoxSpec::new(template, recipe.limits)
         }
@@ -555,6 +553,7 @@ impl NativeBackend {
                 tokio::time::sleep(every).await;
                 let Some(inner) = weak.upgrade() else { return };
                 NativeBackend { inner }.reap(policy).await;
+                let _ = tokio::task::spawn_blocking(crate::boxes::reap_criu_helpers).await;
             }
         });
     }
@@ -667,8 +666,21 @@ impl NativeBackend {
 
     /// Checkpoints the box of `entry` (the table no longer holds it) and removes it; what
     /// to tell, or why it could not be (the box is then still there).
-    async fn checkpoint(&self, workspace: &std::path::Path, entry: &Held) -> Result<String, String> {
-        let criu = self.inner.boxes.criu()?.to_path_buf();
+    async fn checkpoint(
+        &self,
+        workspace: &std::path::Path,
+        entry: &Held,
+    ) -> Result<String, String> {
+        // `criu check` runs once, on the first checkpoint: off the async threads.
+        let boxes = self.inner.boxes.clone();
+        let criu = tokio::task::spawn_blocking(move || {
+            boxes
+                .criu()
+                .map(std::path::Path::to_path_buf)
+                .map_err(str::to_string)
+        })
+        .await
+        .map_err(|e| e.to_string())??;
         let folder = checkpoint::folder(workspace).ok_or(
             "its sandbox has no volume to keep the box's layer on, so its processes could not come back over the same files",
         )?;
@@ -678,7 +690,13 @@ impl NativeBackend {
         let started = Instant::now();
         let images = checkpoint::prepare(&folder, self.inner.boxes.root_uid())
             .map_err(|e| format!("{}: {e}", folder.display()))?;
-        let processes = entry.live.processes().await.len();
+        let processes = entry
+            .live
+            .processes()
+            .await
+            .iter()
+            .filter(|p| !p.agent)
+            .count();
         let carried = match entry.live.checkpoint(&criu, &images).await {
             Ok(carried) => carried,
             Err(e) => {
@@ -698,8 +716,14 @@ impl NativeBackend {
             checkpoint::remove(&folder);
             return Err(format!("its checkpoint could not be kept: {e}"));
         }
+        let which = match processes {
+            0 => "the box (no process of its own ran, only kiln's agent) was checkpointed"
+                .to_string(),
+            1 => "its 1 process was checkpointed".to_string(),
+            n => format!("its {n} processes were checkpointed"),
+        };
         Ok(format!(
-            "its {processes} processes were checkpointed ({} MiB on disk, in {} ms) and come back as they were on its next request or resume",
+            "{which} ({} MiB on disk, in {} ms): its next request or resume restores it as it was",
             record.bytes.div_ceil(1 << 20),
             started.elapsed().as_millis()
         ))

@@ -472,8 +472,7 @@ impl Boxes {
     pub async fn restore(&self, spec: BoxSpec, from: Restore<'_>) -> Result<LiveBox, BoxError> {
         if spec.layer.is_none() {
             return Err(BoxError::Refused(
-                "only a box whose layer outlives it (on a sandbox's volume) can be restored"
-                    .into(),
+                "only a box whose layer outlives it (on a sandbox's volume) can be restored".into(),
             ));
         }
         self.open_from(spec, Some(from)).await
@@ -504,7 +503,10 @@ impl Boxes {
             .map_err(|e| start_err("channel")(e.to_string()))?;
         let write = tokio::net::unix::pipe::Sender::from_owned_fd(pipes.to_agent)
             .map_err(|e| start_err("channel")(e.to_string()))?;
-        let carried = from.as_ref().map(|from| from.carried.clone()).unwrap_or_default();
+        let carried = from
+            .as_ref()
+            .map(|from| from.carried.clone())
+            .unwrap_or_default();
         let (channel, mut accepted) = Channel::resumed(read, write, &carried);
         let channel = Arc::new(channel);
         let mut hello = channel.call(Op::Hello).await?;
@@ -722,7 +724,9 @@ impl Boxes {
                 command.args(["run", "--detach", "--no-new-keyring"]);
             }
             Some(images) => {
-                let criu = self.criu().map_err(|e| start_err("restore")(e.to_string()))?;
+                let criu = self
+                    .criu()
+                    .map_err(|e| start_err("restore")(e.to_string()))?;
                 command
                     .arg("--criu")
                     .arg(criu)
@@ -753,15 +757,22 @@ impl Boxes {
             // runc is gone and started nothing: what it wrote is all there is.
             keep_log(dir, log);
             let criu_said = images
-                .map(|images| format!(" (CRIU's log: {})", criu_log_tail(&images.join("restore.log"))))
+                .map(|images| {
+                    format!(
+                        " (CRIU's log: {})",
+                        criu_log_tail(&images.join("restore.log"))
+                    )
+                })
                 .unwrap_or_default();
-            return Err(start_err(if images.is_some() { "restore" } else { "runtime" })(
-                format!(
-                    "{} exited with {status}: {}{criu_said}",
-                    self.config.runtime.display(),
-                    log_tail(dir)
-                ),
-            ));
+            return Err(start_err(if images.is_some() {
+                "restore"
+            } else {
+                "runtime"
+            })(format!(
+                "{} exited with {status}: {}{criu_said}",
+                self.config.runtime.display(),
+                log_tail(dir)
+            )));
         }
         let host_pid = std::fs::read_to_string(&pid_file)
             .ok()
@@ -794,9 +805,22 @@ fn criu_log_tail(log: &Path) -> String {
     let text = String::from_utf8_lossy(&text[text.len().saturating_sub(64 << 10)..]).into_owned();
     let errors: Vec<&str> = text.lines().filter(|l| l.contains("Error")).collect();
     let lines: Vec<&str> = if errors.is_empty() {
-        text.lines().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect()
+        text.lines()
+            .rev()
+            .take(3)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect()
     } else {
-        errors.into_iter().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect()
+        errors
+            .into_iter()
+            .rev()
+            .take(3)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect()
     };
     if lines.is_empty() {
         "empty".to_string()
@@ -846,6 +870,41 @@ fn loopback_up(pid: i32) -> Result<(), String> {
     })
     .join()
     .map_err(|_| "bringing the box's loopback up panicked".to_string())?
+}
+
+/// Reaps the CRIU helpers left to kiln: a checkpoint's or restore's helper processes that
+/// outlive runc are orphaned to kiln (the boxes' subreaper) and would stay zombies. Only
+/// exited children of this process named `criu` are waited for (by pid), so no one else's
+/// wait is taken.
+pub fn reap_criu_helpers() {
+    let me = std::process::id().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid …`
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = &stat[open + 1..close];
+        let mut rest = stat[close + 1..].split_whitespace();
+        let (state, ppid) = (rest.next(), rest.next());
+        if comm == "criu" && state == Some("Z") && ppid == Some(me.as_str()) {
+            // SAFETY: waitpid(2) on one exited child's pid with a null status pointer (the
+            // status is not stored) touches no memory of ours.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        }
+    }
 }
 
 /// kiln's ends of a box agent's stdio.
@@ -965,8 +1024,8 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
     let mut deleted = false;
     while !deleted && started.elapsed() < KILL_GRACE {
         // A container runc removed itself (after a checkpoint) has no state left.
-        deleted = runc(&["delete", id]).is_ok_and(|s| s.success())
-            || !runtime_root.join(id).exists();
+        deleted =
+            runc(&["delete", id]).is_ok_and(|s| s.success()) || !runtime_root.join(id).exists();
         if !deleted {
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -1447,7 +1506,11 @@ impl LiveBox {
             return Ok(carried);
         }
         let said = String::from_utf8_lossy(&out.stderr);
-        let said = said.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+        let said = said
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
         Err(format!(
             "runc checkpoint exited with {}: {} (CRIU's log: {})",
             out.status,

@@ -329,13 +329,28 @@ mod tests {
         let conn = proto::AGENT_ID_BIT | 1;
         let mut frames = Vec::new();
         for i in 0..PARKED_REPLIES + 44 {
-            frames.push(Response { id: 5, reply: output(&format!("{i};")) });
+            frames.push(Response {
+                id: 5,
+                reply: output(&format!("{i};")),
+            });
         }
-        frames.push(Response { id: 9, reply: output("nobody's") });
-        frames.push(Response { id: 7, reply: Reply::Accepted { conn } });
-        frames.push(Response { id: conn, reply: output("over the connection") });
+        frames.push(Response {
+            id: 9,
+            reply: output("nobody's"),
+        });
+        frames.push(Response {
+            id: 7,
+            reply: Reply::Accepted { conn },
+        });
+        frames.push(Response {
+            id: conn,
+            reply: output("over the connection"),
+        });
         for frame in &frames {
-            agent_write.write_all(&proto::encode(frame).unwrap()).await.unwrap();
+            agent_write
+                .write_all(&proto::encode(frame).unwrap())
+                .await
+                .unwrap();
         }
         let mut connection = accepted.recv().await.expect("a connection");
         assert_eq!(connection.id, conn);
@@ -351,13 +366,26 @@ mod tests {
             assert!(matches!(adopted.next().await, Some(Reply::Output { .. })));
         }
         // Replies after the adoption arrive as to any request.
-        let exited = Reply::Exited { code: Some(0), signal: None };
+        let exited = Reply::Exited {
+            code: Some(0),
+            signal: None,
+        };
         agent_write
-            .write_all(&proto::encode(&Response { id: 5, reply: exited.clone() }).unwrap())
+            .write_all(
+                &proto::encode(&Response {
+                    id: 5,
+                    reply: exited.clone(),
+                })
+                .unwrap(),
+            )
             .await
             .unwrap();
         assert_eq!(adopted.next().await, Some(exited));
-        assert_eq!(adopted.next().await, None, "its route ends with its final reply");
+        assert_eq!(
+            adopted.next().await,
+            None,
+            "its route ends with its final reply"
+        );
 
         // A new request takes an id after the old channel's.
         let _hello = channel.call(Op::Hello).await.unwrap();

@@ -88,7 +88,10 @@ pub fn prepare(folder: &Path, owner: u32) -> std::io::Result<PathBuf> {
 /// Writes the record, making the checkpoint complete (written aside, then renamed).
 pub fn complete(folder: &Path, record: &Record) -> std::io::Result<()> {
     let partial = folder.join(format!("{RECORD}.partial"));
-    std::fs::write(&partial, serde_json::to_vec(record).map_err(std::io::Error::other)?)?;
+    std::fs::write(
+        &partial,
+        serde_json::to_vec(record).map_err(std::io::Error::other)?,
+    )?;
     std::fs::rename(&partial, folder.join(RECORD))
 }
 

@@ -34,10 +34,7 @@ fn gone(e: BoxError) -> BackendError {
 
 impl BoxProcess {
     fn current(&self) -> Arc<LiveBox> {
-        self.live
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Its box, restored first if it is hibernated (a keystroke wakes it).

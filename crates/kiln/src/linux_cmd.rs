@@ -98,9 +98,7 @@ pub fn criu(linux: &LinuxArgs) -> Option<std::path::PathBuf> {
         Some(path) if path.as_os_str() == "none" || path.as_os_str().is_empty() => None,
         Some(path) => Some(path.clone()),
         None => {
-            let built = crate::config::cache_dir()
-                .root()
-                .join("tools/criu/criu");
+            let built = crate::config::cache_dir().root().join("tools/criu/criu");
             if built.is_file() {
                 return Some(built);
             }

@@ -1556,7 +1556,6 @@ fn issue33_hibernation_checkpoints_processes_terminals_and_sessions_and_restores
         data: Some(data.path()),
         extra: &["--linux"],
         env: &env,
-        ..Options::default()
     };
     let server = start(options())?;
     let id = new_box(&server, "linux-python")?;
@@ -1613,10 +1612,17 @@ fn issue33_hibernation_checkpoints_processes_terminals_and_sessions_and_restores
         Some(json!({"language": "python"})),
     )?;
     assert_eq!(status, 201, "{opened}");
-    let session = opened["sessionId"].as_str().ok_or("no session")?.to_string();
+    let session = opened["sessionId"]
+        .as_str()
+        .ok_or("no session")?
+        .to_string();
     let turn = |server: &Server, code: &str| -> Res<String> {
         let (status, body) = server.exec(&id, json!({"code": code, "sessionId": session}))?;
-        assert_eq!((status, body["status"].as_str()), (200, Some("success")), "{body}");
+        assert_eq!(
+            (status, body["status"].as_str()),
+            (200, Some("success")),
+            "{body}"
+        );
         Ok(body["stdout"].as_str().unwrap_or_default().to_string())
     };
     turn(&server, "v = 41")?;
@@ -1643,7 +1649,8 @@ fn issue33_hibernation_checkpoints_processes_terminals_and_sessions_and_restores
     assert_eq!(turn(&server, "print(v + 1)")?, "42\n");
     assert_eq!(count(&server)?, "3");
 
-    // Hibernated again, kiln restarts, and preview traffic brings it back.
+    // Hibernated again, kiln is killed (-9), and on a new kiln preview traffic brings it
+    // back.
     let (status, slept) =
         server.call("POST", &format!("/api/v1/sandboxes/{id}/hibernate"), None)?;
     assert_eq!(status, 200, "{slept}");
@@ -1651,8 +1658,8 @@ fn issue33_hibernation_checkpoints_processes_terminals_and_sessions_and_restores
     let key = server.key.clone();
     let mut server = server;
     // SAFETY: kill sends a signal to the server's pid, which this test started.
-    unsafe { libc::kill(server.child.0.id() as i32, libc::SIGTERM) };
-    assert!(server.child.0.wait()?.success());
+    unsafe { libc::kill(server.child.0.id() as i32, libc::SIGKILL) };
+    server.child.0.wait()?;
     let mut server = start(options())?;
     server.key = key;
     let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
