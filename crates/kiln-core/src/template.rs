@@ -66,13 +66,28 @@ impl Lifecycle {
     }
 }
 
-/// What a template's sandboxes can do besides running code.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// What a template's sandboxes can do besides running code: what faces ask before they
+/// offer something (never the backend's kind).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Capabilities {
     /// Stateful code sessions (a REPL whose variables survive between turns).
     pub sessions: bool,
+    /// The languages its sessions run (empty without sessions).
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schema(value_type = Vec<String>, example = json!(["python"])))]
+    pub session_languages: Vec<crate::Language>,
+    /// A network to grant (the operator's allowlist, through kiln's proxy); without it a
+    /// sandbox has none to ask for, and asking is not an error.
+    #[serde(default)]
+    pub network: bool,
+    /// Pause, resume and hibernation of a live sandbox.
+    #[serde(default)]
+    pub pause: bool,
+    /// Fuel (counted instructions) bounds its CPU, besides time.
+    #[serde(default)]
+    pub fuel: bool,
     /// Commands given as an argv (`["python3", "main.py"]`), not only code in a language.
     pub commands: bool,
     /// Background processes that outlive one execution.

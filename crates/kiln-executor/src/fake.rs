@@ -67,6 +67,7 @@ impl Backend for FakeBackend {
             languages: vec![Language::Python],
             capabilities: Capabilities {
                 sessions: true,
+                session_languages: vec![Language::Python],
                 commands: true,
                 fork: true,
                 ..Capabilities::default()

@@ -58,7 +58,20 @@ pub fn template_info(template: &Template) -> TemplateInfo {
             commands: true,
             // A session is a Python interpreter kept running in the box.
             sessions: definition.languages.iter().any(|l| l == "python"),
-            ..Capabilities::default()
+            session_languages: definition
+                .languages
+                .iter()
+                .any(|l| l == "python")
+                .then_some(Language::Python)
+                .into_iter()
+                .collect(),
+            processes: true,
+            terminals: true,
+            ports: true,
+            network: true,
+            pause: true,
+            fuel: false,
+            fork: false,
         },
         images: ImageRule {
             names: definition.images.names.clone(),

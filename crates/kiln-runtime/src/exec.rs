@@ -408,9 +408,10 @@ fn program_code(state: &Runtime, sandbox: &Sandbox, spec: &RunSpec) -> Result<St
         return Ok(spec.code.clone());
     };
     let source = read_program(&sandbox.tree()?, name)?;
-    // The command line's semantics (CPython's, Node's), where kiln's runtimes run it
-    // (WebAssembly); a Linux template runs the command itself, and a test backend reads the
-    // source.
+    // The command line's semantics (CPython's, Node's), where kiln's own language runtimes
+    // run it (WebAssembly); a template with commands runs the command itself, and the test
+    // backend (a toy language) reads the source. (Which runtime implements the language is
+    // the backend's kind, not a capability.)
     let wasm = state
         .catalogue()
         .get(sandbox.template())
@@ -812,11 +813,11 @@ fn check_fuel(rt: &Runtime, template: &str, exec: &CodeExec) -> Result<()> {
             "fuel applies to one-shot executions; a session turn runs without an instruction budget (leave out sessionId, or fuel)".into(),
         );
     }
-    let wasm = rt
+    let fueled = rt
         .catalogue()
         .get(template)
-        .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm);
-    if !wasm {
+        .is_some_and(|t| t.capabilities.fuel);
+    if !fueled {
         return invalid(format!(
             "fuel applies to WebAssembly templates (python, javascript); the {template} template is bounded by timeoutMs"
         ));

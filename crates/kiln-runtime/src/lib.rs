@@ -70,9 +70,6 @@ pub struct RuntimeConfig {
     /// The longest one execution may run (and the largest `timeoutMs`); default
     /// [`exec::MAX_EXEC_MS`], 5 minutes.
     pub max_exec_ms: u64,
-    /// What starts live processes in sandboxes of templates that run commands (the Linux
-    /// backend); `None`: no sandbox runs live processes.
-    pub process_host: Option<std::sync::Arc<dyn kiln_core::process::ProcessHost>>,
     /// How long a tenant's line of executions over its quota may grow, and how long one
     /// waits in it ([`admission`]).
     pub admission: admission::AdmissionConfig,
@@ -90,7 +87,6 @@ impl RuntimeConfig {
             catalogue,
             routes: Vec::new(),
             max_exec_ms: exec::MAX_EXEC_MS,
-            process_host: None,
             admission: admission::AdmissionConfig::default(),
             max_life_ms: None,
         }
@@ -132,6 +128,7 @@ impl Runtime {
     /// Opens the runtime over `config.data_dir`, loading every sandbox recorded there and
     /// recovering what a crash left.
     pub fn open(config: RuntimeConfig, pools: Pools) -> std::io::Result<Runtime> {
+        let processes = processes::Processes::new(pools.process_hosts());
         let executors = Executors::new(pools, config.catalogue)
             .with_routes(config.routes)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -141,7 +138,7 @@ impl Runtime {
             metrics: metrics::Metrics::default(),
             quotas: config.quotas,
             max_exec_ms: config.max_exec_ms.max(1),
-            processes: processes::Processes::new(config.process_host),
+            processes,
             admission: admission::Admission::new(config.admission),
             max_life_ms: config.max_life_ms,
             events: events::Events::default(),
@@ -165,9 +162,24 @@ impl Runtime {
 
     /// Whether sessions of `template` report the memory they really hold.
     pub fn measures_sessions(&self, template: &str) -> bool {
+        // An ephemeral template's session is an instance whose memory is its own; a live
+        // one's is a process in a box, not measured alone.
         self.catalogue()
             .get(template)
-            .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Wasm)
+            .is_some_and(|t| t.lifecycle == kiln_core::template::Lifecycle::Ephemeral)
+    }
+
+    /// What starts live processes in `sandbox`: its template's backend's process host, where
+    /// the template runs processes (`capabilities.processes`) and its backend registered one.
+    pub fn process_host(
+        &self,
+        sandbox: &sandbox::Sandbox,
+    ) -> Option<std::sync::Arc<dyn kiln_core::process::ProcessHost>> {
+        let template = self.catalogue().get(sandbox.template())?;
+        if !template.capabilities.processes {
+            return None;
+        }
+        self.processes.host_of(template.backend)
     }
 
     /// The quotas of `caller`: the runtime's, with its key's overrides.
@@ -216,7 +228,7 @@ impl Runtime {
     /// box's memory (a WebAssembly sandbox has no box: 0), its workspace's bytes.
     pub async fn usage_of(&self, sandbox: &sandbox::Sandbox) -> processes::SandboxUsage {
         let workspace = sandbox.workspace();
-        let live = match &self.processes.host() {
+        let live = match self.process_host(sandbox) {
             Some(host) => host.usage(&workspace).await,
             None => None,
         };
@@ -259,10 +271,10 @@ impl Runtime {
         &self,
         quotas_of: impl Fn(&sandbox::Sandbox) -> quota::Quotas,
     ) -> usize {
-        let Some(host) = self.processes.host() else {
-            return 0;
-        };
-        let paused = host.paused().await;
+        let mut paused = Vec::new();
+        for host in self.processes.hosts() {
+            paused.extend(host.paused().await);
+        }
         if paused.is_empty() {
             return 0;
         }
@@ -294,6 +306,9 @@ impl Runtime {
             boxes.sort_by_key(|b| std::cmp::Reverse(b.0));
             let over = boxes.len() - limit;
             for (_, sandbox) in boxes.into_iter().take(over) {
+                let Some(host) = self.process_host(sandbox) else {
+                    continue;
+                };
                 if host
                     .hibernate(
                         &sandbox.workspace(),
@@ -317,9 +332,17 @@ impl Runtime {
     /// Hears the process host's box events and records each as its sandbox's (call once,
     /// while serving).
     pub fn start_events(self: &std::sync::Arc<Self>) {
-        let Some(mut heard) = self.processes.host().and_then(|host| host.subscribe()) else {
-            return;
-        };
+        for host in self.processes.hosts() {
+            if let Some(heard) = host.subscribe() {
+                self.record_events(heard);
+            }
+        }
+    }
+
+    fn record_events(
+        self: &std::sync::Arc<Self>,
+        mut heard: tokio::sync::broadcast::Receiver<kiln_core::process::BoxEvent>,
+    ) {
         let weak = std::sync::Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
@@ -352,15 +375,13 @@ impl Runtime {
             self.events.record(id, "deleted", "its life ended");
         }
         // Paused where it stands, its processes and files kept (E2B's autoPause).
-        if let Some(host) = self.processes.host() {
-            for sandbox in &removed.paused {
-                if processes::runs_processes(self, sandbox)
-                    && let Err(e) = host
-                        .set_paused(&sandbox.workspace(), true, "its timeout (onTimeout: pause)")
-                        .await
-                {
-                    tracing::warn!(sandbox = %sandbox.id, "could not pause a sandbox at its timeout: {}", e.message);
-                }
+        for sandbox in &removed.paused {
+            if let Some(host) = self.process_host(sandbox)
+                && let Err(e) = host
+                    .set_paused(&sandbox.workspace(), true, "its timeout (onTimeout: pause)")
+                    .await
+            {
+                tracing::warn!(sandbox = %sandbox.id, "could not pause a sandbox at its timeout: {}", e.message);
             }
         }
         for (template, handle) in removed.handles {

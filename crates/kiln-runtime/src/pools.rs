@@ -1,46 +1,89 @@
-//! The executor pools, one per backend kind. The runtime routes each sandbox to the pool of
-//! its template's backend (one `match` on the kind); a backend with no pool here is refused
-//! with [`RuntimeError::Unsupported`], never run on another.
+//! The backends, each registered once: its kind, the executor pool that runs its code and
+//! sessions, and what starts live processes in its sandboxes (if it runs any). What a
+//! template's sandboxes can do is in its `TemplateInfo::capabilities`, which faces ask; the
+//! runtime routes each sandbox to its template's backend by kind, here and only here. A
+//! backend not registered is refused with [`RuntimeError::Unsupported`], never run on
+//! another.
 
+use std::sync::Arc;
+
+use kiln_core::process::ProcessHost;
 use kiln_core::template::BackendKind;
 use kiln_executor::{ExecutorPool, WorkerLoad};
 
 use crate::error::{Result, RuntimeError};
 
-/// Executor pools by backend kind.
+/// One registered backend.
+struct Registered {
+    kind: BackendKind,
+    pool: ExecutorPool,
+    /// What starts live processes in its sandboxes (boxes); `None`: it runs code only.
+    processes: Option<Arc<dyn ProcessHost>>,
+}
+
+/// The registered backends, by kind.
 pub struct Pools {
-    by_kind: Vec<(BackendKind, ExecutorPool)>,
+    by_kind: Vec<Registered>,
 }
 
 impl std::fmt::Debug for Pools {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list()
-            .entries(self.by_kind.iter().map(|(kind, _)| kind))
+            .entries(self.by_kind.iter().map(|r| (r.kind, r.processes.is_some())))
             .finish()
     }
 }
 
 impl Pools {
-    /// `pool` serves the sandboxes of `kind`'s templates.
+    /// `pool` serves the sandboxes of `kind`'s templates (which run no live processes).
     pub fn new(kind: BackendKind, pool: ExecutorPool) -> Pools {
         Pools {
-            by_kind: vec![(kind, pool)],
+            by_kind: Vec::new(),
         }
+        .register(kind, pool, None)
     }
 
-    /// Adds (or replaces) the pool of `kind`.
-    pub fn with(mut self, kind: BackendKind, pool: ExecutorPool) -> Pools {
-        self.by_kind.retain(|(k, _)| *k != kind);
-        self.by_kind.push((kind, pool));
+    /// Adds (or replaces) the pool of `kind`, whose templates run no live processes.
+    pub fn with(self, kind: BackendKind, pool: ExecutorPool) -> Pools {
+        self.register(kind, pool, None)
+    }
+
+    /// Registers backend `kind` (replacing one registered before): `pool` runs its code and
+    /// sessions, `processes` starts live processes in its sandboxes.
+    pub fn register(
+        mut self,
+        kind: BackendKind,
+        pool: ExecutorPool,
+        processes: Option<Arc<dyn ProcessHost>>,
+    ) -> Pools {
+        self.by_kind.retain(|r| r.kind != kind);
+        self.by_kind.push(Registered {
+            kind,
+            pool,
+            processes,
+        });
         self
+    }
+
+    /// Every backend's process host, with its kind.
+    pub fn process_hosts(&self) -> Vec<(BackendKind, Arc<dyn ProcessHost>)> {
+        self.by_kind
+            .iter()
+            .filter_map(|r| Some((r.kind, r.processes.clone()?)))
+            .collect()
+    }
+
+    /// The kinds registered.
+    pub fn kinds(&self) -> Vec<BackendKind> {
+        self.by_kind.iter().map(|r| r.kind).collect()
     }
 
     /// The pool of `kind`, or why there is none.
     pub fn get(&self, kind: BackendKind) -> Result<&ExecutorPool> {
         self.by_kind
             .iter()
-            .find(|(k, _)| *k == kind)
-            .map(|(_, pool)| pool)
+            .find(|r| r.kind == kind)
+            .map(|r| &r.pool)
             .ok_or_else(|| RuntimeError::Unsupported {
                 message: format!(
                     "no executor serves the {} backend on this server",
@@ -51,16 +94,14 @@ impl Pools {
 
     /// Starts every pool's workers now; the first failure.
     pub fn start_all(&self) -> std::result::Result<(), kiln_executor::PoolError> {
-        self.by_kind
-            .iter()
-            .try_for_each(|(_, pool)| pool.start_all())
+        self.by_kind.iter().try_for_each(|r| r.pool.start_all())
     }
 
     /// Every worker's load, pool after pool.
     pub fn worker_loads(&self) -> Vec<WorkerLoad> {
         self.by_kind
             .iter()
-            .flat_map(|(_, pool)| pool.worker_loads())
+            .flat_map(|r| r.pool.worker_loads())
             .collect()
     }
 }

@@ -101,7 +101,8 @@ fn process_gone(e: kiln_core::backend::BackendError) -> RuntimeError {
 /// Every sandbox's running processes.
 #[derive(Default)]
 pub struct Processes {
-    host: Option<Arc<dyn ProcessHost>>,
+    /// What starts live processes, by the backend whose sandboxes they run in.
+    hosts: Vec<(kiln_core::template::BackendKind, Arc<dyn ProcessHost>)>,
     /// Sandbox id → pid → process.
     table: Table,
     /// Sandbox id → the last CPU sample (when, CPU time in µs).
@@ -113,7 +114,7 @@ type Table = Arc<Mutex<HashMap<String, BTreeMap<u32, Arc<Running>>>>>;
 impl std::fmt::Debug for Processes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Processes")
-            .field("host", &self.host.is_some())
+            .field("hosts", &self.hosts.len())
             .finish_non_exhaustive()
     }
 }
@@ -149,10 +150,11 @@ pub struct StartProcess {
 }
 
 impl Processes {
-    /// Processes started on `host` (none: no template runs live processes).
-    pub fn new(host: Option<Arc<dyn ProcessHost>>) -> Processes {
+    /// Processes started on `hosts`, each for its backend's sandboxes (none: no template
+    /// runs live processes).
+    pub fn new(hosts: Vec<(kiln_core::template::BackendKind, Arc<dyn ProcessHost>)>) -> Processes {
         Processes {
-            host,
+            hosts,
             table: Table::default(),
             samples: Mutex::default(),
         }
@@ -162,9 +164,17 @@ impl Processes {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// What starts processes, if anything does.
-    pub fn host(&self) -> Option<Arc<dyn ProcessHost>> {
-        self.host.clone()
+    /// Every process host.
+    pub fn hosts(&self) -> Vec<Arc<dyn ProcessHost>> {
+        self.hosts.iter().map(|(_, host)| host.clone()).collect()
+    }
+
+    /// The process host of backend `kind`, if it has one.
+    pub fn host_of(&self, kind: kiln_core::template::BackendKind) -> Option<Arc<dyn ProcessHost>> {
+        self.hosts
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, host)| host.clone())
     }
 
     /// CPU use of sandbox `id` as a percentage of its CPUs since the last look (or since
@@ -308,24 +318,17 @@ pub async fn start(
 
 /// Whether `sandbox`'s template runs live processes (a Linux box; WebAssembly has none).
 pub fn runs_processes(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> bool {
-    rt.processes.host.is_some()
-        && rt
-            .catalogue()
-            .get(sandbox.template())
-            .is_some_and(|t| t.capabilities.commands)
+    rt.process_host(sandbox).is_some()
 }
 
 /// What starts processes in `sandbox`, or why nothing does.
 fn host_for(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<Arc<dyn ProcessHost>> {
     let template = sandbox.template();
-    match &rt.processes.host {
-        Some(host) if runs_processes(rt, sandbox) => Ok(host.clone()),
-        _ => Err(RuntimeError::Unsupported {
-            message: format!(
-                "the {template} template runs code, not processes; create the sandbox from a Linux template to run commands"
-            ),
-        }),
-    }
+    rt.process_host(sandbox).ok_or_else(|| RuntimeError::Unsupported {
+        message: format!(
+            "the {template} template runs code, not processes; create the sandbox from a Linux template to run commands"
+        ),
+    })
 }
 
 /// The request that names sandbox `sandbox`'s box to the process host: its template,
@@ -415,7 +418,7 @@ pub async fn awake(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<()
 pub async fn wake(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<()> {
     awake(rt, sandbox).await?;
     if box_state(rt, sandbox).await == Some(BoxState::Paused)
-        && let Some(host) = rt.processes.host.clone()
+        && let Some(host) = rt.process_host(sandbox)
     {
         host.set_paused(&sandbox.workspace(), false, "a terminal attached")
             .await
@@ -429,7 +432,7 @@ pub async fn box_state(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Optio
     if !runs_processes(rt, sandbox) {
         return None;
     }
-    let host = rt.processes.host.clone()?;
+    let host = rt.process_host(sandbox)?;
     Some(host.state(&sandbox.workspace()).await)
 }
 

@@ -195,11 +195,11 @@ impl SandboxSpec {
         self
     }
 
-    /// Whether its template runs a Linux box (WebAssembly ones have none).
+    /// Whether its template runs a live box (WebAssembly ones have none).
     fn runs_box(&self, catalogue: &kiln_core::template::Catalogue) -> bool {
         catalogue
             .get(&self.template)
-            .is_some_and(|t| t.backend == kiln_core::template::BackendKind::Native)
+            .is_some_and(|t| t.lifecycle == kiln_core::template::Lifecycle::Live)
     }
 
     /// The sandbox with its box's previews open to anyone (`public`), where its template

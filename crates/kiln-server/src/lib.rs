@@ -106,8 +106,6 @@ pub struct ServerConfig {
     pub max_exec_ms: u64,
     /// The operator's cap on every sandbox's life (`--max-sandbox-life`); `None`: none.
     pub max_life_ms: Option<u64>,
-    /// What starts live processes in sandboxes (the Linux backend), if anything does.
-    pub process_host: Option<Arc<dyn kiln_core::process::ProcessHost>>,
     /// Where the E2B facade listens, and its settings; `None`: no facade.
     pub e2b: Option<(SocketAddr, e2b::E2bConfig)>,
 }
@@ -123,7 +121,6 @@ impl AppState {
                 catalogue: config.catalogue.clone(),
                 routes: config.routes.clone(),
                 max_exec_ms: config.max_exec_ms,
-                process_host: config.process_host.clone(),
                 admission: config.admission,
                 max_life_ms: config.max_life_ms,
             },

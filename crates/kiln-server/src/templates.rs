@@ -49,7 +49,7 @@ impl From<&TemplateInfo> for TemplateView {
             backend: t.backend.as_str().into(),
             lifecycle: t.lifecycle.as_str().into(),
             languages: t.languages.iter().map(|l| l.name().to_owned()).collect(),
-            capabilities: t.capabilities,
+            capabilities: t.capabilities.clone(),
             images: kiln_core::template::accepted(t),
         }
     }

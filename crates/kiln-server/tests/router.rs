@@ -50,7 +50,6 @@ fn app(auth: bool) -> App {
         routes: Vec::new(),
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
         max_life_ms: None,
-        process_host: None,
         e2b: None,
         admission: Default::default(),
         worker_jail: Default::default(),

@@ -17,13 +17,16 @@ use crate::session::{Session, SessionOptions};
 /// The templates the wasm backend runs: `python` and `javascript`.
 pub fn templates() -> Vec<TemplateInfo> {
     let names = |list: &[&str]| list.iter().map(|n| (*n).to_string()).collect::<Vec<_>>();
+    // A WebAssembly sandbox's sessions run either language, whatever its template.
     let capabilities = Capabilities {
         sessions: true,
+        session_languages: Language::WASM.to_vec(),
+        fuel: true,
         ..Capabilities::default()
     };
     let python = Capabilities {
         fork: true,
-        ..capabilities
+        ..capabilities.clone()
     };
     vec![
         TemplateInfo {
@@ -34,7 +37,7 @@ pub fn templates() -> Vec<TemplateInfo> {
             backend: BackendKind::Wasm,
             lifecycle: Lifecycle::Ephemeral,
             languages: vec![Language::Python],
-            capabilities: python,
+            capabilities: python.clone(),
             images: ImageRule {
                 names: names(&["python3", "py", "@ai-sandbox/python"]),
                 repos: names(&["python", "python3"]),

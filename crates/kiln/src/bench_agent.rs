@@ -106,6 +106,8 @@ pub fn run(
 /// The agent's own time per tool round trip (the model answers at once), in µs.
 async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
     let data = tempfile::tempdir()?;
+    let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);
+    let backends = crate::backends::Backends::register(pool, None);
     let config = kiln_server::ServerConfig {
         listen: ([127, 0, 0, 1], 0).into(),
         data_dir: data.path().to_path_buf(),
@@ -114,12 +116,11 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         request_timeout: Duration::from_secs(600),
         public_hosts: Vec::new(),
         preview_domain: None,
-        catalogue: kiln_core::template::Catalogue::new(kiln_wasm::templates()),
+        catalogue: backends.catalogue.clone(),
         llm: kiln_llm::LlmEnv::from_env(),
         routes: Vec::new(),
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
         max_life_ms: None,
-        process_host: None,
         e2b: None,
         admission: Default::default(),
         worker_jail: Default::default(),
@@ -130,12 +131,8 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
             ..kiln_runtime::quota::Quotas::default()
         },
     };
-    let pool = kiln_executor::ExecutorPool::new(kiln_executor::PoolConfig::current_exe()?);
-    pool.start_all()?;
-    let state = Arc::new(kiln_server::AppState::open(
-        &config,
-        crate::wasm_pools(pool),
-    )?);
+    backends.start(None)?;
+    let state = Arc::new(kiln_server::AppState::open(&config, backends.pools)?);
     let caller = kiln_runtime::auth::Caller {
         tenant: "bench".into(),
         key_id: "bench".into(),

@@ -12,6 +12,7 @@ mod bench_native;
 mod bench_rest;
 mod bench_runner;
 mod bench_warm;
+mod backends;
 mod cli;
 mod config;
 mod linux_cmd;
@@ -425,39 +426,24 @@ pub fn prepare_before_send(config: &mut kiln_executor::PoolConfig) {
     config.before_send = Some(kiln_executor::BeforeSend(std::sync::Arc::new(work)));
 }
 
-/// The templates this binary's backends offer.
-pub fn catalogue() -> kiln_core::template::Catalogue {
-    kiln_core::template::Catalogue::new(kiln_wasm::templates())
-}
-
 fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     prepare_runtimes()?;
     let data_dir = data_dir(args.data_dir.clone())?;
-    let mut config = kiln_executor::PoolConfig::current_exe()?;
-    if let Some(workers) = args.workers {
-        config.workers = workers.max(1);
-    }
-    prepare_before_send(&mut config);
-    config.writable.push(made_dir(&data_dir)?);
     // Workers' log lines (KILN_LOG applies to them too) match the server's.
-    config.env.retain(|(name, _)| name != "KILN_LOG_FORMAT");
-    let format = if logs_json(&args) { "json" } else { "text" };
-    config.env.push(("KILN_LOG_FORMAT".into(), format.into()));
-    let worker_jail = worker_jail(&mut config)?;
-    let pool = kiln_executor::ExecutorPool::new(config);
+    let (pool, worker_jail) = backends::wasm_pool(backends::WasmWorkers {
+        workers: args.workers,
+        writable: vec![data_dir.clone()],
+        jail: true,
+        log_format: Some(if logs_json(&args) { "json" } else { "text" }),
+    })?;
+    let worker_jail = worker_jail.context("a server's workers have a jail policy")?;
     let linux = if args.linux {
         Some(linux_cmd::backend(&args.linux_args)?)
     } else {
         None
     };
-    let mut templates = linux
-        .as_ref()
-        .map(kiln_core::backend::Backend::templates)
-        .unwrap_or_default();
-    // Linux templates first: Docker-style images (python:3.11, node:18) resolve to real
-    // Linux; a language's default stays its WebAssembly template (the first ephemeral one).
-    templates.extend(kiln_wasm::templates());
-    let catalogue = kiln_core::template::Catalogue::new(templates);
+    let backends = backends::Backends::register(pool, linux);
+    let catalogue = backends.catalogue.clone();
     let routes = python_route(&catalogue, args.routes, args.default_python_template)?;
     // Without keys the one tenant gets the machine; with keys, each key the defaults.
     let quotas = if args.no_auth {
@@ -485,9 +471,6 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         routes,
         max_exec_ms: args.max_exec_time,
         max_life_ms: args.max_sandbox_life,
-        process_host: linux
-            .clone()
-            .map(|b| std::sync::Arc::new(b) as std::sync::Arc<dyn kiln_core::process::ProcessHost>),
         e2b: args.e2b_listen.map(|address| {
             (
                 address,
@@ -497,27 +480,22 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
             )
         }),
     };
+    let idle = kiln_native::backend::IdlePolicy {
+        idle: std::time::Duration::from_millis(args.linux_args.box_idle),
+        action: match args.linux_args.box_idle_action.as_str() {
+            "stop" => kiln_native::backend::IdleAction::Stop,
+            "hibernate" => kiln_native::backend::IdleAction::Hibernate,
+            _ => kiln_native::backend::IdleAction::Pause,
+        },
+        hibernate_after: args
+            .linux_args
+            .box_hibernate_after
+            .map(std::time::Duration::from_millis),
+    };
     runtime(2)?.block_on(async {
-        pool.start_all()?;
-        let mut pools = wasm_pools(pool);
-        if let Some(backend) = &linux {
-            backend.start_reaper(kiln_native::backend::IdlePolicy {
-                idle: std::time::Duration::from_millis(args.linux_args.box_idle),
-                action: match args.linux_args.box_idle_action.as_str() {
-                    "stop" => kiln_native::backend::IdleAction::Stop,
-                    "hibernate" => kiln_native::backend::IdleAction::Hibernate,
-                    _ => kiln_native::backend::IdleAction::Pause,
-                },
-                hibernate_after: args
-                    .linux_args
-                    .box_hibernate_after
-                    .map(std::time::Duration::from_millis),
-            });
-            let native = kiln_executor::ExecutorPool::new(linux_cmd::pool_config(backend.clone()));
-            native.start_all()?;
-            pools = pools.with(kiln_core::template::BackendKind::Native, native);
-        }
-        kiln_server::serve(server, pools).await?;
+        backends.start(Some(idle))?;
+        let linux = backends.linux.clone();
+        kiln_server::serve(server, backends.pools).await?;
         if let Some(backend) = &linux {
             backend.close_all().await;
         }
@@ -571,15 +549,17 @@ fn mcp(
 ) -> anyhow::Result<ExitCode> {
     prepare_runtimes()?;
     let data_dir = data_dir(dir)?;
-    let mut config = kiln_executor::PoolConfig::current_exe()?;
-    config.workers = workers.max(1);
-    prepare_before_send(&mut config);
-    config.writable.push(made_dir(&data_dir)?);
-    let pool = kiln_executor::ExecutorPool::new(config);
-    let mut config = kiln_runtime::RuntimeConfig::new(data_dir, catalogue());
+    let (pool, _) = backends::wasm_pool(backends::WasmWorkers {
+        workers: Some(workers),
+        writable: vec![data_dir.clone()],
+        jail: false,
+        log_format: None,
+    })?;
+    let backends = backends::Backends::register(pool, None);
+    let mut config = kiln_runtime::RuntimeConfig::new(data_dir, backends.catalogue);
     config.routes = python_route(&config.catalogue, Vec::new(), default_python_template)?;
     runtime(2)?.block_on(async {
-        let runtime = std::sync::Arc::new(kiln_runtime::Runtime::open(config, wasm_pools(pool))?);
+        let runtime = std::sync::Arc::new(kiln_runtime::Runtime::open(config, backends.pools)?);
         kiln_server::mcp::serve_stdio(runtime).await?;
         anyhow::Ok(())
     })?;
@@ -842,9 +822,4 @@ fn json_result(result: &ExecResult) -> serde_json::Value {
         "fs_written_bytes": result.fs_written_bytes,
         "results": result.results,
     })
-}
-
-/// The executor pools of this binary: every worker serves the wasm backend.
-pub fn wasm_pools(pool: kiln_executor::ExecutorPool) -> kiln_runtime::Pools {
-    kiln_runtime::Pools::new(kiln_core::template::BackendKind::Wasm, pool)
 }

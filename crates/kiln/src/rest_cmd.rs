@@ -143,14 +143,13 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     )?;
     setup.prepare(Language::Python, &crate::progress::Bar::new())?;
     drop(setup);
-    let mut pool_config = kiln_executor::PoolConfig::current_exe()?;
-    if let Some(workers) = args.workers {
-        pool_config.workers = workers.max(1);
-    }
-    crate::prepare_before_send(&mut pool_config);
-    pool_config.writable.push(crate::made_dir(&dir)?);
-    crate::worker_jail(&mut pool_config)?;
-    let pool = Arc::new(kiln_executor::ExecutorPool::new(pool_config));
+    let (pool, _) = crate::backends::wasm_pool(crate::backends::WasmWorkers {
+        workers: args.workers,
+        writable: vec![dir.clone()],
+        jail: true,
+        log_format: None,
+    })?;
+    let pool = Arc::new(pool);
     let mut config = RestConfig::new(args.listen, dir, planner);
     config.auth_token = args
         .auth_token

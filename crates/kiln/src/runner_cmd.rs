@@ -79,12 +79,12 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
         setup.prepare(language, &crate::progress::Bar::new())?;
     }
     drop(setup);
-    let mut pool = kiln_executor::PoolConfig::current_exe()?;
-    if let Some(workers) = args.workers {
-        pool.workers = workers.max(1);
-    }
-    crate::prepare_before_send(&mut pool);
-    crate::worker_jail(&mut pool)?;
+    let (pool, _) = crate::backends::wasm_pool(crate::backends::WasmWorkers {
+        workers: args.workers,
+        writable: Vec::new(),
+        jail: true,
+        log_format: None,
+    })?;
     let config = kiln_runner::RunnerConfig {
         listen: args
             .listen
@@ -99,8 +99,8 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
         log_level: args.log_level,
     };
     crate::runtime(2)?.block_on(async {
-        let pool = kiln_executor::ExecutorPool::new(pool);
-        let executors = kiln_runtime::Executors::new(crate::wasm_pools(pool), crate::catalogue());
+        let backends = crate::backends::Backends::register(pool, None);
+        let executors = kiln_runtime::Executors::new(backends.pools, backends.catalogue);
         kiln_runner::serve(config, executors).await?;
         anyhow::Ok(())
     })?;

@@ -11,7 +11,7 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
-use kiln_core::template::{BackendKind, TemplateInfo};
+use kiln_core::template::TemplateInfo;
 use kiln_runtime::auth::{Auth, Caller};
 use kiln_runtime::sandbox::{MAX_LIFETIME_MS, Sandbox, SandboxSpec, now_ms, rfc3339};
 use kiln_runtime::{RuntimeError, exec};
@@ -156,16 +156,17 @@ const MAX_METADATA: usize = 64;
 const MAX_METADATA_KEY: usize = 256;
 const MAX_METADATA_VALUE: usize = 4096;
 
-/// The template an E2B template name means: `base` a Linux template (python's first),
-/// `code-interpreter-v1` WebAssembly Python with the scientific stack; any other name as
-/// kiln's catalogue resolves it (`linux-node`, `node:18`, `python`, …).
+/// The template an E2B template name means: `base` a live sandbox with processes (a Linux
+/// template, python's first), `code-interpreter-v1` an ephemeral Python template (WebAssembly
+/// Python with the scientific stack); any other name as kiln's catalogue resolves it
+/// (`linux-node`, `node:18`, `python`, …).
 pub fn template_for(e2b: &E2b, name: &str) -> Result<TemplateInfo, Response> {
     let catalogue = e2b.app.runtime.catalogue();
     let linux = |preferred: &str| {
         let all = catalogue.templates();
         all.iter()
             .find(|t| t.id == preferred)
-            .or_else(|| all.iter().find(|t| t.backend == BackendKind::Native))
+            .or_else(|| all.iter().find(|t| t.capabilities.processes))
             .cloned()
     };
     let found = match name {
@@ -178,7 +179,7 @@ pub fn template_for(e2b: &E2b, name: &str) -> Result<TemplateInfo, Response> {
         "code-interpreter-v1" | "code-interpreter" => catalogue
             .templates()
             .iter()
-            .find(|t| t.backend != BackendKind::Native && t.languages.contains(&kiln_core::Language::Python))
+            .find(|t| !t.capabilities.processes && t.languages.contains(&kiln_core::Language::Python))
             .cloned()
             .ok_or_else(|| error(StatusCode::BAD_REQUEST, "this server has no Python template"))?,
         other => catalogue.resolve(other).cloned().map_err(|unknown| {
@@ -254,9 +255,9 @@ async fn create_sandbox(
             .memory_bytes
             .max(template.resources.map_or(0, |r| r.memory_mb << 20)),
     );
-    // E2B's SDKs ask for the internet by default; a Linux sandbox gets the operator's
-    // allowlist, and a WebAssembly one has no network to grant (it is not an error).
-    if asked.allow_internet_access == Some(true) && template.backend == BackendKind::Native {
+    // E2B's SDKs ask for the internet by default; a sandbox that can have a network gets
+    // the operator's allowlist, and one that cannot has none to grant (it is not an error).
+    if asked.allow_internet_access == Some(true) && template.capabilities.network {
         spec = spec
             .with_network(rt.catalogue(), Some("allowlist"))
             .map_err(failed)?;
@@ -275,11 +276,11 @@ async fn create_sandbox(
             .auto_pause
             .filter(|pause| *pause)
             .map(|_| kiln_runtime::lifecycle::OnTimeout::Pause),
-        // Older SDKs send `autoResume` on every create; a WebAssembly sandbox has no box
-        // to resume, so it means nothing there.
+        // Older SDKs send `autoResume` on every create; a sandbox that cannot pause has
+        // nothing to resume, so it means nothing there.
         auto_resume: asked
             .auto_resume
-            .filter(|_| template.backend == BackendKind::Native)
+            .filter(|_| template.capabilities.pause)
             .map(|a| a.enabled),
         ..Default::default()
     };

@@ -114,14 +114,11 @@ fn default_context(language: Language) -> &'static str {
 
 /// Whether the sandbox's template runs `language` in sessions.
 fn has_sessions(e2b: &E2b, ctx: &SandboxCtx, language: Language) -> bool {
-    let template = e2b.app.runtime.catalogue().get(ctx.sandbox.template());
-    match template {
-        Some(t) if t.backend == kiln_core::template::BackendKind::Native => {
-            language == Language::Python
-        }
-        Some(_) => kiln_core::Language::WASM.contains(&language),
-        None => false,
-    }
+    e2b.app
+        .runtime
+        .catalogue()
+        .get(ctx.sandbox.template())
+        .is_some_and(|t| t.capabilities.session_languages.contains(&language))
 }
 
 /// The languages whose default contexts the sandbox has (made on first use: a session
