@@ -416,6 +416,9 @@ impl Boxes {
     pub fn criu(&self) -> Result<&Path, &str> {
         self.criu
             .get_or_init(|| {
+                if is_gvisor(&self.config.runtime) {
+                    return Err("gVisor boxes are not checkpointed with CRIU (runsc has a checkpoint of its own, which kiln does not drive yet)".into());
+                }
                 let Some(criu) = self.config.criu.clone() else {
                     return Err(
                         "kiln has no CRIU to checkpoint them with (--criu none, or none was found: scripts/build-criu builds one)"
@@ -697,6 +700,10 @@ impl Boxes {
             limits: spec.limits,
             cgroup: &cgroup,
         });
+        let mut config = config;
+        if is_gvisor(&self.config.runtime) {
+            gvisor_bundle(&mut config);
+        }
         std::fs::write(dir.join("config.json"), config.to_string())
             .map_err(|e| start_err("bundle")(e.to_string()))
     }
@@ -717,9 +724,11 @@ impl Boxes {
         let (from_agent, agent_out) = pipe()?;
         let (log, agent_err) = pipe()?;
         let pid_file = dir.join("agent.pid");
-        let mut command = Command::new(&self.config.runtime);
-        command.arg("--root").arg(&self.runtime_root);
+        let mut command = runtime_command(&self.config.runtime, &self.runtime_root);
         match images {
+            None if is_gvisor(&self.config.runtime) => {
+                command.args(["run", "--detach"]);
+            }
             None => {
                 command.args(["run", "--detach", "--no-new-keyring"]);
             }
@@ -791,6 +800,47 @@ impl Boxes {
             },
             host_pid,
         ))
+    }
+}
+
+/// Whether `runtime` is gVisor's `runsc` (by its name), whose flags differ from runc's.
+pub fn is_gvisor(runtime: &Path) -> bool {
+    runtime
+        .file_name()
+        .is_some_and(|name| name.to_string_lossy().starts_with("runsc"))
+}
+
+/// The gVisor platform boxes run on: `KILN_RUNSC_PLATFORM`, else `ptrace` (which needs no
+/// virtualisation; `kvm` wants real VT-x/AMD-V, not this host's PVM).
+fn gvisor_platform() -> String {
+    std::env::var("KILN_RUNSC_PLATFORM")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "ptrace".to_string())
+}
+
+/// A command of the container runtime over kiln's state folder `root`: runc's flags, or
+/// runsc's (its platform, and no network of its own: a box has only its loopback, and
+/// reaches the allowlist through its agent as under runc).
+fn runtime_command(runtime: &Path, root: &Path) -> Command {
+    let mut command = Command::new(runtime);
+    command.arg("--root").arg(root);
+    if is_gvisor(runtime) {
+        command
+            .arg(format!("--platform={}", gvisor_platform()))
+            .arg("--network=none");
+    }
+    command
+}
+
+/// The bundle as gVisor takes it: without the io weight (runsc writes `blkio.weight`,
+/// which cgroup v1 hosts with another io scheduler lack; the sentry's io is its own anyway).
+fn gvisor_bundle(config: &mut serde_json::Value) {
+    if let Some(resources) = config
+        .pointer_mut("/linux/resources")
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        resources.remove("blockIO");
     }
 }
 
@@ -996,9 +1046,7 @@ fn remove_abandoned(runtime: &Path, state_dir: &Path) {
 /// removes its folder (which then holds only kiln's bundle and empty mount points).
 fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: i32) {
     let runc = |args: &[&str]| {
-        Command::new(runtime)
-            .arg("--root")
-            .arg(runtime_root)
+        runtime_command(runtime, runtime_root)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -1008,6 +1056,26 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
     // A frozen box's processes cannot die (on v1) until thawed.
     let _ = Cgroups::detect().set_frozen(&cgroup_path(id), false, KILL_GRACE);
     let _ = runc(&["kill", "--all", id, "KILL"]);
+    if is_gvisor(runtime) {
+        // The sandbox's own processes (the sentry and what it traces) are in the box's
+        // cgroup: killed and reaped here (orphaned to kiln, the boxes' subreaper), or
+        // runsc's delete waits seconds for them to be gone.
+        let cgroups = Cgroups::detect();
+        let members = cgroups.processes(&cgroup_path(id));
+        kill_all_but(cgroups, &cgroup_path(id), 0);
+        let started = Instant::now();
+        let mut left = members;
+        while !left.is_empty() && started.elapsed() < KILL_GRACE {
+            // SAFETY: waitpid(2) with a null status pointer (the status is not stored)
+            // touches no memory of ours; a pid that is not kiln's child answers ECHILD.
+            left.retain(
+                |pid| unsafe { libc::waitpid(*pid, std::ptr::null_mut(), libc::WNOHANG) } == 0,
+            );
+            if !left.is_empty() {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
     let started = Instant::now();
     // kiln is the agent's subreaper (see `Boxes::new`): reap it, so no zombie is left.
     while host_pid > 0 && started.elapsed() < KILL_GRACE {
@@ -1021,7 +1089,9 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
     }
     // `delete` without --force, once the processes are gone (runc's forced delete polls in
     // 100 ms steps).
-    let mut deleted = false;
+    // runsc's forced delete is its quick one (it stops the sandbox and its gofer at once).
+    let mut deleted =
+        is_gvisor(runtime) && runc(&["delete", "--force", id]).is_ok_and(|s| s.success());
     while !deleted && started.elapsed() < KILL_GRACE {
         // A container runc removed itself (after a checkpoint) has no state left.
         deleted =
@@ -1482,10 +1552,8 @@ impl LiveBox {
             self.set_paused(false).await.map_err(|e| e.to_string())?;
         }
         let carried = self.channel.carried();
-        let mut command = Command::new(&self.runtime);
+        let mut command = runtime_command(&self.runtime, &self.runtime_root);
         command
-            .arg("--root")
-            .arg(&self.runtime_root)
             .arg("--criu")
             .arg(criu)
             .arg("checkpoint")

@@ -75,9 +75,8 @@ impl Backends {
         let mut pools = kiln_runtime::Pools::new(BackendKind::Wasm, wasm);
         if let Some(native) = &linux {
             templates.extend(native.templates());
-            let pool = kiln_executor::ExecutorPool::new(crate::linux_cmd::pool_config(
-                native.clone(),
-            ));
+            let pool =
+                kiln_executor::ExecutorPool::new(crate::linux_cmd::pool_config(native.clone()));
             let processes: Arc<dyn kiln_core::process::ProcessHost> = Arc::new(native.clone());
             pools = pools.register(BackendKind::Native, pool, Some(processes));
         }

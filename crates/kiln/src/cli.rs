@@ -388,8 +388,15 @@ pub struct LinuxArgs {
     /// above it, owned by no one on the host.
     #[arg(long, env = "KILN_UID_BASE", default_value_t = 100_000)]
     pub uid_base: u32,
-    /// The OCI container runtime that starts boxes.
-    #[arg(long, env = "KILN_CONTAINER_RUNTIME", default_value = "runc")]
+    /// The OCI container runtime that starts boxes: `runc`, or gVisor's `runsc` (a user-space
+    /// kernel between the box and the host; `KILN_RUNSC_PLATFORM`, default `ptrace`). Also
+    /// `--box-runtime`.
+    #[arg(
+        long,
+        alias = "box-runtime",
+        env = "KILN_CONTAINER_RUNTIME",
+        default_value = "runc"
+    )]
     pub container_runtime: PathBuf,
     /// CRIU, which checkpoints a hibernated box's processes so they come back as they were;
     /// `none`: hibernation keeps files only. Default: the one scripts/build-criu puts in

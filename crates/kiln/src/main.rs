@@ -1,5 +1,6 @@
 //! The `kiln` binary: glue between the command line and the engine.
 
+mod backends;
 mod bench;
 #[cfg(feature = "bench-llm")]
 mod bench_agent;
@@ -12,7 +13,6 @@ mod bench_native;
 mod bench_rest;
 mod bench_runner;
 mod bench_warm;
-mod backends;
 mod cli;
 mod config;
 mod linux_cmd;

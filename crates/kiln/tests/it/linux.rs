@@ -942,3 +942,90 @@ fn kiln_serve_linux_refuses_a_disk_the_host_cannot_cover() -> crate::common::ser
     assert_eq!(status, 201, "{made}");
     Ok(())
 }
+
+/// Issue 34, gVisor: the same boxes under `runsc` (`--box-runtime runsc`): the guest sees
+/// gVisor's kernel, not the host's; a workspace works both ways; the limits and refusals a
+/// runc box has hold (no host files, mount refused, no network, the pids limit against a
+/// fork bomb, the memory limit); the box is gone after.
+#[test]
+fn issue34_boxes_run_under_gvisor_with_the_same_refusals() {
+    if skip() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let state = state.path();
+    let runsc = |args: &[&str]| {
+        let mut all = vec!["--box-runtime", "runsc", "--template", "python"];
+        all.extend_from_slice(args);
+        run(state, &all)
+    };
+    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let (code, out, err) = runsc(&["--", "sh", "-c", "cat /proc/sys/kernel/osrelease; id -un"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        !out.contains(host_kernel.trim()) && out.ends_with("user\n"),
+        "the box saw the host's kernel: {out}"
+    );
+    let workspace = tempfile::tempdir().unwrap();
+    std::fs::write(workspace.path().join("in.txt"), "from the host").unwrap();
+    let ws = workspace.path().to_str().unwrap();
+    let (code, out, err) = runsc(&[
+        "--workspace",
+        ws,
+        "--",
+        "sh",
+        "-c",
+        "cat in.txt && echo from-the-box > out.txt",
+    ]);
+    assert_eq!((code, out.as_str()), (0, "from the host"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(workspace.path().join("out.txt")).unwrap(),
+        "from-the-box\n"
+    );
+    // Refusals: the host's files, mounting, the network.
+    let marker = format!("/tmp/kiln-gvisor-marker-{}", std::process::id());
+    std::fs::write(&marker, "host").unwrap();
+    let script = format!(
+        "cat {marker} 2>/dev/null && echo host-file-seen; \
+         mount -t tmpfs none /mnt 2>/dev/null && echo mounted; \
+         python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=2)' 2>/dev/null && echo online; \
+         echo done"
+    );
+    let (code, out, err) = runsc(&["--root", "--", "sh", "-c", &script]);
+    std::fs::remove_file(&marker).unwrap();
+    assert_eq!((code, out.as_str()), (0, "done\n"), "{err}");
+    // A fork bomb meets the pids limit. Under gVisor the limit also counts the sentry's own
+    // threads, so the box may end with it rather than refuse the fork: either way it is
+    // contained, and the next box runs.
+    let (_, out, err) = runsc(&[
+        "--",
+        "python3",
+        "-c",
+        "import os\nn = 0\ntry:\n    while n < 100000:\n        if os.fork() == 0:\n            import time; time.sleep(30)\n        n += 1\nexcept OSError:\n    print('limited at', n)\n",
+    ]);
+    assert!(
+        out.starts_with("limited at") || err.contains("the box ended"),
+        "{out} {err}"
+    );
+    let (code, out, err) = runsc(&["--", "echo", "still-serving"]);
+    assert_eq!((code, out.as_str()), (0, "still-serving\n"), "{err}");
+    // The memory limit: a 2 GiB allocation does not succeed.
+    let (code, out, _) = runsc(&[
+        "--",
+        "python3",
+        "-c",
+        "x = b'k' * (2 << 30); print('allocated')",
+    ]);
+    assert!(code != 0 && !out.contains("allocated"), "{code} {out}");
+    // Nothing is left: the boxes, their runsc state and their processes are gone.
+    assert!(box_dirs(state).is_empty(), "{:?}", box_dirs(state));
+    let root = state.to_string_lossy().into_owned();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&root))
+        .collect();
+    assert!(left.is_empty(), "left running: {left:?}");
+}
