@@ -102,6 +102,16 @@ pub enum Command {
     Runner(crate::runner_cmd::RunnerArgs),
     /// Measure kiln's latencies and throughput; prints JSON.
     Bench(BenchArgs),
+    /// Say what this host can run, tier by tier (WebAssembly, Linux boxes under runc and
+    /// gVisor, hibernation with CRIU, virtualisation for microVMs), and why not where it
+    /// cannot. Starts nothing.
+    Doctor {
+        #[command(flatten)]
+        linux: LinuxArgs,
+        /// Print JSON instead of lines.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a command's effective settings (flags > KILN_* environment > kiln.toml >
     /// defaults) as TOML, with where each came from; secrets are redacted.
     Config {

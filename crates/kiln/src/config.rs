@@ -26,7 +26,7 @@ use clap::{ArgAction, ArgMatches, parser::ValueSource};
 
 /// The commands whose settings may be given in the file.
 const COMMANDS: &[&str] = &[
-    "exec", "run", "setup", "serve", "mcp", "keys", "rest", "runner", "bench",
+    "exec", "run", "setup", "serve", "mcp", "keys", "rest", "runner", "bench", "doctor",
 ];
 
 /// The settings `kiln config` shows, besides the command's flags: read from the environment

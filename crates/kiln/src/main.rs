@@ -15,6 +15,7 @@ mod bench_runner;
 mod bench_warm;
 mod cli;
 mod config;
+mod doctor;
 mod linux_cmd;
 mod progress;
 mod rest_cmd;
@@ -197,6 +198,7 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
             lang, fuel, prune, ..
         } => setup(lang, fuel, prune),
         Command::Bench(args) => bench::run(args),
+        Command::Doctor { linux, json } => doctor::run(&linux, json),
         Command::Rest(args) => rest_cmd::run(args),
         Command::Runner(args) => runner_cmd::run(args),
         Command::Serve(args) => serve(args),

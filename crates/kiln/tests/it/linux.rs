@@ -1029,3 +1029,65 @@ fn issue34_boxes_run_under_gvisor_with_the_same_refusals() {
         .collect();
     assert!(left.is_empty(), "left running: {left:?}");
 }
+
+/// Issue 34, `kiln doctor`: each tier's availability on this host and why, as JSON; a
+/// broken container runtime and CRIU turned off are reported as such.
+#[test]
+fn issue34_kiln_doctor_tells_what_this_host_can_run_and_why_not() {
+    if skip() {
+        return;
+    }
+    let doctor = |args: &[&str]| -> serde_json::Value {
+        let out = kiln()
+            .arg("doctor")
+            .arg("--json")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let status = |report: &serde_json::Value, name: &str| -> (String, String) {
+        let found = report["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {report}"));
+        (
+            found["status"].as_str().unwrap().to_string(),
+            found["detail"].as_str().unwrap().to_string(),
+        )
+    };
+    // This machine (the test suite's): runtimes fetched, templates built, runsc installed,
+    // CRIU built by scripts/test, /dev/kvm a PVM, no microVM backend yet.
+    let report = doctor(&[]);
+    assert_eq!(status(&report, "webassembly").0, "ok", "{report}");
+    let (runc, detail) = status(&report, "linux-runc");
+    assert_eq!(runc, "ok", "{detail}");
+    assert!(
+        detail.contains("templates built: ") && detail.contains("python"),
+        "{detail}"
+    );
+    assert_eq!(status(&report, "linux-gvisor").0, "ok", "{report}");
+    assert_eq!(status(&report, "criu").0, "ok", "{report}");
+    let kvm = status(&report, "kvm").0;
+    if std::path::Path::new("/dev/kvm").exists() {
+        assert_ne!(kvm, "no", "{report}");
+    } else {
+        assert_eq!(kvm, "no", "{report}");
+    }
+    assert_eq!(status(&report, "microvm").0, "no", "{report}");
+    // Told otherwise, it says what is wrong.
+    let report = doctor(&["--container-runtime", "/nonexistent/runc", "--criu", "none"]);
+    let (runc, detail) = status(&report, "linux-runc");
+    assert_eq!(runc, "no", "{detail}");
+    assert!(detail.contains("/nonexistent/runc"), "{detail}");
+    let (criu, detail) = status(&report, "criu");
+    assert_eq!(criu, "no", "{detail}");
+    assert!(detail.contains("files only"), "{detail}");
+}
