@@ -682,6 +682,25 @@ pub struct Health {
     /// mounts, seccomp), and under which `KILN_WORKER_JAIL` policy.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<WorkerJail>,
+    /// Readiness only: each isolation tier, whether this host can run it and whether this
+    /// server does (`kiln doctor`'s findings, taken at start).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tiers: Vec<Tier>,
+}
+
+/// One isolation tier, as `kiln doctor` found it when the server started.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Tier {
+    /// `webassembly`, `linux-runc`, `linux-gvisor`, `criu`, `kvm` or `microvm`.
+    #[schema(example = "linux-runc")]
+    pub name: String,
+    /// Whether this host can run it: `ok`, `warn` (with a caveat) or `no`.
+    #[schema(example = "ok")]
+    pub status: String,
+    /// Why, in words.
+    pub detail: String,
+    /// Whether this server runs sandboxes on it now.
+    pub served: bool,
 }
 
 /// The executor workers' jail.
@@ -700,6 +719,7 @@ pub async fn healthz() -> Json<Health> {
     Json(Health {
         status: "ok".into(),
         workers: None,
+        tiers: Vec::new(),
     })
 }
 
@@ -729,6 +749,7 @@ pub async fn readyz(State(state): Shared) -> Result<Json<Health>, ApiError> {
             confined: state.worker_jail.confined,
             jail: state.worker_jail.policy.name().into(),
         }),
+        tiers: state.tiers.clone(),
     }))
 }
 

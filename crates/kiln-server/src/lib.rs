@@ -64,6 +64,8 @@ pub struct AppState {
     pub llm_env: kiln_llm::LlmEnv,
     /// Whether the executor workers are confined.
     pub worker_jail: kiln_executor::confine::JailReport,
+    /// The isolation tiers as found at start (`/readyz`).
+    pub tiers: Vec<api::Tier>,
     /// Signs and checks preview (and terminal page) tokens.
     pub previews: preview::Signer,
     /// Linux sandboxes' terminals.
@@ -108,6 +110,8 @@ pub struct ServerConfig {
     pub max_life_ms: Option<u64>,
     /// Where the E2B facade listens, and its settings; `None`: no facade.
     pub e2b: Option<(SocketAddr, e2b::E2bConfig)>,
+    /// The isolation tiers as found at start (`/readyz`); empty: not reported.
+    pub tiers: Vec<api::Tier>,
 }
 
 impl AppState {
@@ -155,6 +159,7 @@ impl AppState {
             },
             llm_env: config.llm.clone(),
             worker_jail: config.worker_jail,
+            tiers: config.tiers.clone(),
             previews: preview::Signer::open(&config.data_dir)?,
             terminals: terminals::Terminals::default(),
             preview_domain: config.preview_domain.clone(),

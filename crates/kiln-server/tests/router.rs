@@ -51,6 +51,7 @@ fn app(auth: bool) -> App {
         max_exec_ms: kiln_runtime::exec::MAX_EXEC_MS,
         max_life_ms: None,
         e2b: None,
+        tiers: Vec::new(),
         admission: Default::default(),
         worker_jail: Default::default(),
     };

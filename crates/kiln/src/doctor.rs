@@ -236,6 +236,27 @@ pub fn checks(linux: &LinuxArgs) -> Vec<Check> {
     found
 }
 
+/// The checks as `/readyz` reports them: each with whether this server runs sandboxes on
+/// it (`linux`: it serves `--linux`, under runc or runsc as `--box-runtime` says).
+pub fn tiers(linux: &LinuxArgs, serves_linux: bool) -> Vec<kiln_server::api::Tier> {
+    let gvisor = kiln_native::boxes::is_gvisor(&linux.container_runtime);
+    checks(linux)
+        .into_iter()
+        .map(|c| kiln_server::api::Tier {
+            served: match c.name {
+                "webassembly" => true,
+                "linux-runc" => serves_linux && !gvisor,
+                "linux-gvisor" => serves_linux && gvisor,
+                "criu" => serves_linux && !gvisor && c.status == "ok",
+                _ => false,
+            },
+            name: c.name.to_string(),
+            status: c.status.to_string(),
+            detail: c.detail,
+        })
+        .collect()
+}
+
 /// `kiln doctor [--json]`: prints the checks; exits 0 (it reports, it does not judge).
 pub fn run(linux: &LinuxArgs, json: bool) -> anyhow::Result<ExitCode> {
     let found = checks(linux);

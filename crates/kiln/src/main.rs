@@ -481,6 +481,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
                 },
             )
         }),
+        tiers: doctor::tiers(&args.linux_args, args.linux),
     };
     let idle = kiln_native::backend::IdlePolicy {
         idle: std::time::Duration::from_millis(args.linux_args.box_idle),

@@ -960,11 +960,16 @@ fn issue34_boxes_run_under_gvisor_with_the_same_refusals() {
         run(state, &all)
     };
     let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
-    let (code, out, err) = runsc(&["--", "sh", "-c", "cat /proc/sys/kernel/osrelease; id -un"]);
+    let (code, out, err) = runsc(&["--", "sh", "-c", "uname -r; id -un"]);
     assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
     assert!(
-        !out.contains(host_kernel.trim()) && out.ends_with("user\n"),
-        "the box saw the host's kernel: {out}"
+        lines.len() == 2
+            && !lines[0].is_empty()
+            && lines[0] != host_kernel.trim()
+            && lines[1] == "user",
+        "the box saw the host's kernel ({}): {out}",
+        host_kernel.trim()
     );
     let workspace = tempfile::tempdir().unwrap();
     std::fs::write(workspace.path().join("in.txt"), "from the host").unwrap();
@@ -1090,4 +1095,64 @@ fn issue34_kiln_doctor_tells_what_this_host_can_run_and_why_not() {
     let (criu, detail) = status(&report, "criu");
     assert_eq!(criu, "no", "{detail}");
     assert!(detail.contains("files only"), "{detail}");
+}
+
+/// Issue 34: `/readyz` carries the tiers as `kiln doctor` found them at start, each with
+/// whether this server runs sandboxes on it.
+#[test]
+fn issue34_readyz_reports_each_tier_and_whether_it_is_served() -> crate::common::serve::TestResult {
+    if skip() {
+        return Ok(());
+    }
+    use crate::common::serve::{Options, start};
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &["--linux", "--box-runtime", "runsc"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let (status, ready) = server.call("GET", "/readyz", None)?;
+    assert_eq!(status, 200, "{ready}");
+    let tier = |name: &str| {
+        ready["tiers"]
+            .as_array()
+            .and_then(|t| t.iter().find(|t| t["name"] == name))
+            .cloned()
+            .unwrap_or_else(|| panic!("no tier {name} in {ready}"))
+    };
+    assert_eq!(
+        (
+            tier("webassembly")["served"].clone(),
+            tier("webassembly")["status"].clone()
+        ),
+        (serde_json::json!(true), serde_json::json!("ok")),
+        "{ready}"
+    );
+    assert_eq!(tier("linux-gvisor")["served"], true, "{ready}");
+    assert_eq!(tier("linux-runc")["served"], false, "{ready}");
+    assert_eq!(tier("criu")["served"], false, "{ready}");
+    assert_eq!(tier("microvm")["served"], false, "{ready}");
+    // And a gVisor box serves a command through the API.
+    let (status, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(serde_json::json!({"template": "linux-python"})),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    let id = created["containerId"].as_str().ok_or("no id")?;
+    let (status, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(serde_json::json!({"command": ["uname", "-r"]})),
+    )?;
+    assert_eq!((status, ran["exitCode"].as_i64()), (200, Some(0)), "{ran}");
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+    assert!(
+        ran["stdout"]
+            .as_str()
+            .is_some_and(|k| !k.trim().is_empty() && k.trim() != host.trim()),
+        "the box saw the host's kernel: {ran}"
+    );
+    Ok(())
 }
