@@ -323,11 +323,25 @@ pub struct UnknownImage {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Catalogue {
     templates: Vec<TemplateInfo>,
+    /// Templates this installation knows of but cannot run now, by id prefix (`linux-`),
+    /// each with why: what a request for one is told.
+    unavailable: Vec<(String, String)>,
 }
 
 impl Catalogue {
     pub fn new(templates: Vec<TemplateInfo>) -> Catalogue {
-        Catalogue { templates }
+        Catalogue {
+            templates,
+            unavailable: Vec::new(),
+        }
+    }
+
+    /// With the templates whose id starts with `prefix` said to be unavailable, and why
+    /// (a tier this server does not run: its reason is what a create for one is told).
+    pub fn with_unavailable(mut self, prefix: &str, reason: &str) -> Catalogue {
+        self.unavailable
+            .push((prefix.to_string(), reason.to_string()));
+        self
     }
 
     /// Every template, in order of preference.
@@ -385,7 +399,14 @@ impl Catalogue {
                 accepted(t).join(", ")
             ),
             None if wanted.is_empty() => "no image given".to_string(),
-            None => format!("no installed template honours the image {image:?}"),
+            None => match self
+                .unavailable
+                .iter()
+                .find(|(prefix, _)| wanted.starts_with(prefix.as_str()))
+            {
+                Some((_, why)) => format!("the template {image:?} cannot run here: {why}"),
+                None => format!("no installed template honours the image {image:?}"),
+            },
         };
         Err(UnknownImage {
             image: image.to_string(),
@@ -519,5 +540,22 @@ mod tests {
         );
         assert_eq!(catalogue.resolve("python").unwrap().id, "python");
         assert_eq!(catalogue.get("python").unwrap().backend, BackendKind::Wasm);
+    }
+
+    #[test]
+    fn a_template_of_a_tier_not_served_here_is_refused_with_the_reason() {
+        let catalogue = catalogue().with_unavailable("linux-", "start the server with --linux");
+        let err = catalogue.resolve("linux-python").unwrap_err();
+        assert!(
+            err.reason
+                .contains("cannot run here: start the server with --linux"),
+            "{err}"
+        );
+        let err = catalogue.resolve("nope").unwrap_err();
+        assert!(
+            err.reason.contains("no installed template honours"),
+            "{err}"
+        );
+        assert_eq!(catalogue.resolve("python").unwrap().id, "python");
     }
 }

@@ -81,8 +81,15 @@ impl Backends {
             pools = pools.register(BackendKind::Native, pool, Some(processes));
         }
         templates.extend(kiln_wasm::templates());
+        let mut catalogue = Catalogue::new(templates);
+        if linux.is_none() {
+            catalogue = catalogue.with_unavailable(
+                "linux-",
+                "Linux templates run on a server started with --linux (as root, after kiln setup --template all); this one runs WebAssembly only. `kiln doctor` says whether this host can run them",
+            );
+        }
         Backends {
-            catalogue: Catalogue::new(templates),
+            catalogue,
             pools,
             linux,
         }

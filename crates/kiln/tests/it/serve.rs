@@ -2192,3 +2192,28 @@ fn fuel_in_an_exec_body_stops_the_run_with_an_outcome_of_its_own() -> TestResult
     );
     Ok(())
 }
+
+/// Issue 34: a Linux template asked of a server that runs WebAssembly only is refused
+/// with the reason (start it with --linux; kiln doctor), not a bare "unknown".
+#[test]
+fn issue34_a_template_of_a_tier_this_server_does_not_run_is_refused_with_the_reason() -> TestResult
+{
+    let server = start(Options::default())?;
+    let (status, refused) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-python"})),
+    )?;
+    assert_eq!(
+        refused["error"]["code"], "UNKNOWN_IMAGE",
+        "{status} {refused}"
+    );
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("cannot run here")
+            && message.contains("--linux")
+            && message.contains("kiln doctor"),
+        "{refused}"
+    );
+    Ok(())
+}
