@@ -803,7 +803,7 @@ impl NativeBackend {
 
     /// Whether `workspace`'s box is checkpointed on disk (hibernated, to be restored).
     fn checkpointed(&self, workspace: &std::path::Path) -> bool {
-        checkpoint::folder(workspace).is_some_and(|f| checkpoint::read(&f).is_some())
+        checkpoint::folder(workspace).is_some_and(|f| checkpoint::is_complete(&f))
     }
 
     /// Every change of a box's state from now on.

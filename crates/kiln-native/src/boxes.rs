@@ -851,32 +851,34 @@ const CRIU_FLAGS: [&str; 2] = ["--tcp-established", "--file-locks"];
 
 /// The last lines of a CRIU log that say what went wrong (its errors, else its end).
 fn criu_log_tail(log: &Path) -> String {
-    let text = std::fs::read(log).unwrap_or_default();
-    let text = String::from_utf8_lossy(&text[text.len().saturating_sub(64 << 10)..]).into_owned();
-    let errors: Vec<&str> = text.lines().filter(|l| l.contains("Error")).collect();
-    let lines: Vec<&str> = if errors.is_empty() {
-        text.lines()
-            .rev()
-            .take(3)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect()
+    let errors = tail_lines(log, 3, |l| l.contains("Error"));
+    let said = if errors.is_empty() {
+        tail_lines(log, 3, |_| true)
     } else {
         errors
-            .into_iter()
-            .rev()
-            .take(3)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect()
     };
-    if lines.is_empty() {
+    if said.is_empty() {
         "empty".to_string()
     } else {
-        lines.join(" / ")
+        said
     }
+}
+
+/// The last `n` lines of the file at `path` that `keep` accepts, joined with " / ", from
+/// its last 64 KiB only (a log may be large; it is never read whole).
+fn tail_lines(path: &Path, n: usize, keep: impl Fn(&str) -> bool) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    const TAIL: u64 = 64 << 10;
+    let mut bytes = Vec::new();
+    if let Ok(mut file) = std::fs::File::open(path) {
+        let len = file.metadata().map_or(0, |m| m.len());
+        let _ = file.seek(SeekFrom::Start(len.saturating_sub(TAIL)));
+        let _ = file.take(TAIL).read_to_end(&mut bytes);
+    }
+    let text = String::from_utf8_lossy(&bytes);
+    let mut lines: Vec<&str> = text.lines().filter(|l| keep(l)).collect();
+    lines.drain(..lines.len().saturating_sub(n));
+    lines.join(" / ")
 }
 
 /// Brings up the loopback interface in the network namespace of host process `pid` (the
@@ -1191,9 +1193,7 @@ fn cgroup_path(id: &str) -> String {
 }
 
 fn log_tail(dir: &Path) -> String {
-    let text = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().rev().take(6).collect();
-    lines.into_iter().rev().collect::<Vec<_>>().join(" / ")
+    tail_lines(&dir.join("agent.log"), 6, |_| true)
 }
 
 /// Removes a half-made box when starting it fails.

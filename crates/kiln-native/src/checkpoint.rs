@@ -70,6 +70,12 @@ pub fn read(folder: &Path) -> Option<Record> {
     serde_json::from_slice(&text).ok()
 }
 
+/// Whether `folder` holds a complete checkpoint (its record written): a stat, no parse, for
+/// the hot path of asking a box's state (a torn record is found out when it is restored).
+pub fn is_complete(folder: &Path) -> bool {
+    folder.join(RECORD).is_file()
+}
+
 /// Makes `folder` afresh (anything left in it is removed) with an empty images folder,
 /// both entered only by root and `owner` (the host uid of the box's root: CRIU restores the
 /// box's processes as it, and they read their images; the guest never sees the path).
