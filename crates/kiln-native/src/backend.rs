@@ -718,6 +718,10 @@ impl NativeBackend {
             }
         };
         entry.live.destroy_now().await;
+        if let Err(e) = checkpoint::hand_to(&images, self.inner.boxes.root_uid()) {
+            checkpoint::remove(&folder);
+            return Err(format!("its checkpoint could not be kept: {e}"));
+        }
         let record = checkpoint::Record {
             lineage: entry.live.lineage,
             carried,

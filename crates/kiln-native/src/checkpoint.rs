@@ -91,6 +91,17 @@ pub fn prepare(folder: &Path, owner: u32) -> std::io::Result<PathBuf> {
     Ok(images)
 }
 
+/// Gives CRIU's image files to `owner` (the host uid of the box's root): the restored
+/// processes open some of them themselves (`timens-0.img`, `tty-info.img`), and CRIU writes
+/// a few readable by root alone. Not following links (CRIU writes plain files here; the
+/// guest never reaches this folder).
+pub fn hand_to(images: &Path, owner: u32) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(images)? {
+        std::os::unix::fs::lchown(entry?.path(), Some(owner), Some(owner))?;
+    }
+    Ok(())
+}
+
 /// Writes the record, making the checkpoint complete (written aside, then renamed).
 pub fn complete(folder: &Path, record: &Record) -> std::io::Result<()> {
     let partial = folder.join(format!("{RECORD}.partial"));

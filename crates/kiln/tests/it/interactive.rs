@@ -1641,6 +1641,14 @@ fn issue33_hibernation_checkpoints_processes_terminals_and_sessions_and_restores
     );
     let checkpoint = data.path().join(format!("sandboxes/{id}/checkpoint"));
     assert!(checkpoint.join("kiln.json").is_file(), "no checkpoint kept");
+    // Every image belongs to the box's root on the host (100000 by default): the restored
+    // processes open some themselves, and CRIU writes a few readable by root alone (a
+    // restore failed 3 times in 20 on `timens-0.img` before).
+    for image in std::fs::read_dir(checkpoint.join("images"))? {
+        let image = image?;
+        let owner = std::os::unix::fs::MetadataExt::uid(&image.metadata()?);
+        assert_eq!(owner, 100_000, "{:?}", image.path());
+    }
 
     // A keystroke wakes it: the shell still knows its variable.
     keys(&mut socket, "echo again-$X\r")?;
