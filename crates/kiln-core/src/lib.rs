@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod backend;
 pub mod jail;
+pub mod pool;
 pub mod process;
 pub mod template;
 

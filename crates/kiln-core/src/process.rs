@@ -203,7 +203,50 @@ impl BoxState {
 /// A backend that starts live processes in a sandbox. `request` carries the sandbox: its
 /// template, workspace (and where the guest sees it), network, resources and memory limit;
 /// its code is not used. The box of a sandbox is named by its workspace.
+/// A sandbox's box started ahead of need: see [`ProcessHost::prestarted`].
+pub struct Prestarted {
+    /// The folder that becomes the sandbox's (renamed; on the same file system as the
+    /// sandboxes): its volume's image `volume.img` and its mounted `volume/`, with the
+    /// `workspace/` the box already binds.
+    pub dir: std::path::PathBuf,
+    /// The backend's hold on the box (dropped: the box and whatever is left of the folder go).
+    pub hold: Box<dyn std::any::Any + Send>,
+}
+
+impl std::fmt::Debug for Prestarted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prestarted")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
 pub trait ProcessHost: Send + Sync + 'static {
+    /// Its warm pools as they stand (none where it keeps none).
+    fn pools(&self) -> Vec<crate::pool::PoolStats> {
+        Vec::new()
+    }
+
+    /// A box started ahead of need for a new sandbox of `request` (its template, resources,
+    /// memory, network and workspace place; no workspace yet), claimed from the template's
+    /// warm pool as its policy says; `None` where no pool serves such a sandbox. The
+    /// sandbox's store renames [`Prestarted::dir`] into the sandbox's place, then
+    /// [`ProcessHost::adopt`] hands it the box. Dropped instead, the box is destroyed.
+    fn prestarted<'a>(
+        &'a self,
+        request: &'a ExecRequest,
+    ) -> BoxFuture<'a, Result<Option<Prestarted>, BackendError>> {
+        let _ = request;
+        Box::pin(async { Ok(None) })
+    }
+
+    /// Gives the box of `prestarted` to the sandbox whose workspace is `request.workspace`
+    /// (its folder now where [`Prestarted::dir`] was): its first command finds it running.
+    fn adopt<'a>(&'a self, prestarted: Prestarted, request: &'a ExecRequest) -> BoxFuture<'a, ()> {
+        let _ = (prestarted, request);
+        Box::pin(async {})
+    }
+
     fn start<'a>(
         &'a self,
         request: &'a ExecRequest,

@@ -130,6 +130,59 @@ struct Inner {
     /// Workspaces whose box is being checkpointed now: nothing starts or restores a box of
     /// theirs meanwhile.
     checkpointing: std::sync::Mutex<std::collections::HashSet<PathBuf>>,
+    /// The warm pools of boxes, one per template whose pool is not empty by setting.
+    pools: Vec<BoxPool>,
+    /// Wakes the pools' replenisher.
+    pool_wake: Arc<tokio::sync::Notify>,
+    /// How many pool members may start at once.
+    pool_at_once: usize,
+}
+
+/// A template's warm pool: sandboxes' boxes started ahead of need, each on a volume of its
+/// own in a folder that becomes the sandbox's when claimed, at the template's resources, with
+/// no network and the workspace where the template puts it.
+struct BoxPool {
+    template: Template,
+    /// What its members are started with.
+    recipe: BoxRecipe,
+    pool: crate::pool::Pool<Member>,
+}
+
+/// A pool member: a box and the folder of its volume (`volume.img`, `volume/workspace`).
+pub struct Member {
+    /// `None` once adopted (the folder is a sandbox's).
+    dir: Option<PathBuf>,
+    live: Option<LiveBox>,
+}
+
+impl Member {
+    fn alive(&self) -> bool {
+        self.live.as_ref().is_some_and(LiveBox::is_alive)
+    }
+}
+
+impl Drop for Member {
+    /// A member not adopted: its box goes (blocking, briefly), then its volume and folder
+    /// (gone already where a sandbox's store renamed it away).
+    fn drop(&mut self) {
+        drop(self.live.take());
+        if let Some(dir) = &self.dir {
+            remove_member_dir(dir);
+        }
+    }
+}
+
+/// Unmounts a member's volume and removes its folder (the image and the empty mount point:
+/// no guest ever ran in it).
+fn remove_member_dir(dir: &std::path::Path) {
+    let volume = dir.join("volume");
+    if let Ok(c) = std::ffi::CString::new(volume.as_os_str().as_encoded_bytes()) {
+        // SAFETY: a valid C string; unmounting a path that is not a mount point fails harmlessly.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+    if std::fs::symlink_metadata(dir).is_ok() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// The Linux backend. Cheap to clone.
@@ -167,10 +220,35 @@ impl NativeBackend {
         templates: Vec<Template>,
         allowlist: Arc<Allowlist>,
         ca_bundle: Option<PathBuf>,
+        pool_settings: &crate::pool::PoolSettings,
     ) -> NativeBackend {
         let owner = boxes.user_owner();
+        let pool_wake = Arc::new(tokio::sync::Notify::new());
+        let pools = match (&pool_settings.home, &pool_settings.volume) {
+            (Some(home), Some(volume)) => {
+                clear_pool_home(home);
+                templates
+                    .iter()
+                    .filter_map(|template| {
+                        box_pool(
+                            template,
+                            pool_settings,
+                            &boxes,
+                            &ca_bundle,
+                            home,
+                            volume,
+                            &pool_wake,
+                        )
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
         NativeBackend {
             inner: Arc::new(Inner {
+                pools,
+                pool_wake,
+                pool_at_once: pool_settings.at_once.max(1),
                 boxes,
                 templates: templates
                     .into_iter()
@@ -845,13 +923,123 @@ impl NativeBackend {
             .insert(workspace.to_path_buf(), task);
     }
 
+    /// Starts the warm pools' replenisher (call inside the async runtime): each template's
+    /// pool fills to its target in the background.
+    pub fn start_pools(&self) {
+        if self.inner.pools.is_empty() {
+            return;
+        }
+        let pools = self.inner.pools.iter().map(|p| p.pool.clone()).collect();
+        tokio::spawn(crate::pool::replenish(
+            pools,
+            self.inner.pool_wake.clone(),
+            self.inner.pool_at_once,
+        ));
+    }
+
+    /// Every warm pool as it stands.
+    pub fn pool_stats(&self) -> Vec<kiln_core::pool::PoolStats> {
+        self.inner.pools.iter().map(|p| p.pool.stats()).collect()
+    }
+
+    /// A box for a new sandbox of `request`, from its template's warm pool where one serves
+    /// such a sandbox (see [`kiln_core::process::ProcessHost::prestarted`]).
+    pub(crate) async fn prestarted(
+        &self,
+        request: &ExecRequest,
+    ) -> Result<Option<kiln_core::process::Prestarted>, BackendError> {
+        let Ok(template) = self.template(request) else {
+            return Ok(None);
+        };
+        let recipe = self.recipe(template, request);
+        let Some(pool) = self.inner.pools.iter().find(|p| {
+            p.template.definition.name == template.definition.name
+                && p.recipe.limits == recipe.limits
+                && p.recipe.network == recipe.network
+                && p.recipe
+                    .workspace_at
+                    .as_deref()
+                    .unwrap_or(&p.template.definition.working_dir)
+                    == recipe
+                        .workspace_at
+                        .as_deref()
+                        .unwrap_or(&template.definition.working_dir)
+        }) else {
+            return Ok(None);
+        };
+        use crate::pool::PoolError;
+        let claimed = pool.pool.claim().await.map_err(|e| {
+            let kind = match e {
+                PoolError::Start { .. } => ErrorKind::Instantiate,
+                _ => ErrorKind::Busy,
+            };
+            BackendError::new(kind, e.to_string())
+        })?;
+        Ok(Some(kiln_core::process::Prestarted {
+            dir: claimed.member().dir.clone().unwrap_or_default(),
+            hold: Box::new(claimed),
+        }))
+    }
+
+    /// Hands the box of `prestarted` to the sandbox of `request.workspace`.
+    pub(crate) async fn adopt(
+        &self,
+        prestarted: kiln_core::process::Prestarted,
+        request: &ExecRequest,
+    ) {
+        let (Ok(mut claimed), Some(workspace), Ok(template)) = (
+            prestarted.hold.downcast::<crate::pool::Claimed<Member>>(),
+            request.workspace.clone(),
+            self.template(request),
+        ) else {
+            return;
+        };
+        let Some(mut member) = claimed.take() else {
+            return;
+        };
+        let live = member.live.take();
+        // Its folder is the sandbox's now: nothing of it is removed with the member.
+        member.dir = None;
+        drop(member);
+        drop(claimed);
+        let Some(live) = live else { return };
+        let mut held = self.inner.held.lock().await;
+        let live = Arc::new(live);
+        if let Some(old) = held.insert(
+            workspace.clone(),
+            Held {
+                live,
+                last_used: Instant::now(),
+                connections: Arc::default(),
+                policy: request.idle,
+                recipe: self.recipe(template, request),
+            },
+        ) {
+            self.close_later(&workspace, old.live);
+        }
+        drop(held);
+        self.emit(
+            &workspace,
+            BoxState::Running,
+            "started ahead, from the template's warm pool",
+        );
+    }
+
     /// Live boxes held for sandboxes.
     pub async fn held(&self) -> usize {
         self.inner.held.lock().await.len()
     }
 
-    /// Closes every box (at shutdown).
+    /// Closes every box (at shutdown), the pools' ready ones included.
     pub async fn close_all(&self) {
+        for pool in &self.inner.pools {
+            for mut member in pool.pool.close() {
+                if let Some(live) = member.live.take() {
+                    live.close().await;
+                }
+                tokio::task::spawn_blocking(move || drop(member)).await.ok();
+            }
+        }
         let all: Vec<_> = self.inner.held.lock().await.drain().collect();
         for (_, entry) in all {
             if let Ok(live) = Arc::try_unwrap(entry.live) {
@@ -862,6 +1050,112 @@ impl NativeBackend {
 }
 
 pub use kiln_core::process::{IdleAction, IdlePolicy};
+
+/// Removes what a kiln before this one left in the pools' folder (its members' boxes are
+/// gone with it; their volumes may still be mounted).
+fn clear_pool_home(home: &std::path::Path) {
+    let _ = std::fs::create_dir_all(home);
+    // Passable, not listable: a box's runtime (gVisor's gofer, in the box's user namespace)
+    // reaches its member's workspace through it.
+    let _ = std::fs::set_permissions(home, std::os::unix::fs::PermissionsExt::from_mode(0o711));
+    for entry in std::fs::read_dir(home).into_iter().flatten().flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_member_dir(&entry.path());
+        }
+    }
+}
+
+/// The warm pool of `template`, unless its settings keep none.
+fn box_pool(
+    template: &Template,
+    settings: &crate::pool::PoolSettings,
+    boxes: &Boxes,
+    ca_bundle: &Option<PathBuf>,
+    home: &std::path::Path,
+    volume: &crate::pool::MakeVolume,
+    wake: &Arc<tokio::sync::Notify>,
+) -> Option<BoxPool> {
+    let definition = &template.definition;
+    let config = settings.for_template(
+        &definition.name,
+        &definition.languages,
+        definition.pool.as_ref(),
+    );
+    if config.target == 0 {
+        return None;
+    }
+    let resources = definition.resources;
+    let recipe = BoxRecipe {
+        template: catalogue_id(&definition.name),
+        limits: BoxLimits {
+            memory_bytes: resources.memory_mb << 20,
+            vcpus: resources.vcpus,
+            pids: resources.pids,
+            disk_bytes: resources.disk_mb << 20,
+            weight: 100,
+        },
+        network: false,
+        workspace_at: None,
+        idle: Default::default(),
+    };
+    let (boxes, home, volume, ca_bundle) = (
+        boxes.clone(),
+        home.to_path_buf(),
+        volume.clone(),
+        ca_bundle.clone(),
+    );
+    let (start_template, start_recipe) = (template.clone(), recipe.clone());
+    let start: crate::pool::Starter<Member> = Arc::new(move || {
+        let (boxes, home, volume, ca_bundle) = (
+            boxes.clone(),
+            home.clone(),
+            volume.clone(),
+            ca_bundle.clone(),
+        );
+        let (template, recipe) = (start_template.clone(), start_recipe.clone());
+        Box::pin(async move {
+            let dir = home.join(format!("m-{}", hex::encode(crate::boxes::random_bytes())));
+            let made = {
+                let dir = dir.clone();
+                let bytes = recipe.limits.disk_bytes;
+                tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+                    std::fs::create_dir(&dir)?;
+                    volume(&dir.join("volume"), bytes)
+                })
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| format!("its volume: {e}")))
+            };
+            let mut member = Member {
+                dir: Some(dir.clone()),
+                live: None,
+            };
+            made?;
+            let workspace = dir.join("volume").join("workspace");
+            let spec = BoxSpec {
+                layer: persistent_layer(&workspace),
+                workspace: Some(workspace),
+                network: None,
+                ca_bundle,
+                ..BoxSpec::new(template, recipe.limits)
+            };
+            member.live = Some(boxes.open(spec).await.map_err(|e| e.to_string())?);
+            Ok(member)
+        })
+    });
+    Some(BoxPool {
+        pool: crate::pool::Pool::new(
+            &recipe.template,
+            "box",
+            config,
+            start,
+            Member::alive,
+            wake.clone(),
+        ),
+        template: template.clone(),
+        recipe,
+    })
+}
 
 /// The longest a request waits for a checkpoint of its sandbox's box to be taken.
 const CHECKPOINT_WAIT: Duration = Duration::from_secs(120);

@@ -316,7 +316,7 @@ fn unmount(target: &Path) {
     unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
 }
 
-fn random_bytes() -> [u8; 8] {
+pub(crate) fn random_bytes() -> [u8; 8] {
     let mut bytes = [0u8; 8];
     let _ = std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));

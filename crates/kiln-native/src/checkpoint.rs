@@ -13,6 +13,7 @@
 //! checkpointed: its processes come back over the same files. A checkpoint is used once:
 //! restored (or failing to restore), it is removed, so the same processes never run twice.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use kiln_core::process::IdleOverrides;
@@ -86,18 +87,32 @@ pub fn prepare(folder: &Path, owner: u32) -> std::io::Result<PathBuf> {
     let images = images(folder);
     std::fs::DirBuilder::new().mode(0o700).create(&images)?;
     for path in [folder, images.as_path()] {
-        std::os::unix::fs::lchown(path, Some(owner), Some(owner))?;
+        std::os::unix::fs::lchown(path, Some(owner), Some(0))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o750))?;
     }
     Ok(images)
 }
 
-/// Gives CRIU's image files to `owner` (the host uid of the box's root): the restored
-/// processes open some of them themselves (`timens-0.img`, `tty-info.img`), and CRIU writes
-/// a few readable by root alone. Not following links (CRIU writes plain files here; the
-/// guest never reaches this folder).
+/// Gives CRIU's image files to `owner` (the host uid of the box's root), readable by root's
+/// group too: the restored processes open some of them themselves (`timens-N.img`,
+/// `tty-info.img`), some before they take the box root's uid (still the host's root then, with
+/// no capability over the host's files) and some after, and CRIU writes a few readable by root
+/// alone (a restore failed on `timens-0.img` when they were root's, and on `timens-13.img`
+/// when they were the box root's alone). Not following links (CRIU writes plain files here;
+/// the guest never reaches this folder).
 pub fn hand_to(images: &Path, owner: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
     for entry in std::fs::read_dir(images)? {
-        std::os::unix::fs::lchown(entry?.path(), Some(owner), Some(owner))?;
+        let path = entry?.path();
+        std::os::unix::fs::lchown(&path, Some(owner), Some(0))?;
+        let meta = std::fs::symlink_metadata(&path)?;
+        if meta.is_file() {
+            let mode = meta.mode() & 0o7777;
+            std::fs::set_permissions(
+                &path,
+                std::fs::Permissions::from_mode((mode | 0o040) & !0o007),
+            )?;
+        }
     }
     Ok(())
 }

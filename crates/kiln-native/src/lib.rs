@@ -16,6 +16,7 @@ pub mod builder;
 pub mod channel;
 pub mod checkpoint;
 pub mod jail;
+pub mod pool;
 pub mod process;
 mod procs;
 pub mod proxy;

@@ -112,6 +112,25 @@ impl Process for Handle {
 }
 
 impl ProcessHost for NativeBackend {
+    fn pools(&self) -> Vec<kiln_core::pool::PoolStats> {
+        self.pool_stats()
+    }
+
+    fn prestarted<'a>(
+        &'a self,
+        request: &'a ExecRequest,
+    ) -> BoxFuture<'a, Result<Option<kiln_core::process::Prestarted>, BackendError>> {
+        Box::pin(NativeBackend::prestarted(self, request))
+    }
+
+    fn adopt<'a>(
+        &'a self,
+        prestarted: kiln_core::process::Prestarted,
+        request: &'a ExecRequest,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(NativeBackend::adopt(self, prestarted, request))
+    }
+
     fn start<'a>(
         &'a self,
         request: &'a ExecRequest,

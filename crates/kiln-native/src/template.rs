@@ -79,6 +79,11 @@ pub struct Definition {
     /// Packages whose installed versions a sandbox reports.
     #[serde(default)]
     pub versions: Vec<String>,
+    /// Its warm pool (seed 002): `target_pool_size`, `max_vms`, `empty_pool_policy`
+    /// (`wait`, `boot_sync`, `reject`), `claim_timeout_seconds`. What it leaves unset comes
+    /// from the server's settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<kiln_core::pool::PoolDefinition>,
 }
 
 fn default_shell() -> String {
@@ -162,6 +167,9 @@ impl Definition {
             return Err(format!(
                 "the language {bad:?} is not one of python, javascript, go, bash"
             ));
+        }
+        if let Some(pool) = &self.pool {
+            pool.check()?;
         }
         if let Some(range) = &self.images.versions {
             parse_range(range)

@@ -239,11 +239,60 @@ pub async fn create_sandbox(
         spec.lifecycle.max_duration_ms = Some(own);
         spec.lifetime_ms = spec.lifetime_ms.min(own);
     }
+    // A Linux sandbox's box comes from its template's warm pool where one serves it, its
+    // folder renamed into the sandbox's place (checked against the quota first, so a tenant
+    // over it cannot drain the pool).
+    let host = rt
+        .catalogue()
+        .get(&spec.template)
+        .filter(|t| t.capabilities.processes && spec.resources.is_some())
+        .and_then(|t| rt.processes.host_of(t.backend));
+    let mut prestarted = None;
+    let mut box_request = None;
+    if let Some(host) = &host {
+        rt.registry.usage(&caller.tenant).check_sandbox(&quotas)?;
+        let request = prestart_request(rt, &spec);
+        prestarted = host.prestarted(&request).await.map_err(|e| match e.kind {
+            kiln_core::backend::ErrorKind::Busy => RuntimeError::Saturated { message: e.message },
+            _ => {
+                RuntimeError::internal(format!("could not start the sandbox's box: {}", e.message))
+            }
+        })?;
+        box_request = Some(request);
+    }
+    let adopt = prestarted.as_ref().map(|p| p.dir.clone());
     let (runtime, tenant) = (rt.clone(), caller.tenant.clone());
     // Blocking work runs to its end even when the caller stops waiting.
-    let made = blocking(move || runtime.registry.create(&tenant, &spec, &quotas)).await?;
+    let made = blocking(move || runtime.registry.create_in(&tenant, &spec, &quotas, adopt)).await;
+    let made = match made {
+        Ok(made) => made,
+        Err(e) => {
+            // The claimed box goes (its folder went with the failed sandbox's).
+            if let Some(p) = prestarted {
+                let _ = tokio::task::spawn_blocking(move || drop(p)).await;
+            }
+            return Err(e);
+        }
+    };
+    if let (Some(host), Some(p), Some(mut request)) = (host, prestarted, box_request) {
+        request.workspace = Some(made.workspace());
+        host.adopt(p, &request).await;
+    }
     rt.events.record(&made.id, "created", made.template());
     Ok(made)
+}
+
+/// The request a sandbox of `spec`'s box would be started for (its first command's, less the
+/// command and the workspace).
+fn prestart_request(rt: &Runtime, spec: &SandboxSpec) -> ExecRequest {
+    let mut request = ExecRequest::new(spec.language, String::new());
+    request.template = rt.request_template(&spec.template, spec.language);
+    request.network = spec.network;
+    request.resources = spec.resources;
+    request.workspace_at = spec.workspace_at.clone();
+    request.idle = spec.lifecycle.box_policy();
+    request.limits.memory_bytes = spec.memory_bytes;
+    request
 }
 
 /// Creates a sandbox of `language`'s preferred template (the WebAssembly one for python and

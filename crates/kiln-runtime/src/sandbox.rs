@@ -751,6 +751,19 @@ impl Registry {
         self.create_seeded(tenant, spec, quotas, |_| Ok(()))
     }
 
+    /// [`Registry::create`], its folder `adopt` where given: a warm pool member's, renamed into
+    /// the sandbox's place with its volume mounted and its workspace made (on the same file
+    /// system). On failure that folder is removed with the rest.
+    pub fn create_in(
+        &self,
+        tenant: &str,
+        spec: &SandboxSpec,
+        quotas: &Quotas,
+        adopt: Option<PathBuf>,
+    ) -> Result<Sandbox> {
+        self.create_with(tenant, spec, quotas, adopt, |_| Ok(()))
+    }
+
     /// Creates a sandbox whose workspace and history `seed` fills (it is given the new
     /// sandbox with its folder and empty workspace made; it may create the history at
     /// [`Sandbox::git_dir`], which is otherwise made on first use with the empty workspace
@@ -760,6 +773,17 @@ impl Registry {
         tenant: &str,
         spec: &SandboxSpec,
         quotas: &Quotas,
+        seed: impl FnOnce(&Sandbox) -> Result<()>,
+    ) -> Result<Sandbox> {
+        self.create_with(tenant, spec, quotas, None, seed)
+    }
+
+    fn create_with(
+        &self,
+        tenant: &str,
+        spec: &SandboxSpec,
+        quotas: &Quotas,
+        adopt: Option<PathBuf>,
         seed: impl FnOnce(&Sandbox) -> Result<()>,
     ) -> Result<Sandbox> {
         self.usage(tenant).check_sandbox(quotas)?;
@@ -795,8 +819,18 @@ impl Registry {
             dir: self.root.join("sandboxes").join(&id),
         };
         let made = (|| {
-            std::fs::create_dir_all(&meta.dir)
-                .map_err(|e| io_error("could not create the sandbox", &e))?;
+            match &adopt {
+                Some(from) => {
+                    if let Some(parent) = meta.dir.parent() {
+                        std::fs::create_dir_all(parent)
+                            .map_err(|e| io_error("could not create the sandbox", &e))?;
+                    }
+                    std::fs::rename(from, &meta.dir)
+                        .map_err(|e| io_error("could not adopt the warm pool's box folder", &e))?;
+                }
+                None => std::fs::create_dir_all(&meta.dir)
+                    .map_err(|e| io_error("could not create the sandbox", &e))?,
+            }
             meta.attach_volume()
                 .map_err(|e| io_error("could not make the workspace's volume", &e))?;
             std::fs::create_dir_all(meta.workspace())

@@ -769,6 +769,15 @@ pub async fn metrics(
                 state.runtime.registry.count(),
                 &state.runtime.executors.pools.worker_loads(),
             );
+            let pools: Vec<_> = state
+                .runtime
+                .executors
+                .pools
+                .process_hosts()
+                .iter()
+                .flat_map(|(_, host)| host.pools())
+                .collect();
+            kiln_core::pool::render_metrics(&pools, &mut text);
             let jail = state.worker_jail;
             text.push_str(&format!(
                 "# HELP kiln_workers_confined Whether the executor workers run confined (1) or not (0), by KILN_WORKER_JAIL policy.\n# TYPE kiln_workers_confined gauge\nkiln_workers_confined{{jail=\"{}\"}} {}\n",

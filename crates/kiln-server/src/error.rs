@@ -54,8 +54,21 @@ impl From<HttpError> for ApiError {
 }
 
 impl IntoResponse for ApiError {
+    /// A 503 (busy, an empty warm pool, a lost executor) says when to try again: a second.
     fn into_response(self) -> Response {
-        self.0.into_response()
+        let busy = self.status() == StatusCode::SERVICE_UNAVAILABLE;
+        let mut response = self.0.into_response();
+        if busy
+            && !response
+                .headers()
+                .contains_key(axum::http::header::RETRY_AFTER)
+        {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        response
     }
 }
 

@@ -101,6 +101,7 @@ impl Backends {
         self.pools.start_all()?;
         if let (Some(native), Some(idle)) = (&self.linux, idle) {
             native.start_reaper(idle);
+            native.start_pools();
         }
         Ok(())
     }

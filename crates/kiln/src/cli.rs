@@ -451,6 +451,47 @@ pub struct LinuxArgs {
     /// again. Unset (the default): a paused box stays paused until its sandbox goes.
     #[arg(long, env = "KILN_BOX_HIBERNATE_AFTER", value_parser = parse_duration_ms)]
     pub box_hibernate_after: Option<u64>,
+    /// Warm pool (seed 002): boxes each Linux template keeps started ahead of need, for runs
+    /// and sessions outside a sandbox (claimed in well under a millisecond, destroyed after
+    /// use, refilled in the background); 0: none. A template's own `pool:` and
+    /// --language-pools win over it.
+    #[arg(long, env = "KILN_TARGET_POOL_SIZE")]
+    pub target_pool_size: Option<usize>,
+    /// The most boxes of one template's pool alive at once, ready and in use (default 50).
+    #[arg(long, env = "KILN_MAX_VMS")]
+    pub max_vms: Option<usize>,
+    /// Pool sizes by language or template, `python=10,node=5` (a language sizes the
+    /// templates whose first language it is).
+    #[arg(long, env = "KILN_LANGUAGE_POOLS", value_delimiter = ',', value_parser = parse_pool_size)]
+    pub language_pools: Vec<(String, usize)>,
+    /// What a claim on an empty pool does: `wait` (for the next member, up to
+    /// --claim-timeout-seconds), `boot_sync` (start one on the request path) or `reject`.
+    #[arg(long, env = "KILN_EMPTY_POOL_POLICY", value_parser = ["wait", "boot_sync", "boot-sync", "reject"])]
+    pub empty_pool_policy: Option<String>,
+    /// How long a claim waits for a pool member before it is refused (default 5).
+    #[arg(long, env = "KILN_CLAIM_TIMEOUT_SECONDS")]
+    pub claim_timeout_seconds: Option<f64>,
+    /// How many pool members may start at once, across templates: the replenisher's CPU
+    /// budget (default: half the cores, at least 1).
+    #[arg(long, env = "KILN_POOL_STARTS")]
+    pub pool_starts: Option<usize>,
+}
+
+fn parse_pool_size(text: &str) -> Result<(String, usize), String> {
+    let (name, size) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?}: expected LANGUAGE=SIZE, as python=10"))?;
+    let size: usize = size
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?}: the size must be a whole number"))?;
+    if size > kiln_core::pool::MAX_POOL_SIZE {
+        return Err(format!(
+            "{text:?}: at most {} per pool",
+            kiln_core::pool::MAX_POOL_SIZE
+        ));
+    }
+    Ok((name.trim().to_string(), size))
 }
 
 impl ExecArgs {

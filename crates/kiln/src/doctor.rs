@@ -216,6 +216,7 @@ pub fn checks(linux: &LinuxArgs) -> Vec<Check> {
         ),
         (false, _, _) => check("kvm", "no", "no /dev/kvm: microVMs would run under QEMU's TCG only"),
     });
+    found.push(warm_pool(linux));
     let qemu = on_path("qemu-system-x86_64");
     let firecracker = on_path("firecracker");
     found.push(check(
@@ -248,6 +249,7 @@ pub fn tiers(linux: &LinuxArgs, serves_linux: bool) -> Vec<kiln_server::api::Tie
                 "linux-runc" => serves_linux && !gvisor,
                 "linux-gvisor" => serves_linux && gvisor,
                 "criu" => serves_linux && !gvisor && c.status == "ok",
+                "warm-pool" => serves_linux && c.status == "ok",
                 _ => false,
             },
             name: c.name.to_string(),
@@ -271,4 +273,52 @@ pub fn run(linux: &LinuxArgs, json: bool) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What the warm pools of `kiln serve --linux` with these settings keep (the live figures are
+/// on the server's `/metrics`, `kiln_pool_*`).
+fn warm_pool(linux: &LinuxArgs) -> Check {
+    let settings = match crate::linux_cmd::pool_settings(linux, Path::new("/")) {
+        Ok(settings) => settings,
+        Err(e) => {
+            return check(
+                "warm-pool",
+                "no",
+                format!("the pool settings are refused: {e}"),
+            );
+        }
+    };
+    let definitions = crate::linux_cmd::definitions(linux).unwrap_or_default();
+    let pools: Vec<String> = definitions
+        .iter()
+        .filter_map(|d| {
+            let config = settings.for_template(&d.name, &d.languages, d.pool.as_ref());
+            (config.target > 0).then(|| {
+                format!(
+                    "{} {} ready (at most {}, {}, claims wait {:?})",
+                    kiln_native::backend::catalogue_id(&d.name),
+                    config.target,
+                    config.max,
+                    config.policy.name(),
+                    config.claim_timeout
+                )
+            })
+        })
+        .collect();
+    if pools.is_empty() {
+        return check(
+            "warm-pool",
+            "warn",
+            "no warm pool (every pool is sized 0): a Linux sandbox's box starts on its first command",
+        );
+    }
+    check(
+        "warm-pool",
+        "ok",
+        format!(
+            "boxes started ahead for new Linux sandboxes, {} at a time: {}; live figures on /metrics (kiln_pool_*)",
+            settings.at_once,
+            pools.join("; ")
+        ),
+    )
 }

@@ -113,7 +113,10 @@ pub fn criu(linux: &LinuxArgs) -> Option<std::path::PathBuf> {
 
 /// The Linux backend of `kiln serve --linux`: every built template (those not built are
 /// left out, said on stderr).
-pub fn backend(linux: &LinuxArgs) -> anyhow::Result<kiln_native::backend::NativeBackend> {
+pub fn backend(
+    linux: &LinuxArgs,
+    data_dir: &std::path::Path,
+) -> anyhow::Result<kiln_native::backend::NativeBackend> {
     let store = store(linux);
     let mut templates = Vec::new();
     for definition in definitions(linux)? {
@@ -134,7 +137,38 @@ pub fn backend(linux: &LinuxArgs) -> anyhow::Result<kiln_native::backend::Native
         templates,
         std::sync::Arc::new(allowlist(linux)?),
         box_ca_bundle(linux)?,
+        &pool_settings(linux, data_dir)?,
     ))
+}
+
+/// The warm pools' settings from the flags (a template's own `pool:` fills what they leave).
+pub fn pool_settings(
+    linux: &LinuxArgs,
+    data_dir: &std::path::Path,
+) -> anyhow::Result<kiln_native::pool::PoolSettings> {
+    let defaults = kiln_core::pool::PoolDefinition {
+        target_pool_size: linux.target_pool_size,
+        max_vms: linux.max_vms,
+        empty_pool_policy: linux
+            .empty_pool_policy
+            .as_deref()
+            .and_then(kiln_core::pool::EmptyPoolPolicy::parse),
+        claim_timeout_seconds: linux.claim_timeout_seconds,
+    };
+    defaults
+        .check()
+        .map_err(|e| anyhow::anyhow!("{}", e.replace("pool: ", "")))?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(kiln_native::pool::PoolSettings {
+        defaults,
+        sizes: linux.language_pools.iter().cloned().collect(),
+        at_once: linux.pool_starts.unwrap_or(cores / 2).max(1),
+        // Beside the sandboxes' folders, so a claimed member's is renamed into place.
+        home: Some(data_dir.join("pool")),
+        volume: Some(std::sync::Arc::new(|at: &std::path::Path, bytes: u64| {
+            kiln_runtime::volume::attach(at, bytes)
+        })),
+    })
 }
 
 /// An executor pool serving the Linux backend in this process (it holds the boxes' agent

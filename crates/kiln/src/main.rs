@@ -440,7 +440,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     })?;
     let worker_jail = worker_jail.context("a server's workers have a jail policy")?;
     let linux = if args.linux {
-        Some(linux_cmd::backend(&args.linux_args)?)
+        Some(linux_cmd::backend(&args.linux_args, &data_dir)?)
     } else {
         None
     };

@@ -73,7 +73,8 @@ fn issue33_a_boxs_processes_are_listed_signalled_and_restarted() -> TestResult {
     let state_dir = state.path().to_str().ok_or("path")?;
     let server = start(Options {
         auth: true,
-        extra: &["--linux"],
+        // No warm pool: this test counts the boxes (and volumes) its sandboxes make.
+        extra: &["--linux", "--target-pool-size", "0"],
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
@@ -239,7 +240,8 @@ fn issue33_a_paused_box_is_frozen_even_while_forking_and_the_next_command_resume
     let state_dir = state.path().to_str().ok_or("path")?;
     let server = start(Options {
         auth: true,
-        extra: &["--linux"],
+        // No warm pool: this test counts the boxes (and volumes) its sandboxes make.
+        extra: &["--linux", "--target-pool-size", "0"],
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
@@ -1248,7 +1250,8 @@ fn issue33_hibernation_returns_a_boxs_memory_keeps_its_files_and_says_what_becam
     let state = tempfile::tempdir()?;
     let state_dir = state.path().to_str().ok_or("path")?;
     let server = start(Options {
-        extra: &["--linux", "--criu", "none"],
+        // No warm pool: this test counts the boxes (and volumes) its sandboxes make.
+        extra: &["--linux", "--target-pool-size", "0", "--criu", "none"],
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;

@@ -307,7 +307,8 @@ fn kiln_serve_linux_runs_seed_003_commands_in_live_boxes() -> crate::common::ser
     // This host reaches the package index through a TLS-inspecting proxy whose CA only the
     // host's bundle has: boxes get the host's bundle by default (no KILN_BOX_CA_BUNDLE).
     let server = start(Options {
-        extra: &["--linux"],
+        // No warm pool: this test counts the boxes (and volumes) its sandboxes make.
+        extra: &["--linux", "--target-pool-size", "0"],
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
@@ -540,7 +541,8 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
     let state = tempfile::tempdir()?;
     let state_dir = state.path().to_str().ok_or("path")?;
     let server = start(Options {
-        extra: &["--linux"],
+        // No warm pool: this test counts the boxes (and volumes) its sandboxes make.
+        extra: &["--linux", "--target-pool-size", "0"],
         env: &[("KILN_STATE_DIR", state_dir)],
         ..Options::default()
     })?;
@@ -1154,5 +1156,269 @@ fn issue34_readyz_reports_each_tier_and_whether_it_is_served() -> crate::common:
             .is_some_and(|k| !k.trim().is_empty() && k.trim() != host.trim()),
         "the box saw the host's kernel: {ran}"
     );
+    Ok(())
+}
+
+/// A figure of `/metrics`: the sample whose name and labels start with `prefix`.
+fn metric(server: &crate::common::serve::Server, prefix: &str) -> Option<f64> {
+    let text = crate::common::serve::send("GET", &server.url("/metrics"), None, None).ok()?;
+    String::from_utf8_lossy(&text.body)
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The host pids of the guest agents of boxes whose root's writable layer is in `folder`.
+fn agents_with_layer_in(folder: &Path) -> Vec<i32> {
+    let needle = format!("upperdir={}", folder.display());
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"/.kiln/agent"))
+                && std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).is_ok_and(|m| {
+                    m.lines()
+                        .any(|l| l.contains(" / / ") && l.contains(&needle))
+                })
+        })
+        .collect()
+}
+
+/// Mounts under `folder` on the host.
+fn mounts_under(folder: &Path) -> usize {
+    let folder = folder.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            l.split(' ')
+                .nth(4)
+                .is_some_and(|at| at.starts_with(&folder))
+        })
+        .count()
+}
+
+/// Seed 002's warm pool, for boxes: a template's pool fills in the background; a new sandbox
+/// gets a box that already runs (its first command pays no start), on its own volume, its
+/// files and the files outside the workspace its own; a member whose agent dies is dropped
+/// and replaced; a burst of 50 creates on an emptied pool follows the policy (`reject`: the
+/// ready ones are served, the rest refused at once with the reason); stopping kiln leaves no
+/// member, and a kiln killed with -9 leaves none the next one keeps.
+#[test]
+fn issue34_a_warm_pool_hands_new_sandboxes_a_running_box_and_follows_its_policy()
+-> crate::common::serve::TestResult {
+    if skip() {
+        return Ok(());
+    }
+    use crate::common::serve::{Options, send, start};
+    use serde_json::json;
+    let state = tempfile::tempdir()?;
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let data = tempfile::tempdir()?;
+    let env = [("KILN_STATE_DIR", state_dir)];
+    let server = start(Options {
+        data: Some(data.path()),
+        extra: &[
+            "--linux",
+            "--language-pools",
+            "python=2,debian=0,javascript=0,go=0",
+            "--empty-pool-policy",
+            "reject",
+        ],
+        env: &env,
+        ..Options::default()
+    })?;
+    let ready = r#"kiln_pool_ready{template="linux-python",tier="box"}"#;
+    wait_for("2 ready members", Duration::from_secs(60), || {
+        metric(&server, ready) == Some(2.0)
+    });
+    assert_eq!(
+        metric(&server, r#"kiln_pool_target{template="linux-debian""#),
+        None,
+        "a pool sized 0 is no pool"
+    );
+    let pool = data.path().join("pool");
+
+    // A member whose agent dies is dropped and replaced.
+    let agents = agents_with_layer_in(&pool);
+    assert_eq!(agents.len(), 2, "two members' agents: {agents:?}");
+    // SAFETY: kill sends a signal to a pid this test found (a box's agent).
+    unsafe { libc::kill(agents[0], libc::SIGKILL) };
+    wait_for("the dead member replaced", Duration::from_secs(30), || {
+        metric(&server, r#"kiln_pool_lost_total{template="linux-python""#) == Some(1.0)
+            && metric(&server, ready) == Some(2.0)
+    });
+
+    // A new sandbox's box already runs, on the sandbox's own volume.
+    let (status, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-python"})),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{id}"), None)?;
+    assert_eq!(
+        info["state"], "running",
+        "a box before the first command: {info}"
+    );
+    assert_eq!(
+        metric(
+            &server,
+            r#"kiln_pool_claims_total{template="linux-python",tier="box",outcome="ready"}"#
+        ),
+        Some(1.0)
+    );
+    let put = send(
+        "PUT",
+        &server.url(&format!("/api/v1/sandboxes/{id}/files/hello.txt")),
+        None,
+        Some(("application/octet-stream", b"from the host")),
+    )?;
+    assert!(put.status == 200 || put.status == 201, "{}", put.status);
+    let exec = |command: &str| {
+        server.call(
+            "POST",
+            &format!("/api/v1/sandboxes/{id}/exec"),
+            Some(json!({"command": ["sh", "-c", command]})),
+        )
+    };
+    let (status, ran) = exec(
+        "cat hello.txt; echo; id -u; pwd; echo mine > made.txt; echo kept > /home/user/outside; df -m . | tail -1 | awk '{print $2}'",
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    let out = ran["stdout"].as_str().unwrap_or_default().to_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[..3], ["from the host", "1000", "/workspace"], "{ran}");
+    let size: u64 = lines[3].parse()?;
+    assert!(
+        (900..=1024).contains(&size),
+        "the workspace is the sandbox's 1 GiB volume: {ran}"
+    );
+    let got = send(
+        "GET",
+        &server.url(&format!("/api/v1/sandboxes/{id}/files/made.txt")),
+        None,
+        None,
+    )?;
+    assert_eq!(String::from_utf8_lossy(&got.body), "mine\n");
+    // What it writes outside the workspace is on its volume too: it outlives the box.
+    let (status, slept) =
+        server.call("POST", &format!("/api/v1/sandboxes/{id}/hibernate"), None)?;
+    assert_eq!(status, 200, "{slept}");
+    let (_, ran) = exec("cat /home/user/outside")?;
+    assert_eq!(ran["stdout"], "kept\n", "{ran}");
+
+    // reject: a burst of 50 creates is served by what is ready, the rest refused at once.
+    wait_for("the pool refilled", Duration::from_secs(30), || {
+        metric(&server, ready) == Some(2.0)
+    });
+    let started = Instant::now();
+    let burst: Vec<_> = (0..50)
+        .map(|_| {
+            let url = server.url("/api/v1/sandboxes");
+            std::thread::spawn(move || {
+                send(
+                    "POST",
+                    &url,
+                    None,
+                    Some(("application/json", br#"{"template":"linux-python"}"#)),
+                )
+                .map(|r| (r.status, r.retry_after.clone(), r.json()))
+                .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let mut made = 0;
+    for handle in burst {
+        let (status, retry, body) = handle.join().map_err(|_| "panicked")??;
+        match status {
+            201 => made += 1,
+            503 => {
+                assert!(
+                    body.to_string()
+                        .contains("warm pool of linux-python is empty and its policy is reject"),
+                    "{body}"
+                );
+                assert!(retry.is_some(), "a refusal says when to retry: {body}");
+            }
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert!(
+        (2..=6).contains(&made),
+        "{made} of 50 made from 2 ready members"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "refusals are at once"
+    );
+    let rejected = metric(
+        &server,
+        r#"kiln_pool_claims_total{template="linux-python",tier="box",outcome="rejected"}"#,
+    );
+    assert_eq!(rejected, Some((50 - made) as f64));
+
+    // Stopped, kiln leaves no member behind: no folder, no mount.
+    wait_for("the pool refilled again", Duration::from_secs(30), || {
+        metric(&server, ready) == Some(2.0)
+    });
+    drop(server);
+    assert_eq!(
+        std::fs::read_dir(&pool)?.count(),
+        0,
+        "members left after a stop"
+    );
+    assert_eq!(mounts_under(&pool), 0, "members' volumes left mounted");
+
+    // Killed with -9, its members are removed by the next kiln.
+    let server = start(Options {
+        data: Some(data.path()),
+        extra: &[
+            "--linux",
+            "--language-pools",
+            "python=2,debian=0,javascript=0,go=0",
+        ],
+        env: &env,
+        ..Options::default()
+    })?;
+    wait_for("2 ready members", Duration::from_secs(60), || {
+        metric(&server, ready) == Some(2.0)
+    });
+    let mut server = server;
+    // SAFETY: kill sends a signal to the server's pid, which this test started.
+    unsafe { libc::kill(server.child.0.id() as i32, libc::SIGKILL) };
+    server.child.0.wait()?;
+    assert_eq!(std::fs::read_dir(&pool)?.count(), 2);
+    assert_eq!(mounts_under(&pool), 2);
+    let server = start(Options {
+        data: Some(data.path()),
+        extra: &["--linux", "--target-pool-size", "0"],
+        env: &env,
+        ..Options::default()
+    })?;
+    assert_eq!(
+        std::fs::read_dir(&pool)?.count(),
+        0,
+        "a dead kiln's members were kept"
+    );
+    assert_eq!(mounts_under(&pool), 0);
+    assert!(
+        agents_with_layer_in(&pool).is_empty(),
+        "a dead kiln's members still run"
+    );
+    drop(server);
     Ok(())
 }
