@@ -1040,6 +1040,13 @@ impl NativeBackend {
                 tokio::task::spawn_blocking(move || drop(member)).await.ok();
             }
         }
+        // Members still starting are removed by their starts once these see the pool closed.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline
+            && self.inner.pools.iter().any(|p| p.pool.stats().starting > 0)
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let all: Vec<_> = self.inner.held.lock().await.drain().collect();
         for (_, entry) in all {
             if let Ok(live) = Arc::try_unwrap(entry.live) {

@@ -433,32 +433,40 @@ impl<M: Send + 'static> Pool<M> {
         async move {
             let booted = Instant::now();
             let made = (pool.start)().await;
-            let mut state = pool.lock();
-            state.starting -= 1;
-            match made {
-                Ok(member) if !state.closed => {
-                    state.stats.boot.observe(booted.elapsed().as_secs_f64());
-                    state.stats.replenished += 1;
-                    state.backoff = Duration::ZERO;
-                    state.ready.push_back(member);
-                    drop(state);
-                    pool.ready.notify_one();
+            // Closed meanwhile: the member ends here, and counts as starting until it has
+            // (so a shutdown waiting for starts finds it gone).
+            let late = {
+                let mut state = pool.lock();
+                match made {
+                    Ok(member) if !state.closed => {
+                        state.starting -= 1;
+                        state.stats.boot.observe(booted.elapsed().as_secs_f64());
+                        state.stats.replenished += 1;
+                        state.backoff = Duration::ZERO;
+                        state.ready.push_back(member);
+                        drop(state);
+                        pool.ready.notify_one();
+                        None
+                    }
+                    Ok(member) => Some(member),
+                    Err(message) => {
+                        state.starting -= 1;
+                        tracing::warn!(template = %pool.template, "a warm pool member failed to start: {message}");
+                        state.stats.replenish_failures += 1;
+                        state.stats.last_error = Some(message);
+                        state.backoff = (state.backoff * 2)
+                            .clamp(Duration::from_millis(250), Duration::from_secs(30));
+                        state.backoff_until = Some(Instant::now() + state.backoff);
+                        drop(state);
+                        // Waiting claims look again (they time out with the reason).
+                        pool.ready.notify_waiters();
+                        None
+                    }
                 }
-                Ok(member) => {
-                    drop(state);
-                    drop(member);
-                }
-                Err(message) => {
-                    tracing::warn!(template = %pool.template, "a warm pool member failed to start: {message}");
-                    state.stats.replenish_failures += 1;
-                    state.stats.last_error = Some(message);
-                    state.backoff = (state.backoff * 2)
-                        .clamp(Duration::from_millis(250), Duration::from_secs(30));
-                    state.backoff_until = Some(Instant::now() + state.backoff);
-                    drop(state);
-                    // Waiting claims look again (they time out with the reason).
-                    pool.ready.notify_waiters();
-                }
+            };
+            if let Some(member) = late {
+                let _ = tokio::task::spawn_blocking(move || drop(member)).await;
+                pool.lock().starting -= 1;
             }
             pool.wake.notify_one();
         }

@@ -100,12 +100,158 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let pool_template = spec.template.clone();
     rt.block_on(async {
         create_and_close(&boxes, &spec, n, report).await?;
         commands(&boxes, &spec, n, report).await?;
-        idle_boxes(&boxes, &spec, args.boxes, report).await
+        idle_boxes(&boxes, &spec, args.boxes, report).await?;
+        pool(linux, &boxes, pool_template, n, report).await
     })?;
     processes(n, report)
+}
+
+/// CPU time of this process and its waited-for children (runc, mkfs), in seconds.
+fn cpu_seconds() -> f64 {
+    let usage = |who| {
+        // SAFETY: getrusage(2) writes one rusage into the zeroed struct we pass.
+        let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; `who` is RUSAGE_SELF or RUSAGE_CHILDREN.
+        unsafe { libc::getrusage(who, &mut r) };
+        let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+        t(r.ru_utime) + t(r.ru_stime)
+    };
+    usage(libc::RUSAGE_SELF) + usage(libc::RUSAGE_CHILDREN)
+}
+
+/// The warm pool of boxes (seed 002): how fast it fills and what that costs, what an idle
+/// member holds, a claim, claim → first command (`true`) in the claimed box, and destroying
+/// it. Members are sandboxes' boxes, each on a 1 GiB volume of its own, as `kiln serve
+/// --linux` keeps them.
+async fn pool(
+    linux: &crate::cli::LinuxArgs,
+    boxes: &Boxes,
+    template: kiln_native::builder::Template,
+    n: usize,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    use kiln_core::backend::Backend;
+    use kiln_core::process::ProcessHost;
+    const SIZE: usize = 5;
+    let dir = tempfile::tempdir()?;
+    let mut settings = crate::linux_cmd::pool_settings(linux, dir.path())?;
+    settings.defaults.target_pool_size = Some(SIZE);
+    settings.sizes.clear();
+    let backend = kiln_native::backend::NativeBackend::new(
+        boxes.clone(),
+        vec![template],
+        std::sync::Arc::new(
+            kiln_native::proxy::Allowlist::new::<&str>(&[]).map_err(anyhow::Error::msg)?,
+        ),
+        None,
+        &settings,
+    );
+    let ready = |backend: &kiln_native::backend::NativeBackend| {
+        backend.pool_stats().first().map_or(0, |p| p.ready)
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = mem_available();
+    let (cpu, t) = (cpu_seconds(), Instant::now());
+    backend.start_pools();
+    while ready(&backend) < SIZE {
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(120),
+            "the pool did not fill"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let fill = t.elapsed();
+    let fill_cpu = cpu_seconds() - cpu;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let held = before.saturating_sub(mem_available());
+    let home = dir.path().join("pool");
+    let members = crate::bench_native::agents_in(&home);
+    let agents: u64 = members.iter().map(|pid| pss(*pid)).sum();
+
+    let sandboxes = dir.path().join("sandboxes");
+    std::fs::create_dir_all(&sandboxes)?;
+    let mut request = kiln_core::ExecRequest::new(kiln_core::Language::Bash, String::new());
+    request.template = Some("linux-python".into());
+    request.resources = backend.templates().first().and_then(|t| t.resources);
+    request.limits.memory_bytes = request.resources.map_or(512, |r| r.memory_mb) << 20;
+    let (mut claims, mut firsts, mut destroys) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..(n / 4).clamp(10, 40) {
+        while ready(&backend) == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let t = Instant::now();
+        let claimed = ProcessHost::prestarted(&backend, &request)
+            .await?
+            .context("the pool served no member")?;
+        let claim = t.elapsed();
+        // What a sandbox's store does: the member's folder becomes the sandbox's.
+        let folder = sandboxes.join(format!("sb_{i}"));
+        std::fs::rename(&claimed.dir, &folder)?;
+        let mut first = request.clone();
+        first.workspace = Some(folder.join("volume").join("workspace"));
+        ProcessHost::adopt(&backend, claimed, &first).await;
+        first.command = Some(kiln_core::Command {
+            argv: vec!["true".into()],
+            cwd: None,
+            terminal: None,
+        });
+        let ran = backend.run_once(&first, None).await?;
+        let to_first = t.elapsed();
+        anyhow::ensure!(ran.exit_code == 0, "true failed: {ran:?}");
+        let live = backend
+            .live_box(first.workspace.as_deref().context("workspace")?)
+            .await
+            .context("no box")?;
+        let t = Instant::now();
+        live.destroy_now().await;
+        destroys.push(micros(t.elapsed()));
+        drop(live);
+        kiln_runtime::volume::detach(&folder.join("volume"))?;
+        std::fs::remove_dir_all(&folder)?;
+        claims.push(micros(claim));
+        firsts.push(micros(to_first));
+    }
+    let stats = backend.pool_stats();
+    backend.close_all().await;
+    let mib = |bytes: f64| (bytes / 1048576.0 * 100.0).round() / 100.0;
+    report.insert(
+        "native_pool".into(),
+        json!({
+            "members": SIZE,
+            "fill_s": (fill.as_secs_f64() * 1000.0).round() / 1000.0,
+            "replenish_per_s": ((SIZE as f64 / fill.as_secs_f64()) * 10.0).round() / 10.0,
+            "cpu_s_per_member": ((fill_cpu / SIZE as f64) * 1000.0).round() / 1000.0,
+            "starts_at_once": settings.at_once,
+            "host_memory_per_member_mib": mib(held as f64 / SIZE as f64),
+            "agent_pss_per_member_mib": mib(agents as f64 / members.len().max(1) as f64),
+            "claim": summary(claims),
+            "claim_to_first_command": summary(firsts),
+            "destroy": summary(destroys),
+            "boot_mean_ms": stats.first().map_or(0.0, |p| (p.boot.mean() * 1e4).round() / 10.0),
+        }),
+    );
+    Ok(())
+}
+
+/// The host pids of the guest agents of boxes whose writable layer is under `folder`.
+pub(crate) fn agents_in(folder: &std::path::Path) -> Vec<i32> {
+    let needle = format!("upperdir={}", folder.display());
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"/.kiln/agent"))
+                && std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+                    .is_ok_and(|m| m.lines().any(|l| l.contains(&needle)))
+        })
+        .collect()
 }
 
 /// A Linux sandbox's workspace volume (1 GiB): made and mounted at create, unmounted and
