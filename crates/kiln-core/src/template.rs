@@ -101,7 +101,7 @@ pub struct Capabilities {
 }
 
 /// The image names a template honours.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ImageRule {
     /// Exact names, matched case-insensitively (`python`, `@ai-sandbox/python`).

@@ -37,6 +37,15 @@ pub fn catalogue_id(name: &str) -> String {
 }
 
 /// A Linux template as the catalogue lists it.
+/// The catalogue id of a built template: `linux-NAME` for a box, `vm-NAME` for a microVM.
+pub fn template_id(template: &Template) -> String {
+    if template.vm {
+        format!("vm-{}", template.definition.name)
+    } else {
+        catalogue_id(&template.definition.name)
+    }
+}
+
 pub fn template_info(template: &Template) -> TemplateInfo {
     let definition = &template.definition;
     let languages = definition
@@ -45,10 +54,11 @@ pub fn template_info(template: &Template) -> TemplateInfo {
         .filter_map(|l| Language::from_name(l))
         .collect();
     TemplateInfo {
-        id: catalogue_id(&definition.name),
+        id: template_id(template),
         description: format!(
-            "{} ({})",
+            "{}{} ({})",
             definition.description,
+            if template.vm { ", as a microVM" } else { "" },
             template.built.versions_line()
         ),
         backend: BackendKind::Native,
@@ -73,15 +83,20 @@ pub fn template_info(template: &Template) -> TemplateInfo {
             fuel: false,
             fork: false,
         },
-        images: ImageRule {
-            names: definition.images.names.clone(),
-            repos: definition.images.repos.clone(),
-            versions: definition
-                .images
-                .versions
-                .as_deref()
-                .and_then(crate::template::parse_range)
-                .map(|(min, max)| VersionRange { min, max }),
+        // Image names (`python:3.11`) lead to boxes; a VM is asked for by its id.
+        images: if template.vm {
+            ImageRule::default()
+        } else {
+            ImageRule {
+                names: definition.images.names.clone(),
+                repos: definition.images.repos.clone(),
+                versions: definition
+                    .images
+                    .versions
+                    .as_deref()
+                    .and_then(crate::template::parse_range)
+                    .map(|(min, max)| VersionRange { min, max }),
+            }
         },
         resources: Some(definition.resources),
         workspace_owner: None,
@@ -223,6 +238,19 @@ impl NativeBackend {
         pool_settings: &crate::pool::PoolSettings,
     ) -> NativeBackend {
         let owner = boxes.user_owner();
+        // Where VMs run, each template is also offered as a microVM (`vm-NAME`).
+        let mut templates = templates;
+        if boxes.vm_tier().is_some() {
+            let vms: Vec<Template> = templates
+                .iter()
+                .filter(|t| !t.vm)
+                .map(|t| Template {
+                    vm: true,
+                    ..t.clone()
+                })
+                .collect();
+            templates.extend(vms);
+        }
         let pool_wake = Arc::new(tokio::sync::Notify::new());
         let pools = match (&pool_settings.home, &pool_settings.volume) {
             (Some(home), Some(volume)) => {
@@ -293,7 +321,7 @@ impl NativeBackend {
     /// What a box for `request` is started with.
     fn recipe(&self, template: &Template, request: &ExecRequest) -> BoxRecipe {
         BoxRecipe {
-            template: catalogue_id(&template.definition.name),
+            template: template_id(template),
             limits: limits(template, request),
             network: matches!(request.network, kiln_core::Network::Allowlist),
             workspace_at: request.workspace_at.clone(),
@@ -954,6 +982,7 @@ impl NativeBackend {
         let recipe = self.recipe(template, request);
         let Some(pool) = self.inner.pools.iter().find(|p| {
             p.template.definition.name == template.definition.name
+                && p.template.vm == template.vm
                 && p.recipe.limits == recipe.limits
                 && p.recipe.network == recipe.network
                 && p.recipe
@@ -1083,17 +1112,21 @@ fn box_pool(
     wake: &Arc<tokio::sync::Notify>,
 ) -> Option<BoxPool> {
     let definition = &template.definition;
-    let config = settings.for_template(
-        &definition.name,
-        &definition.languages,
-        definition.pool.as_ref(),
-    );
+    let config = if template.vm {
+        settings.for_vm(&template_id(template))
+    } else {
+        settings.for_template(
+            &definition.name,
+            &definition.languages,
+            definition.pool.as_ref(),
+        )
+    };
     if config.target == 0 {
         return None;
     }
     let resources = definition.resources;
     let recipe = BoxRecipe {
-        template: catalogue_id(&definition.name),
+        template: template_id(template),
         limits: BoxLimits {
             memory_bytes: resources.memory_mb << 20,
             vcpus: resources.vcpus,
@@ -1153,7 +1186,7 @@ fn box_pool(
     Some(BoxPool {
         pool: crate::pool::Pool::new(
             &recipe.template,
-            "box",
+            if template.vm { "vm" } else { "box" },
             config,
             start,
             Member::alive,
@@ -1225,7 +1258,7 @@ fn program(template: &Template, request: &ExecRequest) -> Result<Program, Backen
     {
         return Err(BackendError::unsupported(format!(
             "the {} template runs {} code, not {language}; send a `command` instead",
-            catalogue_id(&template.definition.name),
+            template_id(template),
             template.definition.languages.join(" and ")
         )));
     }
@@ -1395,7 +1428,7 @@ impl Backend for NativeBackend {
         {
             return Err(BackendError::unsupported(format!(
                 "sessions on the {} template run Python only",
-                catalogue_id(&template.definition.name)
+                template_id(template)
             )));
         }
         let live = match &request.workspace {

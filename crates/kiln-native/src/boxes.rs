@@ -27,6 +27,11 @@ use crate::template::{USER_HOME, USER_NAME, USER_UID};
 
 /// How long a box's agent has to answer its first hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a microVM has to boot to its agent (a software CPU boots in seconds).
+const VM_HELLO_TIMEOUT: Duration = Duration::from_secs(90);
+/// How long QEMU has to make its agent socket.
+const VM_SOCKET_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// How long a killed command has to report its end.
 const KILL_GRACE: Duration = Duration::from_secs(3);
 /// The prefix of every box's container id, so leftovers are recognised.
@@ -46,6 +51,8 @@ pub struct BoxesConfig {
     /// CRIU, which checkpoints a hibernated box's processes (see [`Boxes::criu`]). `None`:
     /// boxes hibernate keeping their files only.
     pub criu: Option<PathBuf>,
+    /// What boots the templates run as microVMs ([`crate::vm`]); `None`: no VMs here.
+    pub vm: Option<Arc<crate::vm::VmTier>>,
 }
 
 /// A box could not be made, or a command could not run in it.
@@ -247,6 +254,8 @@ pub struct LiveBox {
     pub lineage: u64,
     /// Set once [`LiveBox::close`] has removed the box.
     closed: std::sync::atomic::AtomicBool,
+    /// A microVM (QEMU in the jail) rather than a box.
+    vm: bool,
 }
 
 impl Drop for LiveBox {
@@ -262,6 +271,23 @@ impl Drop for LiveBox {
                 &self.dir,
                 self.host_pid,
             );
+        }
+    }
+}
+
+/// The agent's socket of a starting microVM, once QEMU has made it (or why not).
+async fn vm_socket(path: &Path, dir: &Path) -> Result<tokio::net::UnixStream, BoxError> {
+    let started = std::time::Instant::now();
+    loop {
+        match tokio::net::UnixStream::connect(path).await {
+            Ok(socket) => return Ok(socket),
+            Err(e) if started.elapsed() > VM_SOCKET_TIMEOUT => {
+                return Err(start_err("vm")(format!(
+                    "QEMU made no agent socket in {VM_SOCKET_TIMEOUT:?} ({e}); its log: {}",
+                    log_tail(dir)
+                )));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
 }
@@ -456,6 +482,11 @@ impl Boxes {
     }
 
     /// The host's cgroup layout.
+    /// What boots microVMs here, if this kiln runs them.
+    pub fn vm_tier(&self) -> Option<&crate::vm::VmTier> {
+        self.config.vm.as_deref()
+    }
+
     pub fn cgroups(&self) -> Cgroups {
         self.cgroups
     }
@@ -502,18 +533,39 @@ impl Boxes {
                 .map_err(|e| start_err("runtime")(e.to_string()))??
         };
         follow_log(&dir, pipes.log);
-        let read = tokio::net::unix::pipe::Receiver::from_owned_fd(pipes.from_agent)
-            .map_err(|e| start_err("channel")(e.to_string()))?;
-        let write = tokio::net::unix::pipe::Sender::from_owned_fd(pipes.to_agent)
-            .map_err(|e| start_err("channel")(e.to_string()))?;
         let carried = from
             .as_ref()
             .map(|from| from.carried.clone())
             .unwrap_or_default();
-        let (channel, mut accepted) = Channel::resumed(read, write, &carried);
+        let vm = spec.template.vm;
+        let (channel, mut accepted) = if vm {
+            // QEMU's stdin and stdout carry nothing: the agent talks over its serial port.
+            drop((pipes.from_agent, pipes.to_agent));
+            let socket = vm_socket(&dir.join("run/agent.sock"), &dir).await?;
+            let (read, write) = socket.into_split();
+            Channel::resumed(read, write, &carried)
+        } else {
+            let read = tokio::net::unix::pipe::Receiver::from_owned_fd(pipes.from_agent)
+                .map_err(|e| start_err("channel")(e.to_string()))?;
+            let write = tokio::net::unix::pipe::Sender::from_owned_fd(pipes.to_agent)
+                .map_err(|e| start_err("channel")(e.to_string()))?;
+            Channel::resumed(read, write, &carried)
+        };
         let channel = Arc::new(channel);
         let mut hello = channel.call(Op::Hello).await?;
-        match tokio::time::timeout(HELLO_TIMEOUT, hello.next()).await {
+        let hello_timeout = if vm { VM_HELLO_TIMEOUT } else { HELLO_TIMEOUT };
+        let log_tail = |dir: &Path| {
+            if vm {
+                format!(
+                    "{}; its console: {}",
+                    log_tail(dir),
+                    tail_lines(&dir.join("run/console.log"), 8, |_| true)
+                )
+            } else {
+                log_tail(dir)
+            }
+        };
+        match tokio::time::timeout(hello_timeout, hello.next()).await {
             Ok(Some(Reply::Hello { .. })) => {}
             Ok(other) => {
                 return Err(start_err("agent")(format!(
@@ -523,7 +575,7 @@ impl Boxes {
             }
             Err(_) => {
                 return Err(start_err("agent")(format!(
-                    "no answer in {HELLO_TIMEOUT:?}; its log: {}",
+                    "no answer in {hello_timeout:?}; its log: {}",
                     log_tail(&dir)
                 )));
             }
@@ -571,6 +623,7 @@ impl Boxes {
                 .as_ref()
                 .map_or_else(|| u64::from_le_bytes(random_bytes()), |from| from.lineage),
             closed: std::sync::atomic::AtomicBool::new(false),
+            vm,
         })
     }
 
@@ -589,6 +642,10 @@ impl Boxes {
         }
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
             .map_err(|e| start_err("folder")(e.to_string()))?;
+        if spec.template.vm {
+            self.write_vm_bundle(id, dir, spec)?;
+            return self.run_container(id, dir, None);
+        }
         self.mount_layers(dir, spec)?;
         self.write_bundle(id, dir, spec)?;
         self.run_container(id, dir, images)
@@ -704,6 +761,63 @@ impl Boxes {
         if is_gvisor(&self.config.runtime) {
             gvisor_bundle(&mut config);
         }
+        std::fs::write(dir.join("config.json"), config.to_string())
+            .map_err(|e| start_err("bundle")(e.to_string()))
+    }
+
+    /// Writes the bundle of a microVM: QEMU in the boxes' jail ([`crate::vm::vmm_config`]),
+    /// booting the template's root image (made on first use) with the workspace over 9p.
+    fn write_vm_bundle(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(), BoxError> {
+        let tier = self.config.vm.as_ref().ok_or_else(|| {
+            BoxError::Unavailable("this kiln runs no microVMs (start it with --vm)".into())
+        })?;
+        if spec.in_place {
+            return Err(BoxError::Refused("a microVM cannot build templates".into()));
+        }
+        let base = self.config.uid_base;
+        let image =
+            crate::vm::root_image(&spec.template.rootfs, base).map_err(start_err("image"))?;
+        let root = dir.join("rootfs");
+        crate::vm::make_vmm_root(&root, spec.workspace.is_some())
+            .map_err(|e| start_err("folder")(e.to_string()))?;
+        let run = dir.join("run");
+        std::fs::create_dir(&run)
+            .and_then(|()| std::os::unix::fs::chown(&run, Some(base), Some(base)))
+            .and_then(|()| std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700)))
+            .map_err(|e| start_err("folder")(format!("{}: {e}", run.display())))?;
+        if let Some(workspace) = &spec.workspace {
+            std::os::unix::fs::lchown(workspace, Some(base + USER_UID), Some(base + USER_UID))
+                .map_err(|e| start_err("workspace")(format!("{}: {e}", workspace.display())))?;
+        }
+        let cgroup = cgroup_path(id);
+        let agent = self.config.agent.to_string_lossy().into_owned();
+        let jail_box = jail::config(&jail::JailSpec {
+            hostname: "kiln-vm",
+            agent: &agent,
+            read_only: &[],
+            workspace: None,
+            working_dir: "/",
+            uid_base: base,
+            limits: spec.limits,
+            cgroup: &cgroup,
+        });
+        let mut config = crate::vm::vmm_config(
+            &crate::vm::VmSpec {
+                qemu: &tier.qemu,
+                accel: tier.accel,
+                vmlinux: &tier.assets.vmlinux(),
+                initrd: &tier.initrd,
+                root_image: &image,
+                workspace: spec.workspace.as_deref(),
+                working_dir: &spec.template.definition.working_dir,
+                run_dir: &run,
+                limits: spec.limits,
+                uid_base: base,
+                cgroup: &cgroup,
+            },
+            jail_box,
+        );
+        config["root"]["readonly"] = serde_json::json!(true);
         std::fs::write(dir.join("config.json"), config.to_string())
             .map_err(|e| start_err("bundle")(e.to_string()))
     }
@@ -1376,6 +1490,14 @@ impl LiveBox {
     /// again. Commands and sessions running in it end as killed. Answers how many processes
     /// were killed.
     pub async fn kill_all_but_agent(&self) -> usize {
+        if self.vm {
+            // In a VM, from inside: `kill -KILL -1` as its root reaches every process but
+            // PID 1 (the agent) and itself.
+            let mut exec = Exec::new(vec!["kill".into(), "-KILL".into(), "-1".into()]);
+            exec.root = true;
+            exec.timeout = Duration::from_secs(10);
+            return usize::from(self.exec(exec, |_, _| {}).await.is_ok());
+        }
         let (cgroups, cgroup, agent) = (self.cgroups, self.cgroup.clone(), self.host_pid);
         tokio::task::spawn_blocking(move || kill_all_but(cgroups, &cgroup, agent))
             .await
@@ -1384,6 +1506,10 @@ impl LiveBox {
 
     /// The box's processes, as it sees them (read from the host: works while paused).
     pub async fn processes(&self) -> Vec<kiln_core::process::BoxProcess> {
+        if self.vm {
+            // The host sees QEMU, not the VM's processes (the agent does not list them yet).
+            return Vec::new();
+        }
         let (cgroups, cgroup, base) = (
             self.cgroups,
             self.cgroup.clone(),
@@ -1412,6 +1538,9 @@ impl LiveBox {
             return Err(BoxError::Refused(
                 "pid 1 is kiln's agent, which keeps the box: restart the box to end every process, or delete the sandbox".into(),
             ));
+        }
+        if self.vm {
+            return Ok(None);
         }
         let (cgroups, cgroup, base) = (
             self.cgroups,
@@ -1445,6 +1574,9 @@ impl LiveBox {
     /// The TCP ports the box's processes listen on (read from the host, through the
     /// agent's network namespace).
     pub async fn ports(&self) -> Vec<kiln_core::process::BoxPort> {
+        if self.vm {
+            return Vec::new();
+        }
         let (cgroups, cgroup, base, agent) = (
             self.cgroups,
             self.cgroup.clone(),
@@ -1546,6 +1678,12 @@ impl LiveBox {
     /// channel had open (to be handed to the restore). On failure the box is left running
     /// and the error says why (CRIU's own words).
     pub async fn checkpoint(&self, criu: &Path, images: &Path) -> Result<Carried, String> {
+        if self.vm {
+            return Err(
+                "a microVM's memory is not checkpointed yet (CRIU checkpoints boxes, not QEMU)"
+                    .into(),
+            );
+        }
         // A frozen box is thawed first: CRIU freezes it again itself, and the processes of a
         // frozen cgroup (v1) cannot be killed when the dump is done.
         if self.is_paused() {
@@ -1703,6 +1841,11 @@ impl LiveBox {
     /// its replies from now on. `None`: not a stream the checkpoint carried, or taken already.
     pub fn adopt(&self, target: u64) -> Option<crate::channel::Replies> {
         self.channel.adopt(target)
+    }
+
+    /// Whether it is a microVM rather than a box.
+    pub fn is_vm(&self) -> bool {
+        self.vm
     }
 
     /// Whether the box is still running.

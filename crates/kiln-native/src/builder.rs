@@ -72,6 +72,9 @@ pub struct Template {
     pub built: Built,
     /// The read-only root filesystem (an overlay's lower layer).
     pub rootfs: PathBuf,
+    /// Run as a microVM (the `vm-` tier) rather than a box: its root filesystem made an
+    /// image ([`crate::vm::root_image`]) and booted under QEMU.
+    pub vm: bool,
 }
 
 /// A step failed.
@@ -195,6 +198,7 @@ impl Store {
             definition: definition.clone(),
             built,
             rootfs: folder.join("rootfs"),
+            vm: false,
         })
     }
 
@@ -301,6 +305,7 @@ impl Store {
             definition: definition.clone(),
             built,
             rootfs: folder.join("rootfs"),
+            vm: false,
         })
     }
 
@@ -468,6 +473,7 @@ impl Job<'_> {
                 build_seconds: 0.0,
             },
             rootfs: self.rootfs.clone(),
+            vm: false,
         };
         let live = jail
             .boxes

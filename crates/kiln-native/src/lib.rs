@@ -21,6 +21,7 @@ pub mod process;
 mod procs;
 pub mod proxy;
 pub mod template;
+pub mod vm;
 
 use std::path::{Path, PathBuf};
 

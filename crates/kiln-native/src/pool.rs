@@ -78,6 +78,20 @@ pub struct PoolSettings {
 pub type MakeVolume = Arc<dyn Fn(&std::path::Path, u64) -> std::io::Result<()> + Send + Sync>;
 
 impl PoolSettings {
+    /// The settings of the microVM template `id` (`vm-python`): sized only by name in
+    /// [`PoolSettings::sizes`] (a VM costs far more than a box to keep, and under a software
+    /// CPU seconds of it to start), 0 otherwise; the rest from the defaults.
+    pub fn for_vm(&self, id: &str) -> PoolConfig {
+        let mut definition = self.defaults.clone();
+        definition.target_pool_size = Some(self.sizes.get(id).copied().unwrap_or(0));
+        if let (Some(target), Some(max)) = (definition.target_pool_size, definition.max_vms)
+            && target > max
+        {
+            definition.max_vms = Some(target);
+        }
+        PoolConfig::resolve(&definition)
+    }
+
     /// The settings of the template `name` (its definition's name) whose languages are
     /// `languages`, over its own `pool:`.
     pub fn for_template(

@@ -96,6 +96,7 @@ fn boxes() -> Boxes {
         runtime: "runc".into(),
         uid_base: 100_000,
         criu: Some(cache().join("tools/criu/criu")),
+        vm: None,
     })
     .unwrap()
 }

@@ -471,6 +471,12 @@ pub struct LinuxArgs {
     /// How long a claim waits for a pool member before it is refused (default 5).
     #[arg(long, env = "KILN_CLAIM_TIMEOUT_SECONDS")]
     pub claim_timeout_seconds: Option<f64>,
+    /// Also run Linux templates as microVMs (`vm-python`, `vm-debian`, …): QEMU's
+    /// `microvm` machine in the boxes' jail, KVM where the host has VT-x/AMD-V, else QEMU's
+    /// TCG (a software CPU). Needs `qemu-system-x86` and scripts/build-vm. For `kiln exec
+    /// --template`: run the template as a microVM.
+    #[arg(long, env = "KILN_VM")]
+    pub vm: bool,
     /// How many pool members may start at once, across templates: the replenisher's CPU
     /// budget (default: half the cores, at least 1).
     #[arg(long, env = "KILN_POOL_STARTS")]

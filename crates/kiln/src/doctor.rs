@@ -217,23 +217,7 @@ pub fn checks(linux: &LinuxArgs) -> Vec<Check> {
         (false, _, _) => check("kvm", "no", "no /dev/kvm: microVMs would run under QEMU's TCG only"),
     });
     found.push(warm_pool(linux));
-    let qemu = on_path("qemu-system-x86_64");
-    let firecracker = on_path("firecracker");
-    found.push(check(
-        "microvm",
-        "no",
-        format!(
-            "kiln has no microVM backend yet; on this host: {}, {}",
-            qemu.map_or(
-                "no QEMU (apt-get install qemu-system-x86)".to_string(),
-                |p| format!("QEMU at {}", p.display())
-            ),
-            firecracker.map_or("no Firecracker".to_string(), |p| format!(
-                "Firecracker at {}",
-                p.display()
-            ))
-        ),
-    ));
+    found.push(microvm(linux));
     found
 }
 
@@ -250,6 +234,7 @@ pub fn tiers(linux: &LinuxArgs, serves_linux: bool) -> Vec<kiln_server::api::Tie
                 "linux-gvisor" => serves_linux && gvisor,
                 "criu" => serves_linux && !gvisor && c.status == "ok",
                 "warm-pool" => serves_linux && c.status == "ok",
+                "microvm" => serves_linux && linux.vm && c.status != "no",
                 _ => false,
             },
             name: c.name.to_string(),
@@ -321,4 +306,40 @@ fn warm_pool(linux: &LinuxArgs) -> Check {
             pools.join("; ")
         ),
     )
+}
+
+/// The microVM tier: QEMU, the kernel scripts/build-vm fetches, and how VMs would be
+/// accelerated (KVM, or TCG and why).
+fn microvm(linux: &LinuxArgs) -> Check {
+    let cache = crate::config::cache_dir();
+    let qemu = kiln_native::vm::find_qemu();
+    let assets = kiln_native::vm::VmAssets::find(cache.root());
+    let firecracker = on_path("firecracker").map_or(String::new(), |p| {
+        format!("; Firecracker at {} (not driven yet)", p.display())
+    });
+    match (qemu, assets) {
+        (None, _) => check(
+            "microvm",
+            "no",
+            format!("no QEMU (apt-get install qemu-system-x86){firecracker}"),
+        ),
+        (Some(_), Err(e)) => check("microvm", "no", format!("{e}{firecracker}")),
+        (Some(qemu), Ok(assets)) => {
+            let (accel, why) = kiln_native::vm::accel();
+            check(
+                "microvm",
+                if accel == kiln_native::vm::Accel::Kvm {
+                    "ok"
+                } else {
+                    "warn"
+                },
+                format!(
+                    "QEMU {} (microvm), kernel {}; under {why}; `kiln serve --linux --vm` offers vm-* templates{}{firecracker}",
+                    qemu.display(),
+                    assets.kernel,
+                    if linux.vm { " (asked: --vm)" } else { "" }
+                ),
+            )
+        }
+    }
 }

@@ -82,12 +82,34 @@ pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
     let agent = kiln_native::find_agent().context(
         "the guest agent is not built: run scripts/build-guest (or set KILN_GUEST to a static kiln-guest)",
     )?;
+    let vm = if linux.vm {
+        anyhow::ensure!(
+            !kiln_native::boxes::is_gvisor(&linux.container_runtime),
+            "--vm runs QEMU in runc's jail: use it with --box-runtime runc (a server runs one box runtime)"
+        );
+        let tier = kiln_native::vm::VmTier::new(
+            crate::config::cache_dir().root(),
+            &agent,
+            &linux.state_dir,
+        )
+        .map_err(|e| anyhow::anyhow!("--vm: {e}"))?;
+        eprintln!(
+            "kiln: microVMs run under {} (QEMU {}, kernel {})",
+            tier.accel_why,
+            tier.qemu.display(),
+            tier.assets.kernel
+        );
+        Some(std::sync::Arc::new(tier))
+    } else {
+        None
+    };
     Ok(Boxes::new(BoxesConfig {
         state_dir: linux.state_dir.clone(),
         agent,
         runtime: linux.container_runtime.clone(),
         uid_base: linux.uid_base,
         criu: criu(linux),
+        vm,
     })?)
 }
 
@@ -386,7 +408,8 @@ fn exec_of(args: &ExecArgs, argv: Vec<String>) -> anyhow::Result<Exec> {
 /// The box: the template (built first if needed), its resources (memory from --memory),
 /// the workspace and the network.
 fn box_spec(args: &ExecArgs, definition: &Definition) -> anyhow::Result<BoxSpec> {
-    let template = ensure(&store(&args.linux), definition, false, &args.linux)?;
+    let mut template = ensure(&store(&args.linux), definition, false, &args.linux)?;
+    template.vm = args.linux.vm;
     let resources = definition.resources;
     let limits = BoxLimits {
         memory_bytes: args.memory.unwrap_or(resources.memory_mb << 20),

@@ -1088,7 +1088,11 @@ fn issue34_kiln_doctor_tells_what_this_host_can_run_and_why_not() {
     } else {
         assert_eq!(kvm, "no", "{report}");
     }
-    assert_eq!(status(&report, "microvm").0, "no", "{report}");
+    // QEMU and scripts/build-vm's kernel are here (scripts/test installs and fetches them):
+    // microVMs run, under TCG on this PVM host, and the report says which.
+    let (microvm, detail) = status(&report, "microvm");
+    assert_ne!(microvm, "no", "{detail}");
+    assert!(detail.contains("TCG") || detail.contains("KVM"), "{detail}");
     // Told otherwise, it says what is wrong.
     let report = doctor(&["--container-runtime", "/nonexistent/runc", "--criu", "none"]);
     let (runc, detail) = status(&report, "linux-runc");
@@ -1420,5 +1424,198 @@ fn issue34_a_warm_pool_hands_new_sandboxes_a_running_box_and_follows_its_policy(
         "a dead kiln's members still run"
     );
     drop(server);
+    Ok(())
+}
+
+/// Whether host process `pid` belongs to a box of the kiln whose state folder is `state`
+/// (its cgroup is `/kiln/<box id>`, and the box's folder is under `state`).
+fn in_state_folder(pid: i32, state: &Path) -> bool {
+    let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+        return false;
+    };
+    let Some(id) = cgroups
+        .lines()
+        .find_map(|l| l.split("/kiln/").nth(1).map(str::to_string))
+    else {
+        return false;
+    };
+    std::fs::read_dir(state)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|process| process.path().join("boxes").join(&id).exists())
+}
+
+/// The microVM tier: a Linux template booted as a VM under QEMU (`microvm`, in the boxes'
+/// jail; TCG on this PVM host), its PID 1 kiln's agent. `kiln exec --vm` runs a command in
+/// one: its own kernel, the box's user, the workspace over 9p owned as in a box. Through the
+/// API (`kiln serve --linux --vm`), `vm-python` sandboxes come from the warm pool, run
+/// commands, code and sessions, and share files with the API; and they hold as boxes do: no
+/// network, no host loopback, no host files, a memory bomb ends only the program, a guest
+/// kernel panic ends only that VM (the next command gets a new one), and a killed VMM is
+/// replaced in the pool.
+#[test]
+fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::serve::TestResult {
+    if skip() {
+        return Ok(());
+    }
+    use crate::common::serve::{Options, send, start};
+    use serde_json::json;
+    let state = tempfile::tempdir()?;
+    let workspace = tempfile::tempdir()?;
+    std::fs::write(workspace.path().join("in.txt"), "from the host")?;
+    let ws = workspace.path().to_str().ok_or("path")?;
+    let (code, out, err) = run(
+        state.path(),
+        &[
+            "--template",
+            "python",
+            "--vm",
+            "--workspace",
+            ws,
+            "--",
+            "sh",
+            "-c",
+            "uname -r; id -u; cat /proc/1/cmdline | tr '\\0' ' '; echo; cat in.txt; echo; echo made > out.txt",
+        ],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+    assert_ne!(lines[0], host.trim(), "the VM ran the host's kernel: {out}");
+    assert_eq!(
+        lines[1..4],
+        ["1000", "/.kiln/agent ", "from the host"],
+        "{out}"
+    );
+    assert!(
+        err.contains("microVMs run under"),
+        "the tier is said at start: {err}"
+    );
+    let made = workspace.path().join("out.txt");
+    assert_eq!(std::fs::read_to_string(&made)?, "made\n");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&made)?),
+        101_000,
+        "the VM's user writes as a box's user does"
+    );
+
+    let state_dir = state.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &[
+            "--linux",
+            "--vm",
+            "--language-pools",
+            "vm-python=1,debian=0,javascript=0,go=0,python=0",
+        ],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    let ready = r#"kiln_pool_ready{template="vm-python",tier="vm"}"#;
+    wait_for("a ready VM", Duration::from_secs(120), || {
+        metric(&server, ready) == Some(1.0)
+    });
+    // A killed VMM is dropped from the pool and replaced.
+    let vmms: Vec<i32> = std::fs::read_dir("/proc")?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                c.starts_with(b"/usr/bin/qemu-system-x86_64") && in_state_folder(*pid, state.path())
+            })
+        })
+        .collect();
+    assert_eq!(
+        vmms.len(),
+        1,
+        "one VMM, in this server's state folder: {vmms:?}"
+    );
+    // SAFETY: kill sends a signal to a pid this test found (the pool's QEMU).
+    unsafe { libc::kill(vmms[0], libc::SIGKILL) };
+    wait_for("the killed VM replaced", Duration::from_secs(120), || {
+        metric(&server, r#"kiln_pool_lost_total{template="vm-python""#) == Some(1.0)
+            && metric(&server, ready) == Some(1.0)
+    });
+
+    let (status, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "vm-python"})),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+    let exec = |body: serde_json::Value| -> crate::common::serve::Res<serde_json::Value> {
+        let (status, ran) =
+            server.call("POST", &format!("/api/v1/sandboxes/{id}/exec"), Some(body))?;
+        assert_eq!(status, 200, "{ran}");
+        Ok(ran)
+    };
+    let sh = |script: &str| exec(json!({"command": ["sh", "-c", script], "timeoutMs": 60000}));
+    let ran = sh("uname -r; echo kept > note.txt")?;
+    assert_ne!(
+        ran["stdout"].as_str().unwrap_or_default().trim(),
+        host.trim(),
+        "{ran}"
+    );
+    let got = send(
+        "GET",
+        &server.url(&format!("/api/v1/sandboxes/{id}/files/note.txt")),
+        None,
+        None,
+    )?;
+    assert_eq!(String::from_utf8_lossy(&got.body), "kept\n");
+    let ran = exec(json!({"language": "python", "code": "print(6 * 7)"}))?;
+    assert_eq!(ran["stdout"], "42\n", "{ran}");
+    let (status, opened) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/sessions"),
+        Some(json!({"language": "python"})),
+    )?;
+    assert_eq!(status, 201, "{opened}");
+    let session = opened["sessionId"]
+        .as_str()
+        .ok_or("no session")?
+        .to_string();
+    exec(json!({"code": "v = 41", "sessionId": session}))?;
+    let ran = exec(json!({"code": "print(v + 1)", "sessionId": session}))?;
+    assert_eq!(ran["stdout"], "42\n", "{ran}");
+
+    // The refusals: no network at all, not even the host's loopback; no host files.
+    let port = server.base.rsplit(':').next().unwrap_or("0").to_string();
+    let ran = sh(&format!(
+        "python3 - <<'EOF'\nimport socket\nfor host, port in [('1.1.1.1', 80), ('10.0.2.2', 80), ('127.0.0.1', {port})]:\n    try:\n        socket.create_connection((host, port), timeout=3)\n        print('reached', host)\n    except OSError as e:\n        print('refused', host)\nEOF\nls / | tr '\\n' ' '; test -e {ws}/in.txt && echo host-files"
+    ))?;
+    let said = ran["stdout"].as_str().unwrap_or_default();
+    assert!(
+        !said.contains("reached") && !said.contains("host-files"),
+        "{ran}"
+    );
+    assert_eq!(said.matches("refused").count(), 3, "{ran}");
+    // A memory bomb past the VM's RAM ends the program, not the VM.
+    let ran = sh("python3 -c 'x = bytearray(2 << 30)'; echo after-$?")?;
+    assert!(
+        ran["stdout"]
+            .as_str()
+            .is_some_and(|s| s.contains("after-1") || s.contains("after-137")),
+        "{ran}"
+    );
+    assert_eq!(sh("echo alive")?["stdout"], "alive\n");
+    // A guest kernel panic (its root asks for one) ends that VM only: kiln exec says the VM
+    // is gone, and the server's VM goes on.
+    let (code, out, err) = run(
+        state.path(),
+        &[
+            "--template",
+            "python",
+            "--vm",
+            "--root",
+            "--",
+            "sh",
+            "-c",
+            "echo c > /proc/sysrq-trigger; sleep 30",
+        ],
+    );
+    assert_ne!(code, 0, "{out}{err}");
+    assert_eq!(sh("cat note.txt")?["stdout"], "kept\n");
     Ok(())
 }
