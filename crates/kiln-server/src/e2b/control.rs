@@ -157,7 +157,8 @@ const MAX_METADATA_KEY: usize = 256;
 const MAX_METADATA_VALUE: usize = 4096;
 
 /// The template an E2B template name means: `base` a live sandbox with processes (a Linux
-/// template, python's first), `code-interpreter-v1` an ephemeral Python template (WebAssembly
+/// template, python's first), `base-vm` the same as a microVM (`vm-python`),
+/// `code-interpreter-v1` an ephemeral Python template (WebAssembly
 /// Python with the scientific stack); any other name as kiln's catalogue resolves it
 /// (`linux-node`, `node:18`, `python`, …).
 pub fn template_for(e2b: &E2b, name: &str) -> Result<TemplateInfo, Response> {
@@ -176,6 +177,17 @@ pub fn template_for(e2b: &E2b, name: &str) -> Result<TemplateInfo, Response> {
                 "the template \"base\" is a Linux sandbox, and this server runs none: start it with `kiln serve --linux` (after `kiln setup --template all`), or use \"code-interpreter-v1\" (WebAssembly Python)",
             )
         })?,
+        "base-vm" => catalogue
+            .templates()
+            .iter()
+            .find(|t| t.id == "vm-python")
+            .cloned()
+            .ok_or_else(|| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "the template \"base-vm\" is a Linux microVM, and this server runs none: start it with `kiln serve --linux --vm` (kiln doctor says whether this host can), or use \"base\" (a Linux box)",
+                )
+            })?,
         "code-interpreter-v1" | "code-interpreter" => catalogue
             .templates()
             .iter()
