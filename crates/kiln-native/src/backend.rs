@@ -1179,7 +1179,17 @@ fn box_pool(
                 ca_bundle,
                 ..BoxSpec::new(template, recipe.limits)
             };
-            member.live = Some(boxes.open(spec).await.map_err(|e| e.to_string())?);
+            let live = boxes.open(spec).await.map_err(|e| e.to_string())?;
+            if live.is_vm() {
+                // Under a software CPU a VM's first process pays for translating the C
+                // library and the shell; a member pays it before it is ready, not its claimer.
+                let mut warm = Exec::new(vec!["sh".into(), "-c".into(), "true".into()]);
+                warm.timeout = Duration::from_secs(60);
+                live.exec(warm, |_, _| {})
+                    .await
+                    .map_err(|e| format!("warming the VM: {e}"))?;
+            }
+            member.live = Some(live);
             Ok(member)
         })
     });

@@ -87,6 +87,11 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
         }),
     );
     volumes(n, report)?;
+    // With QEMU and scripts/build-vm's kernel here, the same boxes run microVMs too.
+    let mut with_vm = linux.clone();
+    with_vm.vm = kiln_native::vm::find_qemu().is_some()
+        && kiln_native::vm::VmAssets::find(crate::config::cache_dir().root()).is_ok();
+    let linux = &with_vm;
     let boxes = crate::linux_cmd::boxes(linux)?;
     let limits = BoxLimits {
         memory_bytes: 256 << 20,
@@ -105,7 +110,21 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
         create_and_close(&boxes, &spec, n, report).await?;
         commands(&boxes, &spec, n, report).await?;
         idle_boxes(&boxes, &spec, args.boxes, report).await?;
-        pool(linux, &boxes, pool_template, n, report).await
+        pool(linux, &boxes, pool_template.clone(), 5, n, report).await?;
+        if linux.vm {
+            let vm = kiln_native::builder::Template {
+                vm: true,
+                ..pool_template
+            };
+            vm_python(&boxes, &spec, vm.clone(), report).await?;
+            pool(linux, &boxes, vm, 2, (n / 4).clamp(8, 40), report).await?;
+        } else {
+            report.insert(
+                "native_vm".into(),
+                json!({"skipped": "no QEMU or no microVM kernel here (apt-get install qemu-system-x86; scripts/build-vm)"}),
+            );
+        }
+        anyhow::Ok(())
     })?;
     processes(n, report)
 }
@@ -131,16 +150,25 @@ async fn pool(
     linux: &crate::cli::LinuxArgs,
     boxes: &Boxes,
     template: kiln_native::builder::Template,
+    size: usize,
     n: usize,
     report: &mut Report,
 ) -> anyhow::Result<()> {
     use kiln_core::backend::Backend;
     use kiln_core::process::ProcessHost;
-    const SIZE: usize = 5;
+    let vm = template.vm;
+    let id = kiln_native::backend::template_id(&template);
     let dir = tempfile::tempdir()?;
     let mut settings = crate::linux_cmd::pool_settings(linux, dir.path())?;
-    settings.defaults.target_pool_size = Some(SIZE);
+    settings.defaults.target_pool_size = Some(if vm { 0 } else { size });
     settings.sizes.clear();
+    if vm {
+        settings.sizes.insert(id.clone(), size);
+    }
+    let template = kiln_native::builder::Template {
+        vm: false,
+        ..template
+    };
     let backend = kiln_native::backend::NativeBackend::new(
         boxes.clone(),
         vec![template],
@@ -151,13 +179,17 @@ async fn pool(
         &settings,
     );
     let ready = |backend: &kiln_native::backend::NativeBackend| {
-        backend.pool_stats().first().map_or(0, |p| p.ready)
+        backend
+            .pool_stats()
+            .iter()
+            .find(|p| p.template == id)
+            .map_or(0, |p| p.ready)
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = mem_available();
     let (cpu, t) = (cpu_seconds(), Instant::now());
     backend.start_pools();
-    while ready(&backend) < SIZE {
+    while ready(&backend) < size {
         anyhow::ensure!(
             t.elapsed() < Duration::from_secs(120),
             "the pool did not fill"
@@ -169,14 +201,23 @@ async fn pool(
     tokio::time::sleep(Duration::from_secs(1)).await;
     let held = before.saturating_sub(mem_available());
     let home = dir.path().join("pool");
-    let members = crate::bench_native::agents_in(&home);
+    // A box's member is its agent; a VM's is QEMU (the guest's memory is QEMU's).
+    let members = if vm {
+        vmms_in(&home)
+    } else {
+        crate::bench_native::agents_in(&home)
+    };
     let agents: u64 = members.iter().map(|pid| pss(*pid)).sum();
 
     let sandboxes = dir.path().join("sandboxes");
     std::fs::create_dir_all(&sandboxes)?;
     let mut request = kiln_core::ExecRequest::new(kiln_core::Language::Bash, String::new());
-    request.template = Some("linux-python".into());
-    request.resources = backend.templates().first().and_then(|t| t.resources);
+    request.template = Some(id.clone());
+    request.resources = backend
+        .templates()
+        .iter()
+        .find(|t| t.id == id)
+        .and_then(|t| t.resources);
     request.limits.memory_bytes = request.resources.map_or(512, |r| r.memory_mb) << 20;
     let (mut claims, mut firsts, mut destroys) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..(n / 4).clamp(10, 40) {
@@ -215,23 +256,80 @@ async fn pool(
         claims.push(micros(claim));
         firsts.push(micros(to_first));
     }
-    let stats = backend.pool_stats();
+    let stats: Vec<_> = backend
+        .pool_stats()
+        .into_iter()
+        .filter(|p| p.template == id)
+        .collect();
     backend.close_all().await;
     let mib = |bytes: f64| (bytes / 1048576.0 * 100.0).round() / 100.0;
     report.insert(
-        "native_pool".into(),
+        if vm { "native_vm_pool" } else { "native_pool" }.into(),
         json!({
-            "members": SIZE,
+            "members": size,
             "fill_s": (fill.as_secs_f64() * 1000.0).round() / 1000.0,
-            "replenish_per_s": ((SIZE as f64 / fill.as_secs_f64()) * 10.0).round() / 10.0,
-            "cpu_s_per_member": ((fill_cpu / SIZE as f64) * 1000.0).round() / 1000.0,
+            "replenish_per_s": ((size as f64 / fill.as_secs_f64()) * 10.0).round() / 10.0,
+            "cpu_s_per_member": ((fill_cpu / size as f64) * 1000.0).round() / 1000.0,
             "starts_at_once": settings.at_once,
-            "host_memory_per_member_mib": mib(held as f64 / SIZE as f64),
-            "agent_pss_per_member_mib": mib(agents as f64 / members.len().max(1) as f64),
+            "host_memory_per_member_mib": mib(held as f64 / size as f64),
+            "pss_per_member_mib": mib(agents as f64 / members.len().max(1) as f64),
             "claim": summary(claims),
             "claim_to_first_command": summary(firsts),
             "destroy": summary(destroys),
             "boot_mean_ms": stats.first().map_or(0.0, |p| (p.boot.mean() * 1e4).round() / 10.0),
+        }),
+    );
+    Ok(())
+}
+
+/// The host pids of the QEMUs running now (the bench's own pool members, when it measures
+/// them).
+fn vmms_in(_folder: &std::path::Path) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"/usr/bin/qemu-system-x86_64"))
+        })
+        .collect()
+}
+
+/// A microVM of the python template: cold boot to its agent, `python3 -c 'print(1)'` in it
+/// (beside `native_python`, the same in a box), and closing it.
+async fn vm_python(
+    boxes: &Boxes,
+    spec: &BoxSpec,
+    template: kiln_native::builder::Template,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let spec = BoxSpec {
+        template,
+        ..spec.clone()
+    };
+    let (mut boots, mut pythons, mut closes) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let t = Instant::now();
+        let live = boxes.open(spec.clone()).await?;
+        boots.push(micros(t.elapsed()));
+        for _ in 0..5 {
+            pythons.push(micros(
+                run_ok(&live, &["python3", "-c", "print(1)"], "1\n").await?,
+            ));
+        }
+        let t = Instant::now();
+        live.close().await;
+        closes.push(micros(t.elapsed()));
+    }
+    report.insert(
+        "native_vm".into(),
+        json!({
+            "accel": boxes.vm_tier().map_or("none", |t| t.accel.name()),
+            "boot_to_agent": summary(boots),
+            "python": summary(pythons),
+            "close": summary(closes),
         }),
     );
     Ok(())
