@@ -1452,8 +1452,9 @@ fn in_state_folder(pid: i32, state: &Path) -> bool {
 /// API (`kiln serve --linux --vm`), `vm-python` sandboxes come from the warm pool, run
 /// commands, code and sessions, and share files with the API; and they hold as boxes do: no
 /// network, no host loopback, no host files, a memory bomb ends only the program, a guest
-/// kernel panic ends only that VM (the next command gets a new one), and a killed VMM is
-/// replaced in the pool.
+/// kernel panic ends only that VM, a CPU spin meets its deadline, filling the disk ends in
+/// ENOSPC inside the VM, a killed VMM is replaced in the pool, and a kiln killed with -9
+/// leaves VMs the next one ends.
 #[test]
 fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::serve::TestResult {
     if skip() {
@@ -1617,5 +1618,61 @@ fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::
     );
     assert_ne!(code, 0, "{out}{err}");
     assert_eq!(sh("cat note.txt")?["stdout"], "kept\n");
+    // CPU: a spinning program meets its deadline; the VM goes on.
+    let (status, spun) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"command": ["python3", "-c", "while True: pass"], "timeoutMs": 3000})),
+    )?;
+    assert_eq!(status, 200, "{spun}");
+    assert_eq!(spun["outcome"], "timed_out", "{spun}");
+    assert_eq!(sh("echo alive")?["stdout"], "alive\n");
+    // Disk: the workspace is the sandbox's capped volume and the rest a tmpfs in the VM's
+    // RAM; filling either ends in ENOSPC inside the VM, not in the host's disk.
+    let (status, small) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "vm-python", "resources": {"disk_mb": 64}})),
+    )?;
+    assert_eq!(status, 201, "{small}");
+    let small = small["containerId"].as_str().ok_or("no id")?.to_string();
+    let (status, filled) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{small}/exec"),
+        Some(json!({"command": ["sh", "-c", "dd if=/dev/zero of=big bs=1M count=100 2>&1 | grep -c 'No space'; dd if=/dev/zero of=/tmp/big bs=1M count=100 2>&1 | grep -c 'No space'"], "timeoutMs": 120000})),
+    )?;
+    assert_eq!(
+        (status, filled["stdout"].clone()),
+        (200, json!("1\n1\n")),
+        "{filled}"
+    );
+
+    // kiln killed with -9 leaves its VMs running; the next kiln removes them.
+    let mut server = server;
+    // SAFETY: kill sends a signal to the server's pid, which this test started.
+    unsafe { libc::kill(server.child.0.id() as i32, libc::SIGKILL) };
+    server.child.0.wait()?;
+    let left: Vec<i32> = std::fs::read_dir("/proc")?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"/usr/bin/qemu-system-x86_64"))
+                && in_state_folder(*pid, state.path())
+        })
+        .collect();
+    assert!(!left.is_empty(), "the VMs went with kiln");
+    let server = start(Options {
+        extra: &["--linux", "--target-pool-size", "0"],
+        env: &[("KILN_STATE_DIR", state_dir)],
+        ..Options::default()
+    })?;
+    wait_for("a dead kiln's VMs ended", Duration::from_secs(30), || {
+        left.iter().all(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map_or(true, |s| s.split(' ').nth(2) == Some("Z"))
+        })
+    });
+    drop(server);
     Ok(())
 }
