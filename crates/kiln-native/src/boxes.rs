@@ -1507,8 +1507,8 @@ impl LiveBox {
     /// The box's processes, as it sees them (read from the host: works while paused).
     pub async fn processes(&self) -> Vec<kiln_core::process::BoxProcess> {
         if self.vm {
-            // The host sees QEMU, not the VM's processes (the agent does not list them yet).
-            return Vec::new();
+            // The host sees QEMU, not the VM's processes: the agent reads the VM's /proc.
+            return self.vm_processes().await;
         }
         let (cgroups, cgroup, base) = (
             self.cgroups,
@@ -1540,7 +1540,31 @@ impl LiveBox {
             ));
         }
         if self.vm {
-            return Ok(None);
+            // Sent from inside by the VM's root (the host cannot reach its processes).
+            let processes = self.vm_processes().await;
+            let Some(target) = processes.iter().find(|p| p.pid == pid) else {
+                return Ok(None);
+            };
+            let chosen: Vec<u32> = if group {
+                processes
+                    .iter()
+                    .filter(|p| p.pgid == target.pgid && !p.agent)
+                    .map(|p| p.pid)
+                    .collect()
+            } else {
+                vec![pid]
+            };
+            let mut argv = vec!["kill".to_string(), format!("-{signal}"), "--".into()];
+            argv.extend(chosen.iter().map(u32::to_string));
+            let mut exec = Exec::new(argv);
+            exec.root = true;
+            exec.timeout = Duration::from_secs(10);
+            let out = self.exec(exec, |_, _| {}).await?;
+            return Ok(Some(if out.exit_code == Some(0) {
+                chosen.len()
+            } else {
+                0
+            }));
         }
         let (cgroups, cgroup, base) = (
             self.cgroups,
@@ -1575,7 +1599,7 @@ impl LiveBox {
     /// agent's network namespace).
     pub async fn ports(&self) -> Vec<kiln_core::process::BoxPort> {
         if self.vm {
-            return Vec::new();
+            return self.vm_ports().await;
         }
         let (cgroups, cgroup, base, agent) = (
             self.cgroups,
@@ -1841,6 +1865,114 @@ impl LiveBox {
     /// its replies from now on. `None`: not a stream the checkpoint carried, or taken already.
     pub fn adopt(&self, target: u64) -> Option<crate::channel::Replies> {
         self.channel.adopt(target)
+    }
+
+    /// A file of the VM, read by its agent (at most `limit` bytes).
+    async fn vm_read(&self, path: String, limit: u64) -> Option<Vec<u8>> {
+        let mut replies = self
+            .channel
+            .call(Op::ReadFile {
+                path,
+                offset: 0,
+                limit,
+            })
+            .await
+            .ok()?;
+        let mut data = Vec::new();
+        loop {
+            match replies.next().await? {
+                Reply::Data { data: chunk } => data.extend_from_slice(&chunk),
+                Reply::Done => return Some(data),
+                _ => return None,
+            }
+        }
+    }
+
+    /// A folder of the VM, listed by its agent.
+    async fn vm_list(&self, path: String) -> Vec<kiln_guest::proto::Entry> {
+        let Ok(mut replies) = self.channel.call(Op::List { path }).await else {
+            return Vec::new();
+        };
+        match replies.next().await {
+            Some(Reply::Entries { entries }) => entries,
+            _ => Vec::new(),
+        }
+    }
+
+    /// The VM's processes, read from its `/proc` through the agent (every file asked at
+    /// once: one round trip's wait, not one per file).
+    async fn vm_processes(&self) -> Vec<kiln_core::process::BoxProcess> {
+        let boot = self
+            .vm_read("/proc/stat".into(), 64 << 10)
+            .await
+            .and_then(|s| {
+                String::from_utf8_lossy(&s)
+                    .lines()
+                    .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
+            })
+            .unwrap_or(0);
+        let pids: Vec<u32> = self
+            .vm_list("/proc".into())
+            .await
+            .iter()
+            .filter_map(|e| e.name.parse().ok())
+            .take(4096)
+            .collect();
+        let reads = pids.iter().map(|pid| async move {
+            let (stat, status, cmdline) = tokio::join!(
+                self.vm_read(format!("/proc/{pid}/stat"), 4 << 10),
+                self.vm_read(format!("/proc/{pid}/status"), 16 << 10),
+                self.vm_read(format!("/proc/{pid}/cmdline"), crate::procs::MAX_CMDLINE),
+            );
+            crate::procs::vm_process(
+                *pid,
+                &stat?,
+                &String::from_utf8_lossy(&status?),
+                &cmdline.unwrap_or_default(),
+                boot,
+            )
+        });
+        let mut found: Vec<_> = futures::future::join_all(reads)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        found.sort_by_key(|p| p.pid);
+        found
+    }
+
+    /// The TCP ports the VM's processes listen on, from its `/proc/net` through the agent.
+    async fn vm_ports(&self) -> Vec<kiln_core::process::BoxPort> {
+        let mut found = Vec::new();
+        for (file, v6) in [("tcp", false), ("tcp6", true)] {
+            if let Some(text) = self.vm_read(format!("/proc/net/{file}"), 4 << 20).await {
+                found.extend(crate::procs::vm_listening(
+                    &String::from_utf8_lossy(&text),
+                    v6,
+                ));
+            }
+        }
+        if !found.is_empty() {
+            let processes = self.vm_processes().await;
+            for process in &processes {
+                let links = self.vm_list(format!("/proc/{}/fd", process.pid)).await;
+                for (port, inode) in found.iter_mut() {
+                    let wanted = format!("socket:[{inode}]");
+                    if port.pid.is_none()
+                        && links
+                            .iter()
+                            .any(|l| l.target.as_deref() == Some(wanted.as_str()))
+                    {
+                        port.pid = Some(process.pid);
+                        port.name = Some(process.name.clone());
+                    }
+                }
+            }
+        }
+        let mut ports: Vec<_> = found.into_iter().map(|(p, _)| p).collect();
+        ports.sort_by(|a, b| (a.port, &a.address).cmp(&(b.port, &b.address)));
+        ports.dedup_by(|a, b| a.port == b.port && a.address == b.address);
+        ports
     }
 
     /// Whether it is a microVM rather than a box.

@@ -10,7 +10,7 @@ use std::io::Read;
 use kiln_core::process::BoxProcess;
 
 /// The longest command line read of a process.
-const MAX_CMDLINE: u64 = 4 << 10;
+pub(crate) const MAX_CMDLINE: u64 = 4 << 10;
 
 /// A task of the box: its host pid and what the box sees.
 #[derive(Debug, Clone)]
@@ -96,6 +96,83 @@ fn task(host_pid: i32, uid_base: u32, boot: u64, ticks: u64, page: u64) -> Optio
             agent: pid == 1,
         },
     })
+}
+
+/// A process of a microVM, from its `/proc/PID/stat`, `status` and `cmdline` as the agent
+/// read them: its process, parent and group (the VM's numbers are its own: no mapping).
+/// `boot` is the VM's boot time in seconds since the epoch; the VM's clock ticks at 100 Hz
+/// (x86's USER_HZ) and its pages are 4 KiB.
+pub(crate) fn vm_process(
+    pid: u32,
+    stat: &[u8],
+    status: &str,
+    cmdline: &[u8],
+    boot: u64,
+) -> Option<BoxProcess> {
+    const TICKS: u64 = 100;
+    const PAGE: u64 = 4096;
+    let uid: u32 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    let open = stat.iter().position(|b| *b == b'(')?;
+    let close = stat.iter().rposition(|b| *b == b')')?;
+    let name = String::from_utf8_lossy(stat.get(open + 1..close)?).into_owned();
+    let rest = String::from_utf8_lossy(stat.get(close + 1..)?).into_owned();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let number = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    Some(BoxProcess {
+        pid,
+        ppid: u32::try_from(number(4)?).ok()?,
+        pgid: u32::try_from(number(5)?).ok()?,
+        uid,
+        name,
+        argv: cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect(),
+        state: fields.first()?.to_string(),
+        started_ms: boot * 1000 + number(22)? * 1000 / TICKS,
+        cpu_ms: (number(14)? + number(15)?) * 1000 / TICKS,
+        memory_bytes: number(24)? * PAGE,
+        agent: pid == 1,
+    })
+}
+
+/// The listening sockets in a microVM's `/proc/net/tcp` (`v6`: `tcp6`) text, each with its
+/// socket inode (to find its owner by the VM's `/proc/PID/fd` links).
+pub(crate) fn vm_listening(text: &str, v6: bool) -> Vec<(kiln_core::process::BoxPort, String)> {
+    let mut found = Vec::new();
+    for line in text.lines().skip(1) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() < 10 || fields[3] != "0A" {
+            continue;
+        }
+        let Some((address, port)) = fields[1].split_once(':') else {
+            continue;
+        };
+        let (Ok(port), Some(ip)) = (u16::from_str_radix(port, 16), hex_address(address, v6)) else {
+            continue;
+        };
+        let reachable = ip.is_unspecified()
+            || ip.is_loopback()
+            || matches!(ip, std::net::IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()));
+        found.push((
+            kiln_core::process::BoxPort {
+                port,
+                address: ip.to_string(),
+                reachable,
+                pid: None,
+                name: None,
+            },
+            fields[9].to_string(),
+        ));
+    }
+    found
 }
 
 /// The tasks of the box whose processes (host pids, thread group leaders) are `host_pids`,

@@ -1581,6 +1581,50 @@ fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::
     let ran = exec(json!({"code": "print(v + 1)", "sessionId": session}))?;
     assert_eq!(ran["stdout"], "42\n", "{ran}");
 
+    // Its processes and ports, as the VM sees them (read through the agent), and a signal.
+    sh("sleep 600 >/dev/null 2>&1 & python3 -m http.server 8123 >/dev/null 2>&1 &")?;
+    let mut listed = serde_json::Value::Null;
+    wait_for(
+        "the VM's processes and port listed",
+        Duration::from_secs(60),
+        || {
+            let processes = server.call("GET", &format!("/api/v1/sandboxes/{id}/processes"), None);
+            let ports = server.call("GET", &format!("/api/v1/sandboxes/{id}/ports"), None);
+            let (Ok((_, processes)), Ok((_, ports))) = (processes, ports) else {
+                return false;
+            };
+            listed = json!({"processes": processes, "ports": ports});
+            let has = |what: &str| processes.to_string().contains(what);
+            has("\"sleep\"")
+                && ports["ports"].as_array().is_some_and(|p| {
+                    p.iter()
+                        .any(|p| p["port"] == 8123 && p["name"] == "python3")
+                })
+        },
+    );
+    let processes = listed["processes"]["processes"]
+        .as_array()
+        .ok_or("no list")?;
+    assert_eq!(processes[0]["pid"], 1, "{listed}");
+    assert_eq!(processes[0]["agent"], true, "{listed}");
+    let sleeper = processes
+        .iter()
+        .find(|p| p["argv"] == json!(["sleep", "600"]))
+        .ok_or("no sleep")?;
+    assert_eq!(sleeper["uid"], 1000, "{sleeper}");
+    let (status, sent) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/processes/{}/signal", sleeper["pid"]),
+        Some(json!({"signal": "KILL"})),
+    )?;
+    assert_eq!(
+        (status, sent["signalled"].clone()),
+        (200, json!(1)),
+        "{sent}"
+    );
+    let ran = sh("sleep 0.5; pgrep -x sleep || echo none")?;
+    assert_eq!(ran["stdout"], "none\n", "{ran}");
+
     // The refusals: no network at all, not even the host's loopback; no host files.
     let port = server.base.rsplit(':').next().unwrap_or("0").to_string();
     let ran = sh(&format!(
