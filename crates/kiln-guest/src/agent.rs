@@ -266,6 +266,14 @@ fn handle(agent: &Arc<Agent>, Request { id, op }: Request) {
         }
         Op::Connect { port } => connect(agent, id, port),
         Op::Listen { port } => listen(agent, id, port),
+        Op::Thaw { seed, now_ms } => send(
+            &agent.out,
+            id,
+            match thaw(&seed, now_ms) {
+                Ok(()) => Reply::Done,
+                Err(failure) => Reply::Failed(failure),
+            },
+        ),
         file_op => {
             let out = agent.out.clone();
             if let Err(failure) = thread(move || files::serve(&out, id, file_op)) {
@@ -619,4 +627,44 @@ fn carry(agent: &Agent, id: u64, stream: TcpStream, announce: (u64, Reply)) {
     }
     agent.table().conns.remove(&id);
     send(&agent.out, id, Reply::Closed);
+}
+
+/// A restored clone's own randomness and time: `seed` credited to the kernel's pool
+/// (`RNDADDENTROPY`) and the pool reseeded now (`RNDRESEEDCRNG`), so no two clones of one
+/// snapshot draw the same numbers; the clock set to `now_ms`.
+fn thaw(seed: &[u8], now_ms: u64) -> Result<(), Failure> {
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    let failed =
+        |what: &str| Failure::new("io", format!("{what}: {}", std::io::Error::last_os_error()));
+    let when = libc::timespec {
+        tv_sec: (now_ms / 1000) as libc::time_t,
+        tv_nsec: ((now_ms % 1000) * 1_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime reads one timespec, a live local.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &when) } != 0 {
+        return Err(failed("setting the clock"));
+    }
+    let bytes = seed.len().min(512);
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + bytes);
+    info.extend_from_slice(&((bytes * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(bytes as i32).to_ne_bytes());
+    info.extend_from_slice(&seed[..bytes]);
+    let device = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")
+        .map_err(|e| Failure::new("io", format!("/dev/urandom: {e}")))?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: RNDADDENTROPY reads a rand_pool_info of `8 + bytes` bytes from `info`, which holds
+    // exactly that; RNDRESEEDCRNG takes no argument. `device` is open for the calls.
+    unsafe {
+        if libc::ioctl(device.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) != 0 {
+            return Err(failed("adding entropy"));
+        }
+        if libc::ioctl(device.as_raw_fd(), RNDRESEEDCRNG as _, 0) != 0 {
+            return Err(failed("reseeding"));
+        }
+    }
+    Ok(())
 }

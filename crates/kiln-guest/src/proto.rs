@@ -123,6 +123,15 @@ pub enum Op {
     /// [`Reply::Output`] with that id, its end as [`Reply::Closed`]; the host writes to it
     /// with [`Op::Stdin`] to that id. (Kiln carries the box's proxied connections so.)
     Listen { port: u16 },
+    /// After a microVM is restored from a snapshot (every clone starts with the same memory):
+    /// mixes `seed` into the kernel's random pool and reseeds it at once, and sets the clock to
+    /// `now_ms` (milliseconds since the epoch). Answered [`Reply::Done`] or
+    /// [`Reply::Failed`].
+    Thaw {
+        #[serde(with = "b64")]
+        seed: Vec<u8>,
+        now_ms: u64,
+    },
 }
 
 /// Ids the agent gives accepted connections have this bit set; the host's request ids never

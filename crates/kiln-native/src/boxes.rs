@@ -79,6 +79,8 @@ pub struct Boxes {
     _claim: Arc<std::fs::File>,
     /// Whether CRIU checkpoints here, asked once.
     criu: Arc<std::sync::OnceLock<Result<PathBuf, String>>>,
+    /// microVM snapshots being made or made (one at a time).
+    snapshots: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// What a box is made of.
@@ -234,6 +236,14 @@ impl ExecOutput {
     }
 }
 
+/// How a microVM starts: booted cold, as a snapshot's template, or as a clone of one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum VmPlan {
+    Own,
+    Template(PathBuf),
+    Clone(PathBuf),
+}
+
 /// A running box.
 #[derive(Debug)]
 pub struct LiveBox {
@@ -273,6 +283,42 @@ impl Drop for LiveBox {
             );
         }
     }
+}
+
+/// What a snapshot's RAM file was when it was made: its size, modification and change times
+/// (a write of any kind moves them).
+fn snapshot_fingerprint(ram: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(ram).map_or_else(
+        |_| "missing".into(),
+        |m| {
+            format!(
+                "{} {}.{} {}.{}",
+                m.len(),
+                m.mtime(),
+                m.mtime_nsec(),
+                m.ctime(),
+                m.ctime_nsec()
+            )
+        },
+    )
+}
+
+/// Brings a clone's state in (descriptor 3, `x-ignore-shared`: its RAM is the snapshot's
+/// file) and lets it run.
+async fn restore_clone(dir: &Path) -> Result<(), String> {
+    let mut qmp = crate::vm::Qmp::connect(&dir.join("run/qmp.sock")).await?;
+    qmp.execute(
+        "migrate-set-capabilities",
+        serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
+    )
+    .await?;
+    qmp.execute("migrate-incoming", serde_json::json!({"uri": "fd:3"}))
+        .await?;
+    qmp.migrated(Duration::from_secs(60)).await?;
+    // Running already where QEMU starts a finished incoming migration itself.
+    let _ = qmp.execute("cont", serde_json::json!({})).await;
+    Ok(())
 }
 
 /// The agent's socket of a starting microVM, once QEMU has made it (or why not).
@@ -434,6 +480,7 @@ impl Boxes {
             runtime_root,
             _claim: Arc::new(claim),
             criu: Arc::default(),
+            snapshots: Arc::default(),
         })
     }
 
@@ -517,6 +564,109 @@ impl Boxes {
         spec: BoxSpec,
         from: Option<Restore<'_>>,
     ) -> Result<LiveBox, BoxError> {
+        // A microVM is a clone of its template's snapshot (made on first need); if no snapshot
+        // can be made, it boots cold, said in the log.
+        let plan = if spec.template.vm && from.is_none() && !spec.in_place {
+            match self.vm_snapshot(&spec).await {
+                Ok(snapshot) => VmPlan::Clone(snapshot),
+                Err(e) => {
+                    tracing::warn!(template = %spec.template.definition.name, "no microVM snapshot, so a cold boot: {e}");
+                    VmPlan::Own
+                }
+            }
+        } else {
+            VmPlan::Own
+        };
+        let live = self.open_planned(spec.clone(), from, plan.clone()).await?;
+        if let VmPlan::Clone(_) = plan {
+            live.thaw(spec.workspace.is_some()).await?;
+        }
+        Ok(live)
+    }
+
+    /// The snapshot clones of `spec`'s template VM start from: its folder (`ram` and `state`),
+    /// made now if there is none (a template VM booted cold and warmed, then migrated with
+    /// `x-ignore-shared`: its RAM stays in the file, only the devices' state is written).
+    async fn vm_snapshot(&self, spec: &BoxSpec) -> Result<PathBuf, BoxError> {
+        use sha2::{Digest, Sha256};
+        let tier = self.config.vm.as_ref().ok_or_else(|| {
+            BoxError::Unavailable("this kiln runs no microVMs (start it with --vm)".into())
+        })?;
+        let key = serde_json::json!([
+            spec.template.definition.name,
+            spec.template.built.hash,
+            spec.template.rootfs,
+            spec.limits.memory_bytes >> 20,
+            spec.limits.disk_bytes >> 20,
+            spec.limits.vcpus,
+            spec.template.definition.working_dir,
+            tier.initrd,
+            tier.accel.name(),
+            tier.qemu,
+        ]);
+        let digest = hex::encode(Sha256::digest(key.to_string().as_bytes()));
+        let dir = self.config.state_dir.join("vm/snapshots").join(format!(
+            "{}-{}",
+            spec.template.definition.name,
+            &digest[..16]
+        ));
+        let _one_at_a_time = self.snapshots.lock().await;
+        if let Ok(recorded) = std::fs::read_to_string(dir.join("complete")) {
+            // A clone maps the RAM file copy-on-write, so it never changes it; a VMM that
+            // wrote to it anyway (a guest that broke out into QEMU) would change its times.
+            // Such a snapshot is never cloned again: it is made anew.
+            if recorded == snapshot_fingerprint(&dir.join("ram")) {
+                return Ok(dir);
+            }
+            tracing::warn!(snapshot = %dir.display(), "a microVM snapshot's memory file changed since it was made: made anew");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        let base = self.config.uid_base;
+        let empty = dir.join("empty");
+        std::fs::create_dir_all(&empty)
+            .and_then(|()| std::os::unix::fs::chown(&dir, Some(base), Some(base)))
+            .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
+            .map_err(|e| start_err("snapshot")(format!("{}: {e}", dir.display())))?;
+        let template_spec = BoxSpec {
+            workspace: Some(empty),
+            layer: None,
+            network: None,
+            ..spec.clone()
+        };
+        let live = self
+            .open_planned(template_spec, None, VmPlan::Template(dir.clone()))
+            .await?;
+        // Warmed as a pool member is: its shell and C library in the page cache.
+        let mut warm = Exec::new(vec!["sh".into(), "-c".into(), "true".into()]);
+        warm.timeout = Duration::from_secs(60);
+        live.exec(warm, |_, _| {}).await?;
+        let taken = async {
+            let mut qmp = crate::vm::Qmp::connect(&live.dir.join("run/qmp.sock")).await?;
+            qmp.execute("stop", serde_json::json!({})).await?;
+            qmp.execute(
+                "migrate-set-capabilities",
+                serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
+            )
+            .await?;
+            qmp.execute("migrate", serde_json::json!({"uri": "exec:cat > /kiln/snap/state"}))
+                .await?;
+            qmp.migrated(Duration::from_secs(60)).await
+        }
+        .await;
+        live.close().await;
+        taken.map_err(start_err("snapshot"))?;
+        std::fs::write(dir.join("complete"), snapshot_fingerprint(&dir.join("ram")))
+            .map_err(|e| start_err("snapshot")(e.to_string()))?;
+        tracing::info!(template = %spec.template.definition.name, "made a microVM snapshot for clones");
+        Ok(dir)
+    }
+
+    async fn open_planned(
+        &self,
+        spec: BoxSpec,
+        from: Option<Restore<'_>>,
+        plan: VmPlan,
+    ) -> Result<LiveBox, BoxError> {
         let id = random_id();
         let dir = self.boxes_dir.join(&id);
         let made = Made {
@@ -528,9 +678,12 @@ impl Boxes {
         let (pipes, host_pid) = {
             let (boxes, id, dir, spec) = (self.clone(), id.clone(), dir.clone(), spec.clone());
             let images = from.as_ref().map(|from| from.images.to_path_buf());
-            tokio::task::spawn_blocking(move || boxes.start(&id, &dir, &spec, images.as_deref()))
-                .await
-                .map_err(|e| start_err("runtime")(e.to_string()))??
+            let plan = plan.clone();
+            tokio::task::spawn_blocking(move || {
+                boxes.start(&id, &dir, &spec, images.as_deref(), &plan)
+            })
+            .await
+            .map_err(|e| start_err("runtime")(e.to_string()))??
         };
         follow_log(&dir, pipes.log);
         let carried = from
@@ -542,6 +695,11 @@ impl Boxes {
             // QEMU's stdin and stdout carry nothing: the agent talks over its serial port.
             drop((pipes.from_agent, pipes.to_agent));
             let socket = vm_socket(&dir.join("run/agent.sock"), &dir).await?;
+            if let VmPlan::Clone(_) = plan {
+                // The agent's port is connected before the clone runs, so it never reads
+                // an end of file (which would end it); then its state comes in.
+                restore_clone(&dir).await.map_err(start_err("restore"))?;
+            }
             let (read, write) = socket.into_split();
             Channel::resumed(read, write, &carried)
         } else {
@@ -635,6 +793,7 @@ impl Boxes {
         dir: &Path,
         spec: &BoxSpec,
         images: Option<&Path>,
+        plan: &VmPlan,
     ) -> Result<(AgentPipes, i32), BoxError> {
         for path in [dir, &dir.join("layer"), &dir.join("rootfs")] {
             std::fs::create_dir(path)
@@ -643,8 +802,16 @@ impl Boxes {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
             .map_err(|e| start_err("folder")(e.to_string()))?;
         if spec.template.vm {
-            self.write_vm_bundle(id, dir, spec)?;
-            return self.run_container(id, dir, None);
+            self.write_vm_bundle(id, dir, spec, plan)?;
+            // A clone reads its devices' state from descriptor 3.
+            let state = match plan {
+                VmPlan::Clone(snapshot) => Some(
+                    std::fs::File::open(snapshot.join("state"))
+                        .map_err(|e| start_err("restore")(e.to_string()))?,
+                ),
+                _ => None,
+            };
+            return self.run_container_with(id, dir, None, state);
         }
         self.mount_layers(dir, spec)?;
         self.write_bundle(id, dir, spec)?;
@@ -767,7 +934,13 @@ impl Boxes {
 
     /// Writes the bundle of a microVM: QEMU in the boxes' jail ([`crate::vm::vmm_config`]),
     /// booting the template's root image (made on first use) with the workspace over 9p.
-    fn write_vm_bundle(&self, id: &str, dir: &Path, spec: &BoxSpec) -> Result<(), BoxError> {
+    fn write_vm_bundle(
+        &self,
+        id: &str,
+        dir: &Path,
+        spec: &BoxSpec,
+        plan: &VmPlan,
+    ) -> Result<(), BoxError> {
         let tier = self.config.vm.as_ref().ok_or_else(|| {
             BoxError::Unavailable("this kiln runs no microVMs (start it with --vm)".into())
         })?;
@@ -778,7 +951,8 @@ impl Boxes {
         let image =
             crate::vm::root_image(&spec.template.rootfs, base).map_err(start_err("image"))?;
         let root = dir.join("rootfs");
-        crate::vm::make_vmm_root(&root, spec.workspace.is_some())
+        // A snapshot's VMs all have the 9p device (its template's set), shared or not.
+        crate::vm::make_vmm_root(&root, spec.workspace.is_some() || *plan != VmPlan::Own)
             .map_err(|e| start_err("folder")(e.to_string()))?;
         let run = dir.join("run");
         std::fs::create_dir(&run)
@@ -803,6 +977,11 @@ impl Boxes {
         });
         let mut config = crate::vm::vmm_config(
             &crate::vm::VmSpec {
+                memory: match plan {
+                    VmPlan::Own => crate::vm::VmMemory::Own,
+                    VmPlan::Template(snapshot) => crate::vm::VmMemory::Template { snapshot },
+                    VmPlan::Clone(snapshot) => crate::vm::VmMemory::Clone { snapshot },
+                },
                 qemu: &tier.qemu,
                 accel: tier.accel,
                 vmlinux: &tier.assets.vmlinux(),
@@ -833,6 +1012,18 @@ impl Boxes {
         dir: &Path,
         images: Option<&Path>,
     ) -> Result<(AgentPipes, i32), BoxError> {
+        self.run_container_with(id, dir, images, None)
+    }
+
+    /// [`Boxes::run_container`], handing `fd3` to the container's process as its
+    /// descriptor 3 (runc's `--preserve-fds`).
+    fn run_container_with(
+        &self,
+        id: &str,
+        dir: &Path,
+        images: Option<&Path>,
+        fd3: Option<std::fs::File>,
+    ) -> Result<(AgentPipes, i32), BoxError> {
         let pipe = || std::io::pipe().map_err(|e| start_err("channel")(e.to_string()));
         let (agent_in, to_agent) = pipe()?;
         let (from_agent, agent_out) = pipe()?;
@@ -845,6 +1036,22 @@ impl Boxes {
             }
             None => {
                 command.args(["run", "--detach", "--no-new-keyring"]);
+                if let Some(file) = &fd3 {
+                    use std::os::fd::AsRawFd;
+                    use std::os::unix::process::CommandExt;
+                    let fd = file.as_raw_fd();
+                    command.args(["--preserve-fds", "1"]);
+                    // SAFETY: dup2 in the forked child, before exec: an async-signal-safe
+                    // system call on a descriptor the parent keeps open until the spawn ends.
+                    unsafe {
+                        command.pre_exec(move || {
+                            if libc::dup2(fd, 3) < 0 {
+                                return Err(std::io::Error::last_os_error());
+                            }
+                            Ok(())
+                        });
+                    }
+                }
             }
             Some(images) => {
                 let criu = self
@@ -1973,6 +2180,50 @@ impl LiveBox {
         ports.sort_by(|a, b| (a.port, &a.address).cmp(&(b.port, &b.address)));
         ports.dedup_by(|a, b| a.port == b.port && a.address == b.address);
         ports
+    }
+
+    /// A clone's own randomness, clock and workspace, after its restore: fresh host entropy
+    /// credited and the pool reseeded, the clock set, and (where it has one) its workspace
+    /// mounted over 9p (the snapshot's template VM had none mounted: a mounted share cannot
+    /// migrate).
+    async fn thaw(&self, workspace: bool) -> Result<(), BoxError> {
+        let seed = (0..4)
+            .flat_map(|_| random_bytes())
+            .chain(std::iter::repeat_with(random_bytes).take(4).flatten())
+            .collect::<Vec<u8>>();
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let mut replies = self.channel.call(Op::Thaw { seed, now_ms }).await?;
+        match replies.next().await {
+            Some(Reply::Done) => {}
+            other => {
+                return Err(start_err("thaw")(format!("the agent answered {other:?}")));
+            }
+        }
+        if workspace {
+            let at = self.template.definition.working_dir.clone();
+            let mut mount = Exec::new(vec![
+                "mount".into(),
+                "-t".into(),
+                "9p".into(),
+                "-o".into(),
+                "trans=virtio,version=9p2000.L,msize=262144,access=client,cache=none".into(),
+                "workspace".into(),
+                at,
+            ]);
+            mount.root = true;
+            mount.cwd = Some("/".into());
+            mount.timeout = Duration::from_secs(30);
+            let out = self.exec(mount, |_, _| {}).await?;
+            if out.exit_code != Some(0) {
+                return Err(start_err("workspace")(format!(
+                    "mounting the workspace failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Whether it is a microVM rather than a box.

@@ -398,8 +398,24 @@ fn run_mapped(
     }
 }
 
+/// Where a VM's memory comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmMemory<'a> {
+    /// Its own, booted cold.
+    Own,
+    /// A snapshot's template VM: its RAM a file in `snapshot` (shared, so a migration with
+    /// `x-ignore-shared` writes only the devices' state), its workspace mounted later.
+    Template { snapshot: &'a Path },
+    /// A clone of the snapshot in `snapshot`: its RAM file mapped copy-on-write (private:
+    /// what the clone writes never reaches the file; QEMU 7.2 cannot map a file it opened
+    /// read-only so, hence a fingerprint check before each clone), the devices' state read
+    /// from descriptor 3, its workspace mounted after the restore.
+    Clone { snapshot: &'a Path },
+}
+
 /// What one VM is started with.
 pub struct VmSpec<'a> {
+    pub memory: VmMemory<'a>,
     pub qemu: &'a Path,
     pub accel: Accel,
     pub vmlinux: &'a Path,
@@ -434,6 +450,9 @@ pub fn qemu_args(spec: &VmSpec<'_>) -> Vec<String> {
         "console=ttyS0 quiet panic=-1 kiln.layer_mb={layer} kiln.workdir={}",
         spec.working_dir
     );
+    if spec.memory != VmMemory::Own {
+        cmdline.push_str(" kiln.workspace=later");
+    }
     let accel = match spec.accel {
         Accel::Kvm => "kvm".to_string(),
         Accel::Tcg => {
@@ -488,7 +507,32 @@ pub fn qemu_args(spec: &VmSpec<'_>) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    if spec.workspace.is_some() {
+    match spec.memory {
+        VmMemory::Own => {}
+        VmMemory::Template { .. } | VmMemory::Clone { .. } => {
+            let clone = matches!(spec.memory, VmMemory::Clone { .. });
+            args.extend([
+                "-object".to_string(),
+                format!(
+                    "memory-backend-file,id=mem,size={ram}M,mem-path=/kiln/snap/ram,{}",
+                    if clone { "share=off" } else { "share=on" }
+                ),
+                "-machine".to_string(),
+                "memory-backend=mem".to_string(),
+            ]);
+            if clone {
+                args.extend(["-incoming".to_string(), "defer".to_string()]);
+            } else {
+                // The template VM (kiln's own, no user code in it) writes its state with
+                // `migrate exec:`, which needs a shell: its sandbox lets it spawn one.
+                if let Some(at) = args.iter().position(|a| a.starts_with("on,obsolete=deny")) {
+                    args[at] =
+                        "on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny".into();
+                }
+            }
+        }
+    }
+    if spec.workspace.is_some() || spec.memory != VmMemory::Own {
         args.extend(
             [
                 "-fsdev",
@@ -507,7 +551,15 @@ pub fn qemu_args(spec: &VmSpec<'_>) -> Vec<String> {
 /// (QEMU and its libraries), the rest are mount points.
 pub fn make_vmm_root(root: &Path, workspace: bool) -> std::io::Result<()> {
     for dir in [
-        "usr", "proc", "dev", "sys", "tmp", "kiln", "kiln/run", "etc",
+        "usr",
+        "proc",
+        "dev",
+        "sys",
+        "tmp",
+        "kiln",
+        "kiln/run",
+        "kiln/snap",
+        "etc",
     ] {
         std::fs::create_dir_all(root.join(dir))?;
     }
@@ -555,6 +607,11 @@ pub fn vmm_config(spec: &VmSpec<'_>, jail_box: Value) -> Value {
         bind(spec.root_image, "/kiln/root.ext4", "ro"),
         bind(spec.run_dir, "/kiln/run", "rw"),
     ];
+    match spec.memory {
+        VmMemory::Own => {}
+        VmMemory::Template { snapshot } => mounts.push(bind(snapshot, "/kiln/snap", "rw")),
+        VmMemory::Clone { snapshot } => mounts.push(bind(snapshot, "/kiln/snap", "rw")),
+    }
     if let Some(workspace) = spec.workspace {
         mounts.push(bind(workspace, "/kiln/workspace", "rw"));
     }
@@ -580,6 +637,85 @@ pub fn vmm_config(spec: &VmSpec<'_>, jail_box: Value) -> Value {
         ]);
     }
     config
+}
+
+/// A QMP connection to a VM's QEMU (`/kiln/run/qmp.sock`).
+pub struct Qmp {
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>>,
+    write: tokio::net::unix::OwnedWriteHalf,
+}
+
+impl Qmp {
+    /// Connects (waiting up to 15 s for QEMU to make the socket) and negotiates.
+    pub async fn connect(path: &Path) -> Result<Qmp, String> {
+        use tokio::io::AsyncBufReadExt;
+        let started = std::time::Instant::now();
+        let stream = loop {
+            match tokio::net::UnixStream::connect(path).await {
+                Ok(stream) => break stream,
+                Err(e) if started.elapsed() > std::time::Duration::from_secs(15) => {
+                    return Err(format!("QMP {}: {e}", path.display()));
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+            }
+        };
+        let (read, write) = stream.into_split();
+        let mut qmp = Qmp {
+            lines: tokio::io::BufReader::new(read).lines(),
+            write,
+        };
+        qmp.lines
+            .next_line()
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("QMP closed before its greeting")?;
+        qmp.execute("qmp_capabilities", json!({})).await?;
+        Ok(qmp)
+    }
+
+    /// Runs one command: its `return`, or its error.
+    pub async fn execute(&mut self, command: &str, arguments: Value) -> Result<Value, String> {
+        use tokio::io::AsyncWriteExt;
+        let line = json!({"execute": command, "arguments": arguments}).to_string() + "\n";
+        self.write
+            .write_all(line.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        loop {
+            let line = self
+                .lines
+                .next_line()
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| format!("QMP closed during {command}"))?;
+            let reply: Value = serde_json::from_str(&line).map_err(|e| e.to_string())?;
+            if let Some(found) = reply.get("return") {
+                return Ok(found.clone());
+            }
+            if let Some(error) = reply.get("error") {
+                return Err(format!("QMP {command}: {}", error["desc"]));
+            }
+            // An event, not an answer.
+        }
+    }
+
+    /// Waits for the migration in either direction to end: `Ok` once completed.
+    pub async fn migrated(&mut self, timeout: std::time::Duration) -> Result<(), String> {
+        let started = std::time::Instant::now();
+        loop {
+            let state = self.execute("query-migrate", json!({})).await?;
+            match state["status"].as_str() {
+                Some("completed") => return Ok(()),
+                Some("failed") | Some("cancelled") => {
+                    return Err(format!("the migration failed: {}", state["error-desc"]));
+                }
+                _ if started.elapsed() > timeout => {
+                    return Err(format!("the migration took over {timeout:?}"));
+                }
+                _ => tokio::time::sleep(std::time::Duration::from_millis(2)).await,
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -609,6 +745,7 @@ mod tests {
             weight: 100,
         };
         let spec = VmSpec {
+            memory: VmMemory::Own,
             qemu: Path::new("/usr/bin/qemu-system-x86_64"),
             accel: Accel::Tcg,
             vmlinux: Path::new("/v"),

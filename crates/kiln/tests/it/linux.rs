@@ -1500,6 +1500,54 @@ fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::
         101_000,
         "the VM's user writes as a box's user does"
     );
+    // VMs are clones of their template's snapshot (made by the first): each draws random
+    // numbers of its own and keeps the host's time.
+    let draw = || {
+        run(
+            state.path(),
+            &[
+                "--template",
+                "python",
+                "--vm",
+                "--",
+                "sh",
+                "-c",
+                "head -c 16 /dev/urandom | od -An -tx1; date +%s",
+            ],
+        )
+    };
+    let (a, b) = (draw(), draw());
+    assert_eq!((a.0, b.0), (0, 0), "{} {}", a.2, b.2);
+    assert_ne!(
+        a.1.lines().next(),
+        b.1.lines().next(),
+        "two clones drew the same numbers"
+    );
+    let vm_now: i64 = b.1.lines().nth(1).ok_or("no date")?.trim().parse()?;
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs() as i64;
+    assert!(
+        (vm_now - host_now).abs() < 30,
+        "the clone's clock: {vm_now} vs {host_now}"
+    );
+    // A snapshot whose memory file changed since it was made is never cloned: made anew.
+    let snapshots = state.path().join("vm/snapshots");
+    let snapshot = std::fs::read_dir(&snapshots)?
+        .flatten()
+        .next()
+        .ok_or("no snapshot made")?
+        .path();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(snapshot.join("ram"))?
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))?;
+    let (code, _, err) = run(
+        state.path(),
+        &["--template", "python", "--vm", "--", "true"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("changed since it was made"), "{err}");
 
     let state_dir = state.path().to_str().ok_or("path")?;
     let server = start(Options {
