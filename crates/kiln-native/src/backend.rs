@@ -151,6 +151,8 @@ struct Inner {
     pool_wake: Arc<tokio::sync::Notify>,
     /// How many pool members may start at once.
     pool_at_once: usize,
+    /// Templates defined but not built here (their names).
+    unbuilt: Vec<String>,
 }
 
 /// A template's warm pool: sandboxes' boxes started ahead of need, each on a volume of its
@@ -277,6 +279,7 @@ impl NativeBackend {
                 pools,
                 pool_wake,
                 pool_at_once: pool_settings.at_once.max(1),
+                unbuilt: Vec::new(),
                 boxes,
                 templates: templates
                     .into_iter()
@@ -949,6 +952,25 @@ impl NativeBackend {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(workspace.to_path_buf(), task);
+    }
+
+    /// The backend with `names` said to be defined but not built here (a create for one is
+    /// told to build it, not that it does not exist).
+    pub fn with_unbuilt(mut self, names: Vec<String>) -> NativeBackend {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.unbuilt = names;
+        }
+        self
+    }
+
+    /// Templates defined but not built here.
+    pub fn unbuilt(&self) -> &[String] {
+        &self.inner.unbuilt
+    }
+
+    /// Whether it offers its templates as microVMs too.
+    pub fn runs_vms(&self) -> bool {
+        self.inner.boxes.vm_tier().is_some()
     }
 
     /// Starts the warm pools' replenisher (call inside the async runtime): each template's

@@ -82,6 +82,17 @@ impl Backends {
         }
         templates.extend(kiln_wasm::templates());
         let mut catalogue = Catalogue::new(templates);
+        if let Some(native) = &linux {
+            for name in native.unbuilt() {
+                let reason = format!(
+                    "the {name} template is defined but not built on this server: run `kiln setup --template {name}` (as root), then restart it"
+                );
+                catalogue = catalogue.with_unavailable(&format!("linux-{name}"), &reason);
+                if native.runs_vms() {
+                    catalogue = catalogue.with_unavailable(&format!("vm-{name}"), &reason);
+                }
+            }
+        }
         if linux.is_none() {
             catalogue = catalogue.with_unavailable(
                 "linux-",

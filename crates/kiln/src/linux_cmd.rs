@@ -141,13 +141,17 @@ pub fn backend(
 ) -> anyhow::Result<kiln_native::backend::NativeBackend> {
     let store = store(linux);
     let mut templates = Vec::new();
+    let mut unbuilt = Vec::new();
     for definition in definitions(linux)? {
         match store.find(&definition) {
             Some(template) => templates.push(template),
-            None => eprintln!(
-                "kiln: the Linux template {0} is not built and is left out (kiln setup --template {0})",
-                definition.name
-            ),
+            None => {
+                eprintln!(
+                    "kiln: the Linux template {0} is not built and is left out (kiln setup --template {0})",
+                    definition.name
+                );
+                unbuilt.push(definition.name);
+            }
         }
     }
     anyhow::ensure!(
@@ -160,7 +164,8 @@ pub fn backend(
         std::sync::Arc::new(allowlist(linux)?),
         box_ca_bundle(linux)?,
         &pool_settings(linux, data_dir)?,
-    ))
+    )
+    .with_unbuilt(unbuilt))
 }
 
 /// The warm pools' settings from the flags (a template's own `pool:` fills what they leave).

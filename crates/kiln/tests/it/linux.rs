@@ -1768,3 +1768,50 @@ fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::
     drop(server);
     Ok(())
 }
+
+/// A Linux template that is defined (an operator's YAML) but not built on this server is
+/// refused at create with what to do (build it), not as an unknown image; the built ones
+/// still run.
+#[test]
+fn issue34_a_defined_but_unbuilt_template_is_refused_with_how_to_build_it()
+-> crate::common::serve::TestResult {
+    if skip() {
+        return Ok(());
+    }
+    use crate::common::serve::{Options, start};
+    use serde_json::json;
+    let state = tempfile::tempdir()?;
+    let definitions = tempfile::tempdir()?;
+    std::fs::write(
+        definitions.path().join("extra.yaml"),
+        "name: extra\nbase: debian:bookworm\npackages: [bash, jq]\nlanguages: [bash]\n",
+    )?;
+    let dir = definitions.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &["--linux", "--target-pool-size", "0", "--templates-dir", dir],
+        env: &[("KILN_STATE_DIR", state.path().to_str().ok_or("path")?)],
+        ..Options::default()
+    })?;
+    let (status, refused) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-extra"})),
+    )?;
+    assert_eq!(
+        refused["error"]["code"], "UNKNOWN_IMAGE",
+        "{status} {refused}"
+    );
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("defined but not built")
+            && message.contains("kiln setup --template extra"),
+        "{refused}"
+    );
+    let (status, created) = server.call(
+        "POST",
+        "/api/v1/sandboxes",
+        Some(json!({"template": "linux-debian"})),
+    )?;
+    assert_eq!(status, 201, "{created}");
+    Ok(())
+}
