@@ -599,6 +599,7 @@ impl Boxes {
             spec.limits.memory_bytes >> 20,
             spec.limits.disk_bytes >> 20,
             spec.limits.vcpus,
+            spec.limits.pids,
             spec.template.definition.working_dir,
             tier.initrd,
             tier.accel.name(),

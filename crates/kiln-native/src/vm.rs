@@ -447,8 +447,8 @@ pub fn qemu_args(spec: &VmSpec<'_>) -> Vec<String> {
     // The writable layer is a tmpfs in the VM's RAM: at most half of it.
     let layer = (spec.limits.disk_bytes >> 20).clamp(16, ram / 2);
     let mut cmdline = format!(
-        "console=ttyS0 quiet panic=-1 kiln.layer_mb={layer} kiln.workdir={}",
-        spec.working_dir
+        "console=ttyS0 quiet panic=-1 kiln.layer_mb={layer} kiln.workdir={} kiln.pids={}",
+        spec.working_dir, spec.limits.pids
     );
     if spec.memory != VmMemory::Own {
         cmdline.push_str(" kiln.workspace=later");

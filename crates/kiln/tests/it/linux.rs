@@ -1710,6 +1710,30 @@ fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::
     );
     assert_ne!(code, 0, "{out}{err}");
     assert_eq!(sh("cat note.txt")?["stdout"], "kept\n");
+    // A fork bomb of the VM's user meets the sandbox's pids limit (its process count), and a
+    // restart (its root's `kill -KILL -1`) empties the VM.
+    let limits = sh("grep 'Max processes' /proc/self/limits")?;
+    assert!(
+        limits["stdout"]
+            .as_str()
+            .is_some_and(|l| l.split_whitespace().nth(2) == Some("256")),
+        "the user's processes are capped at the template's pids: {limits}"
+    );
+    let (status, bombed) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"command": ["sh", "-c", "b() { b | b & }; b; sleep 5; ps -u user --no-headers | wc -l"], "timeoutMs": 60000})),
+    )?;
+    assert_eq!(status, 200, "{bombed}");
+    let (status, restarted) =
+        server.call("POST", &format!("/api/v1/sandboxes/{id}/restart"), None)?;
+    assert_eq!(status, 200, "{restarted}");
+    let ran = sh("ps -u user --no-headers | wc -l")?;
+    let left: u32 = ran["stdout"].as_str().unwrap_or("x").trim().parse()?;
+    assert!(
+        left <= 3,
+        "a restart left {left} of the user's processes: {ran}"
+    );
     // CPU: a spinning program meets its deadline; the VM goes on.
     let (status, spun) = server.call(
         "POST",
