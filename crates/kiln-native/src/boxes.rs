@@ -285,23 +285,29 @@ impl Drop for LiveBox {
     }
 }
 
-/// What a snapshot's RAM file was when it was made: its size, modification and change times
-/// (a write of any kind moves them).
-fn snapshot_fingerprint(ram: &Path) -> String {
+/// What a snapshot's RAM and state files were when it was made: each one's inode, size,
+/// modification and change times (a write or a replacement of any kind moves them). Not
+/// following links.
+fn snapshot_fingerprint(dir: &Path) -> String {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(ram).map_or_else(
-        |_| "missing".into(),
-        |m| {
-            format!(
-                "{} {}.{} {}.{}",
-                m.len(),
-                m.mtime(),
-                m.mtime_nsec(),
-                m.ctime(),
-                m.ctime_nsec()
+    ["ram", "state"]
+        .map(|name| {
+            std::fs::symlink_metadata(dir.join(name)).map_or_else(
+                |_| "missing".into(),
+                |m| {
+                    format!(
+                        "{} {} {}.{} {}.{}",
+                        m.ino(),
+                        m.len(),
+                        m.mtime(),
+                        m.mtime_nsec(),
+                        m.ctime(),
+                        m.ctime_nsec()
+                    )
+                },
             )
-        },
-    )
+        })
+        .join(" / ")
 }
 
 /// Brings a clone's state in (descriptor 3, `x-ignore-shared`: its RAM is the snapshot's
@@ -616,7 +622,7 @@ impl Boxes {
             // A clone maps the RAM file copy-on-write, so it never changes it; a VMM that
             // wrote to it anyway (a guest that broke out into QEMU) would change its times.
             // Such a snapshot is never cloned again: it is made anew.
-            if recorded == snapshot_fingerprint(&dir.join("ram")) {
+            if recorded == snapshot_fingerprint(&dir) {
                 return Ok(dir);
             }
             tracing::warn!(snapshot = %dir.display(), "a microVM snapshot's memory file changed since it was made: made anew");
@@ -656,7 +662,10 @@ impl Boxes {
         .await;
         live.close().await;
         taken.map_err(start_err("snapshot"))?;
-        std::fs::write(dir.join("complete"), snapshot_fingerprint(&dir.join("ram")))
+        // The template VM is gone: its folder is root's again (clones get the RAM file
+        // alone, bound in), and what it was is recorded.
+        std::os::unix::fs::chown(&dir, Some(0), Some(0))
+            .and_then(|()| std::fs::write(dir.join("complete"), snapshot_fingerprint(&dir)))
             .map_err(|e| start_err("snapshot")(e.to_string()))?;
         tracing::info!(template = %spec.template.definition.name, "made a microVM snapshot for clones");
         Ok(dir)
@@ -1192,7 +1201,15 @@ fn tail_lines(path: &Path, n: usize, keep: impl Fn(&str) -> bool) -> String {
     use std::io::{Read, Seek, SeekFrom};
     const TAIL: u64 = 64 << 10;
     let mut bytes = Vec::new();
-    if let Ok(mut file) = std::fs::File::open(path) {
+    // Not following a link: a VM's console log is in a folder its (jailed) QEMU writes.
+    let opened = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)
+    };
+    if let Ok(mut file) = opened {
         let len = file.metadata().map_or(0, |m| m.len());
         let _ = file.seek(SeekFrom::Start(len.saturating_sub(TAIL)));
         let _ = file.take(TAIL).read_to_end(&mut bytes);

@@ -566,7 +566,12 @@ pub fn make_vmm_root(root: &Path, workspace: bool) -> std::io::Result<()> {
     if workspace {
         std::fs::create_dir_all(root.join("kiln/workspace"))?;
     }
-    for file in ["kiln/vmlinux", "kiln/initrd", "kiln/root.ext4"] {
+    for file in [
+        "kiln/vmlinux",
+        "kiln/initrd",
+        "kiln/root.ext4",
+        "kiln/snap/ram",
+    ] {
         std::fs::write(root.join(file), b"")?;
     }
     for (link, to) in [
@@ -610,7 +615,11 @@ pub fn vmm_config(spec: &VmSpec<'_>, jail_box: Value) -> Value {
     match spec.memory {
         VmMemory::Own => {}
         VmMemory::Template { snapshot } => mounts.push(bind(snapshot, "/kiln/snap", "rw")),
-        VmMemory::Clone { snapshot } => mounts.push(bind(snapshot, "/kiln/snap", "rw")),
+        // A clone sees the RAM file alone (its state comes on descriptor 3): it can neither
+        // replace the file nor touch the snapshot's other files.
+        VmMemory::Clone { snapshot } => {
+            mounts.push(bind(&snapshot.join("ram"), "/kiln/snap/ram", "rw"))
+        }
     }
     if let Some(workspace) = spec.workspace {
         mounts.push(bind(workspace, "/kiln/workspace", "rw"));
