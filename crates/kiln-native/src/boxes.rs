@@ -2205,10 +2205,8 @@ impl LiveBox {
     /// mounted over 9p (the snapshot's template VM had none mounted: a mounted share cannot
     /// migrate).
     async fn thaw(&self, workspace: bool) -> Result<(), BoxError> {
-        let seed = (0..4)
-            .flat_map(|_| random_bytes())
-            .chain(std::iter::repeat_with(random_bytes).take(4).flatten())
-            .collect::<Vec<u8>>();
+        // 64 bytes from the host's random source.
+        let seed: Vec<u8> = (0..8).flat_map(|_| random_bytes()).collect();
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);

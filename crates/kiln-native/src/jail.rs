@@ -79,14 +79,16 @@ fn seccomp() -> Value {
 /// io_uring's system calls (refused in boxes).
 const IO_URING: [&str; 3] = ["io_uring_setup", "io_uring_enter", "io_uring_register"];
 
+/// A bind mount of host `source` at `destination` (`ro` or `rw`), `nosuid,nodev`.
+pub(crate) fn bind(source: &str, destination: &str, mode: &str) -> Value {
+    json!({"destination": destination, "type": "bind", "source": source,
+           "options": ["rbind", mode, "nosuid", "nodev"]})
+}
+
 /// The box's mounts: fresh `/proc`, a minimal `/dev`, read-only `/sys`, a size-capped
 /// `/tmp`, the agent, read-only host files and the workspace; `nosuid,nodev` on all.
 fn mounts(spec: &JailSpec<'_>) -> Vec<Value> {
     let tmp_bytes = (spec.limits.disk_bytes / 4).clamp(16 << 20, 1 << 30);
-    let bind = |source: &str, destination: &str, mode: &str| {
-        json!({"destination": destination, "type": "bind", "source": source,
-               "options": ["rbind", mode, "nosuid", "nodev"]})
-    };
     let mut mounts = vec![
         json!({"destination": "/proc", "type": "proc", "source": "proc",
                "options": ["nosuid", "noexec", "nodev"]}),

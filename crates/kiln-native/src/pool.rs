@@ -74,6 +74,20 @@ pub struct PoolSettings {
     pub volume: Option<MakeVolume>,
 }
 
+/// `definition` with the size `size` where one is given (a size past the maximum raises
+/// the maximum), resolved.
+fn sized(mut definition: kiln_core::pool::PoolDefinition, size: Option<usize>) -> PoolConfig {
+    if size.is_some() {
+        definition.target_pool_size = size;
+    }
+    if let (Some(target), Some(max)) = (definition.target_pool_size, definition.max_vms)
+        && target > max
+    {
+        definition.max_vms = Some(target);
+    }
+    PoolConfig::resolve(&definition)
+}
+
 /// See [`PoolSettings::volume`].
 pub type MakeVolume = Arc<dyn Fn(&std::path::Path, u64) -> std::io::Result<()> + Send + Sync>;
 
@@ -82,14 +96,10 @@ impl PoolSettings {
     /// [`PoolSettings::sizes`] (a VM costs far more than a box to keep, and under a software
     /// CPU seconds of it to start), 0 otherwise; the rest from the defaults.
     pub fn for_vm(&self, id: &str) -> PoolConfig {
-        let mut definition = self.defaults.clone();
-        definition.target_pool_size = Some(self.sizes.get(id).copied().unwrap_or(0));
-        if let (Some(target), Some(max)) = (definition.target_pool_size, definition.max_vms)
-            && target > max
-        {
-            definition.max_vms = Some(target);
-        }
-        PoolConfig::resolve(&definition)
+        sized(
+            self.defaults.clone(),
+            Some(self.sizes.get(id).copied().unwrap_or(0)),
+        )
     }
 
     /// The settings of the template `name` (its definition's name) whose languages are
@@ -113,16 +123,7 @@ impl PoolSettings {
         ]
         .iter()
         .find_map(|key| self.sizes.get(key).copied());
-        let mut definition = own.cloned().unwrap_or_default().or(&self.defaults);
-        if size.is_some() {
-            definition.target_pool_size = size;
-        }
-        if let (Some(target), Some(max)) = (definition.target_pool_size, definition.max_vms)
-            && target > max
-        {
-            definition.max_vms = Some(target);
-        }
-        PoolConfig::resolve(&definition)
+        sized(own.cloned().unwrap_or_default().or(&self.defaults), size)
     }
 }
 

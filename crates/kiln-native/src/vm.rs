@@ -593,9 +593,7 @@ pub fn make_vmm_root(root: &Path, workspace: bool) -> std::io::Result<()> {
 pub fn vmm_config(spec: &VmSpec<'_>, jail_box: Value) -> Value {
     let mut config = jail_box;
     let bind = |source: &Path, destination: &str, mode: &str| {
-        json!({"destination": destination, "type": "bind",
-               "source": source.to_string_lossy(),
-               "options": ["rbind", mode, "nosuid", "nodev"]})
+        crate::jail::bind(&source.to_string_lossy(), destination, mode)
     };
     let mut mounts = vec![
         json!({"destination": "/proc", "type": "proc", "source": "proc",

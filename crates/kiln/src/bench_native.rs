@@ -203,7 +203,7 @@ async fn pool(
     let home = dir.path().join("pool");
     // A box's member is its agent; a VM's is QEMU (the guest's memory is QEMU's).
     let members = if vm {
-        vmms_in(&home)
+        qemu_pids()
     } else {
         crate::bench_native::agents_in(&home)
     };
@@ -284,7 +284,7 @@ async fn pool(
 
 /// The host pids of the QEMUs running now (the bench's own pool members, when it measures
 /// them).
-fn vmms_in(_folder: &std::path::Path) -> Vec<i32> {
+fn qemu_pids() -> Vec<i32> {
     std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
