@@ -41,6 +41,8 @@ pub fn catalogue_id(name: &str) -> String {
 pub fn template_id(template: &Template) -> String {
     if template.vm {
         format!("vm-{}", template.definition.name)
+    } else if template.gvisor {
+        format!("gvisor-{}", template.definition.name)
     } else {
         catalogue_id(&template.definition.name)
     }
@@ -58,7 +60,13 @@ pub fn template_info(template: &Template) -> TemplateInfo {
         description: format!(
             "{}{} ({})",
             definition.description,
-            if template.vm { ", as a microVM" } else { "" },
+            if template.vm {
+                ", as a microVM"
+            } else if template.gvisor {
+                ", under gVisor"
+            } else {
+                ""
+            },
             template.built.versions_line()
         ),
         backend: BackendKind::Native,
@@ -84,7 +92,7 @@ pub fn template_info(template: &Template) -> TemplateInfo {
             fork: false,
         },
         // Image names (`python:3.11`) lead to boxes; a VM is asked for by its id.
-        images: if template.vm {
+        images: if template.vm || template.gvisor {
             ImageRule::default()
         } else {
             ImageRule {
@@ -240,18 +248,25 @@ impl NativeBackend {
         pool_settings: &crate::pool::PoolSettings,
     ) -> NativeBackend {
         let owner = boxes.user_owner();
-        // Where VMs run, each template is also offered as a microVM (`vm-NAME`).
+        // Where VMs run, each template is also offered as a microVM (`vm-NAME`); with
+        // `--gvisor`, under gVisor (`gvisor-NAME`).
         let mut templates = templates;
+        let own: Vec<Template> = templates
+            .iter()
+            .filter(|t| !t.vm && !t.gvisor)
+            .cloned()
+            .collect();
         if boxes.vm_tier().is_some() {
-            let vms: Vec<Template> = templates
-                .iter()
-                .filter(|t| !t.vm)
-                .map(|t| Template {
-                    vm: true,
-                    ..t.clone()
-                })
-                .collect();
-            templates.extend(vms);
+            templates.extend(own.iter().map(|t| Template {
+                vm: true,
+                ..t.clone()
+            }));
+        }
+        if boxes.offers_gvisor() {
+            templates.extend(own.iter().map(|t| Template {
+                gvisor: true,
+                ..t.clone()
+            }));
         }
         let pool_wake = Arc::new(tokio::sync::Notify::new());
         let pools = match (&pool_settings.home, &pool_settings.volume) {
@@ -1005,6 +1020,7 @@ impl NativeBackend {
         let Some(pool) = self.inner.pools.iter().find(|p| {
             p.template.definition.name == template.definition.name
                 && p.template.vm == template.vm
+                && p.template.gvisor == template.gvisor
                 && p.recipe.limits == recipe.limits
                 && p.recipe.network == recipe.network
                 && p.recipe
@@ -1144,8 +1160,8 @@ fn box_pool(
     wake: &Arc<tokio::sync::Notify>,
 ) -> Option<BoxPool> {
     let definition = &template.definition;
-    let config = if template.vm {
-        settings.for_vm(&template_id(template))
+    let config = if template.vm || template.gvisor {
+        settings.for_variant(&template_id(template))
     } else {
         settings.for_template(
             &definition.name,
@@ -1228,7 +1244,13 @@ fn box_pool(
     Some(BoxPool {
         pool: crate::pool::Pool::new(
             &recipe.template,
-            if template.vm { "vm" } else { "box" },
+            if template.vm {
+                "vm"
+            } else if template.gvisor {
+                "gvisor"
+            } else {
+                "box"
+            },
             config,
             start,
             Member::alive,

@@ -44,8 +44,12 @@ pub struct BoxesConfig {
     pub state_dir: PathBuf,
     /// The guest agent binary (static).
     pub agent: PathBuf,
-    /// The container runtime (`runc`).
+    /// The container runtime boxes run under unless their template names one (`runc`, or
+    /// gVisor's `runsc`).
     pub runtime: PathBuf,
+    /// The other one (runsc where `runtime` is runc, and the reverse), for templates that
+    /// name it; `None`: not installed here.
+    pub alternate: Option<PathBuf>,
     /// Host uid that a box's root maps to.
     pub uid_base: u32,
     /// CRIU, which checkpoints a hibernated box's processes (see [`Boxes::criu`]). `None`:
@@ -53,6 +57,9 @@ pub struct BoxesConfig {
     pub criu: Option<PathBuf>,
     /// What boots the templates run as microVMs ([`crate::vm`]); `None`: no VMs here.
     pub vm: Option<Arc<crate::vm::VmTier>>,
+    /// Offer every template under gVisor too (`gvisor-NAME`); runsc must be `runtime` or
+    /// `alternate`.
+    pub gvisor: bool,
 }
 
 /// A box could not be made, or a command could not run in it.
@@ -74,7 +81,9 @@ pub struct Boxes {
     config: BoxesConfig,
     cgroups: Cgroups,
     boxes_dir: PathBuf,
-    runtime_root: PathBuf,
+    /// This process's folder of the state directory (each runtime keeps its state in a
+    /// folder of it named after the runtime).
+    mine: PathBuf,
     /// This process's claim on its folder of the state directory, held while it lives.
     _claim: Arc<std::fs::File>,
     /// Whether CRIU checkpoints here, asked once.
@@ -465,8 +474,19 @@ impl Boxes {
                 })
                 .map_err(|e| unavailable(dir, e))
         };
+        if config.gvisor
+            && !is_gvisor(&config.runtime)
+            && !config.alternate.as_deref().is_some_and(is_gvisor)
+        {
+            return Err(BoxError::Unavailable(
+                "--gvisor offers templates under gVisor, and runsc is not installed here (apt-get install runsc)".into(),
+            ));
+        }
         make(&config.state_dir)?;
-        remove_abandoned(&config.runtime, &config.state_dir);
+        remove_abandoned(
+            [Some(config.runtime.as_path()), config.alternate.as_deref()],
+            &config.state_dir,
+        );
         // Each kiln process has a folder of its own in the state directory, claimed with a
         // lock held for its life: kilns sharing the directory never touch each other's
         // boxes, and a folder whose lock is free belongs to a kiln that died.
@@ -476,14 +496,18 @@ impl Boxes {
         make(&mine)?;
         let claim = claim(&mine).map_err(|e| unavailable(&mine, e))?;
         let boxes_dir = mine.join("boxes");
-        let runtime_root = mine.join("runc");
         make(&boxes_dir)?;
-        make(&runtime_root)?;
+        for runtime in [Some(&config.runtime), config.alternate.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            make(&runtime_root(&mine, runtime))?;
+        }
         Ok(Boxes {
             cgroups: Cgroups::detect(),
             config,
             boxes_dir,
-            runtime_root,
+            mine,
             _claim: Arc::new(claim),
             criu: Arc::default(),
             snapshots: Arc::default(),
@@ -495,9 +519,6 @@ impl Boxes {
     pub fn criu(&self) -> Result<&Path, &str> {
         self.criu
             .get_or_init(|| {
-                if is_gvisor(&self.config.runtime) {
-                    return Err("gVisor boxes are not checkpointed with CRIU (runsc has a checkpoint of its own, which kiln does not drive yet)".into());
-                }
                 let Some(criu) = self.config.criu.clone() else {
                     return Err(
                         "kiln has no CRIU to checkpoint them with (--criu none, or none was found: scripts/build-criu builds one)"
@@ -544,8 +565,46 @@ impl Boxes {
         self.cgroups
     }
 
-    fn destroy(&self, id: &str, dir: &Path, host_pid: i32) {
-        destroy(&self.config.runtime, &self.runtime_root, id, dir, host_pid);
+    /// The container runtime a box of `template` runs under: the one it names, else the
+    /// server's. A microVM's VMM is jailed by runc whatever the default is.
+    pub fn runtime_for(&self, template: &Template) -> Result<&Path, BoxError> {
+        let wanted = if template.vm {
+            Some(crate::template::BoxRuntime::Runc)
+        } else {
+            template.box_runtime()
+        };
+        let Some(wanted) = wanted else {
+            return Ok(&self.config.runtime);
+        };
+        let gvisor = wanted == crate::template::BoxRuntime::Runsc;
+        [Some(&self.config.runtime), self.config.alternate.as_ref()]
+            .into_iter()
+            .flatten()
+            .find(|runtime| is_gvisor(runtime) == gvisor)
+            .map(PathBuf::as_path)
+            .ok_or_else(|| {
+                BoxError::Unavailable(format!(
+                    "{} runs {} {}, which is not installed here (apt-get install {})",
+                    template.definition.name,
+                    if template.vm {
+                        "its VMM in a jail of"
+                    } else {
+                        "its boxes under"
+                    },
+                    wanted.name(),
+                    wanted.name()
+                ))
+            })
+    }
+
+    /// Whether this kiln offers every template under gVisor too (`gvisor-NAME`).
+    pub fn offers_gvisor(&self) -> bool {
+        self.config.gvisor
+    }
+
+    /// Whether a box of `template` would run under gVisor.
+    pub fn is_gvisor_for(&self, template: &Template) -> bool {
+        self.runtime_for(template).is_ok_and(is_gvisor)
     }
 
     /// Starts a box.
@@ -679,8 +738,11 @@ impl Boxes {
     ) -> Result<LiveBox, BoxError> {
         let id = random_id();
         let dir = self.boxes_dir.join(&id);
+        let runtime = self.runtime_for(&spec.template)?.to_path_buf();
+        let runtime_root = runtime_root(&self.mine, &runtime);
         let made = Made {
-            boxes: self,
+            runtime: runtime.clone(),
+            runtime_root: runtime_root.clone(),
             id: id.clone(),
             dir: dir.clone(),
             armed: true,
@@ -783,8 +845,8 @@ impl Boxes {
             dir,
             channel,
             cgroups: self.cgroups,
-            runtime: self.config.runtime.clone(),
-            runtime_root: self.runtime_root.clone(),
+            runtime,
+            runtime_root,
             template: spec.template,
             host_pid,
             lineage: from
@@ -821,11 +883,11 @@ impl Boxes {
                 ),
                 _ => None,
             };
-            return self.run_container_with(id, dir, None, state);
+            return self.run_container_with(&spec.template, id, dir, None, state);
         }
         self.mount_layers(dir, spec)?;
         self.write_bundle(id, dir, spec)?;
-        self.run_container(id, dir, images)
+        self.run_container_with(&spec.template, id, dir, images, None)
     }
 
     /// Mounts the size-capped tmpfs of the upper layer and the overlay root over the
@@ -935,7 +997,7 @@ impl Boxes {
             cgroup: &cgroup,
         });
         let mut config = config;
-        if is_gvisor(&self.config.runtime) {
+        if is_gvisor(self.runtime_for(&spec.template)?) {
             gvisor_bundle(&mut config);
         }
         std::fs::write(dir.join("config.json"), config.to_string())
@@ -1016,19 +1078,12 @@ impl Boxes {
     /// answers kiln's ends and the agent's host pid. What runc itself says goes to the same
     /// stderr, and so to `agent.log` when it fails. With `images`, the container is restored
     /// from them (runc hands these pipes to the restored agent in place of its old ones).
-    fn run_container(
-        &self,
-        id: &str,
-        dir: &Path,
-        images: Option<&Path>,
-    ) -> Result<(AgentPipes, i32), BoxError> {
-        self.run_container_with(id, dir, images, None)
-    }
-
-    /// [`Boxes::run_container`], handing `fd3` to the container's process as its
-    /// descriptor 3 (runc's `--preserve-fds`).
+    /// Runs the container of a box of `template` from its bundle (or restores it from CRIU's
+    /// `images`), handing `fd3` to the container's process as its descriptor 3 (runc's
+    /// `--preserve-fds`).
     fn run_container_with(
         &self,
+        template: &Template,
         id: &str,
         dir: &Path,
         images: Option<&Path>,
@@ -1039,9 +1094,15 @@ impl Boxes {
         let (from_agent, agent_out) = pipe()?;
         let (log, agent_err) = pipe()?;
         let pid_file = dir.join("agent.pid");
-        let mut command = runtime_command(&self.config.runtime, &self.runtime_root);
+        let runtime = self.runtime_for(template)?;
+        let mut command = runtime_command(runtime, &runtime_root(&self.mine, runtime));
         match images {
-            None if is_gvisor(&self.config.runtime) => {
+            Some(_) if is_gvisor(runtime) => {
+                return Err(start_err("restore")(
+                    "a gVisor box is not restored with CRIU".into(),
+                ));
+            }
+            None if is_gvisor(runtime) => {
                 command.args(["run", "--detach"]);
             }
             None => {
@@ -1110,7 +1171,7 @@ impl Boxes {
                 "runtime"
             })(format!(
                 "{} exited with {status}: {}{criu_said}",
-                self.config.runtime.display(),
+                runtime.display(),
                 log_tail(dir)
             )));
         }
@@ -1148,6 +1209,12 @@ fn gvisor_platform() -> String {
         .ok()
         .filter(|p| !p.is_empty())
         .unwrap_or_else(|| "ptrace".to_string())
+}
+
+/// Where `runtime` keeps its state in a kiln process's folder `mine`: runc and runsc each in
+/// a folder of their own.
+fn runtime_root(mine: &Path, runtime: &Path) -> PathBuf {
+    mine.join(if is_gvisor(runtime) { "runsc" } else { "runc" })
 }
 
 /// A command of the container runtime over kiln's state folder `root`: runc's flags, or
@@ -1356,7 +1423,8 @@ fn claim(folder: &Path) -> std::io::Result<std::fs::File> {
 
 /// Kills and removes every box of the kiln processes that died leaving them (their
 /// containers, mounts and folders); the folders of live kilns are left alone.
-fn remove_abandoned(runtime: &Path, state_dir: &Path) {
+fn remove_abandoned(runtimes: [Option<&Path>; 2], state_dir: &Path) {
+    let runtimes: Vec<&Path> = runtimes.into_iter().flatten().collect();
     let Ok(entries) = std::fs::read_dir(state_dir) else {
         return;
     };
@@ -1369,13 +1437,32 @@ fn remove_abandoned(runtime: &Path, state_dir: &Path) {
         let Ok(_lock) = claim(&folder) else {
             continue; // a live kiln's
         };
-        let runtime_root = folder.join("runc");
         if let Ok(boxes) = std::fs::read_dir(folder.join("boxes")) {
             for left in boxes.flatten() {
                 let id = left.file_name().to_string_lossy().into_owned();
-                if id.starts_with(ID_PREFIX) {
-                    tracing::warn!(box_id = %id, "removing a box left by a kiln that died");
-                    destroy(runtime, &runtime_root, &id, &left.path(), 0);
+                if !id.starts_with(ID_PREFIX) {
+                    continue;
+                }
+                tracing::warn!(box_id = %id, "removing a box left by a kiln that died");
+                // The runtime that ran it is the one whose state names it (runc keeps a
+                // folder per container, runsc files that start with its id).
+                let ran = |runtime: &&&Path| {
+                    std::fs::read_dir(runtime_root(&folder, runtime)).is_ok_and(|mut states| {
+                        states.any(|state| {
+                            state.is_ok_and(|state| {
+                                state.file_name().to_string_lossy().starts_with(&id)
+                            })
+                        })
+                    })
+                };
+                if let Some(runtime) = runtimes.iter().find(ran).or(runtimes.first()) {
+                    destroy(
+                        runtime,
+                        &runtime_root(&folder, runtime),
+                        &id,
+                        &left.path(),
+                        0,
+                    );
                 }
             }
         }
@@ -1536,17 +1623,18 @@ fn log_tail(dir: &Path) -> String {
 }
 
 /// Removes a half-made box when starting it fails.
-struct Made<'a> {
-    boxes: &'a Boxes,
+struct Made {
+    runtime: PathBuf,
+    runtime_root: PathBuf,
     id: String,
     dir: PathBuf,
     armed: bool,
 }
 
-impl Drop for Made<'_> {
+impl Drop for Made {
     fn drop(&mut self) {
         if self.armed {
-            self.boxes.destroy(&self.id, &self.dir, 0);
+            destroy(&self.runtime, &self.runtime_root, &self.id, &self.dir, 0);
         }
     }
 }
@@ -1715,8 +1803,8 @@ impl LiveBox {
     /// again. Commands and sessions running in it end as killed. Answers how many processes
     /// were killed.
     pub async fn kill_all_but_agent(&self) -> usize {
-        if self.vm {
-            // In a VM, from inside: `kill -KILL -1` as its root reaches every process but
+        if self.seen_inside() {
+            // In a VM (or under gVisor), from inside: `kill -KILL -1` as its root reaches every process but
             // PID 1 (the agent) and itself.
             let mut exec = Exec::new(vec!["kill".into(), "-KILL".into(), "-1".into()]);
             exec.root = true;
@@ -1731,8 +1819,9 @@ impl LiveBox {
 
     /// The box's processes, as it sees them (read from the host: works while paused).
     pub async fn processes(&self) -> Vec<kiln_core::process::BoxProcess> {
-        if self.vm {
-            // The host sees QEMU, not the VM's processes: the agent reads the VM's /proc.
+        if self.seen_inside() {
+            // The host sees QEMU (or gVisor's sentry), not the box's processes: the agent
+            // reads the box's own /proc.
             return self.vm_processes().await;
         }
         let (cgroups, cgroup, base) = (
@@ -1764,8 +1853,8 @@ impl LiveBox {
                 "pid 1 is kiln's agent, which keeps the box: restart the box to end every process, or delete the sandbox".into(),
             ));
         }
-        if self.vm {
-            // Sent from inside by the VM's root (the host cannot reach its processes).
+        if self.seen_inside() {
+            // Sent from inside by the box's root (the host cannot reach its processes).
             let processes = self.vm_processes().await;
             let Some(target) = processes.iter().find(|p| p.pid == pid) else {
                 return Ok(None);
@@ -1823,7 +1912,7 @@ impl LiveBox {
     /// The TCP ports the box's processes listen on (read from the host, through the
     /// agent's network namespace).
     pub async fn ports(&self) -> Vec<kiln_core::process::BoxPort> {
-        if self.vm {
+        if self.seen_inside() {
             return self.vm_ports().await;
         }
         let (cgroups, cgroup, base, agent) = (
@@ -1932,6 +2021,9 @@ impl LiveBox {
                 "a microVM's memory is not checkpointed yet (CRIU checkpoints boxes, not QEMU)"
                     .into(),
             );
+        }
+        if is_gvisor(&self.runtime) {
+            return Err("gVisor boxes are not checkpointed with CRIU (runsc has a checkpoint of its own, which kiln does not drive yet)".into());
         }
         // A frozen box is thawed first: CRIU freezes it again itself, and the processes of a
         // frozen cgroup (v1) cannot be killed when the dump is done.
@@ -2245,6 +2337,18 @@ impl LiveBox {
     /// Whether it is a microVM rather than a box.
     pub fn is_vm(&self) -> bool {
         self.vm
+    }
+
+    /// Whether it runs under gVisor.
+    pub fn is_gvisor(&self) -> bool {
+        is_gvisor(&self.runtime)
+    }
+
+    /// Whether its processes are seen (and signalled) from inside, through the agent: a
+    /// VM's run on its own kernel and a gVisor box's on gVisor's sentry, so the host's
+    /// `/proc` and the box's cgroup show QEMU or the sentry, not them.
+    fn seen_inside(&self) -> bool {
+        self.vm || self.is_gvisor()
     }
 
     /// Whether the box is still running.

@@ -75,6 +75,20 @@ pub struct Template {
     /// Run as a microVM (the `vm-` tier) rather than a box: its root filesystem made an
     /// image ([`crate::vm::root_image`]) and booted under QEMU.
     pub vm: bool,
+    /// Offered under gVisor as well as its own runtime (the `gvisor-` variant of a template,
+    /// `kiln serve --gvisor`): its boxes run under runsc.
+    pub gvisor: bool,
+}
+
+impl Template {
+    /// The runtime its boxes run under, if it names one (else the server's default).
+    pub fn box_runtime(&self) -> Option<crate::template::BoxRuntime> {
+        if self.gvisor {
+            Some(crate::template::BoxRuntime::Runsc)
+        } else {
+            self.definition.box_runtime
+        }
+    }
 }
 
 /// A step failed.
@@ -199,6 +213,7 @@ impl Store {
             built,
             rootfs: folder.join("rootfs"),
             vm: false,
+            gvisor: false,
         })
     }
 
@@ -306,6 +321,7 @@ impl Store {
             built,
             rootfs: folder.join("rootfs"),
             vm: false,
+            gvisor: false,
         })
     }
 
@@ -474,6 +490,7 @@ impl Job<'_> {
             },
             rootfs: self.rootfs.clone(),
             vm: false,
+            gvisor: false,
         };
         let live = jail
             .boxes

@@ -92,10 +92,11 @@ fn sized(mut definition: kiln_core::pool::PoolDefinition, size: Option<usize>) -
 pub type MakeVolume = Arc<dyn Fn(&std::path::Path, u64) -> std::io::Result<()> + Send + Sync>;
 
 impl PoolSettings {
-    /// The settings of the microVM template `id` (`vm-python`): sized only by name in
-    /// [`PoolSettings::sizes`] (a VM costs far more than a box to keep, and under a software
-    /// CPU seconds of it to start), 0 otherwise; the rest from the defaults.
-    pub fn for_vm(&self, id: &str) -> PoolConfig {
+    /// The settings of a template's variant `id` (the microVM `vm-python`, the gVisor box
+    /// `gvisor-python`): sized only by name in [`PoolSettings::sizes`] (a VM costs far more
+    /// than a box to keep, and under a software CPU seconds of it to start; a variant is
+    /// asked for by name), 0 otherwise; the rest from the defaults.
+    pub fn for_variant(&self, id: &str) -> PoolConfig {
         sized(
             self.defaults.clone(),
             Some(self.sizes.get(id).copied().unwrap_or(0)),

@@ -84,6 +84,29 @@ pub struct Definition {
     /// from the server's settings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<kiln_core::pool::PoolDefinition>,
+    /// The container runtime its boxes run under: `runc`, or gVisor's `runsc` (a user-space
+    /// kernel between the box and the host). Absent: the server's `--box-runtime`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub box_runtime: Option<BoxRuntime>,
+}
+
+/// The container runtimes a box may run under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BoxRuntime {
+    /// runc: the box's processes on the host's kernel, in namespaces, cgroups and seccomp.
+    Runc,
+    /// gVisor's runsc: a user-space kernel between the box and the host.
+    Runsc,
+}
+
+impl BoxRuntime {
+    pub fn name(self) -> &'static str {
+        match self {
+            BoxRuntime::Runc => "runc",
+            BoxRuntime::Runsc => "runsc",
+        }
+    }
 }
 
 fn default_shell() -> String {

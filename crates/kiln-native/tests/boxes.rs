@@ -94,9 +94,11 @@ fn boxes() -> Boxes {
         state_dir: state,
         agent,
         runtime: "runc".into(),
+        alternate: None,
         uid_base: 100_000,
         criu: Some(cache().join("tools/criu/criu")),
         vm: None,
+        gvisor: false,
     })
     .unwrap()
 }

@@ -167,6 +167,7 @@ async fn pool(
     }
     let template = kiln_native::builder::Template {
         vm: false,
+        gvisor: false,
         ..template
     };
     let backend = kiln_native::backend::NativeBackend::new(

@@ -477,6 +477,12 @@ pub struct LinuxArgs {
     /// --template`: run the template as a microVM.
     #[arg(long, env = "KILN_VM")]
     pub vm: bool,
+    /// Also offer Linux templates under gVisor (`gvisor-python`, …): their boxes run by
+    /// runsc, a user-space kernel between the box and the host, whatever `--box-runtime`
+    /// says. Needs `runsc` (apt-get install runsc). For `kiln exec --template`: run the box
+    /// under gVisor.
+    #[arg(long, env = "KILN_GVISOR")]
+    pub gvisor: bool,
     /// How many pool members may start at once, across templates: the replenisher's CPU
     /// budget (default: half the cores, at least 1).
     #[arg(long, env = "KILN_POOL_STARTS")]

@@ -50,7 +50,7 @@ fn first_line(program: &Path, args: &[&str]) -> Result<String, String> {
     }
 }
 
-fn on_path(name: &str) -> Option<std::path::PathBuf> {
+pub fn on_path(name: &str) -> Option<std::path::PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?)
         .map(|dir| dir.join(name))
         .find(|p| p.is_file())
@@ -154,7 +154,7 @@ pub fn checks(linux: &LinuxArgs) -> Vec<Check> {
             "linux-gvisor",
             if why_not.is_empty() { "ok" } else { "warn" },
             format!(
-                "{version}; --box-runtime runsc (platform {}){}",
+                "{version}; --box-runtime runsc, --gvisor (gvisor-NAME templates) or a template's box_runtime: runsc (platform {}){}",
                 std::env::var("KILN_RUNSC_PLATFORM").unwrap_or_else(|_| "ptrace".into()),
                 if why_not.is_empty() {
                     String::new()
@@ -231,7 +231,7 @@ pub fn tiers(linux: &LinuxArgs, serves_linux: bool) -> Vec<kiln_server::api::Tie
             served: match c.name {
                 "webassembly" => true,
                 "linux-runc" => serves_linux && !gvisor,
-                "linux-gvisor" => serves_linux && gvisor,
+                "linux-gvisor" => serves_linux && (gvisor || linux.gvisor),
                 "criu" => serves_linux && !gvisor && c.status == "ok",
                 "warm-pool" => serves_linux && c.status == "ok",
                 "microvm" => serves_linux && linux.vm && c.status != "no",

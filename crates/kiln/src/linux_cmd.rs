@@ -84,8 +84,9 @@ pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
     )?;
     let vm = if linux.vm {
         anyhow::ensure!(
-            !kiln_native::boxes::is_gvisor(&linux.container_runtime),
-            "--vm runs QEMU in runc's jail: use it with --box-runtime runc (a server runs one box runtime)"
+            !kiln_native::boxes::is_gvisor(&linux.container_runtime)
+                || crate::doctor::on_path("runc").is_some(),
+            "--vm runs QEMU in runc's jail, and runc is not installed (apt-get install runc)"
         );
         let tier = kiln_native::vm::VmTier::new(
             crate::config::cache_dir().root(),
@@ -107,9 +108,17 @@ pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
         state_dir: linux.state_dir.clone(),
         agent,
         runtime: linux.container_runtime.clone(),
+        alternate: crate::doctor::on_path(
+            if kiln_native::boxes::is_gvisor(&linux.container_runtime) {
+                "runc"
+            } else {
+                "runsc"
+            },
+        ),
         uid_base: linux.uid_base,
         criu: criu(linux),
         vm,
+        gvisor: linux.gvisor,
     })?)
 }
 
@@ -415,6 +424,11 @@ fn exec_of(args: &ExecArgs, argv: Vec<String>) -> anyhow::Result<Exec> {
 fn box_spec(args: &ExecArgs, definition: &Definition) -> anyhow::Result<BoxSpec> {
     let mut template = ensure(&store(&args.linux), definition, false, &args.linux)?;
     template.vm = args.linux.vm;
+    template.gvisor = args.linux.gvisor;
+    anyhow::ensure!(
+        !(template.vm && template.gvisor),
+        "--vm and --gvisor are two tiers: a template runs as one or the other"
+    );
     let resources = definition.resources;
     let limits = BoxLimits {
         memory_bytes: args.memory.unwrap_or(resources.memory_mb << 20),

@@ -1839,3 +1839,169 @@ fn issue34_a_defined_but_unbuilt_template_is_refused_with_how_to_build_it()
     assert_eq!(status, 201, "{created}");
     Ok(())
 }
+
+/// Issue 34, gVisor per template: a template names its box runtime (`box_runtime: runsc`
+/// in its YAML), and `--gvisor` offers every template under gVisor too (`gvisor-NAME`),
+/// while the others run under the server's runc, side by side in one server. A gVisor
+/// template's pool starts its members under runsc; hibernating a gVisor box keeps its
+/// files (runsc's own checkpoint is not driven) and says so.
+#[test]
+fn issue34_a_template_picks_its_box_runtime() -> crate::common::serve::TestResult {
+    if skip() {
+        return Ok(());
+    }
+    use crate::common::serve::{Options, start};
+    use serde_json::json;
+    let state = tempfile::tempdir()?;
+    let definitions = tempfile::tempdir()?;
+    // The shipped python, under gVisor: the same build (the runtime is not part of it).
+    let python = include_str!("../../../kiln-native/templates/python.yaml");
+    std::fs::write(
+        definitions.path().join("python.yaml"),
+        format!("{python}\nbox_runtime: runsc\n"),
+    )?;
+    let dir = definitions.path().to_str().ok_or("path")?;
+    let server = start(Options {
+        extra: &[
+            "--linux",
+            "--gvisor",
+            "--templates-dir",
+            dir,
+            "--language-pools",
+            "gvisor-debian=1,debian=0,javascript=0,go=0,python=0",
+        ],
+        env: &[("KILN_STATE_DIR", state.path().to_str().ok_or("path")?)],
+        ..Options::default()
+    })?;
+    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+    let kernel_of =
+        |template: &str| -> Result<(String, String), Box<dyn std::error::Error + Send + Sync>> {
+            let (status, created) = server.call(
+                "POST",
+                "/api/v1/sandboxes",
+                Some(json!({"template": template})),
+            )?;
+            assert_eq!(status, 201, "{template}: {created}");
+            let id = created["containerId"].as_str().ok_or("no id")?.to_string();
+            let (status, ran) = server.call(
+                "POST",
+                &format!("/api/v1/sandboxes/{id}/exec"),
+                Some(json!({"command": ["sh", "-c", "uname -r; echo made > made.txt"]})),
+            )?;
+            assert_eq!(status, 200, "{template}: {ran}");
+            Ok((
+                ran["stdout"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .trim()
+                    .to_string(),
+                id,
+            ))
+        };
+    let (kernel, _) = kernel_of("linux-debian")?;
+    assert_eq!(kernel, host_kernel.trim(), "linux-debian runs under runc");
+    let (kernel, py) = kernel_of("linux-python")?;
+    assert_ne!(kernel, host_kernel.trim(), "box_runtime: runsc is gVisor");
+    assert!(!kernel.is_empty());
+    // Its processes and ports are the box's as gVisor sees them (the host sees the sentry),
+    // read through the agent; a signal reaches one.
+    let (status, _) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{py}/exec"),
+        Some(json!({"command": ["sh", "-c", "sleep 600 >/dev/null 2>&1 & python3 -m http.server 8123 >/dev/null 2>&1 &"]})),
+    )?;
+    assert_eq!(status, 200);
+    let mut listed = serde_json::Value::Null;
+    wait_for(
+        "the gVisor box's processes and port listed",
+        Duration::from_secs(30),
+        || {
+            let processes = server.call("GET", &format!("/api/v1/sandboxes/{py}/processes"), None);
+            let ports = server.call("GET", &format!("/api/v1/sandboxes/{py}/ports"), None);
+            let (Ok((_, processes)), Ok((_, ports))) = (processes, ports) else {
+                return false;
+            };
+            listed = json!({"processes": processes, "ports": ports});
+            processes.to_string().contains("\"sleep\"")
+                && ports["ports"].as_array().is_some_and(|p| {
+                    p.iter()
+                        .any(|p| p["port"] == 8123 && p["name"] == "python3")
+                })
+        },
+    );
+    let processes = listed["processes"]["processes"]
+        .as_array()
+        .ok_or("no list")?;
+    assert_eq!(
+        (processes[0]["pid"].clone(), processes[0]["agent"].clone()),
+        (json!(1), json!(true)),
+        "{listed}"
+    );
+    let sleeper = processes
+        .iter()
+        .find(|p| p["argv"] == json!(["sleep", "600"]))
+        .ok_or("no sleep")?;
+    assert_eq!(sleeper["uid"], 1000, "{sleeper}");
+    let (status, sent) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{py}/processes/{}/signal", sleeper["pid"]),
+        Some(json!({"signal": "KILL"})),
+    )?;
+    assert_eq!(
+        (status, sent["signalled"].clone()),
+        (200, json!(1)),
+        "{sent}"
+    );
+    let (_, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{py}/exec"),
+        Some(json!({"command": ["sh", "-c", "sleep 0.5; pgrep -x sleep || echo none"]})),
+    )?;
+    assert_eq!(ran["stdout"], "none\n", "{ran}");
+    // gvisor-debian comes from its pool, started under runsc.
+    wait_for("the gVisor pool filled", Duration::from_secs(60), || {
+        metric(
+            &server,
+            r#"kiln_pool_ready{template="gvisor-debian",tier="gvisor"}"#,
+        ) == Some(1.0)
+    });
+    let (kernel, id) = kernel_of("gvisor-debian")?;
+    assert_ne!(kernel, host_kernel.trim(), "gvisor-debian is gVisor");
+    assert_eq!(
+        metric(
+            &server,
+            r#"kiln_pool_claims_total{template="gvisor-debian",tier="gvisor",outcome="ready"}"#
+        ),
+        Some(1.0)
+    );
+    // Hibernated: its files are kept, its processes are not (and it says why).
+    let (status, slept) =
+        server.call("POST", &format!("/api/v1/sandboxes/{id}/hibernate"), None)?;
+    assert_eq!(status, 200, "{slept}");
+    assert!(slept.to_string().contains("gVisor"), "{slept}");
+    let (status, ran) = server.call(
+        "POST",
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        Some(json!({"command": ["sh", "-c", "cat made.txt; uname -r"]})),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(
+        ran["stdout"].as_str().unwrap_or_default(),
+        format!("made\n{kernel}\n")
+    );
+    // The catalogue says which is which.
+    let (_, templates) = server.call("GET", "/api/v1/templates", None)?;
+    let described = |id: &str| {
+        templates
+            .as_array()
+            .or_else(|| templates["templates"].as_array())
+            .and_then(|all| all.iter().find(|t| t["id"] == id))
+            .map(|t| t["description"].to_string())
+            .unwrap_or_default()
+    };
+    assert!(
+        described("gvisor-python").contains("under gVisor"),
+        "{templates}"
+    );
+    Ok(())
+}
