@@ -169,13 +169,27 @@ fn watched_signals() -> libc::sigset_t {
 
 /// Serves the host on `input`/`output` until the host closes the channel; then every
 /// process the agent started is killed.
-pub fn serve(mut input: impl Read, output: impl Write + Send + 'static) -> Result<(), FrameError> {
+pub fn serve(
+    input: impl Read + 'static,
+    output: impl Write + Send + 'static,
+) -> Result<(), FrameError> {
+    let channel: Channel = (Box::new(input), Box::new(output));
+    serve_each(std::iter::once(channel))
+}
+
+/// One channel to the host: what it sends, and where replies go.
+pub type Channel = (Box<dyn Read>, Box<dyn Write + Send>);
+
+/// Serves the host on each channel in turn (a VM's vsock connections: a snapshot's clone
+/// gets a new one), each until the host closes it; then every process the agent started
+/// on it is killed, and the next one is served. The result is the last channel's.
+pub fn serve_each(channels: impl IntoIterator<Item = Channel>) -> Result<(), FrameError> {
     let set = watched_signals();
     // SAFETY: `set` is an initialised sigset_t (from `watched_signals`) alive for the call, which
     // only reads it; the old mask is not wanted, and a null `oldset` is allowed.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     let agent = Arc::new(Agent {
-        out: Arc::new(Mutex::new(Box::new(output))),
+        out: Arc::new(Mutex::new(Box::new(std::io::sink()))),
         table: Mutex::new(Table::default()),
     });
     {
@@ -196,22 +210,29 @@ pub fn serve(mut input: impl Read, output: impl Write + Send + 'static) -> Resul
             }
         });
     }
-    let result = loop {
-        match proto::read_frame::<_, Request>(&mut input) {
-            Ok(request) => handle(&agent, request),
-            Err(FrameError::Malformed(e)) => {
-                // The frame was read whole: answer it and go on.
-                send(
-                    &agent.out,
-                    0,
-                    Reply::Failed(Failure::new("invalid", format!("malformed request: {e}"))),
-                );
+    let mut result = Ok(());
+    for (mut input, output) in channels {
+        *agent
+            .out
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = output;
+        result = loop {
+            match proto::read_frame::<_, Request>(&mut input) {
+                Ok(request) => handle(&agent, request),
+                Err(FrameError::Malformed(e)) => {
+                    // The frame was read whole: answer it and go on.
+                    send(
+                        &agent.out,
+                        0,
+                        Reply::Failed(Failure::new("invalid", format!("malformed request: {e}"))),
+                    );
+                }
+                Err(FrameError::Closed) => break Ok(()),
+                Err(e) => break Err(e),
             }
-            Err(FrameError::Closed) => break Ok(()),
-            Err(e) => break Err(e),
-        }
-    };
-    agent.forward(libc::SIGKILL);
+        };
+        agent.forward(libc::SIGKILL);
+    }
     result
 }
 

@@ -16,3 +16,5 @@ pub mod proto;
 pub mod agent;
 #[cfg(target_os = "linux")]
 mod files;
+#[cfg(target_os = "linux")]
+pub mod vsock;

@@ -12,6 +12,19 @@ fn main() {
         );
         return;
     }
+    if std::env::args().nth(1).as_deref() == Some("--vsock") {
+        // In a Firecracker VM: the host reaches the agent over vsock, one connection at a
+        // time (a snapshot's clone gets a new one after its restore).
+        let port = std::env::args()
+            .nth(2)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(kiln_guest::vsock::AGENT_PORT);
+        if let Err(e) = kiln_guest::vsock::serve(port) {
+            eprintln!("kiln-guest: vsock port {port}: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     // Unbuffered: the agent writes whole frames and flushes each.
     // SAFETY: fd 0 is open from the start (the host's channel), and this File becomes its only
     // owner: nothing else in the agent reads stdin or touches fd 0.

@@ -29,8 +29,6 @@ use crate::template::{USER_HOME, USER_NAME, USER_UID};
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a microVM has to boot to its agent (a software CPU boots in seconds).
 const VM_HELLO_TIMEOUT: Duration = Duration::from_secs(90);
-/// How long QEMU has to make its agent socket.
-const VM_SOCKET_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// How long a killed command has to report its end.
 const KILL_GRACE: Duration = Duration::from_secs(3);
@@ -319,37 +317,34 @@ fn snapshot_fingerprint(dir: &Path) -> String {
         .join(" / ")
 }
 
-/// Brings a clone's state in (descriptor 3, `x-ignore-shared`: its RAM is the snapshot's
-/// file) and lets it run.
-async fn restore_clone(dir: &Path) -> Result<(), String> {
-    let mut qmp = crate::vm::Qmp::connect(&dir.join("run/qmp.sock")).await?;
-    qmp.execute(
-        "migrate-set-capabilities",
-        serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
-    )
-    .await?;
-    qmp.execute("migrate-incoming", serde_json::json!({"uri": "fd:3"}))
-        .await?;
-    qmp.migrated(Duration::from_secs(60)).await?;
-    // Running already where QEMU starts a finished incoming migration itself.
-    let _ = qmp.execute("cont", serde_json::json!({})).await;
-    Ok(())
-}
-
-/// The agent's socket of a starting microVM, once QEMU has made it (or why not).
-async fn vm_socket(path: &Path, dir: &Path) -> Result<tokio::net::UnixStream, BoxError> {
-    let started = std::time::Instant::now();
-    loop {
-        match tokio::net::UnixStream::connect(path).await {
-            Ok(socket) => return Ok(socket),
-            Err(e) if started.elapsed() > VM_SOCKET_TIMEOUT => {
-                return Err(start_err("vm")(format!(
-                    "QEMU made no agent socket in {VM_SOCKET_TIMEOUT:?} ({e}); its log: {}",
-                    log_tail(dir)
-                )));
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
+/// The VM a box of `spec` is, as its VMM is told: `image` its root image, `run` the folder
+/// the VMM writes its sockets and console log in, `cgroup` the box's.
+fn vm_spec<'a>(
+    tier: &'a crate::vm::VmTier,
+    spec: &'a BoxSpec,
+    plan: &'a VmPlan,
+    image: &'a Path,
+    run: &'a Path,
+    cgroup: &'a str,
+    uid_base: u32,
+) -> crate::vm::VmSpec<'a> {
+    crate::vm::VmSpec {
+        memory: match plan {
+            VmPlan::Own => crate::vm::VmMemory::Own,
+            VmPlan::Template(snapshot) => crate::vm::VmMemory::Template { snapshot },
+            VmPlan::Clone(snapshot) => crate::vm::VmMemory::Clone { snapshot },
+        },
+        vmm: &*tier.vmm,
+        accel: tier.accel,
+        vmlinux: &tier.vmlinux,
+        initrd: &tier.initrd,
+        root_image: image,
+        workspace: spec.workspace.as_deref(),
+        working_dir: &spec.template.definition.working_dir,
+        run_dir: run,
+        limits: spec.limits,
+        uid_base,
+        cgroup,
     }
 }
 
@@ -597,6 +592,13 @@ impl Boxes {
             })
     }
 
+    /// What boots microVMs here, or the refusal a VM template meets without it.
+    fn vm_tier_or_refuse(&self) -> Result<&crate::vm::VmTier, BoxError> {
+        self.config.vm.as_deref().ok_or_else(|| {
+            BoxError::Unavailable("this kiln runs no microVMs (start it with --vm)".into())
+        })
+    }
+
     /// Whether this kiln offers every template under gVisor too (`gvisor-NAME`).
     pub fn offers_gvisor(&self) -> bool {
         self.config.gvisor
@@ -668,7 +670,8 @@ impl Boxes {
             spec.template.definition.working_dir,
             tier.initrd,
             tier.accel.name(),
-            tier.qemu,
+            tier.vmm.name(),
+            tier.vmm.binary(),
         ]);
         let digest = hex::encode(Sha256::digest(key.to_string().as_bytes()));
         let dir = self.config.state_dir.join("vm/snapshots").join(format!(
@@ -694,7 +697,8 @@ impl Boxes {
             .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
             .map_err(|e| start_err("snapshot")(format!("{}: {e}", dir.display())))?;
         let template_spec = BoxSpec {
-            workspace: Some(empty),
+            // A VMM that shares folders gets the snapshot's device for them (empty).
+            workspace: tier.vmm.shares_folders().then_some(empty),
             layer: None,
             network: None,
             ..spec.clone()
@@ -706,19 +710,7 @@ impl Boxes {
         let mut warm = Exec::new(vec!["sh".into(), "-c".into(), "true".into()]);
         warm.timeout = Duration::from_secs(60);
         live.exec(warm, |_, _| {}).await?;
-        let taken = async {
-            let mut qmp = crate::vm::Qmp::connect(&live.dir.join("run/qmp.sock")).await?;
-            qmp.execute("stop", serde_json::json!({})).await?;
-            qmp.execute(
-                "migrate-set-capabilities",
-                serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
-            )
-            .await?;
-            qmp.execute("migrate", serde_json::json!({"uri": "exec:cat > /kiln/snap/state"}))
-                .await?;
-            qmp.migrated(Duration::from_secs(60)).await
-        }
-        .await;
+        let taken = tier.vmm.snapshot(&live.dir.join("run")).await;
         live.close().await;
         taken.map_err(start_err("snapshot"))?;
         // The template VM is gone: its folder is root's again (clones get the RAM file
@@ -764,14 +756,29 @@ impl Boxes {
             .unwrap_or_default();
         let vm = spec.template.vm;
         let (channel, mut accepted) = if vm {
-            // QEMU's stdin and stdout carry nothing: the agent talks over its serial port.
+            // The VMM's stdin and stdout carry nothing: the agent talks over its serial
+            // port (QEMU) or vsock (Firecracker).
             drop((pipes.from_agent, pipes.to_agent));
-            let socket = vm_socket(&dir.join("run/agent.sock"), &dir).await?;
-            if let VmPlan::Clone(_) = plan {
-                // The agent's port is connected before the clone runs, so it never reads
-                // an end of file (which would end it); then its state comes in.
-                restore_clone(&dir).await.map_err(start_err("restore"))?;
-            }
+            let tier = self.vm_tier_or_refuse()?;
+            let image = crate::vm::root_image(&spec.template.rootfs, self.config.uid_base)
+                .map_err(start_err("image"))?;
+            let (run, cgroup) = (dir.join("run"), cgroup_path(&id));
+            let vm_spec = vm_spec(
+                tier,
+                &spec,
+                &plan,
+                &image,
+                &run,
+                &cgroup,
+                self.config.uid_base,
+            );
+            let socket = tier.vmm.boot(&vm_spec).await.map_err(|e| {
+                start_err(if matches!(plan, VmPlan::Clone(_)) {
+                    "restore"
+                } else {
+                    "vm"
+                })(format!("{e}; its log: {}", log_tail(&dir)))
+            })?;
             let (read, write) = socket.into_split();
             Channel::resumed(read, write, &carried)
         } else {
@@ -875,9 +882,14 @@ impl Boxes {
             .map_err(|e| start_err("folder")(e.to_string()))?;
         if spec.template.vm {
             self.write_vm_bundle(id, dir, spec, plan)?;
-            // A clone reads its devices' state from descriptor 3.
+            // A clone of QEMU's reads its devices' state from descriptor 3.
+            let on_fd3 = self
+                .config
+                .vm
+                .as_ref()
+                .is_some_and(|tier| !tier.vmm.clone_reads_state_file());
             let state = match plan {
-                VmPlan::Clone(snapshot) => Some(
+                VmPlan::Clone(snapshot) if on_fd3 => Some(
                     std::fs::File::open(snapshot.join("state"))
                         .map_err(|e| start_err("restore")(e.to_string()))?,
                 ),
@@ -1013,19 +1025,26 @@ impl Boxes {
         spec: &BoxSpec,
         plan: &VmPlan,
     ) -> Result<(), BoxError> {
-        let tier = self.config.vm.as_ref().ok_or_else(|| {
-            BoxError::Unavailable("this kiln runs no microVMs (start it with --vm)".into())
-        })?;
+        let tier = self.vm_tier_or_refuse()?;
         if spec.in_place {
             return Err(BoxError::Refused("a microVM cannot build templates".into()));
+        }
+        if spec.workspace.is_some() && !tier.vmm.shares_folders() {
+            return Err(BoxError::Refused(format!(
+                "{} shares no folder with its VMs (no 9p, no virtio-fs), so this VM cannot have a workspace; a sandbox always has one: run VM sandboxes under QEMU (--vmm qemu)",
+                tier.vmm.name()
+            )));
         }
         let base = self.config.uid_base;
         let image =
             crate::vm::root_image(&spec.template.rootfs, base).map_err(start_err("image"))?;
         let root = dir.join("rootfs");
         // A snapshot's VMs all have the 9p device (its template's set), shared or not.
-        crate::vm::make_vmm_root(&root, spec.workspace.is_some() || *plan != VmPlan::Own)
-            .map_err(|e| start_err("folder")(e.to_string()))?;
+        crate::vm::make_vmm_root(
+            &root,
+            spec.workspace.is_some() || (*plan != VmPlan::Own && tier.vmm.shares_folders()),
+        )
+        .map_err(|e| start_err("folder")(e.to_string()))?;
         let run = dir.join("run");
         std::fs::create_dir(&run)
             .and_then(|()| std::os::unix::fs::chown(&run, Some(base), Some(base)))
@@ -1048,24 +1067,7 @@ impl Boxes {
             cgroup: &cgroup,
         });
         let mut config = crate::vm::vmm_config(
-            &crate::vm::VmSpec {
-                memory: match plan {
-                    VmPlan::Own => crate::vm::VmMemory::Own,
-                    VmPlan::Template(snapshot) => crate::vm::VmMemory::Template { snapshot },
-                    VmPlan::Clone(snapshot) => crate::vm::VmMemory::Clone { snapshot },
-                },
-                qemu: &tier.qemu,
-                accel: tier.accel,
-                vmlinux: &tier.assets.vmlinux(),
-                initrd: &tier.initrd,
-                root_image: &image,
-                workspace: spec.workspace.as_deref(),
-                working_dir: &spec.template.definition.working_dir,
-                run_dir: &run,
-                limits: spec.limits,
-                uid_base: base,
-                cgroup: &cgroup,
-            },
+            &vm_spec(tier, spec, plan, &image, &run, &cgroup, base),
             jail_box,
         );
         config["root"]["readonly"] = serde_json::json!(true);

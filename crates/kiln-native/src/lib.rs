@@ -22,6 +22,7 @@ mod procs;
 pub mod proxy;
 pub mod template;
 pub mod vm;
+pub mod vmm;
 
 use std::path::{Path, PathBuf};
 

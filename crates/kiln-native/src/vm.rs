@@ -116,26 +116,46 @@ impl VmAssets {
 /// Everything a host needs to boot VMs, found (and the initramfs packed) once.
 #[derive(Debug, Clone)]
 pub struct VmTier {
-    pub qemu: PathBuf,
+    /// What runs them: QEMU, or Firecracker ([`crate::vmm`]).
+    pub vmm: std::sync::Arc<dyn crate::vmm::Vmm>,
     pub accel: Accel,
     /// Why that acceleration (said at start and by `kiln doctor`).
     pub accel_why: String,
     pub assets: VmAssets,
+    /// The kernel (`assets`' vmlinux).
+    pub vmlinux: PathBuf,
     pub initrd: PathBuf,
 }
 
 impl VmTier {
-    /// QEMU, the assets in `cache` and an initramfs with `agent` packed into `state_dir`;
-    /// or why VMs cannot run here.
-    pub fn new(cache: &Path, agent: &Path, state_dir: &Path) -> Result<VmTier, String> {
-        let qemu =
-            find_qemu().ok_or("no qemu-system-x86_64 on PATH (apt-get install qemu-system-x86)")?;
+    /// The VMM `vmm` names (`qemu` or `firecracker`), the assets in `cache` and an
+    /// initramfs with `agent` packed into `state_dir`; or why VMs cannot run here.
+    pub fn new(cache: &Path, agent: &Path, state_dir: &Path, vmm: &str) -> Result<VmTier, String> {
+        let (accel, accel_why) = accel();
+        let vmm: std::sync::Arc<dyn crate::vmm::Vmm> = match vmm {
+            "qemu" => std::sync::Arc::new(crate::vmm::Qemu {
+                binary: find_qemu()
+                    .ok_or("no qemu-system-x86_64 on PATH (apt-get install qemu-system-x86)")?,
+            }),
+            "firecracker" => {
+                let binary = find_on_path("firecracker").ok_or(
+                    "no firecracker on PATH (Firecracker's release binary; kiln does not install it)",
+                )?;
+                if accel != Accel::Kvm {
+                    return Err(format!(
+                        "Firecracker needs KVM backed by VT-x/AMD-V, and this host has none: {accel_why} (use --vmm qemu)"
+                    ));
+                }
+                std::sync::Arc::new(crate::vmm::Firecracker { binary })
+            }
+            other => return Err(format!("unknown VMM {other:?} (qemu or firecracker)")),
+        };
         let assets = VmAssets::find(cache)?;
         let initrd = initramfs(&assets, agent, &state_dir.join("vm"))
             .map_err(|e| format!("packing the VMs' initramfs: {e}"))?;
-        let (accel, accel_why) = accel();
         Ok(VmTier {
-            qemu,
+            vmlinux: assets.vmlinux(),
+            vmm,
             accel,
             accel_why,
             assets,
@@ -146,9 +166,14 @@ impl VmTier {
 
 /// The QEMU that runs VMs: `qemu-system-x86_64` on PATH.
 pub fn find_qemu() -> Option<PathBuf> {
+    find_on_path("qemu-system-x86_64")
+}
+
+/// `name` in a folder of PATH.
+pub fn find_on_path(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
-            .map(|dir| dir.join("qemu-system-x86_64"))
+            .map(|dir| dir.join(name))
             .find(|p| p.is_file())
     })
 }
@@ -416,7 +441,7 @@ pub enum VmMemory<'a> {
 /// What one VM is started with.
 pub struct VmSpec<'a> {
     pub memory: VmMemory<'a>,
-    pub qemu: &'a Path,
+    pub vmm: &'a dyn crate::vmm::Vmm,
     pub accel: Accel,
     pub vmlinux: &'a Path,
     pub initrd: &'a Path,
@@ -437,29 +462,17 @@ pub struct VmSpec<'a> {
 const VMM_OVERHEAD: u64 = 192 << 20;
 
 /// The VM's RAM: the box's memory cap, at least 128 MiB.
-fn ram_mib(limits: &BoxLimits) -> u64 {
+pub(crate) fn ram_mib(limits: &BoxLimits) -> u64 {
     (limits.memory_bytes >> 20).max(128)
 }
 
 /// QEMU's command line, with paths as the jail shows them.
 pub fn qemu_args(spec: &VmSpec<'_>) -> Vec<String> {
     let ram = ram_mib(&spec.limits);
-    // The writable layer is a tmpfs in the VM's RAM: at most half of it.
-    let layer = (spec.limits.disk_bytes >> 20).clamp(16, ram / 2);
-    let mut cmdline = format!(
-        "console=ttyS0 quiet panic=-1 kiln.layer_mb={layer} kiln.workdir={} kiln.pids={}",
-        spec.working_dir, spec.limits.pids
-    );
-    if spec.memory != VmMemory::Own {
-        cmdline.push_str(" kiln.workspace=later");
-    }
+    let cmdline = crate::vmm::kernel_cmdline(spec, "serial");
     let accel = match spec.accel {
         Accel::Kvm => "kvm".to_string(),
-        Accel::Tcg => {
-            // A software CPU cannot calibrate the TSC: say its rate.
-            cmdline.push_str(" tsc_early_khz=2600000 tsc=reliable");
-            "tcg,tb-size=64".to_string()
-        }
+        Accel::Tcg => "tcg,tb-size=64".to_string(),
     };
     let cpus = (spec.limits.vcpus.ceil() as u64).clamp(1, 16);
     let mut args: Vec<String> = [
@@ -567,10 +580,12 @@ pub fn make_vmm_root(root: &Path, workspace: bool) -> std::io::Result<()> {
         std::fs::create_dir_all(root.join("kiln/workspace"))?;
     }
     for file in [
+        "kiln/vmm",
         "kiln/vmlinux",
         "kiln/initrd",
         "kiln/root.ext4",
         "kiln/snap/ram",
+        "kiln/snap/state",
     ] {
         std::fs::write(root.join(file), b"")?;
     }
@@ -605,6 +620,7 @@ pub fn vmm_config(spec: &VmSpec<'_>, jail_box: Value) -> Value {
         json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
                "options": ["nosuid", "nodev", "mode=1777", "size=16m"]}),
         bind(Path::new("/usr"), "/usr", "ro"),
+        bind(spec.vmm.binary(), "/kiln/vmm", "ro"),
         bind(spec.vmlinux, "/kiln/vmlinux", "ro"),
         bind(spec.initrd, "/kiln/initrd", "ro"),
         bind(spec.root_image, "/kiln/root.ext4", "ro"),
@@ -613,8 +629,13 @@ pub fn vmm_config(spec: &VmSpec<'_>, jail_box: Value) -> Value {
     match spec.memory {
         VmMemory::Own => {}
         VmMemory::Template { snapshot } => mounts.push(bind(snapshot, "/kiln/snap", "rw")),
-        // A clone sees the RAM file alone (its state comes on descriptor 3): it can neither
-        // replace the file nor touch the snapshot's other files.
+        // A clone sees the RAM file alone (QEMU: its state comes on descriptor 3), or the
+        // RAM and state files (Firecracker, which maps the RAM file privately, read-only
+        // here): it can neither replace them nor touch the snapshot's other files.
+        VmMemory::Clone { snapshot } if spec.vmm.clone_reads_state_file() => {
+            mounts.push(bind(&snapshot.join("ram"), "/kiln/snap/ram", "ro"));
+            mounts.push(bind(&snapshot.join("state"), "/kiln/snap/state", "ro"));
+        }
         VmMemory::Clone { snapshot } => {
             mounts.push(bind(&snapshot.join("ram"), "/kiln/snap/ram", "rw"))
         }
@@ -623,12 +644,17 @@ pub fn vmm_config(spec: &VmSpec<'_>, jail_box: Value) -> Value {
         mounts.push(bind(workspace, "/kiln/workspace", "rw"));
     }
     config["mounts"] = Value::Array(mounts);
-    let args = qemu_args(spec);
+    let args = spec.vmm.argv(spec);
     config["process"]["args"] = json!(args);
     config["process"]["cwd"] = json!("/");
     // What 9p's passthrough needs to write the workspace as the VM's users (owners kept,
-    // over files of the boxes' uid range only: the jail's user namespace); nothing else.
-    let caps = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID"];
+    // over files of the boxes' uid range only: the jail's user namespace); nothing else,
+    // and nothing at all for a VMM that shares no folder.
+    let caps: &[&str] = if spec.vmm.shares_folders() {
+        &["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID"]
+    } else {
+        &[]
+    };
     config["process"]["capabilities"] =
         json!({"bounding": caps, "effective": caps, "permitted": caps});
     let memory = ram_mib(&spec.limits) * (1 << 20) + VMM_OVERHEAD;
@@ -753,7 +779,9 @@ mod tests {
         };
         let spec = VmSpec {
             memory: VmMemory::Own,
-            qemu: Path::new("/usr/bin/qemu-system-x86_64"),
+            vmm: &crate::vmm::Qemu {
+                binary: "/usr/bin/qemu-system-x86_64".into(),
+            },
             accel: Accel::Tcg,
             vmlinux: Path::new("/v"),
             initrd: Path::new("/i"),
@@ -787,5 +815,50 @@ mod tests {
             !kvm.contains("tsc_early_khz") && !kvm.contains("9p"),
             "{kvm}"
         );
+    }
+
+    #[test]
+    fn firecracker_runs_bound_in_with_no_capabilities_and_a_clone_reads_its_files_read_only() {
+        let vmm = crate::vmm::Firecracker {
+            binary: "/opt/fc/firecracker".into(),
+        };
+        let snapshot = Path::new("/snap");
+        let spec = VmSpec {
+            memory: VmMemory::Clone { snapshot },
+            vmm: &vmm,
+            accel: Accel::Kvm,
+            vmlinux: Path::new("/v"),
+            initrd: Path::new("/i"),
+            root_image: Path::new("/r"),
+            workspace: None,
+            working_dir: "/workspace",
+            run_dir: Path::new("/run"),
+            limits: BoxLimits {
+                memory_bytes: 256 << 20,
+                vcpus: 1.0,
+                pids: 64,
+                disk_bytes: 1 << 30,
+                weight: 100,
+            },
+            uid_base: 100_000,
+            cgroup: "/kiln/x",
+        };
+        let config = vmm_config(&spec, json!({"process": {}, "linux": {"resources": {}}}));
+        assert_eq!(config["process"]["args"][0], "/kiln/vmm");
+        assert_eq!(config["process"]["capabilities"]["effective"], json!([]));
+        let mounts = config["mounts"].to_string();
+        for (source, destination) in [
+            ("/opt/fc/firecracker", "/kiln/vmm"),
+            ("/snap/ram", "/kiln/snap/ram"),
+            ("/snap/state", "/kiln/snap/state"),
+        ] {
+            let bound = config["mounts"].as_array().unwrap().iter().any(|m| {
+                m["source"] == source
+                    && m["destination"] == destination
+                    && m["options"].to_string().contains("\"ro\"")
+            });
+            assert!(bound, "{source} at {destination}, read-only: {mounts}");
+        }
+        assert!(!mounts.contains("/kiln/workspace"), "{mounts}");
     }
 }

@@ -477,6 +477,11 @@ pub struct LinuxArgs {
     /// --template`: run the template as a microVM.
     #[arg(long, env = "KILN_VM")]
     pub vm: bool,
+    /// What runs the microVMs: `qemu` (QEMU's microvm machine: KVM or TCG, the workspace
+    /// over 9p) or `firecracker` (KVM with VT-x/AMD-V only; it shares no folder with its VMs,
+    /// so its VMs have no workspace: `kiln exec --vm` without `--workspace`).
+    #[arg(long, env = "KILN_VMM", default_value = "qemu", value_parser = ["qemu", "firecracker"])]
+    pub vmm: String,
     /// Also offer Linux templates under gVisor (`gvisor-python`, …): their boxes run by
     /// runsc, a user-space kernel between the box and the host, whatever `--box-runtime`
     /// says. Needs `runsc` (apt-get install runsc). For `kiln exec --template`: run the box

@@ -314,9 +314,21 @@ fn microvm(linux: &LinuxArgs) -> Check {
     let cache = crate::config::cache_dir();
     let qemu = kiln_native::vm::find_qemu();
     let assets = kiln_native::vm::VmAssets::find(cache.root());
-    let firecracker = on_path("firecracker").map_or(String::new(), |p| {
-        format!("; Firecracker at {} (not driven yet)", p.display())
-    });
+    let firecracker = on_path("firecracker").map_or(
+        "; no Firecracker on PATH (--vmm firecracker)".to_string(),
+        |p| {
+            let (accel, why) = kiln_native::vm::accel();
+            format!(
+                "; Firecracker at {}: --vmm firecracker{}",
+                p.display(),
+                if accel == kiln_native::vm::Accel::Kvm {
+                    " (its VMs have no workspace: it shares no folders)".to_string()
+                } else {
+                    format!(" cannot run here ({why})")
+                }
+            )
+        },
+    );
     match (qemu, assets) {
         (None, _) => check(
             "microvm",

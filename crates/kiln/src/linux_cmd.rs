@@ -92,12 +92,14 @@ pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
             crate::config::cache_dir().root(),
             &agent,
             &linux.state_dir,
+            &linux.vmm,
         )
         .map_err(|e| anyhow::anyhow!("--vm: {e}"))?;
         eprintln!(
-            "kiln: microVMs run under {} (QEMU {}, kernel {})",
+            "kiln: microVMs run under {} ({} {}, kernel {})",
             tier.accel_why,
-            tier.qemu.display(),
+            tier.vmm.name(),
+            tier.vmm.binary().display(),
             tier.assets.kernel
         );
         Some(std::sync::Arc::new(tier))
