@@ -1130,6 +1130,8 @@ impl NativeBackend {
                 live.close().await;
             }
         }
+        // Closed boxes finish their removal in the background: done before kiln exits.
+        self.inner.boxes.settled(Duration::from_secs(15)).await;
     }
 }
 

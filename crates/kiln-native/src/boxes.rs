@@ -30,6 +30,9 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a microVM has to boot to its agent (a software CPU boots in seconds).
 const VM_HELLO_TIMEOUT: Duration = Duration::from_secs(90);
 
+/// How long reading a VM's (or gVisor box's) processes or ports through its agent may take.
+const INSIDE_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How long a killed command has to report its end.
 const KILL_GRACE: Duration = Duration::from_secs(3);
 /// The prefix of every box's container id, so leftovers are recognised.
@@ -88,6 +91,8 @@ pub struct Boxes {
     criu: Arc<std::sync::OnceLock<Result<PathBuf, String>>>,
     /// microVM snapshots being made or made (one at a time).
     snapshots: Arc<tokio::sync::Mutex<()>>,
+    /// Box removals finishing in the background.
+    removals: Arc<Removals>,
 }
 
 /// What a box is made of.
@@ -271,6 +276,7 @@ pub struct LiveBox {
     pub lineage: u64,
     /// Set once [`LiveBox::close`] has removed the box.
     closed: std::sync::atomic::AtomicBool,
+    removals: Arc<Removals>,
     /// A microVM (QEMU in the jail) rather than a box.
     vm: bool,
 }
@@ -506,6 +512,7 @@ impl Boxes {
             _claim: Arc::new(claim),
             criu: Arc::default(),
             snapshots: Arc::default(),
+            removals: Arc::default(),
         })
     }
 
@@ -590,6 +597,11 @@ impl Boxes {
                     wanted.name()
                 ))
             })
+    }
+
+    /// Waits (up to `within`) for the removals of closed boxes that go on in the background.
+    pub async fn settled(&self, within: Duration) {
+        self.removals.settled(within).await;
     }
 
     /// What boots microVMs here, or the refusal a VM template meets without it.
@@ -860,6 +872,7 @@ impl Boxes {
                 .as_ref()
                 .map_or_else(|| u64::from_le_bytes(random_bytes()), |from| from.lineage),
             closed: std::sync::atomic::AtomicBool::new(false),
+            removals: self.removals.clone(),
             vm,
         })
     }
@@ -1475,6 +1488,55 @@ fn remove_abandoned(runtimes: [Option<&Path>; 2], state_dir: &Path) {
 /// Kills a box's processes, deletes its container (and cgroup), unmounts its layers and
 /// removes its folder (which then holds only kiln's bundle and empty mount points).
 fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: i32) {
+    end(runtime, runtime_root, id, dir, host_pid);
+    remove(runtime, runtime_root, id, dir);
+}
+
+/// Ends a box: its processes killed (a VM's VMM with them) and reaped, its layers
+/// unmounted. What is left ([`remove`]) is bookkeeping: the runtime's state and cgroup, and
+/// the folder.
+fn end(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: i32) {
+    let cgroups = Cgroups::detect();
+    let cgroup = cgroup_path(id);
+    // A frozen box's processes cannot die (on v1) until thawed.
+    let _ = cgroups.set_frozen(&cgroup, false, KILL_GRACE);
+    // Killed from here, every process of the box's cgroup (through pidfds, until the cgroup
+    // is empty: a fork in between is caught by the next round), rather than by `runc kill
+    // --all`, a process of its own that costs ~10 ms to start. Under gVisor the sentry
+    // and what it traces are in the cgroup too: killed and reaped here (orphaned to kiln, the
+    // boxes' subreaper), or runsc's delete waits seconds for them to be gone.
+    let members = cgroups.processes(&cgroup);
+    kill_all_but(cgroups, &cgroup, 0);
+    if !cgroups.processes(&cgroup).is_empty() {
+        let _ = runtime_command(runtime, runtime_root)
+            .args(["kill", "--all", id, "KILL"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+    let started = Instant::now();
+    let mut left = members;
+    if host_pid > 0 && !left.contains(&host_pid) {
+        left.push(host_pid);
+    }
+    // kiln is the agent's subreaper (see `Boxes::new`): reap what it can, so no zombie is
+    // left; a pid that is not kiln's child answers at once.
+    while !left.is_empty() && started.elapsed() < KILL_GRACE {
+        // SAFETY: waitpid(2) with a null status pointer (the status is not stored) touches no
+        // memory of ours; a pid that is not kiln's child answers ECHILD.
+        left.retain(|pid| unsafe { libc::waitpid(*pid, std::ptr::null_mut(), libc::WNOHANG) } == 0);
+        if !left.is_empty() {
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+    unmount(&dir.join("rootfs"));
+    unmount(&dir.join("layer"));
+}
+
+/// Removes what is left of an ended box ([`end`]): the runtime's state and the box's cgroup
+/// (`delete`), and its folder.
+fn remove(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path) {
     let runc = |args: &[&str]| {
         runtime_command(runtime, runtime_root)
             .args(args)
@@ -1483,43 +1545,10 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
             .stderr(Stdio::null())
             .status()
     };
-    // A frozen box's processes cannot die (on v1) until thawed.
-    let _ = Cgroups::detect().set_frozen(&cgroup_path(id), false, KILL_GRACE);
-    let _ = runc(&["kill", "--all", id, "KILL"]);
-    if is_gvisor(runtime) {
-        // The sandbox's own processes (the sentry and what it traces) are in the box's
-        // cgroup: killed and reaped here (orphaned to kiln, the boxes' subreaper), or
-        // runsc's delete waits seconds for them to be gone.
-        let cgroups = Cgroups::detect();
-        let members = cgroups.processes(&cgroup_path(id));
-        kill_all_but(cgroups, &cgroup_path(id), 0);
-        let started = Instant::now();
-        let mut left = members;
-        while !left.is_empty() && started.elapsed() < KILL_GRACE {
-            // SAFETY: waitpid(2) with a null status pointer (the status is not stored)
-            // touches no memory of ours; a pid that is not kiln's child answers ECHILD.
-            left.retain(
-                |pid| unsafe { libc::waitpid(*pid, std::ptr::null_mut(), libc::WNOHANG) } == 0,
-            );
-            if !left.is_empty() {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
-    }
     let started = Instant::now();
-    // kiln is the agent's subreaper (see `Boxes::new`): reap it, so no zombie is left.
-    while host_pid > 0 && started.elapsed() < KILL_GRACE {
-        // SAFETY: waitpid(2) with a null status pointer is allowed (the status is not stored), so
-        // it touches no memory of ours; the pid is an integer.
-        let rc = unsafe { libc::waitpid(host_pid, std::ptr::null_mut(), libc::WNOHANG) };
-        if rc != 0 {
-            break; // reaped, or not our child
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
     // `delete` without --force, once the processes are gone (runc's forced delete polls in
-    // 100 ms steps).
-    // runsc's forced delete is its quick one (it stops the sandbox and its gofer at once).
+    // 100 ms steps). runsc's forced delete is its quick one (it stops the sandbox and its
+    // gofer at once).
     let mut deleted =
         is_gvisor(runtime) && runc(&["delete", "--force", id]).is_ok_and(|s| s.success());
     while !deleted && started.elapsed() < KILL_GRACE {
@@ -1533,9 +1562,45 @@ fn destroy(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: 
     if !deleted {
         let _ = runc(&["delete", "--force", id]);
     }
-    unmount(&dir.join("rootfs"));
-    unmount(&dir.join("layer"));
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Box removals still under way in the background ([`LiveBox::destroy_now`] returns once
+/// the box has ended): waited for at shutdown ([`Boxes::settled`]).
+#[derive(Debug, Default)]
+struct Removals {
+    under_way: std::sync::Mutex<usize>,
+    done: tokio::sync::Notify,
+}
+
+impl Removals {
+    fn count(&self) -> std::sync::MutexGuard<'_, usize> {
+        self.under_way
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Runs `work` on a blocking thread, counted until it is done.
+    fn run(self: &Arc<Self>, work: impl FnOnce() + Send + 'static) {
+        *self.count() += 1;
+        let removals = self.clone();
+        tokio::task::spawn_blocking(move || {
+            work();
+            *removals.count() -= 1;
+            removals.done.notify_waiters();
+        });
+    }
+
+    async fn settled(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let done = self.done.notified();
+            if *self.count() == 0 || Instant::now() >= deadline {
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), done).await;
+        }
+    }
 }
 
 /// What a command is told when the box is at its pids limit: how full it is, and the ways
@@ -1564,6 +1629,7 @@ fn full_box_message(current: Option<u64>, max: Option<u64>, said: &str) -> Strin
 fn kill_all_but(cgroups: Cgroups, cgroup: &str, agent: i32) -> usize {
     let started = Instant::now();
     let mut killed = std::collections::HashSet::new();
+    let mut pause = Duration::from_micros(200);
     loop {
         let left: Vec<i32> = cgroups
             .processes(cgroup)
@@ -1578,7 +1644,9 @@ fn kill_all_but(cgroups: Cgroups, cgroup: &str, agent: i32) -> usize {
                 killed.insert(pid);
             }
         }
-        std::thread::sleep(Duration::from_millis(5));
+        // Killed processes leave the cgroup as they exit: soon, looked at often at first.
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
     }
 }
 
@@ -1823,8 +1891,14 @@ impl LiveBox {
     pub async fn processes(&self) -> Vec<kiln_core::process::BoxProcess> {
         if self.seen_inside() {
             // The host sees QEMU (or gVisor's sentry), not the box's processes: the agent
-            // reads the box's own /proc.
-            return self.vm_processes().await;
+            // reads the box's own /proc; it cannot while the box is paused (it is frozen
+            // with it), and never makes the caller wait long.
+            if self.is_paused() {
+                return Vec::new();
+            }
+            return tokio::time::timeout(INSIDE_READ_TIMEOUT, self.vm_processes())
+                .await
+                .unwrap_or_default();
         }
         let (cgroups, cgroup, base) = (
             self.cgroups,
@@ -1857,7 +1931,12 @@ impl LiveBox {
         }
         if self.seen_inside() {
             // Sent from inside by the box's root (the host cannot reach its processes).
-            let processes = self.vm_processes().await;
+            if self.is_paused() {
+                return Err(BoxError::Refused(
+                    "its processes are reached through its agent, which is paused with it: resume the sandbox first".into(),
+                ));
+            }
+            let processes = self.processes().await;
             let Some(target) = processes.iter().find(|p| p.pid == pid) else {
                 return Ok(None);
             };
@@ -1915,7 +1994,12 @@ impl LiveBox {
     /// agent's network namespace).
     pub async fn ports(&self) -> Vec<kiln_core::process::BoxPort> {
         if self.seen_inside() {
-            return self.vm_ports().await;
+            if self.is_paused() {
+                return Vec::new();
+            }
+            return tokio::time::timeout(INSIDE_READ_TIMEOUT, self.vm_ports())
+                .await
+                .unwrap_or_default();
         }
         let (cgroups, cgroup, base, agent) = (
             self.cgroups,
@@ -2007,9 +2091,20 @@ impl LiveBox {
             self.dir.clone(),
             self.host_pid,
         );
-        let _ =
-            tokio::task::spawn_blocking(move || destroy(&runtime, &runtime_root, &id, &dir, pid))
-                .await;
+        // Ended here (its processes, a VM's VMM among them, killed and reaped); the
+        // runtime's bookkeeping and the folder go in the background.
+        let (ended_runtime, ended_root, ended_id, ended_dir) = (
+            runtime.clone(),
+            runtime_root.clone(),
+            id.clone(),
+            dir.clone(),
+        );
+        let _ = tokio::task::spawn_blocking(move || {
+            end(&ended_runtime, &ended_root, &ended_id, &ended_dir, pid)
+        })
+        .await;
+        self.removals
+            .run(move || remove(&runtime, &runtime_root, &id, &dir));
     }
 
     /// Checkpoints the box with CRIU into `images` (an empty folder out of the guest's

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use kiln_guest::proto::{self, FrameError, Op, Reply, Request, Response};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -13,6 +13,27 @@ use tokio::sync::mpsc;
 struct Route {
     tx: mpsc::UnboundedSender<Reply>,
     accepts: Option<mpsc::UnboundedSender<Replies>>,
+    /// What its replies not read yet hold (see [`cost`]).
+    buffered: std::sync::Arc<AtomicUsize>,
+}
+
+/// The most one stream may hold that its reader has not taken yet: past it, the stream is
+/// cut (a final `Failed` reply, kind `overflow`) and what the agent sends on it after is
+/// dropped, so a box that floods its channel (a hostile guest, a reader that stalled) never
+/// grows kiln's memory without bound. The agent's channel has no flow control of its own.
+pub const STREAM_BUDGET: usize = 64 << 20;
+/// The most all of a channel's streams may hold that is not read yet.
+pub const CHANNEL_BUDGET: usize = 256 << 20;
+/// The most connections into a box a channel keeps open at once (each one the agent says
+/// it accepted); more are refused (dropped).
+pub const MAX_CONNECTIONS: usize = 4096;
+
+/// What a reply holds in memory, roughly: its bytes, and a little for the rest.
+fn cost(reply: &Reply) -> usize {
+    64 + match reply {
+        Reply::Output { data, .. } | Reply::Data { data } => data.len(),
+        _ => 0,
+    }
 }
 
 /// The most replies a parked stream keeps for whoever adopts it (the rest are dropped).
@@ -45,6 +66,8 @@ pub struct Channel {
     routes: Routes,
     next: AtomicU64,
     reader: tokio::task::JoinHandle<()>,
+    /// What all its streams hold that is not read yet.
+    total: std::sync::Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for Channel {
@@ -58,13 +81,55 @@ impl std::fmt::Debug for Channel {
 pub struct Replies {
     pub id: u64,
     rx: mpsc::UnboundedReceiver<Reply>,
+    /// Its route's count of what is not read yet, and the channel's.
+    buffered: std::sync::Arc<AtomicUsize>,
+    total: std::sync::Arc<AtomicUsize>,
 }
 
 impl Replies {
     /// The next reply; `None` when the agent is gone.
     pub async fn next(&mut self) -> Option<Reply> {
-        self.rx.recv().await
+        let reply = self.rx.recv().await?;
+        let cost = cost(&reply);
+        self.buffered.fetch_sub(cost, Ordering::AcqRel);
+        self.total.fetch_sub(cost, Ordering::AcqRel);
+        Some(reply)
     }
+}
+
+impl Drop for Replies {
+    /// What was never read no longer counts.
+    fn drop(&mut self) {
+        self.rx.close();
+        while let Ok(reply) = self.rx.try_recv() {
+            let cost = cost(&reply);
+            self.buffered.fetch_sub(cost, Ordering::AcqRel);
+            self.total.fetch_sub(cost, Ordering::AcqRel);
+        }
+    }
+}
+
+/// A new route and the replies it feeds, counted against the channel's `total`.
+fn route(
+    id: u64,
+    accepts: Option<mpsc::UnboundedSender<Replies>>,
+    total: &std::sync::Arc<AtomicUsize>,
+) -> (Route, Replies) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let buffered = std::sync::Arc::new(AtomicUsize::new(0));
+    (
+        Route {
+            tx,
+            accepts,
+            buffered: buffered.clone(),
+        },
+        Replies {
+            id,
+            rx,
+            buffered,
+            total: total.clone(),
+        },
+    )
 }
 
 /// The agent is gone (the box ended) or the channel broke.
@@ -106,19 +171,14 @@ impl Channel {
     ) -> (Channel, Option<mpsc::UnboundedReceiver<Replies>>) {
         let mut table = Table::default();
         let mut accepted = None;
+        let total = std::sync::Arc::new(AtomicUsize::new(0));
         for id in &carried.streams {
             if carried.listeners.contains(id) {
                 let (accepts, rx) = mpsc::unbounded_channel();
                 // The stream of the listener itself is never read again (its `Listening`
                 // came before the checkpoint).
-                let (tx, _) = mpsc::unbounded_channel();
-                table.routes.insert(
-                    *id,
-                    Route {
-                        tx,
-                        accepts: Some(accepts),
-                    },
-                );
+                let (listener, _) = route(*id, Some(accepts), &total);
+                table.routes.insert(*id, listener);
                 accepted.get_or_insert(rx);
             } else {
                 table.parked.insert(*id, Default::default());
@@ -126,7 +186,7 @@ impl Channel {
         }
         let routes: Routes = std::sync::Arc::new(Mutex::new(Some(table)));
         let reader = {
-            let routes = routes.clone();
+            let (routes, total) = (routes.clone(), total.clone());
             tokio::spawn(async move {
                 loop {
                     let Ok(Response { id, reply }) = read_response(&mut input).await else {
@@ -136,26 +196,73 @@ impl Channel {
                     let Some(table) = guard.as_mut() else { break };
                     let last = reply.is_final();
                     if let Reply::Accepted { conn } = reply {
-                        // The connection's route exists before its first byte is read.
-                        let (tx, rx) = mpsc::unbounded_channel();
-                        table.routes.insert(conn, Route { tx, accepts: None });
-                        if let Some(accepts) =
-                            table.routes.get(&id).and_then(|r| r.accepts.as_ref())
+                        // The connection's route exists before its first byte is read: for a
+                        // listener kiln asked for only, a connection id of the agent's own
+                        // (never one of kiln's requests), within the bound.
+                        let connections = table
+                            .routes
+                            .keys()
+                            .filter(|id| *id & proto::AGENT_ID_BIT != 0)
+                            .count();
+                        let Some(accepts) = table.routes.get(&id).and_then(|r| r.accepts.clone())
+                        else {
+                            continue;
+                        };
+                        if conn & proto::AGENT_ID_BIT == 0
+                            || table.routes.contains_key(&conn)
+                            || connections >= MAX_CONNECTIONS
                         {
-                            let _ = accepts.send(Replies { id: conn, rx });
+                            continue;
                         }
+                        let (into, replies) = route(conn, None, &total);
+                        table.routes.insert(conn, into);
+                        let _ = accepts.send(replies);
                         continue;
                     }
-                    if let Some(route) = table.routes.get(&id) {
-                        let _ = route.tx.send(reply);
+                    if let Some(into) = table.routes.get(&id) {
+                        let cost = cost(&reply);
+                        let over = into.buffered.load(Ordering::Acquire) + cost > STREAM_BUDGET
+                            || total.load(Ordering::Acquire) + cost > CHANNEL_BUDGET;
+                        if over {
+                            // Cut: the reader is told why, and the stream's later replies
+                            // find no route (dropped).
+                            let cut = Reply::Failed(proto::Failure::new(
+                                "overflow",
+                                format!(
+                                    "the box sent more on this stream than was read ({} MiB held for it, {} MiB for its channel): it was cut",
+                                    STREAM_BUDGET >> 20,
+                                    CHANNEL_BUDGET >> 20
+                                ),
+                            ));
+                            let said = self::cost(&cut);
+                            into.buffered.fetch_add(said, Ordering::AcqRel);
+                            total.fetch_add(said, Ordering::AcqRel);
+                            if into.tx.send(cut).is_err() {
+                                into.buffered.fetch_sub(said, Ordering::AcqRel);
+                                total.fetch_sub(said, Ordering::AcqRel);
+                            }
+                            table.routes.remove(&id);
+                            continue;
+                        }
+                        into.buffered.fetch_add(cost, Ordering::AcqRel);
+                        total.fetch_add(cost, Ordering::AcqRel);
+                        if into.tx.send(reply).is_err() {
+                            // No one reads it any more: it does not count.
+                            into.buffered.fetch_sub(cost, Ordering::AcqRel);
+                            total.fetch_sub(cost, Ordering::AcqRel);
+                        }
                         if last {
                             table.routes.remove(&id);
                         }
                     } else if let Some(parked) = table.parked.get_mut(&id) {
-                        if parked.len() == PARKED_REPLIES {
+                        parked.push_back(reply);
+                        // Its latest replies, within a count and the stream's budget.
+                        while parked.len() > PARKED_REPLIES
+                            || (parked.len() > 1
+                                && parked.iter().map(cost).sum::<usize>() > STREAM_BUDGET)
+                        {
                             parked.pop_front();
                         }
-                        parked.push_back(reply);
                     }
                 }
                 // Every waiting request sees the end.
@@ -167,6 +274,7 @@ impl Channel {
             routes,
             next: AtomicU64::new(carried.next.max(1)),
             reader,
+            total,
         };
         (channel, accepted)
     }
@@ -202,16 +310,19 @@ impl Channel {
         let mut guard = self.routes.lock().unwrap_or_else(|e| e.into_inner());
         let table = guard.as_mut()?;
         let parked = table.parked.remove(&id)?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (into, replies) = route(id, None, &self.total);
         let mut ended = false;
         for reply in parked {
             ended |= reply.is_final();
-            let _ = tx.send(reply);
+            let cost = cost(&reply);
+            into.buffered.fetch_add(cost, Ordering::AcqRel);
+            self.total.fetch_add(cost, Ordering::AcqRel);
+            let _ = into.tx.send(reply);
         }
         if !ended {
-            table.routes.insert(id, Route { tx, accepts: None });
+            table.routes.insert(id, into);
         }
-        Some(Replies { id, rx })
+        Some(replies)
     }
 
     /// Sends a request whose replies are wanted.
@@ -225,16 +336,16 @@ impl Channel {
         accepts: Option<mpsc::UnboundedSender<Replies>>,
     ) -> Result<Replies, ChannelClosed> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (into, replies) = route(id, accepts, &self.total);
         self.routes
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
             .ok_or_else(|| ChannelClosed("the channel ended".into()))?
             .routes
-            .insert(id, Route { tx, accepts });
+            .insert(id, into);
         self.send_frame(&Request { id, op }).await?;
-        Ok(Replies { id, rx })
+        Ok(replies)
     }
 
     /// Listens on `port` inside the box: each connection a process there makes arrives as
@@ -276,6 +387,20 @@ impl Channel {
             .flush()
             .await
             .map_err(|e| ChannelClosed(e.to_string()))
+    }
+
+    /// What the channel's streams hold now that their readers have not taken.
+    pub fn buffered(&self) -> usize {
+        self.total.load(Ordering::Acquire)
+    }
+
+    /// How many streams are open (requests waiting for replies, connections).
+    pub fn streams(&self) -> usize {
+        self.routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map_or(0, |table| table.routes.len())
     }
 
     /// Whether the agent is still there.
@@ -401,5 +526,98 @@ mod tests {
         assert_eq!(now.next, 101);
         assert_eq!(now.streams, vec![7, 100]);
         assert_eq!(now.listeners, vec![7]);
+    }
+
+    /// A hostile agent (a guest that broke its agent) floods a stream no one reads, and
+    /// announces connections no one asked for: kiln's memory stays within the stream's
+    /// budget (the stream is cut, and says so), connections within their bound, and frames
+    /// for streams that do not exist are dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_flooding_agent_leaves_the_host_bounded() {
+        let (host_read, mut agent_write) = tokio::io::duplex(1 << 20);
+        let (_agent_read, host_write) = tokio::io::duplex(1 << 20);
+        let channel = Channel::new(host_read, host_write);
+        let mut flooded = channel.call(Op::Hello).await.unwrap();
+        let listener = channel.call(Op::Listen { port: 1 }).await.unwrap();
+        let (flooded_id, listener_id) = (flooded.id, listener.id);
+        let megabyte = vec![b'x'; 1 << 20];
+        let writer = tokio::spawn(async move {
+            // 200 MiB on a stream kiln is not reading.
+            for _ in 0..200 {
+                let frame = Response {
+                    id: flooded_id,
+                    reply: Reply::Output {
+                        stderr: false,
+                        data: megabyte.clone(),
+                    },
+                };
+                agent_write
+                    .write_all(&proto::encode(&frame).unwrap())
+                    .await
+                    .unwrap();
+            }
+            // Connections: to a stream that is no listener, with kiln's own ids, and far
+            // more than the bound.
+            let mut frames = Vec::new();
+            frames.push(Response {
+                id: flooded_id,
+                reply: Reply::Accepted {
+                    conn: proto::AGENT_ID_BIT | 7,
+                },
+            });
+            frames.push(Response {
+                id: listener_id,
+                reply: Reply::Accepted { conn: 12345 },
+            });
+            for n in 0..(MAX_CONNECTIONS as u64 + 500) {
+                frames.push(Response {
+                    id: listener_id,
+                    reply: Reply::Accepted {
+                        conn: proto::AGENT_ID_BIT | (1 << 32) | n,
+                    },
+                });
+            }
+            // And megabytes for streams that do not exist.
+            for n in 0..50 {
+                frames.push(Response {
+                    id: 1_000_000 + n,
+                    reply: output(&"y".repeat(1 << 20)),
+                });
+            }
+            for frame in &frames {
+                agent_write
+                    .write_all(&proto::encode(frame).unwrap())
+                    .await
+                    .unwrap();
+            }
+            agent_write
+        });
+        let _agent_write = tokio::time::timeout(std::time::Duration::from_secs(60), writer)
+            .await
+            .expect("the host keeps reading a flood")
+            .unwrap();
+        assert!(
+            channel.buffered() <= STREAM_BUDGET + (1 << 20),
+            "{} bytes held",
+            channel.buffered()
+        );
+        assert!(
+            channel.streams() <= MAX_CONNECTIONS + 2,
+            "{} streams open",
+            channel.streams()
+        );
+        // The flooded stream: what fit, then why it was cut, then its end.
+        let mut outputs = 0;
+        let cut = loop {
+            match flooded.next().await {
+                Some(Reply::Output { .. }) => outputs += 1,
+                Some(Reply::Failed(failure)) => break failure,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert!((1..200).contains(&outputs), "{outputs}");
+        assert_eq!(cut.kind, "overflow");
+        assert_eq!(flooded.next().await, None);
+        assert_eq!(channel.buffered(), 0, "read or gone, nothing counts");
     }
 }

@@ -401,6 +401,8 @@ pub fn exec(args: &ExecArgs) -> anyhow::Result<ExitCode> {
             })
             .await;
         live.close().await;
+        // Its removal finishes in the background: done before kiln exits.
+        boxes.settled(Duration::from_secs(15)).await;
         anyhow::Ok(result?)
     })?;
     Ok(report(args, &definition.name, &output, memory_bytes))

@@ -2005,3 +2005,45 @@ fn issue34_a_template_picks_its_box_runtime() -> crate::common::serve::TestResul
     );
     Ok(())
 }
+
+/// Issue 34: a microVM with `--network allowlist` reaches kiln's proxy over its own
+/// loopback (the agent listens for it in the VM), and the proxy answers for the host: a
+/// name not listed is refused with the reason, a listed one is let through to the CONNECT.
+#[test]
+fn issue34_a_vm_reaches_kilns_proxy_over_its_loopback() {
+    if skip() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let script = "for h in not-listed.test; do exec 3<>/dev/tcp/127.0.0.1/3128; \
+        printf 'CONNECT %s:443 HTTP/1.1\\r\\nHost: %s:443\\r\\n\\r\\n' $h $h >&3; \
+        timeout 15 head -c 300 <&3; echo; exec 3<&-; done; \
+        (exec 3<>/dev/tcp/127.0.0.1/8000) 2>/dev/null && echo loopback-server-reached || echo no-server-on-8000";
+    let out = kiln()
+        .args([
+            "exec",
+            "--template",
+            "debian",
+            "--vm",
+            "--network",
+            "allowlist",
+            "--",
+        ])
+        .args(["bash", "-c", script])
+        .env("KILN_STATE_DIR", state.path())
+        .env("KILN_NETWORK_ALLOW", "listed.test")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(" 403 ") && stdout.contains("not-listed.test"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("no-server-on-8000"), "{stdout}");
+}
