@@ -92,6 +92,9 @@ pub enum ErrorKind {
     Instantiate,
     /// The template cannot do this.
     Unsupported,
+    /// The guest died while it ran the request (its box or VM ended under it: killed,
+    /// a kernel panic); the next request starts a new one.
+    Lost,
 }
 
 impl ErrorKind {
@@ -106,6 +109,7 @@ impl ErrorKind {
             ErrorKind::Busy => "busy",
             ErrorKind::Instantiate => "instantiate",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Lost => "lost",
         }
     }
 }

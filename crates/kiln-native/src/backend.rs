@@ -1482,6 +1482,16 @@ impl Backend for NativeBackend {
                 exit_code: Some(127),
                 ..Default::default()
             },
+            // Its box (or VM) ended under it: killed, a guest kernel panic.
+            Err(crate::boxes::BoxError::Gone(_)) => {
+                return Err(BackendError::new(
+                    ErrorKind::Lost,
+                    format!(
+                        "the sandbox's {} ended while the command ran; its next command starts a new one",
+                        if template.vm { "VM" } else { "box" }
+                    ),
+                ));
+            }
             Err(e) => return Err(BackendError::new(ErrorKind::Instantiate, e.to_string())),
         };
         Ok(to_result(out, limits, started))

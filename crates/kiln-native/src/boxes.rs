@@ -484,6 +484,7 @@ impl Boxes {
             ));
         }
         make(&config.state_dir)?;
+        remove_stale_cgroups(Cgroups::detect());
         remove_abandoned(
             [Some(config.runtime.as_path()), config.alternate.as_deref()],
             &config.state_dir,
@@ -1239,6 +1240,9 @@ fn runtime_command(runtime: &Path, root: &Path) -> Command {
     let mut command = Command::new(runtime);
     command.arg("--root").arg(root);
     if is_gvisor(runtime) {
+        // The bundle's seccomp filter is not loaded inside the sandbox (runsc would with
+        // `--oci-seccomp`, but this runsc then refuses the agent its threads): the sentry
+        // is the wall, under runsc's own filters.
         command
             .arg(format!("--platform={}", gvisor_platform()))
             .arg("--network=none");
@@ -1246,14 +1250,28 @@ fn runtime_command(runtime: &Path, root: &Path) -> Command {
     command
 }
 
+/// Host tasks a gVisor box's sentry and gofer take for themselves (an idle box has ~60),
+/// added to its pids limit: without them a box with a small limit dies when its sentry
+/// cannot start a thread, rather than refusing its own process a fork.
+const GVISOR_TASKS: u64 = 128;
+
 /// The bundle as gVisor takes it: without the io weight (runsc writes `blkio.weight`,
-/// which cgroup v1 hosts with another io scheduler lack; the sentry's io is its own anyway).
+/// which cgroup v1 hosts with another io scheduler lack; the sentry's io is its own anyway),
+/// and room in the pids limit for gVisor's own tasks ([`GVISOR_TASKS`]).
 fn gvisor_bundle(config: &mut serde_json::Value) {
     if let Some(resources) = config
         .pointer_mut("/linux/resources")
         .and_then(serde_json::Value::as_object_mut)
     {
         resources.remove("blockIO");
+        if let Some(limit) = resources
+            .get_mut("pids")
+            .and_then(|pids| pids.get_mut("limit"))
+        {
+            if let Some(n) = limit.as_u64() {
+                *limit = serde_json::json!(n + GVISOR_TASKS);
+            }
+        }
     }
 }
 
@@ -1562,7 +1580,29 @@ fn remove(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path) {
     if !deleted {
         let _ = runc(&["delete", "--force", id]);
     }
+    // What the runtime left of the box's cgroup (empty by now).
+    Cgroups::detect().remove_empty(&cgroup_path(id));
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Removes boxes' cgroups (`/kiln/kiln-*`) that are empty and were made over an hour ago:
+/// left by a runtime (or a kiln) that died before removing them. A box being started has
+/// its cgroup for seconds only; one in use is not empty, and the kernel keeps it.
+fn remove_stale_cgroups(cgroups: Cgroups) {
+    let Some(parent) = cgroups.dirs("/kiln").into_iter().next() else {
+        return;
+    };
+    let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    for entry in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|made| made < hour_ago);
+        if name.starts_with(ID_PREFIX) && old && cgroups.processes(&cgroup_path(&name)).is_empty() {
+            cgroups.remove_empty(&cgroup_path(&name));
+        }
+    }
 }
 
 /// Box removals still under way in the background ([`LiveBox::destroy_now`] returns once
@@ -1874,9 +1914,15 @@ impl LiveBox {
     /// were killed.
     pub async fn kill_all_but_agent(&self) -> usize {
         if self.seen_inside() {
-            // In a VM (or under gVisor), from inside: `kill -KILL -1` as its root reaches every process but
-            // PID 1 (the agent) and itself.
-            let mut exec = Exec::new(vec!["kill".into(), "-KILL".into(), "-1".into()]);
+            // In a VM (or under gVisor), from inside: `kill -KILL -1` as its root reaches
+            // every process but PID 1 (the agent) and the shell that sends it. Again until
+            // nothing is left to signal: a process caught forking (a fork bomb's) may leave
+            // a child the first round missed.
+            let mut exec = Exec::new(vec![
+                "sh".into(),
+                "-c".into(),
+                "n=0; while [ $n -lt 50 ] && kill -KILL -1 2>/dev/null; do n=$((n+1)); sleep 0.02; done".into(),
+            ]);
             exec.root = true;
             exec.timeout = Duration::from_secs(10);
             return usize::from(self.exec(exec, |_, _| {}).await.is_ok());

@@ -225,6 +225,33 @@ impl Cgroups {
         }
     }
 
+    /// Every folder of the cgroup: each v1 controller's (the ones mounted), or the unified
+    /// one on v2.
+    pub fn dirs(self, cgroup: &str) -> Vec<std::path::PathBuf> {
+        let cgroup = cgroup.trim_start_matches('/');
+        match self {
+            Cgroups::V2 => vec![std::path::Path::new("/sys/fs/cgroup").join(cgroup)],
+            Cgroups::V1 => std::fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+                // Not following links (`cpu` → `cpu,cpuacct`): each hierarchy once.
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path().join(cgroup))
+                .filter(|dir| dir.is_dir())
+                .collect(),
+        }
+    }
+
+    /// Removes the cgroup's folders that are empty (no processes, no children): what a
+    /// container runtime left (runsc leaves its cgroups behind when its sandbox died
+    /// first). A cgroup still in use is left alone (the kernel refuses).
+    pub fn remove_empty(self, cgroup: &str) {
+        for dir in self.dirs(cgroup) {
+            let _ = std::fs::remove_dir(&dir);
+        }
+    }
+
     /// The file that freezes the box's cgroup: v1's freezer controller's `freezer.state`,
     /// v2's `cgroup.freeze`.
     fn freezer(self, cgroup: &str) -> std::path::PathBuf {

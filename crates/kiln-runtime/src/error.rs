@@ -314,6 +314,9 @@ impl From<PoolError> for RuntimeError {
     fn from(error: PoolError) -> RuntimeError {
         match error {
             PoolError::WorkerLost(detail) => RuntimeError::ExecutorLost { detail },
+            PoolError::Remote(remote) if remote.kind == "lost" => RuntimeError::ExecutorLost {
+                detail: remote.message,
+            },
             PoolError::Remote(remote) if remote.kind == "busy" => RuntimeError::Saturated {
                 message: remote.message,
             },

@@ -1833,5 +1833,64 @@ fn issue34_a_vm_sandbox_has_terminals_previews_pause_and_hibernation() -> TestRe
         "cat index.html; pgrep -x python3 || echo gone",
     )?;
     assert_eq!(ran["stdout"], "hello\ngone\n", "{ran}");
+
+    // Its VMM killed under a running command: the command answers EXECUTOR_LOST, and the
+    // next one gets a new VM.
+    let running = {
+        let (url, key) = (
+            server.url(&format!("/api/v1/sandboxes/{id}/exec")),
+            key.clone(),
+        );
+        std::thread::spawn(move || {
+            send(
+                "POST",
+                &url,
+                Some(&key),
+                Some((
+                    "application/json",
+                    json!({"command": ["sleep", "60"]}).to_string().as_bytes(),
+                )),
+            )
+            .map_err(|e| e.to_string())
+        })
+    };
+    let vmm = || -> Vec<i32> {
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                    c.starts_with(b"/usr/bin/qemu-system-x86_64")
+                        && crate::linux::in_state_folder(*pid, state.path())
+                })
+            })
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let vmms = loop {
+        let found = vmm();
+        // The command runs once the VM's `sleep` shows among its processes.
+        let sleeping = listed(&server, &id)?.to_string().contains("\"sleep\"");
+        if found.len() == 1 && sleeping {
+            break found;
+        }
+        assert!(Instant::now() < deadline, "no running VM: {found:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // SAFETY: kill sends a signal to a pid this test found (this server's one QEMU).
+    unsafe { libc::kill(vmms[0], libc::SIGKILL) };
+    let lost = running
+        .join()
+        .map_err(|_| "the request thread panicked")??;
+    let said = String::from_utf8_lossy(&lost.body).into_owned();
+    assert!(
+        lost.status == 503 && said.contains("EXECUTOR_LOST") && said.contains("VM ended"),
+        "{} {said}",
+        lost.status
+    );
+    let ran = sh(&server, &id, "cat index.html")?;
+    assert_eq!(ran["stdout"], "hello\n", "{ran}");
     Ok(())
 }

@@ -1429,7 +1429,7 @@ fn issue34_a_warm_pool_hands_new_sandboxes_a_running_box_and_follows_its_policy(
 
 /// Whether host process `pid` belongs to a box of the kiln whose state folder is `state`
 /// (its cgroup is `/kiln/<box id>`, and the box's folder is under `state`).
-fn in_state_folder(pid: i32, state: &Path) -> bool {
+pub(crate) fn in_state_folder(pid: i32, state: &Path) -> bool {
     let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
         return false;
     };
