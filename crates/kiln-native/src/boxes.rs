@@ -1267,10 +1267,9 @@ fn gvisor_bundle(config: &mut serde_json::Value) {
         if let Some(limit) = resources
             .get_mut("pids")
             .and_then(|pids| pids.get_mut("limit"))
+            && let Some(n) = limit.as_u64()
         {
-            if let Some(n) = limit.as_u64() {
-                *limit = serde_json::json!(n + GVISOR_TASKS);
-            }
+            *limit = serde_json::json!(n + GVISOR_TASKS);
         }
     }
 }
