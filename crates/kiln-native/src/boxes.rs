@@ -1685,7 +1685,7 @@ fn kill_all_but(cgroups: Cgroups, cgroup: &str, agent: i32) -> usize {
         }
         // Killed processes leave the cgroup as they exit: soon, looked at often at first.
         std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(5));
+        pause = (pause * 2).min(Duration::from_millis(1));
     }
 }
 

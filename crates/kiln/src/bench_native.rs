@@ -111,12 +111,25 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
         commands(&boxes, &spec, n, report).await?;
         idle_boxes(&boxes, &spec, args.boxes, report).await?;
         pool(linux, &boxes, pool_template.clone(), 5, n, report).await?;
+        // Where runsc is installed: the same box under gVisor, side by side.
+        let gvisor = kiln_native::builder::Template {
+            gvisor: true,
+            ..pool_template.clone()
+        };
+        if boxes.is_gvisor_for(&gvisor) {
+            tier_python(&boxes, &spec, gvisor, "native_gvisor", report).await?;
+        } else {
+            report.insert(
+                "native_gvisor".into(),
+                json!({"skipped": "runsc is not installed here (apt-get install runsc)"}),
+            );
+        }
         if linux.vm {
             let vm = kiln_native::builder::Template {
                 vm: true,
                 ..pool_template
             };
-            vm_python(&boxes, &spec, vm.clone(), report).await?;
+            tier_python(&boxes, &spec, vm.clone(), "native_vm", report).await?;
             pool(linux, &boxes, vm, 2, (n / 4).clamp(8, 40), report).await?;
         } else {
             report.insert(
@@ -298,14 +311,18 @@ fn qemu_pids() -> Vec<i32> {
         .collect()
 }
 
-/// A microVM of the python template: cold boot to its agent, `python3 -c 'print(1)'` in it
-/// (beside `native_python`, the same in a box), and closing it.
-async fn vm_python(
+/// The python template on another tier (a microVM, a gVisor box): starting it until its
+/// agent answers (a VM's first boots cold and is snapshotted, the rest are clones),
+/// `python3 -c 'print(1)'` in it (beside `native_python`, the same in a runc box), and
+/// closing it.
+async fn tier_python(
     boxes: &Boxes,
     spec: &BoxSpec,
     template: kiln_native::builder::Template,
+    name: &str,
     report: &mut Report,
 ) -> anyhow::Result<()> {
+    let vm = template.vm;
     let spec = BoxSpec {
         template,
         ..spec.clone()
@@ -324,15 +341,15 @@ async fn vm_python(
         live.close().await;
         closes.push(micros(t.elapsed()));
     }
-    report.insert(
-        "native_vm".into(),
-        json!({
-            "accel": boxes.vm_tier().map_or("none", |t| t.accel.name()),
-            "boot_to_agent": summary(boots),
-            "python": summary(pythons),
-            "close": summary(closes),
-        }),
-    );
+    let mut figures = json!({
+        "boot_to_agent": summary(boots),
+        "python": summary(pythons),
+        "close": summary(closes),
+    });
+    if vm {
+        figures["accel"] = json!(boxes.vm_tier().map_or("none", |t| t.accel.name()));
+    }
+    report.insert(name.into(), figures);
     Ok(())
 }
 
