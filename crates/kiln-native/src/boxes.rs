@@ -323,13 +323,43 @@ fn snapshot_fingerprint(dir: &Path) -> String {
         .join(" / ")
 }
 
+/// Where a VM's writable layer image is: on the sandbox's volume (beside what a box would
+/// keep there, within its cap) where it has one, else in the box's folder.
+/// Makes the folder `path` where it is missing; an error where something else is there
+/// (a file, a link: never followed).
+fn kept_folder(path: &Path) -> Result<(), BoxError> {
+    match std::fs::create_dir(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(start_err("layer")(format!("{}: {e}", path.display())));
+        }
+        _ => {}
+    }
+    let kind = std::fs::symlink_metadata(path)
+        .map_err(|e| start_err("layer")(format!("{}: {e}", path.display())))?;
+    if !kind.is_dir() {
+        return Err(start_err("layer")(format!(
+            "{} is not a folder",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+fn vm_layer(dir: &Path, spec: &BoxSpec) -> PathBuf {
+    spec.layer
+        .as_ref()
+        .map_or_else(|| dir.join("layer.img"), |layer| layer.join("vm-layer.img"))
+}
+
 /// The VM a box of `spec` is, as its VMM is told: `image` its root image, `run` the folder
 /// the VMM writes its sockets and console log in, `cgroup` the box's.
+#[allow(clippy::too_many_arguments)]
 fn vm_spec<'a>(
     tier: &'a crate::vm::VmTier,
     spec: &'a BoxSpec,
     plan: &'a VmPlan,
     image: &'a Path,
+    layer: &'a Path,
     run: &'a Path,
     cgroup: &'a str,
     uid_base: u32,
@@ -345,6 +375,7 @@ fn vm_spec<'a>(
         vmlinux: &tier.vmlinux,
         initrd: &tier.initrd,
         root_image: image,
+        layer,
         workspace: spec.workspace.as_deref(),
         working_dir: &spec.template.definition.working_dir,
         run_dir: run,
@@ -723,7 +754,11 @@ impl Boxes {
         let mut warm = Exec::new(vec!["sh".into(), "-c".into(), "true".into()]);
         warm.timeout = Duration::from_secs(60);
         live.exec(warm, |_, _| {}).await?;
-        let taken = tier.vmm.snapshot(&live.dir.join("run")).await;
+        let taken = match tier.vmm.snapshot(&live.dir.join("run")).await {
+            // The template VM's disk as it stopped: what every clone's memory expects.
+            Ok(()) => crate::vm::copy_layer(&live.dir.join("layer.img"), &dir.join("layer.img"), 0),
+            Err(e) => Err(e),
+        };
         live.close().await;
         taken.map_err(start_err("snapshot"))?;
         // The template VM is gone: its folder is root's again (clones get the RAM file
@@ -776,11 +811,13 @@ impl Boxes {
             let image = crate::vm::root_image(&spec.template.rootfs, self.config.uid_base)
                 .map_err(start_err("image"))?;
             let (run, cgroup) = (dir.join("run"), cgroup_path(&id));
+            let layer = vm_layer(&dir, &spec);
             let vm_spec = vm_spec(
                 tier,
                 &spec,
                 &plan,
                 &image,
+                &layer,
                 &run,
                 &cgroup,
                 self.config.uid_base,
@@ -941,20 +978,7 @@ impl Boxes {
             // host's: the guest reaches only its workspace).
             Some(kept) => {
                 for path in [kept.clone(), kept.join("upper"), kept.join("work")] {
-                    match std::fs::create_dir(&path) {
-                        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
-                            return Err(start_err("layer")(format!("{}: {e}", path.display())));
-                        }
-                        _ => {}
-                    }
-                    let kind = std::fs::symlink_metadata(&path)
-                        .map_err(|e| start_err("layer")(format!("{}: {e}", path.display())))?;
-                    if !kind.is_dir() {
-                        return Err(start_err("layer")(format!(
-                            "{} is not a folder",
-                            path.display()
-                        )));
-                    }
+                    kept_folder(&path)?;
                 }
                 std::fs::set_permissions(kept, std::fs::Permissions::from_mode(0o700))
                     .map_err(|e| start_err("layer")(e.to_string()))?;
@@ -1080,8 +1104,23 @@ impl Boxes {
             limits: spec.limits,
             cgroup: &cgroup,
         });
+        // Its writable layer: a fresh disk, or a copy of its snapshot's as the template VM
+        // left it (the clone's memory expects that disk).
+        let layer = vm_layer(dir, spec);
+        if let Some(kept) = &spec.layer {
+            kept_folder(kept)?;
+            std::fs::set_permissions(kept, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| start_err("layer")(e.to_string()))?;
+        }
+        match plan {
+            VmPlan::Clone(snapshot) => {
+                crate::vm::copy_layer(&snapshot.join("layer.img"), &layer, base)
+            }
+            _ => crate::vm::make_layer(&layer, spec.limits.disk_bytes, base),
+        }
+        .map_err(start_err("layer"))?;
         let mut config = crate::vm::vmm_config(
-            &vm_spec(tier, spec, plan, &image, &run, &cgroup, base),
+            &vm_spec(tier, spec, plan, &image, &layer, &run, &cgroup, base),
             jail_box,
         );
         config["root"]["readonly"] = serde_json::json!(true);

@@ -320,6 +320,97 @@ pub fn root_image(rootfs: &Path, uid_base: u32) -> Result<PathBuf, String> {
     result.map(|()| image)
 }
 
+/// The smallest writable layer a VM gets, whatever its disk limit.
+const MIN_LAYER_BYTES: u64 = 64 << 20;
+
+/// Makes `path` a fresh VM writable layer: a sparse file of `bytes` (the box's disk limit),
+/// an ext4 filesystem without a journal (a layer goes with its VM), owned by `uid_base` (the
+/// VMM's uid in its jail). Made anew (never following a link there); mkfs runs as kiln, on a
+/// file no guest has touched.
+pub fn make_layer(path: &Path, bytes: u64, uid_base: u32) -> Result<(), String> {
+    let file = fresh_file(path, uid_base)?;
+    file.set_len(bytes.max(MIN_LAYER_BYTES))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    drop(file);
+    let out = std::process::Command::new("mkfs.ext4")
+        .args([
+            "-q",
+            "-F",
+            "-L",
+            "kiln-layer",
+            "-O",
+            "^has_journal",
+            "-m",
+            "0",
+        ])
+        .args(["-E", "lazy_itable_init=1,root_owner=0:0,nodiscard"])
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("mkfs.ext4 (apt-get install e2fsprogs): {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "mkfs.ext4 {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+/// A new, empty file at `path` owned by `uid_base`: what was there is removed first (a file
+/// or a link, not followed), and the new one is made exclusively.
+fn fresh_file(path: &Path, uid_base: u32) -> Result<std::fs::File, String> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .and_then(|f| std::os::unix::fs::fchown(&f, Some(uid_base), Some(uid_base)).map(|()| f))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Copies the layer image `from` (a snapshot's) to `to`, its holes kept (only the extents
+/// with data are read and written): a clone's own writable layer, as its template VM's was
+/// when the snapshot was taken.
+pub fn copy_layer(from: &Path, to: &Path, uid_base: u32) -> Result<(), String> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::os::fd::AsRawFd;
+    let failed = |e: std::io::Error| format!("copying {} to {}: {e}", from.display(), to.display());
+    let mut source = std::fs::File::open(from).map_err(failed)?;
+    let length = source.metadata().map_err(failed)?.len();
+    let mut target = fresh_file(to, uid_base)?;
+    target.set_len(length).map_err(failed)?;
+    let mut at: i64 = 0;
+    let mut buffer = vec![0u8; 1 << 20];
+    while (at as u64) < length {
+        // SAFETY: lseek(2) on a descriptor this function owns; integers only.
+        let data = unsafe { libc::lseek(source.as_raw_fd(), at, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // ENXIO: only a hole is left
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(source.as_raw_fd(), data, libc::SEEK_HOLE) };
+        let end = if hole < 0 { length as i64 } else { hole };
+        source.seek(SeekFrom::Start(data as u64)).map_err(failed)?;
+        target.seek(SeekFrom::Start(data as u64)).map_err(failed)?;
+        let mut left = (end - data) as usize;
+        while left > 0 {
+            let chunk = left.min(buffer.len());
+            source.read_exact(&mut buffer[..chunk]).map_err(failed)?;
+            target.write_all(&buffer[..chunk]).map_err(failed)?;
+            left -= chunk;
+        }
+        at = end;
+    }
+    Ok(())
+}
+
 fn dir_size(dir: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let mut total = 0;
@@ -446,6 +537,8 @@ pub struct VmSpec<'a> {
     pub vmlinux: &'a Path,
     pub initrd: &'a Path,
     pub root_image: &'a Path,
+    /// The VM's writable layer: an ext4 image of the box's disk limit ([`make_layer`]).
+    pub layer: &'a Path,
     /// The host folder served as the workspace (9p), if any.
     pub workspace: Option<&'a Path>,
     /// Where the workspace is in the VM (the template's working dir).
@@ -504,6 +597,12 @@ pub fn qemu_args(spec: &VmSpec<'_>) -> Vec<String> {
         "id=root,file=/kiln/root.ext4,format=raw,if=none,readonly=on",
         "-device",
         "virtio-blk-device,drive=root",
+        "-drive",
+        // An error writing the image (the sandbox's disk full) is the guest's I/O error,
+        // never a stopped VM (QEMU's default on ENOSPC).
+        "id=layer,file=/kiln/layer.img,format=raw,if=none,discard=unmap,werror=report,rerror=report",
+        "-device",
+        "virtio-blk-device,drive=layer",
         "-device",
         "virtio-serial-device",
         "-chardev",
@@ -584,6 +683,7 @@ pub fn make_vmm_root(root: &Path, workspace: bool) -> std::io::Result<()> {
         "kiln/vmlinux",
         "kiln/initrd",
         "kiln/root.ext4",
+        "kiln/layer.img",
         "kiln/snap/ram",
         "kiln/snap/state",
     ] {
@@ -624,6 +724,7 @@ pub fn vmm_config(spec: &VmSpec<'_>, jail_box: Value) -> Value {
         bind(spec.vmlinux, "/kiln/vmlinux", "ro"),
         bind(spec.initrd, "/kiln/initrd", "ro"),
         bind(spec.root_image, "/kiln/root.ext4", "ro"),
+        bind(spec.layer, "/kiln/layer.img", "rw"),
         bind(spec.run_dir, "/kiln/run", "rw"),
     ];
     match spec.memory {
@@ -786,6 +887,7 @@ mod tests {
             vmlinux: Path::new("/v"),
             initrd: Path::new("/i"),
             root_image: Path::new("/r"),
+            layer: Path::new("/l"),
             workspace: Some(Path::new("/w")),
             working_dir: "/workspace",
             run_dir: Path::new("/run"),
@@ -830,6 +932,7 @@ mod tests {
             vmlinux: Path::new("/v"),
             initrd: Path::new("/i"),
             root_image: Path::new("/r"),
+            layer: Path::new("/l"),
             workspace: None,
             working_dir: "/workspace",
             run_dir: Path::new("/run"),

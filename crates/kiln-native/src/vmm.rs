@@ -60,11 +60,9 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
 
 /// The kernel command line of a VM (the init reads the `kiln.` words).
 pub fn kernel_cmdline(spec: &VmSpec<'_>, agent: &str) -> String {
-    let ram = crate::vm::ram_mib(&spec.limits);
-    // The writable layer is a tmpfs in the VM's RAM: at most half of it.
-    let layer = (spec.limits.disk_bytes >> 20).clamp(16, ram / 2);
+    // The writable layer is the VM's second disk (`/dev/vdb`).
     let mut cmdline = format!(
-        "console=ttyS0 quiet panic=-1 kiln.layer_mb={layer} kiln.workdir={} kiln.pids={} kiln.agent={agent}",
+        "console=ttyS0 quiet panic=-1 kiln.workdir={} kiln.pids={} kiln.agent={agent}",
         spec.working_dir, spec.limits.pids
     );
     if spec.memory != VmMemory::Own {
@@ -193,6 +191,12 @@ impl Firecracker {
                 "/drives/root".into(),
                 json!({"drive_id": "root", "path_on_host": "/kiln/root.ext4",
                        "is_root_device": false, "is_read_only": true}),
+            ),
+            (
+                "PUT",
+                "/drives/layer".into(),
+                json!({"drive_id": "layer", "path_on_host": "/kiln/layer.img",
+                       "is_root_device": false, "is_read_only": false}),
             ),
             (
                 "PUT",

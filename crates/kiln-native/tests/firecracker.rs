@@ -285,6 +285,7 @@ fn spec<'a>(vmm: &'a Firecracker, run: &'a Path, memory: VmMemory<'a>) -> VmSpec
         vmlinux: Path::new("/v"),
         initrd: Path::new("/i"),
         root_image: Path::new("/r"),
+        layer: Path::new("/l"),
         workspace: None,
         working_dir: "/workspace",
         run_dir: run,
@@ -350,6 +351,7 @@ async fn firecracker_is_configured_started_snapshotted_and_cloned_over_its_api()
             "/machine-config",
             "/boot-source",
             "/drives/root",
+            "/drives/layer",
             "/vsock",
             "/actions"
         ]
@@ -363,15 +365,16 @@ async fn firecracker_is_configured_started_snapshotted_and_cloned_over_its_api()
     );
     assert!(!boot_args.contains("tsc_early_khz"), "KVM: {boot_args}");
     assert_eq!(calls[2].2["is_read_only"], true);
-    assert_eq!(calls[3].2["guest_cid"], 3);
+    assert_eq!(calls[3].2["is_read_only"], false);
+    assert_eq!(calls[4].2["guest_cid"], 3);
 
     // The snapshot of a VM: paused, then both files written.
     vmm.snapshot(&run).await.unwrap();
     let calls = peer.calls();
-    assert_eq!(calls[5].0, "PATCH");
-    assert_eq!(calls[5].2, json!({"state": "Paused"}));
-    assert_eq!(calls[6].1, "/snapshot/create");
-    assert_eq!(calls[6].2["mem_file_path"], "/kiln/snap/ram");
+    assert_eq!(calls[6].0, "PATCH");
+    assert_eq!(calls[6].2, json!({"state": "Paused"}));
+    assert_eq!(calls[7].1, "/snapshot/create");
+    assert_eq!(calls[7].2["mem_file_path"], "/kiln/snap/ram");
     // A second boot of the same VM is refused as Firecracker refuses it, and said.
     let again = vmm.boot(&cold).await.unwrap_err();
     assert!(again.contains("not supported after starting"), "{again}");

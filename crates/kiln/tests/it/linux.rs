@@ -1743,8 +1743,10 @@ fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::
     assert_eq!(status, 200, "{spun}");
     assert_eq!(spun["outcome"], "timed_out", "{spun}");
     assert_eq!(sh("echo alive")?["stdout"], "alive\n");
-    // Disk: the workspace is the sandbox's capped volume and the rest a tmpfs in the VM's
-    // RAM; filling either ends in ENOSPC inside the VM, not in the host's disk.
+    // Disk: the workspace and the VM's writable layer (an image on the same volume) share
+    // the sandbox's capped disk; filling either ends in an error inside the VM (ENOSPC, or
+    // an I/O error on the layer when the volume under it is full), not in the host's disk,
+    // and the VM goes on.
     let (status, small) = server.call(
         "POST",
         "/api/v1/sandboxes",
@@ -1755,13 +1757,19 @@ fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::
     let (status, filled) = server.call(
         "POST",
         &format!("/api/v1/sandboxes/{small}/exec"),
-        Some(json!({"command": ["sh", "-c", "dd if=/dev/zero of=big bs=1M count=100 2>&1 | grep -c 'No space'; dd if=/dev/zero of=/tmp/big bs=1M count=100 2>&1 | grep -c 'No space'"], "timeoutMs": 120000})),
+        Some(json!({"command": ["sh", "-c", "dd if=/dev/zero of=big bs=1M count=100 2>&1 | grep -c 'No space'; rm big; dd if=/dev/zero of=/tmp/big bs=1M count=100 2>&1 | grep -cE 'No space|Input/output'; rm -f /tmp/big; echo goes-on"], "timeoutMs": 120000})),
     )?;
     assert_eq!(
         (status, filled["stdout"].clone()),
-        (200, json!("1\n1\n")),
+        (200, json!("1\n1\ngoes-on\n")),
         "{filled}"
     );
+    // The layer is the sandbox's disk, not the VM's RAM: 300 MiB outside the workspace of a
+    // VM with 512 MiB of RAM (a tmpfs layer held at most half of it).
+    let wrote = exec(
+        json!({"command": ["sh", "-c", "dd if=/dev/zero of=/home/user/big bs=1M count=300 2>/dev/null && du -m /home/user/big | cut -f1; rm -f /home/user/big"], "timeoutMs": 120000}),
+    )?;
+    assert_eq!(wrote["stdout"], "300\n", "{wrote}");
 
     // kiln killed with -9 leaves its VMs running; the next kiln removes them.
     let mut server = server;
