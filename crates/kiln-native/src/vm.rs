@@ -901,7 +901,7 @@ mod tests {
             "-m 512M",
             "-smp 2",
             "tsc_early_khz=",
-            "kiln.layer_mb=256",
+            "drive=layer",
             "mount_tag=workspace",
             "-sandbox on,",
         ] {
