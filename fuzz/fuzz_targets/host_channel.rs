@@ -24,7 +24,10 @@ fuzz_target!(|data: &[u8]| {
         let channel = Channel::new(host_read, host_write);
         // kiln's own requests (ids 1 and 2): a call and a listener.
         let mut hello = channel.call(Op::Hello).await.expect("a call");
-        let listener = channel.call(Op::Listen { port: 1 }).await.expect("a listener");
+        let listener = channel
+            .call(Op::Listen { port: 1 })
+            .await
+            .expect("a listener");
         guest_write.write_all(data).await.expect("written");
         drop(guest_write);
         // Each stream ends once the guest's bytes run out.
