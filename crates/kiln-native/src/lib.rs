@@ -18,7 +18,9 @@ pub mod checkpoint;
 pub mod jail;
 pub mod pool;
 pub mod process;
-mod procs;
+/// The parsers of process and socket tables (public for the fuzz targets).
+#[doc(hidden)]
+pub mod procs;
 pub mod proxy;
 pub mod template;
 pub mod vm;

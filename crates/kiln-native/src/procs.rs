@@ -102,7 +102,7 @@ fn task(host_pid: i32, uid_base: u32, boot: u64, ticks: u64, page: u64) -> Optio
 /// read them: its process, parent and group (the VM's numbers are its own: no mapping).
 /// `boot` is the VM's boot time in seconds since the epoch; the VM's clock ticks at 100 Hz
 /// (x86's USER_HZ) and its pages are 4 KiB.
-pub(crate) fn vm_process(
+pub fn vm_process(
     pid: u32,
     stat: &[u8],
     status: &str,
@@ -136,16 +136,19 @@ pub(crate) fn vm_process(
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect(),
         state: fields.first()?.to_string(),
-        started_ms: boot * 1000 + number(22)? * 1000 / TICKS,
-        cpu_ms: (number(14)? + number(15)?) * 1000 / TICKS,
-        memory_bytes: number(24)? * PAGE,
+        // The guest writes these numbers: saturated, never an overflow.
+        started_ms: boot
+            .saturating_mul(1000)
+            .saturating_add(number(22)?.saturating_mul(1000) / TICKS),
+        cpu_ms: number(14)?.saturating_add(number(15)?).saturating_mul(1000) / TICKS,
+        memory_bytes: number(24)?.saturating_mul(PAGE),
         agent: pid == 1,
     })
 }
 
 /// The listening sockets in a microVM's `/proc/net/tcp` (`v6`: `tcp6`) text, each with its
 /// socket inode (to find its owner by the VM's `/proc/PID/fd` links).
-pub(crate) fn vm_listening(text: &str, v6: bool) -> Vec<(kiln_core::process::BoxPort, String)> {
+pub fn vm_listening(text: &str, v6: bool) -> Vec<(kiln_core::process::BoxPort, String)> {
     let mut found = Vec::new();
     for line in text.lines().skip(1) {
         let fields: Vec<&str> = line.split_whitespace().collect();
@@ -325,5 +328,35 @@ mod tests {
             .as_millis() as u64;
         assert!(task.started_ms <= now_ms + 1000 && task.started_ms > now_ms - 3_600_000);
         assert!(tasks(&[i32::MAX], 0).is_empty(), "a gone pid is left out");
+    }
+
+    /// A hostile VM's `/proc` text (read through its agent): numbers that would overflow
+    /// saturate, malformed lines are skipped, nothing panics.
+    #[test]
+    fn a_vms_proc_text_with_huge_or_broken_numbers_is_read_without_overflow() {
+        let max = u64::MAX;
+        let stat =
+            format!("7 (sh) S 1 7 7 0 -1 0 0 0 0 0 {max} {max} 0 0 20 0 1 0 {max} 0 {max} 0");
+        let process = vm_process(
+            7,
+            stat.as_bytes(),
+            "Uid:\t1000\t1000\t1000\t1000\n",
+            b"sh\0",
+            max,
+        )
+        .expect("a process");
+        assert_eq!(
+            (process.started_ms, process.cpu_ms, process.memory_bytes),
+            (max, max / 100, max)
+        );
+        assert!(vm_process(7, b") (", "Uid: 1 1", b"", 0).is_none());
+        assert!(vm_process(7, b"7 (x", "", b"", 0).is_none());
+        assert!(
+            vm_listening(
+                "header\n  0: 0100007F:ZZZZ 00000000:0000 0A 0 0 0 0 0 0 0 1\n0: x",
+                false
+            )
+            .is_empty()
+        );
     }
 }
