@@ -763,8 +763,28 @@ impl Boxes {
         taken.map_err(start_err("snapshot"))?;
         // The template VM is gone: its folder is root's again (clones get the RAM file
         // alone, bound in), and what it was is recorded.
+        // The folder was the template VM's VMM's (bound in) while it ran: what clones bind
+        // must be plain files, not links it left, and the record is made anew, not
+        // written through whatever is there.
         std::os::unix::fs::chown(&dir, Some(0), Some(0))
-            .and_then(|()| std::fs::write(dir.join("complete"), snapshot_fingerprint(&dir)))
+            .map_err(|e| start_err("snapshot")(e.to_string()))?;
+        for name in ["ram", "state", "layer.img"] {
+            let plain = std::fs::symlink_metadata(dir.join(name)).is_ok_and(|m| m.is_file());
+            if !plain {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(start_err("snapshot")(format!(
+                    "the snapshot's {name} is not a plain file: the snapshot was discarded"
+                )));
+            }
+        }
+        let _ = std::fs::remove_file(dir.join("complete"));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(dir.join("complete"))
+            .and_then(|mut f| {
+                std::io::Write::write_all(&mut f, snapshot_fingerprint(&dir).as_bytes())
+            })
             .map_err(|e| start_err("snapshot")(e.to_string()))?;
         tracing::info!(template = %spec.template.definition.name, "made a microVM snapshot for clones");
         Ok(dir)

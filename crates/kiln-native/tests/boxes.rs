@@ -76,6 +76,12 @@ fn jail<'a>(
 }
 
 fn boxes() -> Boxes {
+    boxes_with("runc", false, Some(cache().join("tools/criu/criu")))
+}
+
+/// Boxes of `runtime` (`runc` or `runsc`), or microVMs under QEMU where `vm`, in a state
+/// folder of their own (a new `Boxes` removes the boxes it finds in its folder).
+fn boxes_with(runtime: &str, vm: bool, criu: Option<PathBuf>) -> Boxes {
     let agent = kiln_native::find_agent()
         .or_else(|| {
             let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -83,21 +89,26 @@ fn boxes() -> Boxes {
             kiln_native::is_static(&path).then_some(path)
         })
         .expect("the static guest agent is not built: run scripts/build-guest");
-    // One state folder per test: a new `Boxes` removes the boxes it finds in its folder.
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let state = std::env::temp_dir().join(format!(
         "kiln-boxes-test-{}-{}",
         std::process::id(),
         NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
+    let vm = vm.then(|| {
+        std::sync::Arc::new(
+            kiln_native::vm::VmTier::new(&cache(), &agent, &state, "qemu")
+                .expect("QEMU and scripts/build-vm's kernel"),
+        )
+    });
     Boxes::new(BoxesConfig {
         state_dir: state,
         agent,
-        runtime: "runc".into(),
+        runtime: runtime.into(),
         alternate: None,
         uid_base: 100_000,
-        criu: Some(cache().join("tools/criu/criu")),
-        vm: None,
+        criu,
+        vm,
         gvisor: false,
     })
     .unwrap()
@@ -794,40 +805,6 @@ async fn without_the_allowlist_a_box_has_no_network_at_all() {
     live.close().await;
 }
 
-/// The boxes of `runtime` (`runc` or `runsc`), or microVMs under QEMU where `vm`.
-fn boxes_of(runtime: &str, vm: bool) -> Boxes {
-    let agent = kiln_native::find_agent()
-        .or_else(|| {
-            let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../target/guest/release/kiln-guest");
-            kiln_native::is_static(&path).then_some(path)
-        })
-        .expect("the static guest agent is not built: run scripts/build-guest");
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let state = std::env::temp_dir().join(format!(
-        "kiln-tiers-test-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ));
-    let vm = vm.then(|| {
-        std::sync::Arc::new(
-            kiln_native::vm::VmTier::new(&cache(), &agent, &state, "qemu")
-                .expect("QEMU and scripts/build-vm's kernel"),
-        )
-    });
-    Boxes::new(BoxesConfig {
-        state_dir: state,
-        agent,
-        runtime: runtime.into(),
-        alternate: None,
-        uid_base: 100_000,
-        criu: None,
-        vm,
-        gvisor: false,
-    })
-    .unwrap()
-}
-
 /// Issue 34: what a runc box refuses and holds, a gVisor box and a microVM hold too: to the
 /// box's user, mount, new namespaces, device nodes, writes to /proc/sys and /sys, packet
 /// and raw sockets, ptrace of its agent, setuid to root; no network and no host loopback;
@@ -844,7 +821,7 @@ async fn the_same_refusals_and_limits_hold_under_gvisor_and_in_a_microvm() {
     let host = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = host.local_addr().unwrap().port();
     for (name, runtime, vm) in [("gvisor", "runsc", false), ("vm", "runc", true)] {
-        let boxes = boxes_of(runtime, vm);
+        let boxes = boxes_with(runtime, vm, None);
         let template = Template {
             vm,
             ..python().clone()

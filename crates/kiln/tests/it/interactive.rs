@@ -1854,23 +1854,9 @@ fn issue34_a_vm_sandbox_has_terminals_previews_pause_and_hibernation() -> TestRe
             .map_err(|e| e.to_string())
         })
     };
-    let vmm = || -> Vec<i32> {
-        std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-            .filter(|pid| {
-                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
-                    c.starts_with(b"/usr/bin/qemu-system-x86_64")
-                        && crate::linux::in_state_folder(*pid, state.path())
-                })
-            })
-            .collect()
-    };
     let deadline = Instant::now() + Duration::from_secs(30);
     let vmms = loop {
-        let found = vmm();
+        let found = crate::linux::vmms_of(state.path());
         // The command runs once the VM's `sleep` shows among its processes.
         let sleeping = listed(&server, &id)?.to_string().contains("\"sleep\"");
         if found.len() == 1 && sleeping {

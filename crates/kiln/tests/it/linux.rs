@@ -1427,9 +1427,24 @@ fn issue34_a_warm_pool_hands_new_sandboxes_a_running_box_and_follows_its_policy(
     Ok(())
 }
 
+/// The host pids of the QEMUs of the kiln whose state folder is `state`.
+pub(crate) fn vmms_of(state: &Path) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                c.starts_with(b"/usr/bin/qemu-system-x86_64") && in_state_folder(*pid, state)
+            })
+        })
+        .collect()
+}
+
 /// Whether host process `pid` belongs to a box of the kiln whose state folder is `state`
 /// (its cgroup is `/kiln/<box id>`, and the box's folder is under `state`).
-pub(crate) fn in_state_folder(pid: i32, state: &Path) -> bool {
+fn in_state_folder(pid: i32, state: &Path) -> bool {
     let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
         return false;
     };
@@ -1565,15 +1580,7 @@ fn issue34_templates_run_as_microvms_with_the_same_refusals() -> crate::common::
         metric(&server, ready) == Some(1.0)
     });
     // A killed VMM is dropped from the pool and replaced.
-    let vmms: Vec<i32> = std::fs::read_dir("/proc")?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
-                c.starts_with(b"/usr/bin/qemu-system-x86_64") && in_state_folder(*pid, state.path())
-            })
-        })
-        .collect();
+    let vmms = vmms_of(state.path());
     assert_eq!(
         vmms.len(),
         1,
