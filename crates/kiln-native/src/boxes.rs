@@ -1647,11 +1647,18 @@ fn remove(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path) {
 /// left by a runtime (or a kiln) that died before removing them. A box being started has
 /// its cgroup for seconds only; one in use is not empty, and the kernel keeps it.
 fn remove_stale_cgroups(cgroups: Cgroups) {
-    let Some(parent) = cgroups.dirs("/kiln").into_iter().next() else {
-        return;
-    };
     let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
-    for entry in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+    // Every hierarchy's `kiln` folder (they need not all hold the same boxes: v1's
+    // `unified` mount holds few), each box once.
+    let mut seen = std::collections::HashSet::new();
+    let entries = cgroups
+        .dirs("/kiln")
+        .into_iter()
+        .flat_map(|parent| std::fs::read_dir(parent).into_iter().flatten().flatten());
+    for entry in entries {
+        if !seen.insert(entry.file_name()) {
+            continue;
+        }
         let name = entry.file_name().to_string_lossy().into_owned();
         let old = entry
             .metadata()
