@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod backend;
 pub mod jail;
+pub mod net;
 pub mod pool;
 pub mod process;
 pub mod template;
@@ -324,6 +325,9 @@ pub struct ExecRequest {
     /// The sandbox's network (Linux templates; WebAssembly guests have none at all).
     #[serde(default, skip_serializing_if = "Network::is_none")]
     pub network: Network,
+    /// The sandbox's own egress rules, within the operator's list (with a network).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<net::EgressGrant>,
     /// The live box's resources (Linux templates); `None`: the template's defaults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<template::Resources>,
@@ -402,6 +406,7 @@ impl ExecRequest {
             template: None,
             command: None,
             network: Network::None,
+            egress: None,
             resources: None,
             idle: process::IdleOverrides::default(),
         }

@@ -316,6 +316,20 @@ pub trait ProcessHost: Send + Sync + 'static {
     fn paused(&self) -> BoxFuture<'_, Vec<(std::path::PathBuf, std::time::Duration)>> {
         Box::pin(async { Vec::new() })
     }
+
+    /// Applies a sandbox's egress rules to the live box of `workspace` now (`None`: the
+    /// operator's list alone); a box started later gets them from its requests. Default:
+    /// this host has no network to rule.
+    fn set_egress<'a>(
+        &'a self,
+        _workspace: &'a std::path::Path,
+        _grant: Option<crate::net::EgressGrant>,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Where the placeholders of header rules are filled from (kiln's secrets store).
+    fn use_secrets(&self, _secrets: std::sync::Arc<dyn crate::net::SecretSource>) {}
 }
 
 impl std::fmt::Debug for dyn ProcessHost {

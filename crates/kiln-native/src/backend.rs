@@ -139,6 +139,10 @@ struct Inner {
     /// What boxes of sandboxes with `network: allowlist` may reach.
     allowlist: Arc<Allowlist>,
     ca_bundle: Option<PathBuf>,
+    /// The CA that opens HTTPS to hosts a sandbox's header rules name.
+    egress_tls: Option<Arc<crate::intercept::Interceptor>>,
+    /// Where those rules' secret placeholders are filled from (set by kiln's runtime).
+    secrets: std::sync::OnceLock<Arc<dyn kiln_core::net::SecretSource>>,
     /// Workspaces whose sandbox is paused (its box frozen, or none running): the idle
     /// reaper leaves their boxes alone, and the next command resumes them.
     paused: std::sync::Mutex<HashMap<PathBuf, Instant>>,
@@ -307,6 +311,8 @@ impl NativeBackend {
                 held: tokio::sync::Mutex::new(HashMap::new()),
                 allowlist,
                 ca_bundle,
+                egress_tls: None,
+                secrets: Default::default(),
                 paused: Default::default(),
                 hibernated: Default::default(),
                 closing: Default::default(),
@@ -344,6 +350,7 @@ impl NativeBackend {
             network: matches!(request.network, kiln_core::Network::Allowlist),
             workspace_at: request.workspace_at.clone(),
             idle: request.idle,
+            egress: request.egress.clone(),
         }
     }
 
@@ -365,7 +372,26 @@ impl NativeBackend {
         BoxSpec {
             layer: workspace.as_deref().and_then(persistent_layer),
             workspace,
-            network: recipe.network.then(|| self.inner.allowlist.clone()),
+            network: recipe.network.then(|| {
+                let egress = crate::proxy::LiveEgress::new(
+                    self.inner.allowlist.clone(),
+                    self.inner.secrets.get().cloned(),
+                    self.inner.egress_tls.clone(),
+                );
+                if let Err(why) = egress.set(recipe.egress.clone()) {
+                    // Checked when they were set: rules that no longer parse leave the
+                    // box no way out at all rather than the operator's whole list.
+                    tracing::warn!(target: "kiln::egress", "the sandbox's network rules are refused ({why}): its box gets none");
+                    let _ = egress.set(Some(kiln_core::net::EgressGrant {
+                        rules: kiln_core::net::Egress {
+                            deny_out: vec![kiln_core::net::ALL_TRAFFIC.into()],
+                            ..Default::default()
+                        },
+                        ..Default::default()
+                    }));
+                }
+                Arc::new(egress)
+            }),
             ca_bundle: self.inner.ca_bundle.clone(),
             ..BoxSpec::new(template, recipe.limits)
         }
@@ -419,6 +445,9 @@ impl NativeBackend {
         {
             entry.last_used = Instant::now();
             entry.policy = request.idle;
+            if entry.recipe.egress != request.egress {
+                apply_egress(entry, request.egress.clone())?;
+            }
             if was_paused || entry.live.is_paused() {
                 entry
                     .live
@@ -971,6 +1000,38 @@ impl NativeBackend {
 
     /// The backend with `names` said to be defined but not built here (a create for one is
     /// told to build it, not that it does not exist).
+    /// Opens HTTPS to hosts that sandboxes' header rules name with `tls`'s CA (which the
+    /// boxes' CA bundle must hold).
+    pub fn with_egress_tls(mut self, tls: Arc<crate::intercept::Interceptor>) -> NativeBackend {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.egress_tls = Some(tls);
+        }
+        self
+    }
+
+    /// Where header rules' secret placeholders are filled from (the first one set stays).
+    pub fn use_secrets(&self, secrets: Arc<dyn kiln_core::net::SecretSource>) {
+        let _ = self.inner.secrets.set(secrets);
+    }
+
+    /// Applies a sandbox's egress rules to its box from now on (its next box starts with
+    /// them anyway: each request carries them).
+    pub async fn set_egress(
+        &self,
+        workspace: &std::path::Path,
+        grant: Option<kiln_core::net::EgressGrant>,
+    ) -> Result<(), BackendError> {
+        if let Some(grant) = &grant {
+            kiln_core::net::EgressPolicy::new(grant.clone())
+                .map_err(|e| BackendError::new(ErrorKind::Grant, e))?;
+        }
+        let mut held = self.inner.held.lock().await;
+        if let Some(entry) = held.get_mut(workspace) {
+            apply_egress(entry, grant)?;
+        }
+        Ok(())
+    }
+
     pub fn with_unbuilt(mut self, names: Vec<String>) -> NativeBackend {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
             inner.unbuilt = names;
@@ -1151,6 +1212,21 @@ fn clear_pool_home(home: &std::path::Path) {
     }
 }
 
+/// Applies a sandbox's egress rules to its held box, and keeps them with its recipe (for
+/// a checkpoint of it).
+fn apply_egress(
+    entry: &mut Held,
+    grant: Option<kiln_core::net::EgressGrant>,
+) -> Result<(), BackendError> {
+    if let Some(egress) = entry.live.egress() {
+        egress
+            .set(grant.clone())
+            .map_err(|e| BackendError::new(ErrorKind::Grant, e))?;
+    }
+    entry.recipe.egress = grant;
+    Ok(())
+}
+
 /// The warm pool of `template`, unless its settings keep none.
 fn box_pool(
     template: &Template,
@@ -1187,6 +1263,7 @@ fn box_pool(
         network: false,
         workspace_at: None,
         idle: Default::default(),
+        egress: None,
     };
     let (boxes, home, volume, ca_bundle) = (
         boxes.clone(),

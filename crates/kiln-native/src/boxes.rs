@@ -22,7 +22,7 @@ use kiln_guest::proto::{Credentials, Failure, Op, Reply, Spawn};
 use crate::builder::Template;
 use crate::channel::{Carried, Channel, ChannelClosed};
 use crate::jail::{self, BoxLimits, Cgroups};
-use crate::proxy::{self, Allowlist};
+use crate::proxy;
 use crate::template::{USER_HOME, USER_NAME, USER_UID};
 
 /// How long a box's agent has to answer its first hello.
@@ -102,8 +102,9 @@ pub struct BoxSpec {
     /// A host folder bound at the template's working dir.
     pub workspace: Option<PathBuf>,
     pub limits: BoxLimits,
-    /// `None`: no network at all. Otherwise the names its proxy lets it reach.
-    pub network: Option<Arc<Allowlist>>,
+    /// `None`: no network at all. Otherwise what its proxy lets it reach (the operator's
+    /// list and the sandbox's rules, which may change while it runs).
+    pub network: Option<Arc<proxy::LiveEgress>>,
     /// A host CA bundle bound over the box's (for hosts behind a TLS-inspecting proxy).
     pub ca_bundle: Option<PathBuf>,
     /// The template's root filesystem itself is the box's root, written in place (no
@@ -264,6 +265,8 @@ pub struct LiveBox {
     channel: Arc<Channel>,
     /// Proxy variables and CA paths every command gets.
     network_env: Vec<(String, String)>,
+    /// What its proxy applies (`None`: it has no network).
+    egress: Option<Arc<proxy::LiveEgress>>,
     cgroup: String,
     cgroups: Cgroups,
     runtime: PathBuf,
@@ -895,6 +898,12 @@ impl Boxes {
                 None => channel.listen(proxy::PROXY_PORT).await?,
             };
             tokio::spawn(proxy::serve(channel.clone(), accepted, allow.clone()));
+            // SOCKS5 on the same port, for TCP other than HTTP(S) (`curl --socks5-hostname`,
+            // `ssh -o ProxyCommand='nc -X 5 -x 127.0.0.1:3128 %h %p'`).
+            network_env.push((
+                "KILN_SOCKS_PROXY".to_string(),
+                format!("socks5h://127.0.0.1:{}", proxy::PROXY_PORT),
+            ));
             let url = format!("http://127.0.0.1:{}", proxy::PROXY_PORT);
             for key in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"] {
                 network_env.push((key.to_string(), url.clone()));
@@ -917,6 +926,7 @@ impl Boxes {
         made.armed = false;
         Ok(LiveBox {
             network_env,
+            egress: spec.network.clone(),
             cgroup: cgroup_path(&id),
             id,
             dir,
@@ -2560,6 +2570,11 @@ impl LiveBox {
     }
 
     /// Whether the box is still running.
+    /// What its proxy applies, where it has a network.
+    pub fn egress(&self) -> Option<&Arc<proxy::LiveEgress>> {
+        self.egress.as_ref()
+    }
+
     pub fn is_alive(&self) -> bool {
         self.channel.is_open()
     }

@@ -495,7 +495,9 @@ impl Job<'_> {
         let live = jail
             .boxes
             .open(BoxSpec {
-                network: Some(std::sync::Arc::new(allow)),
+                network: Some(crate::proxy::LiveEgress::operator_only(
+                    std::sync::Arc::new(allow),
+                )),
                 in_place: true,
                 ..BoxSpec::new(template, build_limits())
             })

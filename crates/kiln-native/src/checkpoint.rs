@@ -33,6 +33,10 @@ pub struct BoxRecipe {
     /// Where its workspace was mounted, when not at the template's working dir.
     pub workspace_at: Option<String>,
     pub idle: IdleOverrides,
+    /// The sandbox's egress rules its proxy applied (a restored box gets them before its
+    /// processes run on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<kiln_core::net::EgressGrant>,
 }
 
 /// A checkpoint's record (`kiln.json`).
@@ -182,6 +186,15 @@ mod tests {
                 network: true,
                 workspace_at: None,
                 idle: IdleOverrides::default(),
+                egress: Some(kiln_core::net::EgressGrant {
+                    rules: kiln_core::net::Egress {
+                        deny_out: vec!["0.0.0.0/0".into()],
+                        ..Default::default()
+                    },
+                    widen: false,
+                    tenant: "t".into(),
+                    sandbox: "sb".into(),
+                }),
             },
             bytes: size(&images),
             made_ms: now_ms(),

@@ -15,6 +15,7 @@ pub mod boxes;
 pub mod builder;
 pub mod channel;
 pub mod checkpoint;
+pub mod intercept;
 pub mod jail;
 pub mod pool;
 pub mod process;

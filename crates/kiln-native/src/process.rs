@@ -337,6 +337,18 @@ impl ProcessHost for NativeBackend {
         Some(self.box_events())
     }
 
+    fn set_egress<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        grant: Option<kiln_core::net::EgressGrant>,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(NativeBackend::set_egress(self, workspace, grant))
+    }
+
+    fn use_secrets(&self, secrets: std::sync::Arc<dyn kiln_core::net::SecretSource>) {
+        NativeBackend::use_secrets(self, secrets)
+    }
+
     fn paused(&self) -> BoxFuture<'_, Vec<(std::path::PathBuf, std::time::Duration)>> {
         Box::pin(async move { NativeBackend::paused_boxes(self) })
     }

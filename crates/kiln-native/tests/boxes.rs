@@ -578,7 +578,9 @@ async fn the_allowlist_lets_pip_reach_the_index_and_nothing_else() {
     let allow = kiln_native::proxy::Allowlist::new(&names).unwrap();
     let live = boxes
         .open(BoxSpec {
-            network: Some(std::sync::Arc::new(allow)),
+            network: Some(kiln_native::proxy::LiveEgress::operator_only(
+                std::sync::Arc::new(allow),
+            )),
             // This host reaches the indexes through a TLS-inspecting proxy whose CA only
             // the host's bundle has: the one kiln finds by default.
             ca_bundle: kiln_native::boxes::host_ca_bundle(),

@@ -36,6 +36,10 @@ pub struct KeyRecord {
     /// Quotas of its own, where they differ from the server's.
     #[serde(default, skip_serializing_if = "QuotaOverrides::is_empty")]
     pub quotas: QuotaOverrides,
+    /// Whether sandboxes it makes may reach beyond the operator's network allowlist (their
+    /// `allowOut` names hosts the operator did not list). Default: no, they only narrow it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub network_widen: bool,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -52,6 +56,9 @@ pub struct Caller {
     pub key_id: String,
     /// The key's own quotas (see [`crate::Runtime::quotas`]).
     pub quotas: QuotaOverrides,
+    /// Whether its sandboxes' egress rules may widen the operator's allowlist (see
+    /// [`KeyRecord::network_widen`]); the one user of a server without keys may.
+    pub network_widen: bool,
 }
 
 impl Caller {
@@ -61,6 +68,7 @@ impl Caller {
             tenant: LOCAL_TENANT.into(),
             key_id: LOCAL_TENANT.into(),
             quotas: QuotaOverrides::default(),
+            network_widen: true,
         }
     }
 }
@@ -89,6 +97,18 @@ pub fn create_key(
     tenant: Option<&str>,
     quotas: QuotaOverrides,
 ) -> std::io::Result<(KeyRecord, String)> {
+    create_key_with(data_dir, name, tenant, quotas, false)
+}
+
+/// As [`create_key`], and whether the key's sandboxes may widen the operator's network
+/// allowlist ([`KeyRecord::network_widen`]).
+pub fn create_key_with(
+    data_dir: &Path,
+    name: &str,
+    tenant: Option<&str>,
+    quotas: QuotaOverrides,
+    network_widen: bool,
+) -> std::io::Result<(KeyRecord, String)> {
     if let Some(tenant) = tenant
         && (tenant.is_empty()
             || tenant.len() > 64
@@ -113,6 +133,7 @@ pub fn create_key(
         sha256: hash(&key),
         created_at: rfc3339(now_ms()),
         quotas,
+        network_widen,
     };
     file.keys.push(record.clone());
     store::write_json(&path, &file)?;
@@ -182,6 +203,7 @@ impl Auth {
                     tenant: sandbox.tenant.clone(),
                     key_id: format!("sandbox:{}", sandbox.id),
                     quotas: QuotaOverrides::default(),
+                    network_widen: false,
                 }),
             },
         }
@@ -236,6 +258,7 @@ impl KeyStore {
                         tenant: k.tenant,
                         key_id: k.id,
                         quotas: k.quotas,
+                        network_widen: k.network_widen,
                     },
                 )
             })

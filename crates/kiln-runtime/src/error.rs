@@ -131,6 +131,10 @@ pub enum RuntimeError {
         waited_ms: u64,
     },
     /// A fault of kiln's own (the message is scrubbed of host paths).
+    #[error("no secret {name:?}")]
+    SecretNotFound { name: String },
+    #[error("a secret named {name:?} exists; update it instead")]
+    SecretExists { name: String },
     #[error("{message}")]
     Internal { message: String },
 }
@@ -191,6 +195,8 @@ impl RuntimeError {
             E::Cancelled => "EXECUTION_CANCELLED",
             E::ExecutorLost { .. } => "EXECUTOR_LOST",
             E::Saturated { .. } => "BUSY",
+            E::SecretNotFound { .. } => "SECRET_NOT_FOUND",
+            E::SecretExists { .. } => "SECRET_EXISTS",
             E::Internal { .. } => "INTERNAL",
         }
     }

@@ -234,6 +234,7 @@ pub async fn create_sandbox(
 ) -> Result<Sandbox> {
     let quotas = rt.quotas(caller);
     spec.key_id = Some(caller.key_id.clone());
+    spec.egress_widen = caller.network_widen;
     if let Some(cap) = rt.max_life_ms {
         let own = spec.lifecycle.max_duration_ms.map_or(cap, |m| m.min(cap));
         spec.lifecycle.max_duration_ms = Some(own);
@@ -584,6 +585,7 @@ fn one_shot(
     let mut request = ExecRequest::new(spec.language, code);
     request.template = state.request_template(sandbox.template(), spec.language);
     request.network = sandbox.network;
+    request.egress = sandbox.egress_grant();
     request.resources = sandbox.resources;
     request.command = spec.command.clone().map(|argv| kiln_core::Command {
         argv,

@@ -40,6 +40,7 @@ pub mod processes;
 pub mod quota;
 pub mod revisions;
 pub mod sandbox;
+pub mod secrets;
 pub mod sessions;
 pub mod store;
 pub mod volume;
@@ -112,6 +113,8 @@ pub struct Runtime {
     pub max_life_ms: Option<u64>,
     /// What happened to each sandbox ([`events`]).
     pub events: events::Events,
+    /// Each tenant's secrets, which network rules put into requests ([`secrets`]).
+    pub secrets: std::sync::Arc<secrets::Secrets>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -129,6 +132,12 @@ impl Runtime {
     /// recovering what a crash left.
     pub fn open(config: RuntimeConfig, pools: Pools) -> std::io::Result<Runtime> {
         let processes = processes::Processes::new(pools.process_hosts());
+        let key = secrets::KeySource::from_env(&config.data_dir)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let secrets = std::sync::Arc::new(secrets::Secrets::new(&config.data_dir, key));
+        for host in processes.hosts() {
+            host.use_secrets(secrets.clone());
+        }
         let executors = Executors::new(pools, config.catalogue)
             .with_routes(config.routes)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -142,6 +151,7 @@ impl Runtime {
             admission: admission::Admission::new(config.admission),
             max_life_ms: config.max_life_ms,
             events: events::Events::default(),
+            secrets,
         })
     }
 

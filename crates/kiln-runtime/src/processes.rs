@@ -337,6 +337,7 @@ fn box_request(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> ExecRequest {
     let mut request = ExecRequest::new(sandbox.language, "");
     request.template = rt.request_template(sandbox.template(), sandbox.language);
     request.network = sandbox.network;
+    request.egress = sandbox.egress_grant();
     request.resources = sandbox.resources;
     request.workspace = Some(sandbox.workspace());
     request.workspace_at = sandbox.workspace_at.clone();

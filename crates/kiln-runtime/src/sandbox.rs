@@ -39,6 +39,11 @@ pub struct SandboxSpec {
     pub memory_bytes: u64,
     /// Its network (see [`SandboxSpec::with_network`]).
     pub network: kiln_core::Network,
+    /// Its own egress rules (see [`SandboxSpec::with_egress`]).
+    pub egress: Option<kiln_core::net::Egress>,
+    /// Whether its rules may widen the operator's list (set from the key that makes it, by
+    /// [`crate::exec::create_sandbox`]).
+    pub egress_widen: bool,
     /// Its live box's resources: the template's, changed by
     /// [`SandboxSpec::with_resources`]; `None` for templates without boxes (WebAssembly).
     /// Its `memory_mb` is always `memory_bytes`'s.
@@ -172,6 +177,8 @@ impl SandboxSpec {
             lifetime_ms,
             memory_bytes,
             network: kiln_core::Network::None,
+            egress: None,
+            egress_widen: false,
             resources: template.resources.map(|r| kiln_core::template::Resources {
                 memory_mb: memory_bytes >> 20,
                 ..r
@@ -348,6 +355,27 @@ impl SandboxSpec {
         self.network = network;
         Ok(self)
     }
+
+    /// The sandbox with egress rules of its own (`allowOut`, `denyOut`, `rules`): a network
+    /// through kiln's proxy (as `allowlist`), narrowed (or, where its key may, widened) by
+    /// them. Only templates with live boxes have a network.
+    pub fn with_egress(
+        mut self,
+        catalogue: &kiln_core::template::Catalogue,
+        egress: Option<kiln_core::net::Egress>,
+    ) -> Result<SandboxSpec> {
+        let Some(egress) = egress else {
+            return Ok(self);
+        };
+        egress
+            .validate()
+            .map_err(|message| RuntimeError::InvalidOption {
+                message: format!("network: {message}"),
+            })?;
+        self = self.with_network(catalogue, Some("allowlist"))?;
+        self.egress = (!egress.is_empty()).then_some(egress);
+        Ok(self)
+    }
 }
 
 /// Milliseconds since the Unix epoch.
@@ -416,6 +444,12 @@ pub struct Sandbox {
     /// Its network (Linux templates).
     #[serde(default, skip_serializing_if = "kiln_core::Network::is_none")]
     pub network: kiln_core::Network,
+    /// Its own egress rules, within the operator's list (with a network).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<kiln_core::net::Egress>,
+    /// Whether its egress rules may widen the operator's list (the key that set them may).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub egress_widen: bool,
     /// Its live box's resources (Linux templates).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<kiln_core::template::Resources>,
@@ -468,6 +502,21 @@ fn is_default(lifecycle: &Lifecycle) -> bool {
 }
 
 impl Sandbox {
+    /// What its box's proxy applies: its rules, with whom they are of; `None` where it has
+    /// no network or no rules of its own (the operator's list alone).
+    pub fn egress_grant(&self) -> Option<kiln_core::net::EgressGrant> {
+        if self.network != kiln_core::Network::Allowlist {
+            return None;
+        }
+        let rules = self.egress.clone()?;
+        Some(kiln_core::net::EgressGrant {
+            rules,
+            widen: self.egress_widen,
+            tenant: self.tenant.clone(),
+            sandbox: self.id.clone(),
+        })
+    }
+
     /// Where its life ends at the latest (`maxDurationMs` from creation); `u64::MAX`: no cap.
     pub fn hard_end_ms(&self) -> u64 {
         self.lifecycle
@@ -805,6 +854,8 @@ impl Registry {
             sessions: BTreeMap::new(),
             workspace_bytes: 0,
             network: spec.network,
+            egress: spec.egress.clone(),
+            egress_widen: spec.egress_widen,
             resources: spec.resources,
             volume: spec.resources.is_some(),
             workspace_at: spec.workspace_at.clone(),
@@ -1190,6 +1241,25 @@ impl Registry {
         };
         store::write_json(&meta.meta_path(), &meta)
             .map_err(|e| io_error("could not save the sandbox", &e))
+    }
+
+    /// Replaces a sandbox's egress rules (`None`: the operator's list alone), set by a key
+    /// that may (`widen`) or may not widen the operator's list; answers the sandbox.
+    pub fn set_egress(
+        &self,
+        tenant: &str,
+        id: &str,
+        egress: Option<kiln_core::net::Egress>,
+        widen: bool,
+    ) -> Result<Sandbox> {
+        let mut sandboxes = self.lock();
+        let entry = Registry::find(&mut sandboxes, tenant, id)?;
+        entry.meta.egress = egress.filter(|e| !e.is_empty());
+        entry.meta.egress_widen = widen;
+        let meta = entry.meta.clone();
+        drop(sandboxes);
+        self.persist(id)?;
+        Ok(meta)
     }
 
     /// Extends a sandbox's life to `lifetime_ms` from now.

@@ -65,6 +65,7 @@ fn session_request(rt: &Runtime, sandbox: &Sandbox, language: Language) -> ExecR
     };
     request.template = rt.request_template(sandbox.template(), language);
     request.network = sandbox.network;
+    request.egress = sandbox.egress_grant();
     request.resources = sandbox.resources;
     request
 }
@@ -378,6 +379,8 @@ async fn fork_sandbox(
         lifetime_ms,
         memory_bytes: parent.memory_bytes,
         network: parent.network,
+        egress: parent.egress.clone(),
+        egress_widen: parent.egress_widen,
         resources: parent.resources,
         workspace_owner: owner,
         workspace_at: parent.workspace_at.clone(),

@@ -99,7 +99,9 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
             E::SandboxNotFound { .. }
             | E::SessionNotFound { .. }
             | E::FolderNotFound { .. }
-            | E::ProcessNotFound { .. } => StatusCode::NOT_FOUND,
+            | E::ProcessNotFound { .. }
+            | E::SecretNotFound { .. } => StatusCode::NOT_FOUND,
+            E::SecretExists { .. } => StatusCode::CONFLICT,
             E::SandboxBusy { .. }
             | E::SandboxPaused { .. }
             | E::SandboxDeleted { .. }

@@ -236,6 +236,7 @@ impl SessionOptions {
             template: self.template.clone(),
             command: None,
             network: kiln_core::Network::None,
+            egress: None,
             resources: None,
             idle: Default::default(),
         }

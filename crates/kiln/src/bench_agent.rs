@@ -138,6 +138,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         tenant: "bench".into(),
         key_id: "bench".into(),
         quotas: Default::default(),
+        network_widen: false,
     };
     let calls = 10;
     let limits = kiln_server::agent::AgentLimits {

@@ -320,6 +320,12 @@ pub enum KeysCommand {
         /// The key's own quotas, where they should differ from the server's.
         #[command(flatten)]
         quotas: QuotaArgs,
+        /// Let the key's sandboxes reach hosts beyond the operator's network allowlist
+        /// (`--network-allow`) that their own `allowOut` names (on ports 80 and 443, or an
+        /// entry's own port). Private networks and this host stay closed unless the operator
+        /// lists them. Without it, a sandbox's rules can only narrow the operator's list.
+        #[arg(long)]
+        network_widen: bool,
     },
     /// List keys (ids, names, tenants; never the keys).
     List,

@@ -450,7 +450,9 @@ fn box_spec(args: &ExecArgs, definition: &Definition) -> anyhow::Result<BoxSpec>
     };
     let network = match args.network.as_str() {
         "none" => None,
-        "allowlist" => Some(std::sync::Arc::new(allowlist(&args.linux)?)),
+        "allowlist" => Some(kiln_native::proxy::LiveEgress::operator_only(
+            std::sync::Arc::new(allowlist(&args.linux)?),
+        )),
         other => bail!("--network is none or allowlist, not {other:?}"),
     };
     Ok(BoxSpec {

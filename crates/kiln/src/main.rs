@@ -575,10 +575,16 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
             name,
             tenant,
             quotas,
+            network_widen,
         } => {
-            let (record, key) =
-                kiln_runtime::auth::create_key(dir, &name, tenant.as_deref(), quotas.overrides())
-                    .with_context(|| format!("cannot create a key in {}", dir.display()))?;
+            let (record, key) = kiln_runtime::auth::create_key_with(
+                dir,
+                &name,
+                tenant.as_deref(),
+                quotas.overrides(),
+                network_widen,
+            )
+            .with_context(|| format!("cannot create a key in {}", dir.display()))?;
             println!("{key}");
             eprintln!(
                 "kiln: created key {} for tenant {}; it is shown once, only its hash is kept ({})",

@@ -295,7 +295,9 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
         | E::SessionNotFound { .. }
         | E::FolderNotFound { .. }
         | E::ProcessNotFound { .. }
+        | E::SecretNotFound { .. }
         | E::Workspace(T::NotFound { .. }) => StatusCode::NOT_FOUND,
+        E::SecretExists { .. } => StatusCode::CONFLICT,
         E::SandboxBusy { .. } | E::SandboxPaused { .. } | E::Cancelled | E::SessionEnded { .. } => {
             StatusCode::CONFLICT
         }
