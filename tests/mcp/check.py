@@ -31,7 +31,8 @@ EXPECTED_TOOLS = {
     "run_python", "run_javascript", "run_go", "run_bash", "sandbox_create", "session_create", "session_run",
     "session_close", "fork_session", "write_file", "read_file", "list_files",
     "sandbox_processes", "sandbox_signal", "sandbox_restart", "sandbox_pause", "sandbox_resume",
-    "sandbox_hibernate", "sandbox_terminal", "sandbox_preview_link",
+    "sandbox_hibernate", "sandbox_terminal", "sandbox_preview_link", "sandbox_set_network",
+    "secret_set", "secret_list", "secret_delete",
 }
 
 

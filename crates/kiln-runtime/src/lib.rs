@@ -34,6 +34,7 @@ pub mod history;
 pub mod lifecycle;
 pub mod live;
 pub mod metrics;
+pub mod network;
 pub mod outputs;
 pub mod pools;
 pub mod processes;

@@ -62,6 +62,8 @@ pub struct CreateOptions {
     /// host names on the server's allowlist, such as the package indexes, through its proxy).
     #[schema(example = "none")]
     pub network: Option<String>,
+    /// The sandbox's own egress rules, as `/api/v1/sandboxes` takes them (`networkRules`).
+    pub network_rules: Option<kiln_core::net::Egress>,
     /// A template by its id (`GET /api/v1/templates`), the same as `image`; both may be
     /// sent when they name the same template.
     #[schema(example = "python-data")]
@@ -146,7 +148,11 @@ pub async fn create(
         options.timeout,
         options.memory_limit.as_deref(),
     )?
-    .with_network(state.runtime.catalogue(), options.network.as_deref())?;
+    .with_network(state.runtime.catalogue(), options.network.as_deref())?
+    .with_egress(
+        state.runtime.catalogue(),
+        crate::v1::network_rules(options.network.as_deref(), options.network_rules.clone())?,
+    )?;
     let mut asked = options.resources;
     if let Some(cpu) = &options.cpu_limit
         && spec.resources.is_some()
@@ -373,6 +379,9 @@ pub struct SandboxInfo {
     /// `none` or `allowlist`.
     #[schema(example = "none")]
     pub network: String,
+    /// Its own egress rules, where it has any (see the create body's `networkRules`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network_rules: Option<kiln_core::net::Egress>,
     /// Its box's limits (Linux templates).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resources: Option<kiln_core::template::Resources>,
@@ -436,6 +445,7 @@ impl SandboxInfo {
                 kiln_core::Network::Allowlist => "allowlist",
             }
             .into(),
+            network_rules: sandbox.egress.clone(),
             resources: sandbox.resources,
             status: if view.running.is_some() {
                 "running"

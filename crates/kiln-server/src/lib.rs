@@ -20,6 +20,7 @@ pub mod gate;
 pub mod mcp;
 pub mod openapi;
 pub mod preview;
+pub mod secrets;
 pub mod site;
 pub mod templates;
 pub mod terminals;
@@ -175,6 +176,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sandboxes", get(v1::list).post(v1::create))
         .route("/sandboxes/{id}", get(v1::get).delete(v1::delete))
         .route("/sandboxes/{id}/renew", post(v1::renew))
+        .route("/sandboxes/{id}/network", axum::routing::put(v1::set_network))
+        .route("/secrets", get(secrets::list).post(secrets::create))
+        .route(
+            "/secrets/{secret}",
+            get(secrets::get)
+                .put(secrets::update)
+                .delete(secrets::delete),
+        )
         .route("/sandboxes/{id}/processes", get(boxes::list))
         .route(
             "/sandboxes/{id}/processes/{pid}/signal",

@@ -50,6 +50,58 @@ pub struct SandboxCreate {
     /// `python` (default) or `javascript`.
     #[serde(default)]
     pub language: Option<String>,
+    /// A template by its id (`linux-python`, `linux-node`, …) instead of the language's.
+    #[serde(default)]
+    pub template: Option<String>,
+    /// Egress rules of its own (Linux templates; gives it a network through kiln's proxy):
+    /// `{"allowOut": [...], "denyOut": [...], "rules": {host: [{"transform": {"headers":
+    /// {...}}}]}}`, as `networkRules` in /api/v1/sandboxes.
+    #[serde(default)]
+    pub network_rules: Option<Value>,
+}
+
+/// Replace a sandbox's egress rules.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SetNetwork {
+    pub sandbox_id: String,
+    /// The new rules, replacing the old whole: `{"allowOut": [...], "denyOut": [...],
+    /// "rules": {...}}`; `{}` leaves the operator's allowlist alone in force.
+    pub network_rules: Value,
+}
+
+/// Store or replace a secret.
+#[derive(Deserialize, schemars::JsonSchema)]
+pub struct SecretSet {
+    /// 1..=128 of `A-Z a-z 0-9 _ . -`: what `${secrets.NAME}` names in a rule's header.
+    pub name: String,
+    /// Stored sealed; never returned.
+    pub value: String,
+}
+
+impl std::fmt::Debug for SecretSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretSet")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Name a secret.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SecretOf {
+    /// Its name or id.
+    pub name: String,
+}
+
+/// No arguments.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct Nothing {}
+
+/// Network rules given as JSON, checked.
+fn egress_of(value: Value) -> Result<kiln_core::net::Egress, RuntimeError> {
+    serde_json::from_value(value).map_err(|e| RuntimeError::InvalidOption {
+        message: format!("network_rules: {e}"),
+    })
 }
 
 /// Open a session.
@@ -441,6 +493,27 @@ impl KilnMcp {
             .map(|sandbox| sandbox.id)
     }
 
+    /// A sandbox of a template or with network rules.
+    async fn new_sandbox_of(
+        &self,
+        caller: &Caller,
+        input: SandboxCreate,
+    ) -> Result<String, RuntimeError> {
+        let catalogue = self.runtime.catalogue();
+        let image = kiln_runtime::sandbox::SandboxSpec::named_image(
+            catalogue,
+            input.language.as_deref(),
+            input.template.as_deref(),
+            "python",
+        )?;
+        let rules = input.network_rules.map(egress_of).transpose()?;
+        let spec = kiln_runtime::sandbox::SandboxSpec::resolve(catalogue, &image, None, None)?
+            .with_egress(catalogue, rules)?;
+        exec::create_sandbox(&self.runtime, caller, spec)
+            .await
+            .map(|sandbox| sandbox.id)
+    }
+
     #[tool(
         description = "Run Python 3.15 code (numpy, pandas, scipy, scikit-learn, matplotlib available) in a WebAssembly sandbox with no network. Returns stdout, stderr and exit code. Pass sandbox_id to run in a sandbox's persistent workspace."
     )]
@@ -498,9 +571,13 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let created = match language(input.language.as_deref()) {
-            Ok(language) => self.new_sandbox(&caller, language).await,
-            Err(e) => Err(e),
+        let created = if input.template.is_none() && input.network_rules.is_none() {
+            match language(input.language.as_deref()) {
+                Ok(language) => self.new_sandbox(&caller, language).await,
+                Err(e) => Err(e),
+            }
+        } else {
+            self.new_sandbox_of(&caller, input).await
         };
         Ok(reply(created, |id| {
             answer(json!({ "sandbox_id": id }), false)
@@ -737,6 +814,88 @@ impl KilnMcp {
         Ok(reply(killed, |killed| {
             answer(json!({ "killed": killed }), false)
         }))
+    }
+
+    #[tool(
+        description = "Replace a Linux sandbox's egress rules (it must have been made with a network): allowOut/denyOut lists (host names, *.domain, addresses, ranges, optional :port; 0.0.0.0/0 for all; allowOut wins) within the operator's allowlist, and rules that set headers on requests to named hosts, with ${secrets.NAME} filled by kiln's proxy (the secret never enters the sandbox)."
+    )]
+    async fn sandbox_set_network(
+        &self,
+        Parameters(input): Parameters<SetNetwork>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let set = match egress_of(input.network_rules) {
+            Ok(egress) => {
+                kiln_runtime::network::set_network(
+                    &self.runtime,
+                    &caller,
+                    &input.sandbox_id,
+                    Some(egress),
+                )
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        Ok(reply(set, |sandbox| {
+            answer(
+                json!({ "sandbox_id": sandbox.id, "network_rules": sandbox.egress.unwrap_or_default() }),
+                false,
+            )
+        }))
+    }
+
+    #[tool(
+        description = "Store a secret for the tenant (or replace the value of one of that name). Sandboxes' network rules put it into requests to the hosts they name as ${secrets.NAME}; the value never enters a sandbox and is never returned."
+    )]
+    async fn secret_set(
+        &self,
+        Parameters(input): Parameters<SecretSet>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let secrets = self.runtime.secrets.clone();
+        let stored = tokio::task::spawn_blocking(move || {
+            match secrets.update(&caller.tenant, &input.name, &input.value, None) {
+                Err(RuntimeError::SecretNotFound { .. }) => secrets.create(
+                    &caller.tenant,
+                    &input.name,
+                    &input.value,
+                    Default::default(),
+                ),
+                other => other,
+            }
+        })
+        .await
+        .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())));
+        Ok(reply(stored, |info| answer(json!(info), false)))
+    }
+
+    #[tool(description = "List the tenant's secrets: names, ids, versions (never values).")]
+    async fn secret_list(
+        &self,
+        Parameters(_input): Parameters<Nothing>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        Ok(reply(self.runtime.secrets.list(&caller.tenant), |list| {
+            answer(json!({ "secrets": list }), false)
+        }))
+    }
+
+    #[tool(description = "Delete one of the tenant's secrets by name or id.")]
+    async fn secret_delete(
+        &self,
+        Parameters(input): Parameters<SecretOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let deleted = match self.runtime.secrets.delete(&caller.tenant, &input.name) {
+            Ok(true) => Ok(input.name),
+            Ok(false) => Err(RuntimeError::SecretNotFound { name: input.name }),
+            Err(e) => Err(e),
+        };
+        Ok(reply(deleted, |name| answer(json!({ "deleted": name }), false)))
     }
 
     #[tool(

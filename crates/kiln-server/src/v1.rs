@@ -30,7 +30,7 @@ use crate::exec::{self, CodeExec, RunOutcome, RunSpec};
 use kiln_runtime::files::{self, FileChange, FileList};
 use kiln_runtime::sessions::{self, SessionInfo};
 
-type Shared = State<Arc<AppState>>;
+pub(crate) type Shared = State<Arc<AppState>>;
 
 /// Most sandboxes one page lists.
 pub const MAX_PAGE: usize = 500;
@@ -72,6 +72,14 @@ pub struct NewSandbox {
     /// `none` (default) or `allowlist` (Linux templates: the server's allowlisted host
     /// names, such as the package indexes, through its proxy).
     pub network: Option<String>,
+    /// The sandbox's own egress rules (Linux templates; implies `network: "allowlist"`):
+    /// `allowOut` and `denyOut` (host names, `*.domain`, addresses and ranges, each with an
+    /// optional `:port`; `0.0.0.0/0` for all: a destination is reached when `allowOut`
+    /// names it or `denyOut` does not), within the operator's allowlist unless the key may
+    /// widen it; `rules` set headers on HTTP(S) requests to named hosts, with
+    /// `${secrets.NAME}` filled by kiln's proxy from the tenant's secrets. Replace them
+    /// later with `PUT /api/v1/sandboxes/{id}/network`.
+    pub network_rules: Option<kiln_core::net::Egress>,
     /// Seed 002's limits of the sandbox's box (`vcpus`, `disk_mb`, `pids`: Linux templates;
     /// `memory_mb` anywhere, instead of `memoryLimit`): what it leaves out is the template's.
     pub resources: Option<kiln_core::template::ResourceRequest>,
@@ -111,6 +119,7 @@ pub async fn create(
         body.memory_limit.as_deref(),
     )?
     .with_network(state.runtime.catalogue(), body.network.as_deref())?
+    .with_egress(state.runtime.catalogue(), network_rules(body.network.as_deref(), body.network_rules)?)?
     .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?
     .with_lifecycle(state.runtime.catalogue(), body.lifecycle.as_ref())?
     .with_public_previews(
@@ -125,6 +134,44 @@ pub async fn create(
         StatusCode::CREATED,
         Json(SandboxInfo::from_view(&view).described(state.runtime.catalogue())),
     ))
+}
+
+/// Rules given with a network of `network` (`none` and rules contradict each other).
+pub fn network_rules(
+    network: Option<&str>,
+    rules: Option<kiln_core::net::Egress>,
+) -> Result<Option<kiln_core::net::Egress>, ApiError> {
+    if network == Some("none") && rules.is_some() {
+        return Err(ApiError::bad_request(
+            "INVALID_OPTION",
+            "networkRules need a network: leave out `network: \"none\"` (rules imply \"allowlist\")",
+        ));
+    }
+    Ok(rules)
+}
+
+/// Replace a sandbox's egress rules (Linux sandboxes made with a network). The body
+/// replaces the rules whole, as E2B's update does: `{}` leaves the operator's allowlist
+/// alone in force. Connections opened from now on follow them; one already open goes on.
+#[utoipa::path(put, path = "/api/v1/sandboxes/{id}/network", tag = "v1 sandboxes",
+    request_body = kiln_core::net::Egress,
+    params(("id" = String, Path, description = "The sandbox id")),
+    responses(
+        (status = 200, description = "Replaced", body = SandboxInfo),
+        (status = 400, description = "A bad rule, or a sandbox without a network", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+    ))]
+pub async fn set_network(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    id: Result<Path<String>, PathRejection>,
+    body: Result<JsonBody<kiln_core::net::Egress>, HttpError>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    let Path(id) = id.map_err(path_error)?;
+    let JsonBody(body) = body?;
+    kiln_runtime::network::set_network(&state.runtime, &caller, &id, Some(body)).await?;
+    let view = state.runtime.registry.get(&caller.tenant, &id)?;
+    Ok(Json(SandboxInfo::from_view(&view).described(state.runtime.catalogue())))
 }
 
 /// Paging.

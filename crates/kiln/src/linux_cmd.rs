@@ -169,14 +169,41 @@ pub fn backend(
         !templates.is_empty(),
         "--linux: no Linux template is built; run kiln setup --template all (as root)"
     );
-    Ok(kiln_native::backend::NativeBackend::new(
+    let (ca_bundle, egress_tls) = egress_tls(linux, data_dir)?;
+    let backend = kiln_native::backend::NativeBackend::new(
         boxes(linux)?,
         templates,
         std::sync::Arc::new(allowlist(linux)?),
-        box_ca_bundle(linux)?,
+        ca_bundle,
         &pool_settings(linux, data_dir)?,
     )
-    .with_unbuilt(unbuilt))
+    .with_unbuilt(unbuilt);
+    Ok(match egress_tls {
+        Some(tls) => backend.with_egress_tls(tls),
+        None => backend,
+    })
+}
+
+/// The boxes' CA bundle, and the CA that opens HTTPS for sandboxes' header rules: the
+/// host's bundle (or `--box-ca-bundle`) with the CA appended, written to the data
+/// directory at each start. Without a bundle for boxes there is no CA: HTTPS to a host
+/// with rules is then refused, saying why.
+fn egress_tls(
+    linux: &LinuxArgs,
+    data_dir: &std::path::Path,
+) -> anyhow::Result<(
+    Option<std::path::PathBuf>,
+    Option<std::sync::Arc<kiln_native::intercept::Interceptor>>,
+)> {
+    let Some(host_bundle) = box_ca_bundle(linux)? else {
+        return Ok((None, None));
+    };
+    let tls = kiln_native::intercept::Interceptor::new(Some(&host_bundle))
+        .map_err(|e| anyhow::anyhow!("the egress CA: {e}"))?;
+    let bundle = data_dir.join("egress").join("ca-bundle.pem");
+    tls.write_bundle(Some(&host_bundle), &bundle)
+        .with_context(|| format!("writing the boxes' CA bundle {}", bundle.display()))?;
+    Ok((Some(bundle), Some(std::sync::Arc::new(tls))))
 }
 
 /// The warm pools' settings from the flags (a template's own `pool:` fills what they leave).

@@ -36,6 +36,20 @@ pub fn router(e2b: Arc<E2b>) -> Router {
         .route("/sandboxes/{id}/resume", post(connect))
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/pause", post(pause))
+        .route(
+            "/sandboxes/{id}/network",
+            axum::routing::put(super::egress::update_network),
+        )
+        .route(
+            "/secrets",
+            get(super::egress::list_secrets).post(super::egress::create_secret),
+        )
+        .route(
+            "/secrets/{secret}",
+            get(super::egress::get_secret)
+                .post(super::egress::update_secret)
+                .delete(super::egress::delete_secret),
+        )
         .route("/health", get(|| async { (StatusCode::OK, "ok") }))
         .fallback(|request: Request| async move {
             error(
@@ -103,7 +117,7 @@ fn failed(e: RuntimeError) -> Response {
 }
 
 /// A JSON body, or E2B's 400.
-fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Response> {
+pub(super) fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Response> {
     let body = if body.iter().all(u8::is_ascii_whitespace) {
         b"{}" as &[u8]
     } else {
@@ -131,8 +145,9 @@ struct NewSandbox {
     #[serde(rename = "allow_internet_access")]
     allow_internet_access: Option<bool>,
     /// `{"allowPublicTraffic": false}` makes the box's servers (`get_host`) need the
-    /// sandbox's traffic token; E2B's default lets anyone reach them.
-    network: Option<NetworkOptions>,
+    /// sandbox's traffic token; E2B's default lets anyone reach them. `allowOut`,
+    /// `denyOut` and `rules` are the sandbox's egress rules.
+    network: Option<super::egress::NetworkOptions>,
     /// `lifecycle={"on_timeout": "pause"}`: the timeout pauses the sandbox, not kills it.
     auto_pause: Option<bool>,
     /// `lifecycle={"auto_resume": …}`: whether a request to a paused sandbox resumes it
@@ -143,12 +158,6 @@ struct NewSandbox {
 #[derive(Debug, Deserialize)]
 struct AutoResume {
     enabled: bool,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct NetworkOptions {
-    allow_public_traffic: Option<bool>,
 }
 
 /// The most metadata entries, and the longest key and value.
@@ -269,9 +278,26 @@ async fn create_sandbox(
     );
     // E2B's SDKs ask for the internet by default; a sandbox that can have a network gets
     // the operator's allowlist, and one that cannot has none to grant (it is not an error).
-    if asked.allow_internet_access == Some(true) && template.capabilities.network {
+    // `allow_internet_access: false` is, as E2B defines it, a deny of all traffic (so a
+    // later update can open some); egress rules need a template with a network.
+    let options = asked.network.as_ref();
+    let rules = options.is_some_and(super::egress::NetworkOptions::has_rules);
+    if rules && !template.capabilities.network {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "network rules need a sandbox with a network: the template {} has none (use \"base\", a Linux sandbox)",
+                asked.template_id
+            ),
+        ));
+    }
+    if template.capabilities.network && (asked.allow_internet_access.is_some() || rules) {
+        let empty = super::egress::NetworkOptions::default();
+        let egress = options
+            .unwrap_or(&empty)
+            .egress(asked.allow_internet_access)?;
         spec = spec
-            .with_network(rt.catalogue(), Some("allowlist"))
+            .with_egress(rt.catalogue(), Some(egress))
             .map_err(failed)?;
     }
     spec.workspace_at = Some(HOME.to_owned());
@@ -371,7 +397,8 @@ fn listed_json(
     if detail {
         value["envdAccessToken"] = json!(sandbox.access_token);
         value["domain"] = json!(e2b.config.domain);
-        value["allowInternetAccess"] = json!(sandbox.network == kiln_core::Network::Allowlist);
+        value["allowInternetAccess"] = json!(super::egress::internet(sandbox));
+        value["network"] = super::egress::network_json(sandbox);
         value["lifecycle"] = json!({
             "onTimeout": if sandbox.lifecycle.pauses_on_timeout() { "pause" } else { "kill" },
             "autoResume": sandbox.lifecycle.auto_resume(),
@@ -381,7 +408,7 @@ fn listed_json(
 }
 
 /// An E2B sandbox of the caller (others, and kiln's own sandboxes, are not found).
-fn find(e2b: &E2b, caller: &Caller, id: &str) -> Result<Sandbox, Response> {
+pub(super) fn find(e2b: &E2b, caller: &Caller, id: &str) -> Result<Sandbox, Response> {
     let view = e2b
         .app
         .runtime

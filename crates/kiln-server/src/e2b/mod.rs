@@ -19,6 +19,7 @@
 
 pub mod connect;
 pub mod control;
+pub mod egress;
 pub mod envd;
 pub mod jupyter;
 pub mod process;
@@ -277,6 +278,8 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
                 E::SandboxNotFound { .. }
                     | E::SandboxDeleted { .. }
                     | E::SessionNotFound { .. }
+                    | E::SecretNotFound { .. }
+                    | E::SecretExists { .. }
                     | E::SandboxBusy { .. }
                     | E::QuotaExceeded { .. }
                     | E::ExecutionQueueFull { .. }
