@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
+use crate::Runtime;
 use crate::auth::Caller;
 use crate::error::{Result, RuntimeError};
 use crate::sandbox::Sandbox;
-use crate::Runtime;
 
 /// Replaces the egress rules of `caller`'s sandbox `id` (`None` or empty: the operator's
 /// list alone), with `caller`'s right to widen the operator's list; answers the sandbox.
@@ -53,6 +53,7 @@ pub async fn set_network(
             .await
             .map_err(|e| RuntimeError::internal(format!("applying the rules: {}", e.message)))?;
     }
-    rt.events.record(&sandbox.id, "network", "egress rules replaced");
+    rt.events
+        .record(&sandbox.id, "network", "egress rules replaced");
     Ok(sandbox)
 }

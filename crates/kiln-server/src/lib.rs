@@ -176,7 +176,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sandboxes", get(v1::list).post(v1::create))
         .route("/sandboxes/{id}", get(v1::get).delete(v1::delete))
         .route("/sandboxes/{id}/renew", post(v1::renew))
-        .route("/sandboxes/{id}/network", axum::routing::put(v1::set_network))
+        .route(
+            "/sandboxes/{id}/network",
+            axum::routing::put(v1::set_network),
+        )
         .route("/secrets", get(secrets::list).post(secrets::create))
         .route(
             "/secrets/{secret}",

@@ -895,7 +895,9 @@ impl KilnMcp {
             Ok(false) => Err(RuntimeError::SecretNotFound { name: input.name }),
             Err(e) => Err(e),
         };
-        Ok(reply(deleted, |name| answer(json!({ "deleted": name }), false)))
+        Ok(reply(deleted, |name| {
+            answer(json!({ "deleted": name }), false)
+        }))
     }
 
     #[tool(

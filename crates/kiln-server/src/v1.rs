@@ -119,7 +119,10 @@ pub async fn create(
         body.memory_limit.as_deref(),
     )?
     .with_network(state.runtime.catalogue(), body.network.as_deref())?
-    .with_egress(state.runtime.catalogue(), network_rules(body.network.as_deref(), body.network_rules)?)?
+    .with_egress(
+        state.runtime.catalogue(),
+        network_rules(body.network.as_deref(), body.network_rules)?,
+    )?
     .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?
     .with_lifecycle(state.runtime.catalogue(), body.lifecycle.as_ref())?
     .with_public_previews(
@@ -171,7 +174,9 @@ pub async fn set_network(
     let JsonBody(body) = body?;
     kiln_runtime::network::set_network(&state.runtime, &caller, &id, Some(body)).await?;
     let view = state.runtime.registry.get(&caller.tenant, &id)?;
-    Ok(Json(SandboxInfo::from_view(&view).described(state.runtime.catalogue())))
+    Ok(Json(
+        SandboxInfo::from_view(&view).described(state.runtime.catalogue()),
+    ))
 }
 
 /// Paging.

@@ -8,6 +8,7 @@ lists for the server (KILN_E2B_OWN_IP: the host's own addresses are closed to sa
 the operator lists them), on a port of its own (reached because the test key may widen the
 operator's list to an allow_out entry with a port)."""
 
+import hashlib
 import http.server
 import json
 import os
@@ -21,13 +22,21 @@ from e2b import ALL_TRAFFIC, CommandExitException
 OWN_IP = os.environ["KILN_E2B_OWN_IP"]
 
 
+def digest(text):
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
 class Echo(http.server.BaseHTTPRequestHandler):
-    """Answers every request with its path and headers, as JSON."""
+    """Answers every request with its path and headers, as JSON; `Authorization` as its
+    digest, so that no secret comes back into the box in an answer."""
 
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):
-        body = json.dumps({"path": self.path, "headers": dict(self.headers)}).encode()
+        headers = dict(self.headers)
+        if "Authorization" in headers:
+            headers["Authorization"] = digest(headers["Authorization"])
+        body = json.dumps({"path": self.path, "headers": headers}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -144,7 +153,7 @@ def test_a_rule_puts_a_secret_into_requests_to_its_host_and_nowhere_else(sandbox
         )
         code, out = fetch(sbx, f"http://{echo}/with-rule")
         assert code == 0, out
-        assert json.loads(out)["headers"]["Authorization"] == f"Bearer {value}"
+        assert json.loads(out)["headers"]["Authorization"] == digest(f"Bearer {value}")
         # The box holds the placeholder, never the value: its environment, its processes'
         # environments and command lines, the files it can write.
         seen = sbx.commands.run(
@@ -158,12 +167,12 @@ def test_a_rule_puts_a_secret_into_requests_to_its_host_and_nowhere_else(sandbox
         # A rule follows updates of the secret.
         Secret.update(name, value + "-v2")
         code, out = fetch(sbx, f"http://{echo}/updated")
-        assert json.loads(out)["headers"]["Authorization"] == f"Bearer {value}-v2", out
+        assert json.loads(out)["headers"]["Authorization"] == digest(f"Bearer {value}-v2"), out
         # Without the rule the box's own placeholder goes out as it is.
         sbx.update_network({"allow_out": [echo], "deny_out": [ALL_TRAFFIC]})
         code, out = fetch(sbx, f"-H 'Authorization: Bearer {Secret.fill(name)}' http://{echo}/no-rule")
         headers = json.loads(out)["headers"]
-        assert headers["Authorization"] == f"Bearer {Secret.fill(name)}", out
+        assert headers["Authorization"] == digest(f"Bearer {Secret.fill(name)}"), out
     finally:
         Secret.destroy(name)
     assert not Secret.exists(name)

@@ -6,14 +6,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use axum::Extension;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Extension;
 use kiln_core::net::{ALL_TRAFFIC, Egress, EgressRule};
+use kiln_runtime::RuntimeError;
 use kiln_runtime::auth::Caller;
 use kiln_runtime::secrets::SecretInfo;
-use kiln_runtime::RuntimeError;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -22,7 +22,10 @@ use super::{E2b, Route, error, kiln_id, message_of, status_of};
 type Shared = State<Arc<E2b>>;
 
 fn failed(e: RuntimeError) -> Response {
-    error(status_of(&e, Route::Control), message_of(&e, Route::Control))
+    error(
+        status_of(&e, Route::Control),
+        message_of(&e, Route::Control),
+    )
 }
 
 /// E2B's `SandboxNetworkConfig` (create) and `SandboxNetworkUpdateConfig` (update).
@@ -94,9 +97,10 @@ pub fn network_json(sandbox: &kiln_runtime::sandbox::Sandbox) -> Value {
 /// Whether E2B would say the sandbox has the internet: a network, not denied wholesale.
 pub fn internet(sandbox: &kiln_runtime::sandbox::Sandbox) -> bool {
     sandbox.network == kiln_core::Network::Allowlist
-        && !sandbox.egress.as_ref().is_some_and(|e| {
-            e.allow_out.is_empty() && e.deny_out.iter().any(|d| d == ALL_TRAFFIC)
-        })
+        && !sandbox
+            .egress
+            .as_ref()
+            .is_some_and(|e| e.allow_out.is_empty() && e.deny_out.iter().any(|d| d == ALL_TRAFFIC))
 }
 
 /// `PUT /sandboxes/{id}/network`: replaces the sandbox's rules whole (what the body leaves
@@ -199,7 +203,8 @@ pub async fn update_secret(
         Err(response) => return response,
     };
     let secrets = e2b.app.runtime.secrets.clone();
-    match blocking(move || secrets.update(&caller.tenant, &which, &asked.value, asked.metadata)).await
+    match blocking(move || secrets.update(&caller.tenant, &which, &asked.value, asked.metadata))
+        .await
     {
         Ok(info) => axum::Json(secret_json(&info)).into_response(),
         Err(response) => response,
@@ -244,7 +249,10 @@ pub async fn list_secrets(
     page: Result<Query<SecretPage>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
     let Ok(Query(page)) = page else {
-        return error(StatusCode::BAD_REQUEST, "limit is a number, nextToken a token");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "limit is a number, nextToken a token",
+        );
     };
     let limit = page.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
@@ -252,16 +260,29 @@ pub async fn list_secrets(
     }
     let start = match page.next_token.as_deref() {
         None | Some("") => 0,
-        Some(token) => match token.strip_prefix('o').and_then(|n| n.parse::<usize>().ok()) {
+        Some(token) => match token
+            .strip_prefix('o')
+            .and_then(|n| n.parse::<usize>().ok())
+        {
             Some(n) => n,
-            None => return error(StatusCode::BAD_REQUEST, format!("{token:?} is not a nextToken")),
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    format!("{token:?} is not a nextToken"),
+                );
+            }
         },
     };
     let all = match e2b.app.runtime.secrets.list(&caller.tenant) {
         Ok(all) => all,
         Err(e) => return failed(e),
     };
-    let items: Vec<Value> = all.iter().skip(start).take(limit).map(secret_json).collect();
+    let items: Vec<Value> = all
+        .iter()
+        .skip(start)
+        .take(limit)
+        .map(secret_json)
+        .collect();
     let mut response = axum::Json(items).into_response();
     if start + limit < all.len()
         && let Ok(token) = HeaderValue::from_str(&format!("o{}", start + limit))

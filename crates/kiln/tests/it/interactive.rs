@@ -1566,6 +1566,7 @@ fn issue33_hibernation_checkpoints_processes_terminals_and_sessions_and_restores
         data: Some(data.path()),
         extra: &["--linux"],
         env: &env,
+        hosts: None,
     };
     let server = start(options())?;
     let id = new_box(&server, "linux-python")?;

@@ -5,6 +5,7 @@
 mod all;
 mod chat;
 mod common;
+mod egress;
 mod fork;
 mod interactive;
 mod issue32;

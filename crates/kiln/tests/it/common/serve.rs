@@ -74,6 +74,9 @@ pub struct Options<'a> {
     pub extra: &'a [&'a str],
     /// Environment variables for the server (and so its workers).
     pub env: &'a [(&'a str, &'a str)],
+    /// An `/etc/hosts` for the server alone (it runs in a mount namespace of its own, with
+    /// this file bound over the host's): names resolve where the test says.
+    pub hosts: Option<&'a Path>,
 }
 
 pub fn kiln() -> Command {
@@ -124,7 +127,19 @@ pub fn start(options: Options<'_>) -> Res<Server> {
         .local_addr()?
         .port();
     let log = data.join(format!("serve-{port}.log"));
-    let mut command = kiln();
+    let mut command = match options.hosts {
+        None => kiln(),
+        Some(hosts) => {
+            let mut command = Command::new("unshare");
+            command
+                .args(["--mount", "--propagation", "private", "--", "sh", "-c"])
+                .arg("mount --bind \"$0\" /etc/hosts && exec \"$@\"")
+                .arg(hosts)
+                .arg(KILN)
+                .stdin(Stdio::null());
+            command
+        }
+    };
     command
         .args([
             "serve",
