@@ -351,6 +351,7 @@ impl NativeBackend {
             workspace_at: request.workspace_at.clone(),
             idle: request.idle,
             egress: request.egress.clone(),
+            mounts: request.mounts.clone(),
         }
     }
 
@@ -393,6 +394,7 @@ impl NativeBackend {
                 Arc::new(egress)
             }),
             ca_bundle: self.inner.ca_bundle.clone(),
+            mounts: recipe.mounts.clone(),
             ..BoxSpec::new(template, recipe.limits)
         }
     }
@@ -1084,6 +1086,7 @@ impl NativeBackend {
                 && p.template.gvisor == template.gvisor
                 && p.recipe.limits == recipe.limits
                 && p.recipe.network == recipe.network
+                && p.recipe.mounts == recipe.mounts
                 && p.recipe
                     .workspace_at
                     .as_deref()
@@ -1264,6 +1267,7 @@ fn box_pool(
         workspace_at: None,
         idle: Default::default(),
         egress: None,
+        mounts: Vec::new(),
     };
     let (boxes, home, volume, ca_bundle) = (
         boxes.clone(),
@@ -1508,12 +1512,6 @@ impl Backend for NativeBackend {
     ) -> Result<ExecResult, BackendError> {
         let started = Instant::now();
         let template = self.template(request)?;
-        if !request.mounts.is_empty() {
-            return Err(BackendError::new(
-                ErrorKind::Grant,
-                "mounts are not supported on Linux templates yet; use the workspace",
-            ));
-        }
         let program = program(template, request)?;
         let limits = &request.limits;
         let mut exec = Exec::new(Vec::new());

@@ -114,6 +114,8 @@ pub struct BoxSpec {
     /// upper layer), across boxes: on the sandbox's volume. `None`: a tmpfs of the box's own,
     /// of `limits.disk_bytes`, gone with the box.
     pub layer: Option<PathBuf>,
+    /// Host folders bound into the box (the sandbox's named volumes).
+    pub mounts: Vec<kiln_core::Mount>,
 }
 
 impl BoxSpec {
@@ -127,6 +129,7 @@ impl BoxSpec {
             ca_bundle: None,
             in_place: false,
             layer: None,
+            mounts: Vec::new(),
         }
     }
 }
@@ -1066,10 +1069,28 @@ impl Boxes {
             .ca_bundle
             .as_ref()
             .map(|p| (p.to_string_lossy().into_owned(), CA_BUNDLE.to_string()));
+        // A writable volume's top folder is the box user's, as the workspace's is.
+        let mut binds = Vec::new();
+        for mount in &spec.mounts {
+            if mount.writable {
+                std::os::unix::fs::lchown(
+                    &mount.host,
+                    Some(base + USER_UID),
+                    Some(base + USER_UID),
+                )
+                .map_err(|e| start_err("volume")(format!("{}: {e}", mount.guest)))?;
+            }
+            binds.push((
+                mount.host.to_string_lossy().into_owned(),
+                mount.guest.clone(),
+                mount.writable,
+            ));
+        }
         let config = jail::config(&jail::JailSpec {
             hostname: "kiln",
             agent: &agent,
             read_only: ca_bundle.as_slice(),
+            binds: &binds,
             workspace: workspace.as_deref(),
             working_dir: &spec.template.definition.working_dir,
             uid_base: base,
@@ -1124,10 +1145,16 @@ impl Boxes {
         }
         let cgroup = cgroup_path(id);
         let agent = self.config.agent.to_string_lossy().into_owned();
+        if !spec.mounts.is_empty() {
+            return Err(start_err("volume")(
+                "a microVM mounts no named volumes yet; use its box template".to_string(),
+            ));
+        }
         let jail_box = jail::config(&jail::JailSpec {
             hostname: "kiln-vm",
             agent: &agent,
             read_only: &[],
+            binds: &[],
             workspace: None,
             working_dir: "/",
             uid_base: base,

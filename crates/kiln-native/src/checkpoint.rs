@@ -37,6 +37,9 @@ pub struct BoxRecipe {
     /// processes run on).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<kiln_core::net::EgressGrant>,
+    /// The host folders bound into it (its sandbox's named volumes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<kiln_core::Mount>,
 }
 
 /// A checkpoint's record (`kiln.json`).
@@ -195,6 +198,7 @@ mod tests {
                     tenant: "t".into(),
                     sandbox: "sb".into(),
                 }),
+                mounts: Vec::new(),
             },
             bytes: size(&images),
             made_ms: now_ms(),

@@ -30,6 +30,9 @@ pub struct JailSpec<'a> {
     pub read_only: &'a [(String, String)],
     /// Host path of the workspace, bound read-write at `working_dir`.
     pub workspace: Option<&'a str>,
+    /// Further host folders (named volumes): (host path, path in the box, writable), bound
+    /// after the workspace (so one may lie inside it).
+    pub binds: &'a [(String, String, bool)],
     pub working_dir: &'a str,
     pub uid_base: u32,
     pub limits: BoxLimits,
@@ -111,6 +114,9 @@ fn mounts(spec: &JailSpec<'_>) -> Vec<Value> {
     }
     if let Some(workspace) = spec.workspace {
         mounts.push(bind(workspace, spec.working_dir, "rw"));
+    }
+    for (host, inside, writable) in spec.binds {
+        mounts.push(bind(host, inside, if *writable { "rw" } else { "ro" }));
     }
     mounts
 }

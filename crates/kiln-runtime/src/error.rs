@@ -133,6 +133,15 @@ pub enum RuntimeError {
     /// A fault of kiln's own (the message is scrubbed of host paths).
     #[error("no secret {name:?}")]
     SecretNotFound { name: String },
+    #[error("no volume {volume:?}")]
+    VolumeNotFound { volume: String },
+    #[error("a volume named {name:?} exists")]
+    VolumeExists { name: String },
+    #[error("volume {volume:?} is mounted by live sandboxes ({}); delete them first", sandboxes.join(", "))]
+    VolumeInUse {
+        volume: String,
+        sandboxes: Vec<String>,
+    },
     #[error("a secret named {name:?} exists; update it instead")]
     SecretExists { name: String },
     #[error("{message}")]
@@ -197,6 +206,9 @@ impl RuntimeError {
             E::Saturated { .. } => "BUSY",
             E::SecretNotFound { .. } => "SECRET_NOT_FOUND",
             E::SecretExists { .. } => "SECRET_EXISTS",
+            E::VolumeNotFound { .. } => "VOLUME_NOT_FOUND",
+            E::VolumeExists { .. } => "VOLUME_EXISTS",
+            E::VolumeInUse { .. } => "VOLUME_IN_USE",
             E::Internal { .. } => "INTERNAL",
         }
     }
@@ -260,6 +272,9 @@ impl RuntimeError {
                 templates,
                 ..
             } => json!({ "image": image, "available": available, "templates": templates }),
+            E::VolumeInUse { volume, sandboxes } => {
+                json!({ "volume": volume, "sandboxes": sandboxes })
+            }
             _ => json!({}),
         }
     }

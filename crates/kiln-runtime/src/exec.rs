@@ -289,6 +289,16 @@ fn prestart_request(rt: &Runtime, spec: &SandboxSpec) -> ExecRequest {
     let mut request = ExecRequest::new(spec.language, String::new());
     request.template = rt.request_template(&spec.template, spec.language);
     request.network = spec.network;
+    // A sandbox with volumes starts a box of its own (pool members mount none).
+    request.mounts = spec
+        .volume_mounts
+        .iter()
+        .map(|m| kiln_core::Mount {
+            host: rt.registry.volumes.content(&m.volume),
+            guest: m.path.clone(),
+            writable: !m.read_only,
+        })
+        .collect();
     request.resources = spec.resources;
     request.workspace_at = spec.workspace_at.clone();
     request.idle = spec.lifecycle.box_policy();
@@ -586,6 +596,7 @@ fn one_shot(
     request.template = state.request_template(sandbox.template(), spec.language);
     request.network = sandbox.network;
     request.egress = sandbox.egress_grant();
+    request.mounts = sandbox.mounts(&state.registry.volumes);
     request.resources = sandbox.resources;
     request.command = spec.command.clone().map(|argv| kiln_core::Command {
         argv,

@@ -45,6 +45,7 @@ pub mod secrets;
 pub mod sessions;
 pub mod store;
 pub mod volume;
+pub mod volumes;
 
 use std::path::PathBuf;
 

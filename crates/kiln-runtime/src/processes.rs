@@ -338,6 +338,7 @@ fn box_request(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> ExecRequest {
     request.template = rt.request_template(sandbox.template(), sandbox.language);
     request.network = sandbox.network;
     request.egress = sandbox.egress_grant();
+    request.mounts = sandbox.mounts(&rt.registry.volumes);
     request.resources = sandbox.resources;
     request.workspace = Some(sandbox.workspace());
     request.workspace_at = sandbox.workspace_at.clone();

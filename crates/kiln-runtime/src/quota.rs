@@ -36,6 +36,9 @@ pub struct Quotas {
     /// longest-paused box is hibernated (files kept, processes ended) to make room. Default
     /// 16.
     pub paused_boxes: u64,
+    /// Named volumes it keeps ([`crate::volumes`]); the bytes their files use count in
+    /// `workspace_bytes`. Default 32.
+    pub volumes: u64,
 }
 
 impl Default for Quotas {
@@ -48,6 +51,7 @@ impl Default for Quotas {
             workspace_bytes: 2 << 30,
             cpu_weight: 1,
             paused_boxes: 16,
+            volumes: 32,
         }
     }
 }
@@ -67,6 +71,7 @@ impl Quotas {
             workspace_bytes: (free_disk_bytes(data_dir) / 2).max(keyed.workspace_bytes),
             cpu_weight: 1,
             paused_boxes: 128,
+            volumes: 1024,
         }
     }
 }
@@ -114,6 +119,8 @@ pub struct QuotaOverrides {
     pub cpu_weight: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused_boxes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volumes: Option<u64>,
 }
 
 impl QuotaOverrides {
@@ -135,6 +142,7 @@ impl Quotas {
             workspace_bytes: overrides.workspace_bytes.unwrap_or(self.workspace_bytes),
             cpu_weight: overrides.cpu_weight.unwrap_or(self.cpu_weight).max(1),
             paused_boxes: overrides.paused_boxes.unwrap_or(self.paused_boxes),
+            volumes: overrides.volumes.unwrap_or(self.volumes),
         }
     }
 }

@@ -44,6 +44,8 @@ pub struct SandboxSpec {
     /// Whether its rules may widen the operator's list (set from the key that makes it, by
     /// [`crate::exec::create_sandbox`]).
     pub egress_widen: bool,
+    /// Named volumes it mounts (see [`SandboxSpec::with_volumes`]).
+    pub volume_mounts: Vec<crate::volumes::VolumeMount>,
     /// Its live box's resources: the template's, changed by
     /// [`SandboxSpec::with_resources`]; `None` for templates without boxes (WebAssembly).
     /// Its `memory_mb` is always `memory_bytes`'s.
@@ -179,6 +181,7 @@ impl SandboxSpec {
             network: kiln_core::Network::None,
             egress: None,
             egress_widen: false,
+            volume_mounts: Vec::new(),
             resources: template.resources.map(|r| kiln_core::template::Resources {
                 memory_mb: memory_bytes >> 20,
                 ..r
@@ -356,6 +359,67 @@ impl SandboxSpec {
         Ok(self)
     }
 
+    /// The sandbox with `tenant`'s named volumes mounted (`mounts` name them by id or
+    /// name; kept by id): at most [`crate::volumes::MAX_MOUNTS`], each at a path of its own
+    /// outside the system's folders and off the workspace. Linux boxes (not microVMs) and
+    /// WebAssembly guests mount them.
+    pub fn with_volumes(
+        mut self,
+        catalogue: &kiln_core::template::Catalogue,
+        volumes: &crate::volumes::Volumes,
+        tenant: &str,
+        mounts: &[crate::volumes::VolumeMount],
+    ) -> Result<SandboxSpec> {
+        if mounts.is_empty() {
+            return Ok(self);
+        }
+        let invalid = |message: String| RuntimeError::InvalidOption { message };
+        if mounts.len() > crate::volumes::MAX_MOUNTS {
+            return Err(invalid(format!(
+                "at most {} volume mounts a sandbox",
+                crate::volumes::MAX_MOUNTS
+            )));
+        }
+        if catalogue
+            .get(&self.template)
+            .is_some_and(|t| t.id.starts_with("vm-"))
+        {
+            return Err(RuntimeError::Unsupported {
+                message: format!(
+                    "the {} template is a microVM, which mounts no named volumes yet; use its box template",
+                    self.template
+                ),
+            });
+        }
+        let workspace = self
+            .workspace_at
+            .clone()
+            .unwrap_or_else(|| kiln_core::WORKSPACE_GUEST.to_string());
+        let mut resolved = Vec::new();
+        for mount in mounts {
+            crate::volumes::check_path(&mount.path)?;
+            if mount.path == workspace || workspace.starts_with(&format!("{}/", mount.path)) {
+                return Err(invalid(format!(
+                    "volume mount path {:?} would cover the workspace ({workspace})",
+                    mount.path
+                )));
+            }
+            if resolved
+                .iter()
+                .any(|m: &crate::volumes::VolumeMount| m.path == mount.path)
+            {
+                return Err(invalid(format!("two volumes at {:?}", mount.path)));
+            }
+            let record = volumes.find(tenant, &mount.volume)?;
+            resolved.push(crate::volumes::VolumeMount {
+                volume: record.id,
+                ..mount.clone()
+            });
+        }
+        self.volume_mounts = resolved;
+        Ok(self)
+    }
+
     /// The sandbox with egress rules of its own (`allowOut`, `denyOut`, `rules`): a network
     /// through kiln's proxy (as `allowlist`), narrowed (or, where its key may, widened) by
     /// them. Only templates with live boxes have a network.
@@ -450,6 +514,9 @@ pub struct Sandbox {
     /// Whether its egress rules may widen the operator's list (the key that set them may).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub egress_widen: bool,
+    /// The named volumes it mounts (by id).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<crate::volumes::VolumeMount>,
     /// Its live box's resources (Linux templates).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<kiln_core::template::Resources>,
@@ -502,6 +569,18 @@ fn is_default(lifecycle: &Lifecycle) -> bool {
 }
 
 impl Sandbox {
+    /// Its named volumes as a backend grants them: each volume's folder at its path.
+    pub fn mounts(&self, volumes: &crate::volumes::Volumes) -> Vec<kiln_core::Mount> {
+        self.volume_mounts
+            .iter()
+            .map(|m| kiln_core::Mount {
+                host: volumes.content(&m.volume),
+                guest: m.path.clone(),
+                writable: !m.read_only,
+            })
+            .collect()
+    }
+
     /// What its box's proxy applies: its rules, with whom they are of; `None` where it has
     /// no network or no rules of its own (the operator's list alone).
     pub fn egress_grant(&self) -> Option<kiln_core::net::EgressGrant> {
@@ -678,6 +757,8 @@ pub struct Registry {
     sandboxes: Mutex<HashMap<String, Entry>>,
     /// Sandboxes whose usage counters changed since they were last written.
     dirty: Mutex<std::collections::HashSet<String>>,
+    /// The tenants' named volumes.
+    pub volumes: crate::volumes::Volumes,
 }
 
 /// Random bytes as hex, from the kernel.
@@ -772,11 +853,28 @@ impl Registry {
                 Err(e) => tracing::error!("skipping a sandbox whose meta.json cannot be read: {e}"),
             }
         }
+        let volumes = crate::volumes::Volumes::open(&root);
+        volumes.attach_all();
         Ok(Registry {
             root,
             sandboxes: Mutex::new(sandboxes),
             dirty: Mutex::default(),
+            volumes,
         })
+    }
+
+    /// The live sandboxes that mount volume `id`.
+    pub fn volume_users(&self, id: &str) -> Vec<String> {
+        let now = now_ms();
+        self.lock()
+            .values()
+            .filter(|e| {
+                !e.deleted
+                    && e.meta.live_at(now)
+                    && e.meta.volume_mounts.iter().any(|m| m.volume == id)
+            })
+            .map(|e| e.meta.id.clone())
+            .collect()
     }
 
     /// Unmounts every workspace volume (at shutdown: nothing of kiln's stays mounted while
@@ -787,6 +885,7 @@ impl Registry {
                 tracing::warn!(sandbox = %entry.meta.id, "could not unmount the workspace's volume: {e}");
             }
         }
+        self.volumes.detach_all();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
@@ -856,6 +955,7 @@ impl Registry {
             network: spec.network,
             egress: spec.egress.clone(),
             egress_widen: spec.egress_widen,
+            volume_mounts: spec.volume_mounts.clone(),
             resources: spec.resources,
             volume: spec.resources.is_some(),
             workspace_at: spec.workspace_at.clone(),
@@ -900,7 +1000,7 @@ impl Registry {
         }
         let mut sandboxes = self.lock();
         // Counted where it is added, so concurrent creates cannot pass the quota together.
-        if let Err(e) = Registry::usage_of(&sandboxes, tenant).check_sandbox(quotas) {
+        if let Err(e) = self.usage_of(&sandboxes, tenant).check_sandbox(quotas) {
             drop(sandboxes);
             let _ = std::fs::remove_file(meta.meta_path());
             remove_sandbox_dir(&meta);
@@ -1071,12 +1171,16 @@ impl Registry {
 
     /// What `tenant` holds now.
     pub fn usage(&self, tenant: &str) -> Usage {
-        Registry::usage_of(&self.lock(), tenant)
+        self.usage_of(&self.lock(), tenant)
     }
 
-    fn usage_of(sandboxes: &HashMap<String, Entry>, tenant: &str) -> Usage {
+    /// `tenant`'s usage, the bytes its named volumes' files use counted as workspace bytes.
+    fn usage_of(&self, sandboxes: &HashMap<String, Entry>, tenant: &str) -> Usage {
         let now = now_ms();
-        let mut usage = Usage::default();
+        let mut usage = Usage {
+            workspace_bytes: self.volumes.used_bytes(tenant),
+            ..Usage::default()
+        };
         for entry in sandboxes.values() {
             if entry.meta.tenant != tenant || entry.deleted {
                 continue;
@@ -1116,7 +1220,7 @@ impl Registry {
         let mut sandboxes = self.lock();
         let usage = match quotas {
             Some(quotas) => {
-                let usage = Registry::usage_of(&sandboxes, tenant);
+                let usage = self.usage_of(&sandboxes, tenant);
                 // A busy sandbox answers 409 below whatever the quota says.
                 if Registry::find(&mut sandboxes, tenant, id)?
                     .running
@@ -1296,7 +1400,8 @@ impl Registry {
         else {
             return Err(RuntimeError::SandboxNotFound { id: id.to_owned() });
         };
-        Registry::usage_of(&sandboxes, &tenant).check_session(quotas, holds)?;
+        self.usage_of(&sandboxes, &tenant)
+            .check_session(quotas, holds)?;
         let Some(entry) = sandboxes.get_mut(id).filter(|e| !e.deleted) else {
             return Err(RuntimeError::SandboxNotFound { id: id.to_owned() });
         };
@@ -1331,7 +1436,7 @@ impl Registry {
     /// Counted as in use until [`Registry::end_turn`].
     pub fn grant_turn(&self, tenant: &str, id: &str, quotas: &Quotas) -> u64 {
         let mut sandboxes = self.lock();
-        let in_use = Registry::usage_of(&sandboxes, tenant).session_memory_bytes;
+        let in_use = self.usage_of(&sandboxes, tenant).session_memory_bytes;
         let room = quotas.session_memory_bytes.saturating_sub(in_use);
         if let Some(entry) = sandboxes.get_mut(id) {
             entry.turn_grant = room;

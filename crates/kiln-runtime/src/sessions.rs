@@ -66,6 +66,7 @@ fn session_request(rt: &Runtime, sandbox: &Sandbox, language: Language) -> ExecR
     request.template = rt.request_template(sandbox.template(), language);
     request.network = sandbox.network;
     request.egress = sandbox.egress_grant();
+    request.mounts = sandbox.mounts(&rt.registry.volumes);
     request.resources = sandbox.resources;
     request
 }
@@ -381,6 +382,7 @@ async fn fork_sandbox(
         network: parent.network,
         egress: parent.egress.clone(),
         egress_widen: parent.egress_widen,
+        volume_mounts: parent.volume_mounts.clone(),
         resources: parent.resources,
         workspace_owner: owner,
         workspace_at: parent.workspace_at.clone(),

@@ -51,6 +51,11 @@ pub fn is_mounted(path: &Path) -> bool {
 /// Makes (first time) and mounts the volume of `bytes` at `mount_point`, with an empty
 /// `workspace` folder in it. Mounted already: nothing to do.
 pub fn attach(mount_point: &Path, bytes: u64) -> io::Result<()> {
+    attach_with(mount_point, bytes, "workspace")
+}
+
+/// As [`attach`], with the folder made in it named `folder`.
+pub fn attach_with(mount_point: &Path, bytes: u64, folder: &str) -> io::Result<()> {
     if is_mounted(mount_point) {
         return Ok(());
     }
@@ -72,7 +77,7 @@ pub fn attach(mount_point: &Path, bytes: u64) -> io::Result<()> {
     if fresh {
         let _ = std::fs::remove_dir(mount_point.join("lost+found"));
     }
-    match std::fs::create_dir(mount_point.join("workspace")) {
+    match std::fs::create_dir(mount_point.join(folder)) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(e),
         _ => Ok(()),
     }
@@ -124,19 +129,31 @@ impl Room {
 }
 
 /// The volumes beside the one to be mounted at `mount_point` (every sandbox's image in the
-/// folder of sandboxes holding it), and the free space of their file system.
+/// folder of sandboxes holding it, and every named volume's of the data folder: `sandboxes/`
+/// and `volumes/` share one disk), and the free space of their file system.
 pub fn room_beside(mount_point: &Path) -> io::Result<Room> {
     use std::os::unix::fs::MetadataExt;
     let own = mount_point.parent().unwrap_or(mount_point);
     let sandboxes = own.parent().unwrap_or(own);
     let mut room = Room::default();
-    for entry in std::fs::read_dir(sandboxes)?.flatten() {
-        let image = image_of(&entry.path().join("volume"));
-        if let Ok(meta) = std::fs::symlink_metadata(&image)
-            && meta.is_file()
-        {
-            room.promised += meta.len();
-            room.used += meta.blocks() * 512;
+    let mut folders = vec![sandboxes.to_path_buf()];
+    if let Some(data) = sandboxes.parent() {
+        for sibling in ["sandboxes", "volumes"] {
+            let folder = data.join(sibling);
+            if folder != sandboxes && folder.is_dir() {
+                folders.push(folder);
+            }
+        }
+    }
+    for folder in &folders {
+        for entry in std::fs::read_dir(folder)?.flatten() {
+            let image = image_of(&entry.path().join("volume"));
+            if let Ok(meta) = std::fs::symlink_metadata(&image)
+                && meta.is_file()
+            {
+                room.promised += meta.len();
+                room.used += meta.blocks() * 512;
+            }
         }
     }
     let stat = rustix::fs::statvfs(sandboxes).map_err(io::Error::from)?;

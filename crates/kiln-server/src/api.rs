@@ -382,6 +382,9 @@ pub struct SandboxInfo {
     /// Its own egress rules, where it has any (see the create body's `networkRules`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network_rules: Option<kiln_core::net::Egress>,
+    /// The named volumes it mounts (by id).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<kiln_runtime::volumes::VolumeMount>,
     /// Its box's limits (Linux templates).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resources: Option<kiln_core::template::Resources>,
@@ -446,6 +449,7 @@ impl SandboxInfo {
             }
             .into(),
             network_rules: sandbox.egress.clone(),
+            volume_mounts: sandbox.volume_mounts.clone(),
             resources: sandbox.resources,
             status: if view.running.is_some() {
                 "running"

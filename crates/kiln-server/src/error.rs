@@ -100,8 +100,11 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
             | E::SessionNotFound { .. }
             | E::FolderNotFound { .. }
             | E::ProcessNotFound { .. }
-            | E::SecretNotFound { .. } => StatusCode::NOT_FOUND,
-            E::SecretExists { .. } => StatusCode::CONFLICT,
+            | E::SecretNotFound { .. }
+            | E::VolumeNotFound { .. } => StatusCode::NOT_FOUND,
+            E::SecretExists { .. } | E::VolumeExists { .. } | E::VolumeInUse { .. } => {
+                StatusCode::CONFLICT
+            }
             E::SandboxBusy { .. }
             | E::SandboxPaused { .. }
             | E::SandboxDeleted { .. }

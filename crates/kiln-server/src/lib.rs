@@ -25,6 +25,7 @@ pub mod site;
 pub mod templates;
 pub mod terminals;
 pub mod v1;
+pub mod volumes;
 
 // The runtime's modules under their old names, for the handlers.
 use kiln_runtime::{auth, exec, history, quota, sandbox};
@@ -179,6 +180,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(
             "/sandboxes/{id}/network",
             axum::routing::put(v1::set_network),
+        )
+        .route("/volumes", get(volumes::list).post(volumes::create))
+        .route(
+            "/volumes/{volume}",
+            get(volumes::get).delete(volumes::delete),
         )
         .route("/secrets", get(secrets::list).post(secrets::create))
         .route(

@@ -80,6 +80,10 @@ pub struct NewSandbox {
     /// `${secrets.NAME}` filled by kiln's proxy from the tenant's secrets. Replace them
     /// later with `PUT /api/v1/sandboxes/{id}/network`.
     pub network_rules: Option<kiln_core::net::Egress>,
+    /// Named volumes to mount (`POST /api/v1/volumes` makes them): `[{"volume": "datasets",
+    /// "path": "/mnt/data", "readOnly": false}]`, at most 8. Linux boxes bind them,
+    /// WebAssembly guests see them as folders.
+    pub volume_mounts: Option<Vec<kiln_runtime::volumes::VolumeMount>>,
     /// Seed 002's limits of the sandbox's box (`vcpus`, `disk_mb`, `pids`: Linux templates;
     /// `memory_mb` anywhere, instead of `memoryLimit`): what it leaves out is the template's.
     pub resources: Option<kiln_core::template::ResourceRequest>,
@@ -125,6 +129,12 @@ pub async fn create(
     )?
     .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?
     .with_lifecycle(state.runtime.catalogue(), body.lifecycle.as_ref())?
+    .with_volumes(
+        state.runtime.catalogue(),
+        &state.runtime.registry.volumes,
+        &caller.tenant,
+        body.volume_mounts.as_deref().unwrap_or_default(),
+    )?
     .with_public_previews(
         state.runtime.catalogue(),
         body.public_previews.unwrap_or(false),

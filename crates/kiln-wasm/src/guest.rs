@@ -218,8 +218,9 @@ pub(crate) struct Preopen<'a> {
 /// Failed to build a guest's context.
 #[derive(Debug, thiserror::Error)]
 pub enum GrantError {
-    /// A granted host directory could not be opened.
-    #[error("cannot grant {host} to the guest at {guest}: {detail}")]
+    /// A granted host directory could not be opened (the message names the guest's path
+    /// only: it reaches API clients, who are not told the host's paths).
+    #[error("cannot grant the host folder for {guest} to the guest: {detail}")]
     Preopen {
         host: std::path::PathBuf,
         guest: String,

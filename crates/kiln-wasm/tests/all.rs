@@ -1231,7 +1231,7 @@ async fn bad_requests_are_refused_with_clear_errors() -> TestResult {
     let err = engine().execute(&request).await.unwrap_err();
     assert!(
         err.to_string()
-            .starts_with("cannot grant /nonexistent-kiln-dir"),
+            .starts_with("cannot grant the host folder for /data to the guest"),
         "{err}"
     );
 

@@ -289,6 +289,11 @@ pub struct Meta {
     pub mtime_ns: i64,
     /// Status-change time, nanoseconds since the Unix epoch (guest code cannot set it).
     pub ctime_ns: i64,
+    /// Access time, nanoseconds since the Unix epoch.
+    pub atime_ns: i64,
+    /// Owner and group on the host.
+    pub uid: u32,
+    pub gid: u32,
 }
 
 impl Meta {
@@ -305,6 +310,10 @@ impl Meta {
             mtime_ns: ns(stat.st_mtime as i64, stat.st_mtime_nsec as i64),
             #[expect(clippy::unnecessary_cast, reason = "field widths differ by target")]
             ctime_ns: ns(stat.st_ctime as i64, stat.st_ctime_nsec as i64),
+            #[expect(clippy::unnecessary_cast, reason = "field widths differ by target")]
+            atime_ns: ns(stat.st_atime as i64, stat.st_atime_nsec as i64),
+            uid: stat.st_uid,
+            gid: stat.st_gid,
         }
     }
 
@@ -351,6 +360,12 @@ pub struct Dir {
 }
 
 impl Dir {
+    /// The folder's handle as a `File` of its own (a duplicate), for calls on the folder
+    /// itself (its mode).
+    pub fn as_file(&self) -> std::io::Result<File> {
+        Ok(File::from(self.fd.try_clone()?))
+    }
+
     /// Opens a host-owned folder (its path is trusted up to its last name, which must not be a
     /// link).
     pub fn open_host(path: &Path) -> std::io::Result<Dir> {

@@ -256,6 +256,10 @@ pub struct QuotaArgs {
     /// --no-auth: 128].
     #[arg(long, env = "KILN_MAX_PAUSED_BOXES")]
     pub max_paused_boxes: Option<u64>,
+    /// Named volumes a tenant keeps (the bytes their files use count in --max-workspace)
+    /// [serve default: 32; --no-auth: 1024].
+    #[arg(long, env = "KILN_MAX_VOLUMES")]
+    pub max_volumes: Option<u64>,
 }
 
 impl QuotaArgs {
@@ -268,6 +272,7 @@ impl QuotaArgs {
             workspace_bytes: self.max_workspace,
             cpu_weight: self.cpu_weight,
             paused_boxes: self.max_paused_boxes,
+            volumes: self.max_volumes,
         }
     }
 }

@@ -431,6 +431,10 @@ pub fn prepare_before_send(config: &mut kiln_executor::PoolConfig) {
 fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     prepare_runtimes()?;
     let data_dir = data_dir(args.data_dir.clone())?;
+    // Named volumes mounted later must reach the workers' jails, made now.
+    if let Err(e) = kiln_runtime::volumes::share_root(&data_dir) {
+        tracing::warn!("named volumes will not reach WebAssembly sandboxes: {e}");
+    }
     // Workers' log lines (KILN_LOG applies to them too) match the server's.
     let (pool, worker_jail) = backends::wasm_pool(backends::WasmWorkers {
         workers: args.workers,

@@ -41,6 +41,14 @@ pub fn router(e2b: Arc<E2b>) -> Router {
             axum::routing::put(super::egress::update_network),
         )
         .route(
+            "/volumes",
+            get(super::volumes::list).post(super::volumes::create),
+        )
+        .route(
+            "/volumes/{volume}",
+            get(super::volumes::info).delete(super::volumes::destroy),
+        )
+        .route(
             "/secrets",
             get(super::egress::list_secrets).post(super::egress::create_secret),
         )
@@ -153,6 +161,14 @@ struct NewSandbox {
     /// `lifecycle={"auto_resume": …}`: whether a request to a paused sandbox resumes it
     /// (kiln's default: yes).
     auto_resume: Option<AutoResume>,
+    /// `volume_mounts={"/mnt/vol": volume}`: the tenant's named volumes, by name.
+    volume_mounts: Option<Vec<E2bVolumeMount>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct E2bVolumeMount {
+    name: String,
+    path: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -327,6 +343,24 @@ async fn create_sandbox(
             .with_lifecycle(rt.catalogue(), Some(&lifecycle))
             .map_err(|e| error(StatusCode::BAD_REQUEST, e.to_string()))?;
     }
+    let mounts: Vec<kiln_runtime::volumes::VolumeMount> = asked
+        .volume_mounts
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| kiln_runtime::volumes::VolumeMount {
+            volume: m.name,
+            path: m.path,
+            read_only: false,
+        })
+        .collect();
+    spec = spec
+        .with_volumes(
+            rt.catalogue(),
+            &rt.registry.volumes,
+            &caller.tenant,
+            &mounts,
+        )
+        .map_err(failed)?;
     exec::create_sandbox(rt, caller, spec).await.map_err(failed)
 }
 
@@ -399,6 +433,17 @@ fn listed_json(
         value["domain"] = json!(e2b.config.domain);
         value["allowInternetAccess"] = json!(super::egress::internet(sandbox));
         value["network"] = super::egress::network_json(sandbox);
+        let volumes = &e2b.app.runtime.registry.volumes;
+        value["volumeMounts"] = json!(
+            sandbox
+                .volume_mounts
+                .iter()
+                .map(|m| json!({
+                    "name": volumes.find(&sandbox.tenant, &m.volume).map_or(m.volume.clone(), |v| v.name),
+                    "path": m.path,
+                }))
+                .collect::<Vec<_>>()
+        );
         value["lifecycle"] = json!({
             "onTimeout": if sandbox.lifecycle.pauses_on_timeout() { "pause" } else { "kill" },
             "autoResume": sandbox.lifecycle.auto_resume(),

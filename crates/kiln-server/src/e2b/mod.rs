@@ -23,6 +23,7 @@ pub mod egress;
 pub mod envd;
 pub mod jupyter;
 pub mod process;
+pub mod volumes;
 pub mod watch;
 
 use std::sync::Arc;
@@ -77,6 +78,8 @@ struct Planes {
     jupyter: Router,
     /// A server in the sandbox's box, on another port (`get_host`).
     ports: Router,
+    /// The volume content API (`/volumecontent/…`, with a volume's token).
+    volumes: Router,
 }
 
 /// The sandbox a sandbox-plane request is for, and who owns it (set once its token
@@ -123,6 +126,7 @@ pub fn router(app: Arc<AppState>, config: E2bConfig) -> Router {
         control: control::router(e2b.clone()),
         envd: envd::router(e2b.clone()),
         jupyter: jupyter::router(e2b.clone()),
+        volumes: volumes::content_router(e2b.clone()),
         ports: ports_router(e2b.clone()),
         e2b,
     });
@@ -141,6 +145,12 @@ async fn dispatch(State(planes): State<Arc<Planes>>, mut request: Request) -> Re
     let path = request.uri().path();
     let control =
         path.starts_with("/sandboxes") || path.starts_with("/v2/") || path.starts_with("/v1/");
+    if path.starts_with("/volumecontent/") {
+        return match planes.volumes.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        };
+    }
     let target = if control {
         None
     } else {
@@ -280,6 +290,9 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
                     | E::SessionNotFound { .. }
                     | E::SecretNotFound { .. }
                     | E::SecretExists { .. }
+                    | E::VolumeNotFound { .. }
+                    | E::VolumeExists { .. }
+                    | E::VolumeInUse { .. }
                     | E::SandboxBusy { .. }
                     | E::QuotaExceeded { .. }
                     | E::ExecutionQueueFull { .. }
@@ -299,8 +312,11 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
         | E::FolderNotFound { .. }
         | E::ProcessNotFound { .. }
         | E::SecretNotFound { .. }
+        | E::VolumeNotFound { .. }
         | E::Workspace(T::NotFound { .. }) => StatusCode::NOT_FOUND,
-        E::SecretExists { .. } => StatusCode::CONFLICT,
+        E::SecretExists { .. } | E::VolumeExists { .. } | E::VolumeInUse { .. } => {
+            StatusCode::CONFLICT
+        }
         E::SandboxBusy { .. } | E::SandboxPaused { .. } | E::Cancelled | E::SessionEnded { .. } => {
             StatusCode::CONFLICT
         }
