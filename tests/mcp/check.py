@@ -32,7 +32,7 @@ EXPECTED_TOOLS = {
     "session_close", "fork_session", "write_file", "read_file", "list_files",
     "sandbox_processes", "sandbox_signal", "sandbox_restart", "sandbox_pause", "sandbox_resume",
     "sandbox_hibernate", "sandbox_terminal", "sandbox_preview_link", "sandbox_set_network",
-    "secret_set", "secret_list", "secret_delete",
+    "secret_set", "secret_list", "secret_delete", "volume_create", "volume_list", "volume_delete",
 }
 
 

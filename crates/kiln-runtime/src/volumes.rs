@@ -208,11 +208,19 @@ impl Volumes {
         }
     }
 
-    /// Unmounts every volume (at kiln's stop).
+    /// Unmounts every volume (at kiln's stop), and the volumes' folder's own mount
+    /// ([`share_root`]).
     pub fn detach_all(&self) {
         let ids: Vec<String> = self.lock().keys().cloned().collect();
         for id in ids {
             let _ = crate::volume::detach(&self.mount_point(&id));
+        }
+        if let Ok(root) = self.root.canonicalize()
+            && is_mount_point(&root)
+            && let Ok(path) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes())
+        {
+            // SAFETY: `path` is a valid NUL-terminated string that outlives the call.
+            unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) };
         }
     }
 
@@ -420,10 +428,7 @@ pub fn share_root(data_dir: &Path) -> std::io::Result<()> {
     let root = root.canonicalize()?;
     let path = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(root.as_os_str()))
         .map_err(|_| std::io::Error::other("a NUL in the data folder's path"))?;
-    let mounted = std::fs::read_to_string("/proc/self/mountinfo")?
-        .lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .any(|point| unescape(point) == root.as_os_str().as_encoded_bytes());
+    let mounted = is_mount_point(&root);
     // SAFETY: `path` is a valid NUL-terminated string that outlives both calls; the other
     // pointers are null, which mount(2) takes for a bind and a propagation change.
     unsafe {
@@ -450,6 +455,15 @@ pub fn share_root(data_dir: &Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether `path` (canonical) is a mount point of this mount namespace.
+fn is_mount_point(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo").is_ok_and(|info| {
+        info.lines()
+            .filter_map(|line| line.split(' ').nth(4))
+            .any(|point| unescape(point) == path.as_os_str().as_encoded_bytes())
+    })
 }
 
 /// A mount point as `/proc/self/mountinfo` writes it (`\040` for a space, …), unescaped.

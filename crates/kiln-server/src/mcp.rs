@@ -58,6 +58,27 @@ pub struct SandboxCreate {
     /// {...}}}]}}`, as `networkRules` in /api/v1/sandboxes.
     #[serde(default)]
     pub network_rules: Option<Value>,
+    /// Named volumes to mount: `[{"volume": "datasets", "path": "/mnt/data", "readOnly":
+    /// false}]` (volume_create makes them).
+    #[serde(default)]
+    pub volume_mounts: Option<Value>,
+}
+
+/// Make a named volume.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct VolumeCreate {
+    /// 1..=64 of `A-Z a-z 0-9 _ . -`.
+    pub name: String,
+    /// Its size in MiB, 16 to 65536 (default 1024).
+    #[serde(default)]
+    pub size_mb: Option<u64>,
+}
+
+/// Name a volume.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct VolumeOf {
+    /// Its name or id.
+    pub volume: String,
 }
 
 /// Replace a sandbox's egress rules.
@@ -507,8 +528,22 @@ impl KilnMcp {
             "python",
         )?;
         let rules = input.network_rules.map(egress_of).transpose()?;
+        let mounts: Vec<kiln_runtime::volumes::VolumeMount> = match input.volume_mounts {
+            Some(value) => {
+                serde_json::from_value(value).map_err(|e| RuntimeError::InvalidOption {
+                    message: format!("volume_mounts: {e}"),
+                })?
+            }
+            None => Vec::new(),
+        };
         let spec = kiln_runtime::sandbox::SandboxSpec::resolve(catalogue, &image, None, None)?
-            .with_egress(catalogue, rules)?;
+            .with_egress(catalogue, rules)?
+            .with_volumes(
+                catalogue,
+                &self.runtime.registry.volumes,
+                &caller.tenant,
+                &mounts,
+            )?;
         exec::create_sandbox(&self.runtime, caller, spec)
             .await
             .map(|sandbox| sandbox.id)
@@ -571,7 +606,10 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let created = if input.template.is_none() && input.network_rules.is_none() {
+        let created = if input.template.is_none()
+            && input.network_rules.is_none()
+            && input.volume_mounts.is_none()
+        {
             match language(input.language.as_deref()) {
                 Ok(language) => self.new_sandbox(&caller, language).await,
                 Err(e) => Err(e),
@@ -869,6 +907,78 @@ impl KilnMcp {
         .await
         .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())));
         Ok(reply(stored, |info| answer(json!(info), false)))
+    }
+
+    #[tool(
+        description = "Make a named volume: storage that outlives sandboxes and is shared between them (mount it with sandbox_create's volume_mounts)."
+    )]
+    async fn volume_create(
+        &self,
+        Parameters(input): Parameters<VolumeCreate>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let made = crate::volumes::make(
+            &self.runtime,
+            &caller,
+            input.name,
+            input.size_mb.map(|mb| mb.saturating_mul(1 << 20)),
+            Default::default(),
+        )
+        .await;
+        Ok(reply(made, |volume| answer(json!(volume), false)))
+    }
+
+    #[tool(description = "List the tenant's named volumes, with the bytes each uses.")]
+    async fn volume_list(
+        &self,
+        Parameters(_input): Parameters<Nothing>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let volumes = &self.runtime.registry.volumes;
+        let list: Vec<Value> = volumes
+            .list(&caller.tenant)
+            .into_iter()
+            .map(|v| {
+                let used = volumes.used(&v.id);
+                let mut value = json!(v);
+                value["usedBytes"] = json!(used);
+                value
+            })
+            .collect();
+        Ok(answer(json!({ "volumes": list }), false))
+    }
+
+    #[tool(
+        description = "Delete a named volume and its files (refused while a live sandbox mounts it)."
+    )]
+    async fn volume_delete(
+        &self,
+        Parameters(input): Parameters<VolumeOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let runtime = self.runtime.clone();
+        let (tenant, which) = (caller.tenant.clone(), input.volume.clone());
+        let deleted = tokio::task::spawn_blocking(move || {
+            runtime
+                .registry
+                .volumes
+                .delete(&tenant, &which, |id| runtime.registry.volume_users(id))
+        })
+        .await
+        .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())));
+        let deleted = match deleted {
+            Ok(true) => Ok(input.volume),
+            Ok(false) => Err(RuntimeError::VolumeNotFound {
+                volume: input.volume,
+            }),
+            Err(e) => Err(e),
+        };
+        Ok(reply(deleted, |name| {
+            answer(json!({ "deleted": name }), false)
+        }))
     }
 
     #[tool(description = "List the tenant's secrets: names, ids, versions (never values).")]

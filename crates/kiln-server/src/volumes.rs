@@ -72,7 +72,7 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<VolumeInfo>), ApiError> {
     let JsonBody(body) = body?;
     let made = make(
-        &state,
+        &state.runtime,
         &caller,
         body.name,
         body.size_mb.map(|mb| mb.saturating_mul(1 << 20)),
@@ -84,21 +84,20 @@ pub async fn create(
 
 /// Makes a volume for `caller`, within its quotas (every face's way in).
 pub async fn make(
-    state: &std::sync::Arc<AppState>,
+    runtime: &std::sync::Arc<kiln_runtime::Runtime>,
     caller: &Caller,
     name: String,
     size_bytes: Option<u64>,
     metadata: BTreeMap<String, String>,
 ) -> Result<VolumeRecord, kiln_runtime::RuntimeError> {
-    let quotas = state.runtime.quotas(caller);
-    state
-        .runtime
+    let quotas = runtime.quotas(caller);
+    runtime
         .registry
         .usage(&caller.tenant)
         .check_workspace(&quotas)?;
-    let runtime = state.runtime.clone();
+    let runtime = runtime.clone();
     let tenant = caller.tenant.clone();
-    let owner = box_user(&state.runtime);
+    let owner = box_user(&runtime);
     tokio::task::spawn_blocking(move || {
         runtime
             .registry

@@ -556,6 +556,9 @@ fn mcp(
 ) -> anyhow::Result<ExitCode> {
     prepare_runtimes()?;
     let data_dir = data_dir(dir)?;
+    if let Err(e) = kiln_runtime::volumes::share_root(&data_dir) {
+        tracing::warn!("named volumes will not reach WebAssembly sandboxes: {e}");
+    }
     let (pool, _) = backends::wasm_pool(backends::WasmWorkers {
         workers: Some(workers),
         writable: vec![data_dir.clone()],
@@ -567,7 +570,9 @@ fn mcp(
     config.routes = python_route(&config.catalogue, Vec::new(), default_python_template)?;
     runtime(2)?.block_on(async {
         let runtime = std::sync::Arc::new(kiln_runtime::Runtime::open(config, backends.pools)?);
-        kiln_server::mcp::serve_stdio(runtime).await?;
+        let served = kiln_server::mcp::serve_stdio(runtime.clone()).await;
+        runtime.registry.detach_volumes();
+        served?;
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)

@@ -64,7 +64,15 @@ pub async fn create(
         Ok(asked) => asked,
         Err(response) => return response,
     };
-    match crate::volumes::make(&e2b.app, &caller, asked.name, None, Default::default()).await {
+    match crate::volumes::make(
+        &e2b.app.runtime,
+        &caller,
+        asked.name,
+        None,
+        Default::default(),
+    )
+    .await
+    {
         Ok(record) => (StatusCode::CREATED, Json(volume_json(&e2b, &record, true))).into_response(),
         Err(e) => failed(e),
     }

@@ -16,4 +16,5 @@ mod rich_oneshot;
 mod runner;
 mod serve;
 mod storage;
+mod volumes;
 mod worker_jail;
