@@ -33,6 +33,7 @@ EXPECTED_TOOLS = {
     "sandbox_processes", "sandbox_signal", "sandbox_restart", "sandbox_pause", "sandbox_resume",
     "sandbox_hibernate", "sandbox_terminal", "sandbox_preview_link", "sandbox_set_network",
     "secret_set", "secret_list", "secret_delete", "volume_create", "volume_list", "volume_delete",
+    "sandbox_snapshot", "sandbox_fork",
 }
 
 
@@ -311,10 +312,51 @@ async def linux_boxes():
                 check(result.is_error and data(result)["error"]["code"] == "UNSUPPORTED", f"a wasm pause: {text(result)}")
                 result = await client.call_tool("sandbox_terminal", {"sandbox_id": wasm})
                 check(result.is_error and data(result)["error"]["code"] == "UNSUPPORTED", f"a wasm terminal: {text(result)}")
+                await issue37_tools(client)
         finally:
             server.terminate()
             server.wait(timeout=30)
     print("mcp-check: Linux box tools ok")
+
+
+async def issue37_tools(client):
+    """Volumes, network rules, secrets, snapshots and forks, as an MCP client uses them."""
+    made = data(await client.call_tool("volume_create", {"name": "mcp-vol", "size_mb": 32}))
+    check(made["name"] == "mcp-vol" and made["sizeBytes"] == 32 << 20, f"volume_create: {made}")
+    listed = data(await client.call_tool("volume_list", {}))
+    check([v["name"] for v in listed["volumes"]] == ["mcp-vol"], f"volume_list: {listed}")
+    stored = data(await client.call_tool("secret_set", {"name": "mcp-token", "value": "s3cr3t-value"}))
+    check(stored["version"] == 1 and "s3cr3t" not in json.dumps(stored), f"secret_set: {stored}")
+    stored = data(await client.call_tool("secret_set", {"name": "mcp-token", "value": "s3cr3t-v2"}))
+    check(stored["version"] == 2, f"secret_set again: {stored}")
+    secrets = data(await client.call_tool("secret_list", {}))
+    check([s["name"] for s in secrets["secrets"]] == ["mcp-token"] and "s3cr3t" not in json.dumps(secrets), f"secret_list: {secrets}")
+    box = data(await client.call_tool("sandbox_create", {
+        "template": "linux-python",
+        "network_rules": {"allowOut": ["pypi.org"], "denyOut": ["0.0.0.0/0"]},
+        "volume_mounts": [{"volume": "mcp-vol", "path": "/mnt/vol"}]}))["sandbox_id"]
+    ran = await client.call_tool("run_bash", {"sandbox_id": box, "code":
+        "echo kept > /mnt/vol/v.txt && echo ws > w.txt && curl -s http://registry.npmjs.org/"})
+    check("denyOut" in text(ran), f"a denied host through MCP's rules: {text(ran)}")
+    rules = data(await client.call_tool("sandbox_set_network", {"sandbox_id": box, "network_rules": {"denyOut": ["pypi.org"]}}))
+    check(rules["network_rules"] == {"denyOut": ["pypi.org"]}, f"sandbox_set_network: {rules}")
+    bad = await client.call_tool("sandbox_set_network", {"sandbox_id": box, "network_rules": {"allowOut": ["not a host"]}})
+    check(bad.is_error and "not a destination" in text(bad), f"a bad rule: {text(bad)}")
+    in_use = await client.call_tool("volume_delete", {"volume": "mcp-vol"})
+    check(in_use.is_error and data(in_use)["error"]["code"] == "VOLUME_IN_USE", f"volume_delete in use: {text(in_use)}")
+    snap = data(await client.call_tool("sandbox_snapshot", {"sandbox_id": box, "name": "mcp-snap"}))
+    check(snap["id"].startswith("snap_") and snap["sandboxId"] == box, f"sandbox_snapshot: {snap}")
+    forks = data(await client.call_tool("sandbox_fork", {"sandbox_id": box, "count": 2}))["forks"]
+    check(len(forks) == 2 and all("sandbox_id" in f for f in forks), f"sandbox_fork: {forks}")
+    for fork in forks:
+        seen = await client.call_tool("run_bash", {"sandbox_id": fork["sandbox_id"], "code": "cat w.txt /mnt/vol/v.txt"})
+        check(text(seen).count("ws") == 1 and "kept" in text(seen), f"a fork's files: {text(seen)}")
+    copy = data(await client.call_tool("sandbox_create", {"snapshot": "mcp-snap"}))
+    seen = await client.call_tool("run_bash", {"sandbox_id": copy["sandbox_id"], "code": "cat w.txt"})
+    check("ws" in text(seen), f"from a snapshot: {text(seen)}")
+    gone = data(await client.call_tool("secret_delete", {"name": "mcp-token"}))
+    check(gone == {"deleted": "mcp-token"}, f"secret_delete: {gone}")
+    print("mcp-check: volumes, network rules, secrets, snapshots and forks ok")
 
 
 async def main():

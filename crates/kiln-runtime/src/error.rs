@@ -135,6 +135,8 @@ pub enum RuntimeError {
     SecretNotFound { name: String },
     #[error("no volume {volume:?}")]
     VolumeNotFound { volume: String },
+    #[error("no snapshot {snapshot:?}")]
+    SnapshotNotFound { snapshot: String },
     #[error("a volume named {name:?} exists")]
     VolumeExists { name: String },
     #[error("volume {volume:?} is mounted by live sandboxes ({}); delete them first", sandboxes.join(", "))]
@@ -207,6 +209,7 @@ impl RuntimeError {
             E::SecretNotFound { .. } => "SECRET_NOT_FOUND",
             E::SecretExists { .. } => "SECRET_EXISTS",
             E::VolumeNotFound { .. } => "VOLUME_NOT_FOUND",
+            E::SnapshotNotFound { .. } => "SNAPSHOT_NOT_FOUND",
             E::VolumeExists { .. } => "VOLUME_EXISTS",
             E::VolumeInUse { .. } => "VOLUME_IN_USE",
             E::Internal { .. } => "INTERNAL",

@@ -43,6 +43,7 @@ pub mod revisions;
 pub mod sandbox;
 pub mod secrets;
 pub mod sessions;
+pub mod snapshots;
 pub mod store;
 pub mod volume;
 pub mod volumes;

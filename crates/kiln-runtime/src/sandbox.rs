@@ -759,6 +759,8 @@ pub struct Registry {
     dirty: Mutex<std::collections::HashSet<String>>,
     /// The tenants' named volumes.
     pub volumes: crate::volumes::Volumes,
+    /// Snapshots of Linux sandboxes.
+    pub snapshots: crate::snapshots::Snapshots,
 }
 
 /// Random bytes as hex, from the kernel.
@@ -855,11 +857,13 @@ impl Registry {
         }
         let volumes = crate::volumes::Volumes::open(&root);
         volumes.attach_all();
+        let snapshots = crate::snapshots::Snapshots::open(&root);
         Ok(Registry {
             root,
             sandboxes: Mutex::new(sandboxes),
             dirty: Mutex::default(),
             volumes,
+            snapshots,
         })
     }
 
@@ -909,7 +913,7 @@ impl Registry {
         quotas: &Quotas,
         adopt: Option<PathBuf>,
     ) -> Result<Sandbox> {
-        self.create_with(tenant, spec, quotas, adopt, |_| Ok(()))
+        self.create_with(tenant, spec, quotas, adopt, None, |_| Ok(()))
     }
 
     /// Creates a sandbox whose workspace and history `seed` fills (it is given the new
@@ -923,7 +927,34 @@ impl Registry {
         quotas: &Quotas,
         seed: impl FnOnce(&Sandbox) -> Result<()>,
     ) -> Result<Sandbox> {
-        self.create_with(tenant, spec, quotas, None, seed)
+        self.create_with(tenant, spec, quotas, None, None, seed)
+    }
+
+    /// Creates a sandbox of `spec` (a Linux one) from snapshot `snapshot`: its volume a
+    /// copy of the snapshot's image (a reflink where the file system can), its history the
+    /// snapshot's; answers it and how its disk was copied.
+    pub fn create_from_snapshot(
+        &self,
+        tenant: &str,
+        spec: &SandboxSpec,
+        quotas: &Quotas,
+        snapshot: &str,
+    ) -> Result<(Sandbox, crate::snapshots::CopyKind)> {
+        let image = self.snapshots.image(snapshot);
+        let history = self.snapshots.history(snapshot);
+        let copied = std::cell::Cell::new(crate::snapshots::CopyKind::Sparse);
+        let made = self.create_with(
+            tenant,
+            spec,
+            quotas,
+            None,
+            Some((&image, &copied)),
+            |child| {
+                crate::history::History::open(&history)?.clone_into(&child.git_dir())?;
+                Ok(())
+            },
+        )?;
+        Ok((made, copied.get()))
     }
 
     fn create_with(
@@ -932,6 +963,10 @@ impl Registry {
         spec: &SandboxSpec,
         quotas: &Quotas,
         adopt: Option<PathBuf>,
+        image: Option<(
+            &std::path::Path,
+            &std::cell::Cell<crate::snapshots::CopyKind>,
+        )>,
         seed: impl FnOnce(&Sandbox) -> Result<()>,
     ) -> Result<Sandbox> {
         self.usage(tenant).check_sandbox(quotas)?;
@@ -981,6 +1016,23 @@ impl Registry {
                 }
                 None => std::fs::create_dir_all(&meta.dir)
                     .map_err(|e| io_error("could not create the sandbox", &e))?,
+            }
+            if let Some((image, copied)) = image {
+                // The disk must fit as a new one would (a copy may cost its whole size).
+                let bytes = spec.resources.map_or(0, |r| r.disk_mb << 20);
+                crate::volume::check_room(
+                    &meta.volume_dir(),
+                    bytes,
+                    crate::volume::overcommit_ratio(),
+                )
+                .map_err(|e| io_error("could not make the sandbox's disk", &e))?;
+                copied.set(
+                    crate::snapshots::copy_image(
+                        image,
+                        &crate::volume::image_of(&meta.volume_dir()),
+                    )
+                    .map_err(|e| io_error("could not copy the snapshot's disk", &e))?,
+                );
             }
             meta.attach_volume()
                 .map_err(|e| io_error("could not make the workspace's volume", &e))?;
@@ -1178,7 +1230,10 @@ impl Registry {
     fn usage_of(&self, sandboxes: &HashMap<String, Entry>, tenant: &str) -> Usage {
         let now = now_ms();
         let mut usage = Usage {
-            workspace_bytes: self.volumes.used_bytes(tenant),
+            workspace_bytes: self
+                .volumes
+                .used_bytes(tenant)
+                .saturating_add(self.snapshots.disk_bytes(tenant)),
             ..Usage::default()
         };
         for entry in sandboxes.values() {

@@ -101,7 +101,8 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
             | E::FolderNotFound { .. }
             | E::ProcessNotFound { .. }
             | E::SecretNotFound { .. }
-            | E::VolumeNotFound { .. } => StatusCode::NOT_FOUND,
+            | E::VolumeNotFound { .. }
+            | E::SnapshotNotFound { .. } => StatusCode::NOT_FOUND,
             E::SecretExists { .. } | E::VolumeExists { .. } | E::VolumeInUse { .. } => {
                 StatusCode::CONFLICT
             }

@@ -22,6 +22,7 @@ pub mod openapi;
 pub mod preview;
 pub mod secrets;
 pub mod site;
+pub mod snapshots;
 pub mod templates;
 pub mod terminals;
 pub mod v1;
@@ -180,6 +181,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(
             "/sandboxes/{id}/network",
             axum::routing::put(v1::set_network),
+        )
+        .route("/sandboxes/{id}/snapshots", post(snapshots::take))
+        .route("/sandboxes/{id}/fork", post(snapshots::fork))
+        .route("/snapshots", get(snapshots::list))
+        .route(
+            "/snapshots/{snapshot}",
+            get(snapshots::get).delete(snapshots::delete),
         )
         .route("/volumes", get(volumes::list).post(volumes::create))
         .route(

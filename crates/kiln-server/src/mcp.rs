@@ -62,6 +62,28 @@ pub struct SandboxCreate {
     /// false}]` (volume_create makes them).
     #[serde(default)]
     pub volume_mounts: Option<Value>,
+    /// Start from a snapshot (sandbox_snapshot takes them): its files, template and settings
+    /// (the other fields are then left out).
+    #[serde(default)]
+    pub snapshot: Option<String>,
+}
+
+/// Snapshot a sandbox.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SnapshotOf {
+    pub sandbox_id: String,
+    /// A name for it.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// Fork a sandbox.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ForkOf {
+    pub sandbox_id: String,
+    /// How many copies, 1..=20 (default 1).
+    #[serde(default)]
+    pub count: Option<u32>,
 }
 
 /// Make a named volume.
@@ -606,6 +628,18 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
+        if let Some(snapshot) = &input.snapshot {
+            let made = kiln_runtime::snapshots::create_from(
+                &self.runtime,
+                &caller,
+                snapshot,
+                Default::default(),
+            )
+            .await;
+            return Ok(reply(made, |(sandbox, copy)| {
+                answer(json!({ "sandbox_id": sandbox.id, "copy": copy }), false)
+            }));
+        }
         let created = if input.template.is_none()
             && input.network_rules.is_none()
             && input.volume_mounts.is_none()
@@ -907,6 +941,54 @@ impl KilnMcp {
         .await
         .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())));
         Ok(reply(stored, |info| answer(json!(info), false)))
+    }
+
+    #[tool(
+        description = "Snapshot a Linux sandbox: its files (workspace and what its box wrote outside it) and history, with its box paused meanwhile. Start sandboxes from it with sandbox_create's snapshot. Processes are not carried."
+    )]
+    async fn sandbox_snapshot(
+        &self,
+        Parameters(input): Parameters<SnapshotOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let taken = kiln_runtime::snapshots::snapshot(
+            &self.runtime,
+            &caller,
+            &input.sandbox_id,
+            input.name,
+        )
+        .await;
+        Ok(reply(taken, |info| answer(json!(info), false)))
+    }
+
+    #[tool(
+        description = "Fork a Linux sandbox into count copies (1..=20) that start from its files as they are now and diverge: parallel attempts at one task. Returns each fork's sandbox_id."
+    )]
+    async fn sandbox_fork(
+        &self,
+        Parameters(input): Parameters<ForkOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let forks = kiln_runtime::snapshots::fork(
+            &self.runtime,
+            &caller,
+            &input.sandbox_id,
+            input.count.unwrap_or(1),
+            Default::default(),
+        )
+        .await;
+        Ok(reply(forks, |forks| {
+            let list: Vec<Value> = forks
+                .into_iter()
+                .map(|fork| match fork {
+                    Ok((sandbox, copy)) => json!({ "sandbox_id": sandbox.id, "copy": copy }),
+                    Err(e) => json!({ "error": { "code": e.code(), "message": e.to_string() } }),
+                })
+                .collect();
+            answer(json!({ "forks": list }), false)
+        }))
     }
 
     #[tool(

@@ -95,6 +95,10 @@ pub struct NewSandbox {
     /// `lifecycle.allowedPorts`; their requests count against the owner's rate limit.
     /// Default false. Linux templates.
     pub public_previews: Option<bool>,
+    /// Start from a snapshot (`snap_…` or its name; `POST …/snapshots` takes them): its
+    /// files, history, template, resources, network and volumes. Only `timeoutMs` may be
+    /// given beside it.
+    pub snapshot: Option<String>,
 }
 
 /// Create a sandbox.
@@ -110,6 +114,38 @@ pub async fn create(
     body: Result<JsonBody<NewSandbox>, HttpError>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
     let JsonBody(body) = body?;
+    if let Some(snapshot) = &body.snapshot {
+        let others = body.language.is_some()
+            || body.template.is_some()
+            || body.memory_limit.is_some()
+            || body.network.is_some()
+            || body.network_rules.is_some()
+            || body.volume_mounts.is_some()
+            || body.resources.is_some()
+            || body.lifecycle.is_some()
+            || body.public_previews.is_some();
+        if others {
+            return Err(ApiError::bad_request(
+                "INVALID_OPTION",
+                "a sandbox made from a snapshot is the snapshot's: give only `snapshot` and `timeoutMs`",
+            ));
+        }
+        let (made, _) = kiln_runtime::snapshots::create_from(
+            &state.runtime,
+            &caller,
+            snapshot,
+            kiln_runtime::snapshots::FromSnapshot {
+                lifetime_ms: body.timeout_ms,
+                ..Default::default()
+            },
+        )
+        .await?;
+        let view = state.runtime.registry.get(&caller.tenant, &made.id)?;
+        return Ok((
+            StatusCode::CREATED,
+            Json(SandboxInfo::from_view(&view).described(state.runtime.catalogue())),
+        ));
+    }
     let image = kiln_runtime::sandbox::SandboxSpec::named_image(
         state.runtime.catalogue(),
         body.language.as_deref(),
@@ -908,7 +944,7 @@ pub async fn fork_session(
 
 /// A JSON body that may be left out: none (or an empty one) is `T::default()`; any other is
 /// read as [`JsonBody`] reads it (415, 413, 400 in the one envelope).
-async fn optional_json<T: serde::de::DeserializeOwned + Default>(
+pub(crate) async fn optional_json<T: serde::de::DeserializeOwned + Default>(
     headers: &axum::http::HeaderMap,
     body: axum::body::Body,
     limit_bytes: usize,

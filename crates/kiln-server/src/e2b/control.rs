@@ -40,6 +40,13 @@ pub fn router(e2b: Arc<E2b>) -> Router {
             "/sandboxes/{id}/network",
             axum::routing::put(super::egress::update_network),
         )
+        .route("/sandboxes/{id}/snapshots", post(super::snapshots::create))
+        .route("/sandboxes/{id}/fork", post(super::snapshots::fork))
+        .route("/snapshots", get(super::snapshots::list))
+        .route(
+            "/templates/{id}",
+            axum::routing::delete(super::snapshots::delete),
+        )
         .route(
             "/volumes",
             get(super::volumes::list).post(super::volumes::create),
@@ -270,10 +277,23 @@ async fn create_sandbox(
     caller: &Caller,
     asked: NewSandbox,
 ) -> Result<Sandbox, Response> {
-    let template = template_for(e2b, &asked.template_id)?;
     let timeout_s = asked.timeout.unwrap_or(300);
     let lifetime_ms = lifetime(timeout_s)?;
     let metadata = asked.metadata.unwrap_or_default();
+    check_labels("metadata", &metadata)?;
+    // `Sandbox.create(snapshot_id)`: the snapshot's files, template and settings.
+    if let Some(made) = super::snapshots::create_from(
+        e2b,
+        caller,
+        &asked.template_id,
+        lifetime_ms,
+        metadata.clone(),
+    )
+    .await
+    {
+        return made;
+    }
+    let template = template_for(e2b, &asked.template_id)?;
     let env = asked.env_vars.unwrap_or_default();
     check_labels("metadata", &metadata)?;
     check_labels("envVars", &env)?;
@@ -380,7 +400,7 @@ fn lifetime(timeout_s: u64) -> Result<u64, Response> {
 }
 
 /// E2B's `Sandbox`: what create and connect answer.
-fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
+pub(super) fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
     json!({
         "templateID": sandbox.image,
         "sandboxID": e2b_id(&sandbox.id),

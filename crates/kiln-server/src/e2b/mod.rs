@@ -23,6 +23,7 @@ pub mod egress;
 pub mod envd;
 pub mod jupyter;
 pub mod process;
+pub mod snapshots;
 pub mod volumes;
 pub mod watch;
 
@@ -291,6 +292,7 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
                     | E::SecretNotFound { .. }
                     | E::SecretExists { .. }
                     | E::VolumeNotFound { .. }
+                    | E::SnapshotNotFound { .. }
                     | E::VolumeExists { .. }
                     | E::VolumeInUse { .. }
                     | E::SandboxBusy { .. }
@@ -313,6 +315,7 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
         | E::ProcessNotFound { .. }
         | E::SecretNotFound { .. }
         | E::VolumeNotFound { .. }
+        | E::SnapshotNotFound { .. }
         | E::Workspace(T::NotFound { .. }) => StatusCode::NOT_FOUND,
         E::SecretExists { .. } | E::VolumeExists { .. } | E::VolumeInUse { .. } => {
             StatusCode::CONFLICT
