@@ -156,7 +156,14 @@ pub fn record(registry: &Registry, sandbox: &Sandbox, summary: &str, id: &str) -
 /// After a change was committed (a run, an upload, a rollback): notes the workspace's size
 /// for the tenant's quota, and packs the history in the background now and then.
 pub fn note_recorded(registry: &Registry, sandbox: &Sandbox, recorded: &Recorded) {
-    registry.set_workspace_bytes(&sandbox.id, recorded.bytes);
+    // A sandbox on a volume of its own is counted by the blocks its files really use (a
+    // sparse file's size is not disk); others by their files' sizes.
+    let bytes = if sandbox.volume {
+        crate::processes::disk_used(sandbox)
+    } else {
+        recorded.bytes
+    };
+    registry.set_workspace_bytes(&sandbox.id, bytes);
     if recorded.commit_id.is_some() {
         pack_in_background(sandbox);
     }

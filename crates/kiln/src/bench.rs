@@ -118,6 +118,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if named(&args, "interactive") {
         crate::bench_interactive::run(n, &mut report)?;
     }
+    // Snapshots and forks of a Linux sandbox: likewise.
+    if named(&args, "snapshots") {
+        crate::bench_snapshots::run(n, &mut report)?;
+    }
     println!(
         "{}",
         serde_json::to_string_pretty(&serde_json::Value::Object(report))?

@@ -12,6 +12,7 @@ mod bench_interactive;
 mod bench_native;
 mod bench_rest;
 mod bench_runner;
+mod bench_snapshots;
 mod bench_warm;
 mod cli;
 mod config;

@@ -15,6 +15,7 @@ mod rest;
 mod rich_oneshot;
 mod runner;
 mod serve;
+mod snapshots;
 mod storage;
 mod volumes;
 mod worker_jail;

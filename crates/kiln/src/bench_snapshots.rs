@@ -1,0 +1,108 @@
+//! `kiln bench --only snapshots`: snapshots and forks of a Linux sandbox through a real
+//! `kiln serve --linux` (this binary, no keys), as a client sees them: a snapshot of a box
+//! holding 200 MiB of files, a fork into 4 copies, a sandbox made from a snapshot, and what
+//! each copy holds on the host's disk (and how it was copied: reflink or sparse).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde_json::{Value, json};
+
+use crate::bench::{Report, micros, summary};
+use crate::bench_child::spawn;
+
+pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
+    // SAFETY: geteuid(2) takes no arguments, touches no memory of ours and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        report.insert(
+            "snapshots".into(),
+            json!({"skipped": "Linux boxes need kiln to run as root"}),
+        );
+        return Ok(());
+    }
+    // Each round copies hundreds of MiB: a few rounds say enough.
+    let rounds = n.clamp(1, 5);
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let state = dir.path().join("state");
+    let server = spawn("serve", dir, "/readyz", |command| {
+        command
+            .args(["serve", "--no-auth", "--linux", "--rate-limit", "0"])
+            .arg("--data-dir")
+            .arg(&data)
+            .env("KILN_STATE_DIR", &state);
+    })?;
+    let base = server.base.clone();
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(300))
+        .build();
+    let post = |path: &str, body: Value| -> anyhow::Result<Value> {
+        Ok(agent
+            .post(&format!("{base}{path}"))
+            .send_json(body)
+            .with_context(|| format!("POST {path}"))?
+            .into_json()?)
+    };
+    let delete = |path: &str| -> anyhow::Result<()> {
+        agent
+            .delete(&format!("{base}{path}"))
+            .call()
+            .with_context(|| format!("DELETE {path}"))?;
+        Ok(())
+    };
+    let created = post("/api/v1/sandboxes", json!({"template": "linux-python"}))?;
+    let id = created["containerId"]
+        .as_str()
+        .context("no sandbox id")?
+        .to_string();
+    let wrote = post(
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        json!({"command": ["sh", "-c",
+            "for i in 0 1 2 3; do head -c 52428800 /dev/urandom > part$i.bin; done; sync; du -sm . | cut -f1"]}),
+    )?;
+    anyhow::ensure!(wrote["exitCode"] == 0, "writing 200 MiB failed: {wrote}");
+
+    let mut snapshot_us = Vec::new();
+    let mut from_us = Vec::new();
+    let mut fork_us = Vec::new();
+    let mut disk = 0u64;
+    let mut copy = Value::Null;
+    let mut frozen_us = Vec::new();
+    for _ in 0..rounds {
+        let started = Instant::now();
+        let snap = post(&format!("/api/v1/sandboxes/{id}/snapshots"), json!({}))?;
+        snapshot_us.push(micros(started.elapsed()));
+        frozen_us.push(snap["frozenMs"].as_f64().unwrap_or(0.0) * 1000.0);
+        disk = snap["diskBytes"].as_u64().unwrap_or(0);
+        copy = snap["copy"].clone();
+        let snap_id = snap["id"].as_str().context("no snapshot id")?.to_string();
+        let started = Instant::now();
+        let made = post("/api/v1/sandboxes", json!({"snapshot": snap_id}))?;
+        from_us.push(micros(started.elapsed()));
+        delete(&format!(
+            "/api/v1/sandboxes/{}",
+            made["containerId"].as_str().unwrap_or_default()
+        ))?;
+        delete(&format!("/api/v1/snapshots/{snap_id}"))?;
+
+        let started = Instant::now();
+        let forked = post(&format!("/api/v1/sandboxes/{id}/fork"), json!({"count": 4}))?;
+        fork_us.push(micros(started.elapsed()));
+        for fork in forked["forks"].as_array().context("no forks")? {
+            let fork_id = fork["sandbox"]["containerId"]
+                .as_str()
+                .with_context(|| format!("a fork failed: {fork}"))?;
+            delete(&format!("/api/v1/sandboxes/{fork_id}"))?;
+        }
+    }
+    report.insert(
+        "snapshot_200mib".into(),
+        json!({"latency": summary(snapshot_us), "frozen": summary(frozen_us), "disk_bytes": disk, "copy": copy}),
+    );
+    report.insert("sandbox_from_snapshot_200mib".into(), summary(from_us));
+    report.insert(
+        "fork_4_200mib".into(),
+        json!({"latency": summary(fork_us), "disk_bytes_per_fork": disk, "copy": copy}),
+    );
+    Ok(())
+}
