@@ -4,7 +4,7 @@
 import assert from 'node:assert/strict'
 import { after, test } from 'node:test'
 
-import { CommandExitError, Sandbox } from 'e2b'
+import { CommandExitError, Sandbox, Secret, Volume } from 'e2b'
 import { Sandbox as CodeInterpreter } from '@e2b/code-interpreter'
 
 const made = []
@@ -88,4 +88,64 @@ test('code interpreter: results, state, errors, charts, javascript', async () =>
   assert.equal(js.text, '42')
   const contexts = await sbx.listCodeContexts()
   assert.ok(contexts.some((c) => c.language === 'python'))
+})
+
+test('network rules: allowOut/denyOut at create, updateNetwork, getInfo', async () => {
+  const sbx = await base({ network: { allowOut: ['pypi.org'], denyOut: ['0.0.0.0/0'] } })
+  const info = await sbx.getInfo()
+  assert.deepEqual(info.network.allowOut, ['pypi.org'])
+  const refused = await sbx.commands.run('curl -s http://registry.npmjs.org/')
+  assert.match(refused.stdout, /refused by this sandbox's denyOut entry "0\.0\.0\.0\/0"/)
+  await sbx.updateNetwork({ denyOut: ['registry.npmjs.org'] })
+  const again = await sbx.commands.run('curl -s http://registry.npmjs.org/')
+  assert.match(again.stdout, /denyOut entry "registry\.npmjs\.org"/)
+  await assert.rejects(base({ network: { allowOut: ['not a host'] } }), /not a destination/)
+})
+
+test('secrets: create, list, never read back, destroy', async () => {
+  const name = `node-${Date.now()}`
+  const made = await Secret.create(name, 'sk-node-value')
+  assert.equal(made.name, name)
+  assert.ok(!JSON.stringify(made).includes('sk-node-value'))
+  assert.equal(Secret.fill(name), `\${e2b.secrets.${name}}`)
+  assert.ok(await Secret.destroy(name))
+  assert.equal(await Secret.destroy(name), false)
+})
+
+test('volumes: a volume mounted in two sandboxes, its files through the volume API', async () => {
+  const vol = await Volume.create(`node-${Date.now()}`)
+  try {
+    await vol.writeFile('/from-api.txt', 'api')
+    const a = await base({ volumeMounts: { '/mnt/v': vol } })
+    await a.commands.run('echo box > /mnt/v/from-box.txt')
+    const b = await base({ volumeMounts: { '/data': vol.name } })
+    assert.equal((await b.commands.run('cat /data/from-api.txt /data/from-box.txt')).stdout, 'apibox\n')
+    assert.equal(await vol.readFile('/from-box.txt'), 'box\n')
+    await assert.rejects(Volume.destroy(vol.volumeId), /mounted by live sandboxes/)
+    await a.kill()
+    await b.kill()
+  } finally {
+    await Volume.destroy(vol.volumeId).catch(() => {})
+  }
+})
+
+test('snapshots and forks: files copied, copies diverge', async () => {
+  const sbx = await base()
+  await sbx.commands.run('echo base > state.txt')
+  const snapshot = await sbx.createSnapshot()
+  const copy = await Sandbox.create(snapshot.snapshotId)
+  made.push(copy)
+  assert.equal((await copy.commands.run('cat state.txt')).stdout, 'base\n')
+  const forks = await sbx.fork({ count: 2 })
+  assert.equal(forks.length, 2)
+  for (const [i, fork] of forks.entries()) {
+    assert.ok(fork instanceof Sandbox, String(fork))
+    made.push(fork)
+    await fork.commands.run(`echo fork-${i} > state.txt`)
+  }
+  for (const [i, fork] of forks.entries()) {
+    assert.equal((await fork.commands.run('cat state.txt')).stdout, `fork-${i}\n`)
+  }
+  assert.equal((await sbx.commands.run('cat state.txt')).stdout, 'base\n')
+  assert.ok(await Sandbox.deleteSnapshot(snapshot.snapshotId))
 })

@@ -10,6 +10,7 @@ operator's list to an allow_out entry with a port)."""
 
 import hashlib
 import http.server
+import inspect
 import json
 import os
 import threading
@@ -176,3 +177,15 @@ def test_a_rule_puts_a_secret_into_requests_to_its_host_and_nowhere_else(sandbox
     finally:
         Secret.destroy(name)
     assert not Secret.exists(name)
+
+
+@pytest.mark.skipif(
+    "iam" not in inspect.signature(e2b.Sandbox.create).parameters,
+    reason="needs an e2b SDK with workload identity (iam)",
+)
+def test_workload_identity_tokens_are_refused_with_what_to_use_instead(sandbox_factory):
+    from e2b import Secret
+
+    with pytest.raises(Exception) as refused:
+        sandbox_factory(iam={"tokens": {"aws": Secret.iam_token(audience="sts.amazonaws.com", token_type="JWT-SVID")}})
+    assert "Secret.fill" in str(refused.value)

@@ -170,6 +170,8 @@ struct NewSandbox {
     auto_resume: Option<AutoResume>,
     /// `volume_mounts={"/mnt/vol": volume}`: the tenant's named volumes, by name.
     volume_mounts: Option<Vec<E2bVolumeMount>>,
+    /// Workload identity tokens: kiln mints none (refused when any is asked for).
+    iam: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -277,6 +279,18 @@ async fn create_sandbox(
     caller: &Caller,
     asked: NewSandbox,
 ) -> Result<Sandbox, Response> {
+    if asked
+        .iam
+        .as_ref()
+        .and_then(|iam| iam.get("tokens"))
+        .and_then(Value::as_object)
+        .is_some_and(|tokens| !tokens.is_empty())
+    {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "iam: kiln mints no workload identity tokens; keep a credential as a secret (Secret.create) and put it in requests with a network rule's header (Secret.fill)",
+        ));
+    }
     let timeout_s = asked.timeout.unwrap_or(300);
     let lifetime_ms = lifetime(timeout_s)?;
     let metadata = asked.metadata.unwrap_or_default();

@@ -694,7 +694,9 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
     assert!(status == 200 || status == 204, "{status}");
     let data = server.data.to_string_lossy().into_owned();
     // Mounts whose mount point is in the data folder (a box's overlay names its upper layer
-    // on the volume in its options, not in its mount point).
+    // on the volume in its options, not in its mount point), but the named volumes' folder,
+    // which kiln mounts on itself while it runs (shared, for its workers).
+    let volumes_root = format!("{data}/volumes");
     let mounted = || {
         std::fs::read_to_string("/proc/self/mountinfo")
             .unwrap_or_default()
@@ -702,7 +704,7 @@ fn kiln_serve_linux_sandboxes_get_the_resources_they_ask_for_and_a_capped_disk()
             .filter(|l| {
                 l.split(' ')
                     .nth(4)
-                    .is_some_and(|point| point.contains(&data))
+                    .is_some_and(|point| point.contains(&data) && point != volumes_root)
             })
             .count()
     };
