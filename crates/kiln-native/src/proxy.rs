@@ -14,7 +14,7 @@
 //! kiln sets in the box.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kiln_core::net::{EgressGrant, EgressPolicy};
@@ -40,7 +40,8 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(20);
 /// header rules need.
 pub struct LiveEgress {
     operator: Arc<Allowlist>,
-    policy: RwLock<Arc<EgressPolicy>>,
+    /// The rules now; open connections watch it, and end when a change refuses them.
+    policy: tokio::sync::watch::Sender<Arc<EgressPolicy>>,
     secrets: Option<Arc<dyn SecretSource>>,
     tls: Option<Arc<Interceptor>>,
 }
@@ -62,7 +63,7 @@ impl LiveEgress {
     ) -> LiveEgress {
         LiveEgress {
             operator,
-            policy: RwLock::new(Arc::new(EgressPolicy::default())),
+            policy: tokio::sync::watch::Sender::new(Arc::new(EgressPolicy::default())),
             secrets,
             tls,
         }
@@ -73,13 +74,37 @@ impl LiveEgress {
         Arc::new(LiveEgress::new(operator, None, None))
     }
 
-    /// Applies a sandbox's rules from now on (`None`: the operator's list alone).
+    /// Waits until the rules change so that a connection to `host:port` at `ip` would be
+    /// refused, and answers why (never, while they let it be).
+    async fn until_refused(&self, host: &str, port: u16, ip: Option<IpAddr>) -> String {
+        let mut changes = self.policy.subscribe();
+        loop {
+            if changes.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            let policy = changes.borrow_and_update().clone();
+            let verdict = policy
+                .check_name(&self.operator, host, port)
+                .and_then(|()| match ip {
+                    Some(ip) => {
+                        policy.check_address(&self.operator, host, port, ip, &host_addresses())
+                    }
+                    None => Ok(()),
+                });
+            if let Err(why) = verdict {
+                return why;
+            }
+        }
+    }
+
+    /// Applies a sandbox's rules from now on (`None`: the operator's list alone); open
+    /// connections the new rules refuse are closed.
     pub fn set(&self, grant: Option<EgressGrant>) -> Result<(), String> {
         let policy = match grant {
             Some(grant) => EgressPolicy::new(grant)?,
             None => EgressPolicy::default(),
         };
-        *self.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
+        self.policy.send_replace(Arc::new(policy));
         Ok(())
     }
 
@@ -90,10 +115,7 @@ impl LiveEgress {
     }
 
     fn policy(&self) -> Arc<EgressPolicy> {
-        self.policy
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.policy.borrow().clone()
     }
 
     pub fn operator(&self) -> &Allowlist {
@@ -345,7 +367,6 @@ async fn handle(
     egress: &LiveEgress,
     policy: &EgressPolicy,
 ) -> Result<(), Failure> {
-    let conn = stream.id;
     let first = match stream.next().await {
         Some(Reply::Output { data, .. }) if !data.is_empty() => data,
         _ => return Ok(()), // the client went away
@@ -359,6 +380,34 @@ async fn handle(
     let target = parse_head(&head)?;
     let rules = !policy.headers_for(&target.host).is_empty();
     let upstream = connect_upstream(&target.host, target.port, egress, policy).await?;
+    let (host, port) = (target.host.clone(), target.port);
+    let ip = upstream.peer_addr().ok().map(|a| a.ip());
+    let work = carry(
+        channel, stream, early, target, upstream, rules, egress, policy,
+    );
+    tokio::select! {
+        done = work => done,
+        why = egress.until_refused(&host, port, ip) => Err(Failure::Closed(refuse(
+            "403 Forbidden",
+            format!("the connection to {host}:{port} was closed: the sandbox's rules changed ({why})"),
+        ))),
+    }
+}
+
+/// Carries a connection the checks let through: a tunnel, HTTPS opened for its rules, or
+/// one plain HTTP request.
+#[allow(clippy::too_many_arguments)]
+async fn carry(
+    channel: &Arc<Channel>,
+    stream: Replies,
+    early: Vec<u8>,
+    target: Target,
+    upstream: TcpStream,
+    rules: bool,
+    egress: &LiveEgress,
+    policy: &EgressPolicy,
+) -> Result<(), Failure> {
+    let conn = stream.id;
     tracing::debug!(target: "kiln::egress", sandbox = %policy.grant().sandbox, host = %target.host, port = target.port, "connected");
     match (target.forward, rules) {
         (None, false) => {
@@ -772,9 +821,15 @@ async fn socks(
     io.write_all(&socks_reply(0))
         .await
         .map_err(|_| bad("the client left"))?;
+    let ip = upstream.peer_addr().ok().map(|a| a.ip());
     let mut upstream = upstream;
-    let _ = tokio::io::copy_bidirectional(&mut io, &mut upstream).await;
-    Ok(())
+    tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut io, &mut upstream) => Ok(()),
+        why = egress.until_refused(&host, port, ip) => Err(Failure::Closed(refuse(
+            "403 Forbidden",
+            format!("the connection to {host}:{port} was closed: the sandbox's rules changed ({why})"),
+        ))),
+    }
 }
 
 /// Just enough HTTP/1.1 to frame requests (RFC 9112): heads, and bodies by
@@ -1245,5 +1300,39 @@ mod tests {
             let refused = rewrite(&head, "api.x.com", &live, &policy, false).unwrap_err();
             assert!(refused.message.contains(said), "{refused}");
         }
+    }
+
+    #[tokio::test]
+    async fn an_open_connection_ends_when_new_rules_refuse_it_and_not_before() {
+        let (live, _) = egress("{}", &["*.x.com"]);
+        let live = Arc::new(live);
+        let ip = Some(ip("151.101.0.223"));
+        let watcher = {
+            let live = live.clone();
+            tokio::spawn(async move { live.until_refused("api.x.com", 443, ip).await })
+        };
+        let grant = |rules: &str| EgressGrant {
+            rules: serde_json::from_str(rules).unwrap(),
+            tenant: "t".into(),
+            sandbox: "s".into(),
+            widen: false,
+        };
+        // Changes that still let it through leave it open.
+        live.set(Some(grant(r#"{"denyOut": ["other.x.com"]}"#)))
+            .unwrap();
+        live.set(Some(grant(
+            r#"{"allowOut": ["api.x.com"], "denyOut": ["*"]}"#,
+        )))
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!watcher.is_finished());
+        // A range it dialed into, denied: it ends, saying why.
+        live.set(Some(grant(r#"{"denyOut": ["151.101.0.0/16"]}"#)))
+            .unwrap();
+        let why = tokio::time::timeout(Duration::from_secs(5), watcher)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(why.contains("151.101.0.0/16"), "{why}");
     }
 }

@@ -1,6 +1,6 @@
 //! A sandbox's egress rules after it is made: replaced whole (as E2B's update does), kept
 //! with the sandbox, and applied by its box's proxy at once, for connections opened from
-//! then on (one already open goes on).
+//! then on, and to those open already (one the new rules refuse is closed).
 
 use std::sync::Arc;
 

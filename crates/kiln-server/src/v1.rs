@@ -201,7 +201,7 @@ pub fn network_rules(
 
 /// Replace a sandbox's egress rules (Linux sandboxes made with a network). The body
 /// replaces the rules whole, as E2B's update does: `{}` leaves the operator's allowlist
-/// alone in force. Connections opened from now on follow them; one already open goes on.
+/// alone in force. They apply at once: a connection already open that they refuse is closed.
 #[utoipa::path(put, path = "/api/v1/sandboxes/{id}/network", tag = "v1 sandboxes",
     request_body = kiln_core::net::Egress,
     params(("id" = String, Path, description = "The sandbox id")),

@@ -377,6 +377,57 @@ time.sleep(600)
         "other.test went through SOCKS5: {out}"
     );
 
+    // A narrowing update ends connections it refuses that were open already: a tunnel to
+    // other.test, open while the rules let it, is closed by the update that drops it.
+    let (status, body) = server.call(
+        "PUT",
+        &format!("/api/v1/sandboxes/{id}/network"),
+        Some(json!({"allowOut": [format!("api.test:{port}"), format!("other.test:{port}")], "denyOut": ["*"]})),
+    )?;
+    assert_eq!(status, 200, "{body}");
+    let opened = sh(
+        &server,
+        &id,
+        &format!(
+            "rm -f /tmp/tunnel-end; ( exec 3<>/dev/tcp/127.0.0.1/3128;              printf 'CONNECT other.test:{port} HTTP/1.1\r\nHost: other.test:{port}\r\n\r\n' >&3;              head -c 39 <&3 > /tmp/tunnel-head; timeout 60 cat <&3 >/dev/null; echo rc=$? > /tmp/tunnel-end ) >/dev/null 2>&1 &              for i in $(seq 100); do [ -s /tmp/tunnel-head ] && break; sleep 0.05; done; cat /tmp/tunnel-head"
+        ),
+    );
+    assert!(
+        opened.starts_with("HTTP/1.1 200"),
+        "the tunnel did not open: {opened}"
+    );
+    let still = sh(
+        &server,
+        &id,
+        "sleep 0.5; cat /tmp/tunnel-end 2>/dev/null; echo .",
+    );
+    assert_eq!(still, ".\n", "the tunnel ended before the update");
+    let (status, body) = server.call(
+        "PUT",
+        &format!("/api/v1/sandboxes/{id}/network"),
+        Some(json!({"allowOut": [format!("api.test:{port}")], "denyOut": ["*"]})),
+    )?;
+    assert_eq!(status, 200, "{body}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ended = sh(&server, &id, "cat /tmp/tunnel-end 2>/dev/null; true");
+        if ended == "rc=0\n" {
+            break;
+        }
+        assert!(ended.is_empty(), "the tunnel ended another way: {ended}");
+        assert!(
+            Instant::now() < deadline,
+            "an update that refuses an open tunnel left it open"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = server.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("kiln::egress") && l.contains("rules changed")),
+        "no audit line for the closed tunnel"
+    );
+
     // The secret's API never gives the value back, and a deleted secret is gone for rules.
     let (_, listed) = server.call("GET", "/api/v1/secrets", None)?;
     assert!(!listed.to_string().contains(&value), "{listed}");
