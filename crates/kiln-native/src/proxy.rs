@@ -387,11 +387,16 @@ async fn handle(
     );
     tokio::select! {
         done = work => done,
-        why = egress.until_refused(&host, port, ip) => Err(Failure::Closed(refuse(
-            "403 Forbidden",
-            format!("the connection to {host}:{port} was closed: the sandbox's rules changed ({why})"),
-        ))),
+        why = egress.until_refused(&host, port, ip) => Err(rules_changed(&host, port, &why)),
     }
+}
+
+/// The end of an open connection to `host:port` that changed rules refuse (`why`).
+fn rules_changed(host: &str, port: u16, why: &str) -> Failure {
+    Failure::Closed(refuse(
+        "403 Forbidden",
+        format!("the connection to {host}:{port} was closed: the sandbox's rules changed ({why})"),
+    ))
 }
 
 /// Carries a connection the checks let through: a tunnel, HTTPS opened for its rules, or
@@ -825,10 +830,7 @@ async fn socks(
     let mut upstream = upstream;
     tokio::select! {
         _ = tokio::io::copy_bidirectional(&mut io, &mut upstream) => Ok(()),
-        why = egress.until_refused(&host, port, ip) => Err(Failure::Closed(refuse(
-            "403 Forbidden",
-            format!("the connection to {host}:{port} was closed: the sandbox's rules changed ({why})"),
-        ))),
+        why = egress.until_refused(&host, port, ip) => Err(rules_changed(&host, port, &why)),
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use axum::Extension;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kiln_core::net::{ALL_TRAFFIC, Egress, EgressRule};
 use kiln_runtime::RuntimeError;
@@ -254,40 +254,10 @@ pub async fn list_secrets(
             "limit is a number, nextToken a token",
         );
     };
-    let limit = page.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return error(StatusCode::BAD_REQUEST, "limit must be 1..=1000");
-    }
-    let start = match page.next_token.as_deref() {
-        None | Some("") => 0,
-        Some(token) => match token
-            .strip_prefix('o')
-            .and_then(|n| n.parse::<usize>().ok())
-        {
-            Some(n) => n,
-            None => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    format!("{token:?} is not a nextToken"),
-                );
-            }
-        },
-    };
-    let all = match e2b.app.runtime.secrets.list(&caller.tenant) {
-        Ok(all) => all,
-        Err(e) => return failed(e),
-    };
-    let items: Vec<Value> = all
-        .iter()
-        .skip(start)
-        .take(limit)
-        .map(secret_json)
-        .collect();
-    let mut response = axum::Json(items).into_response();
-    if start + limit < all.len()
-        && let Ok(token) = HeaderValue::from_str(&format!("o{}", start + limit))
-    {
-        response.headers_mut().insert("x-next-token", token);
-    }
-    response
+    super::paged(
+        page.limit,
+        page.next_token.as_deref(),
+        || e2b.app.runtime.secrets.list(&caller.tenant).map_err(failed),
+        secret_json,
+    )
 }

@@ -479,6 +479,48 @@ async fn port_request(State(e2b): State<Arc<E2b>>, request: Request) -> Response
     crate::preview::forward(&e2b.app, &ctx.sandbox, target.port, &rest, None, request).await
 }
 
+/// One page of a listing as E2B's control plane answers it: `limit` (default 100, at most
+/// 1000) items from the offset `next_token` names, and `x-next-token` when more follow. The
+/// paging is checked before `list` is called.
+pub(crate) fn paged<T>(
+    limit: Option<usize>,
+    next_token: Option<&str>,
+    list: impl FnOnce() -> Result<Vec<T>, Response>,
+    item: impl Fn(&T) -> serde_json::Value,
+) -> Response {
+    let limit = limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return error(StatusCode::BAD_REQUEST, "limit must be 1..=1000");
+    }
+    let start = match next_token {
+        None | Some("") => 0,
+        Some(token) => match token
+            .strip_prefix('o')
+            .and_then(|n| n.parse::<usize>().ok())
+        {
+            Some(n) => n,
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    format!("{token:?} is not a nextToken"),
+                );
+            }
+        },
+    };
+    let all = match list() {
+        Ok(all) => all,
+        Err(response) => return response,
+    };
+    let page: Vec<serde_json::Value> = all.iter().skip(start).take(limit).map(item).collect();
+    let mut response = axum::Json(page).into_response();
+    if start + limit < all.len()
+        && let Ok(token) = axum::http::HeaderValue::from_str(&format!("o{}", start + limit))
+    {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    response
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

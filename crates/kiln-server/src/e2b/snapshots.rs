@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use axum::Extension;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kiln_runtime::RuntimeError;
 use kiln_runtime::auth::Caller;
@@ -89,25 +89,6 @@ pub async fn list(
             "limit is a number; sandboxID, name and nextToken are text",
         );
     };
-    let limit = query.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return error(StatusCode::BAD_REQUEST, "limit must be 1..=1000");
-    }
-    let start = match query.next_token.as_deref() {
-        None | Some("") => 0,
-        Some(token) => match token
-            .strip_prefix('o')
-            .and_then(|n| n.parse::<usize>().ok())
-        {
-            Some(n) => n,
-            None => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    format!("{token:?} is not a nextToken"),
-                );
-            }
-        },
-    };
     let sandbox = query.sandbox_id.as_deref().map(kiln_id);
     let all: Vec<SnapshotInfo> = e2b
         .app
@@ -123,19 +104,12 @@ pub async fn list(
                 .is_none_or(|n| s.name.as_deref() == Some(n))
         })
         .collect();
-    let page: Vec<Value> = all
-        .iter()
-        .skip(start)
-        .take(limit)
-        .map(snapshot_json)
-        .collect();
-    let mut response = axum::Json(page).into_response();
-    if start + limit < all.len()
-        && let Ok(token) = HeaderValue::from_str(&format!("o{}", start + limit))
-    {
-        response.headers_mut().insert("x-next-token", token);
-    }
-    response
+    super::paged(
+        query.limit,
+        query.next_token.as_deref(),
+        || Ok(all),
+        snapshot_json,
+    )
 }
 
 /// `DELETE /templates/{id}`: E2B deletes a snapshot as a template.
