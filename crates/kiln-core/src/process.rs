@@ -330,6 +330,53 @@ pub trait ProcessHost: Send + Sync + 'static {
 
     /// Where the placeholders of header rules are filled from (kiln's secrets store).
     fn use_secrets(&self, _secrets: std::sync::Arc<dyn crate::net::SecretSource>) {}
+
+    /// Holds the box of `workspace` still while `copy` copies its files: no command, terminal
+    /// or preview reaches it meanwhile, and a running box is paused around it (and resumed
+    /// after). With `processes_into`, its processes are checkpointed there first (a folder
+    /// made afresh, out of every guest's reach), consistent with the files `copy` sees; a
+    /// hibernated box's checkpoint is copied there instead. Answers what became of the
+    /// processes; `copy` runs whatever the answer (on a blocking thread).
+    /// Default: this host keeps no processes; `copy` runs as it is.
+    fn snapshot<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        processes_into: Option<&'a std::path::Path>,
+        copy: Box<dyn FnOnce() + Send + 'static>,
+    ) -> BoxFuture<'a, Result<SnapshotProcesses, BackendError>> {
+        let _ = (workspace, processes_into);
+        Box::pin(async move {
+            tokio::task::spawn_blocking(copy)
+                .await
+                .map_err(|e| BackendError::new(crate::backend::ErrorKind::Setup, e.to_string()))?;
+            Ok(SnapshotProcesses {
+                carried: false,
+                said: "this host checkpoints no processes: only the files were taken".into(),
+            })
+        })
+    }
+
+    /// Starts the box of the new sandbox of `request` (its workspace holding a snapshot's
+    /// files) from the checkpoint of processes `from` (written by [`ProcessHost::snapshot`];
+    /// copied, not used up): its processes go on from where the snapshot took them. `Err`:
+    /// why they could not (the sandbox keeps its files; its next command starts a fresh box).
+    fn restore_from<'a>(
+        &'a self,
+        request: &'a ExecRequest,
+        from: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        let _ = (request, from);
+        Box::pin(async { Err("this host restores no processes".to_string()) })
+    }
+}
+
+/// What a snapshot kept of a box's processes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotProcesses {
+    /// Whether its processes were checkpointed with it.
+    pub carried: bool,
+    /// What was kept, or why the processes were not (in plain words).
+    pub said: String,
 }
 
 impl std::fmt::Debug for dyn ProcessHost {

@@ -509,13 +509,23 @@ impl NativeBackend {
         held: &mut HashMap<PathBuf, Held>,
         workspace: &std::path::Path,
     ) -> Option<Arc<LiveBox>> {
-        let folder = checkpoint::folder(workspace)?;
+        self.restore_why(held, workspace).await.ok()
+    }
+
+    /// [`NativeBackend::restore`], saying why not: `Err(None)` when there is no checkpoint,
+    /// `Err(Some(why))` when it did not restore.
+    async fn restore_why(
+        &self,
+        held: &mut HashMap<PathBuf, Held>,
+        workspace: &std::path::Path,
+    ) -> Result<Arc<LiveBox>, Option<String>> {
+        let folder = checkpoint::folder(workspace).ok_or(None)?;
         let Some(record) = checkpoint::read(&folder) else {
             // Not complete: a kiln that died while it checkpointed left it.
             if folder.exists() {
                 checkpoint::remove(&folder);
             }
-            return None;
+            return Err(None);
         };
         let started = Instant::now();
         let template = self
@@ -568,7 +578,7 @@ impl NativeBackend {
                         started.elapsed().as_millis()
                     ),
                 );
-                Some(live)
+                Ok(live)
             }
             Err(e) => {
                 tracing::warn!(workspace = %workspace.display(), error = %e, "a checkpoint did not restore");
@@ -579,7 +589,7 @@ impl NativeBackend {
                         "its checkpoint could not be restored, so its processes are gone (its files are kept): {e}"
                     ),
                 );
-                None
+                Err(Some(e))
             }
         }
     }
@@ -865,13 +875,25 @@ impl NativeBackend {
             .iter()
             .filter(|p| !p.agent)
             .count();
-        let carried = match entry.live.checkpoint(&criu, &images).await {
+        // Frozen, its processes checkpointed and left as they were, then killed while still
+        // frozen: nothing they do after the checkpoint reaches the files it was taken with.
+        // (Letting CRIU freeze and kill them itself races with a shell's vfork: see
+        // `LiveBox::checkpoint`.)
+        let checkpointed = match entry.live.checkpointable() {
+            Err(e) => Err(e),
+            Ok(()) => match entry.live.set_paused(true).await {
+                Err(e) => Err(e.to_string()),
+                Ok(()) => entry.live.checkpoint(&criu, &images).await,
+            },
+        };
+        let carried = match checkpointed {
             Ok(carried) => carried,
             Err(e) => {
                 checkpoint::remove(&folder);
                 return Err(format!("checkpointing them failed: {e}"));
             }
         };
+        entry.live.kill_frozen();
         entry.live.destroy_now().await;
         if let Err(e) = checkpoint::hand_to(&images, self.inner.boxes.root_uid()) {
             checkpoint::remove(&folder);
@@ -899,6 +921,209 @@ impl NativeBackend {
             record.bytes.div_ceil(1 << 20),
             started.elapsed().as_millis()
         ))
+    }
+
+    /// See [`kiln_core::process::ProcessHost::snapshot`]: the box of `workspace` held still
+    /// (marked as being checkpointed, so every other request for it waits) and paused while
+    /// `copy` runs, its processes checkpointed into `processes_into` first, left running.
+    pub async fn snapshot(
+        &self,
+        workspace: &std::path::Path,
+        processes_into: Option<&std::path::Path>,
+        copy: Box<dyn FnOnce() + Send + 'static>,
+    ) -> Result<kiln_core::process::SnapshotProcesses, BackendError> {
+        let live = {
+            let held = self.settled(workspace).await?;
+            self.checkpointing().insert(workspace.to_path_buf());
+            held.get(workspace)
+                .filter(|entry| entry.live.is_alive())
+                .map(|entry| entry.live.clone())
+        };
+        let unmark = Unmark(self, workspace);
+        let paused_here = match &live {
+            Some(live) if !live.is_paused() => {
+                if let Err(e) = live.set_paused(true).await {
+                    return Err(BackendError::new(
+                        ErrorKind::Instantiate,
+                        format!("pausing the box: {e}"),
+                    ));
+                }
+                true
+            }
+            _ => false,
+        };
+        let kept = match processes_into {
+            None => kiln_core::process::SnapshotProcesses {
+                carried: false,
+                said: "only its files were taken, as asked".into(),
+            },
+            Some(into) => self.checkpoint_into(workspace, live.as_deref(), into).await,
+        };
+        let copied = tokio::task::spawn_blocking(copy).await;
+        if paused_here && let Some(live) = &live {
+            let _ = live.set_paused(false).await;
+        }
+        drop(unmark);
+        copied.map_err(|e| BackendError::new(ErrorKind::Instantiate, e.to_string()))?;
+        Ok(kept)
+    }
+
+    /// Checkpoints the processes of `live` (the paused box of `workspace`; none when no box
+    /// runs) into `into`, or copies the checkpoint of a hibernated one there.
+    async fn checkpoint_into(
+        &self,
+        workspace: &std::path::Path,
+        live: Option<&LiveBox>,
+        into: &std::path::Path,
+    ) -> kiln_core::process::SnapshotProcesses {
+        use kiln_core::process::SnapshotProcesses;
+        let not = |why: String| SnapshotProcesses {
+            carried: false,
+            said: format!("its processes were not taken, only its files: {why}"),
+        };
+        let owner = self.inner.boxes.root_uid();
+        let Some(live) = live else {
+            // Hibernated: its checkpoint is its processes, consistent with its files.
+            if let Some(folder) =
+                checkpoint::folder(workspace).filter(|f| checkpoint::is_complete(f))
+            {
+                let to = into.to_path_buf();
+                let copied = tokio::task::spawn_blocking(move || {
+                    let record = checkpoint::copy(&folder, &to, owner)?;
+                    checkpoint::complete(&to, &record).map(|()| record)
+                })
+                .await;
+                return match copied {
+                    Ok(Ok(record)) => SnapshotProcesses {
+                        carried: true,
+                        said: format!(
+                            "its processes were taken from its hibernation's checkpoint ({} MiB)",
+                            record.bytes.div_ceil(1 << 20)
+                        ),
+                    },
+                    Ok(Err(e)) => {
+                        checkpoint::remove(into);
+                        not(format!("its checkpoint could not be copied: {e}"))
+                    }
+                    Err(e) => not(e.to_string()),
+                };
+            }
+            return not("no box ran".into());
+        };
+        let boxes = self.inner.boxes.clone();
+        let criu = tokio::task::spawn_blocking(move || {
+            boxes
+                .criu()
+                .map(std::path::Path::to_path_buf)
+                .map_err(str::to_string)
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|c| c);
+        let criu = match criu {
+            Ok(criu) => criu,
+            Err(why) => return not(why),
+        };
+        let Some(recipe) = self
+            .inner
+            .held
+            .lock()
+            .await
+            .get(workspace)
+            .map(|entry| entry.recipe.clone())
+        else {
+            return not("its box ended".into());
+        };
+        let started = Instant::now();
+        let images = match checkpoint::prepare(into, owner) {
+            Ok(images) => images,
+            Err(e) => return not(format!("{}: {e}", into.display())),
+        };
+        let processes = live.processes().await.iter().filter(|p| !p.agent).count();
+        let carried = match live.checkpoint(&criu, &images).await {
+            Ok(carried) => carried,
+            Err(e) => {
+                checkpoint::remove(into);
+                return not(format!("checkpointing them failed: {e}"));
+            }
+        };
+        let record = checkpoint::Record {
+            lineage: live.lineage,
+            carried,
+            recipe,
+            bytes: checkpoint::size(&images),
+            made_ms: checkpoint::now_ms(),
+        };
+        if let Err(e) =
+            checkpoint::hand_to(&images, owner).and_then(|()| checkpoint::complete(into, &record))
+        {
+            checkpoint::remove(into);
+            return not(format!("its checkpoint could not be kept: {e}"));
+        }
+        SnapshotProcesses {
+            carried: true,
+            said: format!(
+                "{} checkpointed ({} MiB, in {} ms)",
+                match processes {
+                    0 => "no process of its own ran; its box was".to_string(),
+                    1 => "its 1 process was".to_string(),
+                    n => format!("its {n} processes were"),
+                },
+                record.bytes.div_ceil(1 << 20),
+                started.elapsed().as_millis()
+            ),
+        }
+    }
+
+    /// See [`kiln_core::process::ProcessHost::restore_from`]: the checkpoint in `from` copied
+    /// to the new sandbox's own (its box's recipe the new sandbox's: its rules, its volumes),
+    /// then restored now.
+    pub async fn restore_from(
+        &self,
+        request: &ExecRequest,
+        from: &std::path::Path,
+    ) -> Result<String, String> {
+        let workspace = request
+            .workspace
+            .clone()
+            .ok_or("the sandbox has no workspace")?;
+        let folder = checkpoint::folder(&workspace)
+            .ok_or("the sandbox has no volume to keep its box's layer on")?;
+        let template = self.template(request).map_err(|e| e.message)?;
+        let recipe = self.recipe(template, request);
+        let owner = self.inner.boxes.root_uid();
+        let (from, into) = (from.to_path_buf(), folder.clone());
+        let copied = tokio::task::spawn_blocking(move || {
+            let mut record = checkpoint::copy(&from, &into, owner)?;
+            if record.recipe.template != recipe.template {
+                checkpoint::remove(&into);
+                return Err(std::io::Error::other(format!(
+                    "the checkpoint is of a {} box, the sandbox is {}",
+                    record.recipe.template, recipe.template
+                )));
+            }
+            record.recipe = recipe;
+            // What the source's channel had open was read by the source's clients: a copy
+            // carries only what its agent listens on (the proxy's port).
+            record.carried.streams = record.carried.listeners.clone();
+            checkpoint::complete(&into, &record)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        copied.map_err(|e| format!("its checkpoint could not be copied: {e}"))?;
+        let mut held = self.settled(&workspace).await.map_err(|e| e.message)?;
+        if held.get(&workspace).is_some_and(|e| e.live.is_alive()) {
+            checkpoint::remove(&folder);
+            return Err("a box runs for it already".into());
+        }
+        let started = Instant::now();
+        match self.restore_why(&mut held, &workspace).await {
+            Ok(_) => Ok(format!(
+                "its processes were restored from the snapshot in {} ms",
+                started.elapsed().as_millis()
+            )),
+            Err(why) => Err(why.unwrap_or_else(|| "its checkpoint was not complete".into())),
+        }
     }
 
     /// Where the box of `workspace` stands.
@@ -1930,5 +2155,14 @@ mod tests {
         assert_eq!(stream.feed(b"x", marker), b"\0tox");
         assert_eq!(stream.feed(b"\0tok:3\0\n", marker), b"");
         assert_eq!(stream.status, Some(3));
+    }
+}
+
+/// Takes a workspace off the checkpointing list when dropped (however the hold ends).
+struct Unmark<'a>(&'a NativeBackend, &'a std::path::Path);
+
+impl Drop for Unmark<'_> {
+    fn drop(&mut self) {
+        self.0.checkpointing().remove(self.1);
     }
 }

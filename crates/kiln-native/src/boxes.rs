@@ -2256,11 +2256,55 @@ impl LiveBox {
     }
 
     /// Checkpoints the box with CRIU into `images` (an empty folder out of the guest's
-    /// reach), which ends it: every process's memory and state, its open files and its
-    /// connections inside the box are written there for [`Boxes::restore`]. Answers what its
-    /// channel had open (to be handed to the restore). On failure the box is left running
-    /// and the error says why (CRIU's own words).
+    /// reach): every process's memory and state, its open files and its connections inside
+    /// the box are written there for [`Boxes::restore`]. The box must be paused (frozen) by
+    /// the caller, and is left as it was: its processes whole and still frozen (CRIU
+    /// restores the freezer's state it found), so its files stay as the images saw them
+    /// until the caller thaws it (a snapshot) or kills it ([`LiveBox::kill_frozen`], a
+    /// hibernation). Answers what its channel had open (to be handed to the restore). On
+    /// failure the error says why (CRIU's own words).
     pub async fn checkpoint(&self, criu: &Path, images: &Path) -> Result<Carried, String> {
+        self.checkpointable()?;
+        if !self.is_paused() {
+            return Err("the box must be paused while its processes are copied".into());
+        }
+        self.settle_vforks().await?;
+        let carried = self.dump(criu, images).await;
+        // Frozen it stays whatever CRIU did: the caller copies its files next.
+        if !self.is_paused() {
+            self.set_paused(true).await.map_err(|e| e.to_string())?;
+        }
+        carried
+    }
+
+    /// Lets a paused box's `vfork` children reach their `exec` before it is checkpointed: a
+    /// task frozen while it waits for its vfork child (a shell running a command: dash
+    /// vforks) cannot be seized by CRIU until the child execs, and CRIU, having stopped the
+    /// child, waits for it in vain (10 s, then the dump fails). The box is thawed for a
+    /// moment and frozen again until no task waits so (at most 50 times).
+    async fn settle_vforks(&self) -> Result<(), String> {
+        for _ in 0..50 {
+            let (cgroups, cgroup) = (self.cgroups, self.cgroup.clone());
+            let waiting = tokio::task::spawn_blocking(move || {
+                cgroups
+                    .processes(&cgroup)
+                    .into_iter()
+                    .any(crate::procs::in_vfork)
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            if !waiting {
+                return Ok(());
+            }
+            self.set_paused(false).await.map_err(|e| e.to_string())?;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            self.set_paused(true).await.map_err(|e| e.to_string())?;
+        }
+        Err("a process of the box kept waiting for a vfork child to exec; try again".into())
+    }
+
+    /// Why CRIU cannot checkpoint this box, if it cannot.
+    pub fn checkpointable(&self) -> Result<(), String> {
         if self.vm {
             return Err(
                 "a microVM's memory is not checkpointed yet (CRIU checkpoints boxes, not QEMU)"
@@ -2270,11 +2314,20 @@ impl LiveBox {
         if is_gvisor(&self.runtime) {
             return Err("gVisor boxes are not checkpointed with CRIU (runsc has a checkpoint of its own, which kiln does not drive yet)".into());
         }
-        // A frozen box is thawed first: CRIU freezes it again itself, and the processes of a
-        // frozen cgroup (v1) cannot be killed when the dump is done.
-        if self.is_paused() {
-            self.set_paused(false).await.map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// Sends SIGKILL to every process of the box while it is frozen: they end, without
+    /// running another instruction of their own, when it is thawed (as closing it does).
+    pub fn kill_frozen(&self) {
+        for pid in self.cgroups.processes(&self.cgroup) {
+            // SAFETY: kill(2) on a pid of the box's frozen cgroup: a frozen process cannot
+            // exit, so the pid is still its.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
         }
+    }
+
+    async fn dump(&self, criu: &Path, images: &Path) -> Result<Carried, String> {
         let carried = self.channel.carried();
         let mut command = runtime_command(&self.runtime, &self.runtime_root);
         command
@@ -2282,6 +2335,7 @@ impl LiveBox {
             .arg(criu)
             .arg("checkpoint")
             .args(CRIU_FLAGS)
+            .arg("--leave-running")
             .arg("--image-path")
             .arg(images)
             .arg("--work-path")

@@ -134,6 +134,39 @@ pub fn complete(folder: &Path, record: &Record) -> std::io::Result<()> {
     std::fs::rename(&partial, folder.join(RECORD))
 }
 
+/// Copies the complete checkpoint in `from` to `to` (made afresh, entered by root and
+/// `owner` as [`prepare`] makes it), its images given to `owner` as [`hand_to`] does; `from`
+/// is left as it is. Answers its record (to be written with [`complete`]: `to` is not complete
+/// until then). Plain files only: a checkpoint folder holds nothing else (it is kiln's, out
+/// of every guest's reach), and anything else found there is refused.
+pub fn copy(from: &Path, to: &Path, owner: u32) -> std::io::Result<Record> {
+    let record = read(from).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{}: no complete checkpoint", from.display()),
+        )
+    })?;
+    let images = prepare(to, owner)?;
+    let copied = (|| {
+        for entry in std::fs::read_dir(self::images(from))? {
+            let entry = entry?;
+            if !entry.file_type()?.is_file() {
+                return Err(std::io::Error::other(format!(
+                    "{}: not a plain file",
+                    entry.path().display()
+                )));
+            }
+            std::fs::copy(entry.path(), images.join(entry.file_name()))?;
+        }
+        hand_to(&images, owner)
+    })();
+    if let Err(e) = copied {
+        remove(to);
+        return Err(e);
+    }
+    Ok(record)
+}
+
 /// Removes a checkpoint (used, failed or abandoned).
 pub fn remove(folder: &Path) {
     let _ = std::fs::remove_dir_all(folder);

@@ -352,4 +352,26 @@ impl ProcessHost for NativeBackend {
     fn paused(&self) -> BoxFuture<'_, Vec<(std::path::PathBuf, std::time::Duration)>> {
         Box::pin(async move { NativeBackend::paused_boxes(self) })
     }
+
+    fn snapshot<'a>(
+        &'a self,
+        workspace: &'a std::path::Path,
+        processes_into: Option<&'a std::path::Path>,
+        copy: Box<dyn FnOnce() + Send + 'static>,
+    ) -> BoxFuture<'a, Result<kiln_core::process::SnapshotProcesses, BackendError>> {
+        Box::pin(NativeBackend::snapshot(
+            self,
+            workspace,
+            processes_into,
+            copy,
+        ))
+    }
+
+    fn restore_from<'a>(
+        &'a self,
+        request: &'a kiln_core::ExecRequest,
+        from: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(NativeBackend::restore_from(self, request, from))
+    }
 }

@@ -286,6 +286,18 @@ fn socket_owner<'a>(inode: &str, tasks: &'a [Task]) -> Option<&'a Task> {
     })
 }
 
+/// Whether a thread of host process `pid` waits in `vfork` for its child to exec or exit
+/// (its wait channel is `kernel_clone`, where the kernel parks a vfork parent).
+pub fn in_vfork(pid: i32) -> bool {
+    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    threads.flatten().any(|thread| {
+        std::fs::read_to_string(thread.path().join("wchan"))
+            .is_ok_and(|w| w.trim() == "kernel_clone")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -333,7 +333,7 @@ fn host_for(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> Result<Arc<dyn P
 
 /// The request that names sandbox `sandbox`'s box to the process host: its template,
 /// workspace (and where the guest sees it), network, resources, environment and memory.
-fn box_request(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> ExecRequest {
+pub(crate) fn box_request(rt: &Runtime, sandbox: &crate::sandbox::Sandbox) -> ExecRequest {
     let mut request = ExecRequest::new(sandbox.language, "");
     request.template = rt.request_template(sandbox.template(), sandbox.language);
     request.network = sandbox.network;

@@ -10,13 +10,20 @@
 //! sparse copies: only the blocks the image uses are copied, holes stay holes. Each answer
 //! says which (`copy`: `reflink` or `sparse`).
 //!
-//! Processes are not carried: a sandbox made from a snapshot starts its box fresh, from the
-//! snapshot's files (E2B's `mode: "filesystem"`).
+//! Processes are carried where CRIU can (E2B's `mode: "full"`, the default): the box's
+//! processes are checkpointed with `--leave-running` while it is frozen, and the image is
+//! copied before it is thawed, so the two agree; a hibernated box's checkpoint is copied as
+//! it is. A sandbox made from such a snapshot restores its box from a copy of that
+//! checkpoint (its processes go on from the snapshot, each copy on its own); where the
+//! processes cannot come (no CRIU, gVisor, a microVM, a restore that fails), it starts its
+//! box fresh from the snapshot's files, and says why. `processes: false` (E2B's
+//! `mode: "filesystem"`) takes the files alone.
 //!
 //! ```text
 //! snapshots/<id>/snapshot.json   its record
 //! snapshots/<id>/volume.img      the volume's image
 //! snapshots/<id>/history.git     the sandbox's history then
+//! snapshots/<id>/processes/      its box's checkpoint (CRIU's images and kiln's record)
 //! ```
 
 use std::collections::HashMap;
@@ -70,6 +77,13 @@ pub struct SnapshotInfo {
     pub copy: CopyKind,
     /// Milliseconds the source sandbox's file system was frozen for it.
     pub frozen_ms: f64,
+    /// Whether its box's processes were taken with its files (sandboxes made from it go on
+    /// from them).
+    #[serde(default)]
+    pub with_processes: bool,
+    /// What was kept of its processes, or why they were not, in plain words.
+    #[serde(default)]
+    pub processes: String,
 }
 
 /// What is stored: the info, its tenant, and what a sandbox made from it is made with.
@@ -139,6 +153,11 @@ impl Snapshots {
         self.dir(id).join("volume.img")
     }
 
+    /// The checkpoint of snapshot `id`'s processes (when it has one).
+    pub fn processes(&self, id: &str) -> PathBuf {
+        self.dir(id).join("processes")
+    }
+
     /// The history of snapshot `id`.
     pub fn history(&self, id: &str) -> PathBuf {
         self.dir(id).join("history.git")
@@ -178,9 +197,11 @@ impl Snapshots {
             .sum()
     }
 
-    /// Takes a snapshot of `source` (a Linux sandbox with a volume); its file system is
-    /// frozen while its image is copied (the caller may freeze its box too).
-    pub fn take(&self, source: &Sandbox, name: Option<String>) -> Result<SnapshotInfo> {
+    /// Begins a snapshot of `source` (a Linux sandbox with a volume): checks it may be taken,
+    /// makes its folder and copies the sandbox's history. Then [`Snapshots::copy_disk`]
+    /// (with the box held still) and [`Snapshots::finish`]; dropped unfinished, the folder
+    /// goes.
+    pub fn begin(&self, source: &Sandbox, name: Option<String>) -> Result<Taking> {
         if !source.volume {
             return Err(RuntimeError::Unsupported {
                 message: format!(
@@ -216,55 +237,75 @@ impl Snapshots {
             }
         }
         let id = new_id("snap_");
-        let dir = self.dir(&id);
-        let made = (|| {
-            std::fs::create_dir_all(&dir).map_err(|e| failed("the snapshot's folder", &e))?;
-            source.history()?.clone_into(&dir.join("history.git"))?;
-            let started = std::time::Instant::now();
-            let copied = {
-                let frozen = FrozenFs::freeze(&source.volume_dir());
-                let copied = copy_image(
-                    &crate::volume::image_of(&source.volume_dir()),
-                    &self.image(&id),
-                );
-                drop(frozen);
-                copied
-            };
-            let copy = copied.map_err(|e| failed("copying the sandbox's disk", &e))?;
-            let frozen_ms = started.elapsed().as_secs_f64() * 1000.0;
-            let (size_bytes, disk_bytes) = sizes(&self.image(&id));
-            let mut source = source.clone();
-            source.sessions.clear();
-            let stored = Stored {
-                info: SnapshotInfo {
-                    id: id.clone(),
-                    name,
-                    sandbox_id: source.id.clone(),
-                    template: source.template().to_owned(),
-                    created_at: rfc3339(now_ms()),
-                    size_bytes,
-                    disk_bytes,
-                    copy,
-                    frozen_ms,
-                },
-                tenant: source.tenant.clone(),
-                source,
-            };
-            store::write_json(&dir.join("snapshot.json"), &stored)
-                .map_err(|e| failed("recording the snapshot", &e))?;
-            Ok(stored)
-        })();
-        match made {
-            Ok(stored) => {
-                let info = stored.info.clone();
-                self.lock().insert(id, stored);
-                Ok(info)
-            }
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                Err(e)
-            }
+        let taking = Taking {
+            dir: self.dir(&id),
+            id,
+            name,
+            done: false,
+        };
+        std::fs::create_dir_all(&taking.dir).map_err(|e| failed("the snapshot's folder", &e))?;
+        source
+            .history()?
+            .clone_into(&taking.dir.join("history.git"))?;
+        Ok(taking)
+    }
+
+    /// Copies `source`'s disk into the snapshot, its file system frozen meanwhile (the
+    /// caller holds its box still): how, and for how many ms it was frozen.
+    pub fn copy_disk(&self, taking: &str, source: &Sandbox) -> Result<(CopyKind, f64)> {
+        let started = std::time::Instant::now();
+        let copied = {
+            let frozen = FrozenFs::freeze(&source.volume_dir());
+            let copied = copy_image(
+                &crate::volume::image_of(&source.volume_dir()),
+                &self.image(taking),
+            );
+            drop(frozen);
+            copied
+        };
+        let copy = copied.map_err(|e| failed("copying the sandbox's disk", &e))?;
+        Ok((copy, started.elapsed().as_secs_f64() * 1000.0))
+    }
+
+    /// Records the snapshot: it is listed from now on.
+    pub fn finish(
+        &self,
+        mut taking: Taking,
+        source: &Sandbox,
+        (copy, frozen_ms): (CopyKind, f64),
+        processes: kiln_core::process::SnapshotProcesses,
+    ) -> Result<SnapshotInfo> {
+        let id = taking.id.clone();
+        let (size_bytes, image_disk) = sizes(&self.image(&id));
+        let kept = self.processes(&id);
+        if !processes.carried {
+            let _ = std::fs::remove_dir_all(&kept);
         }
+        let mut source = source.clone();
+        source.sessions.clear();
+        let stored = Stored {
+            info: SnapshotInfo {
+                id: id.clone(),
+                name: taking.name.take(),
+                sandbox_id: source.id.clone(),
+                template: source.template().to_owned(),
+                created_at: rfc3339(now_ms()),
+                size_bytes,
+                disk_bytes: image_disk + checkpoint_bytes(&kept),
+                copy,
+                frozen_ms,
+                with_processes: processes.carried,
+                processes: processes.said,
+            },
+            tenant: source.tenant.clone(),
+            source,
+        };
+        store::write_json(&taking.dir.join("snapshot.json"), &stored)
+            .map_err(|e| failed("recording the snapshot", &e))?;
+        taking.done = true;
+        let info = stored.info.clone();
+        self.lock().insert(id, stored);
+        Ok(info)
     }
 
     /// Deletes `tenant`'s snapshot `which`; false when there is none.
@@ -283,13 +324,34 @@ impl Snapshots {
     }
 }
 
-/// Takes a snapshot of `caller`'s Linux sandbox `id`: its box is paused around the copy
-/// (and resumed after, unless it was paused before), its file system frozen.
+/// A snapshot being taken ([`Snapshots::begin`]).
+#[derive(Debug)]
+pub struct Taking {
+    id: String,
+    dir: PathBuf,
+    name: Option<String>,
+    done: bool,
+}
+
+impl Drop for Taking {
+    fn drop(&mut self) {
+        if !self.done {
+            crate::history::forget(&self.dir.join("history.git"));
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Takes a snapshot of `caller`'s Linux sandbox `id`: its box held still (paused, no
+/// request reaching it) while its disk is copied, its file system frozen. `processes`:
+/// `None` takes them where CRIU can (saying why not where it cannot), `Some(true)` fails
+/// where it cannot, `Some(false)` takes the files alone.
 pub async fn snapshot(
     rt: &Arc<Runtime>,
     caller: &Caller,
     id: &str,
     name: Option<String>,
+    processes: Option<bool>,
 ) -> Result<SnapshotInfo> {
     let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
     rt.registry
@@ -297,27 +359,69 @@ pub async fn snapshot(
         .check_workspace(&rt.quotas(caller))?;
     let host = rt.process_host(&sandbox);
     let workspace = sandbox.workspace();
-    let mut paused_here = false;
-    if let Some(host) = &host
-        && host.state(&workspace).await == kiln_core::process::BoxState::Running
-    {
-        host.set_paused(&workspace, true, "a snapshot is taken")
+    let (runtime, source) = (rt.clone(), sandbox.clone());
+    let taking =
+        tokio::task::spawn_blocking(move || runtime.registry.snapshots.begin(&source, name))
             .await
-            .map_err(|e| RuntimeError::internal(format!("pausing the box: {}", e.message)))?;
-        paused_here = true;
+            .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())))?;
+    let into = rt.registry.snapshots.processes(&taking.id);
+    let wanted = processes != Some(false);
+    let copied: Arc<Mutex<Option<Result<(CopyKind, f64)>>>> = Arc::default();
+    let copy = {
+        let (runtime, source, copied, id) = (
+            rt.clone(),
+            sandbox.clone(),
+            copied.clone(),
+            taking.id.clone(),
+        );
+        move || {
+            let result = runtime.registry.snapshots.copy_disk(&id, &source);
+            *copied.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+        }
+    };
+    let kept = match &host {
+        Some(host) => host
+            .snapshot(&workspace, wanted.then_some(into.as_path()), Box::new(copy))
+            .await
+            .map_err(|e| RuntimeError::internal(format!("holding the box still: {}", e.message)))?,
+        None => {
+            tokio::task::spawn_blocking(copy)
+                .await
+                .map_err(|e| RuntimeError::internal(e.to_string()))?;
+            kiln_core::process::SnapshotProcesses {
+                carried: false,
+                said: "no box runs for its template: only its files were taken".into(),
+            }
+        }
+    };
+    let copied = copied
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .unwrap_or_else(|| Err(RuntimeError::internal("the disk was not copied")))?;
+    if processes == Some(true) && !kept.carried {
+        return Err(RuntimeError::Unsupported {
+            message: format!(
+                "a snapshot with processes was asked for and cannot be taken here ({}); take one of its files alone with processes: false (mode \"filesystem\")",
+                kept.said
+            ),
+        });
     }
-    let runtime = rt.clone();
-    let source = sandbox.clone();
-    let taken = tokio::task::spawn_blocking(move || runtime.registry.snapshots.take(&source, name))
-        .await
-        .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())));
-    if paused_here && let Some(host) = &host {
-        let _ = host
-            .set_paused(&workspace, false, "the snapshot is taken")
-            .await;
-    }
+    let (runtime, source) = (rt.clone(), sandbox.clone());
+    let taken = tokio::task::spawn_blocking(move || {
+        runtime
+            .registry
+            .snapshots
+            .finish(taking, &source, copied, kept)
+    })
+    .await
+    .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())));
     if let Ok(info) = &taken {
-        rt.events.record(&sandbox.id, "snapshot", &info.id);
+        rt.events.record(
+            &sandbox.id,
+            "snapshot",
+            &format!("{}: {}", info.id, info.processes),
+        );
     }
     taken
 }
@@ -339,7 +443,7 @@ pub async fn create_from(
     caller: &Caller,
     which: &str,
     with: FromSnapshot,
-) -> Result<(Sandbox, CopyKind)> {
+) -> Result<Made> {
     let (info, source) = rt.registry.snapshots.find(&caller.tenant, which)?;
     let template = rt.catalogue().get(&info.template).cloned().ok_or_else(|| {
         RuntimeError::Unsupported {
@@ -393,27 +497,72 @@ pub async fn create_from(
     })
     .await
     .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())))?;
-    rt.events
-        .record(&made.0.id, "created", &format!("from snapshot {}", info.id));
-    Ok(made)
+    let (sandbox, copy) = made;
+    let (restored, processes) = match rt.process_host(&sandbox) {
+        _ if !info.with_processes => (
+            false,
+            "the snapshot holds no processes: its box starts fresh from its files".to_string(),
+        ),
+        None => (false, "no box runs for its template".to_string()),
+        Some(host) => {
+            let request = crate::processes::box_request(rt, &sandbox);
+            match host
+                .restore_from(&request, &rt.registry.snapshots.processes(&info.id))
+                .await
+            {
+                Ok(said) => (true, said),
+                Err(why) => (
+                    false,
+                    format!(
+                        "its processes could not be restored, so its box starts fresh from the snapshot's files: {why}"
+                    ),
+                ),
+            }
+        }
+    };
+    rt.events.record(
+        &sandbox.id,
+        "created",
+        &format!("from snapshot {}: {processes}", info.id),
+    );
+    Ok(Made {
+        sandbox,
+        copy,
+        restored,
+        processes,
+    })
+}
+
+/// A sandbox made from a snapshot.
+#[derive(Debug, Clone)]
+pub struct Made {
+    pub sandbox: Sandbox,
+    /// How its disk was copied.
+    pub copy: CopyKind,
+    /// Whether its processes were restored from the snapshot's.
+    pub restored: bool,
+    /// What became of the snapshot's processes, in plain words.
+    pub processes: String,
 }
 
 /// Forks `caller`'s Linux sandbox `id` into `count` sandboxes (1..=[`MAX_FORKS`]) that
-/// start from its files as they are now and diverge: one snapshot, taken once (and gone
-/// after), each fork's disk a copy of it. Each fork succeeds or fails on its own.
+/// start from it as it is now and diverge: one snapshot, taken once (and gone after), each
+/// fork's disk a copy of it and its processes restored from a copy of its checkpoint
+/// (`processes` as for [`snapshot`]). Each fork succeeds or fails on its own.
 pub async fn fork(
     rt: &Arc<Runtime>,
     caller: &Caller,
     id: &str,
     count: u32,
     with: FromSnapshot,
-) -> Result<Vec<Result<(Sandbox, CopyKind)>>> {
+    processes: Option<bool>,
+) -> Result<Vec<Result<Made>>> {
     if !(1..=MAX_FORKS).contains(&count) {
         return Err(RuntimeError::InvalidOption {
             message: format!("count must be 1..={MAX_FORKS}, got {count}"),
         });
     }
-    let snapshot = snapshot(rt, caller, id, None).await?;
+    let snapshot = snapshot(rt, caller, id, None, processes).await?;
     let mut forks = Vec::new();
     for _ in 0..count {
         forks.push(create_from(rt, caller, &snapshot.id, with.clone()).await);
@@ -424,6 +573,23 @@ pub async fn fork(
     })
     .await;
     Ok(forks)
+}
+
+/// What a snapshot's checkpoint of processes holds on disk (its record and CRIU's images:
+/// plain files, kiln's own, two levels deep; nothing followed).
+fn checkpoint_bytes(folder: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let files = |dir: &Path| -> u64 {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::symlink_metadata(e.path()).ok())
+            .filter(std::fs::Metadata::is_file)
+            .map(|m| m.blocks() * 512)
+            .sum()
+    };
+    files(folder) + files(&folder.join("images"))
 }
 
 /// An image's size and what it holds on disk.

@@ -75,6 +75,10 @@ pub struct SnapshotOf {
     /// A name for it.
     #[serde(default)]
     pub name: Option<String>,
+    /// Take its box's running processes too (default: where kiln can, saying why not where
+    /// it cannot); false: its files alone; true: fail where the processes cannot be taken.
+    #[serde(default)]
+    pub processes: Option<bool>,
 }
 
 /// Fork a sandbox.
@@ -84,6 +88,9 @@ pub struct ForkOf {
     /// How many copies, 1..=20 (default 1).
     #[serde(default)]
     pub count: Option<u32>,
+    /// Carry its running processes into the copies (as sandbox_snapshot's `processes`).
+    #[serde(default)]
+    pub processes: Option<bool>,
 }
 
 /// Make a named volume.
@@ -636,8 +643,16 @@ impl KilnMcp {
                 Default::default(),
             )
             .await;
-            return Ok(reply(made, |(sandbox, copy)| {
-                answer(json!({ "sandbox_id": sandbox.id, "copy": copy }), false)
+            return Ok(reply(made, |made| {
+                answer(
+                    json!({
+                        "sandbox_id": made.sandbox.id,
+                        "copy": made.copy,
+                        "restored_processes": made.restored,
+                        "processes": made.processes,
+                    }),
+                    false,
+                )
             }));
         }
         let created = if input.template.is_none()
@@ -944,7 +959,7 @@ impl KilnMcp {
     }
 
     #[tool(
-        description = "Snapshot a Linux sandbox: its files (workspace and what its box wrote outside it) and history, with its box paused meanwhile. Start sandboxes from it with sandbox_create's snapshot. Processes are not carried."
+        description = "Snapshot a Linux sandbox: its files (workspace and what its box wrote outside it), history and, where kiln can (CRIU), its running processes, with its box paused meanwhile. Start sandboxes from it with sandbox_create's snapshot: their processes go on from the snapshot's."
     )]
     async fn sandbox_snapshot(
         &self,
@@ -957,13 +972,14 @@ impl KilnMcp {
             &caller,
             &input.sandbox_id,
             input.name,
+            input.processes,
         )
         .await;
         Ok(reply(taken, |info| answer(json!(info), false)))
     }
 
     #[tool(
-        description = "Fork a Linux sandbox into count copies (1..=20) that start from its files as they are now and diverge: parallel attempts at one task. Returns each fork's sandbox_id."
+        description = "Fork a Linux sandbox into count copies (1..=20) that start from it as it is now (its files and, where kiln can, its running processes) and diverge: parallel attempts at one task. Returns each fork's sandbox_id."
     )]
     async fn sandbox_fork(
         &self,
@@ -977,13 +993,19 @@ impl KilnMcp {
             &input.sandbox_id,
             input.count.unwrap_or(1),
             Default::default(),
+            input.processes,
         )
         .await;
         Ok(reply(forks, |forks| {
             let list: Vec<Value> = forks
                 .into_iter()
                 .map(|fork| match fork {
-                    Ok((sandbox, copy)) => json!({ "sandbox_id": sandbox.id, "copy": copy }),
+                    Ok(made) => json!({
+                        "sandbox_id": made.sandbox.id,
+                        "copy": made.copy,
+                        "restored_processes": made.restored,
+                        "processes": made.processes,
+                    }),
                     Err(e) => json!({ "error": { "code": e.code(), "message": e.to_string() } }),
                 })
                 .collect();

@@ -22,11 +22,16 @@ use crate::v1::{Shared, path_error};
 pub struct NewSnapshot {
     /// A name for it, unique within the tenant (1..=64 of `A-Z a-z 0-9 _ . -`).
     pub name: Option<String>,
+    /// Take its box's running processes too. Absent: where kiln can (CRIU; not gVisor or
+    /// microVM boxes), the answer saying why not where it cannot; `true`: a 400 where they
+    /// cannot be taken; `false`: its files alone.
+    pub processes: Option<bool>,
 }
 
 /// Take a snapshot of a Linux sandbox: its files (workspace and everything its box wrote
-/// outside it) and history, taken with its box paused and its file system frozen. New
-/// sandboxes start from it (`snapshot` at create); its processes are not carried.
+/// outside it), history and running processes (where CRIU can), taken with its box paused
+/// and its file system frozen. New sandboxes start from it (`snapshot` at create), their
+/// processes going on from the snapshot's.
 #[utoipa::path(post, path = "/api/v1/sandboxes/{id}/snapshots", tag = "v1 snapshots",
     request_body(content = NewSnapshot, description = "Optional"),
     params(("id" = String, Path, description = "The sandbox id")),
@@ -44,7 +49,9 @@ pub async fn take(
 ) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
     let Path(id) = id.map_err(path_error)?;
     let body: NewSnapshot = crate::v1::optional_json(&headers, body, 4096).await?;
-    let info = kiln_runtime::snapshots::snapshot(&state.runtime, &caller, &id, body.name).await?;
+    let info =
+        kiln_runtime::snapshots::snapshot(&state.runtime, &caller, &id, body.name, body.processes)
+            .await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
@@ -138,6 +145,8 @@ pub struct ForkRequest {
     pub count: Option<u32>,
     /// Each fork's life in milliseconds (default the source's).
     pub timeout_ms: Option<u64>,
+    /// Carry the source's running processes into the forks (as a snapshot's `processes`).
+    pub processes: Option<bool>,
 }
 
 /// One fork: the sandbox made, or why it was not.
@@ -149,9 +158,27 @@ pub struct Fork {
     /// How its disk was copied from the source's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub copy: Option<CopyKind>,
+    /// Whether its processes were restored from the source's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restored_processes: Option<bool>,
+    /// What became of the source's processes in it, in plain words.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub processes: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Object)]
     pub error: Option<Value>,
+}
+
+impl Fork {
+    fn failed(e: &kiln_runtime::RuntimeError) -> Fork {
+        Fork {
+            sandbox: None,
+            copy: None,
+            restored_processes: None,
+            processes: None,
+            error: Some(json!({"code": e.code(), "message": e.to_string()})),
+        }
+    }
 }
 
 /// The forks made.
@@ -188,35 +215,30 @@ pub async fn fork(
             lifetime_ms: body.timeout_ms,
             ..Default::default()
         },
+        body.processes,
     )
     .await?;
     let forks = made
         .into_iter()
         .map(|fork| match fork {
-            Ok((sandbox, copy)) => {
+            Ok(made) => {
                 let sandbox = state
                     .runtime
                     .registry
-                    .get(&caller.tenant, &sandbox.id)
+                    .get(&caller.tenant, &made.sandbox.id)
                     .map(|view| SandboxInfo::from_view(&view).described(state.runtime.catalogue()));
                 match sandbox {
                     Ok(info) => Fork {
                         sandbox: Some(info),
-                        copy: Some(copy),
+                        copy: Some(made.copy),
+                        restored_processes: Some(made.restored),
+                        processes: Some(made.processes),
                         error: None,
                     },
-                    Err(e) => Fork {
-                        sandbox: None,
-                        copy: None,
-                        error: Some(json!({"code": e.code(), "message": e.to_string()})),
-                    },
+                    Err(e) => Fork::failed(&e),
                 }
             }
-            Err(e) => Fork {
-                sandbox: None,
-                copy: None,
-                error: Some(json!({"code": e.code(), "message": e.to_string()})),
-            },
+            Err(e) => Fork::failed(&e),
         })
         .collect();
     Ok((StatusCode::CREATED, Json(Forks { forks })))

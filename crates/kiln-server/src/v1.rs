@@ -130,7 +130,7 @@ pub async fn create(
                 "a sandbox made from a snapshot is the snapshot's: give only `snapshot` and `timeoutMs`",
             ));
         }
-        let (made, _) = kiln_runtime::snapshots::create_from(
+        let made = kiln_runtime::snapshots::create_from(
             &state.runtime,
             &caller,
             snapshot,
@@ -140,7 +140,10 @@ pub async fn create(
             },
         )
         .await?;
-        let view = state.runtime.registry.get(&caller.tenant, &made.id)?;
+        let view = state
+            .runtime
+            .registry
+            .get(&caller.tenant, &made.sandbox.id)?;
         return Ok((
             StatusCode::CREATED,
             Json(SandboxInfo::from_view(&view).described(state.runtime.catalogue())),

@@ -1,8 +1,11 @@
 //! E2B's snapshots and forks over kiln's (`kiln_runtime::snapshots`): `create_snapshot`
 //! (`POST /sandboxes/{id}/snapshots`), `list_snapshots` (`GET /snapshots`),
 //! `delete_snapshot` (`DELETE /templates/{snapshot id}`), `Sandbox.create(snapshot_id)`, and
-//! `fork` (`POST /sandboxes/{id}/fork`). kiln's snapshots hold a sandbox's files, not its
-//! processes: E2B's `mode="filesystem"`; asking for `"full"` by name is refused, saying so.
+//! `fork` (`POST /sandboxes/{id}/fork`). E2B's `mode="full"` (the default: `memory` true or
+//! absent) takes the box's running processes with its files where kiln can (CRIU); absent,
+//! a box whose processes cannot be taken is snapshotted with its files alone, and asked by
+//! name (`memory: true`) that is a 400 saying why. `mode="filesystem"` takes the files
+//! alone. A fork carries the processes where kiln can.
 
 use std::sync::Arc;
 
@@ -51,17 +54,17 @@ pub async fn create(
         Ok(asked) => asked,
         Err(response) => return response,
     };
-    if asked.memory == Some(true) {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "kiln's snapshots hold a sandbox's files, not its processes: take it with mode=\"filesystem\" (sandboxes made from it start fresh from its files)",
-        );
-    }
     if let Err(response) = super::control::find(&e2b, &caller, &id) {
         return response;
     }
-    match kiln_runtime::snapshots::snapshot(&e2b.app.runtime, &caller, &kiln_id(&id), asked.name)
-        .await
+    match kiln_runtime::snapshots::snapshot(
+        &e2b.app.runtime,
+        &caller,
+        &kiln_id(&id),
+        asked.name,
+        asked.memory,
+    )
+    .await
     {
         Ok(info) => (StatusCode::CREATED, axum::Json(snapshot_json(&info))).into_response(),
         Err(e) => failed(e),
@@ -167,6 +170,7 @@ pub async fn fork(
         &kiln_id(&id),
         asked.count.unwrap_or(1),
         with,
+        None,
     )
     .await
     {
@@ -176,7 +180,7 @@ pub async fn fork(
     let results: Vec<Value> = forks
         .into_iter()
         .map(|fork| match fork {
-            Ok((sandbox, _)) => json!({ "sandbox": super::control::sandbox_json(&e2b, &sandbox) }),
+            Ok(made) => json!({ "sandbox": super::control::sandbox_json(&e2b, &made.sandbox) }),
             Err(e) => json!({
                 "error": {
                     "code": status_of(&e, Route::Control).as_u16(),
@@ -214,5 +218,5 @@ pub async fn create_from(
         },
     )
     .await;
-    Some(made.map(|(sandbox, _)| sandbox).map_err(failed))
+    Some(made.map(|made| made.sandbox).map_err(failed))
 }

@@ -1528,24 +1528,6 @@ fn issue33_terminal_keystrokes_keep_a_sandbox_without_a_fixed_life_alive() -> Te
     Ok(())
 }
 
-/// A small server that counts its requests in memory: what a checkpoint must carry over.
-const COUNTER_PY: &str = r#"
-import http.server, sys
-count = 0
-class Handler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-    def do_GET(self):
-        global count
-        count += 1
-        body = str(count).encode()
-        self.send_response(200)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-http.server.HTTPServer(("0.0.0.0", int(sys.argv[1])), Handler).serve_forever()
-"#;
-
 /// Hibernation with CRIU: a box's processes are checkpointed to disk (its memory goes back
 /// to the host) and come back as they were: a server's in-memory count, a terminal's shell
 /// variable (the keystroke wakes the box; the attached socket carries on), a Python
@@ -1579,27 +1561,7 @@ fn issue33_hibernation_checkpoints_processes_terminals_and_sessions_and_restores
         })),
     )?;
     assert_eq!(status, 200, "{ran}");
-    let count = |server: &Server| -> Res<String> {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            let reply = send(
-                "GET",
-                &server.url(&format!("/preview/{id}/8000/")),
-                server.key.as_deref(),
-                None,
-            )?;
-            if reply.status == 200 {
-                return Ok(String::from_utf8_lossy(&reply.body).into_owned());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the counter never answered: {} {}",
-                reply.status,
-                String::from_utf8_lossy(&reply.body)
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
+    let count = |server: &Server| preview_body(server, &id, 8000);
     assert_eq!(count(&server)?, "1");
     assert_eq!(count(&server)?, "2");
 

@@ -267,3 +267,47 @@ impl Server {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
+
+/// A Python HTTP server that counts the requests it answered, in memory: whether a box's
+/// processes came back as they were (after a hibernation, in a snapshot's copies).
+pub const COUNTER_PY: &str = r#"
+import http.server, sys
+count = 0
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def do_GET(self):
+        global count
+        count += 1
+        body = str(count).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("0.0.0.0", int(sys.argv[1])), Handler).serve_forever()
+"#;
+
+/// The body of `GET /preview/{id}/{port}/` once the box's server answers 200 (within 15 s).
+pub fn preview_body(server: &Server, id: &str, port: u16) -> Res<String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let reply = send(
+            "GET",
+            &server.url(&format!("/preview/{id}/{port}/")),
+            server.key.as_deref(),
+            None,
+        )?;
+        if reply.status == 200 {
+            return Ok(String::from_utf8_lossy(&reply.body).into_owned());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!(
+                "{id}'s server on {port} never answered: {} {}",
+                reply.status,
+                String::from_utf8_lossy(&reply.body)
+            )
+            .into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
