@@ -346,8 +346,11 @@ async def issue37_tools(client):
     check(in_use.is_error and data(in_use)["error"]["code"] == "VOLUME_IN_USE", f"volume_delete in use: {text(in_use)}")
     snap = data(await client.call_tool("sandbox_snapshot", {"sandbox_id": box, "name": "mcp-snap"}))
     check(snap["id"].startswith("snap_") and snap["sandboxId"] == box, f"sandbox_snapshot: {snap}")
+    # Its box ran (a command above): its processes were taken, and the forks restore them.
+    check(snap["withProcesses"] is True, f"sandbox_snapshot took no processes: {snap}")
     forks = data(await client.call_tool("sandbox_fork", {"sandbox_id": box, "count": 2}))["forks"]
     check(len(forks) == 2 and all("sandbox_id" in f for f in forks), f"sandbox_fork: {forks}")
+    check(all(f["restored_processes"] is True for f in forks), f"sandbox_fork's processes: {forks}")
     for fork in forks:
         seen = await client.call_tool("run_bash", {"sandbox_id": fork["sandbox_id"], "code": "cat w.txt /mnt/vol/v.txt"})
         check(text(seen).count("ws") == 1 and "kept" in text(seen), f"a fork's files: {text(seen)}")

@@ -435,6 +435,48 @@ fn mount(
     }
 }
 
+/// Binds `host` (a folder of kiln's data dir: a workspace, a named volume) at
+/// `dir/binds/NAME`, the path the box's bundle names in its place. The data dir may be
+/// closed to everyone but root (0700: the default under /root, a `mktemp -d`), which runc
+/// does not mind (it binds as root), but CRIU restores a box's bind mounts as the box's
+/// root: through the box's folder (0711) it reaches them, and a hibernated box or a
+/// snapshot's copy comes back. [`unbridge`] undoes it.
+fn bridge(dir: &Path, name: &str, host: &Path) -> Result<String, BoxError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let binds = dir.join("binds");
+    if !binds.is_dir() {
+        std::fs::DirBuilder::new()
+            .mode(0o711)
+            .create(&binds)
+            .map_err(|e| start_err("binds")(format!("{}: {e}", binds.display())))?;
+    }
+    let target = binds.join(name);
+    std::fs::DirBuilder::new()
+        .mode(0o711)
+        .create(&target)
+        .map_err(|e| start_err("binds")(format!("{}: {e}", target.display())))?;
+    mount(&host.to_string_lossy(), &target, "", libc::MS_BIND, "")
+        .map_err(|e| start_err("binds")(format!("{}: {e}", host.display())))?;
+    Ok(target.to_string_lossy().into_owned())
+}
+
+/// Unmounts and removes a box's [`bridge`]s; false when one could not be (still mounted:
+/// then the box's folder must not be removed, or the removal would reach into the data).
+fn unbridge(dir: &Path) -> bool {
+    let binds = dir.join("binds");
+    let Ok(entries) = std::fs::read_dir(&binds) else {
+        return true;
+    };
+    let mut all = true;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        unmount(&path);
+        // rmdir, not a recursive removal: a folder still mounted (or not empty) stays.
+        all &= std::fs::remove_dir(&path).is_ok();
+    }
+    all && std::fs::remove_dir(&binds).is_ok()
+}
+
 fn unmount(target: &Path) {
     let target = cstr(target);
     // SAFETY: `target` is a NUL-terminated CString alive for the call, which only reads it.
@@ -1059,19 +1101,33 @@ impl Boxes {
             std::os::unix::fs::lchown(workspace, Some(base + USER_UID), Some(base + USER_UID))
                 .map_err(|e| start_err("workspace")(format!("{}: {e}", workspace.display())))?;
         }
-        let workspace = spec
-            .workspace
-            .as_ref()
-            .map(|w| w.to_string_lossy().into_owned());
+        // Folders of kiln's data dir are bound from the box's own folder (see `bridge`).
+        let workspace = match &spec.workspace {
+            Some(w) => Some(bridge(dir, "workspace", w)?),
+            None => None,
+        };
         let agent = self.config.agent.to_string_lossy().into_owned();
         let cgroup = cgroup_path(id);
-        let ca_bundle = spec
-            .ca_bundle
-            .as_ref()
-            .map(|p| (p.to_string_lossy().into_owned(), CA_BUNDLE.to_string()));
+        // The CA bundle is bound from the box's own folder: CRIU restores a box's bind
+        // mounts as the box's root, who may not pass through the folder the bundle is kept
+        // in (kiln's data dir, 0700), and a hibernated box would not come back.
+        let ca_bundle = match &spec.ca_bundle {
+            None => None,
+            Some(bundle) => {
+                let own = dir.join("ca-bundle.pem");
+                if std::fs::hard_link(bundle, &own).is_err() {
+                    std::fs::copy(bundle, &own).map_err(|e| {
+                        start_err("ca bundle")(format!("{}: {e}", bundle.display()))
+                    })?;
+                    std::fs::set_permissions(&own, std::fs::Permissions::from_mode(0o644))
+                        .map_err(|e| start_err("ca bundle")(e.to_string()))?;
+                }
+                Some((own.to_string_lossy().into_owned(), CA_BUNDLE.to_string()))
+            }
+        };
         // A writable volume's top folder is the box user's, as the workspace's is.
         let mut binds = Vec::new();
-        for mount in &spec.mounts {
+        for (i, mount) in spec.mounts.iter().enumerate() {
             if mount.writable {
                 std::os::unix::fs::lchown(
                     &mount.host,
@@ -1081,7 +1137,7 @@ impl Boxes {
                 .map_err(|e| start_err("volume")(format!("{}: {e}", mount.guest)))?;
             }
             binds.push((
-                mount.host.to_string_lossy().into_owned(),
+                bridge(dir, &format!("volume-{i}"), &mount.host)?,
                 mount.guest.clone(),
                 mount.writable,
             ));
@@ -1594,7 +1650,13 @@ fn remove_abandoned(runtimes: [Option<&Path>; 2], state_dir: &Path) {
                 }
             }
         }
-        let _ = std::fs::remove_dir_all(&folder);
+        // Only once every box's folder is gone (one left holds a mount into the data).
+        let boxes_left = std::fs::read_dir(folder.join("boxes")).is_ok_and(|mut boxes| {
+            boxes.any(|b| b.is_ok_and(|b| b.file_name().to_string_lossy().starts_with(ID_PREFIX)))
+        });
+        if !boxes_left {
+            let _ = std::fs::remove_dir_all(&folder);
+        }
     }
 }
 
@@ -1645,6 +1707,7 @@ fn end(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path, host_pid: i32)
     }
     unmount(&dir.join("rootfs"));
     unmount(&dir.join("layer"));
+    unbridge(dir);
 }
 
 /// Removes what is left of an ended box ([`end`]): the runtime's state and the box's cgroup
@@ -1677,6 +1740,10 @@ fn remove(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path) {
     }
     // What the runtime left of the box's cgroup (empty by now).
     Cgroups::detect().remove_empty(&cgroup_path(id));
+    if !unbridge(dir) {
+        tracing::error!(dir = %dir.display(), "a box's bound folder is still mounted: its folder is left");
+        return;
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 

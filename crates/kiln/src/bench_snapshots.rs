@@ -1,7 +1,9 @@
 //! `kiln bench --only snapshots`: snapshots and forks of a Linux sandbox through a real
 //! `kiln serve --linux` (this binary, no keys), as a client sees them: a snapshot of a box
-//! holding 200 MiB of files, a fork into 4 copies, a sandbox made from a snapshot, and what
-//! each copy holds on the host's disk (and how it was copied: reflink or sparse).
+//! holding 200 MiB of files and a process holding 64 MiB of memory (with its processes, and
+//! of its files alone), a fork into 4 copies (their processes restored), a sandbox made
+//! from a snapshot, and what each copy holds on the host's disk (and how it was copied:
+//! reflink or sparse).
 
 use std::time::{Duration, Instant};
 
@@ -61,6 +63,16 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
             "for i in 0 1 2 3; do head -c 52428800 /dev/urandom > part$i.bin; done; sync; du -sm . | cut -f1"]}),
     )?;
     anyhow::ensure!(wrote["exitCode"] == 0, "writing 200 MiB failed: {wrote}");
+    // A running process holding 64 MiB of memory: what a snapshot with processes carries.
+    let started = post(
+        &format!("/api/v1/sandboxes/{id}/exec"),
+        json!({"command": ["sh", "-c",
+            "python3 -c 'import time; x = bytearray(64 << 20); time.sleep(10**6)' >/dev/null 2>&1 & sleep 1"]}),
+    )?;
+    anyhow::ensure!(
+        started["exitCode"] == 0,
+        "starting the process failed: {started}"
+    );
 
     let mut snapshot_us = Vec::new();
     let mut from_us = Vec::new();
@@ -68,9 +80,26 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     let mut disk = 0u64;
     let mut copy = Value::Null;
     let mut frozen_us = Vec::new();
+    let mut files_only_us = Vec::new();
+    let mut files_only_disk = 0u64;
     for _ in 0..rounds {
         let started = Instant::now();
-        let snap = post(&format!("/api/v1/sandboxes/{id}/snapshots"), json!({}))?;
+        let snap = post(
+            &format!("/api/v1/sandboxes/{id}/snapshots"),
+            json!({"processes": false}),
+        )?;
+        files_only_us.push(micros(started.elapsed()));
+        files_only_disk = snap["diskBytes"].as_u64().unwrap_or(0);
+        delete(&format!(
+            "/api/v1/snapshots/{}",
+            snap["id"].as_str().unwrap_or_default()
+        ))?;
+
+        let started = Instant::now();
+        let snap = post(
+            &format!("/api/v1/sandboxes/{id}/snapshots"),
+            json!({"processes": true}),
+        )?;
         snapshot_us.push(micros(started.elapsed()));
         frozen_us.push(snap["frozenMs"].as_f64().unwrap_or(0.0) * 1000.0);
         disk = snap["diskBytes"].as_u64().unwrap_or(0);
@@ -78,6 +107,10 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         let snap_id = snap["id"].as_str().context("no snapshot id")?.to_string();
         let started = Instant::now();
         let made = post("/api/v1/sandboxes", json!({"snapshot": snap_id}))?;
+        anyhow::ensure!(
+            made["state"] == "running",
+            "a copy's box was not restored: {made}"
+        );
         from_us.push(micros(started.elapsed()));
         delete(&format!(
             "/api/v1/sandboxes/{}",
@@ -89,6 +122,10 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         let forked = post(&format!("/api/v1/sandboxes/{id}/fork"), json!({"count": 4}))?;
         fork_us.push(micros(started.elapsed()));
         for fork in forked["forks"].as_array().context("no forks")? {
+            anyhow::ensure!(
+                fork["restoredProcesses"] == true,
+                "a fork's processes were not restored: {fork}"
+            );
             let fork_id = fork["sandbox"]["containerId"]
                 .as_str()
                 .with_context(|| format!("a fork failed: {fork}"))?;
@@ -97,7 +134,11 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     }
     report.insert(
         "snapshot_200mib".into(),
-        json!({"latency": summary(snapshot_us), "frozen": summary(frozen_us), "disk_bytes": disk, "copy": copy}),
+        json!({"latency": summary(snapshot_us), "frozen": summary(frozen_us), "disk_bytes": disk, "copy": copy, "processes": "64 MiB process checkpointed"}),
+    );
+    report.insert(
+        "snapshot_200mib_files_only".into(),
+        json!({"latency": summary(files_only_us), "disk_bytes": files_only_disk}),
     );
     report.insert("sandbox_from_snapshot_200mib".into(), summary(from_us));
     report.insert(

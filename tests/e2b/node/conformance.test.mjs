@@ -129,13 +129,20 @@ test('volumes: a volume mounted in two sandboxes, its files through the volume A
   }
 })
 
-test('snapshots and forks: files copied, copies diverge', async () => {
+test('snapshots and forks: files and running processes copied, copies diverge', async () => {
   const sbx = await base()
   await sbx.commands.run('echo base > state.txt')
+  // A running process with its state in memory (a shell variable), started in the
+  // background: the copies have it, going on.
+  await sbx.commands.run('sh -c \'x=$$; while :; do echo "$x" > pid.txt; sleep 0.05; done\'', { background: true })
+  await sbx.commands.run('for i in $(seq 50); do test -s pid.txt && break; sleep 0.05; done')
+  const kept = (await sbx.commands.run('cat pid.txt')).stdout
   const snapshot = await sbx.createSnapshot()
   const copy = await Sandbox.create(snapshot.snapshotId)
   made.push(copy)
   assert.equal((await copy.commands.run('cat state.txt')).stdout, 'base\n')
+  await copy.commands.run('rm pid.txt; for i in $(seq 50); do test -s pid.txt && break; sleep 0.05; done')
+  assert.equal((await copy.commands.run('cat pid.txt')).stdout, kept, 'the copy\'s loop did not go on')
   const forks = await sbx.fork({ count: 2 })
   assert.equal(forks.length, 2)
   for (const [i, fork] of forks.entries()) {
