@@ -2136,6 +2136,15 @@ impl Drop for NativeSession {
     }
 }
 
+/// Takes a workspace off the checkpointing list when dropped (however the hold ends).
+struct Unmark<'a>(&'a NativeBackend, &'a std::path::Path);
+
+impl Drop for Unmark<'_> {
+    fn drop(&mut self) {
+        self.0.checkpointing().remove(self.1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2155,14 +2164,5 @@ mod tests {
         assert_eq!(stream.feed(b"x", marker), b"\0tox");
         assert_eq!(stream.feed(b"\0tok:3\0\n", marker), b"");
         assert_eq!(stream.status, Some(3));
-    }
-}
-
-/// Takes a workspace off the checkpointing list when dropped (however the hold ends).
-struct Unmark<'a>(&'a NativeBackend, &'a std::path::Path);
-
-impl Drop for Unmark<'_> {
-    fn drop(&mut self) {
-        self.0.checkpointing().remove(self.1);
     }
 }

@@ -366,17 +366,12 @@ pub async fn snapshot(
             .unwrap_or_else(|e| Err(RuntimeError::internal(e.to_string())))?;
     let into = rt.registry.snapshots.processes(&taking.id);
     let wanted = processes != Some(false);
-    let copied: Arc<Mutex<Option<Result<(CopyKind, f64)>>>> = Arc::default();
+    // The disk is copied while the host holds the box still; the copy's outcome comes back.
+    let (copied_tx, copied) = std::sync::mpsc::sync_channel(1);
     let copy = {
-        let (runtime, source, copied, id) = (
-            rt.clone(),
-            sandbox.clone(),
-            copied.clone(),
-            taking.id.clone(),
-        );
+        let (runtime, source, id) = (rt.clone(), sandbox.clone(), taking.id.clone());
         move || {
-            let result = runtime.registry.snapshots.copy_disk(&id, &source);
-            *copied.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+            let _ = copied_tx.send(runtime.registry.snapshots.copy_disk(&id, &source));
         }
     };
     let kept = match &host {
@@ -395,10 +390,8 @@ pub async fn snapshot(
         }
     };
     let copied = copied
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take()
-        .unwrap_or_else(|| Err(RuntimeError::internal("the disk was not copied")))?;
+        .try_recv()
+        .unwrap_or_else(|_| Err(RuntimeError::internal("the disk was not copied")))?;
     if processes == Some(true) && !kept.carried {
         return Err(RuntimeError::Unsupported {
             message: format!(

@@ -107,11 +107,16 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         let snap_id = snap["id"].as_str().context("no snapshot id")?.to_string();
         let started = Instant::now();
         let made = post("/api/v1/sandboxes", json!({"snapshot": snap_id}))?;
-        anyhow::ensure!(
-            made["state"] == "running",
-            "a copy's box was not restored: {made}"
-        );
         from_us.push(micros(started.elapsed()));
+        let copy_id = made["containerId"].as_str().unwrap_or_default();
+        let info: Value = agent
+            .get(&format!("{base}/api/v1/sandboxes/{copy_id}"))
+            .call()?
+            .into_json()?;
+        anyhow::ensure!(
+            info["state"] == "running",
+            "a copy's box was not restored: {info}"
+        );
         delete(&format!(
             "/api/v1/sandboxes/{}",
             made["containerId"].as_str().unwrap_or_default()
