@@ -221,7 +221,7 @@ fn issue37_a_snapshot_carries_running_processes_into_its_copies_and_forks() -> T
     let (status, ran) = server.exec(
         &source,
         json!({
-            "command": ["sh", "-c", "python3 counter.py 8000 >/dev/null 2>&1 & \
+            "command": ["sh", "-c", "echo in-memory > /tmp/marker; python3 counter.py 8000 >/dev/null 2>&1 & \
                 (while :; do date +%s%N >> ticks; sleep 0.02; done) >/dev/null 2>&1 & echo started"],
             "files": {"counter.py": serve::COUNTER_PY},
         }),
@@ -266,6 +266,8 @@ fn issue37_a_snapshot_carries_running_processes_into_its_copies_and_forks() -> T
     let before = ticks(&copy);
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert!(ticks(&copy) > before, "the copy's loop does not run");
+    // The box's /tmp (memory: a tmpfs) comes with its processes.
+    assert_eq!(sh(&server, &copy, "cat /tmp/marker"), "in-memory\n");
     let (_, events) = server.call("GET", &format!("/api/v1/sandboxes/{copy}/events"), None)?;
     assert!(
         events.to_string().contains("restored from the snapshot"),
