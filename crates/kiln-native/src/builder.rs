@@ -127,7 +127,8 @@ path-include /usr/share/locale/locale.alias
 
 /// What debootstrap installed before the exclusions applied, caches and logs; no name
 /// resolution (a box has no network unless kiln's proxy carries it) and kiln's own host
-/// names. Run in the jail, as the last step.
+/// names, with any a template's post-install put in `/etc/kiln/hosts` (the services
+/// template's `postgres.workspace.internal`). Run in the jail, as the last step.
 const CLEAN: &str = "find /usr/share/doc -depth -type f ! -name copyright -delete; \
     find /usr/share/doc -depth -type d -empty -delete; \
     rm -rf /usr/share/man/* /usr/share/info/*; \
@@ -137,6 +138,7 @@ const CLEAN: &str = "find /usr/share/doc -depth -type f ! -name copyright -delet
     rm -f /etc/hostname /etc/hosts /etc/resolv.conf; \
     echo kiln > /etc/hostname; \
     printf '127.0.0.1\\tlocalhost kiln\\n::1\\tlocalhost ip6-localhost ip6-loopback\\n' > /etc/hosts; \
+    if [ -f /etc/kiln/hosts ]; then cat /etc/kiln/hosts >> /etc/hosts; fi; \
     : > /etc/resolv.conf";
 
 const STEPS: [&str; 9] = [

@@ -1,7 +1,8 @@
 //! Template definitions: YAML in the shape of seed 002's `templates:` (base, packages,
 //! default_shell, working_dir, resources, expose_ports, env, post_install), plus the image
 //! names a template honours, the languages its code cells speak and the packages whose
-//! versions a sandbox reports. kiln ships `debian`, `python`, `node` and `go`; operators add
+//! versions a sandbox reports. kiln ships `debian`, `python`, `node`, `go` and `services`
+//! (the databases and web server of workspaces); operators add
 //! their own in a folder named in the configuration (a file there replaces a shipped one of
 //! the same name).
 
@@ -12,11 +13,12 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 /// The definitions kiln ships.
-pub const SHIPPED: [(&str, &str); 4] = [
+pub const SHIPPED: [(&str, &str); 5] = [
     ("debian", include_str!("../templates/debian.yaml")),
     ("python", include_str!("../templates/python.yaml")),
     ("node", include_str!("../templates/node.yaml")),
     ("go", include_str!("../templates/go.yaml")),
+    ("services", include_str!("../templates/services.yaml")),
 ];
 
 /// The Debian releases a template may be built from.

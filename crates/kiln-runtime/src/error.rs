@@ -137,6 +137,8 @@ pub enum RuntimeError {
     VolumeNotFound { volume: String },
     #[error("no snapshot {snapshot:?}")]
     SnapshotNotFound { snapshot: String },
+    #[error("no workspace {workspace:?}")]
+    WorkspaceNotFound { workspace: String },
     #[error("a volume named {name:?} exists")]
     VolumeExists { name: String },
     #[error("volume {volume:?} is mounted by live sandboxes ({}); delete them first", sandboxes.join(", "))]
@@ -210,6 +212,7 @@ impl RuntimeError {
             E::SecretExists { .. } => "SECRET_EXISTS",
             E::VolumeNotFound { .. } => "VOLUME_NOT_FOUND",
             E::SnapshotNotFound { .. } => "SNAPSHOT_NOT_FOUND",
+            E::WorkspaceNotFound { .. } => "WORKSPACE_NOT_FOUND",
             E::VolumeExists { .. } => "VOLUME_EXISTS",
             E::VolumeInUse { .. } => "VOLUME_IN_USE",
             E::Internal { .. } => "INTERNAL",

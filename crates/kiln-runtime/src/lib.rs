@@ -47,6 +47,7 @@ pub mod snapshots;
 pub mod store;
 pub mod volume;
 pub mod volumes;
+pub mod workspaces;
 
 use std::path::PathBuf;
 

@@ -761,6 +761,8 @@ pub struct Registry {
     pub volumes: crate::volumes::Volumes,
     /// Snapshots of Linux sandboxes.
     pub snapshots: crate::snapshots::Snapshots,
+    /// Workspaces: long-lived Linux sandboxes with services.
+    pub workspaces: crate::workspaces::Workspaces,
 }
 
 /// Random bytes as hex, from the kernel.
@@ -858,12 +860,14 @@ impl Registry {
         let volumes = crate::volumes::Volumes::open(&root);
         volumes.attach_all();
         let snapshots = crate::snapshots::Snapshots::open(&root);
+        let workspaces = crate::workspaces::Workspaces::open(&root);
         Ok(Registry {
             root,
             sandboxes: Mutex::new(sandboxes),
             dirty: Mutex::default(),
             volumes,
             snapshots,
+            workspaces,
         })
     }
 

@@ -102,7 +102,8 @@ impl From<kiln_runtime::RuntimeError> for ApiError {
             | E::ProcessNotFound { .. }
             | E::SecretNotFound { .. }
             | E::VolumeNotFound { .. }
-            | E::SnapshotNotFound { .. } => StatusCode::NOT_FOUND,
+            | E::SnapshotNotFound { .. }
+            | E::WorkspaceNotFound { .. } => StatusCode::NOT_FOUND,
             E::SecretExists { .. } | E::VolumeExists { .. } | E::VolumeInUse { .. } => {
                 StatusCode::CONFLICT
             }

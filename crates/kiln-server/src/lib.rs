@@ -27,6 +27,7 @@ pub mod templates;
 pub mod terminals;
 pub mod v1;
 pub mod volumes;
+pub mod workspaces;
 
 // The runtime's modules under their old names, for the handlers.
 use kiln_runtime::{auth, exec, history, quota, sandbox};
@@ -189,6 +190,21 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/snapshots/{snapshot}",
             get(snapshots::get).delete(snapshots::delete),
         )
+        .route(
+            "/workspaces",
+            get(workspaces::list).post(workspaces::create),
+        )
+        .route(
+            "/workspaces/{workspace}",
+            get(workspaces::get).delete(workspaces::delete),
+        )
+        .route("/workspaces/{workspace}/start", post(workspaces::start))
+        .route("/workspaces/{workspace}/stop", post(workspaces::stop))
+        .route(
+            "/workspaces/{workspace}/services",
+            post(workspaces::add_service),
+        )
+        .route("/workspaces/{workspace}/sql", post(workspaces::sql))
         .route("/volumes", get(volumes::list).post(volumes::create))
         .route(
             "/volumes/{volume}",

@@ -293,6 +293,7 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
                     | E::SecretExists { .. }
                     | E::VolumeNotFound { .. }
                     | E::SnapshotNotFound { .. }
+                    | E::WorkspaceNotFound { .. }
                     | E::VolumeExists { .. }
                     | E::VolumeInUse { .. }
                     | E::SandboxBusy { .. }
@@ -316,6 +317,7 @@ pub fn status_of(error: &RuntimeError, route: Route) -> StatusCode {
         | E::SecretNotFound { .. }
         | E::VolumeNotFound { .. }
         | E::SnapshotNotFound { .. }
+        | E::WorkspaceNotFound { .. }
         | E::Workspace(T::NotFound { .. }) => StatusCode::NOT_FOUND,
         E::SecretExists { .. } | E::VolumeExists { .. } | E::VolumeInUse { .. } => {
             StatusCode::CONFLICT

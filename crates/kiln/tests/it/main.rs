@@ -19,3 +19,4 @@ mod snapshots;
 mod storage;
 mod volumes;
 mod worker_jail;
+mod workspaces;

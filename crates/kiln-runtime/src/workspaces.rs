@@ -1,0 +1,690 @@
+//! Workspaces (issue 35, seed 002's "Workspaces & Multi-Agent Workflows"): a named,
+//! long-lived Linux sandbox with services. A workspace outlives its box: stopping it stops
+//! its services and hibernates its box (files, history and service data stay on the
+//! sandbox's volume); starting it brings the services back.
+//!
+//! Services are real servers from Debian's packages in the `services` template, started by
+//! kiln inside the workspace's box as the box's user, each with its data in `~/.services`
+//! (the box's writable layer, on the sandbox's volume): `postgres` (PostgreSQL 15),
+//! `redis` (Redis 7), `mysql` (MariaDB 10.11), `nginx` (serving the workspace on 8080).
+//! Their names (`postgres.workspace.internal`, …) resolve to the box itself. MongoDB is not
+//! packaged by Debian: asked for, it is refused with that reason.
+//!
+//! `run_sql` runs one statement against `postgres` or `mysql` through the template's Python
+//! drivers and answers rows as JSON, bounded in rows ([`MAX_ROWS`]) and time.
+//!
+//! ```text
+//! workspaces/<id>.json   its record (tenant, owner, name, sandbox, services)
+//! ```
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use crate::Runtime;
+use crate::auth::Caller;
+use crate::error::{Result, RuntimeError};
+use crate::sandbox::{new_id, now_ms, rfc3339};
+use crate::store;
+
+/// The template a workspace runs in unless it names another.
+pub const DEFAULT_TEMPLATE: &str = "linux-services";
+/// The most rows `run_sql` answers (the rest are counted, not sent).
+pub const MAX_ROWS: usize = 1000;
+/// `run_sql`'s time limit, default and most.
+pub const SQL_TIMEOUT_MS: u64 = 10_000;
+pub const MAX_SQL_TIMEOUT_MS: u64 = 60_000;
+/// The longest query text.
+pub const MAX_QUERY_BYTES: usize = 64 << 10;
+/// The most workspaces a tenant keeps.
+pub const MAX_WORKSPACES: usize = 64;
+
+/// A service a workspace may run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ServiceKind {
+    Postgres,
+    Redis,
+    Mysql,
+    Nginx,
+}
+
+impl ServiceKind {
+    pub const ALL: [ServiceKind; 4] = [
+        ServiceKind::Postgres,
+        ServiceKind::Redis,
+        ServiceKind::Mysql,
+        ServiceKind::Nginx,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ServiceKind::Postgres => "postgres",
+            ServiceKind::Redis => "redis",
+            ServiceKind::Mysql => "mysql",
+            ServiceKind::Nginx => "nginx",
+        }
+    }
+
+    /// The service named `name`, or why there is none.
+    pub fn parse(name: &str) -> Result<ServiceKind> {
+        let wanted = name.trim().to_ascii_lowercase();
+        match wanted.as_str() {
+            "postgres" | "postgresql" => Ok(ServiceKind::Postgres),
+            "redis" => Ok(ServiceKind::Redis),
+            "mysql" | "mariadb" => Ok(ServiceKind::Mysql),
+            "nginx" => Ok(ServiceKind::Nginx),
+            "mongodb" | "mongo" => Err(RuntimeError::Unsupported {
+                message: "mongodb: Debian does not package MongoDB (its licence), so kiln's services template has none; postgres (with JSONB) or redis may serve".into(),
+            }),
+            _ => Err(RuntimeError::InvalidOption {
+                message: format!(
+                    "{name:?} is not a service: one of postgres, redis, mysql, nginx"
+                ),
+            }),
+        }
+    }
+
+    pub fn port(self) -> u16 {
+        match self {
+            ServiceKind::Postgres => 5432,
+            ServiceKind::Redis => 6379,
+            ServiceKind::Mysql => 3306,
+            ServiceKind::Nginx => 8080,
+        }
+    }
+
+    /// The host name it answers on inside the box.
+    pub fn host(self) -> String {
+        format!("{}.workspace.internal", self.name())
+    }
+
+    pub fn connection_string(self) -> String {
+        let host = self.host();
+        match self {
+            ServiceKind::Postgres => format!("postgresql://postgres@{host}:5432/postgres"),
+            ServiceKind::Redis => format!("redis://{host}:6379/0"),
+            ServiceKind::Mysql => format!("mysql://root@{host}:3306/mysql"),
+            ServiceKind::Nginx => format!("http://{host}:8080/"),
+        }
+    }
+
+    /// The script that starts it (made on first start) as the box's user; it exits 0 once
+    /// the service answers, else prints its log's tail and fails.
+    fn start_script(self) -> &'static str {
+        match self {
+            ServiceKind::Postgres => {
+                r#"set -u; d=~/.services/postgres; mkdir -p ~/.services
+if [ ! -s "$d/PG_VERSION" ]; then
+  /usr/lib/postgresql/15/bin/initdb -D "$d" -U postgres --auth=trust -E UTF8 >~/.services/postgres-init.log 2>&1 || { tail -n 20 ~/.services/postgres-init.log; exit 1; }
+fi
+/usr/lib/postgresql/15/bin/pg_ctl -D "$d" status >/dev/null 2>&1 && exit 0
+/usr/lib/postgresql/15/bin/pg_ctl -D "$d" -l ~/.services/postgres.log -o "-c listen_addresses=127.0.0.1 -k /tmp" -w -t 30 start >/dev/null 2>&1 || { tail -n 20 ~/.services/postgres.log; exit 1; }"#
+            }
+            ServiceKind::Redis => {
+                r#"set -u; mkdir -p ~/.services/redis
+redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && exit 0
+redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --dir ~/.services/redis --logfile ~/.services/redis.log --pidfile ~/.services/redis.pid || { tail -n 20 ~/.services/redis.log; exit 1; }
+for i in $(seq 100); do redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && exit 0; sleep 0.1; done
+tail -n 20 ~/.services/redis.log; exit 1"#
+            }
+            ServiceKind::Mysql => {
+                r#"set -u; d=~/.services/mysql; mkdir -p ~/.services
+if [ ! -d "$d/mysql" ]; then
+  mariadb-install-db --datadir="$d" --auth-root-authentication-method=normal --skip-test-db >~/.services/mysql-init.log 2>&1 || { tail -n 20 ~/.services/mysql-init.log; exit 1; }
+fi
+mariadb-admin -h 127.0.0.1 -uroot ping >/dev/null 2>&1 && exit 0
+(setsid mariadbd --datadir="$d" --socket=/tmp/mysql.sock --pid-file="$HOME/.services/mysql.pid" --bind-address=127.0.0.1 --port=3306 >>~/.services/mysql.log 2>&1 &)
+for i in $(seq 300); do mariadb-admin -h 127.0.0.1 -uroot ping >/dev/null 2>&1 && exit 0; sleep 0.1; done
+tail -n 20 ~/.services/mysql.log; exit 1"#
+            }
+            ServiceKind::Nginx => {
+                r#"set -u; d=~/.services/nginx; mkdir -p "$d/tmp"
+cat > "$d/nginx.conf" <<CONF
+daemon on; pid $d/nginx.pid; error_log $d/error.log; worker_processes 1;
+events { worker_connections 256; }
+http { include /etc/nginx/mime.types; access_log $d/access.log;
+  client_body_temp_path $d/tmp; proxy_temp_path $d/tmp; fastcgi_temp_path $d/tmp;
+  uwsgi_temp_path $d/tmp; scgi_temp_path $d/tmp;
+  server { listen 127.0.0.1:8080; root $PWD; index index.html; } }
+CONF
+[ -s "$d/nginx.pid" ] && kill -0 "$(cat "$d/nginx.pid")" 2>/dev/null && exit 0
+nginx -c "$d/nginx.conf" -e "$d/error.log" 2>>"$d/error.log" || { tail -n 20 "$d/error.log"; exit 1; }"#
+            }
+        }
+    }
+
+    /// The script that stops it (quietly, whether it runs or not).
+    fn stop_script(self) -> &'static str {
+        match self {
+            ServiceKind::Postgres => {
+                "/usr/lib/postgresql/15/bin/pg_ctl -D ~/.services/postgres -m fast -w stop >/dev/null 2>&1; true"
+            }
+            ServiceKind::Redis => "redis-cli -h 127.0.0.1 shutdown save >/dev/null 2>&1; true",
+            ServiceKind::Mysql => {
+                "mariadb-admin -h 127.0.0.1 -uroot shutdown >/dev/null 2>&1; true"
+            }
+            ServiceKind::Nginx => {
+                "[ -s ~/.services/nginx/nginx.pid ] && kill -QUIT \"$(cat ~/.services/nginx/nginx.pid)\" 2>/dev/null; true"
+            }
+        }
+    }
+}
+
+/// A workspace's service, as a client connects to it (from inside the box).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Service {
+    #[serde(rename = "type")]
+    pub kind: ServiceKind,
+    pub host: String,
+    pub port: u16,
+    pub connection_string: String,
+}
+
+impl Service {
+    pub fn of(kind: ServiceKind) -> Service {
+        Service {
+            kind,
+            host: kind.host(),
+            port: kind.port(),
+            connection_string: kind.connection_string(),
+        }
+    }
+}
+
+/// A workspace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkspaceInfo {
+    /// `ws_…`.
+    pub id: String,
+    pub name: String,
+    /// The key that made it.
+    pub owner: String,
+    pub template: String,
+    /// The sandbox it runs in: its files, history, processes, terminals and previews are
+    /// the sandbox's (`/api/v1/sandboxes/{sandboxId}/…`).
+    pub sandbox_id: String,
+    pub services: Vec<Service>,
+    /// `running` or `stopped`.
+    pub state: String,
+    pub created_at: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Stored {
+    #[serde(flatten)]
+    info: WorkspaceInfo,
+    tenant: String,
+}
+
+/// The workspaces of a server.
+#[derive(Debug)]
+pub struct Workspaces {
+    root: PathBuf,
+    all: Mutex<HashMap<String, Stored>>,
+}
+
+impl Workspaces {
+    pub fn open(data_dir: &Path) -> Workspaces {
+        let root = data_dir.join("workspaces");
+        let mut all = HashMap::new();
+        for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "json") {
+                match store::read_json::<Stored>(&path) {
+                    Ok(stored) => {
+                        all.insert(stored.info.id.clone(), stored);
+                    }
+                    Err(e) => tracing::error!(
+                        "workspace {}: unreadable record ({e}); left as it is",
+                        path.display()
+                    ),
+                }
+            }
+        }
+        Workspaces {
+            root,
+            all: Mutex::new(all),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Stored>> {
+        self.all.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn save(&self, stored: &Stored) -> Result<()> {
+        std::fs::create_dir_all(&self.root)
+            .and_then(|()| {
+                store::write_json(&self.root.join(format!("{}.json", stored.info.id)), stored)
+            })
+            .map_err(|e| RuntimeError::internal(format!("recording the workspace: {e}")))?;
+        self.lock().insert(stored.info.id.clone(), stored.clone());
+        Ok(())
+    }
+
+    /// `tenant`'s workspaces, oldest first.
+    pub fn list(&self, tenant: &str) -> Vec<WorkspaceInfo> {
+        let mut own: Vec<WorkspaceInfo> = self
+            .lock()
+            .values()
+            .filter(|s| s.tenant == tenant)
+            .map(|s| s.info.clone())
+            .collect();
+        own.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        own
+    }
+
+    /// `tenant`'s workspace by id or name.
+    pub fn get(&self, tenant: &str, which: &str) -> Result<WorkspaceInfo> {
+        self.lock()
+            .values()
+            .find(|s| s.tenant == tenant && (s.info.id == which || s.info.name == which))
+            .map(|s| s.info.clone())
+            .ok_or_else(|| RuntimeError::WorkspaceNotFound {
+                workspace: which.to_owned(),
+            })
+    }
+
+    fn update(
+        &self,
+        tenant: &str,
+        id: &str,
+        change: impl FnOnce(&mut WorkspaceInfo),
+    ) -> Result<WorkspaceInfo> {
+        let mut stored = self
+            .lock()
+            .get(id)
+            .filter(|s| s.tenant == tenant)
+            .cloned()
+            .ok_or_else(|| RuntimeError::WorkspaceNotFound {
+                workspace: id.to_owned(),
+            })?;
+        change(&mut stored.info);
+        self.save(&stored)?;
+        Ok(stored.info)
+    }
+
+    fn forget(&self, id: &str) {
+        self.lock().remove(id);
+        let _ = std::fs::remove_file(self.root.join(format!("{id}.json")));
+    }
+}
+
+/// What a new workspace is made of.
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NewWorkspace {
+    /// 1..=64 of `A-Z a-z 0-9 _ . -`, unique within the tenant.
+    pub name: String,
+    /// A Linux template (default `linux-services`).
+    pub template: Option<String>,
+    /// Services to start with it: `postgres`, `redis`, `mysql`, `nginx`.
+    #[serde(default)]
+    pub services: Vec<String>,
+}
+
+fn services_of(names: &[String]) -> Result<Vec<ServiceKind>> {
+    let mut kinds = Vec::new();
+    for name in names {
+        let kind = ServiceKind::parse(name)?;
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
+        }
+    }
+    Ok(kinds)
+}
+
+/// Makes a workspace of `caller`'s: a sandbox of its template with no fixed life, and its
+/// services started.
+pub async fn create(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    new: NewWorkspace,
+) -> Result<WorkspaceInfo> {
+    if !crate::volumes::name_ok(&new.name) {
+        return Err(RuntimeError::InvalidOption {
+            message: format!(
+                "{:?} is not a workspace name: 1..=64 of A-Z a-z 0-9 _ . -",
+                new.name
+            ),
+        });
+    }
+    let kinds = services_of(&new.services)?;
+    {
+        let own = rt.registry.workspaces.list(&caller.tenant);
+        if own.iter().any(|w| w.name == new.name) {
+            return Err(RuntimeError::InvalidOption {
+                message: format!("a workspace named {:?} exists", new.name),
+            });
+        }
+        if own.len() >= MAX_WORKSPACES {
+            return Err(crate::quota::exceeded(
+                "workspaces",
+                MAX_WORKSPACES as u64,
+                own.len() as u64,
+                "workspaces",
+            ));
+        }
+    }
+    let template = new.template.unwrap_or_else(|| DEFAULT_TEMPLATE.to_string());
+    let catalogue = rt.catalogue();
+    let Some(entry) = catalogue.get(&template) else {
+        return Err(RuntimeError::Unsupported {
+            message: format!(
+                "no template {template:?} here: a workspace runs in a Linux template (start kiln with --linux, and build it: kiln setup --template services)"
+            ),
+        });
+    };
+    if !entry.capabilities.processes {
+        return Err(RuntimeError::Unsupported {
+            message: format!(
+                "{template} is not a Linux template: a workspace needs a box for its services"
+            ),
+        });
+    }
+    let image =
+        crate::sandbox::SandboxSpec::named_image(catalogue, None, Some(&template), "python")?;
+    let spec = crate::sandbox::SandboxSpec::resolve(catalogue, &image, None, None)?;
+    let sandbox = crate::exec::create_sandbox(rt, caller, spec).await?;
+    let stored = Stored {
+        info: WorkspaceInfo {
+            id: new_id("ws_"),
+            name: new.name,
+            owner: caller.key_id.clone(),
+            template,
+            sandbox_id: sandbox.id.clone(),
+            services: Vec::new(),
+            state: "running".into(),
+            created_at: rfc3339(now_ms()),
+        },
+        tenant: caller.tenant.clone(),
+    };
+    let id = stored.info.id.clone();
+    if let Err(e) = rt.registry.workspaces.save(&stored) {
+        let _ = rt.delete_sandbox(caller, &sandbox.id).await;
+        return Err(e);
+    }
+    for kind in kinds {
+        if let Err(e) = add_service(rt, caller, &id, kind).await {
+            let _ = delete(rt, caller, &id).await;
+            return Err(e);
+        }
+    }
+    rt.registry.workspaces.get(&caller.tenant, &id)
+}
+
+/// Runs `script` with bash in the workspace's box as its user: stdout and stderr, or why not.
+async fn run_script(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    sandbox: &str,
+    argv: Vec<String>,
+    timeout_ms: u64,
+) -> Result<crate::exec::RunOutcome> {
+    let spec = crate::exec::prepare(
+        rt,
+        caller,
+        sandbox,
+        crate::exec::CodeExec {
+            command: Some(argv),
+            timeout_ms: Some(timeout_ms),
+            ..Default::default()
+        },
+    )?;
+    crate::exec::run(rt, caller, sandbox, spec, None).await
+}
+
+fn said(outcome: &crate::exec::RunOutcome) -> String {
+    let out = String::from_utf8_lossy(&outcome.result.stdout);
+    let err = String::from_utf8_lossy(&outcome.result.stderr);
+    format!("{}{}", out.trim(), err.trim())
+        .chars()
+        .take(4000)
+        .collect()
+}
+
+/// Starts service `kind` in workspace `which` (kept started with it from then on): how a
+/// client reaches it. A service that does not start says why (its log's tail).
+pub async fn add_service(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    which: &str,
+    kind: ServiceKind,
+) -> Result<Service> {
+    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    start_one(rt, caller, &ws, kind).await?;
+    rt.registry.workspaces.update(&caller.tenant, &ws.id, |w| {
+        if !w.services.iter().any(|s| s.kind == kind) {
+            w.services.push(Service::of(kind));
+        }
+    })?;
+    rt.events.record(
+        &ws.sandbox_id,
+        "service",
+        &format!("{} started", kind.name()),
+    );
+    Ok(Service::of(kind))
+}
+
+async fn start_one(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    ws: &WorkspaceInfo,
+    kind: ServiceKind,
+) -> Result<()> {
+    let outcome = run_script(
+        rt,
+        caller,
+        &ws.sandbox_id,
+        vec!["bash".into(), "-c".into(), kind.start_script().into()],
+        90_000,
+    )
+    .await?;
+    if outcome.result.success() {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported {
+        message: format!(
+            "the {} service did not start ({}): {}",
+            kind.name(),
+            outcome.status(),
+            said(&outcome)
+        ),
+    })
+}
+
+/// Starts workspace `which`: its box (restored if hibernated) and every service of it.
+pub async fn start(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<WorkspaceInfo> {
+    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    for service in &ws.services {
+        start_one(rt, caller, &ws, service.kind).await?;
+    }
+    rt.registry
+        .workspaces
+        .update(&caller.tenant, &ws.id, |w| w.state = "running".into())
+}
+
+/// Stops workspace `which`: its services shut down cleanly (their data written), then its
+/// box is hibernated (its memory back to the host; files and history kept).
+pub async fn stop(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<WorkspaceInfo> {
+    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let script: Vec<&str> = ws.services.iter().map(|s| s.kind.stop_script()).collect();
+    if !script.is_empty() {
+        run_script(
+            rt,
+            caller,
+            &ws.sandbox_id,
+            vec!["bash".into(), "-c".into(), script.join("\n")],
+            60_000,
+        )
+        .await?;
+    }
+    let sandbox = rt.registry.get(&caller.tenant, &ws.sandbox_id)?.meta;
+    if let Some(host) = rt.process_host(&sandbox) {
+        host.hibernate(&sandbox.workspace(), "its workspace was stopped")
+            .await
+            .map_err(|e| RuntimeError::internal(format!("stopping the box: {}", e.message)))?;
+    }
+    rt.registry
+        .workspaces
+        .update(&caller.tenant, &ws.id, |w| w.state = "stopped".into())
+}
+
+/// Deletes workspace `which` and its sandbox (its files, history and service data).
+pub async fn delete(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<()> {
+    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    match rt.delete_sandbox(caller, &ws.sandbox_id).await {
+        Ok(()) | Err(RuntimeError::SandboxNotFound { .. }) => {}
+        Err(e) => return Err(e),
+    }
+    rt.registry.workspaces.forget(&ws.id);
+    Ok(())
+}
+
+/// The rows of one SQL statement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SqlResult {
+    /// The result's columns (none for a statement without rows).
+    #[serde(default)]
+    pub columns: Vec<String>,
+    /// Each row as an object of column → value (numbers, text, booleans, null; other
+    /// types as text).
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    pub rows: Vec<serde_json::Map<String, serde_json::Value>>,
+    /// Rows affected (or -1 where the driver does not say).
+    pub rowcount: i64,
+    /// More rows than [`MAX_ROWS`] were there; the rest were not sent.
+    #[serde(default)]
+    pub truncated: bool,
+}
+
+/// The driver script: one statement, its rows as JSON on one line, or `{"error": …}`.
+const SQL_PY: &str = r#"
+import json, sys
+kind, query, limit, timeout_ms = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+def value(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v).hex()
+    return str(v)
+try:
+    if kind == "postgres":
+        import psycopg2
+        conn = psycopg2.connect(host="127.0.0.1", user="postgres", dbname="postgres",
+                                options="-c statement_timeout=%d" % timeout_ms, connect_timeout=10)
+        conn.autocommit = True
+    else:
+        import pymysql
+        conn = pymysql.connect(host="127.0.0.1", user="root", autocommit=True, connect_timeout=10)
+        conn.cursor().execute("SET SESSION max_statement_time = %f" % (timeout_ms / 1000.0))
+    cur = conn.cursor()
+    cur.execute(query)
+    out = {"rowcount": cur.rowcount if cur.rowcount is not None else -1, "columns": [], "rows": []}
+    if cur.description:
+        cols = [d[0] for d in cur.description]
+        rows = cur.fetchmany(limit + 1)
+        out["columns"] = cols
+        out["rows"] = [dict(zip(cols, map(value, r))) for r in rows[:limit]]
+        out["truncated"] = len(rows) > limit
+    print(json.dumps(out))
+except Exception as e:
+    print(json.dumps({"error": str(e).strip()}))
+"#;
+
+/// Runs one SQL statement against workspace `which`'s `service` (postgres or mysql, which
+/// must be one of its services), bounded by `timeout_ms` (default [`SQL_TIMEOUT_MS`], at
+/// most [`MAX_SQL_TIMEOUT_MS`]) and [`MAX_ROWS`].
+pub async fn run_sql(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    which: &str,
+    service: Option<&str>,
+    query: &str,
+    timeout_ms: Option<u64>,
+) -> Result<SqlResult> {
+    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let kind = match service {
+        Some(name) => ServiceKind::parse(name)?,
+        None => ws
+            .services
+            .iter()
+            .map(|s| s.kind)
+            .find(|k| matches!(k, ServiceKind::Postgres | ServiceKind::Mysql))
+            .unwrap_or(ServiceKind::Postgres),
+    };
+    if !matches!(kind, ServiceKind::Postgres | ServiceKind::Mysql) {
+        return Err(RuntimeError::InvalidOption {
+            message: format!(
+                "{} speaks no SQL: run_sql is for postgres and mysql",
+                kind.name()
+            ),
+        });
+    }
+    if !ws.services.iter().any(|s| s.kind == kind) {
+        return Err(RuntimeError::InvalidOption {
+            message: format!(
+                "workspace {} has no {} service: add it first (POST …/services {{\"type\": \"{}\"}})",
+                ws.name,
+                kind.name(),
+                kind.name()
+            ),
+        });
+    }
+    if query.trim().is_empty() || query.len() > MAX_QUERY_BYTES || query.contains('\0') {
+        return Err(RuntimeError::InvalidOption {
+            message: format!("a query is 1..={MAX_QUERY_BYTES} bytes of text"),
+        });
+    }
+    let timeout_ms = timeout_ms.unwrap_or(SQL_TIMEOUT_MS);
+    if !(1..=MAX_SQL_TIMEOUT_MS).contains(&timeout_ms) {
+        return Err(RuntimeError::InvalidOption {
+            message: format!("timeoutMs must be 1..={MAX_SQL_TIMEOUT_MS}"),
+        });
+    }
+    // A stopped workspace's service comes back first (its box is restored on the way).
+    start_one(rt, caller, &ws, kind).await?;
+    let outcome = run_script(
+        rt,
+        caller,
+        &ws.sandbox_id,
+        vec![
+            "python3".into(),
+            "-c".into(),
+            SQL_PY.into(),
+            kind.name().into(),
+            query.into(),
+            MAX_ROWS.to_string(),
+            timeout_ms.to_string(),
+        ],
+        timeout_ms + 15_000,
+    )
+    .await?;
+    let text = String::from_utf8_lossy(&outcome.result.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or("");
+    let value: serde_json::Value = serde_json::from_str(line).map_err(|_| {
+        RuntimeError::internal(format!(
+            "run_sql got no answer from the driver ({}): {}",
+            outcome.status(),
+            said(&outcome)
+        ))
+    })?;
+    if let Some(error) = value.get("error").and_then(|e| e.as_str()) {
+        return Err(RuntimeError::InvalidOption {
+            message: format!("{}: {error}", kind.name()),
+        });
+    }
+    serde_json::from_value(value)
+        .map_err(|e| RuntimeError::internal(format!("run_sql's answer: {e}")))
+}

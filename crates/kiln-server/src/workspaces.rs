@@ -1,0 +1,209 @@
+//! Workspaces (`kiln_runtime::workspaces`): `POST`/`GET /api/v1/workspaces`, `GET`/`DELETE
+//! /api/v1/workspaces/{workspace}`, `POST …/start`, `…/stop`, `…/services`, `…/sql`. A
+//! workspace's files, history, processes, terminals and previews are its sandbox's
+//! (`/api/v1/sandboxes/{sandboxId}/…`).
+
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use kiln_runtime::workspaces::{NewWorkspace, Service, SqlResult, WorkspaceInfo};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::v1::{Shared, path_error};
+
+fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    body.map(|Json(b)| b)
+        .map_err(|e| ApiError::bad_request("INVALID_REQUEST", e.body_text()))
+}
+
+/// Make a workspace: a long-lived Linux sandbox of its template (default `linux-services`)
+/// with its services started.
+#[utoipa::path(post, path = "/api/v1/workspaces", tag = "v1 workspaces",
+    request_body = NewWorkspace,
+    responses(
+        (status = 201, description = "Made, its services running", body = WorkspaceInfo),
+        (status = 400, description = "A bad name, an unknown service or template, or a service that did not start (its log's tail)", body = ErrorBody),
+    ))]
+pub async fn create(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    new: Result<Json<NewWorkspace>, JsonRejection>,
+) -> Result<(StatusCode, Json<WorkspaceInfo>), ApiError> {
+    let new = body(new)?;
+    let made = kiln_runtime::workspaces::create(&state.runtime, &caller, new).await?;
+    Ok((StatusCode::CREATED, Json(made)))
+}
+
+/// The tenant's workspaces.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WorkspaceList {
+    pub workspaces: Vec<WorkspaceInfo>,
+}
+
+/// List the tenant's workspaces, oldest first.
+#[utoipa::path(get, path = "/api/v1/workspaces", tag = "v1 workspaces",
+    responses((status = 200, description = "Its workspaces", body = WorkspaceList)))]
+pub async fn list(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+) -> Json<WorkspaceList> {
+    Json(WorkspaceList {
+        workspaces: state.runtime.registry.workspaces.list(&caller.tenant),
+    })
+}
+
+/// One workspace, by id or name.
+#[utoipa::path(get, path = "/api/v1/workspaces/{workspace}", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id (`ws_…`) or name")),
+    responses(
+        (status = 200, description = "The workspace", body = WorkspaceInfo),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn get(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+) -> Result<Json<WorkspaceInfo>, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    Ok(Json(
+        state
+            .runtime
+            .registry
+            .workspaces
+            .get(&caller.tenant, &which)?,
+    ))
+}
+
+/// Delete a workspace with its sandbox: its files, history and service data.
+#[utoipa::path(delete, path = "/api/v1/workspaces/{workspace}", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn delete(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+) -> Result<StatusCode, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    kiln_runtime::workspaces::delete(&state.runtime, &caller, &which).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Start a workspace: its box (restored if it was stopped) and every service of it.
+#[utoipa::path(post, path = "/api/v1/workspaces/{workspace}/start", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name")),
+    responses(
+        (status = 200, description = "Running", body = WorkspaceInfo),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn start(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+) -> Result<Json<WorkspaceInfo>, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    Ok(Json(
+        kiln_runtime::workspaces::start(&state.runtime, &caller, &which).await?,
+    ))
+}
+
+/// Stop a workspace: its services shut down cleanly, its box hibernated; files, history and
+/// service data are kept.
+#[utoipa::path(post, path = "/api/v1/workspaces/{workspace}/stop", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name")),
+    responses(
+        (status = 200, description = "Stopped", body = WorkspaceInfo),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn stop(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+) -> Result<Json<WorkspaceInfo>, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    Ok(Json(
+        kiln_runtime::workspaces::stop(&state.runtime, &caller, &which).await?,
+    ))
+}
+
+/// A service to add.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewService {
+    /// `postgres`, `redis`, `mysql` or `nginx`.
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+/// Add a service to a workspace (started now, and with the workspace from then on): how a
+/// client in the workspace reaches it.
+#[utoipa::path(post, path = "/api/v1/workspaces/{workspace}/services", tag = "v1 workspaces",
+    request_body = NewService,
+    params(("workspace" = String, Path, description = "Its id or name")),
+    responses(
+        (status = 201, description = "Running", body = Service),
+        (status = 400, description = "An unknown service, or one that did not start (its log's tail)", body = ErrorBody),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn add_service(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+    new: Result<Json<NewService>, JsonRejection>,
+) -> Result<(StatusCode, Json<Service>), ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    let new = body(new)?;
+    let kind = kiln_runtime::workspaces::ServiceKind::parse(&new.kind)?;
+    let service =
+        kiln_runtime::workspaces::add_service(&state.runtime, &caller, &which, kind).await?;
+    Ok((StatusCode::CREATED, Json(service)))
+}
+
+/// One SQL statement to run.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct SqlRequest {
+    pub query: String,
+    /// `postgres` or `mysql` (default: the workspace's first of them).
+    pub service: Option<String>,
+    /// Default 10 000, at most 60 000.
+    pub timeout_ms: Option<u64>,
+}
+
+/// Run one SQL statement against a workspace's postgres or mysql: its rows as JSON (at most
+/// 1000), bounded in time. A statement the database refuses, or one past its time, is a 400
+/// with the database's words.
+#[utoipa::path(post, path = "/api/v1/workspaces/{workspace}/sql", tag = "v1 workspaces",
+    request_body = SqlRequest,
+    params(("workspace" = String, Path, description = "Its id or name")),
+    responses(
+        (status = 200, description = "Its rows", body = SqlResult),
+        (status = 400, description = "A bad statement, no such service, or past its time", body = ErrorBody),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn sql(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+    asked: Result<Json<SqlRequest>, JsonRejection>,
+) -> Result<Json<SqlResult>, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    let asked = body(asked)?;
+    Ok(Json(
+        kiln_runtime::workspaces::run_sql(
+            &state.runtime,
+            &caller,
+            &which,
+            asked.service.as_deref(),
+            &asked.query,
+            asked.timeout_ms,
+        )
+        .await?,
+    ))
+}

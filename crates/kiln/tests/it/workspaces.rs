@@ -1,0 +1,231 @@
+//! Issue 35, first part: workspaces through /api/v1 against a real `kiln serve --linux`:
+//! a workspace with real PostgreSQL and Redis from Debian's packages, `run_sql` answering
+//! rows as JSON, bounded in time and refusing bad statements, the services' names
+//! resolving inside the box, stop (services shut down, box hibernated) and start again with
+//! the data kept, and the refusals (an unknown service, MongoDB with its reason, another
+//! tenant, a bad name). Needs root, runc and the services template.
+
+use serde_json::{Value, json};
+
+use crate::common::serve::{self, Options, Server, TestResult};
+
+fn skip() -> bool {
+    crate::common::skip_linux()
+}
+
+fn sql(server: &Server, ws: &str, body: Value) -> (u16, Value) {
+    server
+        .call("POST", &format!("/api/v1/workspaces/{ws}/sql"), Some(body))
+        .unwrap()
+}
+
+#[test]
+fn issue35_a_workspace_runs_postgres_and_redis_answers_sql_and_keeps_its_data_over_stop_and_start()
+-> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let data = tempfile::tempdir()?;
+    let server = serve::start(Options {
+        auth: true,
+        data: Some(data.path()),
+        extra: &["--linux"],
+        ..Default::default()
+    })?;
+    let (status, ws) = server.call(
+        "POST",
+        "/api/v1/workspaces",
+        Some(json!({"name": "shop", "services": ["postgres", "redis"]})),
+    )?;
+    assert_eq!(status, 201, "{ws}");
+    assert_eq!(ws["template"], "linux-services", "{ws}");
+    assert_eq!(ws["state"], "running", "{ws}");
+    let services = ws["services"].as_array().ok_or("no services")?;
+    assert_eq!(services.len(), 2, "{ws}");
+    assert_eq!(services[0]["type"], "postgres");
+    assert_eq!(services[0]["host"], "postgres.workspace.internal");
+    assert_eq!(services[0]["port"], 5432);
+    assert_eq!(
+        services[0]["connectionString"],
+        "postgresql://postgres@postgres.workspace.internal:5432/postgres"
+    );
+    let id = ws["id"].as_str().ok_or("no id")?.to_string();
+    let sandbox = ws["sandboxId"].as_str().ok_or("no sandbox")?.to_string();
+
+    let (status, made) = sql(
+        &server,
+        &id,
+        json!({"query": "create table items (id serial primary key, name text not null, price numeric(8,2))"}),
+    );
+    assert_eq!(status, 200, "{made}");
+    let (status, inserted) = sql(
+        &server,
+        "shop",
+        json!({"query": "insert into items (name, price) values ('tea', 3.50), ('cake', 4.25), (NULL, 1)"}),
+    );
+    assert_eq!(
+        status, 400,
+        "a NOT NULL violation is the database's refusal: {inserted}"
+    );
+    assert!(
+        inserted["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("null value"),
+        "{inserted}"
+    );
+    let (status, inserted) = sql(
+        &server,
+        "shop",
+        json!({"query": "insert into items (name, price) values ('tea', 3.50), ('cake', 4.25)"}),
+    );
+    assert_eq!(
+        (status, inserted["rowcount"].as_i64()),
+        (200, Some(2)),
+        "{inserted}"
+    );
+    let (status, rows) = sql(
+        &server,
+        &id,
+        json!({"query": "select name, price, price > 4 as dear from items order by id"}),
+    );
+    assert_eq!(status, 200, "{rows}");
+    assert_eq!(rows["columns"], json!(["name", "price", "dear"]), "{rows}");
+    assert_eq!(
+        rows["rows"],
+        json!([{"name": "tea", "price": "3.50", "dear": false}, {"name": "cake", "price": "4.25", "dear": true}]),
+        "{rows}"
+    );
+    // Bounded: at most 1000 rows, the rest said.
+    let (status, many) = sql(
+        &server,
+        &id,
+        json!({"query": "select generate_series(1, 5000) as n"}),
+    );
+    assert_eq!(status, 200);
+    assert_eq!(many["rows"].as_array().map(Vec::len), Some(1000));
+    assert_eq!(many["truncated"], true);
+    // Bounded in time: a statement past its time is cancelled, said in the database's words.
+    let started = std::time::Instant::now();
+    let (status, slow) = sql(
+        &server,
+        &id,
+        json!({"query": "select pg_sleep(30)", "timeoutMs": 500}),
+    );
+    assert_eq!(status, 400, "{slow}");
+    assert!(
+        slow["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("statement timeout"),
+        "{slow}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    // Bad requests.
+    for (body, why) in [
+        (json!({"query": ""}), "empty"),
+        (json!({"query": "select 1", "timeoutMs": 0}), "no time"),
+        (json!({"query": "select 1", "service": "redis"}), "no SQL"),
+        (
+            json!({"query": "select 1", "service": "mysql"}),
+            "not a service of it",
+        ),
+        (json!({"query": "select 1", "extra": 1}), "unknown field"),
+    ] {
+        let (status, refused) = sql(&server, &id, body);
+        assert_eq!(status, 400, "{why}: {refused}");
+    }
+
+    // Inside the box, the services answer by name.
+    let (status, ran) = server.exec(
+        &sandbox,
+        json!({"command": ["bash", "-c",
+            "redis-cli -h redis.workspace.internal set k kept && psql -X -At -h postgres.workspace.internal -U postgres -c 'select count(*) from items'"]}),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(ran["stdout"], "OK\n2\n", "{ran}");
+
+    // Stop: services shut down cleanly, the box hibernated; start: back with the data.
+    let (status, stopped) = server.call("POST", &format!("/api/v1/workspaces/{id}/stop"), None)?;
+    assert_eq!(
+        (status, stopped["state"].as_str()),
+        (200, Some("stopped")),
+        "{stopped}"
+    );
+    let (_, info) = server.call("GET", &format!("/api/v1/sandboxes/{sandbox}"), None)?;
+    assert_eq!(info["state"], "hibernated", "{info}");
+    let (status, started) = server.call("POST", &format!("/api/v1/workspaces/{id}/start"), None)?;
+    assert_eq!(
+        (status, started["state"].as_str()),
+        (200, Some("running")),
+        "{started}"
+    );
+    let (status, rows) = sql(
+        &server,
+        &id,
+        json!({"query": "select name from items order by id"}),
+    );
+    assert_eq!(status, 200, "{rows}");
+    assert_eq!(
+        rows["rows"],
+        json!([{"name": "tea"}, {"name": "cake"}]),
+        "{rows}"
+    );
+    let (_, ran) = server.exec(
+        &sandbox,
+        json!({"command": ["redis-cli", "-h", "redis.workspace.internal", "get", "k"]}),
+    )?;
+    assert_eq!(ran["stdout"], "kept\n", "{ran}");
+
+    // Refusals.
+    for (body, status_wanted, says) in [
+        (
+            json!({"type": "mongodb"}),
+            400,
+            "Debian does not package MongoDB",
+        ),
+        (json!({"type": "oracle"}), 400, "not a service"),
+    ] {
+        let (status, refused) = server.call(
+            "POST",
+            &format!("/api/v1/workspaces/{id}/services"),
+            Some(body),
+        )?;
+        assert_eq!(status, status_wanted, "{refused}");
+        assert!(
+            refused["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains(says),
+            "{refused}"
+        );
+    }
+    for body in [
+        json!({"name": "shop"}),
+        json!({"name": "bad name/"}),
+        json!({"name": "x", "services": ["oracle"]}),
+        json!({"name": "y", "template": "python"}),
+    ] {
+        let (status, refused) = server.call("POST", "/api/v1/workspaces", Some(body.clone()))?;
+        assert_eq!(status, 400, "{body}: {refused}");
+    }
+    let other = serve::create_key(&server.data, None)?;
+    for path in [
+        format!("/api/v1/workspaces/{id}"),
+        "/api/v1/workspaces/shop".into(),
+    ] {
+        let (status, _) = server.call_as(Some(&other), "GET", &path, None)?;
+        assert_eq!(status, 404, "another tenant saw {path}");
+    }
+    let (_, listed) = server.call_as(Some(&other), "GET", "/api/v1/workspaces", None)?;
+    assert_eq!(listed["workspaces"], json!([]), "{listed}");
+
+    // Deleted, with its sandbox.
+    let (status, _) = server.call("DELETE", "/api/v1/workspaces/shop", None)?;
+    assert_eq!(status, 204);
+    let (status, _) = server.call("GET", &format!("/api/v1/sandboxes/{sandbox}"), None)?;
+    assert_eq!(status, 404);
+    let (status, _) = server.call("GET", &format!("/api/v1/workspaces/{id}"), None)?;
+    assert_eq!(status, 404);
+    Ok(())
+}
