@@ -34,6 +34,8 @@ EXPECTED_TOOLS = {
     "sandbox_hibernate", "sandbox_terminal", "sandbox_preview_link", "sandbox_set_network",
     "secret_set", "secret_list", "secret_delete", "volume_create", "volume_list", "volume_delete",
     "sandbox_snapshot", "sandbox_fork",
+    "workspace_create", "workspace_list", "workspace_start", "workspace_stop", "workspace_delete",
+    "add_service", "run_sql",
 }
 
 
@@ -313,10 +315,36 @@ async def linux_boxes():
                 result = await client.call_tool("sandbox_terminal", {"sandbox_id": wasm})
                 check(result.is_error and data(result)["error"]["code"] == "UNSUPPORTED", f"a wasm terminal: {text(result)}")
                 await issue37_tools(client)
+                await issue35_tools(client)
         finally:
             server.terminate()
             server.wait(timeout=30)
     print("mcp-check: Linux box tools ok")
+
+
+async def issue35_tools(client):
+    """A workspace with postgres, as an agent uses it: add a service, run SQL, stop, start."""
+    ws = data(await client.call_tool("workspace_create", {"name": "mcp-ws", "services": ["postgres"]}))
+    check(ws["services"][0]["host"] == "postgres.workspace.internal", f"workspace_create: {ws}")
+    made = data(await client.call_tool("run_sql", {"workspace": "mcp-ws", "query": "create table t (n int)"}))
+    check(made["columns"] == [], f"run_sql create: {made}")
+    data(await client.call_tool("run_sql", {"workspace": "mcp-ws", "query": "insert into t values (7)"}))
+    bad = await client.call_tool("run_sql", {"workspace": "mcp-ws", "query": "select nope from t"})
+    check(bad.is_error and "nope" in text(bad), f"a refused statement: {text(bad)}")
+    redis = data(await client.call_tool("add_service", {"workspace": "mcp-ws", "service_type": "redis"}))
+    check(redis["port"] == 6379, f"add_service: {redis}")
+    mongo = await client.call_tool("add_service", {"workspace": "mcp-ws", "service_type": "mongodb"})
+    check(mongo.is_error and "MongoDB" in text(mongo), f"mongodb: {text(mongo)}")
+    stopped = data(await client.call_tool("workspace_stop", {"workspace": "mcp-ws"}))
+    check(stopped["state"] == "stopped", f"workspace_stop: {stopped}")
+    started = data(await client.call_tool("workspace_start", {"workspace": "mcp-ws"}))
+    check(started["state"] == "running", f"workspace_start: {started}")
+    rows = data(await client.call_tool("run_sql", {"workspace": "mcp-ws", "query": "select n from t"}))
+    check(rows["rows"] == [{"n": 7}], f"run_sql after a restart: {rows}")
+    listed = data(await client.call_tool("workspace_list", {}))
+    check([w["name"] for w in listed["workspaces"]] == ["mcp-ws"], f"workspace_list: {listed}")
+    data(await client.call_tool("workspace_delete", {"workspace": "mcp-ws"}))
+    print("mcp-check: workspaces, services and run_sql ok")
 
 
 async def issue37_tools(client):

@@ -93,6 +93,49 @@ pub struct ForkOf {
     pub processes: Option<bool>,
 }
 
+/// Make a workspace.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct WorkspaceCreate {
+    /// 1..=64 of `A-Z a-z 0-9 _ . -`, unique among the tenant's workspaces.
+    pub name: String,
+    /// Services to start with it: postgres, redis, mysql, nginx.
+    #[serde(default)]
+    pub services: Vec<String>,
+    /// A Linux template (default linux-services).
+    #[serde(default)]
+    pub template: Option<String>,
+}
+
+/// Name a workspace.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct WorkspaceOf {
+    /// Its name or id.
+    pub workspace: String,
+}
+
+/// Add a service to a workspace.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ServiceAdd {
+    /// The workspace's name or id.
+    pub workspace: String,
+    /// postgres, redis, mysql or nginx.
+    pub service_type: String,
+}
+
+/// One SQL statement for a workspace's database.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SqlRun {
+    /// The workspace's name or id.
+    pub workspace: String,
+    pub query: String,
+    /// postgres or mysql (default: the workspace's first of them).
+    #[serde(default)]
+    pub service: Option<String>,
+    /// Milliseconds, 1..=60000 (default 10000).
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
 /// Make a named volume.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct VolumeCreate {
@@ -1011,6 +1054,119 @@ impl KilnMcp {
                 .collect();
             answer(json!({ "forks": list }), false)
         }))
+    }
+
+    #[tool(
+        description = "Make a workspace: a long-lived Linux sandbox with services (postgres, redis, mysql, nginx) started in it. Returns its id, its sandbox_id (for run_bash, write_file, read_file, list_files) and each service's host, port and connection string."
+    )]
+    async fn workspace_create(
+        &self,
+        Parameters(input): Parameters<WorkspaceCreate>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let made = kiln_runtime::workspaces::create(
+            &self.runtime,
+            &caller,
+            kiln_runtime::workspaces::NewWorkspace {
+                name: input.name,
+                template: input.template,
+                services: input.services,
+            },
+        )
+        .await;
+        Ok(reply(made, |ws| answer(json!(ws), false)))
+    }
+
+    #[tool(description = "List the tenant's workspaces, with their services and state.")]
+    async fn workspace_list(
+        &self,
+        Parameters(_input): Parameters<Nothing>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let all = self.runtime.registry.workspaces.list(&caller.tenant);
+        Ok(answer(json!({ "workspaces": all }), false))
+    }
+
+    #[tool(
+        description = "Start a workspace: its box and every service of it (the data they kept is there)."
+    )]
+    async fn workspace_start(
+        &self,
+        Parameters(input): Parameters<WorkspaceOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let started =
+            kiln_runtime::workspaces::start(&self.runtime, &caller, &input.workspace).await;
+        Ok(reply(started, |ws| answer(json!(ws), false)))
+    }
+
+    #[tool(
+        description = "Stop a workspace: its services shut down cleanly and its box sleeps; files, history and service data are kept."
+    )]
+    async fn workspace_stop(
+        &self,
+        Parameters(input): Parameters<WorkspaceOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let stopped =
+            kiln_runtime::workspaces::stop(&self.runtime, &caller, &input.workspace).await;
+        Ok(reply(stopped, |ws| answer(json!(ws), false)))
+    }
+
+    #[tool(description = "Delete a workspace with its files, history and service data.")]
+    async fn workspace_delete(
+        &self,
+        Parameters(input): Parameters<WorkspaceOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let deleted =
+            kiln_runtime::workspaces::delete(&self.runtime, &caller, &input.workspace).await;
+        Ok(reply(deleted, |()| answer(json!({ "deleted": true }), false)))
+    }
+
+    #[tool(
+        description = "Add a service to a workspace (postgres, redis, mysql, nginx), started now and with the workspace from then on. Returns its host, port and connection string (reachable from inside the workspace)."
+    )]
+    async fn add_service(
+        &self,
+        Parameters(input): Parameters<ServiceAdd>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let added = match kiln_runtime::workspaces::ServiceKind::parse(&input.service_type) {
+            Ok(kind) => {
+                kiln_runtime::workspaces::add_service(&self.runtime, &caller, &input.workspace, kind)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        Ok(reply(added, |service| answer(json!(service), false)))
+    }
+
+    #[tool(
+        description = "Run one SQL statement against a workspace's postgres or mysql. Returns columns and rows as JSON (at most 1000 rows), bounded in time; a statement the database refuses is an error in its words."
+    )]
+    async fn run_sql(
+        &self,
+        Parameters(input): Parameters<SqlRun>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let ran = kiln_runtime::workspaces::run_sql(
+            &self.runtime,
+            &caller,
+            &input.workspace,
+            input.service.as_deref(),
+            &input.query,
+            input.timeout_ms,
+        )
+        .await;
+        Ok(reply(ran, |rows| answer(json!(rows), false)))
     }
 
     #[tool(

@@ -229,3 +229,62 @@ fn issue35_a_workspace_runs_postgres_and_redis_answers_sql_and_keeps_its_data_ov
     assert_eq!(status, 404);
     Ok(())
 }
+
+/// MariaDB (`mysql`) answers `run_sql` as postgres does; nginx serves the workspace's files
+/// on 8080, by name inside the box and through kiln's preview of the sandbox.
+#[test]
+fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let server = serve::start(Options {
+        auth: true,
+        extra: &["--linux"],
+        ..Default::default()
+    })?;
+    let (status, ws) = server.call(
+        "POST",
+        "/api/v1/workspaces",
+        Some(json!({"name": "site", "services": ["mysql", "nginx"]})),
+    )?;
+    assert_eq!(status, 201, "{ws}");
+    let id = ws["id"].as_str().ok_or("no id")?.to_string();
+    let sandbox = ws["sandboxId"].as_str().ok_or("no sandbox")?.to_string();
+    let (status, _) = sql(
+        &server,
+        &id,
+        json!({"query": "create database shop"}),
+    );
+    assert_eq!(status, 200);
+    let (status, made) = sql(
+        &server,
+        &id,
+        json!({"query": "create table shop.t (n int primary key, s varchar(10))"}),
+    );
+    assert_eq!(status, 200, "{made}");
+    let (status, _) = sql(&server, &id, json!({"query": "insert into shop.t values (1, 'one'), (2, NULL)"}));
+    assert_eq!(status, 200);
+    let (status, rows) = sql(
+        &server,
+        &id,
+        json!({"query": "select n, s from shop.t order by n", "service": "mysql"}),
+    );
+    assert_eq!(status, 200, "{rows}");
+    assert_eq!(rows["rows"], json!([{"n": 1, "s": "one"}, {"n": 2, "s": null}]), "{rows}");
+    let (status, refused) = sql(&server, &id, json!({"query": "select * from nowhere"}));
+    assert_eq!(status, 400, "{refused}");
+    assert!(
+        refused["error"]["message"].as_str().unwrap_or("").starts_with("mysql: "),
+        "{refused}"
+    );
+
+    // nginx serves the workspace.
+    let (status, ran) = server.exec(
+        &sandbox,
+        json!({"command": ["bash", "-c", "echo '<h1>hello</h1>' > index.html && curl -s http://nginx.workspace.internal:8080/"]}),
+    )?;
+    assert_eq!((status, ran["stdout"].as_str()), (200, Some("<h1>hello</h1>\n")), "{ran}");
+    let page = serve::preview_body(&server, &sandbox, 8080)?;
+    assert_eq!(page, "<h1>hello</h1>\n");
+    Ok(())
+}
