@@ -119,6 +119,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         crate::bench_interactive::run(n, &mut report)?;
     }
     // Snapshots and forks of a Linux sandbox: likewise.
+    if named(&args, "workspaces") {
+        crate::bench_workspaces::run(n, &mut report)?;
+    }
     if named(&args, "snapshots") {
         crate::bench_snapshots::run(n, &mut report)?;
     }

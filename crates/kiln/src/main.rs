@@ -13,6 +13,7 @@ mod bench_native;
 mod bench_rest;
 mod bench_runner;
 mod bench_snapshots;
+mod bench_workspaces;
 mod bench_warm;
 mod cli;
 mod config;
