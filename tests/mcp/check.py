@@ -35,7 +35,7 @@ EXPECTED_TOOLS = {
     "secret_set", "secret_list", "secret_delete", "volume_create", "volume_list", "volume_delete",
     "sandbox_snapshot", "sandbox_fork",
     "workspace_create", "workspace_list", "workspace_start", "workspace_stop", "workspace_delete",
-    "add_service", "run_sql",
+    "add_service", "run_sql", "enable_preview",
 }
 
 
@@ -341,6 +341,8 @@ async def issue35_tools(client):
     check(started["state"] == "running", f"workspace_start: {started}")
     rows = data(await client.call_tool("run_sql", {"workspace": "mcp-ws", "query": "select n from t"}))
     check(rows["rows"] == [{"n": 7}], f"run_sql after a restart: {rows}")
+    shown = data(await client.call_tool("enable_preview", {"workspace": "mcp-ws", "preview_type": "static"}))
+    check(shown["url"].startswith("/preview/") and shown["preview"]["port"] == 8080, f"enable_preview: {shown}")
     listed = data(await client.call_tool("workspace_list", {}))
     check([w["name"] for w in listed["workspaces"]] == ["mcp-ws"], f"workspace_list: {listed}")
     data(await client.call_tool("workspace_delete", {"workspace": "mcp-ws"}))

@@ -148,9 +148,12 @@ events { worker_connections 256; }
 http { include /etc/nginx/mime.types; access_log $d/access.log;
   client_body_temp_path $d/tmp; proxy_temp_path $d/tmp; fastcgi_temp_path $d/tmp;
   uwsgi_temp_path $d/tmp; scgi_temp_path $d/tmp;
-  server { listen 127.0.0.1:8080; root $PWD; index index.html; } }
+  server { listen 127.0.0.1:8080; root $PWD/${KILN_NGINX_ROOT:-}; index index.html; } }
 CONF
-[ -s "$d/nginx.pid" ] && kill -0 "$(cat "$d/nginx.pid")" 2>/dev/null && exit 0
+if [ -s "$d/nginx.pid" ] && kill -0 "$(cat "$d/nginx.pid")" 2>/dev/null; then
+  nginx -c "$d/nginx.conf" -e "$d/error.log" -s reload 2>>"$d/error.log" || { tail -n 20 "$d/error.log"; exit 1; }
+  exit 0
+fi
 nginx -c "$d/nginx.conf" -e "$d/error.log" 2>>"$d/error.log" || { tail -n 20 "$d/error.log"; exit 1; }"#
             }
         }
@@ -209,6 +212,12 @@ pub struct WorkspaceInfo {
     /// the sandbox's (`/api/v1/sandboxes/{sandboxId}/…`).
     pub sandbox_id: String,
     pub services: Vec<Service>,
+    /// Its previews are open to anyone (no key, no link).
+    #[serde(default)]
+    pub public_preview: bool,
+    /// What its preview shows, once enabled ([`enable_preview`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preview: Option<Preview>,
     /// `running` or `stopped`.
     pub state: String,
     pub created_at: String,
@@ -326,6 +335,9 @@ pub struct NewWorkspace {
     /// Services to start with it: `postgres`, `redis`, `mysql`, `nginx`.
     #[serde(default)]
     pub services: Vec<String>,
+    /// Its previews open to anyone, with no key or link (seed 002's `public_preview`).
+    #[serde(default)]
+    pub public_preview: bool,
 }
 
 fn services_of(names: &[String]) -> Result<Vec<ServiceKind>> {
@@ -389,7 +401,8 @@ pub async fn create(
     }
     let image =
         crate::sandbox::SandboxSpec::named_image(catalogue, None, Some(&template), "python")?;
-    let spec = crate::sandbox::SandboxSpec::resolve(catalogue, &image, None, None)?;
+    let spec = crate::sandbox::SandboxSpec::resolve(catalogue, &image, None, None)?
+        .with_public_previews(catalogue, new.public_preview)?;
     let sandbox = crate::exec::create_sandbox(rt, caller, spec).await?;
     let stored = Stored {
         info: WorkspaceInfo {
@@ -399,6 +412,8 @@ pub async fn create(
             template,
             sandbox_id: sandbox.id.clone(),
             services: Vec::new(),
+            public_preview: new.public_preview,
+            preview: None,
             state: "running".into(),
             created_at: rfc3339(now_ms()),
         },
@@ -425,6 +440,7 @@ async fn run_script(
     sandbox: &str,
     argv: Vec<String>,
     timeout_ms: u64,
+    env: std::collections::BTreeMap<String, String>,
 ) -> Result<crate::exec::RunOutcome> {
     let spec = crate::exec::prepare(
         rt,
@@ -433,6 +449,7 @@ async fn run_script(
         crate::exec::CodeExec {
             command: Some(argv),
             timeout_ms: Some(timeout_ms),
+            env,
             ..Default::default()
         },
     )?;
@@ -477,12 +494,22 @@ async fn start_one(
     ws: &WorkspaceInfo,
     kind: ServiceKind,
 ) -> Result<()> {
+    let mut env = std::collections::BTreeMap::new();
+    if kind == ServiceKind::Nginx
+        && let Some(preview) = ws
+            .preview
+            .as_ref()
+            .filter(|p| p.kind == PreviewKind::Static)
+    {
+        env.insert("KILN_NGINX_ROOT".to_string(), preview.root_path.clone());
+    }
     let outcome = run_script(
         rt,
         caller,
         &ws.sandbox_id,
         vec!["bash".into(), "-c".into(), kind.start_script().into()],
         90_000,
+        env,
     )
     .await?;
     if outcome.result.success() {
@@ -496,6 +523,88 @@ async fn start_one(
             said(&outcome)
         ),
     })
+}
+
+/// What a workspace's preview shows (seed 002's `PreviewConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum PreviewKind {
+    /// The workspace's files (a folder of it), served by its nginx on 8080.
+    Static,
+    /// A server the workspace runs, on a port of its own.
+    Proxy,
+}
+
+/// A workspace's preview: what it shows and on which port of the box.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Preview {
+    #[serde(rename = "type")]
+    pub kind: PreviewKind,
+    pub port: u16,
+    /// The folder of the workspace served (`static`), relative to it; empty: all of it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub root_path: String,
+}
+
+/// Enables workspace `which`'s preview: `static` serves `root_path` (a folder of the
+/// workspace, default all of it) with its nginx (added as a service if it has none) on
+/// 8080; `proxy` shows what its own server answers on `port`. Answers the workspace; the
+/// caller makes the link (`/preview/{sandboxId}/{port}/`).
+pub async fn enable_preview(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    which: &str,
+    kind: &str,
+    root_path: Option<&str>,
+    port: Option<u16>,
+) -> Result<WorkspaceInfo> {
+    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let preview = match kind {
+        "static" => {
+            if port.is_some_and(|p| p != ServiceKind::Nginx.port()) {
+                return Err(RuntimeError::InvalidOption {
+                    message: "a static preview is served on 8080 by the workspace's nginx; give a port with a proxy preview".into(),
+                });
+            }
+            let root = root_path.unwrap_or("/").trim_matches('/');
+            let root_path = if root.is_empty() {
+                String::new()
+            } else {
+                crate::sandbox::workspace_path(root)?.to_string()
+            };
+            Preview {
+                kind: PreviewKind::Static,
+                port: ServiceKind::Nginx.port(),
+                root_path,
+            }
+        }
+        "proxy" => {
+            let Some(port) = port.filter(|p| *p > 0) else {
+                return Err(RuntimeError::InvalidOption {
+                    message: "a proxy preview needs the port the workspace's server listens on (1..=65535)".into(),
+                });
+            };
+            Preview {
+                kind: PreviewKind::Proxy,
+                port,
+                root_path: String::new(),
+            }
+        }
+        other => {
+            return Err(RuntimeError::InvalidOption {
+                message: format!("{other:?} is not a preview type: static or proxy"),
+            });
+        }
+    };
+    let ws = rt
+        .registry
+        .workspaces
+        .update(&caller.tenant, &ws.id, |w| w.preview = Some(preview.clone()))?;
+    if preview.kind == PreviewKind::Static {
+        add_service(rt, caller, &ws.id, ServiceKind::Nginx).await?;
+    }
+    rt.registry.workspaces.get(&caller.tenant, &ws.id)
 }
 
 /// Starts workspace `which`: its box (restored if hibernated) and every service of it.
@@ -521,6 +630,7 @@ pub async fn stop(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<Wor
             &ws.sandbox_id,
             vec!["bash".into(), "-c".into(), script.join("\n")],
             60_000,
+            Default::default(),
         )
         .await?;
     }
@@ -665,6 +775,7 @@ pub async fn run_sql(
             timeout_ms.to_string(),
         ],
         timeout_ms + 15_000,
+        Default::default(),
     )
     .await?;
     let text = String::from_utf8_lossy(&outcome.result.stdout);

@@ -141,6 +141,29 @@ pub struct AgentInput {
     pub output_schema: Option<Value>,
     /// Continue in this sandbox; a new one otherwise.
     pub sandbox: Option<String>,
+    /// Work in this workspace (its sandbox is `sandbox`): the workspace tools are offered.
+    pub workspace: Option<String>,
+}
+
+/// The tools of a run in a workspace (seed 002's): services, SQL and the preview.
+pub fn workspace_tools() -> Vec<ToolSpec> {
+    vec![
+        ToolSpec {
+            name: "add_service".into(),
+            description: "Add a service to the workspace (postgres, redis, mysql, nginx), started now and with the workspace from then on. Returns its host, port and connection string, reachable from code in the workspace.".into(),
+            parameters: json!({"type": "object", "properties": {"service_type": {"type": "string", "enum": ["postgres", "redis", "mysql", "nginx"]}}, "required": ["service_type"]}),
+        },
+        ToolSpec {
+            name: "run_sql".into(),
+            description: "Run one SQL statement against the workspace's postgres or mysql. Returns columns and rows as JSON (at most 1000 rows); a statement the database refuses comes back as an error in its words.".into(),
+            parameters: json!({"type": "object", "properties": {"query": {"type": "string"}, "service": {"type": "string", "enum": ["postgres", "mysql"]}}, "required": ["query"]}),
+        },
+        ToolSpec {
+            name: "enable_preview".into(),
+            description: "Enable the workspace's preview: static serves its files (or the folder root_path) with nginx, proxy shows what a server of the workspace answers on port. Returns a URL that works without a key for an hour.".into(),
+            parameters: json!({"type": "object", "properties": {"preview_type": {"type": "string", "enum": ["static", "proxy"]}, "root_path": {"type": "string"}, "port": {"type": "integer", "minimum": 1, "maximum": 65535}}, "required": ["preview_type"]}),
+        },
+    ]
 }
 
 /// The languages `execute_code` offers on this server: those some template runs (go and
@@ -220,6 +243,8 @@ struct Run<'a> {
     state: &'a Arc<AppState>,
     caller: &'a Caller,
     sandbox: String,
+    /// The workspace the run works in, if any (its tools are offered).
+    workspace: Option<String>,
     /// Sessions by language, each in the sandbox that runs its language.
     sessions: BTreeMap<&'static str, String>,
     /// Sandboxes of this run for languages the run's sandbox's template does not speak
@@ -451,6 +476,67 @@ impl Run<'_> {
         }
     }
 
+    /// `add_service`, `run_sql` and `enable_preview`, in the run's workspace.
+    async fn workspace_tool(&mut self, call: &ToolCall) -> (String, bool) {
+        let Some(workspace) = self.workspace.clone() else {
+            return tool_error("this run has no workspace");
+        };
+        let text = |name: &str| call.arguments.get(name).and_then(Value::as_str);
+        let rt = &self.state.runtime;
+        let answered: Result<Value, String> = match call.name.as_str() {
+            "add_service" => match text("service_type") {
+                None => Err("add_service needs {\"service_type\": \"postgres\"}".into()),
+                Some(name) => match kiln_runtime::workspaces::ServiceKind::parse(name) {
+                    Err(e) => Err(error_text(&e)),
+                    Ok(kind) => kiln_runtime::workspaces::add_service(rt, self.caller, &workspace, kind)
+                        .await
+                        .map(|s| json!(s))
+                        .map_err(|e| error_text(&e)),
+                },
+            },
+            "run_sql" => match text("query") {
+                None => Err("run_sql needs {\"query\": \"select ...\"}".into()),
+                Some(query) => kiln_runtime::workspaces::run_sql(
+                    rt,
+                    self.caller,
+                    &workspace,
+                    text("service"),
+                    query,
+                    None,
+                )
+                .await
+                .map(|rows| json!(rows))
+                .map_err(|e| error_text(&e)),
+            },
+            _ => match text("preview_type") {
+                None => Err("enable_preview needs {\"preview_type\": \"static\"}".into()),
+                Some(kind) => {
+                    let port = call
+                        .arguments
+                        .get("port")
+                        .and_then(Value::as_u64)
+                        .and_then(|p| u16::try_from(p).ok());
+                    crate::workspaces::enable_preview(
+                        self.state,
+                        self.caller,
+                        &workspace,
+                        kind,
+                        text("root_path"),
+                        port,
+                        3600,
+                    )
+                    .await
+                    .map(|p| json!(p))
+                    .map_err(|e| e.message().to_owned())
+                }
+            },
+        };
+        match answered {
+            Ok(value) => (truncate(&value.to_string(), 20_000).0, false),
+            Err(message) => tool_error(message),
+        }
+    }
+
     async fn call_tool(&mut self, call: &ToolCall) -> (String, bool) {
         if !call.arguments.is_object() {
             return tool_error(format!(
@@ -462,8 +548,16 @@ impl Run<'_> {
         match call.name.as_str() {
             "execute_code" => self.execute_code(call).await,
             "write_file" | "read_file" | "list_files" => self.file_tool(call).await,
+            "add_service" | "run_sql" | "enable_preview" if self.workspace.is_some() => {
+                self.workspace_tool(call).await
+            }
             other => tool_error(format!(
-                "there is no tool {other:?}; the tools are execute_code, write_file, read_file, list_files"
+                "there is no tool {other:?}; the tools are execute_code, write_file, read_file, list_files{}",
+                if self.workspace.is_some() {
+                    ", add_service, run_sql, enable_preview"
+                } else {
+                    ""
+                }
             )),
         }
     }
@@ -581,6 +675,7 @@ pub async fn run(
     events: &UnboundedSender<AgentEvent>,
 ) -> Result<(), ApiError> {
     let mut run = Run::open(state, caller, input.sandbox.clone(), events).await?;
+    run.workspace = input.workspace.clone();
     let result = converse(&mut run, model, input, limits, events).await;
     run.close_others().await;
     result
@@ -594,7 +689,10 @@ async fn converse(
     limits: &AgentLimits,
     events: &UnboundedSender<AgentEvent>,
 ) -> Result<(), ApiError> {
-    let tools = tools(&run.state.runtime.executors);
+    let mut tools = tools(&run.state.runtime.executors);
+    if run.workspace.is_some() {
+        tools.extend(workspace_tools());
+    }
     let mut messages = input.messages;
     if !messages.iter().any(|m| m.role == Role::System) {
         let names: Vec<&str> = languages(&run.state.runtime.executors)
@@ -721,6 +819,7 @@ impl<'a> Run<'a> {
             state,
             caller,
             sandbox,
+            workspace: None,
             sessions,
             others: BTreeMap::new(),
             events,

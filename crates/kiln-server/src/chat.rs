@@ -33,6 +33,9 @@ pub struct ChatBody {
     pub output_schema: Option<Value>,
     /// Continue in this sandbox (its files and session state); a new one otherwise.
     pub sandbox: Option<String>,
+    /// Work in this workspace (by id or name): its sandbox, and the tools `add_service`,
+    /// `run_sql` and `enable_preview` besides the others.
+    pub workspace: Option<String>,
 }
 
 /// The configured model, built once (`Err` says how to configure one).
@@ -106,11 +109,27 @@ pub async fn chat(
     if let Some(sandbox) = &body.sandbox {
         state.runtime.registry.get(&caller.tenant, sandbox)?;
     }
+    let mut sandbox = body.sandbox;
+    let workspace = match &body.workspace {
+        None => None,
+        Some(which) => {
+            let ws = state.runtime.registry.workspaces.get(&caller.tenant, which)?;
+            if sandbox.as_ref().is_some_and(|s| *s != ws.sandbox_id) {
+                return Err(ApiError::bad_request(
+                    "INVALID_REQUEST",
+                    "a chat in a workspace runs in the workspace's sandbox: give `workspace` or `sandbox`, not two different ones",
+                ));
+            }
+            sandbox = Some(ws.sandbox_id);
+            Some(ws.id)
+        }
+    };
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<AgentEvent>();
     let input = AgentInput {
         messages: body.messages,
         output_schema: body.output_schema,
-        sandbox: body.sandbox,
+        sandbox,
+        workspace,
     };
     let limits = state.agent_limits.clone();
     tokio::spawn(async move {

@@ -205,6 +205,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             post(workspaces::add_service),
         )
         .route("/workspaces/{workspace}/sql", post(workspaces::sql))
+        .route("/workspaces/{workspace}/preview", post(workspaces::preview))
         .route("/volumes", get(volumes::list).post(volumes::create))
         .route(
             "/volumes/{volume}",

@@ -122,6 +122,21 @@ pub struct ServiceAdd {
     pub service_type: String,
 }
 
+/// A workspace's preview.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct PreviewEnable {
+    /// The workspace's name or id.
+    pub workspace: String,
+    /// static (its files, served by nginx) or proxy (its own server on `port`).
+    pub preview_type: String,
+    /// static: the folder of the workspace to serve (default all of it).
+    #[serde(default)]
+    pub root_path: Option<String>,
+    /// proxy: the port its server listens on.
+    #[serde(default)]
+    pub port: Option<u16>,
+}
+
 /// One SQL statement for a workspace's database.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct SqlRun {
@@ -1072,6 +1087,7 @@ impl KilnMcp {
                 name: input.name,
                 template: input.template,
                 services: input.services,
+                public_preview: false,
             },
         )
         .await;
@@ -1146,6 +1162,37 @@ impl KilnMcp {
             Err(e) => Err(e),
         };
         Ok(reply(added, |service| answer(json!(service), false)))
+    }
+
+    #[tool(
+        description = "Enable a workspace's preview: static serves its files (or a folder of them) with nginx, proxy shows what its own server answers on a port. Returns a signed URL, relative to this server, that works without a key for an hour."
+    )]
+    async fn enable_preview(
+        &self,
+        Parameters(input): Parameters<PreviewEnable>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let app = match self.served("previews") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
+        };
+        Ok(
+            match crate::workspaces::enable_preview(
+                app,
+                &caller,
+                &input.workspace,
+                &input.preview_type,
+                input.root_path.as_deref(),
+                input.port,
+                3600,
+            )
+            .await
+            {
+                Ok(preview) => answer(json!(preview), false),
+                Err(e) => api_refused(&e),
+            },
+        )
     }
 
     #[tool(

@@ -207,3 +207,89 @@ pub async fn sql(
         .await?,
     ))
 }
+
+/// A preview to enable (seed 002's `enable_preview`).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PreviewRequest {
+    /// `static` (the workspace's files, served by its nginx) or `proxy` (its own server).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `static`: the folder of the workspace to serve (default all of it).
+    pub root_path: Option<String>,
+    /// `proxy`: the port its server listens on.
+    pub port: Option<u16>,
+    /// How long the link works, in seconds (default 3600).
+    pub ttl_seconds: Option<u64>,
+}
+
+/// A workspace's preview and a signed link to it.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PreviewAnswer {
+    pub preview: kiln_runtime::workspaces::Preview,
+    /// Works without a key until `expiresAt` (relative to this server).
+    pub url: String,
+    pub expires_at: String,
+}
+
+/// Enable a workspace's preview and get a signed link to it.
+#[utoipa::path(post, path = "/api/v1/workspaces/{workspace}/preview", tag = "v1 workspaces",
+    request_body = PreviewRequest,
+    params(("workspace" = String, Path, description = "Its id or name")),
+    responses(
+        (status = 200, description = "Enabled", body = PreviewAnswer),
+        (status = 400, description = "A bad type, folder or port", body = ErrorBody),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn preview(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+    asked: Result<Json<PreviewRequest>, JsonRejection>,
+) -> Result<Json<PreviewAnswer>, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    let asked = body(asked)?;
+    Ok(Json(
+        enable_preview(
+            &state,
+            &caller,
+            &which,
+            &asked.kind,
+            asked.root_path.as_deref(),
+            asked.port,
+            asked.ttl_seconds.unwrap_or(3600),
+        )
+        .await?,
+    ))
+}
+
+/// Enables the preview and signs a link to it (the route above, MCP and the agent).
+pub async fn enable_preview(
+    state: &crate::AppState,
+    caller: &Caller,
+    which: &str,
+    kind: &str,
+    root_path: Option<&str>,
+    port: Option<u16>,
+    ttl: u64,
+) -> Result<PreviewAnswer, ApiError> {
+    let ws = kiln_runtime::workspaces::enable_preview(
+        &state.runtime,
+        caller,
+        which,
+        kind,
+        root_path,
+        port,
+    )
+    .await?;
+    let preview = ws
+        .preview
+        .ok_or_else(|| ApiError::internal("the preview was not recorded"))?;
+    let link = crate::preview::link(state, caller, &ws.sandbox_id, preview.port, ttl)?;
+    Ok(PreviewAnswer {
+        preview,
+        url: link.url,
+        expires_at: link.expires_at,
+    })
+}

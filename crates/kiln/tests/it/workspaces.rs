@@ -286,5 +286,142 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
     assert_eq!((status, ran["stdout"].as_str()), (200, Some("<h1>hello</h1>\n")), "{ran}");
     let page = serve::preview_body(&server, &sandbox, 8080)?;
     assert_eq!(page, "<h1>hello</h1>\n");
+
+    // A static preview of a folder of it: a signed link that works without a key.
+    let (status, ran) = server.exec(
+        &sandbox,
+        json!({"command": ["bash", "-c", "mkdir -p site && echo '<p>site</p>' > site/index.html"]}),
+    )?;
+    assert_eq!(status, 200, "{ran}");
+    let (status, shown) = server.call(
+        "POST",
+        &format!("/api/v1/workspaces/{id}/preview"),
+        Some(json!({"type": "static", "rootPath": "site"})),
+    )?;
+    assert_eq!(status, 200, "{shown}");
+    assert_eq!(shown["preview"], json!({"type": "static", "port": 8080, "rootPath": "site"}));
+    let url = shown["url"].as_str().ok_or("no url")?;
+    let page = serve::send("GET", &server.url(url), None, None)?;
+    assert_eq!(
+        (page.status, String::from_utf8_lossy(&page.body).into_owned()),
+        (200, "<p>site</p>\n".to_string())
+    );
+    let bare = serve::send(
+        "GET",
+        &server.url(&format!("/preview/{sandbox}/8080/")),
+        None,
+        None,
+    )?;
+    assert_ne!(bare.status, 200, "a preview without the link's token or a key");
+    for (body, why) in [
+        (json!({"type": "static", "rootPath": "../etc"}), "out of the workspace"),
+        (json!({"type": "proxy"}), "no port"),
+        (json!({"type": "websocket"}), "no such type"),
+        (json!({"type": "static", "port": 9000}), "static is on 8080"),
+    ] {
+        let (status, refused) = server.call(
+            "POST",
+            &format!("/api/v1/workspaces/{id}/preview"),
+            Some(body),
+        )?;
+        assert_eq!(status, 400, "{why}: {refused}");
+    }
+    let (status, shown) = server.call(
+        "POST",
+        &format!("/api/v1/workspaces/{id}/preview"),
+        Some(json!({"type": "proxy", "port": 8080})),
+    )?;
+    assert_eq!((status, shown["preview"]["type"].as_str()), (200, Some("proxy")), "{shown}");
+
+    // A workspace made with publicPreview: its previews need no key and no link.
+    let (status, open) = server.call(
+        "POST",
+        "/api/v1/workspaces",
+        Some(json!({"name": "open", "services": ["nginx"], "publicPreview": true})),
+    )?;
+    assert_eq!((status, open["publicPreview"].as_bool()), (201, Some(true)), "{open}");
+    let open_box = open["sandboxId"].as_str().ok_or("no sandbox")?;
+    let (status, _) = server.exec(
+        open_box,
+        json!({"command": ["bash", "-c", "echo public > index.html"]}),
+    )?;
+    assert_eq!(status, 200);
+    let page = serve::send(
+        "GET",
+        &server.url(&format!("/preview/{open_box}/8080/")),
+        None,
+        None,
+    )?;
+    assert_eq!(
+        (page.status, String::from_utf8_lossy(&page.body).into_owned()),
+        (200, "public\n".to_string())
+    );
     Ok(())
+}
+
+/// The chat agent in a workspace (a scripted model on a real OpenAI-protocol server): it adds
+/// postgres, makes a table, fills and reads it with run_sql, and the rows reach the model.
+#[tokio::test(flavor = "multi_thread")]
+async fn issue35_the_agent_works_in_a_workspace_with_add_service_and_run_sql() {
+    use kiln_llm::fake::{FakeProvider, Step};
+    if skip() {
+        return;
+    }
+    let fake = FakeProvider::start(vec![
+        Step::tool("c1", "add_service", json!({"service_type": "postgres"})),
+        Step::tool("c2", "run_sql", json!({"query": "create table notes (body text)"})),
+        Step::tool("c3", "run_sql", json!({"query": "insert into notes values ('from the agent')"})),
+        Step::tool("c4", "run_sql", json!({"query": "select body from notes"})),
+        Step::tool("c5", "run_sql", json!({"query": "select nope"})),
+        Step::Text("Done.".into()),
+    ])
+    .await
+    .unwrap();
+    let base_url = fake.base_url.clone();
+    let (status, events) = tokio::task::spawn_blocking(move || -> (u16, String) {
+        let env = [
+            ("KILN_LLM_MODEL", "openai-compatible:fake"),
+            ("KILN_LLM_BASE_URL", base_url.as_str()),
+        ];
+        let server = serve::start(Options {
+            auth: true,
+            extra: &["--linux"],
+            env: &env,
+            ..Default::default()
+        })
+        .unwrap();
+        let (status, ws) = server
+            .call("POST", "/api/v1/workspaces", Some(json!({"name": "agent-ws"})))
+            .unwrap();
+        assert_eq!(status, 201, "{ws}");
+        let reply = serve::send(
+            "POST",
+            &server.url("/api/v1/chat"),
+            server.key.as_deref(),
+            Some((
+                "application/json",
+                json!({"workspace": "agent-ws", "messages": [{"role": "user", "content": "keep a note"}]})
+                    .to_string()
+                    .as_bytes(),
+            )),
+        )
+        .unwrap();
+        let (_, ws) = server.call("GET", "/api/v1/workspaces/agent-ws", None).unwrap();
+        assert_eq!(ws["services"][0]["type"], "postgres", "{ws}");
+        (reply.status, String::from_utf8_lossy(&reply.body).into_owned())
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{events}");
+    assert!(events.contains("event: final"), "{events}");
+    // The model saw the rows, and the database's own words for the bad statement.
+    let requests = fake.requests();
+    let seen = requests.last().unwrap().to_string();
+    assert!(seen.contains("from the agent"), "{seen}");
+    assert!(seen.contains("nope"), "{seen}");
+    // Offered: the workspace's tools besides the others.
+    let first = requests[0].to_string();
+    for tool in ["add_service", "run_sql", "enable_preview", "execute_code"] {
+        assert!(first.contains(tool), "{tool} was not offered: {first}");
+    }
 }
