@@ -61,8 +61,8 @@ pub struct PoolSettings {
     /// What a template's own `pool:` leaves unset.
     pub defaults: kiln_core::pool::PoolDefinition,
     /// `target_pool_size` by language (`python`, `javascript` or `node`, `go`, `bash`: the
-    /// templates whose first language it is) or by template name (`python`, `linux-python`):
-    /// these win over a template's own.
+    /// templates whose first language it is, unless a template's own `pool:` sizes it) or
+    /// by template name (`python`, `linux-python`: this wins over a template's own).
     pub sizes: std::collections::BTreeMap<String, usize>,
     /// Members starting at once, across all pools (the replenisher's CPU budget).
     pub at_once: usize,
@@ -104,7 +104,10 @@ impl PoolSettings {
     }
 
     /// The settings of the template `name` (its definition's name) whose languages are
-    /// `languages`, over its own `pool:`.
+    /// `languages`, over its own `pool:`. A size given for the template by name wins over
+    /// its own; one given for its first language (`python=2`) only where its own `pool:`
+    /// sets no size (the services template, whose first language is python too, keeps its
+    /// own 0).
     pub fn for_template(
         &self,
         name: &str,
@@ -112,9 +115,10 @@ impl PoolSettings {
         own: Option<&kiln_core::pool::PoolDefinition>,
     ) -> PoolConfig {
         let first = languages.first().map(String::as_str).unwrap_or_default();
-        let size = [
-            name.to_string(),
-            format!("linux-{name}"),
+        let by_name = [name.to_string(), format!("linux-{name}")]
+            .iter()
+            .find_map(|key| self.sizes.get(key).copied());
+        let by_language = [
             first.to_string(),
             if first == "javascript" {
                 "node".into()
@@ -124,7 +128,9 @@ impl PoolSettings {
         ]
         .iter()
         .find_map(|key| self.sizes.get(key).copied());
-        sized(own.cloned().unwrap_or_default().or(&self.defaults), size)
+        let own = own.cloned().unwrap_or_default();
+        let size = by_name.or(by_language.filter(|_| own.target_pool_size.is_none()));
+        sized(own.or(&self.defaults), size)
     }
 }
 
@@ -553,6 +559,34 @@ pub async fn replenish<M: Send + 'static>(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_size_by_language_leaves_a_templates_own_size_alone_and_one_by_name_does_not() {
+        let settings = PoolSettings {
+            sizes: [("python".to_string(), 2), ("linux-go".to_string(), 3)].into(),
+            ..PoolSettings::default()
+        };
+        let python = vec!["python".to_string()];
+        let none = kiln_core::pool::PoolDefinition {
+            target_pool_size: Some(0),
+            ..Default::default()
+        };
+        // python=2 sizes the python template, not the services template (its own 0).
+        assert_eq!(settings.for_template("python", &python, None).target, 2);
+        assert_eq!(
+            settings
+                .for_template("services", &python, Some(&none))
+                .target,
+            0
+        );
+        // By name, the operator's size wins over the template's own.
+        assert_eq!(
+            settings
+                .for_template("go", &["go".to_string()], Some(&none))
+                .target,
+            3
+        );
+    }
+
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -142,7 +142,7 @@ tail -n 20 ~/.services/mysql.log; exit 1"#
             }
             ServiceKind::Nginx => {
                 r#"set -u; d=~/.services/nginx; mkdir -p "$d/tmp"
-cat > "$d/nginx.conf" <<CONF
+cat > "$d/nginx.conf.new" <<CONF
 daemon on; pid $d/nginx.pid; error_log $d/error.log; worker_processes 1;
 events { worker_connections 256; }
 http { include /etc/nginx/mime.types; access_log $d/access.log;
@@ -150,11 +150,18 @@ http { include /etc/nginx/mime.types; access_log $d/access.log;
   uwsgi_temp_path $d/tmp; scgi_temp_path $d/tmp;
   server { listen 127.0.0.1:8080; root $PWD/${KILN_NGINX_ROOT:-}; index index.html; } }
 CONF
-if [ -s "$d/nginx.pid" ] && kill -0 "$(cat "$d/nginx.pid")" 2>/dev/null; then
-  nginx -c "$d/nginx.conf" -e "$d/error.log" -s reload 2>>"$d/error.log" || { tail -n 20 "$d/error.log"; exit 1; }
-  exit 0
+running() { [ -s "$d/nginx.pid" ] && kill -0 "$(cat "$d/nginx.pid")" 2>/dev/null; }
+if running; then
+  if cmp -s "$d/nginx.conf.new" "$d/nginx.conf"; then rm -f "$d/nginx.conf.new"; exit 0; fi
+  # Another folder to serve: stopped and started again (a reload answers from the old
+  # workers for a while).
+  kill -QUIT "$(cat "$d/nginx.pid")"
+  for i in $(seq 100); do running || break; sleep 0.05; done
 fi
-nginx -c "$d/nginx.conf" -e "$d/error.log" 2>>"$d/error.log" || { tail -n 20 "$d/error.log"; exit 1; }"#
+mv "$d/nginx.conf.new" "$d/nginx.conf"
+nginx -c "$d/nginx.conf" -e "$d/error.log" 2>>"$d/error.log" || { tail -n 20 "$d/error.log"; exit 1; }
+for i in $(seq 100); do curl -s -o /dev/null http://127.0.0.1:8080/ && exit 0; sleep 0.05; done
+tail -n 20 "$d/error.log"; exit 1"#
             }
         }
     }
@@ -568,6 +575,17 @@ pub async fn enable_preview(
                 });
             }
             let root = root_path.unwrap_or("/").trim_matches('/');
+            // It goes into nginx's configuration: plain path characters only.
+            if !root
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'))
+            {
+                return Err(RuntimeError::InvalidOption {
+                    message: format!(
+                        "{root:?} is not a folder a preview serves: letters, digits and . _ - / only"
+                    ),
+                });
+            }
             let root_path = if root.is_empty() {
                 String::new()
             } else {
@@ -597,10 +615,9 @@ pub async fn enable_preview(
             });
         }
     };
-    let ws = rt
-        .registry
-        .workspaces
-        .update(&caller.tenant, &ws.id, |w| w.preview = Some(preview.clone()))?;
+    let ws = rt.registry.workspaces.update(&caller.tenant, &ws.id, |w| {
+        w.preview = Some(preview.clone())
+    })?;
     if preview.kind == PreviewKind::Static {
         add_service(rt, caller, &ws.id, ServiceKind::Nginx).await?;
     }

@@ -488,10 +488,12 @@ impl Run<'_> {
                 None => Err("add_service needs {\"service_type\": \"postgres\"}".into()),
                 Some(name) => match kiln_runtime::workspaces::ServiceKind::parse(name) {
                     Err(e) => Err(error_text(&e)),
-                    Ok(kind) => kiln_runtime::workspaces::add_service(rt, self.caller, &workspace, kind)
-                        .await
-                        .map(|s| json!(s))
-                        .map_err(|e| error_text(&e)),
+                    Ok(kind) => {
+                        kiln_runtime::workspaces::add_service(rt, self.caller, &workspace, kind)
+                            .await
+                            .map(|s| json!(s))
+                            .map_err(|e| error_text(&e))
+                    }
                 },
             },
             "run_sql" => match text("query") {

@@ -113,7 +113,11 @@ pub async fn chat(
     let workspace = match &body.workspace {
         None => None,
         Some(which) => {
-            let ws = state.runtime.registry.workspaces.get(&caller.tenant, which)?;
+            let ws = state
+                .runtime
+                .registry
+                .workspaces
+                .get(&caller.tenant, which)?;
             if sandbox.as_ref().is_some_and(|s| *s != ws.sandbox_id) {
                 return Err(ApiError::bad_request(
                     "INVALID_REQUEST",

@@ -1142,7 +1142,9 @@ impl KilnMcp {
         let caller = self.caller(&context)?;
         let deleted =
             kiln_runtime::workspaces::delete(&self.runtime, &caller, &input.workspace).await;
-        Ok(reply(deleted, |()| answer(json!({ "deleted": true }), false)))
+        Ok(reply(deleted, |()| {
+            answer(json!({ "deleted": true }), false)
+        }))
     }
 
     #[tool(
@@ -1156,8 +1158,13 @@ impl KilnMcp {
         let caller = self.caller(&context)?;
         let added = match kiln_runtime::workspaces::ServiceKind::parse(&input.service_type) {
             Ok(kind) => {
-                kiln_runtime::workspaces::add_service(&self.runtime, &caller, &input.workspace, kind)
-                    .await
+                kiln_runtime::workspaces::add_service(
+                    &self.runtime,
+                    &caller,
+                    &input.workspace,
+                    kind,
+                )
+                .await
             }
             Err(e) => Err(e),
         };

@@ -157,6 +157,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
             messages: vec![kiln_llm::Message::user("bench")],
             output_schema: None,
             sandbox: None,
+            workspace: None,
         };
         let started = Instant::now();
         kiln_server::agent::run(&state, &caller, &model, input, &limits, &tx)

@@ -55,12 +55,18 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
             json!({"name": format!("bench-{round}"), "services": ["postgres"]}),
         )?;
         let id = ws["id"].as_str().context("no workspace id")?.to_string();
-        let one = post(&format!("/api/v1/workspaces/{id}/sql"), json!({"query": "select 1 as one"}))?;
+        let one = post(
+            &format!("/api/v1/workspaces/{id}/sql"),
+            json!({"query": "select 1 as one"}),
+        )?;
         anyhow::ensure!(one["rows"] == json!([{"one": 1}]), "run_sql: {one}");
         create_us.push(micros(started.elapsed()));
         for _ in 0..10 {
             let started = Instant::now();
-            post(&format!("/api/v1/workspaces/{id}/sql"), json!({"query": "select 1 as one"}))?;
+            post(
+                &format!("/api/v1/workspaces/{id}/sql"),
+                json!({"query": "select 1 as one"}),
+            )?;
             select_us.push(micros(started.elapsed()));
         }
         let started = Instant::now();
@@ -68,7 +74,10 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         stop_us.push(micros(started.elapsed()));
         let started = Instant::now();
         post(&format!("/api/v1/workspaces/{id}/start"), json!({}))?;
-        post(&format!("/api/v1/workspaces/{id}/sql"), json!({"query": "select 1 as one"}))?;
+        post(
+            &format!("/api/v1/workspaces/{id}/sql"),
+            json!({"query": "select 1 as one"}),
+        )?;
         start_us.push(micros(started.elapsed()));
         std::thread::sleep(Duration::from_secs(1));
         let sandbox = ws["sandboxId"].as_str().context("no sandbox")?;

@@ -250,11 +250,7 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
     assert_eq!(status, 201, "{ws}");
     let id = ws["id"].as_str().ok_or("no id")?.to_string();
     let sandbox = ws["sandboxId"].as_str().ok_or("no sandbox")?.to_string();
-    let (status, _) = sql(
-        &server,
-        &id,
-        json!({"query": "create database shop"}),
-    );
+    let (status, _) = sql(&server, &id, json!({"query": "create database shop"}));
     assert_eq!(status, 200);
     let (status, made) = sql(
         &server,
@@ -262,7 +258,11 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
         json!({"query": "create table shop.t (n int primary key, s varchar(10))"}),
     );
     assert_eq!(status, 200, "{made}");
-    let (status, _) = sql(&server, &id, json!({"query": "insert into shop.t values (1, 'one'), (2, NULL)"}));
+    let (status, _) = sql(
+        &server,
+        &id,
+        json!({"query": "insert into shop.t values (1, 'one'), (2, NULL)"}),
+    );
     assert_eq!(status, 200);
     let (status, rows) = sql(
         &server,
@@ -270,11 +270,18 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
         json!({"query": "select n, s from shop.t order by n", "service": "mysql"}),
     );
     assert_eq!(status, 200, "{rows}");
-    assert_eq!(rows["rows"], json!([{"n": 1, "s": "one"}, {"n": 2, "s": null}]), "{rows}");
+    assert_eq!(
+        rows["rows"],
+        json!([{"n": 1, "s": "one"}, {"n": 2, "s": null}]),
+        "{rows}"
+    );
     let (status, refused) = sql(&server, &id, json!({"query": "select * from nowhere"}));
     assert_eq!(status, 400, "{refused}");
     assert!(
-        refused["error"]["message"].as_str().unwrap_or("").starts_with("mysql: "),
+        refused["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("mysql: "),
         "{refused}"
     );
 
@@ -283,7 +290,11 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
         &sandbox,
         json!({"command": ["bash", "-c", "echo '<h1>hello</h1>' > index.html && curl -s http://nginx.workspace.internal:8080/"]}),
     )?;
-    assert_eq!((status, ran["stdout"].as_str()), (200, Some("<h1>hello</h1>\n")), "{ran}");
+    assert_eq!(
+        (status, ran["stdout"].as_str()),
+        (200, Some("<h1>hello</h1>\n")),
+        "{ran}"
+    );
     let page = serve::preview_body(&server, &sandbox, 8080)?;
     assert_eq!(page, "<h1>hello</h1>\n");
 
@@ -299,11 +310,17 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
         Some(json!({"type": "static", "rootPath": "site"})),
     )?;
     assert_eq!(status, 200, "{shown}");
-    assert_eq!(shown["preview"], json!({"type": "static", "port": 8080, "rootPath": "site"}));
+    assert_eq!(
+        shown["preview"],
+        json!({"type": "static", "port": 8080, "rootPath": "site"})
+    );
     let url = shown["url"].as_str().ok_or("no url")?;
     let page = serve::send("GET", &server.url(url), None, None)?;
     assert_eq!(
-        (page.status, String::from_utf8_lossy(&page.body).into_owned()),
+        (
+            page.status,
+            String::from_utf8_lossy(&page.body).into_owned()
+        ),
         (200, "<p>site</p>\n".to_string())
     );
     let bare = serve::send(
@@ -312,9 +329,19 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
         None,
         None,
     )?;
-    assert_ne!(bare.status, 200, "a preview without the link's token or a key");
+    assert_ne!(
+        bare.status, 200,
+        "a preview without the link's token or a key"
+    );
     for (body, why) in [
-        (json!({"type": "static", "rootPath": "../etc"}), "out of the workspace"),
+        (
+            json!({"type": "static", "rootPath": "../etc"}),
+            "out of the workspace",
+        ),
+        (
+            json!({"type": "static", "rootPath": "a; } server { root /"}),
+            "not a plain path",
+        ),
         (json!({"type": "proxy"}), "no port"),
         (json!({"type": "websocket"}), "no such type"),
         (json!({"type": "static", "port": 9000}), "static is on 8080"),
@@ -331,7 +358,11 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
         &format!("/api/v1/workspaces/{id}/preview"),
         Some(json!({"type": "proxy", "port": 8080})),
     )?;
-    assert_eq!((status, shown["preview"]["type"].as_str()), (200, Some("proxy")), "{shown}");
+    assert_eq!(
+        (status, shown["preview"]["type"].as_str()),
+        (200, Some("proxy")),
+        "{shown}"
+    );
 
     // A workspace made with publicPreview: its previews need no key and no link.
     let (status, open) = server.call(
@@ -339,7 +370,11 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
         "/api/v1/workspaces",
         Some(json!({"name": "open", "services": ["nginx"], "publicPreview": true})),
     )?;
-    assert_eq!((status, open["publicPreview"].as_bool()), (201, Some(true)), "{open}");
+    assert_eq!(
+        (status, open["publicPreview"].as_bool()),
+        (201, Some(true)),
+        "{open}"
+    );
     let open_box = open["sandboxId"].as_str().ok_or("no sandbox")?;
     let (status, _) = server.exec(
         open_box,
@@ -353,7 +388,10 @@ fn issue35_mysql_answers_sql_and_nginx_serves_the_workspace() -> TestResult {
         None,
     )?;
     assert_eq!(
-        (page.status, String::from_utf8_lossy(&page.body).into_owned()),
+        (
+            page.status,
+            String::from_utf8_lossy(&page.body).into_owned()
+        ),
         (200, "public\n".to_string())
     );
     Ok(())
@@ -369,8 +407,16 @@ async fn issue35_the_agent_works_in_a_workspace_with_add_service_and_run_sql() {
     }
     let fake = FakeProvider::start(vec![
         Step::tool("c1", "add_service", json!({"service_type": "postgres"})),
-        Step::tool("c2", "run_sql", json!({"query": "create table notes (body text)"})),
-        Step::tool("c3", "run_sql", json!({"query": "insert into notes values ('from the agent')"})),
+        Step::tool(
+            "c2",
+            "run_sql",
+            json!({"query": "create table notes (body text)"}),
+        ),
+        Step::tool(
+            "c3",
+            "run_sql",
+            json!({"query": "insert into notes values ('from the agent')"}),
+        ),
         Step::tool("c4", "run_sql", json!({"query": "select body from notes"})),
         Step::tool("c5", "run_sql", json!({"query": "select nope"})),
         Step::Text("Done.".into()),
