@@ -323,7 +323,7 @@ mod tests {
     fn the_shipped_definitions_parse() {
         let all = load(None).unwrap();
         let names: Vec<_> = all.iter().map(|d| d.name.as_str()).collect();
-        assert_eq!(names, ["debian", "python", "node", "go"]);
+        assert_eq!(names, ["debian", "python", "node", "go", "services"]);
         let python = &all[1];
         assert!(python.packages.contains(&"python3-venv".to_string()));
         assert_eq!(python.working_dir, "/workspace");
@@ -409,8 +409,8 @@ mod tests {
         std::fs::write(dir.path().join("notes.txt"), "ignored").unwrap();
         let all = load(Some(dir.path())).unwrap();
         let names: Vec<_> = all.iter().map(|d| d.name.as_str()).collect();
-        assert_eq!(names, ["debian", "node", "go", "python", "rust"]);
-        assert_eq!(all[3].suite().unwrap(), "trixie");
+        assert_eq!(names, ["debian", "node", "go", "services", "python", "rust"]);
+        assert_eq!(all[4].suite().unwrap(), "trixie");
 
         std::fs::write(dir.path().join("zz.yaml"), "name: [").unwrap();
         let err = load(Some(dir.path())).unwrap_err();
