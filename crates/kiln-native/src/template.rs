@@ -409,7 +409,10 @@ mod tests {
         std::fs::write(dir.path().join("notes.txt"), "ignored").unwrap();
         let all = load(Some(dir.path())).unwrap();
         let names: Vec<_> = all.iter().map(|d| d.name.as_str()).collect();
-        assert_eq!(names, ["debian", "node", "go", "services", "python", "rust"]);
+        assert_eq!(
+            names,
+            ["debian", "node", "go", "services", "python", "rust"]
+        );
         assert_eq!(all[4].suite().unwrap(), "trixie");
 
         std::fs::write(dir.path().join("zz.yaml"), "name: [").unwrap();
