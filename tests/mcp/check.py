@@ -348,6 +348,38 @@ async def issue35_tools(client):
     data(await client.call_tool("workspace_delete", {"workspace": "mcp-ws"}))
     print("mcp-check: workspaces, services and run_sql ok")
 
+    # A workflow with people in both roles (no model needed): the stages move with the tools.
+    names = data(await client.call_tool("workflow_templates", {}))["templates"]
+    check(names == ["database-schema", "fullstack-app", "static-website"], f"workflow_templates: {names}")
+    unknown = await client.call_tool("workflow_start", {"template": "mobile-app", "task": "x"})
+    check(unknown.is_error and "UNKNOWN_TEMPLATE" in text(unknown), f"an unknown template: {text(unknown)}")
+    wf = data(await client.call_tool("workflow_start", {
+        "template": "static-website", "task": "a page that says hello",
+        "human_creator": True, "human_reviewer": True}))
+    check(wf["stage"] == "creation" and wf["roles"]["creator"]["human"], f"workflow_start: {wf}")
+    for _ in range(100):
+        wf = data(await client.call_tool("workflow_get", {"workflow_id": wf["id"]}))
+        if wf["waitingForHuman"]:
+            break
+        await asyncio.sleep(0.1)
+    check(wf["waitingForHuman"] and wf["currentAgent"] == "creator", f"waiting for the creator: {wf}")
+    early = await client.call_tool("workflow_submit_review", {"workflow_id": wf["id"], "approved": True})
+    check(early.is_error and "NOT_YOUR_TURN" in text(early), f"a review before the work: {text(early)}")
+    wf = data(await client.call_tool("workflow_submit_for_review", {"workflow_id": wf["id"], "notes": "done"}))
+    check(wf["stage"] == "review" and wf["previewUrl"].startswith("/preview/"), f"submitted: {wf}")
+    for _ in range(100):
+        wf = data(await client.call_tool("workflow_get", {"workflow_id": wf["id"]}))
+        if wf["waitingForHuman"]:
+            break
+        await asyncio.sleep(0.1)
+    wf = data(await client.call_tool("workflow_submit_review", {"workflow_id": wf["id"], "approved": True, "grade": "A"}))
+    check(wf["stage"] == "approved" and wf["reviews"][0]["by"].startswith("human:"), f"approved: {wf}")
+    actions = [e["action"] for e in wf["history"]]
+    check(actions[0] == "started" and actions[-1] == "approved" and "review_submitted" in actions, f"the trail: {actions}")
+    done = await client.call_tool("workflow_cancel", {"workflow_id": wf["id"]})
+    check(done.is_error and "WORKFLOW_FINISHED" in text(done), f"cancel a finished one: {text(done)}")
+    print("mcp-check: workflows ok")
+
 
 async def issue37_tools(client):
     """Volumes, network rules, secrets, snapshots and forks, as an MCP client uses them."""

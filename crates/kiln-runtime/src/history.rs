@@ -681,6 +681,27 @@ impl History {
         Ok(oid.to_string())
     }
 
+    /// Records a note as change `id`: a commit of the workspace as last recorded (no file
+    /// changes) with `summary` as its message (a workflow's events). Its commit id.
+    pub fn note(&self, summary: &str, id: &str) -> Result<String, HistoryError> {
+        let _turn = self.memory.write.lock().unwrap_or_else(|e| e.into_inner());
+        let tree = self.head()?.tree_id();
+        self.commit_tree(tree, summary, id)
+    }
+
+    /// The newest commit's id.
+    pub fn head_id(&self) -> Result<String, HistoryError> {
+        Ok(self.head()?.id().to_string())
+    }
+
+    /// The paths that differ between the states after changes `from` and `to` (ids or
+    /// commit ids), as the workspace names them.
+    pub fn changed_between(&self, from: &str, to: &str) -> Result<Vec<String>, HistoryError> {
+        let from = self.find(from)?.tree_id();
+        let to = self.find(to)?.tree_id();
+        Ok(self.changed_files(Some(from), to)?)
+    }
+
     /// Commits the workspace as change `id` if it differs from the last commit.
     pub fn record(&self, tree: &Tree, summary: &str, id: &str) -> Result<Recorded, HistoryError> {
         let _turn = self.memory.write.lock().unwrap_or_else(|e| e.into_inner());

@@ -61,6 +61,37 @@ pub async fn diff(
     .await
 }
 
+/// Records a note in sandbox `id`'s history (a commit with no file changes, `summary` its
+/// message, `change` its id): its commit id.
+pub async fn note(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+    summary: String,
+    change: String,
+) -> Result<String> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    blocking(move || Ok(sandbox.history()?.note(&summary, &change)?)).await
+}
+
+/// The commit id of sandbox `id`'s newest change.
+pub async fn head(rt: &Runtime, caller: &Caller, id: &str) -> Result<String> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    blocking(move || Ok(sandbox.history()?.head_id()?)).await
+}
+
+/// The files that changed in sandbox `id` between changes `from` and `to`.
+pub async fn changed(
+    rt: &Runtime,
+    caller: &Caller,
+    id: &str,
+    from: String,
+    to: String,
+) -> Result<Vec<String>> {
+    let sandbox = rt.registry.get(&caller.tenant, id)?.meta;
+    blocking(move || Ok(sandbox.history()?.changed_between(&from, &to)?)).await
+}
+
 /// A finished rollback.
 #[derive(Debug)]
 pub struct RolledBack {

@@ -40,6 +40,9 @@ pub const MAX_SQL_TIMEOUT_MS: u64 = 60_000;
 pub const MAX_QUERY_BYTES: usize = 64 << 10;
 /// The most workspaces a tenant keeps.
 pub const MAX_WORKSPACES: usize = 64;
+/// The most `run_sql` calls of one workspace waiting for their turn (one runs at a time);
+/// more are refused with `BUSY` at once.
+pub const MAX_SQL_WAITING: usize = 256;
 
 /// A service a workspace may run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -243,6 +246,15 @@ struct Stored {
 pub struct Workspaces {
     root: PathBuf,
     all: Mutex<HashMap<String, Stored>>,
+    /// Each workspace's line of `run_sql` calls: one runs, the rest wait their turn.
+    sql_lines: Mutex<HashMap<String, Arc<SqlLine>>>,
+}
+
+/// One workspace's `run_sql` calls: a turn at a time, a bounded number waiting.
+#[derive(Debug)]
+struct SqlLine {
+    turn: Arc<tokio::sync::Semaphore>,
+    waiting: std::sync::atomic::AtomicUsize,
 }
 
 impl Workspaces {
@@ -266,7 +278,37 @@ impl Workspaces {
         Workspaces {
             root,
             all: Mutex::new(all),
+            sql_lines: Mutex::default(),
         }
+    }
+
+    /// Waits for workspace `id`'s turn to run SQL (first come, first served), or refuses at
+    /// once when [`MAX_SQL_WAITING`] calls wait already.
+    async fn sql_turn(&self, id: &str) -> Result<tokio::sync::OwnedSemaphorePermit> {
+        use std::sync::atomic::Ordering;
+        let line = self
+            .sql_lines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(id.to_owned())
+            .or_insert_with(|| {
+                Arc::new(SqlLine {
+                    turn: Arc::new(tokio::sync::Semaphore::new(1)),
+                    waiting: Default::default(),
+                })
+            })
+            .clone();
+        if line.waiting.fetch_add(1, Ordering::SeqCst) >= MAX_SQL_WAITING {
+            line.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(RuntimeError::Saturated {
+                message: format!(
+                    "{MAX_SQL_WAITING} statements already wait for this workspace's database; retry when some finish"
+                ),
+            });
+        }
+        let permit = line.turn.clone().acquire_owned().await;
+        line.waiting.fetch_sub(1, Ordering::SeqCst);
+        permit.map_err(|_| RuntimeError::internal("the workspace's SQL line closed"))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Stored>> {
@@ -327,6 +369,10 @@ impl Workspaces {
 
     fn forget(&self, id: &str) {
         self.lock().remove(id);
+        self.sql_lines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
         let _ = std::fs::remove_file(self.root.join(format!("{id}.json")));
     }
 }
@@ -712,6 +758,10 @@ try:
         import pymysql
         conn = pymysql.connect(host="127.0.0.1", user="root", autocommit=True, connect_timeout=10)
         conn.cursor().execute("SET SESSION max_statement_time = %f" % (timeout_ms / 1000.0))
+except Exception as e:
+    print(json.dumps({"error": str(e).strip(), "unreachable": True}))
+    sys.exit(0)
+try:
     cur = conn.cursor()
     cur.execute(query)
     out = {"rowcount": cur.rowcount if cur.rowcount is not None else -1, "columns": [], "rows": []}
@@ -776,38 +826,17 @@ pub async fn run_sql(
             message: format!("timeoutMs must be 1..={MAX_SQL_TIMEOUT_MS}"),
         });
     }
-    // A stopped workspace's service comes back first (its box is restored on the way).
-    start_one(rt, caller, &ws, kind).await?;
-    let outcome = run_script(
-        rt,
-        caller,
-        &ws.sandbox_id,
-        vec![
-            "python3".into(),
-            "-c".into(),
-            SQL_PY.into(),
-            kind.name().into(),
-            query.into(),
-            MAX_ROWS.to_string(),
-            timeout_ms.to_string(),
-        ],
-        timeout_ms + 15_000,
-        Default::default(),
-    )
-    .await?;
-    let text = String::from_utf8_lossy(&outcome.result.stdout);
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .unwrap_or("");
-    let value: serde_json::Value = serde_json::from_str(line).map_err(|_| {
-        RuntimeError::internal(format!(
-            "run_sql got no answer from the driver ({}): {}",
-            outcome.status(),
-            said(&outcome)
-        ))
-    })?;
+    let _turn = rt.registry.workspaces.sql_turn(&ws.id).await?;
+    // A stopped workspace's service comes back first (its box is restored on the way);
+    // a running one's is started again only when it does not answer.
+    if ws.state == "stopped" {
+        start(rt, caller, &ws.id).await?;
+    }
+    let mut value = sql_once(rt, caller, &ws, kind, query, timeout_ms).await?;
+    if value.get("unreachable").is_some() {
+        start_one(rt, caller, &ws, kind).await?;
+        value = sql_once(rt, caller, &ws, kind, query, timeout_ms).await?;
+    }
     if let Some(error) = value.get("error").and_then(|e| e.as_str()) {
         return Err(RuntimeError::InvalidOption {
             message: format!("{}: {error}", kind.name()),
@@ -815,4 +844,55 @@ pub async fn run_sql(
     }
     serde_json::from_value(value)
         .map_err(|e| RuntimeError::internal(format!("run_sql's answer: {e}")))
+}
+
+/// Runs the driver once: its one-line answer (rows, or `{"error": …}`). Another command of
+/// the sandbox's that holds it (a user's exec) is waited for, up to the statement's time.
+async fn sql_once(
+    rt: &Arc<Runtime>,
+    caller: &Caller,
+    ws: &WorkspaceInfo,
+    kind: ServiceKind,
+    query: &str,
+    timeout_ms: u64,
+) -> Result<serde_json::Value> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms);
+    let outcome = loop {
+        let ran = run_script(
+            rt,
+            caller,
+            &ws.sandbox_id,
+            vec![
+                "python3".into(),
+                "-c".into(),
+                SQL_PY.into(),
+                kind.name().into(),
+                query.into(),
+                MAX_ROWS.to_string(),
+                timeout_ms.to_string(),
+            ],
+            timeout_ms + 15_000,
+            Default::default(),
+        )
+        .await;
+        match ran {
+            Err(RuntimeError::SandboxBusy { .. }) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            other => break other?,
+        }
+    };
+    let text = String::from_utf8_lossy(&outcome.result.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or("");
+    serde_json::from_str(line).map_err(|_| {
+        RuntimeError::internal(format!(
+            "run_sql got no answer from the driver ({}): {}",
+            outcome.status(),
+            said(&outcome)
+        ))
+    })
 }

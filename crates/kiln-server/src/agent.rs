@@ -135,7 +135,7 @@ impl AgentEvent {
 }
 
 /// One agent run's input.
-#[derive(Debug, Clone)]
+#[derive(Clone, Default)]
 pub struct AgentInput {
     pub messages: Vec<Message>,
     pub output_schema: Option<Value>,
@@ -143,6 +143,32 @@ pub struct AgentInput {
     pub sandbox: Option<String>,
     /// Work in this workspace (its sandbox is `sandbox`): the workspace tools are offered.
     pub workspace: Option<String>,
+    /// Offer only these of the tools (a workflow role's); `None`: all of them.
+    pub only_tools: Option<Vec<String>>,
+    /// More tools, answered by the caller (a workflow's transitions); the run ends once
+    /// [`TurnHook::done`] says so.
+    pub hook: Option<Arc<dyn TurnHook>>,
+}
+
+impl std::fmt::Debug for AgentInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentInput")
+            .field("messages", &self.messages.len())
+            .field("sandbox", &self.sandbox)
+            .field("workspace", &self.workspace)
+            .field("only_tools", &self.only_tools)
+            .finish()
+    }
+}
+
+/// Tools a run's caller answers itself (a workflow's `submit_for_review`, …).
+pub trait TurnHook: Send + Sync {
+    /// The tools it adds.
+    fn tools(&self) -> Vec<ToolSpec>;
+    /// Answers a call of one of its tools (`None`: not one of them).
+    fn call(&self, name: &str, arguments: &Value) -> Option<(String, bool)>;
+    /// The run's work is done (a transition was made): the run ends after this turn's calls.
+    fn done(&self) -> bool;
 }
 
 /// The tools of a run in a workspace (seed 002's): services, SQL and the preview.
@@ -245,6 +271,9 @@ struct Run<'a> {
     sandbox: String,
     /// The workspace the run works in, if any (its tools are offered).
     workspace: Option<String>,
+    /// The tools offered, by name (the others are refused if called).
+    offered: Vec<String>,
+    hook: Option<Arc<dyn TurnHook>>,
     /// Sessions by language, each in the sandbox that runs its language.
     sessions: BTreeMap<&'static str, String>,
     /// Sandboxes of this run for languages the run's sandbox's template does not speak
@@ -547,6 +576,18 @@ impl Run<'_> {
                 truncate(&call.arguments.to_string(), 200).0
             ));
         }
+        if !self.offered.contains(&call.name) {
+            return tool_error(format!(
+                "there is no tool {:?} here; the tools are {}",
+                call.name,
+                self.offered.join(", ")
+            ));
+        }
+        if let Some(hook) = &self.hook
+            && let Some(answer) = hook.call(&call.name, &call.arguments)
+        {
+            return answer;
+        }
         match call.name.as_str() {
             "execute_code" => self.execute_code(call).await,
             "write_file" | "read_file" | "list_files" => self.file_tool(call).await,
@@ -554,12 +595,8 @@ impl Run<'_> {
                 self.workspace_tool(call).await
             }
             other => tool_error(format!(
-                "there is no tool {other:?}; the tools are execute_code, write_file, read_file, list_files{}",
-                if self.workspace.is_some() {
-                    ", add_service, run_sql, enable_preview"
-                } else {
-                    ""
-                }
+                "there is no tool {other:?} here; the tools are {}",
+                self.offered.join(", ")
             )),
         }
     }
@@ -678,6 +715,7 @@ pub async fn run(
 ) -> Result<(), ApiError> {
     let mut run = Run::open(state, caller, input.sandbox.clone(), events).await?;
     run.workspace = input.workspace.clone();
+    run.hook = input.hook.clone();
     let result = converse(&mut run, model, input, limits, events).await;
     run.close_others().await;
     result
@@ -695,6 +733,13 @@ async fn converse(
     if run.workspace.is_some() {
         tools.extend(workspace_tools());
     }
+    if let Some(only) = &input.only_tools {
+        tools.retain(|t| only.contains(&t.name));
+    }
+    if let Some(hook) = &run.hook {
+        tools.extend(hook.tools());
+    }
+    run.offered = tools.iter().map(|t| t.name.clone()).collect();
     let mut messages = input.messages;
     if !messages.iter().any(|m| m.role == Role::System) {
         let names: Vec<&str> = languages(&run.state.runtime.executors)
@@ -756,6 +801,17 @@ async fn converse(
         for call in &reply.tool_calls {
             budget.admit(call)?;
             messages.push(run.answer_call(call, limits, events).await);
+        }
+        if run.hook.as_ref().is_some_and(|h| h.done()) {
+            let message = Message::assistant(reply.text.clone());
+            let _ = events.send(AgentEvent::Final {
+                message,
+                structured: None,
+                messages,
+                sandbox_id: run.sandbox.clone(),
+                usage,
+            });
+            return Ok(());
         }
     }
     Err(agent_error(
@@ -822,6 +878,8 @@ impl<'a> Run<'a> {
             caller,
             sandbox,
             workspace: None,
+            offered: Vec::new(),
+            hook: None,
             sessions,
             others: BTreeMap::new(),
             events,

@@ -134,6 +134,7 @@ pub async fn chat(
         output_schema: body.output_schema,
         sandbox,
         workspace,
+        ..AgentInput::default()
     };
     let limits = state.agent_limits.clone();
     tokio::spawn(async move {

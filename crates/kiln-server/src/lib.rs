@@ -27,6 +27,7 @@ pub mod templates;
 pub mod terminals;
 pub mod v1;
 pub mod volumes;
+pub mod workflows;
 pub mod workspaces;
 
 // The runtime's modules under their old names, for the handlers.
@@ -76,6 +77,8 @@ pub struct AppState {
     pub terminals: terminals::Terminals,
     /// The domain of previews by host name, if the operator gave one.
     pub preview_domain: Option<String>,
+    /// Workflows and their templates.
+    pub workflows: workflows::Workflows,
 }
 
 /// Server settings.
@@ -96,6 +99,8 @@ pub struct ServerConfig {
     pub public_hosts: Vec<String>,
     /// Previews by host name: `{port}-{id}.{domain}` (see [`preview::by_host`]).
     pub preview_domain: Option<String>,
+    /// A folder of workflow templates besides the built-in ones.
+    pub workflow_templates: Option<PathBuf>,
     /// Each tenant's quotas unless its key says otherwise.
     pub quotas: quota::Quotas,
     /// The bounds of each tenant's line of executions over its quota.
@@ -167,6 +172,11 @@ impl AppState {
             previews: preview::Signer::open(&config.data_dir)?,
             terminals: terminals::Terminals::default(),
             preview_domain: config.preview_domain.clone(),
+            workflows: workflows::Workflows::open(
+                &config.data_dir,
+                workflows::Templates::load(config.workflow_templates.as_deref())
+                    .map_err(std::io::Error::other)?,
+            ),
         })
     }
 }
@@ -206,6 +216,24 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/workspaces/{workspace}/sql", post(workspaces::sql))
         .route("/workspaces/{workspace}/preview", post(workspaces::preview))
+        .route("/workspaces/{workspace}/files", get(workspaces::list_files))
+        .route(
+            "/workspaces/{workspace}/files/{*path}",
+            get(workspaces::read_file)
+                .put(workspaces::write_file)
+                .delete(workspaces::delete_file),
+        )
+        .route("/workspaces/{workspace}/history", get(workspaces::history))
+        .route("/workflow-templates", get(workflows::templates))
+        .route("/workflows", get(workflows::list).post(workflows::create))
+        .route("/workflows/{workflow}", get(workflows::get))
+        .route("/workflows/{workflow}/events", get(workflows::events))
+        .route(
+            "/workflows/{workflow}/cancel",
+            post(workflows::cancel_route),
+        )
+        .route("/workflows/{workflow}/submit", post(workflows::submit))
+        .route("/workflows/{workflow}/review", post(workflows::review))
         .route("/volumes", get(volumes::list).post(volumes::create))
         .route(
             "/volumes/{volume}",
@@ -331,6 +359,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 pub async fn serve(config: ServerConfig, pools: Pools) -> std::io::Result<()> {
     let state = Arc::new(AppState::open(&config, pools)?);
     state.runtime.start_events();
+    workflows::resume_all(&state);
     let ticking = state.clone();
     tokio::spawn(async move {
         loop {

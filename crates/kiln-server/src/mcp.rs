@@ -113,6 +113,56 @@ pub struct WorkspaceOf {
     pub workspace: String,
 }
 
+/// Start a workflow.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct WorkflowStart {
+    /// A workflow template: static-website, fullstack-app, database-schema, or the operator's.
+    pub template: String,
+    /// What to build.
+    pub task: String,
+    /// Work in this workspace (name or id); a new one otherwise.
+    #[serde(default)]
+    pub workspace: Option<String>,
+    /// Rounds of review before it is rejected (1..=10; default the template's).
+    #[serde(default)]
+    pub max_rounds: Option<u32>,
+    /// A person plays the creator (hand over with workflow_submit_for_review).
+    #[serde(default)]
+    pub human_creator: bool,
+    /// A person plays the reviewer (review with workflow_submit_review).
+    #[serde(default)]
+    pub human_reviewer: bool,
+}
+
+/// A workflow, by id.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct WorkflowOf {
+    /// Its id (`wf_…`).
+    pub workflow_id: String,
+}
+
+/// A person's hand-over as a workflow's creator.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct WorkflowSubmit {
+    pub workflow_id: String,
+    /// Notes for the reviewer.
+    #[serde(default)]
+    pub notes: Option<String>,
+}
+
+/// A person's review as a workflow's reviewer.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct WorkflowReview {
+    pub workflow_id: String,
+    pub approved: bool,
+    #[serde(default)]
+    pub grade: Option<String>,
+    #[serde(default)]
+    pub feedback: Option<String>,
+    #[serde(default)]
+    pub suggestions: Option<Vec<String>>,
+}
+
 /// Add a service to a workspace.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct ServiceAdd {
@@ -1221,6 +1271,166 @@ impl KilnMcp {
         )
         .await;
         Ok(reply(ran, |rows| answer(json!(rows), false)))
+    }
+
+    #[tool(
+        description = "List the workflow templates (static-website, fullstack-app, database-schema, and the operator's): their files, services, preview and review criteria."
+    )]
+    async fn workflow_templates(
+        &self,
+        Parameters(_input): Parameters<Nothing>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let app = match self.served("workflows") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
+        };
+        let names = app.workflows.templates.names();
+        Ok(answer(json!({ "templates": names }), false))
+    }
+
+    #[tool(
+        description = "Start a multi-agent workflow: a creator agent builds the task in a workspace, a reviewer agent reviews it, and they go round (creation, review, revision) until it is approved or rejected. Returns its state; follow it with workflow_get."
+    )]
+    async fn workflow_start(
+        &self,
+        Parameters(input): Parameters<WorkflowStart>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let app = match self.served("workflows") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
+        };
+        let human = |yes: bool| {
+            Some(crate::workflows::RoleChoice {
+                human: yes,
+                model: None,
+            })
+        };
+        let started = crate::workflows::start(
+            app,
+            &caller,
+            crate::workflows::NewWorkflow {
+                template: input.template,
+                task: input.task,
+                workspace: input.workspace,
+                max_rounds: input.max_rounds,
+                roles: crate::workflows::RoleChoices {
+                    creator: human(input.human_creator),
+                    reviewer: human(input.human_reviewer),
+                },
+            },
+        )
+        .await;
+        Ok(match started {
+            Ok(state) => answer(json!(state), false),
+            Err(e) => api_refused(&e),
+        })
+    }
+
+    #[tool(
+        description = "A workflow's state: its stage (creation, review, revision, approved, rejected), whose turn it is, its reviews, its preview URL and its audit trail."
+    )]
+    async fn workflow_get(
+        &self,
+        Parameters(input): Parameters<WorkflowOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let app = match self.served("workflows") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
+        };
+        Ok(
+            match app.workflows.get(&caller.tenant, &input.workflow_id) {
+                Ok(state) => answer(json!(state), false),
+                Err(e) => api_refused(&e),
+            },
+        )
+    }
+
+    #[tool(description = "Cancel a running workflow: its agent stops and it is rejected.")]
+    async fn workflow_cancel(
+        &self,
+        Parameters(input): Parameters<WorkflowOf>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let app = match self.served("workflows") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
+        };
+        Ok(
+            match crate::workflows::cancel(app, &caller, &input.workflow_id).await {
+                Ok(state) => answer(json!(state), false),
+                Err(e) => api_refused(&e),
+            },
+        )
+    }
+
+    #[tool(
+        description = "Act as a workflow's creator (one started with human_creator): submit the work for review, with notes."
+    )]
+    async fn workflow_submit_for_review(
+        &self,
+        Parameters(input): Parameters<WorkflowSubmit>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let app = match self.served("workflows") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
+        };
+        Ok(
+            match crate::workflows::act(
+                app,
+                &caller,
+                &input.workflow_id,
+                crate::workflows::Role::Creator,
+                &json!({ "notes": input.notes }),
+            )
+            .await
+            {
+                Ok(state) => answer(json!(state), false),
+                Err(e) => api_refused(&e),
+            },
+        )
+    }
+
+    #[tool(
+        description = "Act as a workflow's reviewer (one started with human_reviewer): approve it with a grade, or send it back with feedback and suggestions."
+    )]
+    async fn workflow_submit_review(
+        &self,
+        Parameters(input): Parameters<WorkflowReview>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let app = match self.served("workflows") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
+        };
+        let review = json!({
+            "approved": input.approved,
+            "grade": input.grade,
+            "feedback": input.feedback,
+            "suggestions": input.suggestions,
+        });
+        Ok(
+            match crate::workflows::act(
+                app,
+                &caller,
+                &input.workflow_id,
+                crate::workflows::Role::Reviewer,
+                &review,
+            )
+            .await
+            {
+                Ok(state) => answer(json!(state), false),
+                Err(e) => api_refused(&e),
+            },
+        )
     }
 
     #[tool(

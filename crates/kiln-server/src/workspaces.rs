@@ -293,3 +293,115 @@ pub async fn enable_preview(
         expires_at: link.expires_at,
     })
 }
+
+// ---------------------------------------------------------------- files and history
+
+/// The sandbox of `caller`'s workspace `which`.
+fn sandbox_of(state: &crate::AppState, caller: &Caller, which: &str) -> Result<String, ApiError> {
+    Ok(state
+        .runtime
+        .registry
+        .workspaces
+        .get(&caller.tenant, which)?
+        .sandbox_id)
+}
+
+/// List a workspace's files (its sandbox's: `GET /api/v1/sandboxes/{sandboxId}/files`).
+#[utoipa::path(get, path = "/api/v1/workspaces/{workspace}/files", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name"), crate::v1::ListQuery),
+    responses(
+        (status = 200, description = "The listing", body = kiln_runtime::files::FileList),
+        (status = 400, description = "Bad path", body = ErrorBody),
+        (status = 404, description = "No such workspace or folder", body = ErrorBody),
+    ))]
+pub async fn list_files(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+    query: Result<
+        axum::extract::Query<crate::v1::ListQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Json<kiln_runtime::files::FileList>, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    let id = sandbox_of(&state, &caller, &which)?;
+    crate::v1::list_files(State(state), Extension(caller), Ok(Path(id)), query).await
+}
+
+/// Download a file of a workspace.
+#[utoipa::path(get, path = "/api/v1/workspaces/{workspace}/files/{path}", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name"), ("path" = String, Path, description = "The file's path in the workspace")),
+    responses(
+        (status = 200, description = "The file", content_type = "application/octet-stream", body = Vec<u8>),
+        (status = 400, description = "Bad path, a link or a special file", body = ErrorBody),
+        (status = 404, description = "No such workspace or file", body = ErrorBody),
+        (status = 409, description = "The path is a folder", body = ErrorBody),
+    ))]
+pub async fn read_file(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<axum::response::Response, ApiError> {
+    let Path((which, name)) = ids.map_err(path_error)?;
+    let id = sandbox_of(&state, &caller, &which)?;
+    crate::v1::read_file(State(state), Extension(caller), Ok(Path((id, name)))).await
+}
+
+/// Write a file of a workspace (the body is its bytes); recorded in its history.
+#[utoipa::path(put, path = "/api/v1/workspaces/{workspace}/files/{path}", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name"), ("path" = String, Path, description = "The file's path in the workspace")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses(
+        (status = 201, description = "Written", body = kiln_runtime::files::FileChange),
+        (status = 400, description = "Bad path", body = ErrorBody),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn write_file(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+    body: bytes::Bytes,
+) -> Result<(StatusCode, Json<kiln_runtime::files::FileChange>), ApiError> {
+    let Path((which, name)) = ids.map_err(path_error)?;
+    let id = sandbox_of(&state, &caller, &which)?;
+    crate::v1::write_file(State(state), Extension(caller), Ok(Path((id, name))), body).await
+}
+
+/// Delete a file of a workspace; recorded in its history.
+#[utoipa::path(delete, path = "/api/v1/workspaces/{workspace}/files/{path}", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name"), ("path" = String, Path, description = "The file's path in the workspace")),
+    responses(
+        (status = 200, description = "Deleted", body = kiln_runtime::files::FileChange),
+        (status = 404, description = "No such workspace or file", body = ErrorBody),
+    ))]
+pub async fn delete_file(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<kiln_runtime::files::FileChange>, ApiError> {
+    let Path((which, name)) = ids.map_err(path_error)?;
+    let id = sandbox_of(&state, &caller, &which)?;
+    crate::v1::delete_file(State(state), Extension(caller), Ok(Path((id, name)))).await
+}
+
+/// A workspace's history, newest first (its sandbox's; workflow events are notes in it).
+#[utoipa::path(get, path = "/api/v1/workspaces/{workspace}/history", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name"), crate::api::HistoryQuery),
+    responses(
+        (status = 200, description = "The history", body = crate::api::HistoryReply),
+        (status = 400, description = "Bad limit or cursor", body = ErrorBody),
+        (status = 404, description = "No such workspace", body = ErrorBody),
+    ))]
+pub async fn history(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+    query: Result<
+        axum::extract::Query<crate::api::HistoryQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Json<crate::api::HistoryReply>, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    let id = sandbox_of(&state, &caller, &which)?;
+    crate::api::history(State(state), Extension(caller), Path(id), query).await
+}

@@ -40,6 +40,7 @@ fn app(auth: bool) -> App {
         request_timeout: std::time::Duration::from_secs(30),
         public_hosts: Vec::new(),
         preview_domain: None,
+        workflow_templates: None,
         // Room for a handful of sessions at the default 512 MiB cap.
         quotas: Quotas {
             session_memory_bytes: 8 << 30,

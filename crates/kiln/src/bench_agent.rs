@@ -116,6 +116,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         request_timeout: Duration::from_secs(600),
         public_hosts: Vec::new(),
         preview_domain: None,
+        workflow_templates: None,
         catalogue: backends.catalogue.clone(),
         llm: kiln_llm::LlmEnv::from_env(),
         routes: Vec::new(),
@@ -156,8 +157,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         let input = kiln_server::agent::AgentInput {
             messages: vec![kiln_llm::Message::user("bench")],
             output_schema: None,
-            sandbox: None,
-            workspace: None,
+            ..Default::default()
         };
         let started = Instant::now();
         kiln_server::agent::run(&state, &caller, &model, input, &limits, &tx)

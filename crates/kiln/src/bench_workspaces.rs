@@ -2,7 +2,8 @@
 //! `kiln serve --linux` (this binary, no keys), as a client sees them: a new workspace with
 //! postgres to its first `run_sql` answer (the database made on the way), `run_sql` of a
 //! one-row select, stop, start again to the first answer, and the memory an idle workspace
-//! with postgres holds (the PSS of its box's processes).
+//! with postgres holds (the PSS of its box's processes), and a burst of 100 concurrent
+//! `run_sql` calls (each waits its turn; the time until the last is answered).
 
 use std::time::{Duration, Instant};
 
@@ -48,6 +49,7 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     let mut stop_us = Vec::new();
     let mut start_us = Vec::new();
     let mut pss = Vec::new();
+    let mut burst_us = Vec::new();
     for round in 0..rounds {
         let started = Instant::now();
         let ws = post(
@@ -69,6 +71,29 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
             )?;
             select_us.push(micros(started.elapsed()));
         }
+        let started = Instant::now();
+        let answered = std::thread::scope(|scope| {
+            let calls: Vec<_> = (0..100)
+                .map(|_| {
+                    scope.spawn(|| {
+                        post(
+                            &format!("/api/v1/workspaces/{id}/sql"),
+                            json!({"query": "select 1 as one"}),
+                        )
+                    })
+                })
+                .collect();
+            calls
+                .into_iter()
+                .map(|c| c.join())
+                .filter(|joined| matches!(joined, Ok(Ok(_))))
+                .count()
+        });
+        anyhow::ensure!(
+            answered == 100,
+            "a burst of 100 run_sql: {answered} answered"
+        );
+        burst_us.push(micros(started.elapsed()));
         let started = Instant::now();
         post(&format!("/api/v1/workspaces/{id}/stop"), json!({}))?;
         stop_us.push(micros(started.elapsed()));
@@ -103,6 +128,7 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         summary(create_us),
     );
     report.insert("run_sql_one_row".into(), summary(select_us));
+    report.insert("run_sql_burst_of_100".into(), summary(burst_us));
     report.insert("workspace_stop".into(), summary(stop_us));
     report.insert("workspace_start_to_first_sql".into(), summary(start_us));
     pss.sort_unstable();

@@ -211,6 +211,10 @@ pub struct ServeArgs {
     /// `/preview/{id}/{port}/` does. Needs wildcard DNS for the domain (and TLS in front).
     #[arg(long, env = "KILN_PREVIEW_DOMAIN", value_name = "DOMAIN")]
     pub preview_domain: Option<String>,
+    /// A folder of workflow templates (`*.yaml`) besides the built-in ones (`static-website`,
+    /// `fullstack-app`, `database-schema`); one with a built-in's name replaces it.
+    #[arg(long, env = "KILN_WORKFLOW_TEMPLATES", value_name = "DIR")]
+    pub workflow_templates: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub linux_args: LinuxArgs,
 }

@@ -468,6 +468,7 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         request_timeout: std::time::Duration::from_secs(args.request_timeout.max(1)),
         public_hosts: args.public_hosts,
         preview_domain: args.preview_domain.clone(),
+        workflow_templates: args.workflow_templates.clone(),
         quotas,
         worker_jail,
         admission: kiln_runtime::admission::AdmissionConfig {

@@ -19,4 +19,5 @@ mod snapshots;
 mod storage;
 mod volumes;
 mod worker_jail;
+mod workflows;
 mod workspaces;

@@ -96,6 +96,24 @@ fn issue35_a_workspace_runs_postgres_and_redis_answers_sql_and_keeps_its_data_ov
         json!([{"name": "tea", "price": "3.50", "dear": false}, {"name": "cake", "price": "4.25", "dear": true}]),
         "{rows}"
     );
+    // A burst of 100 statements at once: each waits its turn, none is refused.
+    let answers: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let calls: Vec<_> = (0..100)
+            .map(|n| {
+                let server = &server;
+                let id = &id;
+                scope.spawn(move || sql(server, id, json!({"query": format!("select {n} as n")})))
+            })
+            .collect();
+        calls.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    for (n, (status, rows)) in answers.iter().enumerate() {
+        assert_eq!(
+            (*status, rows["rows"][0]["n"].as_u64()),
+            (200, Some(n as u64)),
+            "{rows}"
+        );
+    }
     // Bounded: at most 1000 rows, the rest said.
     let (status, many) = sql(
         &server,
