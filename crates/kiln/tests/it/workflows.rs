@@ -69,7 +69,12 @@ fn trail_agrees_with_history(server: &Server, wf: &Value) {
     let notes: Vec<&Value> = entries
         .iter()
         .rev()
-        .filter(|e| e["id"].as_str().unwrap_or("").starts_with("workflow_"))
+        .filter(|e| {
+            e["id"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(&format!("workflow_{id}_"))
+        })
         .collect();
     let events = wf["history"].as_array().unwrap();
     assert_eq!(notes.len(), events.len(), "{history:#}");
@@ -277,7 +282,7 @@ async fn issue35_the_database_schema_workflow_is_reviewed_revised_and_approved()
             "approved"
         ]
     );
-    // The stream carried the trail in order, and agent activity besides.
+    // The stream carried the trail in order.
     let streamed: Vec<String> = sse
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
@@ -592,4 +597,97 @@ async fn issue35_the_static_website_workflow_previews_its_pages_and_bad_inputs_a
     // The human review's feedback reached the creator.
     let last = requests.last().unwrap().to_string();
     assert!(last.contains("I fixed the heading"), "{last}");
+}
+
+/// A workflow outlives its server: stopped during the creator's turn (its model call never
+/// answered), the server starts again and the turn starts over; the person reviewing then
+/// approves. Its record and trail come back from the data folder.
+#[tokio::test(flavor = "multi_thread")]
+async fn issue35_a_workflow_goes_on_after_its_server_restarts() {
+    if skip() {
+        return;
+    }
+    let fake = FakeProvider::start(vec![
+        Step::Hang,
+        Step::tool(
+            "c1",
+            "write_file",
+            json!({"path": "index.html", "content": "<p>kept</p>\n"}),
+        ),
+        Step::tool(
+            "c2",
+            "submit_for_review",
+            json!({"notes": "after a restart"}),
+        ),
+    ])
+    .await
+    .unwrap();
+    let base_url = fake.base_url.clone();
+    tokio::task::spawn_blocking(move || {
+        let env = [
+            ("KILN_LLM_MODEL", "openai-compatible:fake"),
+            ("KILN_LLM_BASE_URL", base_url.as_str()),
+        ];
+        let data = tempfile::tempdir().unwrap();
+        let (id, key) = {
+            let server = serve::start(Options {
+                auth: true,
+                data: Some(data.path()),
+                extra: &["--linux"],
+                env: &env,
+                ..Default::default()
+            })
+            .unwrap();
+            let (status, started) = server
+                .call(
+                    "POST",
+                    "/api/v1/workflows",
+                    Some(json!({"template": "static-website", "task": "A page.", "roles": {"reviewer": {"human": true}}})),
+                )
+                .unwrap();
+            assert_eq!(status, 201, "{started}");
+            let id = started["id"].as_str().unwrap().to_owned();
+            wait_for(&server, &id, |w| actions(w).contains(&"turn_started".to_owned()));
+            let mut server = server;
+            // SAFETY: kill sends a signal to the server's pid, which this test started.
+            unsafe { libc::kill(server.child.0.id() as i32, libc::SIGTERM) };
+            assert!(server.child.0.wait().unwrap().success());
+            (id, server.key.clone())
+        };
+        let mut server = serve::start(Options {
+            auth: true,
+            data: Some(data.path()),
+            extra: &["--linux"],
+            env: &env,
+            ..Default::default()
+        })
+        .unwrap();
+        server.key = key;
+        let waiting = wait_for(&server, &id, |w| w["waitingForHuman"] == json!(true));
+        assert_eq!(waiting["stage"], "review", "{waiting:#}");
+        let (status, reviewed) = server
+            .call(
+                "POST",
+                &format!("/api/v1/workflows/{id}/review"),
+                Some(json!({"approved": true, "grade": "A"})),
+            )
+            .unwrap();
+        assert_eq!((status, reviewed["stage"].as_str()), (200, Some("approved")), "{reviewed}");
+        assert_eq!(
+            actions(&reviewed),
+            [
+                "started",
+                "turn_started",
+                "turn_started",
+                "preview_enabled",
+                "submitted_for_review",
+                "waiting_for_human",
+                "review_submitted",
+                "approved"
+            ]
+        );
+        trail_agrees_with_history(&server, &reviewed);
+    })
+    .await
+    .unwrap();
 }
