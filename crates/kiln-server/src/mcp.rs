@@ -1303,7 +1303,7 @@ impl KilnMcp {
             Err(unserved) => return Ok(refused(unserved)),
         };
         let human = |yes: bool| {
-            Some(crate::workflows::RoleChoice {
+            Some(crate::workflows::WorkflowRoleChoice {
                 human: yes,
                 model: None,
             })
@@ -1316,7 +1316,7 @@ impl KilnMcp {
                 task: input.task,
                 workspace: input.workspace,
                 max_rounds: input.max_rounds,
-                roles: crate::workflows::RoleChoices {
+                roles: crate::workflows::WorkflowRoleChoices {
                     creator: human(input.human_creator),
                     reviewer: human(input.human_reviewer),
                 },
@@ -1387,7 +1387,7 @@ impl KilnMcp {
                 app,
                 &caller,
                 &input.workflow_id,
-                crate::workflows::Role::Creator,
+                crate::workflows::WorkflowRole::Creator,
                 &json!({ "notes": input.notes }),
             )
             .await
@@ -1422,7 +1422,7 @@ impl KilnMcp {
                 app,
                 &caller,
                 &input.workflow_id,
-                crate::workflows::Role::Reviewer,
+                crate::workflows::WorkflowRole::Reviewer,
                 &review,
             )
             .await

@@ -104,7 +104,7 @@ pub struct WorkflowTemplate {
     pub services: Vec<String>,
     /// The preview kiln turns on when the work is submitted.
     #[serde(default)]
-    pub preview: Option<TemplatePreview>,
+    pub preview: Option<WorkflowPreview>,
     /// What the reviewer judges by.
     #[serde(default)]
     pub review_criteria: Vec<String>,
@@ -119,7 +119,7 @@ fn default_rounds() -> u32 {
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct TemplatePreview {
+pub struct WorkflowPreview {
     /// `static` (the workspace's files through its nginx) or `proxy` (its own server).
     #[serde(rename = "type")]
     pub kind: String,
@@ -196,8 +196,8 @@ impl WorkflowTemplate {
         Ok(template)
     }
 
-    fn info(&self) -> TemplateInfo {
-        TemplateInfo {
+    fn info(&self) -> WorkflowTemplateInfo {
+        WorkflowTemplateInfo {
             name: self.name.clone(),
             description: self.description.clone(),
             files: self.files.clone(),
@@ -257,13 +257,13 @@ impl Templates {
 /// A workflow template as the API shows it.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct TemplateInfo {
+pub struct WorkflowTemplateInfo {
     pub name: String,
     pub description: String,
     pub files: Vec<String>,
     pub services: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub preview: Option<TemplatePreview>,
+    pub preview: Option<WorkflowPreview>,
     pub review_criteria: Vec<String>,
     pub max_rounds: u32,
 }
@@ -274,41 +274,41 @@ pub struct TemplateInfo {
 /// Seed 002's `WorkflowStage`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
-pub enum Stage {
+pub enum WorkflowStage {
     Creation,
-    Review,
+    WorkflowReview,
     Revision,
     Approved,
     Rejected,
 }
 
-impl Stage {
+impl WorkflowStage {
     pub fn finished(self) -> bool {
-        matches!(self, Stage::Approved | Stage::Rejected)
+        matches!(self, WorkflowStage::Approved | WorkflowStage::Rejected)
     }
 
     /// The role whose turn it is.
-    fn role(self) -> Option<Role> {
+    fn role(self) -> Option<WorkflowRole> {
         match self {
-            Stage::Creation | Stage::Revision => Some(Role::Creator),
-            Stage::Review => Some(Role::Reviewer),
-            Stage::Approved | Stage::Rejected => None,
+            WorkflowStage::Creation | WorkflowStage::Revision => Some(WorkflowRole::Creator),
+            WorkflowStage::WorkflowReview => Some(WorkflowRole::Reviewer),
+            WorkflowStage::Approved | WorkflowStage::Rejected => None,
         }
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
-pub enum Role {
+pub enum WorkflowRole {
     Creator,
     Reviewer,
 }
 
-impl Role {
+impl WorkflowRole {
     pub fn name(self) -> &'static str {
         match self {
-            Role::Creator => "creator",
-            Role::Reviewer => "reviewer",
+            WorkflowRole::Creator => "creator",
+            WorkflowRole::Reviewer => "reviewer",
         }
     }
 }
@@ -353,7 +353,7 @@ pub struct WorkflowEvent {
 /// Who plays a role.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct RoleSetting {
+pub struct WorkflowRoleSetting {
     /// A person, through `POST …/submit` or `…/review`.
     pub human: bool,
     /// `provider:model` of an agent role; `null`: the server's model.
@@ -371,15 +371,15 @@ pub struct WorkflowState {
     pub workspace_id: String,
     pub workspace: String,
     pub sandbox_id: String,
-    pub stage: Stage,
+    pub stage: WorkflowStage,
     /// The role whose turn it is (`null` once finished).
-    pub current_agent: Option<Role>,
+    pub current_agent: Option<WorkflowRole>,
     /// Waiting for a person to act as the current role.
     pub waiting_for_human: bool,
     /// The round of review (1, 2, …).
     pub round: u32,
     pub max_rounds: u32,
-    pub roles: BTreeMap<String, RoleSetting>,
+    pub roles: BTreeMap<String, WorkflowRoleSetting>,
     pub reviews: Vec<ReviewResult>,
     /// The audit trail, oldest first.
     pub history: Vec<WorkflowEvent>,
@@ -707,7 +707,7 @@ enum Transition {
 
 /// The workflow tools of one turn: they record the transition; the driver applies it.
 struct Turn {
-    role: Role,
+    role: WorkflowRole,
     latest_review: Option<ReviewResult>,
     made: Mutex<Option<Transition>>,
 }
@@ -718,14 +718,14 @@ impl Turn {
     }
 }
 
-fn transition_tools(role: Role) -> Vec<ToolSpec> {
+fn transition_tools(role: WorkflowRole) -> Vec<ToolSpec> {
     let feedback = ToolSpec {
         name: "get_review_feedback".into(),
         description: "The most recent review of this workflow: approved, grade, feedback, suggestions and the files the reviewer changed (null before the first review).".into(),
         parameters: json!({"type": "object", "properties": {}}),
     };
     match role {
-        Role::Creator => vec![
+        WorkflowRole::Creator => vec![
             ToolSpec {
                 name: "submit_for_review".into(),
                 description: "Submit the work in the workspace for review, with notes for the reviewer about what was done. Call it once the work is done; your turn ends with it.".into(),
@@ -733,7 +733,7 @@ fn transition_tools(role: Role) -> Vec<ToolSpec> {
             },
             feedback,
         ],
-        Role::Reviewer => vec![
+        WorkflowRole::Reviewer => vec![
             ToolSpec {
                 name: "submit_review".into(),
                 description: "Submit your review: approved or not, a grade (A, B+, C, …), feedback for the creator and specific suggestions. Not approved sends the work back for revision. Your turn ends with it.".into(),
@@ -815,8 +815,8 @@ impl TurnHook for Turn {
                     false,
                 ));
             }
-            ("submit_for_review", Role::Creator) => notes_of(arguments),
-            ("submit_review", Role::Reviewer) => review_of(arguments),
+            ("submit_for_review", WorkflowRole::Creator) => notes_of(arguments),
+            ("submit_review", WorkflowRole::Reviewer) => review_of(arguments),
             _ => return None,
         };
         let mut slot = self.made.lock().unwrap_or_else(|e| e.into_inner());
@@ -914,8 +914,8 @@ async fn apply_only(
             )
             .await?;
             app.workflows.update(id, |s| {
-                s.stage = Stage::Review;
-                s.current_agent = Some(Role::Reviewer);
+                s.stage = WorkflowStage::WorkflowReview;
+                s.current_agent = Some(WorkflowRole::Reviewer);
                 s.waiting_for_human = false;
                 s.preview_url = preview_url;
                 s.turn_base = None;
@@ -972,7 +972,7 @@ async fn apply_only(
                 )
                 .await?;
                 app.workflows.update(id, |s| {
-                    s.stage = Stage::Approved;
+                    s.stage = WorkflowStage::Approved;
                     s.current_agent = None;
                 })
             } else if state.round >= state.max_rounds {
@@ -994,8 +994,8 @@ async fn apply_only(
                 .await?;
                 app.workflows.update(id, |s| {
                     s.round += 1;
-                    s.stage = Stage::Revision;
-                    s.current_agent = Some(Role::Creator);
+                    s.stage = WorkflowStage::Revision;
+                    s.current_agent = Some(WorkflowRole::Creator);
                 })
             }
         }
@@ -1037,7 +1037,7 @@ async fn await_human(app: &Arc<AppState>, caller: &Caller, id: &str) -> Result<(
 async fn reject(app: &Arc<AppState>, id: &str, reason: String) -> Result<WorkflowState, ApiError> {
     push_event(app, id, "system", "rejected", json!({"reason": reason})).await?;
     app.workflows.update(id, |s| {
-        s.stage = Stage::Rejected;
+        s.stage = WorkflowStage::Rejected;
         s.current_agent = None;
         s.waiting_for_human = false;
         s.reason = Some(reason);
@@ -1099,7 +1099,7 @@ async fn step(app: &Arc<AppState>, id: &str) -> Result<bool, ApiError> {
         .roles
         .get(role.name())
         .cloned()
-        .unwrap_or(RoleSetting {
+        .unwrap_or(WorkflowRoleSetting {
             human: false,
             model: None,
         });
@@ -1115,7 +1115,10 @@ async fn step(app: &Arc<AppState>, id: &str) -> Result<bool, ApiError> {
 }
 
 /// The model a role runs on.
-fn model_for(app: &AppState, setting: &RoleSetting) -> Result<Arc<dyn ChatModel>, ApiError> {
+fn model_for(
+    app: &AppState,
+    setting: &WorkflowRoleSetting,
+) -> Result<Arc<dyn ChatModel>, ApiError> {
     match &setting.model {
         None => app.llm.clone().map_err(|m| {
             ApiError::new(
@@ -1139,8 +1142,8 @@ async fn agent_turn(
     app: &Arc<AppState>,
     caller: &Caller,
     state: &WorkflowState,
-    role: Role,
-    setting: RoleSetting,
+    role: WorkflowRole,
+    setting: WorkflowRoleSetting,
 ) -> Result<(), ApiError> {
     let id = state.id.as_str();
     let template = app
@@ -1167,8 +1170,8 @@ async fn agent_turn(
     )
     .await?;
     let spec = match role {
-        Role::Creator => &template.roles.creator,
-        Role::Reviewer => &template.roles.reviewer,
+        WorkflowRole::Creator => &template.roles.creator,
+        WorkflowRole::Reviewer => &template.roles.reviewer,
     };
     let workspace = app
         .runtime
@@ -1240,8 +1243,8 @@ async fn agent_turn(
             return Ok(());
         }
         let tool = match role {
-            Role::Creator => "submit_for_review",
-            Role::Reviewer => "submit_review",
+            WorkflowRole::Creator => "submit_for_review",
+            WorkflowRole::Reviewer => "submit_review",
         };
         if attempt == MAX_NUDGES {
             break;
@@ -1260,8 +1263,8 @@ async fn agent_turn(
         )));
     }
     let tool = match role {
-        Role::Creator => "submit_for_review",
-        Role::Reviewer => "submit_review",
+        WorkflowRole::Creator => "submit_for_review",
+        WorkflowRole::Reviewer => "submit_review",
     };
     reject(
         app,
@@ -1279,7 +1282,7 @@ async fn agent_turn(
 fn system_prompt(
     template: &WorkflowTemplate,
     spec: &TemplateRole,
-    role: Role,
+    role: WorkflowRole,
     state: &WorkflowState,
     workspace: &kiln_runtime::workspaces::WorkspaceInfo,
 ) -> String {
@@ -1331,15 +1334,15 @@ fn system_prompt(
         });
     }
     text.push_str(match role {
-        Role::Creator => " When the work is done, call submit_for_review with notes for the reviewer; in a revision, read the review with get_review_feedback first.",
-        Role::Reviewer => " When you have judged the work, call submit_review: approved true or false, a grade, feedback and specific suggestions.",
+        WorkflowRole::Creator => " When the work is done, call submit_for_review with notes for the reviewer; in a revision, read the review with get_review_feedback first.",
+        WorkflowRole::Reviewer => " When you have judged the work, call submit_review: approved true or false, a grade, feedback and specific suggestions.",
     });
     text
 }
 
-fn opening(state: &WorkflowState, role: Role) -> String {
+fn opening(state: &WorkflowState, role: WorkflowRole) -> String {
     match (role, state.stage) {
-        (Role::Creator, Stage::Revision) => {
+        (WorkflowRole::Creator, WorkflowStage::Revision) => {
             let mut text = format!(
                 "The task: {}\n\nThe reviewer asked for changes (this is round {} of {}).",
                 state.task, state.round, state.max_rounds
@@ -1363,8 +1366,8 @@ fn opening(state: &WorkflowState, role: Role) -> String {
             text.push_str("\nRevise the work, then call submit_for_review again.");
             text
         }
-        (Role::Creator, _) => format!("The task: {}", state.task),
-        (Role::Reviewer, _) => {
+        (WorkflowRole::Creator, _) => format!("The task: {}", state.task),
+        (WorkflowRole::Reviewer, _) => {
             let notes = state
                 .history
                 .iter()
@@ -1389,7 +1392,7 @@ fn opening(state: &WorkflowState, role: Role) -> String {
 /// Who plays a role, as a start request says.
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct RoleChoice {
+pub struct WorkflowRoleChoice {
     /// A person plays it (through `POST …/submit` or `…/review`).
     #[serde(default)]
     pub human: bool,
@@ -1399,9 +1402,9 @@ pub struct RoleChoice {
 
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct RoleChoices {
-    pub creator: Option<RoleChoice>,
-    pub reviewer: Option<RoleChoice>,
+pub struct WorkflowRoleChoices {
+    pub creator: Option<WorkflowRoleChoice>,
+    pub reviewer: Option<WorkflowRoleChoice>,
 }
 
 /// A workflow to start.
@@ -1417,7 +1420,7 @@ pub struct NewWorkflow {
     /// Rounds of review before it is rejected (default the template's, 1..=10).
     pub max_rounds: Option<u32>,
     #[serde(default)]
-    pub roles: RoleChoices,
+    pub roles: WorkflowRoleChoices,
 }
 
 /// Starts a workflow of `caller`'s.
@@ -1452,17 +1455,17 @@ pub async fn start(
     let mut roles = BTreeMap::new();
     for (role, chosen, spec) in [
         (
-            Role::Creator,
+            WorkflowRole::Creator,
             new.roles.creator.clone().unwrap_or_default(),
             &template.roles.creator,
         ),
         (
-            Role::Reviewer,
+            WorkflowRole::Reviewer,
             new.roles.reviewer.clone().unwrap_or_default(),
             &template.roles.reviewer,
         ),
     ] {
-        let setting = RoleSetting {
+        let setting = WorkflowRoleSetting {
             human: chosen.human,
             model: chosen.model.or_else(|| spec.model.clone()),
         };
@@ -1529,8 +1532,8 @@ pub async fn start(
         workspace_id: workspace.id.clone(),
         workspace: workspace.name.clone(),
         sandbox_id: workspace.sandbox_id.clone(),
-        stage: Stage::Creation,
-        current_agent: Some(Role::Creator),
+        stage: WorkflowStage::Creation,
+        current_agent: Some(WorkflowRole::Creator),
         waiting_for_human: false,
         round: 1,
         max_rounds,
@@ -1569,7 +1572,7 @@ pub async fn act(
     app: &Arc<AppState>,
     caller: &Caller,
     id: &str,
-    role: Role,
+    role: WorkflowRole,
     arguments: &Value,
 ) -> Result<WorkflowState, ApiError> {
     let state = app.workflows.get(&caller.tenant, id)?;
@@ -1602,8 +1605,8 @@ pub async fn act(
         ));
     }
     let transition = match role {
-        Role::Creator => notes_of(arguments),
-        Role::Reviewer => review_of(arguments),
+        WorkflowRole::Creator => notes_of(arguments),
+        WorkflowRole::Reviewer => review_of(arguments),
     }
     .map_err(|m| ApiError::bad_request("INVALID_REQUEST", m))?;
     let by = format!("human:{}", caller.key_id);
@@ -1652,7 +1655,7 @@ pub async fn cancel(
     )
     .await?;
     app.workflows.update(id, |s| {
-        s.stage = Stage::Rejected;
+        s.stage = WorkflowStage::Rejected;
         s.current_agent = None;
         s.waiting_for_human = false;
         s.reason = Some(reason);
@@ -1671,15 +1674,15 @@ fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
 
 /// The workflow templates.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct TemplateList {
-    pub templates: Vec<TemplateInfo>,
+pub struct WorkflowTemplateList {
+    pub templates: Vec<WorkflowTemplateInfo>,
 }
 
 /// List the workflow templates (built in, and the operator's).
 #[utoipa::path(get, path = "/api/v1/workflow-templates", tag = "v1 workflows",
-    responses((status = 200, description = "The templates", body = TemplateList)))]
-pub async fn templates(State(state): Shared) -> Json<TemplateList> {
-    Json(TemplateList {
+    responses((status = 200, description = "The templates", body = WorkflowTemplateList)))]
+pub async fn templates(State(state): Shared) -> Json<WorkflowTemplateList> {
+    Json(WorkflowTemplateList {
         templates: state
             .workflows
             .templates
@@ -1766,14 +1769,14 @@ pub async fn cancel_route(
 /// A person's hand-over as the creator.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct Submission {
+pub struct WorkflowSubmission {
     pub notes: Option<String>,
 }
 
 /// A person's review.
 #[derive(Debug, Deserialize, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct Review {
+pub struct WorkflowReview {
     pub approved: bool,
     pub grade: Option<String>,
     pub feedback: Option<String>,
@@ -1783,7 +1786,7 @@ pub struct Review {
 /// Act as the creator (a workflow started with `roles.creator.human`): submit for review.
 #[utoipa::path(post, path = "/api/v1/workflows/{workflow}/submit", tag = "v1 workflows",
     params(("workflow" = String, Path, description = "Its id")),
-    request_body = Submission,
+    request_body = WorkflowSubmission,
     responses(
         (status = 200, description = "Submitted", body = WorkflowState),
         (status = 409, description = "The creator is an agent, or it is not its turn", body = ErrorBody),
@@ -1792,7 +1795,7 @@ pub async fn submit(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<UrlPath<String>, PathRejection>,
-    sent: Result<Json<Submission>, JsonRejection>,
+    sent: Result<Json<WorkflowSubmission>, JsonRejection>,
 ) -> Result<Json<WorkflowState>, ApiError> {
     let UrlPath(id) = id.map_err(path_error)?;
     let sent = body(sent)?;
@@ -1801,7 +1804,7 @@ pub async fn submit(
             &state,
             &caller,
             &id,
-            Role::Creator,
+            WorkflowRole::Creator,
             &json!({"notes": sent.notes}),
         )
         .await?,
@@ -1812,7 +1815,7 @@ pub async fn submit(
 /// work back with feedback.
 #[utoipa::path(post, path = "/api/v1/workflows/{workflow}/review", tag = "v1 workflows",
     params(("workflow" = String, Path, description = "Its id")),
-    request_body = Review,
+    request_body = WorkflowReview,
     responses(
         (status = 200, description = "Reviewed", body = WorkflowState),
         (status = 400, description = "A bad review", body = ErrorBody),
@@ -1822,18 +1825,18 @@ pub async fn review(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<UrlPath<String>, PathRejection>,
-    sent: Result<Json<Review>, JsonRejection>,
+    sent: Result<Json<WorkflowReview>, JsonRejection>,
 ) -> Result<Json<WorkflowState>, ApiError> {
     let UrlPath(id) = id.map_err(path_error)?;
     let sent = body(sent)?;
     Ok(Json(
-        act(&state, &caller, &id, Role::Reviewer, &json!(sent)).await?,
+        act(&state, &caller, &id, WorkflowRole::Reviewer, &json!(sent)).await?,
     ))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
-pub struct EventsQuery {
+pub struct WorkflowEventsQuery {
     /// Only events after this seq (a reconnecting client's last one).
     pub after: Option<u64>,
 }
@@ -1842,7 +1845,7 @@ pub struct EventsQuery {
 /// `after`, then as they happen) and `agent` events (an agent's tokens and tool calls, live
 /// only); the stream ends after `approved`, `rejected` or `cancelled`.
 #[utoipa::path(get, path = "/api/v1/workflows/{workflow}/events", tag = "v1 workflows",
-    params(("workflow" = String, Path, description = "Its id"), EventsQuery),
+    params(("workflow" = String, Path, description = "Its id"), WorkflowEventsQuery),
     responses(
         (status = 200, description = "An event stream", content_type = "text/event-stream", body = crate::v1::SseEvent),
         (status = 404, description = "No such workflow", body = ErrorBody),
@@ -1851,7 +1854,7 @@ pub async fn events(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<UrlPath<String>, PathRejection>,
-    query: Result<Query<EventsQuery>, QueryRejection>,
+    query: Result<Query<WorkflowEventsQuery>, QueryRejection>,
 ) -> Result<Sse<impl futures::Stream<Item = Result<Event, Infallible>>>, ApiError> {
     let UrlPath(id) = id.map_err(path_error)?;
     let Query(query) =
@@ -2012,7 +2015,7 @@ mod tests {
     #[test]
     fn a_turn_takes_one_transition_of_its_role() {
         let turn = Turn {
-            role: Role::Reviewer,
+            role: WorkflowRole::Reviewer,
             latest_review: None,
             made: Mutex::new(None),
         };
