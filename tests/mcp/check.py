@@ -345,6 +345,8 @@ async def issue35_tools(client):
     check(shown["url"].startswith("/preview/") and shown["preview"]["port"] == 8080, f"enable_preview: {shown}")
     listed = data(await client.call_tool("workspace_list", {}))
     check([w["name"] for w in listed["workspaces"]] == ["mcp-ws"], f"workspace_list: {listed}")
+    alone = await client.call_tool("workspace_share", {"workspace": "mcp-ws", "key_id": "key_x", "access": "read"})
+    check(alone.is_error and "no API keys" in text(alone), f"workspace_share without keys: {text(alone)}")
     data(await client.call_tool("workspace_delete", {"workspace": "mcp-ws"}))
     print("mcp-check: workspaces, services and run_sql ok")
 

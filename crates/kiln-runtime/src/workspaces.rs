@@ -231,6 +231,54 @@ pub struct WorkspaceInfo {
     /// `running` or `stopped`.
     pub state: String,
     pub created_at: String,
+    /// Other keys of the tenant it is shared with. Nobody else of the tenant sees it.
+    #[serde(default)]
+    pub collaborators: Vec<Collaborator>,
+}
+
+/// A key a workspace is shared with, and how far.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Collaborator {
+    /// The key's public id (`key_…`, as `kiln keys list` shows it).
+    pub key_id: String,
+    pub access: Access,
+}
+
+/// How far a collaborator may go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Access {
+    /// See it: its record, files, history, workflows; `run_sql` in a read-only transaction.
+    Read,
+    /// Work in it as the owner does (its sandbox too), but not delete it or share it.
+    Write,
+}
+
+/// What an operation on a workspace needs of its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    Read,
+    Write,
+    /// The owner's alone: delete it, share it.
+    Own,
+}
+
+impl WorkspaceInfo {
+    /// Whether key `key_id` may do what `need` asks.
+    pub fn allows(&self, key_id: &str, need: Need) -> bool {
+        if self.owner == key_id {
+            return true;
+        }
+        match self.collaborators.iter().find(|c| c.key_id == key_id) {
+            None => false,
+            Some(c) => match need {
+                Need::Own => false,
+                Need::Write => c.access == Access::Write,
+                Need::Read => true,
+            },
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -335,6 +383,47 @@ impl Workspaces {
             .collect();
         own.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
         own
+    }
+
+    /// `caller`'s workspace by id or name, when it may do what `need` asks (else, as for a
+    /// workspace that is not there, [`RuntimeError::WorkspaceNotFound`]).
+    pub fn get_as(&self, caller: &Caller, which: &str, need: Need) -> Result<WorkspaceInfo> {
+        let ws = self.get(&caller.tenant, which)?;
+        if ws.allows(&caller.key_id, need) {
+            Ok(ws)
+        } else {
+            Err(RuntimeError::WorkspaceNotFound {
+                workspace: which.to_owned(),
+            })
+        }
+    }
+
+    /// The workspaces `caller` may see (its own and those shared with it), oldest first.
+    pub fn list_for(&self, caller: &Caller) -> Vec<WorkspaceInfo> {
+        let mut own = self.list(&caller.tenant);
+        own.retain(|w| w.allows(&caller.key_id, Need::Read));
+        own
+    }
+
+    /// Whether `caller` may use sandbox `id` through the sandbox routes: a sandbox that is
+    /// no workspace's, or one of a workspace it owns or may write.
+    pub fn may_use_sandbox(&self, caller: &Caller, id: &str) -> bool {
+        self.lock()
+            .values()
+            .find(|s| s.info.sandbox_id == id)
+            .is_none_or(|s| s.tenant != caller.tenant || s.info.allows(&caller.key_id, Need::Write))
+    }
+
+    /// Shares workspace `which` of `caller`'s (the owner's) with `collaborators` (replacing
+    /// those it had). The keys are the caller's to check (they are the server's).
+    pub fn share(
+        &self,
+        caller: &Caller,
+        which: &str,
+        collaborators: Vec<Collaborator>,
+    ) -> Result<WorkspaceInfo> {
+        let ws = self.get_as(caller, which, Need::Own)?;
+        self.update(&caller.tenant, &ws.id, |w| w.collaborators = collaborators)
     }
 
     /// `tenant`'s workspace by id or name.
@@ -469,6 +558,7 @@ pub async fn create(
             preview: None,
             state: "running".into(),
             created_at: rfc3339(now_ms()),
+            collaborators: Vec::new(),
         },
         tenant: caller.tenant.clone(),
     };
@@ -526,7 +616,7 @@ pub async fn add_service(
     which: &str,
     kind: ServiceKind,
 ) -> Result<Service> {
-    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let ws = rt.registry.workspaces.get_as(caller, which, Need::Write)?;
     start_one(rt, caller, &ws, kind).await?;
     rt.registry.workspaces.update(&caller.tenant, &ws.id, |w| {
         if !w.services.iter().any(|s| s.kind == kind) {
@@ -612,7 +702,7 @@ pub async fn enable_preview(
     root_path: Option<&str>,
     port: Option<u16>,
 ) -> Result<WorkspaceInfo> {
-    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let ws = rt.registry.workspaces.get_as(caller, which, Need::Write)?;
     let preview = match kind {
         "static" => {
             if port.is_some_and(|p| p != ServiceKind::Nginx.port()) {
@@ -672,7 +762,7 @@ pub async fn enable_preview(
 
 /// Starts workspace `which`: its box (restored if hibernated) and every service of it.
 pub async fn start(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<WorkspaceInfo> {
-    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let ws = rt.registry.workspaces.get_as(caller, which, Need::Write)?;
     for service in &ws.services {
         start_one(rt, caller, &ws, service.kind).await?;
     }
@@ -684,7 +774,7 @@ pub async fn start(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<Wo
 /// Stops workspace `which`: its services shut down cleanly (their data written), then its
 /// box is hibernated (its memory back to the host; files and history kept).
 pub async fn stop(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<WorkspaceInfo> {
-    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let ws = rt.registry.workspaces.get_as(caller, which, Need::Write)?;
     let script: Vec<&str> = ws.services.iter().map(|s| s.kind.stop_script()).collect();
     if !script.is_empty() {
         run_script(
@@ -710,7 +800,7 @@ pub async fn stop(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<Wor
 
 /// Deletes workspace `which` and its sandbox (its files, history and service data).
 pub async fn delete(rt: &Arc<Runtime>, caller: &Caller, which: &str) -> Result<()> {
-    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let ws = rt.registry.workspaces.get_as(caller, which, Need::Own)?;
     match rt.delete_sandbox(caller, &ws.sandbox_id).await {
         Ok(()) | Err(RuntimeError::SandboxNotFound { .. }) => {}
         Err(e) => return Err(e),
@@ -742,6 +832,8 @@ pub struct SqlResult {
 const SQL_PY: &str = r#"
 import json, sys
 kind, query, limit, timeout_ms = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+# "ro": a read collaborator's statement, run as a role the database lets read only.
+read_only = sys.argv[5] == "ro"
 def value(v):
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
@@ -754,9 +846,20 @@ try:
         conn = psycopg2.connect(host="127.0.0.1", user="postgres", dbname="postgres",
                                 options="-c statement_timeout=%d" % timeout_ms, connect_timeout=10)
         conn.autocommit = True
+        if read_only:
+            conn.cursor().execute("DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'kiln_reader') THEN CREATE ROLE kiln_reader LOGIN; END IF; END $$; GRANT pg_read_all_data TO kiln_reader")
+            conn.close()
+            conn = psycopg2.connect(host="127.0.0.1", user="kiln_reader", dbname="postgres",
+                                    options="-c statement_timeout=%d -c default_transaction_read_only=on" % timeout_ms, connect_timeout=10)
+            conn.autocommit = True
     else:
         import pymysql
         conn = pymysql.connect(host="127.0.0.1", user="root", autocommit=True, connect_timeout=10)
+        if read_only:
+            conn.cursor().execute("CREATE USER IF NOT EXISTS 'kiln_reader'@'%'")
+            conn.cursor().execute("GRANT SELECT ON *.* TO 'kiln_reader'@'%'")
+            conn.close()
+            conn = pymysql.connect(host="127.0.0.1", user="kiln_reader", autocommit=True, connect_timeout=10)
         conn.cursor().execute("SET SESSION max_statement_time = %f" % (timeout_ms / 1000.0))
 except Exception as e:
     print(json.dumps({"error": str(e).strip(), "unreachable": True}))
@@ -787,7 +890,7 @@ pub async fn run_sql(
     query: &str,
     timeout_ms: Option<u64>,
 ) -> Result<SqlResult> {
-    let ws = rt.registry.workspaces.get(&caller.tenant, which)?;
+    let ws = rt.registry.workspaces.get_as(caller, which, Need::Read)?;
     let kind = match service {
         Some(name) => ServiceKind::parse(name)?,
         None => ws
@@ -829,13 +932,22 @@ pub async fn run_sql(
     let _turn = rt.registry.workspaces.sql_turn(&ws.id).await?;
     // A stopped workspace's service comes back first (its box is restored on the way);
     // a running one's is started again only when it does not answer.
+    let read_only = !ws.allows(&caller.key_id, Need::Write);
     if ws.state == "stopped" {
+        if read_only {
+            return Err(RuntimeError::InvalidOption {
+                message: format!(
+                    "workspace {} is stopped; its owner or a writer starts it",
+                    ws.name
+                ),
+            });
+        }
         start(rt, caller, &ws.id).await?;
     }
-    let mut value = sql_once(rt, caller, &ws, kind, query, timeout_ms).await?;
+    let mut value = sql_once(rt, caller, &ws, kind, query, timeout_ms, read_only).await?;
     if value.get("unreachable").is_some() {
         start_one(rt, caller, &ws, kind).await?;
-        value = sql_once(rt, caller, &ws, kind, query, timeout_ms).await?;
+        value = sql_once(rt, caller, &ws, kind, query, timeout_ms, read_only).await?;
     }
     if let Some(error) = value.get("error").and_then(|e| e.as_str()) {
         return Err(RuntimeError::InvalidOption {
@@ -855,6 +967,7 @@ async fn sql_once(
     kind: ServiceKind,
     query: &str,
     timeout_ms: u64,
+    read_only: bool,
 ) -> Result<serde_json::Value> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms);
     let outcome = loop {
@@ -870,6 +983,7 @@ async fn sql_once(
                 query.into(),
                 MAX_ROWS.to_string(),
                 timeout_ms.to_string(),
+                if read_only { "ro" } else { "rw" }.into(),
             ],
             timeout_ms + 15_000,
             Default::default(),

@@ -280,6 +280,17 @@ pub async fn exec(
     body: Result<JsonBody<ExecBody>, HttpError>,
 ) -> Result<Json<ExecReply>, ApiError> {
     let JsonBody(body) = body?;
+    if !state
+        .runtime
+        .registry
+        .workspaces
+        .may_use_sandbox(&caller, &body.container_id)
+    {
+        return Err(kiln_runtime::RuntimeError::SandboxNotFound {
+            id: body.container_id.clone(),
+        }
+        .into());
+    }
     let view = state
         .runtime
         .registry

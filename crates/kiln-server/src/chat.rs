@@ -107,17 +107,28 @@ pub async fn chat(
         }
     };
     if let Some(sandbox) = &body.sandbox {
+        if !state
+            .runtime
+            .registry
+            .workspaces
+            .may_use_sandbox(&caller, sandbox)
+        {
+            return Err(kiln_runtime::RuntimeError::SandboxNotFound {
+                id: sandbox.clone(),
+            }
+            .into());
+        }
         state.runtime.registry.get(&caller.tenant, sandbox)?;
     }
     let mut sandbox = body.sandbox;
     let workspace = match &body.workspace {
         None => None,
         Some(which) => {
-            let ws = state
-                .runtime
-                .registry
-                .workspaces
-                .get(&caller.tenant, which)?;
+            let ws = state.runtime.registry.workspaces.get_as(
+                &caller,
+                which,
+                kiln_runtime::workspaces::Need::Write,
+            )?;
             if sandbox.as_ref().is_some_and(|s| *s != ws.sandbox_id) {
                 return Err(ApiError::bad_request(
                     "INVALID_REQUEST",

@@ -453,3 +453,65 @@ pub async fn bind_mcp_sessions(
     }
     response
 }
+
+/// The sandbox a path names: `/api/v1/sandboxes/{id}…`, `/api/sandbox/{id}…` (not
+/// `/api/sandbox/exec`, whose sandbox is in its body), `/preview/{id}/…`, `/terminal/{id}/…`,
+/// `/site/{id}…`.
+pub fn sandbox_in_path(path: &str) -> Option<&str> {
+    let rest = [
+        "/api/v1/sandboxes/",
+        "/api/sandbox/",
+        "/preview/",
+        "/terminal/",
+        "/site/",
+    ]
+    .iter()
+    .find_map(|prefix| path.strip_prefix(prefix))?;
+    let id = rest.split('/').next().filter(|id| !id.is_empty())?;
+    (id != "exec" || !path.starts_with("/api/sandbox/")).then_some(id)
+}
+
+/// A workspace's sandbox answers only its owner and its write collaborators (workspaces
+/// are private within a tenant): to other keys of the tenant it does not exist, on every
+/// route that names a sandbox in its path (the listing leaves it out; MCP and the seed
+/// exec route check their arguments).
+pub async fn workspace_guard(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(caller) = request.extensions().get::<Caller>()
+        && let Some(id) = sandbox_in_path(request.uri().path())
+        && !state
+            .runtime
+            .registry
+            .workspaces
+            .may_use_sandbox(caller, id)
+    {
+        return crate::preview::not_found(id);
+    }
+    next.run(request).await
+}
+
+#[cfg(test)]
+mod workspace_paths {
+    use super::sandbox_in_path;
+
+    #[test]
+    fn the_sandbox_a_path_names() {
+        for (path, id) in [
+            ("/api/v1/sandboxes/sb_1", Some("sb_1")),
+            ("/api/v1/sandboxes/sb_1/files/a/b", Some("sb_1")),
+            ("/api/sandbox/sb_2/history", Some("sb_2")),
+            ("/api/sandbox/exec", None),
+            ("/preview/sb_3/8080/", Some("sb_3")),
+            ("/terminal/sb_4/t1/", Some("sb_4")),
+            ("/site/sb_5", Some("sb_5")),
+            ("/api/v1/sandboxes", None),
+            ("/api/v1/sandboxes/", None),
+            ("/api/v1/workspaces/ws_1", None),
+        ] {
+            assert_eq!(sandbox_in_path(path), id, "{path}");
+        }
+    }
+}

@@ -224,6 +224,10 @@ pub fn router(state: Arc<AppState>) -> Router {
                 .delete(workspaces::delete_file),
         )
         .route("/workspaces/{workspace}/history", get(workspaces::history))
+        .route(
+            "/workspaces/{workspace}/collaborators",
+            axum::routing::put(workspaces::collaborators),
+        )
         .route("/workflow-templates", get(workflows::templates))
         .route("/workflows", get(workflows::list).post(workflows::create))
         .route("/workflows/{workflow}", get(workflows::get))
@@ -346,6 +350,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(from_fn_with_state(state.clone(), gate::bind_mcp_sessions))
         .layer(from_fn_with_state(state.clone(), gate::timeout))
         .layer(from_fn(gate::body_limit))
+        .layer(from_fn_with_state(state.clone(), gate::workspace_guard))
         .layer(from_fn_with_state(state.clone(), gate::rate_limit))
         .layer(from_fn_with_state(state.clone(), gate::authenticate))
         .layer(from_fn_with_state(state.clone(), gate::metrics))

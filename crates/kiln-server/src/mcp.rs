@@ -134,6 +134,17 @@ pub struct WorkflowStart {
     pub human_reviewer: bool,
 }
 
+/// Share a workspace.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct WorkspaceShare {
+    /// The workspace's name or id (one of the caller's own).
+    pub workspace: String,
+    /// Another key of the tenant (`key_…`).
+    pub key_id: String,
+    /// read, write, or none (no longer shared with it).
+    pub access: String,
+}
+
 /// A workflow, by id.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct WorkflowOf {
@@ -1151,7 +1162,7 @@ impl KilnMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         let caller = self.caller(&context)?;
-        let all = self.runtime.registry.workspaces.list(&caller.tenant);
+        let all = self.runtime.registry.workspaces.list_for(&caller);
         Ok(answer(json!({ "workspaces": all }), false))
     }
 
@@ -1274,6 +1285,56 @@ impl KilnMcp {
     }
 
     #[tool(
+        description = "Share a workspace of yours with another key of your tenant: read (see it, its files, history and workflows; read-only SQL), write (work in it and its sandbox as you do, but not delete or share it), or none. Nobody else of the tenant sees it."
+    )]
+    async fn workspace_share(
+        &self,
+        Parameters(input): Parameters<WorkspaceShare>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let caller = self.caller(&context)?;
+        let app = match self.served("sharing") {
+            Ok(app) => app,
+            Err(unserved) => return Ok(refused(unserved)),
+        };
+        let access = match input.access.as_str() {
+            "read" => Some(kiln_runtime::workspaces::Access::Read),
+            "write" => Some(kiln_runtime::workspaces::Access::Write),
+            "none" => None,
+            other => {
+                return Ok(refused(RuntimeError::InvalidOption {
+                    message: format!("access {other:?}: read, write or none"),
+                }));
+            }
+        };
+        let ws = match self.runtime.registry.workspaces.get_as(
+            &caller,
+            &input.workspace,
+            kiln_runtime::workspaces::Need::Own,
+        ) {
+            Ok(ws) => ws,
+            Err(e) => return Ok(refused(e)),
+        };
+        let mut list: Vec<_> = ws
+            .collaborators
+            .into_iter()
+            .filter(|c| c.key_id != input.key_id)
+            .collect();
+        if let Some(access) = access {
+            list.push(kiln_runtime::workspaces::Collaborator {
+                key_id: input.key_id,
+                access,
+            });
+        }
+        Ok(
+            match crate::workspaces::share(app, &caller, &input.workspace, list) {
+                Ok(ws) => answer(json!(ws), false),
+                Err(e) => api_refused(&e),
+            },
+        )
+    }
+
+    #[tool(
         description = "List the workflow templates (static-website, fullstack-app, database-schema, and the operator's): their files, services, preview and review criteria."
     )]
     async fn workflow_templates(
@@ -1343,7 +1404,12 @@ impl KilnMcp {
             Err(unserved) => return Ok(refused(unserved)),
         };
         Ok(
-            match app.workflows.get(&caller.tenant, &input.workflow_id) {
+            match crate::workflows::get_for(
+                app,
+                &caller,
+                &input.workflow_id,
+                kiln_runtime::workspaces::Need::Read,
+            ) {
                 Ok(state) => answer(json!(state), false),
                 Err(e) => api_refused(&e),
             },
@@ -1677,6 +1743,33 @@ impl KilnMcp {
 
 #[tool_handler]
 impl ServerHandler for KilnMcp {
+    async fn call_tool(
+        &self,
+        request: rmcp::model::CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
+        // A workspace's sandbox answers its owner and its writers only, as on the HTTP
+        // routes: to other keys of the tenant it does not exist.
+        if let Some(id) = request
+            .arguments
+            .as_ref()
+            .and_then(|a| a.get("sandbox_id"))
+            .and_then(Value::as_str)
+        {
+            let caller = self.caller(&context)?;
+            if !self
+                .runtime
+                .registry
+                .workspaces
+                .may_use_sandbox(&caller, id)
+            {
+                return Ok(refused(RuntimeError::SandboxNotFound { id: id.to_owned() }).into());
+            }
+        }
+        let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
+        Self::tool_router().call(tcc).await
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
             "kiln runs code in WebAssembly sandboxes with no network: run_python / run_javascript for one-off code; sandbox_create plus the file tools for a persistent workspace; session_create / session_run for state that persists between runs; fork_session to branch a Python session's state.",

@@ -24,7 +24,7 @@ mod mcp;
         crate::templates::list,
         v1::list, v1::create, v1::get, v1::delete, v1::renew, v1::set_network,
         crate::snapshots::take, crate::snapshots::fork, crate::snapshots::list, crate::snapshots::get, crate::snapshots::delete,
-        crate::workspaces::create, crate::workspaces::list, crate::workspaces::get, crate::workspaces::delete, crate::workspaces::start, crate::workspaces::stop, crate::workspaces::add_service, crate::workspaces::sql, crate::workspaces::preview, crate::workspaces::list_files, crate::workspaces::read_file, crate::workspaces::write_file, crate::workspaces::delete_file, crate::workspaces::history,
+        crate::workspaces::create, crate::workspaces::list, crate::workspaces::get, crate::workspaces::delete, crate::workspaces::start, crate::workspaces::stop, crate::workspaces::add_service, crate::workspaces::sql, crate::workspaces::preview, crate::workspaces::list_files, crate::workspaces::read_file, crate::workspaces::write_file, crate::workspaces::delete_file, crate::workspaces::history, crate::workspaces::collaborators,
         crate::workflows::templates, crate::workflows::create, crate::workflows::list, crate::workflows::get, crate::workflows::events, crate::workflows::cancel_route, crate::workflows::submit, crate::workflows::review,
         crate::volumes::list, crate::volumes::create, crate::volumes::get, crate::volumes::delete,
         crate::secrets::list, crate::secrets::create, crate::secrets::get, crate::secrets::update, crate::secrets::delete,

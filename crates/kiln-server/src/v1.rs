@@ -272,8 +272,14 @@ pub async fn list(
         .runtime
         .registry
         .list(&caller.tenant, page.cursor.as_deref(), limit);
+    let workspaces = &state.runtime.registry.workspaces;
     Ok(Json(SandboxPage {
-        sandboxes: views.iter().map(SandboxInfo::from_view).collect(),
+        // A workspace's sandbox is listed to its owner and writers only.
+        sandboxes: views
+            .iter()
+            .filter(|v| workspaces.may_use_sandbox(&caller, &v.meta.id))
+            .map(SandboxInfo::from_view)
+            .collect(),
         next_cursor: next,
     }))
 }

@@ -276,7 +276,7 @@ pub struct WorkflowTemplateInfo {
 #[serde(rename_all = "lowercase")]
 pub enum WorkflowStage {
     Creation,
-    WorkflowReview,
+    Review,
     Revision,
     Approved,
     Rejected,
@@ -291,7 +291,7 @@ impl WorkflowStage {
     fn role(self) -> Option<WorkflowRole> {
         match self {
             WorkflowStage::Creation | WorkflowStage::Revision => Some(WorkflowRole::Creator),
-            WorkflowStage::WorkflowReview => Some(WorkflowRole::Reviewer),
+            WorkflowStage::Review => Some(WorkflowRole::Reviewer),
             WorkflowStage::Approved | WorkflowStage::Rejected => None,
         }
     }
@@ -914,7 +914,7 @@ async fn apply_only(
             )
             .await?;
             app.workflows.update(id, |s| {
-                s.stage = WorkflowStage::WorkflowReview;
+                s.stage = WorkflowStage::Review;
                 s.current_agent = Some(WorkflowRole::Reviewer);
                 s.waiting_for_human = false;
                 s.preview_url = preview_url;
@@ -1423,6 +1423,31 @@ pub struct NewWorkflow {
     pub roles: WorkflowRoleChoices,
 }
 
+/// Workflow `id` when `caller` may do what `need` asks of its workspace (a workflow whose
+/// workspace is gone: its starter's alone); else, as for one that is not there, 404.
+pub fn get_for(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+    need: kiln_runtime::workspaces::Need,
+) -> Result<WorkflowState, ApiError> {
+    let state = app.workflows.get(&caller.tenant, id)?;
+    let allowed = match app
+        .runtime
+        .registry
+        .workspaces
+        .get(&caller.tenant, &state.workspace_id)
+    {
+        Ok(ws) => ws.allows(&caller.key_id, need),
+        Err(_) => state.owner == caller.key_id,
+    };
+    if allowed {
+        Ok(state)
+    } else {
+        Err(not_found(id))
+    }
+}
+
 /// Starts a workflow of `caller`'s.
 pub async fn start(
     app: &Arc<AppState>,
@@ -1487,7 +1512,11 @@ pub async fn start(
     let id = new_id("wf_");
     let workspace = match &new.workspace {
         Some(which) => {
-            let ws = app.runtime.registry.workspaces.get(&caller.tenant, which)?;
+            let ws = app.runtime.registry.workspaces.get_as(
+                caller,
+                which,
+                kiln_runtime::workspaces::Need::Write,
+            )?;
             if let Some(other) = app.workflows.running_in(&caller.tenant, &ws.id) {
                 return Err(ApiError::new(
                     StatusCode::CONFLICT,
@@ -1575,7 +1604,7 @@ pub async fn act(
     role: WorkflowRole,
     arguments: &Value,
 ) -> Result<WorkflowState, ApiError> {
-    let state = app.workflows.get(&caller.tenant, id)?;
+    let state = get_for(app, caller, id, kiln_runtime::workspaces::Need::Write)?;
     let plays_it = state.roles.get(role.name()).is_some_and(|r| r.human);
     if !plays_it {
         return Err(ApiError::new(
@@ -1623,7 +1652,7 @@ pub async fn cancel(
     caller: &Caller,
     id: &str,
 ) -> Result<WorkflowState, ApiError> {
-    let state = app.workflows.get(&caller.tenant, id)?;
+    let state = get_for(app, caller, id, kiln_runtime::workspaces::Need::Write)?;
     if state.stage.finished() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -1728,9 +1757,10 @@ pub async fn list(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
 ) -> Json<WorkflowList> {
-    Json(WorkflowList {
-        workflows: state.workflows.list(&caller.tenant),
-    })
+    let mut workflows = state.workflows.list(&caller.tenant);
+    workflows
+        .retain(|w| get_for(&state, &caller, &w.id, kiln_runtime::workspaces::Need::Read).is_ok());
+    Json(WorkflowList { workflows })
 }
 
 /// A workflow's state: stage, whose turn, reviews and the audit trail.
@@ -1746,7 +1776,12 @@ pub async fn get(
     id: Result<UrlPath<String>, PathRejection>,
 ) -> Result<Json<WorkflowState>, ApiError> {
     let UrlPath(id) = id.map_err(path_error)?;
-    Ok(Json(state.workflows.get(&caller.tenant, &id)?))
+    Ok(Json(get_for(
+        &state,
+        &caller,
+        &id,
+        kiln_runtime::workspaces::Need::Read,
+    )?))
 }
 
 /// Cancel a workflow: its agent stops, and it is rejected with the reason.
@@ -1862,7 +1897,7 @@ pub async fn events(
     // Subscribe first, then read the trail: nothing falls between.
     let live = state.workflows.live(&id).ok_or_else(|| not_found(&id))?;
     let receiver = live.subscribe();
-    let known = state.workflows.get(&caller.tenant, &id)?;
+    let known = get_for(&state, &caller, &id, kiln_runtime::workspaces::Need::Read)?;
     let after = query.after.unwrap_or(0);
     let backlog: std::collections::VecDeque<WorkflowEvent> = known
         .history

@@ -52,7 +52,7 @@ pub async fn list(
     Extension(caller): Extension<Caller>,
 ) -> Json<WorkspaceList> {
     Json(WorkspaceList {
-        workspaces: state.runtime.registry.workspaces.list(&caller.tenant),
+        workspaces: state.runtime.registry.workspaces.list_for(&caller),
     })
 }
 
@@ -69,13 +69,11 @@ pub async fn get(
     which: Result<Path<String>, PathRejection>,
 ) -> Result<Json<WorkspaceInfo>, ApiError> {
     let Path(which) = which.map_err(path_error)?;
-    Ok(Json(
-        state
-            .runtime
-            .registry
-            .workspaces
-            .get(&caller.tenant, &which)?,
-    ))
+    Ok(Json(state.runtime.registry.workspaces.get_as(
+        &caller,
+        &which,
+        kiln_runtime::workspaces::Need::Read,
+    )?))
 }
 
 /// Delete a workspace with its sandbox: its files, history and service data.
@@ -297,12 +295,17 @@ pub async fn enable_preview(
 // ---------------------------------------------------------------- files and history
 
 /// The sandbox of `caller`'s workspace `which`.
-fn sandbox_of(state: &crate::AppState, caller: &Caller, which: &str) -> Result<String, ApiError> {
+fn sandbox_of(
+    state: &crate::AppState,
+    caller: &Caller,
+    which: &str,
+    need: kiln_runtime::workspaces::Need,
+) -> Result<String, ApiError> {
     Ok(state
         .runtime
         .registry
         .workspaces
-        .get(&caller.tenant, which)?
+        .get_as(caller, which, need)?
         .sandbox_id)
 }
 
@@ -324,7 +327,12 @@ pub async fn list_files(
     >,
 ) -> Result<Json<kiln_runtime::files::FileList>, ApiError> {
     let Path(which) = which.map_err(path_error)?;
-    let id = sandbox_of(&state, &caller, &which)?;
+    let id = sandbox_of(
+        &state,
+        &caller,
+        &which,
+        kiln_runtime::workspaces::Need::Read,
+    )?;
     crate::v1::list_files(State(state), Extension(caller), Ok(Path(id)), query).await
 }
 
@@ -343,7 +351,12 @@ pub async fn read_file(
     ids: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<axum::response::Response, ApiError> {
     let Path((which, name)) = ids.map_err(path_error)?;
-    let id = sandbox_of(&state, &caller, &which)?;
+    let id = sandbox_of(
+        &state,
+        &caller,
+        &which,
+        kiln_runtime::workspaces::Need::Read,
+    )?;
     crate::v1::read_file(State(state), Extension(caller), Ok(Path((id, name)))).await
 }
 
@@ -363,7 +376,12 @@ pub async fn write_file(
     body: bytes::Bytes,
 ) -> Result<(StatusCode, Json<kiln_runtime::files::FileChange>), ApiError> {
     let Path((which, name)) = ids.map_err(path_error)?;
-    let id = sandbox_of(&state, &caller, &which)?;
+    let id = sandbox_of(
+        &state,
+        &caller,
+        &which,
+        kiln_runtime::workspaces::Need::Write,
+    )?;
     crate::v1::write_file(State(state), Extension(caller), Ok(Path((id, name))), body).await
 }
 
@@ -380,7 +398,12 @@ pub async fn delete_file(
     ids: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<kiln_runtime::files::FileChange>, ApiError> {
     let Path((which, name)) = ids.map_err(path_error)?;
-    let id = sandbox_of(&state, &caller, &which)?;
+    let id = sandbox_of(
+        &state,
+        &caller,
+        &which,
+        kiln_runtime::workspaces::Need::Write,
+    )?;
     crate::v1::delete_file(State(state), Extension(caller), Ok(Path((id, name)))).await
 }
 
@@ -402,6 +425,97 @@ pub async fn history(
     >,
 ) -> Result<Json<crate::api::HistoryReply>, ApiError> {
     let Path(which) = which.map_err(path_error)?;
-    let id = sandbox_of(&state, &caller, &which)?;
+    let id = sandbox_of(
+        &state,
+        &caller,
+        &which,
+        kiln_runtime::workspaces::Need::Read,
+    )?;
     crate::api::history(State(state), Extension(caller), Path(id), query).await
+}
+
+/// Whom a workspace is shared with.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Sharing {
+    /// Other keys of the tenant (at most 32), each `read` or `write`; replaces the list.
+    pub collaborators: Vec<kiln_runtime::workspaces::Collaborator>,
+}
+
+/// The most collaborators of one workspace.
+pub const MAX_COLLABORATORS: usize = 32;
+
+/// Shares a workspace of `caller`'s (its owner's) with other keys of the tenant.
+pub fn share(
+    state: &crate::AppState,
+    caller: &Caller,
+    which: &str,
+    collaborators: Vec<kiln_runtime::workspaces::Collaborator>,
+) -> Result<WorkspaceInfo, ApiError> {
+    let crate::auth::Auth::Keys(keys) = &state.auth else {
+        return Err(ApiError::bad_request(
+            "INVALID_REQUEST",
+            "this server has no API keys (--no-auth): its one user has every workspace; there is nobody to share with",
+        ));
+    };
+    if collaborators.len() > MAX_COLLABORATORS {
+        return Err(ApiError::bad_request(
+            "INVALID_REQUEST",
+            format!("at most {MAX_COLLABORATORS} collaborators"),
+        ));
+    }
+    for (n, c) in collaborators.iter().enumerate() {
+        if c.key_id == caller.key_id {
+            return Err(ApiError::bad_request(
+                "INVALID_REQUEST",
+                "the owner is not a collaborator of its own workspace",
+            ));
+        }
+        if collaborators[..n].iter().any(|d| d.key_id == c.key_id) {
+            return Err(ApiError::bad_request(
+                "INVALID_REQUEST",
+                format!("{} is named twice", c.key_id),
+            ));
+        }
+        if keys
+            .by_id(&c.key_id)
+            .is_none_or(|key| key.tenant != caller.tenant)
+        {
+            return Err(ApiError::bad_request(
+                "UNKNOWN_KEY",
+                format!(
+                    "{:?} is not a key of this tenant (kiln keys list shows them; a workspace is shared within its tenant only)",
+                    c.key_id
+                ),
+            ));
+        }
+    }
+    Ok(state
+        .runtime
+        .registry
+        .workspaces
+        .share(caller, which, collaborators)?)
+}
+
+/// Share a workspace with other keys of the tenant, `read` (its record, files, history,
+/// workflows, read-only SQL) or `write` (everything but deleting and sharing it, its
+/// sandbox too); the list replaces the one it had. Its owner's alone. Keys not listed (and
+/// not the owner) do not see the workspace or its sandbox.
+#[utoipa::path(put, path = "/api/v1/workspaces/{workspace}/collaborators", tag = "v1 workspaces",
+    params(("workspace" = String, Path, description = "Its id or name")),
+    request_body = Sharing,
+    responses(
+        (status = 200, description = "Shared", body = WorkspaceInfo),
+        (status = 400, description = "A key that is not the tenant's, or no keys on this server", body = ErrorBody),
+        (status = 404, description = "No such workspace of the caller's", body = ErrorBody),
+    ))]
+pub async fn collaborators(
+    State(state): Shared,
+    Extension(caller): Extension<Caller>,
+    which: Result<Path<String>, PathRejection>,
+    sent: Result<Json<Sharing>, JsonRejection>,
+) -> Result<Json<WorkspaceInfo>, ApiError> {
+    let Path(which) = which.map_err(path_error)?;
+    let sent = body(sent)?;
+    Ok(Json(share(&state, &caller, &which, sent.collaborators)?))
 }

@@ -111,3 +111,60 @@ pub(crate) fn rss_mib(pid: u32) -> f64 {
         .unwrap_or(0.0);
     (kib / 1024.0 * 10.0).round() / 10.0
 }
+
+/// A `kiln serve --linux` without keys or rate limits (the Linux benches' server) and a
+/// client for it.
+pub(crate) struct LinuxServer {
+    pub server: Spawned,
+    pub agent: ureq::Agent,
+}
+
+impl LinuxServer {
+    /// Starts one in a fresh folder (its data and state in it); requests time out after
+    /// `timeout`.
+    pub(crate) fn start(timeout: Duration) -> anyhow::Result<LinuxServer> {
+        let dir = tempfile::tempdir()?;
+        let data = dir.path().join("data");
+        let state = dir.path().join("state");
+        let server = spawn("serve", dir, "/readyz", |command| {
+            command
+                .args(["serve", "--no-auth", "--linux", "--rate-limit", "0"])
+                .arg("--data-dir")
+                .arg(&data)
+                .env("KILN_STATE_DIR", &state);
+        })?;
+        Ok(LinuxServer {
+            server,
+            agent: ureq::AgentBuilder::new().timeout(timeout).build(),
+        })
+    }
+
+    pub(crate) fn base(&self) -> &str {
+        &self.server.base
+    }
+
+    /// `POST path` with a JSON body: the JSON answer.
+    pub(crate) fn post(
+        &self,
+        path: &str,
+        body: serde_json::Value,
+    ) -> anyhow::Result<serde_json::Value> {
+        use anyhow::Context;
+        Ok(self
+            .agent
+            .post(&format!("{}{path}", self.server.base))
+            .send_json(body)
+            .with_context(|| format!("POST {path}"))?
+            .into_json()?)
+    }
+
+    /// `DELETE path`.
+    pub(crate) fn delete(&self, path: &str) -> anyhow::Result<()> {
+        use anyhow::Context;
+        self.agent
+            .delete(&format!("{}{path}", self.server.base))
+            .call()
+            .with_context(|| format!("DELETE {path}"))?;
+        Ok(())
+    }
+}

@@ -11,7 +11,7 @@ use anyhow::Context;
 use serde_json::{Value, json};
 
 use crate::bench::{Report, micros, summary};
-use crate::bench_child::spawn;
+use crate::bench_child::LinuxServer;
 
 pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     // SAFETY: geteuid(2) takes no arguments, touches no memory of ours and cannot fail.
@@ -22,27 +22,10 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let dir = tempfile::tempdir()?;
-    let state = dir.path().join("state");
-    let data = dir.path().join("data");
-    let server = spawn("serve", dir, "/readyz", |command| {
-        command
-            .args(["serve", "--no-auth", "--linux", "--rate-limit", "0"])
-            .arg("--data-dir")
-            .arg(&data)
-            .env("KILN_STATE_DIR", &state);
-    })?;
-    let base = server.base.clone();
-    let agent = ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(60))
-        .build();
-    let post = |path: &str, body: Value| -> anyhow::Result<Value> {
-        Ok(agent
-            .post(&format!("{base}{path}"))
-            .send_json(body)
-            .with_context(|| format!("POST {path}"))?
-            .into_json()?)
-    };
+    let linux = LinuxServer::start(Duration::from_secs(60))?;
+    let base = linux.base().to_owned();
+    let agent = linux.agent.clone();
+    let post = |path: &str, body: Value| linux.post(path, body);
     let created = post("/api/v1/sandboxes", json!({"template": "linux-python"}))?;
     let id = created["containerId"]
         .as_str()
@@ -207,6 +190,6 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         "interactive_first_command_after_hibernation".into(),
         summary(wakes),
     );
-    drop(server);
+    drop(linux);
     Ok(())
 }

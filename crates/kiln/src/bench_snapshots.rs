@@ -11,7 +11,7 @@ use anyhow::Context;
 use serde_json::{Value, json};
 
 use crate::bench::{Report, micros, summary};
-use crate::bench_child::spawn;
+use crate::bench_child::LinuxServer;
 
 pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     // SAFETY: geteuid(2) takes no arguments, touches no memory of ours and cannot fail.
@@ -24,34 +24,11 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     }
     // Each round copies hundreds of MiB: a few rounds say enough.
     let rounds = n.clamp(1, 5);
-    let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let state = dir.path().join("state");
-    let server = spawn("serve", dir, "/readyz", |command| {
-        command
-            .args(["serve", "--no-auth", "--linux", "--rate-limit", "0"])
-            .arg("--data-dir")
-            .arg(&data)
-            .env("KILN_STATE_DIR", &state);
-    })?;
-    let base = server.base.clone();
-    let agent = ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(300))
-        .build();
-    let post = |path: &str, body: Value| -> anyhow::Result<Value> {
-        Ok(agent
-            .post(&format!("{base}{path}"))
-            .send_json(body)
-            .with_context(|| format!("POST {path}"))?
-            .into_json()?)
-    };
-    let delete = |path: &str| -> anyhow::Result<()> {
-        agent
-            .delete(&format!("{base}{path}"))
-            .call()
-            .with_context(|| format!("DELETE {path}"))?;
-        Ok(())
-    };
+    let linux = LinuxServer::start(Duration::from_secs(300))?;
+    let base = linux.base().to_owned();
+    let agent = linux.agent.clone();
+    let post = |path: &str, body: Value| linux.post(path, body);
+    let delete = |path: &str| linux.delete(path);
     let created = post("/api/v1/sandboxes", json!({"template": "linux-python"}))?;
     let id = created["containerId"]
         .as_str()

@@ -11,7 +11,7 @@ use anyhow::Context;
 use serde_json::{Value, json};
 
 use crate::bench::{Report, micros, summary};
-use crate::bench_child::spawn;
+use crate::bench_child::LinuxServer;
 
 pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
     // SAFETY: geteuid(2) takes no arguments, touches no memory of ours and cannot fail.
@@ -23,27 +23,8 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
         return Ok(());
     }
     let rounds = n.clamp(1, 5);
-    let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let state = dir.path().join("state");
-    let server = spawn("serve", dir, "/readyz", |command| {
-        command
-            .args(["serve", "--no-auth", "--linux", "--rate-limit", "0"])
-            .arg("--data-dir")
-            .arg(&data)
-            .env("KILN_STATE_DIR", &state);
-    })?;
-    let base = server.base.clone();
-    let agent = ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(300))
-        .build();
-    let post = |path: &str, body: Value| -> anyhow::Result<Value> {
-        Ok(agent
-            .post(&format!("{base}{path}"))
-            .send_json(body)
-            .with_context(|| format!("POST {path}"))?
-            .into_json()?)
-    };
+    let linux = LinuxServer::start(Duration::from_secs(300))?;
+    let post = |path: &str, body: Value| linux.post(path, body);
     let mut create_us = Vec::new();
     let mut select_us = Vec::new();
     let mut stop_us = Vec::new();
@@ -118,10 +99,7 @@ pub(crate) fn run(n: usize, report: &mut Report) -> anyhow::Result<()> {
             .parse()
             .unwrap_or(0);
         pss.push(kib * 1024);
-        agent
-            .delete(&format!("{base}/api/v1/workspaces/{id}"))
-            .call()
-            .context("DELETE a workspace")?;
+        linux.delete(&format!("/api/v1/workspaces/{id}"))?;
     }
     report.insert(
         "workspace_with_postgres_to_first_sql".into(),

@@ -322,8 +322,9 @@ pub enum KeysCommand {
         /// A label for people.
         #[arg(long, default_value = "")]
         name: String,
-        /// The tenant the key acts for (keys of one tenant see the same sandboxes). Default:
-        /// a new tenant of its own.
+        /// The tenant the key acts for (keys of one tenant see the same sandboxes, but a
+        /// workspace only its owner's and those it is shared with). Default: a new tenant
+        /// of its own.
         #[arg(long)]
         tenant: Option<String>,
         /// The key's own quotas, where they should differ from the server's.

@@ -489,3 +489,255 @@ async fn issue35_the_agent_works_in_a_workspace_with_add_service_and_run_sql() {
         assert!(first.contains(tool), "{tool} was not offered: {first}");
     }
 }
+
+/// A key of the tenant, named, and its public id.
+fn team_key(server: &Server, name: &str) -> (String, String) {
+    let output = serve::kiln()
+        .args([
+            "keys",
+            "create",
+            "--tenant",
+            "team",
+            "--name",
+            name,
+            "--data-dir",
+        ])
+        .arg(&server.data)
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    let key = String::from_utf8(output.stdout).unwrap().trim().to_owned();
+    let listed = serve::kiln()
+        .args(["keys", "list", "--data-dir"])
+        .arg(&server.data)
+        .output()
+        .unwrap();
+    let id = String::from_utf8(listed.stdout)
+        .unwrap()
+        .lines()
+        .find(|l| l.ends_with(&format!("\t{name}")))
+        .and_then(|l| l.split('\t').next())
+        .unwrap()
+        .to_owned();
+    (key, id)
+}
+
+/// Collaborators: a workspace is private to its owner within the tenant until shared; a
+/// read collaborator sees it and runs read-only SQL (the database refuses its writes), a
+/// write collaborator works in it and its sandbox; neither deletes or shares it; a key it
+/// is not shared with finds nothing on any route, the sandbox's included.
+#[test]
+fn issue35_a_workspace_is_private_to_its_owner_and_its_collaborators() -> TestResult {
+    if skip() {
+        return Ok(());
+    }
+    let server = serve::start(Options {
+        auth: true,
+        extra: &["--linux"],
+        ..Default::default()
+    })?;
+    let (alice, _) = team_key(&server, "alice");
+    let (bob, bob_id) = team_key(&server, "bob");
+    let (carol, carol_id) = team_key(&server, "carol");
+    let (status, ws) = server.call_as(
+        Some(&alice),
+        "POST",
+        "/api/v1/workspaces",
+        Some(json!({"name": "shared", "services": ["postgres"]})),
+    )?;
+    assert_eq!(status, 201, "{ws}");
+    assert_eq!(ws["collaborators"], json!([]));
+    let sandbox = ws["sandboxId"].as_str().ok_or("no sandbox")?.to_string();
+    let (status, _) = server.call_as(
+        Some(&alice),
+        "POST",
+        "/api/v1/workspaces/shared/sql",
+        Some(json!({"query": "create table notes (body text)"})),
+    )?;
+    assert_eq!(status, 200);
+    let exec = json!({"command": ["sh", "-c", "echo hi"]});
+    let sql = |key: &str, query: &str| {
+        server
+            .call_as(
+                Some(key),
+                "POST",
+                "/api/v1/workspaces/shared/sql",
+                Some(json!({"query": query})),
+            )
+            .unwrap()
+    };
+
+    // Not shared: bob of the same tenant finds nothing.
+    let hidden = |key: &str| -> TestResult {
+        for (method, path, body) in [
+            ("GET", "/api/v1/workspaces/shared".to_string(), None),
+            ("GET", "/api/v1/workspaces/shared/files".to_string(), None),
+            (
+                "POST",
+                "/api/v1/workspaces/shared/stop".to_string(),
+                Some(json!({})),
+            ),
+            ("GET", format!("/api/v1/sandboxes/{sandbox}"), None),
+            ("GET", format!("/api/v1/sandboxes/{sandbox}/files"), None),
+            (
+                "POST",
+                format!("/api/v1/sandboxes/{sandbox}/exec"),
+                Some(exec.clone()),
+            ),
+            ("GET", format!("/api/sandbox/{sandbox}"), None),
+            (
+                "POST",
+                "/api/sandbox/exec".to_string(),
+                Some(json!({"containerId": sandbox, "command": ["true"]})),
+            ),
+        ] {
+            let (status, body) = server.call_as(Some(key), method, &path, body)?;
+            assert_eq!(status, 404, "{method} {path}: {body}");
+        }
+        let (_, listed) = server.call_as(Some(key), "GET", "/api/v1/workspaces", None)?;
+        assert_eq!(listed["workspaces"], json!([]), "{listed}");
+        let (_, boxes) = server.call_as(Some(key), "GET", "/api/v1/sandboxes", None)?;
+        assert!(!boxes.to_string().contains(&sandbox), "{boxes}");
+        Ok(())
+    };
+    hidden(&bob)?;
+    hidden(&carol)?;
+
+    // Shared: bob reads, carol writes. Only alice shares, with keys of the tenant only.
+    let share = |key: &str, body: Value| {
+        server
+            .call_as(
+                Some(key),
+                "PUT",
+                "/api/v1/workspaces/shared/collaborators",
+                Some(body),
+            )
+            .unwrap()
+    };
+    for (body, code) in [
+        (
+            json!({"collaborators": [{"keyId": "key_nope", "access": "read"}]}),
+            "UNKNOWN_KEY",
+        ),
+        (
+            json!({"collaborators": [{"keyId": bob_id, "access": "admin"}]}),
+            "INVALID_REQUEST",
+        ),
+        (
+            json!({"collaborators": [{"keyId": bob_id, "access": "read"}, {"keyId": bob_id, "access": "write"}]}),
+            "INVALID_REQUEST",
+        ),
+    ] {
+        let (status, refused) = share(&alice, body.clone());
+        assert_eq!(
+            (status, refused["error"]["code"].as_str()),
+            (400, Some(code)),
+            "{body}: {refused}"
+        );
+    }
+    let (status, shared) = share(
+        &alice,
+        json!({"collaborators": [{"keyId": bob_id, "access": "read"}, {"keyId": carol_id, "access": "write"}]}),
+    );
+    assert_eq!(status, 200, "{shared}");
+    assert_eq!(
+        shared["collaborators"][0],
+        json!({"keyId": bob_id, "access": "read"})
+    );
+
+    // bob reads: the record, the files, the history, SELECTs; the database refuses writes.
+    for path in [
+        "/api/v1/workspaces/shared",
+        "/api/v1/workspaces/shared/files",
+        "/api/v1/workspaces/shared/history",
+    ] {
+        let (status, body) = server.call_as(Some(&bob), "GET", path, None)?;
+        assert_eq!(status, 200, "{path}: {body}");
+    }
+    let (status, rows) = sql(&bob, "select count(*) as n from notes");
+    assert_eq!(
+        (status, rows["rows"][0]["n"].as_i64()),
+        (200, Some(0)),
+        "{rows}"
+    );
+    for write in [
+        "insert into notes values ('from bob')",
+        "create table bobs (n int)",
+        "set default_transaction_read_only = off; insert into notes values ('sneaky')",
+    ] {
+        let (status, refused) = sql(&bob, write);
+        assert_eq!(status, 400, "{write}: {refused}");
+    }
+    // …and nothing else: no sandbox, no writes, no stop, no sharing.
+    for (method, path, body) in [
+        (
+            "POST",
+            format!("/api/v1/sandboxes/{sandbox}/exec"),
+            Some(exec.clone()),
+        ),
+        (
+            "POST",
+            "/api/v1/workspaces/shared/stop".to_string(),
+            Some(json!({})),
+        ),
+        (
+            "POST",
+            "/api/v1/workspaces/shared/services".to_string(),
+            Some(json!({"type": "redis"})),
+        ),
+        ("DELETE", "/api/v1/workspaces/shared".to_string(), None),
+    ] {
+        let (status, body) = server.call_as(Some(&bob), method, &path, body)?;
+        assert_eq!(status, 404, "bob {method} {path}: {body}");
+    }
+    let put = serve::send(
+        "PUT",
+        &server.url("/api/v1/workspaces/shared/files/bob.txt"),
+        Some(&bob),
+        Some(("application/octet-stream", b"no")),
+    )?;
+    assert_eq!(put.status, 404);
+    let (status, _) = share(&bob, json!({"collaborators": []}));
+    assert_eq!(status, 404);
+
+    // carol writes: SQL, files, the sandbox itself; still no delete and no sharing.
+    let (status, inserted) = sql(&carol, "insert into notes values ('from carol')");
+    assert_eq!(
+        (status, inserted["rowcount"].as_i64()),
+        (200, Some(1)),
+        "{inserted}"
+    );
+    let (status, ran) = server.call_as(
+        Some(&carol),
+        "POST",
+        &format!("/api/v1/sandboxes/{sandbox}/exec"),
+        Some(exec.clone()),
+    )?;
+    assert_eq!(
+        (status, ran["stdout"].as_str()),
+        (200, Some("hi\n")),
+        "{ran}"
+    );
+    let put = serve::send(
+        "PUT",
+        &server.url("/api/v1/workspaces/shared/files/carol.txt"),
+        Some(&carol),
+        Some(("application/octet-stream", b"yes")),
+    )?;
+    assert_eq!(put.status, 201);
+    let (status, _) = server.call_as(Some(&carol), "DELETE", "/api/v1/workspaces/shared", None)?;
+    assert_eq!(status, 404);
+    let (status, _) = share(&carol, json!({"collaborators": []}));
+    assert_eq!(status, 404);
+    let (_, rows) = sql(&bob, "select body from notes");
+    assert_eq!(rows["rows"], json!([{"body": "from carol"}]), "{rows}");
+
+    // Unshared again: bob finds nothing.
+    let (status, _) = share(
+        &alice,
+        json!({"collaborators": [{"keyId": carol_id, "access": "write"}]}),
+    );
+    assert_eq!(status, 200);
+    hidden(&bob)?;
+    Ok(())
+}
