@@ -691,3 +691,89 @@ async fn issue35_a_workflow_goes_on_after_its_server_restarts() {
     .await
     .unwrap();
 }
+
+/// The fullstack-app template, played by people: its workspace gets postgres and redis, and
+/// when the work is submitted its proxy preview shows what the backend answers on port 8000.
+#[test]
+fn issue35_the_fullstack_app_template_previews_its_backend() {
+    if skip() {
+        return;
+    }
+    let server = serve::start(Options {
+        auth: true,
+        extra: &["--linux"],
+        ..Default::default()
+    })
+    .unwrap();
+    let (status, started) = server
+        .call(
+            "POST",
+            "/api/v1/workflows",
+            Some(json!({"template": "fullstack-app", "task": "A notes app.", "roles": {"creator": {"human": true}, "reviewer": {"human": true}}})),
+        )
+        .unwrap();
+    assert_eq!(status, 201, "{started}");
+    assert_eq!(started["waitingForHuman"], true);
+    let id = started["id"].as_str().unwrap();
+    let (_, ws) = server
+        .call(
+            "GET",
+            &format!(
+                "/api/v1/workspaces/{}",
+                started["workspace"].as_str().unwrap()
+            ),
+            None,
+        )
+        .unwrap();
+    let services: Vec<&str> = ws["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(services, ["postgres", "redis"], "{ws}");
+    // The person playing the creator starts a backend on 8000.
+    let (status, ran) = server
+        .exec(
+            started["sandboxId"].as_str().unwrap(),
+            json!({"command": ["bash", "-c", "mkdir -p backend && echo '<h1>notes</h1>' > backend/index.html && (cd backend && setsid python3 -m http.server 8000 >/dev/null 2>&1 &) && for i in $(seq 50); do curl -sf localhost:8000/ >/dev/null && break; sleep 0.1; done"]}),
+        )
+        .unwrap();
+    assert_eq!(status, 200, "{ran}");
+    let (status, submitted) = server
+        .call(
+            "POST",
+            &format!("/api/v1/workflows/{id}/submit"),
+            Some(json!({"notes": "backend on 8000"})),
+        )
+        .unwrap();
+    assert_eq!(status, 200, "{submitted}");
+    let url = submitted["previewUrl"].as_str().unwrap();
+    assert!(
+        url.starts_with(&format!(
+            "/preview/{}/8000/",
+            started["sandboxId"].as_str().unwrap()
+        )),
+        "{url}"
+    );
+    let page = serve::send("GET", &server.url(url), None, None).unwrap();
+    assert_eq!(
+        (
+            page.status,
+            String::from_utf8_lossy(&page.body).into_owned()
+        ),
+        (200, "<h1>notes</h1>\n".to_string())
+    );
+    let (status, done) = server
+        .call(
+            "POST",
+            &format!("/api/v1/workflows/{id}/review"),
+            Some(json!({"approved": false, "feedback": "no API yet"})),
+        )
+        .unwrap();
+    assert_eq!(
+        (status, done["stage"].as_str()),
+        (200, Some("revision")),
+        "{done}"
+    );
+}
