@@ -229,6 +229,11 @@ pub async fn authenticate(
     if path.starts_with("/terminal/assets/") {
         return next.run(request).await;
     }
+    // The console's page and files: public, like the API docs; it calls the API with the
+    // key the person gives it.
+    if path == "/console" || path.starts_with("/console/") {
+        return next.run(request).await;
+    }
     // A terminal's page: the owner's key or a link's token for this very terminal.
     if path.starts_with("/terminal/") {
         let Some(caller) = crate::terminals::page_caller(&state, &request) else {

@@ -14,6 +14,7 @@ pub mod agent;
 pub mod api;
 pub mod boxes;
 pub mod chat;
+pub mod console;
 pub mod e2b;
 pub mod error;
 pub mod gate;
@@ -316,6 +317,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/api/sandbox/{id}/diff", post(api::diff))
         .route("/api/sandbox/{id}/rollback", post(api::rollback))
         .nest("/api/v1", v1)
+        .route("/console", get(console::root))
+        .route("/console/", get(console::index))
+        .route("/console/assets/{name}", get(console::asset))
         .route("/terminal/assets/{name}", get(terminals::asset))
         .route("/terminal/{id}/{tid}/", get(terminals::page))
         .route("/terminal/{id}/{tid}/ws", get(terminals::page_socket))

@@ -1,0 +1,426 @@
+// The kiln console: one page over kiln's own API (/api/v1), nothing of its own on the server.
+// The API key lives in this tab's sessionStorage only. Pages by the URL's hash:
+// #/sandboxes, #/sandboxes/{id}, #/chat, #/workflows, #/login.
+import { html, render, useState, useEffect, useRef } from "./preact-htm.js";
+
+const KEY = "kiln.key";
+const key = () => sessionStorage.getItem(KEY) || "";
+
+class ApiError extends Error {
+  constructor(status, body) {
+    super((body && body.error && body.error.message) || `HTTP ${status}`);
+    this.status = status;
+    this.code = body && body.error && body.error.code;
+  }
+}
+
+// A request to kiln's API with the key; JSON answers parsed, errors thrown with their words.
+async function api(path, { method = "GET", body, raw, headers = {} } = {}) {
+  const h = { ...headers };
+  if (key()) h.authorization = `Bearer ${key()}`;
+  let payload = body;
+  if (body !== undefined && !raw) {
+    h["content-type"] = "application/json";
+    payload = JSON.stringify(body);
+  }
+  const response = await fetch(path, { method, headers: h, body: payload });
+  if (response.status === 401) {
+    location.hash = "#/login";
+    throw new ApiError(401, await response.json().catch(() => null));
+  }
+  if (!response.ok) throw new ApiError(response.status, await response.json().catch(() => null));
+  if (response.status === 204) return null;
+  const type = response.headers.get("content-type") || "";
+  return type.includes("json") ? response.json() : response;
+}
+
+// Reads a Server-Sent Events response, calling onEvent(name, data) for each event.
+async function readEvents(response, onEvent) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let name = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) name = line.slice(6).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+      }
+      if (data.length) {
+        let parsed = data.join("\n");
+        try { parsed = JSON.parse(parsed); } catch (_) { /* plain text */ }
+        onEvent(name, parsed);
+      }
+    }
+  }
+}
+
+async function streamPost(path, body, onEvent) {
+  const headers = { "content-type": "application/json", accept: "text/event-stream" };
+  if (key()) headers.authorization = `Bearer ${key()}`;
+  const response = await fetch(path, { method: "POST", headers, body: JSON.stringify(body) });
+  if (!response.ok) throw new ApiError(response.status, await response.json().catch(() => null));
+  await readEvents(response, onEvent);
+}
+
+function useHash() {
+  const [hash, setHash] = useState(location.hash || "#/sandboxes");
+  useEffect(() => {
+    const on = () => setHash(location.hash || "#/sandboxes");
+    addEventListener("hashchange", on);
+    return () => removeEventListener("hashchange", on);
+  }, []);
+  return hash;
+}
+
+function Failure({ error }) {
+  if (!error) return null;
+  return html`<p class="error" role="alert">${error.code ? `${error.code}: ` : ""}${error.message}</p>`;
+}
+
+// ---------------------------------------------------------------- login
+
+function Login() {
+  const [value, setValue] = useState("");
+  const [error, setError] = useState(null);
+  const [open, setOpen] = useState(null);
+  useEffect(() => {
+    // A server without keys (--no-auth) answers without one.
+    fetch("/api/v1/sandboxes?limit=1").then((r) => setOpen(r.ok)).catch(() => setOpen(false));
+  }, []);
+  const submit = async (e) => {
+    e.preventDefault();
+    sessionStorage.setItem(KEY, value.trim());
+    try {
+      await api("/api/v1/sandboxes?limit=1");
+      location.hash = "#/sandboxes";
+    } catch (err) {
+      sessionStorage.removeItem(KEY);
+      setError(err);
+    }
+  };
+  return html`<section aria-labelledby="login-title">
+    <h2 id="login-title">Sign in</h2>
+    <p class="muted">Your API key stays in this browser tab (session storage); the server keeps nothing of the console's.</p>
+    ${open && html`<p>This server has no keys (<code>--no-auth</code>): <a href="#/sandboxes">go on without one</a>.</p>`}
+    <form onSubmit=${submit}>
+      <label for="api-key">API key</label>
+      <input id="api-key" type="password" autocomplete="off" value=${value} onInput=${(e) => setValue(e.target.value)} placeholder="kiln_…" />
+      <div class="row" style="margin-top:.5rem"><button class="primary" type="submit">Sign in</button></div>
+    </form>
+    <${Failure} error=${error} />
+  </section>`;
+}
+
+// ---------------------------------------------------------------- sandboxes
+
+function Sandboxes() {
+  const [list, setList] = useState(null);
+  const [templates, setTemplates] = useState([]);
+  const [template, setTemplate] = useState("python");
+  const [error, setError] = useState(null);
+  const [busy, setBusy] = useState(false);
+  const load = async () => {
+    try {
+      const page = await api("/api/v1/sandboxes?limit=200");
+      setList(page.sandboxes);
+      setError(null);
+    } catch (err) { setError(err); }
+  };
+  useEffect(() => {
+    load();
+    api("/api/v1/templates").then((t) => setTemplates(t.templates)).catch(setError);
+  }, []);
+  const create = async (e) => {
+    e.preventDefault();
+    setBusy(true);
+    try {
+      const made = await api("/api/v1/sandboxes", { method: "POST", body: { template } });
+      location.hash = `#/sandboxes/${made.containerId}`;
+    } catch (err) { setError(err); }
+    setBusy(false);
+  };
+  const remove = async (id) => {
+    try { await api(`/api/v1/sandboxes/${id}`, { method: "DELETE" }); load(); } catch (err) { setError(err); }
+  };
+  return html`<section aria-labelledby="sandboxes-title">
+    <h2 id="sandboxes-title">Sandboxes</h2>
+    <form class="row" onSubmit=${create}>
+      <div><label for="template">Template</label>
+        <select id="template" value=${template} onChange=${(e) => setTemplate(e.target.value)}>
+          ${templates.map((t) => html`<option value=${t.id}>${t.id} (${t.backend})</option>`)}
+        </select></div>
+      <button class="primary" type="submit" disabled=${busy}>${busy ? "Creating…" : "Create sandbox"}</button>
+    </form>
+    <${Failure} error=${error} />
+    ${list === null ? html`<p class="muted">Loading…</p>` : list.length === 0 ? html`<p class="muted">No sandboxes yet.</p>` : html`
+      <table><thead><tr><th scope="col">Sandbox</th><th scope="col">Template</th><th scope="col">Status</th><th scope="col">Runs</th><th scope="col">Created</th><th scope="col"><span class="muted">Actions</span></th></tr></thead>
+      <tbody>${list.map((s) => html`<tr>
+        <td><a href=${`#/sandboxes/${s.containerId}`}>${s.containerId}</a></td>
+        <td>${s.template}</td><td>${s.status}</td>
+        <td>${s.resourceUsage ? s.resourceUsage.executions : ""}</td>
+        <td>${new Date(s.createdAt).toLocaleString()}</td>
+        <td><button type="button" aria-label=${`Delete ${s.containerId}`} onClick=${() => remove(s.containerId)}>Delete</button></td>
+      </tr>`)}</tbody></table>`}
+  </section>`;
+}
+
+function Output({ chunks }) {
+  if (!chunks.length) return null;
+  return html`<pre class="output" aria-live="polite">${chunks.map((c) => html`<span class=${c.stream}>${c.text}</span>`)}</pre>`;
+}
+
+function Run({ sandbox, onRan }) {
+  const [code, setCode] = useState('print("hello from kiln")');
+  const [language, setLanguage] = useState(sandbox.language || "python");
+  const [chunks, setChunks] = useState([]);
+  const [result, setResult] = useState(null);
+  const [error, setError] = useState(null);
+  const [running, setRunning] = useState(false);
+  const run = async (e) => {
+    e.preventDefault();
+    setRunning(true); setChunks([]); setResult(null); setError(null);
+    const seen = [];
+    try {
+      await streamPost(`/api/v1/sandboxes/${sandbox.containerId}/exec/stream`, { code, language }, (name, data) => {
+        if (name === "stdout" || name === "stderr") {
+          seen.push({ stream: name, text: data.data });
+          setChunks([...seen]);
+        } else if (name === "result") setResult(data);
+        else if (name === "error") setError(new ApiError(0, data));
+      });
+    } catch (err) { setError(err); }
+    setRunning(false);
+    onRan();
+  };
+  return html`<form onSubmit=${run} aria-labelledby="run-title">
+    <h3 id="run-title">Run code</h3>
+    <label for="language">Language</label>
+    <select id="language" value=${language} onChange=${(e) => setLanguage(e.target.value)}>
+      ${["python", "javascript", "bash", "go"].map((l) => html`<option value=${l}>${l}</option>`)}
+    </select>
+    <label for="code">Code</label>
+    <textarea id="code" value=${code} onInput=${(e) => setCode(e.target.value)} onKeyDown=${(e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) run(e); }}></textarea>
+    <div class="row"><button class="primary" type="submit" disabled=${running}>${running ? "Running…" : "Run (Ctrl+Enter)"}</button>
+      ${result && html`<span class=${result.status === "success" ? "" : "error"} data-testid="run-status">${result.status}, exit ${result.exitCode}, ${Math.round(result.durationMs)} ms</span>`}</div>
+    <${Output} chunks=${chunks} />
+    <${Failure} error=${error} />
+  </form>`;
+}
+
+function Files({ id, version, onChange }) {
+  const [files, setFiles] = useState(null);
+  const [error, setError] = useState(null);
+  const [shown, setShown] = useState(null);
+  const upload = useRef(null);
+  const load = async () => {
+    try { setFiles((await api(`/api/v1/sandboxes/${id}/files`)).files); } catch (err) { setError(err); }
+  };
+  useEffect(() => { load(); }, [id, version]);
+  const send = async (e) => {
+    e.preventDefault();
+    const chosen = upload.current.files;
+    try {
+      for (const file of chosen) {
+        await api(`/api/v1/sandboxes/${id}/files/${encodeURIComponent(file.name)}`, { method: "PUT", body: file, raw: true, headers: { "content-type": "application/octet-stream" } });
+      }
+      upload.current.value = "";
+      onChange();
+    } catch (err) { setError(err); }
+  };
+  const open = async (path) => {
+    try {
+      const response = await api(`/api/v1/sandboxes/${id}/files/${path.split("/").map(encodeURIComponent).join("/")}`);
+      const blob = await response.blob();
+      if (blob.size <= 256 * 1024 && !/\.(png|jpe?g|gif|zip|gz|bin)$/i.test(path)) setShown({ path, text: await blob.text() });
+      else {
+        const a = document.createElement("a");
+        a.href = URL.createObjectURL(blob); a.download = path.split("/").pop(); a.click();
+        setTimeout(() => URL.revokeObjectURL(a.href), 10000);
+      }
+    } catch (err) { setError(err); }
+  };
+  const remove = async (path) => {
+    try { await api(`/api/v1/sandboxes/${id}/files/${path.split("/").map(encodeURIComponent).join("/")}`, { method: "DELETE" }); onChange(); } catch (err) { setError(err); }
+  };
+  return html`<section aria-labelledby="files-title">
+    <h3 id="files-title">Files</h3>
+    <form class="row" onSubmit=${send}>
+      <div><label for="upload">Upload a file</label><input id="upload" type="file" ref=${upload} multiple /></div>
+      <button type="submit">Upload</button>
+    </form>
+    <${Failure} error=${error} />
+    ${files === null ? html`<p class="muted">Loading…</p>` : files.length === 0 ? html`<p class="muted">No files.</p>` : html`
+    <ul class="tree" aria-label="Files in the workspace">${files.map((f) => html`<li style=${`margin-left:${(f.path.split("/").length - 1) * 1.2}rem`}>
+      ${f.kind === "dir" ? html`<span>${f.path.split("/").pop()}/</span>` : html`<button type="button" class="link" onClick=${() => open(f.path)}>${f.path.split("/").pop()}</button>
+        <span class="muted"> ${f.size} B </span><button type="button" aria-label=${`Delete ${f.path}`} onClick=${() => remove(f.path)}>×</button>`}
+    </li>`)}</ul>`}
+    ${shown && html`<h4>${shown.path}</h4><pre>${shown.text}</pre>`}
+  </section>`;
+}
+
+function History({ id, version }) {
+  const [entries, setEntries] = useState([]);
+  const [diff, setDiff] = useState(null);
+  const [error, setError] = useState(null);
+  useEffect(() => {
+    api(`/api/v1/sandboxes/${id}/history?limit=50`).then((h) => setEntries(h.history)).catch(setError);
+  }, [id, version]);
+  const show = async (entry, index) => {
+    const before = entries[index + 1];
+    if (!before) return setDiff({ id: entry.id, text: "(the first state)" });
+    try {
+      const d = await api(`/api/v1/sandboxes/${id}/diff`, { method: "POST", body: { fromExecId: before.id, toExecId: entry.id } });
+      setDiff({ id: entry.id, text: Object.values(d.diff).join("\n") || "(no file changed)" });
+    } catch (err) { setError(err); }
+  };
+  return html`<section aria-labelledby="history-title">
+    <h3 id="history-title">History</h3>
+    <${Failure} error=${error} />
+    <ol>${entries.map((e, i) => html`<li><button type="button" onClick=${() => show(e, i)}>${e.message || e.id}</button> <span class="muted">${e.files.length} file(s)</span></li>`)}</ol>
+    ${diff && html`<pre aria-label="Diff">${diff.text}</pre>`}
+  </section>`;
+}
+
+function Sandbox({ id }) {
+  const [sandbox, setSandbox] = useState(null);
+  const [error, setError] = useState(null);
+  const [version, setVersion] = useState(0);
+  useEffect(() => { api(`/api/v1/sandboxes/${id}`).then(setSandbox).catch(setError); }, [id, version]);
+  if (error) return html`<${Failure} error=${error} />`;
+  if (!sandbox) return html`<p class="muted">Loading…</p>`;
+  return html`<section aria-labelledby="sandbox-title">
+    <p><a href="#/sandboxes">← Sandboxes</a></p>
+    <h2 id="sandbox-title">${sandbox.containerId}</h2>
+    <p class="muted">${sandbox.templateDescription || sandbox.template} · ${sandbox.status} · expires ${new Date(sandbox.expiresAt).toLocaleString()}</p>
+    <div class="grid">
+      <${Run} sandbox=${sandbox} onRan=${() => setVersion((v) => v + 1)} />
+      <div><${Files} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /><${History} id=${id} version=${version} /></div>
+    </div>
+  </section>`;
+}
+
+// ---------------------------------------------------------------- chat
+
+function Display({ result }) {
+  const data = result.data || {};
+  if (data["image/png"]) return html`<img alt="A figure the code made" src=${`data:image/png;base64,${data["image/png"]}`} />`;
+  if (data["text/html"]) return html`<div class="html-result" dangerouslySetInnerHTML=${{ __html: data["text/html"] }}></div>`;
+  return html`<pre>${data["text/plain"] || JSON.stringify(data)}</pre>`;
+}
+
+function Chat() {
+  const [messages, setMessages] = useState([]);
+  const [items, setItems] = useState([]);
+  const [text, setText] = useState("");
+  const [sandbox, setSandbox] = useState(null);
+  const [error, setError] = useState(null);
+  const [busy, setBusy] = useState(false);
+  const send = async (e) => {
+    e.preventDefault();
+    if (!text.trim()) return;
+    const asked = [...messages, { role: "user", content: text }];
+    const shown = [...items, { kind: "user", text }];
+    setItems(shown); setText(""); setBusy(true); setError(null);
+    let answer = { kind: "assistant", text: "" };
+    const tools = new Map();
+    const now = [...shown, answer];
+    const redraw = () => setItems([...now]);
+    try {
+      await streamPost("/api/v1/chat", { messages: asked, sandbox: sandbox || undefined }, (name, data) => {
+        if (name === "sandbox") setSandbox(data.sandbox_id);
+        else if (name === "text_delta") { answer.text += data.text; redraw(); }
+        else if (name === "tool_call_start") {
+          const tool = { kind: "tool", id: data.id, name: data.name, args: "", out: [], displays: [], result: null };
+          tools.set(data.id, tool); now.push(tool);
+          answer = { kind: "assistant", text: "" }; now.push(answer); redraw();
+        } else if (name === "tool_call_arguments") { const t = tools.get(data.id); if (t) t.args += data.delta; redraw(); }
+        else if (name === "stdout" || name === "stderr") { const t = tools.get(data.id); if (t) t.out.push({ stream: name, text: data.data }); redraw(); }
+        else if (name === "display") { const t = tools.get(data.id); if (t) t.displays.push(data.result); redraw(); }
+        else if (name === "tool_result") { const t = tools.get(data.id); if (t) t.result = data; redraw(); }
+        else if (name === "final") setMessages(data.messages);
+        else if (name === "error") setError(new ApiError(0, { error: data }));
+      });
+    } catch (err) { setError(err); }
+    setBusy(false);
+  };
+  return html`<section aria-labelledby="chat-title">
+    <h2 id="chat-title">Chat</h2>
+    <p class="muted">A model that runs code in a sandbox${sandbox ? html` (<a href=${`#/sandboxes/${sandbox}`}>${sandbox}</a>)` : ""}.</p>
+    <div class="chat-log" aria-live="polite">${items.filter((i) => i.kind !== "assistant" || i.text).map((i) =>
+      i.kind === "tool" ? html`<div class="bubble tool"><details><summary>${i.name}${i.result ? (i.result.is_error ? " (error)" : " ✓") : " …"}</summary>
+          <pre>${i.args}</pre>${i.result && html`<pre class="muted">${i.result.result}</pre>`}</details>
+          <${Output} chunks=${i.out} />${i.displays.map((d) => html`<${Display} result=${d} />`)}</div>`
+        : html`<div class=${`bubble ${i.kind}`}>${i.text}</div>`)}</div>
+    <form onSubmit=${send} style="margin-top:1rem">
+      <label for="message">Message</label>
+      <textarea id="message" value=${text} onInput=${(e) => setText(e.target.value)} onKeyDown=${(e) => { if (e.key === "Enter" && !e.shiftKey) send(e); }}></textarea>
+      <div class="row"><button class="primary" type="submit" disabled=${busy}>${busy ? "Working…" : "Send"}</button>
+        <button type="button" onClick=${() => { setMessages([]); setItems([]); setSandbox(null); }}>New chat</button></div>
+    </form>
+    <${Failure} error=${error} />
+  </section>`;
+}
+
+// ---------------------------------------------------------------- workflows
+
+function Workflows() {
+  const [list, setList] = useState([]);
+  const [templates, setTemplates] = useState([]);
+  const [template, setTemplate] = useState("static-website");
+  const [task, setTask] = useState("");
+  const [error, setError] = useState(null);
+  const load = () => api("/api/v1/workflows").then((w) => setList(w.workflows)).catch(setError);
+  useEffect(() => {
+    load();
+    api("/api/v1/workflow-templates").then((t) => setTemplates(t.templates)).catch(setError);
+  }, []);
+  const start = async (e) => {
+    e.preventDefault();
+    try { await api("/api/v1/workflows", { method: "POST", body: { template, task } }); setTask(""); load(); } catch (err) { setError(err); }
+  };
+  return html`<section aria-labelledby="workflows-title">
+    <h2 id="workflows-title">Workflows</h2>
+    <form onSubmit=${start}>
+      <label for="wf-template">Template</label>
+      <select id="wf-template" value=${template} onChange=${(e) => setTemplate(e.target.value)}>${templates.map((t) => html`<option value=${t.name}>${t.name}</option>`)}</select>
+      <label for="wf-task">Task</label>
+      <textarea id="wf-task" value=${task} onInput=${(e) => setTask(e.target.value)}></textarea>
+      <button class="primary" type="submit">Start</button>
+    </form>
+    <${Failure} error=${error} />
+    <table><thead><tr><th scope="col">Workflow</th><th scope="col">Template</th><th scope="col">Stage</th><th scope="col">Round</th><th scope="col">Preview</th></tr></thead>
+    <tbody>${list.map((w) => html`<tr><td><details><summary>${w.id}</summary><ol>${w.history.map((e) => html`<li>${e.agent} ${e.action}</li>`)}</ol>
+      ${w.reviews.map((r) => html`<p>Round ${r.round}: ${r.approved ? "approved" : "changes asked"} ${r.grade || ""} — ${r.feedback}</p>`)}</details></td>
+      <td>${w.template}</td><td>${w.stage}${w.reason ? html` <span class="muted">(${w.reason})</span>` : ""}</td><td>${w.round}/${w.maxRounds}</td>
+      <td>${w.previewUrl ? html`<a href=${w.previewUrl} target="_blank" rel="noopener">open</a>` : ""}</td></tr>`)}</tbody></table>
+  </section>`;
+}
+
+// ---------------------------------------------------------------- shell
+
+function App() {
+  const hash = useHash();
+  const [, page, id] = hash.split("/");
+  const link = (to, label) => html`<a href=${to} aria-current=${hash.startsWith(to) ? "page" : undefined}>${label}</a>`;
+  let body;
+  if (page === "login") body = html`<${Login} />`;
+  else if (page === "sandboxes" && id) body = html`<${Sandbox} id=${decodeURIComponent(id)} />`;
+  else if (page === "chat") body = html`<${Chat} />`;
+  else if (page === "workflows") body = html`<${Workflows} />`;
+  else body = html`<${Sandboxes} />`;
+  return html`<header><h1>kiln</h1>
+      <nav aria-label="Pages">${link("#/sandboxes", "Sandboxes")}${link("#/chat", "Chat")}${link("#/workflows", "Workflows")}</nav>
+      <span style="margin-left:auto">${key() ? html`<button type="button" onClick=${() => { sessionStorage.removeItem(KEY); location.hash = "#/login"; }}>Sign out</button>` : html`<a href="#/login">Sign in</a>`}</span>
+    </header>
+    <main>${body}</main>`;
+}
+
+render(html`<${App} />`, document.getElementById("app"));

@@ -1,0 +1,265 @@
+"""Drives kiln's web console (/console) in headless Chromium through Playwright: a real
+`kiln serve` with keys, the real page, the system's Chromium. A chat turn's model is a small
+scripted server speaking OpenAI's chat-completions protocol (streamed), here in test code:
+it stands in for a paid provider, nothing else.
+
+Checked: every page loads without console errors or failed requests; signing in with a key
+(and a wrong key refused); a sandbox created from the page runs code whose output shows; a
+file uploaded shows in the tree and opens; the history shows the run; a chat turn streams
+its tokens and shows the matplotlib figure its code drew; a narrow screen; the keyboard
+(Ctrl+Enter runs). Screenshots of each page go to target/console-screenshots/.
+
+Usage: tests/console/check.py path/to/kiln
+"""
+
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from playwright.sync_api import expect, sync_playwright
+
+KILN = os.path.abspath(sys.argv[1])
+SHOTS = os.path.abspath("target/console-screenshots")
+
+
+def check(ok, what):
+    if not ok:
+        raise SystemExit(f"console-check: FAILED: {what}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+FIGURE = ("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+          "plt.plot([1, 4, 9, 16])\nplt.title('squares')\nplt.show()\nprint('drew it')")
+SCRIPT = [
+    {"tool": ("call_1", "execute_code", {"language": "python", "code": FIGURE})},
+    {"text": "Here is the plot of the first four squares."},
+]
+
+
+class Model(http.server.BaseHTTPRequestHandler):
+    """OpenAI's streamed chat completions, answering SCRIPT in order."""
+    script = list(SCRIPT)
+    requests = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        Model.requests.append(body)
+        step = Model.script.pop(0) if Model.script else {"text": "(the script is over)"}
+        chunks = []
+
+        def chunk(delta, finish=None):
+            chunks.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+        if "text" in step:
+            chunk({"role": "assistant", "content": ""})
+            for word in step["text"].split(" "):
+                chunk({"content": word + " "})
+            chunk({}, "stop")
+        else:
+            call_id, name, args = step["tool"]
+            chunk({"role": "assistant", "content": None})
+            chunk({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
+                                   "function": {"name": name, "arguments": json.dumps(args)}}]})
+            chunk({}, "tool_calls")
+        payload = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
+        payload += 'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"fake","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}\n\n'
+        payload += "data: [DONE]\n\n"
+        data = payload.encode()
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def main():
+    os.makedirs(SHOTS, exist_ok=True)
+    model = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Model)
+    threading.Thread(target=model.serve_forever, daemon=True).start()
+    with tempfile.TemporaryDirectory() as scratch:
+        data_dir = os.path.join(scratch, "data")
+        key = subprocess.run([KILN, "keys", "create", "--name", "console", "--data-dir", data_dir],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        port = free_port()
+        env = dict(os.environ, KILN_LLM_MODEL="openai-compatible:fake",
+                   KILN_LLM_BASE_URL=f"http://127.0.0.1:{model.server_address[1]}/v1",
+                   KILN_STATE_DIR=os.path.join(scratch, "state"))
+        log = open(os.path.join(scratch, "serve.log"), "w")
+        server = subprocess.Popen([KILN, "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", data_dir],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=log)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(200):
+                try:
+                    urllib.request.urlopen(base + "/healthz")
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            run(base, key)
+        except BaseException:
+            log.flush()
+            with open(log.name, errors="replace") as f:
+                print(f.read()[-4000:], file=sys.stderr)
+            raise
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        # Under --no-auth the console asks for no key.
+        port = free_port()
+        server = subprocess.Popen([KILN, "serve", "--no-auth", "--listen", f"127.0.0.1:{port}",
+                                   "--data-dir", os.path.join(scratch, "open")],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            for _ in range(200):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz")
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            without_keys(f"http://127.0.0.1:{port}")
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    print("console-check: passed")
+
+
+def without_keys(base):
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        page = browser.new_page()
+        problems = []
+        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.goto(base + "/console")
+        expect(page.get_by_role("heading", name="Sandboxes")).to_be_visible()
+        page.get_by_role("button", name="Create sandbox").click()
+        page.get_by_role("button", name="Run (Ctrl+Enter)").click()
+        expect(page.locator("pre.output")).to_have_text("hello from kiln\n")
+        check(not problems, f"console errors without keys: {problems}")
+        browser.close()
+
+
+def run(base, key):
+    # The page itself needs no key; it is served with a policy that allows no other origin.
+    with urllib.request.urlopen(base + "/console/") as r:
+        policy = r.headers["content-security-policy"]
+        check("script-src 'self'" in policy and "frame-ancestors 'none'" in policy, f"policy: {policy}")
+    try:
+        urllib.request.urlopen(base + "/console/assets/nothing.js")
+        check(False, "an unknown asset answered")
+    except urllib.error.HTTPError as e:
+        check(e.code == 404, f"an unknown asset: {e.code}")
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        problems = []
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" and "401" not in m.text else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+
+        # Signed out: the API answers 401 and the page asks for a key.
+        page.goto(base + "/console")
+        expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+        page.screenshot(path=f"{SHOTS}/login.png")
+        page.get_by_label("API key").fill("kiln_wrong")
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.get_by_role("alert")).to_contain_text("UNAUTHORIZED")
+        page.get_by_label("API key").fill(key)
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.get_by_role("heading", name="Sandboxes")).to_be_visible()
+        expect(page.get_by_text("No sandboxes yet.")).to_be_visible()
+        problems.clear()  # the 401s above were the point
+
+        # A sandbox: create, run code, see its output.
+        page.get_by_label("Template").select_option("python")
+        page.get_by_role("button", name="Create sandbox").click()
+        expect(page.get_by_role("heading", name="Run code")).to_be_visible()
+        page.get_by_label("Code", exact=True).fill("import sys\nfor i in range(3):\n    print('line', i)\nprint('oops', file=sys.stderr)")
+        page.get_by_role("button", name="Run (Ctrl+Enter)").click()
+        output = page.locator("pre.output")
+        expect(output).to_contain_text("line 0\nline 1\nline 2")
+        expect(output.locator(".stderr")).to_have_text("oops\n")
+        expect(page.get_by_test_id("run-status")).to_contain_text("success, exit 0")
+        # The keyboard: Ctrl+Enter runs.
+        page.get_by_label("Code", exact=True).fill("open('made.txt', 'w').write('made by code')\nprint('again')")
+        page.get_by_label("Code", exact=True).press("Control+Enter")
+        expect(output).to_have_text("again\n")
+        tree = page.get_by_role("list", name="Files in the workspace")
+        expect(tree).to_contain_text("made.txt")
+
+        # Upload a file; it shows in the tree and opens.
+        page.get_by_label("Upload a file").set_input_files(files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"uploaded from the console\n"}])
+        page.get_by_role("button", name="Upload", exact=True).click()
+        expect(tree).to_contain_text("notes.txt")
+        tree.get_by_role("button", name="notes.txt", exact=True).click()
+        expect(page.get_by_text("uploaded from the console")).to_be_visible()
+        # The history lists the run and the upload.
+        history = page.get_by_role("heading", name="History").locator("..")
+        expect(history).to_contain_text("upload notes.txt")
+        page.screenshot(path=f"{SHOTS}/sandbox.png", full_page=True)
+
+        # The list shows it; a narrow screen still works.
+        page.get_by_role("navigation", name="Pages").get_by_role("link", name="Sandboxes").click()
+        expect(page.locator("table")).to_contain_text("python")
+        page.screenshot(path=f"{SHOTS}/sandboxes.png", full_page=True)
+        page.set_viewport_size({"width": 390, "height": 844})
+        expect(page.get_by_role("button", name="Create sandbox")).to_be_visible()
+        page.screenshot(path=f"{SHOTS}/sandboxes-narrow.png", full_page=True)
+        page.set_viewport_size({"width": 1280, "height": 900})
+
+        # Chat: the model's code runs, its figure shows, its answer streams in.
+        page.get_by_role("navigation", name="Pages").get_by_role("link", name="Chat").click()
+        page.get_by_label("Message").fill("Plot the first four squares.")
+        page.get_by_role("button", name="Send").click()
+        figure = page.get_by_role("img", name="A figure the code made")
+        expect(figure).to_be_visible(timeout=60000)
+        check(figure.evaluate("img => img.naturalWidth") > 100, "the figure is an image")
+        expect(page.locator(".chat-log")).to_contain_text("drew it")
+        expect(page.locator(".chat-log")).to_contain_text("Here is the plot of the first four squares.")
+        expect(page.get_by_role("button", name="Send")).to_be_enabled()
+        page.screenshot(path=f"{SHOTS}/chat.png", full_page=True)
+        check(len(Model.requests) == 2, f"the model was asked {len(Model.requests)} times")
+        check(any(t["function"]["name"] == "execute_code" for t in Model.requests[0].get("tools", [])),
+              "execute_code was offered")
+
+        # Workflows: the page lists the templates (a run needs a Linux server).
+        page.get_by_role("navigation", name="Pages").get_by_role("link", name="Workflows").click()
+        expect(page.get_by_label("Template")).to_contain_text("database-schema")
+        page.screenshot(path=f"{SHOTS}/workflows.png", full_page=True)
+
+        # Signing out forgets the key.
+        page.get_by_role("button", name="Sign out").click()
+        expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+        check(page.evaluate("sessionStorage.getItem('kiln.key')") is None, "the key was forgotten")
+        problems = [p for p in problems if "401" not in p and "Unauthorized" not in p]
+        check(not problems, f"console errors: {problems}")
+        browser.close()
+
+
+def chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        for folder in os.environ.get("PATH", "").split(os.pathsep):
+            path = os.path.join(folder, name)
+            if os.access(path, os.X_OK):
+                return path
+    raise SystemExit("console-check: no Chromium (scripts/ensure-deps installs it)")
+
+
+if __name__ == "__main__":
+    main()
