@@ -93,6 +93,8 @@ def main():
     model = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Model)
     threading.Thread(target=model.serve_forever, daemon=True).start()
     with tempfile.TemporaryDirectory() as scratch:
+        # Boxes' roots are mounted from the state folder, which runc must be able to reach.
+        os.chmod(scratch, 0o755)
         data_dir = os.path.join(scratch, "data")
         key = subprocess.run([KILN, "keys", "create", "--name", "console", "--data-dir", data_dir],
                              check=True, capture_output=True, text=True).stdout.strip()
@@ -122,7 +124,7 @@ def main():
             server.wait(timeout=30)
         # Under --no-auth the console asks for no key.
         port = free_port()
-        server = subprocess.Popen([KILN, "serve", "--no-auth", "--listen", f"127.0.0.1:{port}",
+        server = subprocess.Popen([KILN, "serve", "--no-auth", "--linux", "--listen", f"127.0.0.1:{port}",
                                    "--data-dir", os.path.join(scratch, "open")],
                                   env=env, stdout=subprocess.DEVNULL, stderr=log)
         try:
@@ -148,9 +150,18 @@ def without_keys(base):
         page.on("pageerror", lambda e: problems.append(str(e)))
         page.goto(base + "/console")
         expect(page.get_by_role("heading", name="Sandboxes")).to_be_visible()
+        # A Linux sandbox: its code runs in the box, and it has a terminal.
+        page.get_by_label("Template").select_option("linux-python")
         page.get_by_role("button", name="Create sandbox").click()
         page.get_by_role("button", name="Run (Ctrl+Enter)").click()
-        expect(page.locator("pre.output")).to_have_text("hello from kiln\n")
+        expect(page.locator("pre.output")).to_have_text("hello from kiln\n", timeout=30000)
+        with page.context.expect_page() as opened:
+            page.get_by_role("button", name="Open a terminal").click()
+        terminal = opened.value
+        terminal.wait_for_load_state()
+        check("/terminal/" in terminal.url, f"the terminal's page: {terminal.url}")
+        check(terminal.evaluate("window.opener") is None, "the terminal page has no opener")
+        page.screenshot(path=f"{SHOTS}/linux-sandbox.png", full_page=True)
         check(not problems, f"console errors without keys: {problems}")
         browser.close()
 
@@ -208,10 +219,24 @@ def run(base, key):
         page.get_by_role("button", name="Upload", exact=True).click()
         expect(tree).to_contain_text("notes.txt")
         tree.get_by_role("button", name="notes.txt", exact=True).click()
-        expect(page.get_by_text("uploaded from the console")).to_be_visible()
+        editor = page.get_by_label("notes.txt", exact=True)
+        expect(editor).to_have_value("uploaded from the console\n")
+        # Edited and saved: the API has the new bytes, and the history the change.
+        editor.fill("edited in the console\n")
+        page.get_by_role("button", name="Save").click()
+        expect(page.get_by_role("button", name="Saved")).to_be_disabled()
+        request = urllib.request.Request(f"{base}/api/v1/sandboxes/{sandbox_id(page)}/files/notes.txt",
+                                         headers={"authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request) as r:
+            check(r.read() == b"edited in the console\n", "the saved file")
         # The history lists the run and the upload.
         history = page.get_by_role("heading", name="History").locator("..")
         expect(history).to_contain_text("upload notes.txt")
+        # Rolled back to before the upload: notes.txt is gone from the tree.
+        history.get_by_role("button", name="Roll back to python open('made.txt', 'w').write('made by code')").click()
+        expect(history).to_contain_text("rollback to")
+        expect(tree).not_to_contain_text("notes.txt")
+        expect(tree).to_contain_text("made.txt")
         page.screenshot(path=f"{SHOTS}/sandbox.png", full_page=True)
 
         # The list shows it; a narrow screen still works.
@@ -250,6 +275,10 @@ def run(base, key):
         problems = [p for p in problems if "401" not in p and "Unauthorized" not in p]
         check(not problems, f"console errors: {problems}")
         browser.close()
+
+
+def sandbox_id(page):
+    return page.get_by_role("heading", level=2).inner_text().strip()
 
 
 def chromium():

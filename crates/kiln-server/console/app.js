@@ -239,12 +239,20 @@ function Files({ id, version, onChange }) {
     try {
       const response = await api(`/api/v1/sandboxes/${id}/files/${path.split("/").map(encodeURIComponent).join("/")}`);
       const blob = await response.blob();
-      if (blob.size <= 256 * 1024 && !/\.(png|jpe?g|gif|zip|gz|bin)$/i.test(path)) setShown({ path, text: await blob.text() });
+      if (blob.size <= 256 * 1024 && !/\.(png|jpe?g|gif|zip|gz|bin)$/i.test(path)) setShown({ path, text: await blob.text(), saved: true });
       else {
         const a = document.createElement("a");
         a.href = URL.createObjectURL(blob); a.download = path.split("/").pop(); a.click();
         setTimeout(() => URL.revokeObjectURL(a.href), 10000);
       }
+    } catch (err) { setError(err); }
+  };
+  const save = async (e) => {
+    e.preventDefault();
+    try {
+      await api(`/api/v1/sandboxes/${id}/files/${shown.path.split("/").map(encodeURIComponent).join("/")}`, { method: "PUT", body: shown.text, raw: true, headers: { "content-type": "application/octet-stream" } });
+      setShown({ ...shown, saved: true });
+      onChange();
     } catch (err) { setError(err); }
   };
   const remove = async (path) => {
@@ -262,17 +270,28 @@ function Files({ id, version, onChange }) {
       ${f.kind === "dir" ? html`<span>${f.path.split("/").pop()}/</span>` : html`<button type="button" class="link" onClick=${() => open(f.path)}>${f.path.split("/").pop()}</button>
         <span class="muted"> ${f.size} B </span><button type="button" aria-label=${`Delete ${f.path}`} onClick=${() => remove(f.path)}>×</button>`}
     </li>`)}</ul>`}
-    ${shown && html`<h4>${shown.path}</h4><pre>${shown.text}</pre>`}
+    ${shown && html`<form onSubmit=${save}>
+      <label for="editor">${shown.path}</label>
+      <textarea id="editor" value=${shown.text} onInput=${(e) => setShown({ ...shown, text: e.target.value, saved: false })}></textarea>
+      <div class="row"><button type="submit" disabled=${shown.saved}>${shown.saved ? "Saved" : "Save"}</button>
+        <button type="button" onClick=${() => setShown(null)}>Close</button></div>
+    </form>`}
   </section>`;
 }
 
-function History({ id, version }) {
+function History({ id, version, onChange }) {
   const [entries, setEntries] = useState([]);
   const [diff, setDiff] = useState(null);
   const [error, setError] = useState(null);
   useEffect(() => {
     api(`/api/v1/sandboxes/${id}/history?limit=50`).then((h) => setEntries(h.history)).catch(setError);
   }, [id, version]);
+  const rollback = async (entry) => {
+    try {
+      await api(`/api/v1/sandboxes/${id}/rollback`, { method: "POST", body: { executionId: entry.id } });
+      onChange();
+    } catch (err) { setError(err); }
+  };
   const show = async (entry, index) => {
     const before = entries[index + 1];
     if (!before) return setDiff({ id: entry.id, text: "(the first state)" });
@@ -284,9 +303,36 @@ function History({ id, version }) {
   return html`<section aria-labelledby="history-title">
     <h3 id="history-title">History</h3>
     <${Failure} error=${error} />
-    <ol>${entries.map((e, i) => html`<li><button type="button" onClick=${() => show(e, i)}>${e.message || e.id}</button> <span class="muted">${e.files.length} file(s)</span></li>`)}</ol>
+    <ol>${entries.map((e, i) => html`<li><button type="button" onClick=${() => show(e, i)}>${e.message || e.id}</button> <span class="muted">${e.files.length} file(s)</span>
+      ${i > 0 && html` <button type="button" aria-label=${`Roll back to ${e.message || e.id}`} onClick=${() => rollback(e)}>Roll back here</button>`}</li>`)}</ol>
     ${diff && html`<pre aria-label="Diff">${diff.text}</pre>`}
   </section>`;
+}
+
+// A terminal in a Linux sandbox's box, on its own page (a signed link, opened without an
+// opener so the page never sees this tab's key).
+function Terminal({ id, template }) {
+  const [error, setError] = useState(null);
+  const [link, setLink] = useState(null);
+  const [capable, setCapable] = useState(false);
+  useEffect(() => {
+    api("/api/v1/templates").then((t) => {
+      const mine = t.templates.find((x) => x.id === template);
+      setCapable(Boolean(mine && mine.capabilities && mine.capabilities.terminals));
+    }).catch(() => setCapable(false));
+  }, [template]);
+  const open = async () => {
+    try {
+      const terminal = await api(`/api/v1/sandboxes/${id}/terminals`, { method: "POST", body: {} });
+      const made = await api(`/api/v1/sandboxes/${id}/terminals/${terminal.terminalId}/links`, { method: "POST", body: {} });
+      setLink(made.url);
+      window.open(made.url, "_blank", "noopener");
+    } catch (err) { setError(err); }
+  };
+  if (!capable) return null;
+  return html`<div class="row"><button type="button" onClick=${open}>Open a terminal</button>
+    ${link && html`<a href=${link} target="_blank" rel="noopener">the terminal's page</a>`}</div>
+    <${Failure} error=${error} />`;
 }
 
 function Sandbox({ id }) {
@@ -300,9 +346,10 @@ function Sandbox({ id }) {
     <p><a href="#/sandboxes">← Sandboxes</a></p>
     <h2 id="sandbox-title">${sandbox.containerId}</h2>
     <p class="muted">${sandbox.templateDescription || sandbox.template} · ${sandbox.status} · expires ${new Date(sandbox.expiresAt).toLocaleString()}</p>
+    <${Terminal} id=${id} template=${sandbox.template} />
     <div class="grid">
       <${Run} sandbox=${sandbox} onRan=${() => setVersion((v) => v + 1)} />
-      <div><${Files} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /><${History} id=${id} version=${version} /></div>
+      <div><${Files} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /><${History} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /></div>
     </div>
   </section>`;
 }
