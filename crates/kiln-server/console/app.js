@@ -1,6 +1,6 @@
 // The kiln console: one page over kiln's own API (/api/v1), nothing of its own on the server.
 // The API key lives in this tab's sessionStorage only. Pages by the URL's hash:
-// #/sandboxes, #/sandboxes/{id}, #/chat, #/workflows, #/login.
+// #/sandboxes, #/sandboxes/{id}, #/chat, #/workflows, #/workflows/{id}, #/login.
 import { html, render, useState, useEffect, useRef } from "./preact-htm.js";
 
 const KEY = "kiln.key";
@@ -423,7 +423,10 @@ function Workflows() {
   const [templates, setTemplates] = useState([]);
   const [template, setTemplate] = useState("static-website");
   const [task, setTask] = useState("");
+  const [humanCreator, setHumanCreator] = useState(false);
+  const [humanReviewer, setHumanReviewer] = useState(false);
   const [error, setError] = useState(null);
+  const [busy, setBusy] = useState(false);
   const load = () => api("/api/v1/workflows").then((w) => setList(w.workflows)).catch(setError);
   useEffect(() => {
     load();
@@ -431,7 +434,13 @@ function Workflows() {
   }, []);
   const start = async (e) => {
     e.preventDefault();
-    try { await api("/api/v1/workflows", { method: "POST", body: { template, task } }); setTask(""); load(); } catch (err) { setError(err); }
+    setBusy(true);
+    try {
+      const roles = { creator: { human: humanCreator }, reviewer: { human: humanReviewer } };
+      const made = await api("/api/v1/workflows", { method: "POST", body: { template, task, roles } });
+      location.hash = `#/workflows/${made.id}`;
+    } catch (err) { setError(err); }
+    setBusy(false);
   };
   return html`<section aria-labelledby="workflows-title">
     <h2 id="workflows-title">Workflows</h2>
@@ -440,14 +449,109 @@ function Workflows() {
       <select id="wf-template" value=${template} onChange=${(e) => setTemplate(e.target.value)}>${templates.map((t) => html`<option value=${t.name}>${t.name}</option>`)}</select>
       <label for="wf-task">Task</label>
       <textarea id="wf-task" value=${task} onInput=${(e) => setTask(e.target.value)}></textarea>
-      <button class="primary" type="submit">Start</button>
+      <div class="row">
+        <label><input type="checkbox" checked=${humanCreator} onChange=${(e) => setHumanCreator(e.target.checked)} /> I play the creator</label>
+        <label><input type="checkbox" checked=${humanReviewer} onChange=${(e) => setHumanReviewer(e.target.checked)} /> I play the reviewer</label>
+      </div>
+      <button class="primary" type="submit" disabled=${busy}>${busy ? "Starting…" : "Start"}</button>
     </form>
     <${Failure} error=${error} />
     <table><thead><tr><th scope="col">Workflow</th><th scope="col">Template</th><th scope="col">Stage</th><th scope="col">Round</th><th scope="col">Preview</th></tr></thead>
-    <tbody>${list.map((w) => html`<tr><td><details><summary>${w.id}</summary><ol>${w.history.map((e) => html`<li>${e.agent} ${e.action}</li>`)}</ol>
-      ${w.reviews.map((r) => html`<p>Round ${r.round}: ${r.approved ? "approved" : "changes asked"} ${r.grade || ""} — ${r.feedback}</p>`)}</details></td>
+    <tbody>${list.map((w) => html`<tr><td><a href=${`#/workflows/${w.id}`}>${w.id}</a></td>
       <td>${w.template}</td><td>${w.stage}${w.reason ? html` <span class="muted">(${w.reason})</span>` : ""}</td><td>${w.round}/${w.maxRounds}</td>
       <td>${w.previewUrl ? html`<a href=${w.previewUrl} target="_blank" rel="noopener">open</a>` : ""}</td></tr>`)}</tbody></table>
+  </section>`;
+}
+
+// A person's turn: the creator hands over, the reviewer approves or asks for changes.
+function HumanTurn({ workflow, onDone }) {
+  const [notes, setNotes] = useState("");
+  const [approved, setApproved] = useState(true);
+  const [grade, setGrade] = useState("");
+  const [feedback, setFeedback] = useState("");
+  const [error, setError] = useState(null);
+  const submit = async (e) => {
+    e.preventDefault();
+    try {
+      if (workflow.currentAgent === "creator") {
+        await api(`/api/v1/workflows/${workflow.id}/submit`, { method: "POST", body: { notes } });
+      } else {
+        await api(`/api/v1/workflows/${workflow.id}/review`, { method: "POST", body: { approved, grade: grade || null, feedback } });
+      }
+      onDone();
+    } catch (err) { setError(err); }
+  };
+  if (workflow.currentAgent === "creator") {
+    return html`<form onSubmit=${submit} aria-label="Your turn as the creator">
+      <h3>Your turn: the creator's</h3>
+      <p class="muted">Work in the workspace (its sandbox: <a href=${`#/sandboxes/${workflow.sandboxId}`}>${workflow.sandboxId}</a>), then hand over.</p>
+      <label for="wf-notes">Notes for the reviewer</label>
+      <textarea id="wf-notes" value=${notes} onInput=${(e) => setNotes(e.target.value)}></textarea>
+      <button class="primary" type="submit">Submit for review</button>
+      <${Failure} error=${error} />
+    </form>`;
+  }
+  return html`<form onSubmit=${submit} aria-label="Your turn as the reviewer">
+    <h3>Your turn: the reviewer's</h3>
+    <label><input type="checkbox" checked=${approved} onChange=${(e) => setApproved(e.target.checked)} /> Approve</label>
+    <label for="wf-grade">Grade</label>
+    <input id="wf-grade" type="text" value=${grade} onInput=${(e) => setGrade(e.target.value)} />
+    <label for="wf-feedback">Feedback</label>
+    <textarea id="wf-feedback" value=${feedback} onInput=${(e) => setFeedback(e.target.value)}></textarea>
+    <button class="primary" type="submit">Submit review</button>
+    <${Failure} error=${error} />
+  </form>`;
+}
+
+function Workflow({ id }) {
+  const [workflow, setWorkflow] = useState(null);
+  const [events, setEvents] = useState([]);
+  const [activity, setActivity] = useState("");
+  const [error, setError] = useState(null);
+  const load = () => api(`/api/v1/workflows/${id}`).then(setWorkflow).catch(setError);
+  useEffect(() => {
+    load();
+    // The trail, then each new event as it happens, until the workflow ends.
+    const headers = key() ? { authorization: `Bearer ${key()}` } : {};
+    const seen = [];
+    const stop = new AbortController();
+    fetch(`/api/v1/workflows/${id}/events`, { headers, signal: stop.signal })
+      .then((response) => readEvents(response, (name, data) => {
+        if (name === "workflow") {
+          seen.push(data);
+          setEvents([...seen]);
+          load();
+        } else if (name === "agent" && data.event && data.event.type === "tool_call_start") {
+          setActivity(`${data.role}: ${data.event.name}`);
+        }
+      }))
+      .catch((err) => { if (err.name !== "AbortError") setError(err); });
+    return () => stop.abort();
+  }, [id]);
+  if (error) return html`<${Failure} error=${error} />`;
+  if (!workflow) return html`<p class="muted">Loading…</p>`;
+  const finished = workflow.stage === "approved" || workflow.stage === "rejected";
+  const cancel = async () => {
+    try { setWorkflow(await api(`/api/v1/workflows/${id}/cancel`, { method: "POST" })); } catch (err) { setError(err); }
+  };
+  return html`<section aria-labelledby="workflow-title">
+    <p><a href="#/workflows">← Workflows</a></p>
+    <h2 id="workflow-title">${workflow.id}</h2>
+    <p><strong data-testid="wf-stage">${workflow.stage}</strong> · round ${workflow.round} of ${workflow.maxRounds}
+      ${workflow.currentAgent ? ` · the ${workflow.currentAgent}'s turn${workflow.waitingForHuman ? " (a person's)" : ""}` : ""}
+      ${workflow.reason ? html` · <span class="muted">${workflow.reason}</span>` : ""}</p>
+    <p class="muted">${workflow.template}: ${workflow.task} · workspace <a href=${`#/sandboxes/${workflow.sandboxId}`}>${workflow.workspace}</a>
+      ${workflow.previewUrl ? html` · <a href=${workflow.previewUrl} target="_blank" rel="noopener">preview</a>` : ""}</p>
+    ${!finished && !workflow.waitingForHuman && activity && html`<p class="muted" aria-live="polite">Working: ${activity}</p>`}
+    ${workflow.waitingForHuman && html`<${HumanTurn} workflow=${workflow} onDone=${load} />`}
+    ${!finished && html`<button type="button" onClick=${cancel}>Cancel the workflow</button>`}
+    <h3>Reviews</h3>
+    ${workflow.reviews.length === 0 ? html`<p class="muted">None yet.</p>` : html`<ol>${workflow.reviews.map((r) => html`<li>
+      Round ${r.round}: ${r.approved ? "approved" : "changes asked"}${r.grade ? `, grade ${r.grade}` : ""} (${r.by}) — ${r.feedback}
+      ${r.suggestions.length ? html`<ul>${r.suggestions.map((x) => html`<li>${x}</li>`)}</ul>` : ""}
+      ${r.modifiedFiles.length ? html`<p class="muted">Changed: ${r.modifiedFiles.join(", ")}</p>` : ""}</li>`)}</ol>`}
+    <h3>Timeline</h3>
+    <ol aria-label="Timeline" aria-live="polite">${events.map((e) => html`<li><span class="muted">${new Date(e.timestamp).toLocaleTimeString()}</span> ${e.agent} <strong>${e.action}</strong></li>`)}</ol>
   </section>`;
 }
 
@@ -461,6 +565,7 @@ function App() {
   if (page === "login") body = html`<${Login} />`;
   else if (page === "sandboxes" && id) body = html`<${Sandbox} id=${decodeURIComponent(id)} />`;
   else if (page === "chat") body = html`<${Chat} />`;
+  else if (page === "workflows" && id) body = html`<${Workflow} id=${decodeURIComponent(id)} />`;
   else if (page === "workflows") body = html`<${Workflows} />`;
   else body = html`<${Sandboxes} />`;
   return html`<header><h1>kiln</h1>
