@@ -161,7 +161,28 @@ def without_keys(base):
         terminal.wait_for_load_state()
         check("/terminal/" in terminal.url, f"the terminal's page: {terminal.url}")
         check(terminal.evaluate("window.opener") is None, "the terminal page has no opener")
+        # A server in the box: its process and port show; the port's preview opens; End stops it.
+        page.get_by_label("Language").select_option("bash")
+        page.get_by_label("Code", exact=True).fill("mkdir -p site && echo '<h1>served</h1>' > site/index.html && cd site && (setsid python3 -m http.server 8000 >/dev/null 2>&1 &) && sleep 1 && echo started")
+        page.get_by_role("button", name="Run (Ctrl+Enter)").click()
+        expect(page.locator("pre.output")).to_have_text("started\n", timeout=30000)
+        page.get_by_role("button", name="Refresh").click()
+        expect(page.get_by_role("table", name="Processes")).to_contain_text("http.server 8000")
+        with page.context.expect_page() as opened:
+            page.get_by_role("button", name="Preview port 8000").click()
+        served = opened.value
+        served.wait_for_load_state()
+        expect(served.get_by_role("heading", name="served")).to_be_visible()
+        served.close()
         page.screenshot(path=f"{SHOTS}/linux-sandbox.png", full_page=True)
+        pid = page.get_by_role("table", name="Processes").locator("tr", has_text="http.server").locator("td").first.inner_text()
+        page.get_by_role("button", name=f"End process {pid}").click()
+        for _ in range(50):
+            if "http.server 8000" not in page.get_by_role("table", name="Processes").inner_text():
+                break
+            time.sleep(0.2)
+            page.get_by_role("button", name="Refresh").click()
+        expect(page.get_by_role("table", name="Processes")).not_to_contain_text("http.server 8000")
 
         # A workflow played by the person at the console, both roles, to its approval.
         page.get_by_role("navigation", name="Pages").get_by_role("link", name="Workflows").click()

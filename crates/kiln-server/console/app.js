@@ -220,8 +220,14 @@ function Files({ id, version, onChange }) {
   const [error, setError] = useState(null);
   const [shown, setShown] = useState(null);
   const upload = useRef(null);
+  // Only the newest listing is shown: an older one that answers late is dropped.
+  const latest = useRef(0);
   const load = async () => {
-    try { setFiles((await api(`/api/v1/sandboxes/${id}/files`)).files); } catch (err) { setError(err); }
+    const asked = ++latest.current;
+    try {
+      const listed = (await api(`/api/v1/sandboxes/${id}/files`)).files;
+      if (asked === latest.current) setFiles(listed);
+    } catch (err) { setError(err); }
   };
   useEffect(() => { load(); }, [id, version]);
   const send = async (e) => {
@@ -283,8 +289,12 @@ function History({ id, version, onChange }) {
   const [entries, setEntries] = useState([]);
   const [diff, setDiff] = useState(null);
   const [error, setError] = useState(null);
+  const latest = useRef(0);
   useEffect(() => {
-    api(`/api/v1/sandboxes/${id}/history?limit=50`).then((h) => setEntries(h.history)).catch(setError);
+    const asked = ++latest.current;
+    api(`/api/v1/sandboxes/${id}/history?limit=50`)
+      .then((h) => { if (asked === latest.current) setEntries(h.history); })
+      .catch(setError);
   }, [id, version]);
   const rollback = async (entry) => {
     try {
@@ -335,6 +345,51 @@ function Terminal({ id, template }) {
     <${Failure} error=${error} />`;
 }
 
+// A Linux sandbox's box: its processes (with a signal to end one) and the ports it listens
+// on, each with a preview link (signed, opened without an opener).
+function Box({ id, template, version }) {
+  const [capable, setCapable] = useState(false);
+  const [processes, setProcesses] = useState(null);
+  const [ports, setPorts] = useState([]);
+  const [error, setError] = useState(null);
+  useEffect(() => {
+    api("/api/v1/templates").then((t) => {
+      const mine = t.templates.find((x) => x.id === template);
+      setCapable(Boolean(mine && mine.capabilities && mine.capabilities.processes));
+    }).catch(() => setCapable(false));
+  }, [template]);
+  const load = async () => {
+    try {
+      setProcesses((await api(`/api/v1/sandboxes/${id}/processes`)).processes);
+      setPorts((await api(`/api/v1/sandboxes/${id}/ports`)).ports);
+    } catch (err) { setError(err); }
+  };
+  useEffect(() => { if (capable) load(); }, [capable, id, version]);
+  if (!capable) return null;
+  const end = async (pid) => {
+    try {
+      await api(`/api/v1/sandboxes/${id}/processes/${pid}/signal`, { method: "POST", body: { signal: "TERM" } });
+      setTimeout(load, 300);
+    } catch (err) { setError(err); }
+  };
+  const preview = async (port) => {
+    try {
+      const link = await api(`/api/v1/sandboxes/${id}/previews`, { method: "POST", body: { port } });
+      window.open(link.url, "_blank", "noopener");
+    } catch (err) { setError(err); }
+  };
+  return html`<section aria-labelledby="box-title">
+    <h3 id="box-title">Processes and ports</h3>
+    <button type="button" onClick=${load}>Refresh</button>
+    <${Failure} error=${error} />
+    ${processes && html`<table aria-label="Processes"><thead><tr><th scope="col">pid</th><th scope="col">command</th><th scope="col">memory</th><th scope="col"><span class="muted">end</span></th></tr></thead>
+      <tbody>${processes.filter((p) => !p.agent).map((p) => html`<tr><td>${p.pid}</td><td>${(p.argv.length ? p.argv : [p.name]).join(" ")}</td>
+        <td>${Math.round(p.memoryBytes / 1048576)} MiB</td><td><button type="button" aria-label=${`End process ${p.pid}`} onClick=${() => end(p.pid)}>End</button></td></tr>`)}</tbody></table>`}
+    <ul aria-label="Ports">${ports.map((p) => html`<li>${p.port} (${p.name || "?"})
+      ${p.reachable ? html` <button type="button" onClick=${() => preview(p.port)}>Preview port ${p.port}</button>` : html` <span class="muted">listens on ${p.address} only</span>`}</li>`)}</ul>
+  </section>`;
+}
+
 function Sandbox({ id }) {
   const [sandbox, setSandbox] = useState(null);
   const [error, setError] = useState(null);
@@ -349,7 +404,8 @@ function Sandbox({ id }) {
     <${Terminal} id=${id} template=${sandbox.template} />
     <div class="grid">
       <${Run} sandbox=${sandbox} onRan=${() => setVersion((v) => v + 1)} />
-      <div><${Files} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /><${History} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /></div>
+      <div><${Box} id=${id} template=${sandbox.template} version=${version} />
+        <${Files} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /><${History} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /></div>
     </div>
   </section>`;
 }
