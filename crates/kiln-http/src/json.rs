@@ -47,6 +47,47 @@ where
     }
 }
 
+/// A request body that must be one JSON object (every request type of kiln's API is one):
+/// read as [`Json`] reads it, and an array, string, number or null at the top is refused
+/// with 400 `INVALID_REQUEST` (serde would otherwise fill a struct from an array by position).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct JsonObject<T>(pub T);
+
+impl<T, S> FromRequest<S> for JsonObject<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = HttpError;
+
+    async fn from_request(request: Request, _state: &S) -> Result<JsonObject<T>, HttpError> {
+        let (parts, body) = request.into_parts();
+        require_json(&parts.headers)?;
+        let limit = parts
+            .extensions
+            .get::<BodyLimit>()
+            .map_or(DEFAULT_BODY_LIMIT, |limit| limit.0);
+        let bytes = read_body(&parts.headers, body, limit).await?;
+        from_json_object(&bytes).map(JsonObject)
+    }
+}
+
+/// [`from_json`] of a body that must be a JSON object at the top.
+pub fn from_json_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, HttpError> {
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if first.is_some_and(|b| *b != b'{') {
+        // Malformed JSON still says so; well-formed JSON that is not an object is refused.
+        if serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok() {
+            return Err(HttpError::new(
+                StatusCode::BAD_REQUEST,
+                "INVALID_REQUEST",
+                "the body is not a valid request: it must be a JSON object",
+            ));
+        }
+    }
+    from_json(bytes)
+}
+
 impl<T: Serialize> IntoResponse for Json<T> {
     fn into_response(self) -> Response {
         axum::Json(self.0).into_response()
@@ -280,5 +321,33 @@ mod tests {
             HeaderValue::from_static("application/json"),
         );
         assert_eq!(require_json(&headers), Ok(()));
+    }
+}
+
+#[cfg(test)]
+mod object_bodies {
+    use super::from_json_object;
+
+    #[derive(Debug, serde::Deserialize, PartialEq)]
+    struct Update {
+        value: String,
+        #[serde(default)]
+        metadata: std::collections::BTreeMap<String, String>,
+    }
+
+    #[test]
+    fn a_body_is_one_json_object() {
+        let ok: Update = from_json_object(br#" {"value": "v"}"#).unwrap();
+        assert_eq!(ok.value, "v");
+        // serde alone would fill the struct from an array, by position.
+        assert!(serde_json::from_slice::<Update>(br#"["v", {}]"#).is_ok());
+        for body in [&br#"["v", {}]"#[..], b"\"v\"", b"7", b"null", b" [] "] {
+            let refused = from_json_object::<Update>(body).unwrap_err();
+            assert_eq!(refused.code(), "INVALID_REQUEST", "{body:?}");
+        }
+        for body in [&b"["[..], b"{\"value\": "] {
+            let malformed = from_json_object::<Update>(body).unwrap_err();
+            assert_eq!(malformed.code(), "MALFORMED_JSON", "{body:?}");
+        }
     }
 }

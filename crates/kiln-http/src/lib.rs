@@ -26,7 +26,7 @@ pub mod error;
 pub mod json;
 
 pub use error::{HttpError, RouterErrors, reshape_errors};
-pub use json::Json;
+pub use json::{Json, JsonObject};
 
 pub mod docs {
     //! The Swagger UI and ReDoc pages and their assets.

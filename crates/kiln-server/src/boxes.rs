@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Extension, Path, State};
-use kiln_http::{HttpError, Json as JsonBody};
+use kiln_http::{HttpError, JsonObject as JsonBody};
 use kiln_runtime::processes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
-use kiln_http::{HttpError, Json as JsonBody};
+use kiln_http::{HttpError, JsonObject as JsonBody};
 use kiln_llm::{ChatModel, GenaiModel, Message, ModelConfig};
 use serde::Deserialize;
 use serde_json::Value;

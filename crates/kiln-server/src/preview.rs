@@ -21,7 +21,7 @@ use axum::extract::{Extension, Path, Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
-use kiln_http::{HttpError, Json as JsonBody};
+use kiln_http::{HttpError, JsonObject as JsonBody};
 use kiln_runtime::processes;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

@@ -16,7 +16,7 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Extension, Path, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use kiln_http::{HttpError, Json as JsonBody};
+use kiln_http::{HttpError, JsonObject as JsonBody};
 use kiln_runtime::RuntimeError;
 use kiln_runtime::files;
 use serde::{Deserialize, Serialize};

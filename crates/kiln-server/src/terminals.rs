@@ -25,7 +25,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use kiln_core::TerminalSize;
 use kiln_core::process::ProcessEvent;
-use kiln_http::{HttpError, Json as JsonBody};
+use kiln_http::{HttpError, JsonObject as JsonBody};
 use kiln_runtime::processes::{self, Running, StartProcess};
 use serde::{Deserialize, Serialize};
 use serde_json::json;

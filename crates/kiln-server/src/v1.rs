@@ -16,7 +16,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use kiln_core::backend::StreamKind;
 use kiln_executor::Chunk;
-use kiln_http::{HttpError, Json as JsonBody};
+use kiln_http::{HttpError, JsonObject as JsonBody};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -963,7 +963,7 @@ pub(crate) async fn optional_json<T: serde::de::DeserializeOwned + Default>(
         return Ok(T::default());
     }
     kiln_http::json::require_json(headers)?;
-    kiln_http::json::from_json(&bytes)
+    kiln_http::json::from_json_object(&bytes)
 }
 
 /// Close a session and forget it.

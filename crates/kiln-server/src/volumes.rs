@@ -7,7 +7,7 @@ use axum::Json;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
-use kiln_http::{HttpError, Json as JsonBody};
+use kiln_http::{HttpError, JsonObject as JsonBody};
 use kiln_runtime::volumes::VolumeRecord;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;

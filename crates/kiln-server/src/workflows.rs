@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Extension, Path as UrlPath, Query, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -1696,9 +1696,9 @@ pub async fn cancel(
 
 type Shared = State<Arc<AppState>>;
 
-fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
-    body.map(|Json(b)| b)
-        .map_err(|e| ApiError::bad_request("INVALID_REQUEST", e.body_text()))
+fn body<T>(body: Result<kiln_http::JsonObject<T>, kiln_http::HttpError>) -> Result<T, ApiError> {
+    body.map(|kiln_http::JsonObject(b)| b)
+        .map_err(ApiError::from)
 }
 
 /// The workflow templates.
@@ -1735,7 +1735,7 @@ pub async fn templates(State(state): Shared) -> Json<WorkflowTemplateList> {
 pub async fn create(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
-    new: Result<Json<NewWorkflow>, JsonRejection>,
+    new: Result<kiln_http::JsonObject<NewWorkflow>, kiln_http::HttpError>,
 ) -> Result<(StatusCode, Json<WorkflowState>), ApiError> {
     let new = body(new)?;
     Ok((
@@ -1830,7 +1830,7 @@ pub async fn submit(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<UrlPath<String>, PathRejection>,
-    sent: Result<Json<WorkflowSubmission>, JsonRejection>,
+    sent: Result<kiln_http::JsonObject<WorkflowSubmission>, kiln_http::HttpError>,
 ) -> Result<Json<WorkflowState>, ApiError> {
     let UrlPath(id) = id.map_err(path_error)?;
     let sent = body(sent)?;
@@ -1860,7 +1860,7 @@ pub async fn review(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     id: Result<UrlPath<String>, PathRejection>,
-    sent: Result<Json<WorkflowReview>, JsonRejection>,
+    sent: Result<kiln_http::JsonObject<WorkflowReview>, kiln_http::HttpError>,
 ) -> Result<Json<WorkflowState>, ApiError> {
     let UrlPath(id) = id.map_err(path_error)?;
     let sent = body(sent)?;

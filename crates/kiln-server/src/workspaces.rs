@@ -4,7 +4,7 @@
 //! (`/api/v1/sandboxes/{sandboxId}/…`).
 
 use axum::Json;
-use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use kiln_runtime::workspaces::{NewWorkspace, Service, SqlResult, WorkspaceInfo};
@@ -15,9 +15,9 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::v1::{Shared, path_error};
 
-fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
-    body.map(|Json(b)| b)
-        .map_err(|e| ApiError::bad_request("INVALID_REQUEST", e.body_text()))
+fn body<T>(body: Result<kiln_http::JsonObject<T>, kiln_http::HttpError>) -> Result<T, ApiError> {
+    body.map(|kiln_http::JsonObject(b)| b)
+        .map_err(ApiError::from)
 }
 
 /// Make a workspace: a long-lived Linux sandbox of its template (default `linux-services`)
@@ -31,7 +31,7 @@ fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
 pub async fn create(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
-    new: Result<Json<NewWorkspace>, JsonRejection>,
+    new: Result<kiln_http::JsonObject<NewWorkspace>, kiln_http::HttpError>,
 ) -> Result<(StatusCode, Json<WorkspaceInfo>), ApiError> {
     let new = body(new)?;
     let made = kiln_runtime::workspaces::create(&state.runtime, &caller, new).await?;
@@ -153,7 +153,7 @@ pub async fn add_service(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     which: Result<Path<String>, PathRejection>,
-    new: Result<Json<NewService>, JsonRejection>,
+    new: Result<kiln_http::JsonObject<NewService>, kiln_http::HttpError>,
 ) -> Result<(StatusCode, Json<Service>), ApiError> {
     let Path(which) = which.map_err(path_error)?;
     let new = body(new)?;
@@ -189,7 +189,7 @@ pub async fn sql(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     which: Result<Path<String>, PathRejection>,
-    asked: Result<Json<SqlRequest>, JsonRejection>,
+    asked: Result<kiln_http::JsonObject<SqlRequest>, kiln_http::HttpError>,
 ) -> Result<Json<SqlResult>, ApiError> {
     let Path(which) = which.map_err(path_error)?;
     let asked = body(asked)?;
@@ -244,7 +244,7 @@ pub async fn preview(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     which: Result<Path<String>, PathRejection>,
-    asked: Result<Json<PreviewRequest>, JsonRejection>,
+    asked: Result<kiln_http::JsonObject<PreviewRequest>, kiln_http::HttpError>,
 ) -> Result<Json<PreviewAnswer>, ApiError> {
     let Path(which) = which.map_err(path_error)?;
     let asked = body(asked)?;
@@ -513,7 +513,7 @@ pub async fn collaborators(
     State(state): Shared,
     Extension(caller): Extension<Caller>,
     which: Result<Path<String>, PathRejection>,
-    sent: Result<Json<Sharing>, JsonRejection>,
+    sent: Result<kiln_http::JsonObject<Sharing>, kiln_http::HttpError>,
 ) -> Result<Json<WorkspaceInfo>, ApiError> {
     let Path(which) = which.map_err(path_error)?;
     let sent = body(sent)?;
