@@ -36,15 +36,19 @@ where
     type Rejection = HttpError;
 
     async fn from_request(request: Request, _state: &S) -> Result<Json<T>, HttpError> {
-        let (parts, body) = request.into_parts();
-        require_json(&parts.headers)?;
-        let limit = parts
-            .extensions
-            .get::<BodyLimit>()
-            .map_or(DEFAULT_BODY_LIMIT, |limit| limit.0);
-        let bytes = read_body(&parts.headers, body, limit).await?;
-        from_json(&bytes).map(Json)
+        from_json(&json_bytes(request).await?).map(Json)
     }
+}
+
+/// A JSON request's bytes: its content type checked, read up to the face's [`BodyLimit`].
+async fn json_bytes(request: Request) -> Result<Bytes, HttpError> {
+    let (parts, body) = request.into_parts();
+    require_json(&parts.headers)?;
+    let limit = parts
+        .extensions
+        .get::<BodyLimit>()
+        .map_or(DEFAULT_BODY_LIMIT, |limit| limit.0);
+    read_body(&parts.headers, body, limit).await
 }
 
 /// A request body that must be one JSON object (every request type of kiln's API is one):
@@ -61,14 +65,7 @@ where
     type Rejection = HttpError;
 
     async fn from_request(request: Request, _state: &S) -> Result<JsonObject<T>, HttpError> {
-        let (parts, body) = request.into_parts();
-        require_json(&parts.headers)?;
-        let limit = parts
-            .extensions
-            .get::<BodyLimit>()
-            .map_or(DEFAULT_BODY_LIMIT, |limit| limit.0);
-        let bytes = read_body(&parts.headers, body, limit).await?;
-        from_json_object(&bytes).map(JsonObject)
+        from_json_object(&json_bytes(request).await?).map(JsonObject)
     }
 }
 

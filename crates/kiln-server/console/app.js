@@ -321,16 +321,9 @@ function History({ id, version, onChange }) {
 
 // A terminal in a Linux sandbox's box, on its own page (a signed link, opened without an
 // opener so the page never sees this tab's key).
-function Terminal({ id, template }) {
+function Terminal({ id, capable }) {
   const [error, setError] = useState(null);
   const [link, setLink] = useState(null);
-  const [capable, setCapable] = useState(false);
-  useEffect(() => {
-    api("/api/v1/templates").then((t) => {
-      const mine = t.templates.find((x) => x.id === template);
-      setCapable(Boolean(mine && mine.capabilities && mine.capabilities.terminals));
-    }).catch(() => setCapable(false));
-  }, [template]);
   const open = async () => {
     try {
       const terminal = await api(`/api/v1/sandboxes/${id}/terminals`, { method: "POST", body: {} });
@@ -347,17 +340,10 @@ function Terminal({ id, template }) {
 
 // A Linux sandbox's box: its processes (with a signal to end one) and the ports it listens
 // on, each with a preview link (signed, opened without an opener).
-function Box({ id, template, version }) {
-  const [capable, setCapable] = useState(false);
+function Box({ id, capable, version }) {
   const [processes, setProcesses] = useState(null);
   const [ports, setPorts] = useState([]);
   const [error, setError] = useState(null);
-  useEffect(() => {
-    api("/api/v1/templates").then((t) => {
-      const mine = t.templates.find((x) => x.id === template);
-      setCapable(Boolean(mine && mine.capabilities && mine.capabilities.processes));
-    }).catch(() => setCapable(false));
-  }, [template]);
   const load = async () => {
     try {
       setProcesses((await api(`/api/v1/sandboxes/${id}/processes`)).processes);
@@ -394,17 +380,27 @@ function Sandbox({ id }) {
   const [sandbox, setSandbox] = useState(null);
   const [error, setError] = useState(null);
   const [version, setVersion] = useState(0);
+  // What its template can do (terminals, processes), read once.
+  const [capabilities, setCapabilities] = useState({});
   useEffect(() => { api(`/api/v1/sandboxes/${id}`).then(setSandbox).catch(setError); }, [id, version]);
+  const template = sandbox && sandbox.template;
+  useEffect(() => {
+    if (!template) return;
+    api("/api/v1/templates").then((t) => {
+      const mine = t.templates.find((x) => x.id === template);
+      setCapabilities((mine && mine.capabilities) || {});
+    }).catch(() => setCapabilities({}));
+  }, [template]);
   if (error) return html`<${Failure} error=${error} />`;
   if (!sandbox) return html`<p class="muted">Loading…</p>`;
   return html`<section aria-labelledby="sandbox-title">
     <p><a href="#/sandboxes">← Sandboxes</a></p>
     <h2 id="sandbox-title">${sandbox.containerId}</h2>
     <p class="muted">${sandbox.templateDescription || sandbox.template} · ${sandbox.status} · expires ${new Date(sandbox.expiresAt).toLocaleString()}</p>
-    <${Terminal} id=${id} template=${sandbox.template} />
+    <${Terminal} id=${id} capable=${Boolean(capabilities.terminals)} />
     <div class="grid">
       <${Run} sandbox=${sandbox} onRan=${() => setVersion((v) => v + 1)} />
-      <div><${Box} id=${id} template=${sandbox.template} version=${version} />
+      <div><${Box} id=${id} capable=${Boolean(capabilities.processes)} version=${version} />
         <${Files} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /><${History} id=${id} version=${version} onChange=${() => setVersion((v) => v + 1)} /></div>
     </div>
   </section>`;

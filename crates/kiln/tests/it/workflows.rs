@@ -16,6 +16,19 @@ fn skip() -> bool {
     crate::common::skip_linux()
 }
 
+/// A `kiln serve --linux` with keys whose model is `model` on the scripted server at
+/// `base_url`.
+fn with_model(model: &str, base_url: &str, data: Option<&std::path::Path>) -> Server {
+    serve::start(Options {
+        auth: true,
+        data,
+        extra: &["--linux"],
+        env: &[("KILN_LLM_MODEL", model), ("KILN_LLM_BASE_URL", base_url)],
+        ..Default::default()
+    })
+    .unwrap()
+}
+
 /// Polls workflow `id` until `done` holds (at most 240 s).
 fn wait_for(server: &Server, id: &str, done: impl Fn(&Value) -> bool) -> Value {
     let started = Instant::now();
@@ -190,17 +203,7 @@ async fn issue35_the_database_schema_workflow_is_reviewed_revised_and_approved()
     .unwrap();
     let base_url = fake.base_url.clone();
     let (wf, sse) = tokio::task::spawn_blocking(move || {
-        let env = [
-            ("KILN_LLM_MODEL", "openai-compatible:creator-model"),
-            ("KILN_LLM_BASE_URL", base_url.as_str()),
-        ];
-        let server = serve::start(Options {
-            auth: true,
-            extra: &["--linux"],
-            env: &env,
-            ..Default::default()
-        })
-        .unwrap();
+        let server = with_model("openai-compatible:creator-model", &base_url, None);
         let (status, started) = server
             .call(
                 "POST",
@@ -386,17 +389,7 @@ async fn issue35_the_static_website_workflow_previews_its_pages_and_bad_inputs_a
     .unwrap();
     let base_url = fake.base_url.clone();
     let seen = tokio::task::spawn_blocking(move || {
-        let env = [
-            ("KILN_LLM_MODEL", "openai-compatible:fake"),
-            ("KILN_LLM_BASE_URL", base_url.as_str()),
-        ];
-        let server = serve::start(Options {
-            auth: true,
-            extra: &["--linux"],
-            env: &env,
-            ..Default::default()
-        })
-        .unwrap();
+        let server = with_model("openai-compatible:fake", &base_url, None);
         let (status, listed) = server
             .call("GET", "/api/v1/workflow-templates", None)
             .unwrap();
@@ -624,20 +617,9 @@ async fn issue35_a_workflow_goes_on_after_its_server_restarts() {
     .unwrap();
     let base_url = fake.base_url.clone();
     tokio::task::spawn_blocking(move || {
-        let env = [
-            ("KILN_LLM_MODEL", "openai-compatible:fake"),
-            ("KILN_LLM_BASE_URL", base_url.as_str()),
-        ];
         let data = tempfile::tempdir().unwrap();
         let (id, key) = {
-            let server = serve::start(Options {
-                auth: true,
-                data: Some(data.path()),
-                extra: &["--linux"],
-                env: &env,
-                ..Default::default()
-            })
-            .unwrap();
+            let server = with_model("openai-compatible:fake", &base_url, Some(data.path()));
             let (status, started) = server
                 .call(
                     "POST",
@@ -654,14 +636,7 @@ async fn issue35_a_workflow_goes_on_after_its_server_restarts() {
             assert!(server.child.0.wait().unwrap().success());
             (id, server.key.clone())
         };
-        let mut server = serve::start(Options {
-            auth: true,
-            data: Some(data.path()),
-            extra: &["--linux"],
-            env: &env,
-            ..Default::default()
-        })
-        .unwrap();
+        let mut server = with_model("openai-compatible:fake", &base_url, Some(data.path()));
         server.key = key;
         let waiting = wait_for(&server, &id, |w| w["waitingForHuman"] == json!(true));
         assert_eq!(waiting["stage"], "review", "{waiting:#}");
