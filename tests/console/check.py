@@ -15,6 +15,7 @@ Usage: tests/console/check.py path/to/kiln
 import http.server
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -77,15 +78,20 @@ class Model(http.server.BaseHTTPRequestHandler):
             chunk({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
                                    "function": {"name": name, "arguments": json.dumps(args)}}]})
             chunk({}, "tool_calls")
-        payload = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
-        payload += 'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"fake","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}\n\n'
-        payload += "data: [DONE]\n\n"
-        data = payload.encode()
+        tail = ('data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"fake","choices":[],'
+                '"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}\n\ndata: [DONE]\n\n')
+        # Sent as it is made, a word every quarter second and no length: the console must
+        # show the answer growing, not all at once at the end.
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
-        self.send_header("content-length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        for c in chunks:
+            self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+            self.wfile.flush()
+            if "text" in step:
+                time.sleep(0.25)
+        self.wfile.write(tail.encode())
+        self.wfile.flush()
 
 
 def main():
@@ -98,6 +104,8 @@ def main():
         data_dir = os.path.join(scratch, "data")
         key = subprocess.run([KILN, "keys", "create", "--name", "console", "--data-dir", data_dir],
                              check=True, capture_output=True, text=True).stdout.strip()
+        admin = subprocess.run([KILN, "keys", "create", "--admin", "--name", "operator", "--data-dir", data_dir],
+                               check=True, capture_output=True, text=True).stdout.strip()
         port = free_port()
         env = dict(os.environ, KILN_LLM_MODEL="openai-compatible:fake",
                    KILN_LLM_BASE_URL=f"http://127.0.0.1:{model.server_address[1]}/v1",
@@ -114,6 +122,7 @@ def main():
                 except OSError:
                     time.sleep(0.05)
             run(base, key)
+            keys_page(base, admin)
         except BaseException:
             log.flush()
             with open(log.name, errors="replace") as f:
@@ -205,6 +214,10 @@ def without_keys(base):
         expect(timeline).to_contain_text("approved")
         expect(page.get_by_text("grade A")).to_be_visible()
         page.screenshot(path=f"{SHOTS}/workflow.png", full_page=True)
+        # The one tenant's account: the machine's capacity, no keys to manage.
+        page.get_by_role("navigation", name="Pages").get_by_role("link", name="Account").click()
+        expect(page.get_by_text("This server runs without keys")).to_be_visible()
+        expect(page.get_by_role("table", name="Usage and quotas").get_by_role("row", name="Sandboxes")).to_contain_text("10000")
         check(not problems, f"console errors without keys: {problems}")
         browser.close()
 
@@ -294,6 +307,13 @@ def run(base, key):
         # Chat: the model's code runs, its figure shows, its answer streams in.
         page.get_by_role("navigation", name="Pages").get_by_role("link", name="Chat").click()
         page.get_by_label("Message").fill("Plot the first four squares.")
+        # Every state the chat log passes through, to prove the answer arrives word by word.
+        page.evaluate("""() => {
+            const log = document.querySelector('.chat-log');
+            window.seenLog = [];
+            window.seenObserver = new MutationObserver(() => window.seenLog.push(log.textContent));
+            window.seenObserver.observe(log, {childList: true, subtree: true, characterData: true});
+        }""")
         page.get_by_role("button", name="Send").click()
         figure = page.get_by_role("img", name="A figure the code made")
         expect(figure).to_be_visible(timeout=60000)
@@ -301,6 +321,9 @@ def run(base, key):
         expect(page.locator(".chat-log")).to_contain_text("drew it")
         expect(page.locator(".chat-log")).to_contain_text("Here is the plot of the first four squares.")
         expect(page.get_by_role("button", name="Send")).to_be_enabled()
+        seen = page.evaluate("window.seenObserver.disconnect(), window.seenLog")
+        partial = [t for t in seen if "Here is" in t and "plot of the first four squares" not in t]
+        check(len(partial) >= 3, f"the answer did not stream in word by word: {len(partial)} partial states of {[t[-60:] for t in seen[-8:]]}")
         page.screenshot(path=f"{SHOTS}/chat.png", full_page=True)
         check(len(Model.requests) == 2, f"the model was asked {len(Model.requests)} times")
         check(any(t["function"]["name"] == "execute_code" for t in Model.requests[0].get("tools", [])),
@@ -311,12 +334,99 @@ def run(base, key):
         expect(page.get_by_label("Template")).to_contain_text("database-schema")
         page.screenshot(path=f"{SHOTS}/workflows.png", full_page=True)
 
+        # Account: the key's quotas and what it holds; no keys for a plain key.
+        page.get_by_role("navigation", name="Pages").get_by_role("link", name="Account").click()
+        usage = page.get_by_role("table", name="Usage and quotas")
+        expect(usage.get_by_role("row", name="Sandboxes")).to_contain_text("1000")
+        check(usage.get_by_role("row", name="Sandboxes").locator("td").first.inner_text() in ("1", "2"),
+              "the sandboxes in use")
+        expect(page.get_by_role("heading", name="Keys")).to_have_count(0)
+
         # Signing out forgets the key.
         page.get_by_role("button", name="Sign out").click()
         expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
         check(page.evaluate("sessionStorage.getItem('kiln.key')") is None, "the key was forgotten")
         problems = [p for p in problems if "401" not in p and "Unauthorized" not in p]
         check(not problems, f"console errors: {problems}")
+        browser.close()
+
+
+def keys_page(base, admin):
+    """An admin key's Account page: make a key with its own quota, which works at once and
+    holds; change the quota; revoke the key."""
+    def me(key):
+        request = urllib.request.Request(base + "/api/v1/me", headers={"authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(request) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            return {"status": e.code}
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        problems = []
+        page.on("console", lambda m: problems.append(m.text) if m.type == "error" and "401" not in m.text else None)
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.goto(base + "/console#/login")
+        page.get_by_label("API key").fill(admin)
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.get_by_role("heading", name="Sandboxes")).to_be_visible()
+        page.get_by_role("navigation", name="Pages").get_by_role("link", name="Account").click()
+        expect(page.get_by_text("an admin key")).to_be_visible()
+        keys = page.get_by_role("table", name="Keys")
+        expect(keys).to_contain_text("operator")
+        expect(keys).to_contain_text("console")
+        expect(page.get_by_role("table", name="Tenants")).to_be_visible()
+
+        # Make a key for a team with a quota of 2 sandboxes and 768MiB of session memory.
+        page.get_by_label("Name", exact=True).fill("team")
+        page.get_by_label("Tenant", exact=True).fill("team-a")
+        page.get_by_text("Its own quotas").click()
+        page.locator("#new-sandboxes").fill("2")
+        page.locator("#new-sessionMemoryBytes").fill("768MiB")
+        page.get_by_role("button", name="Make key").click()
+        made = page.get_by_label("The new key")
+        expect(made).to_have_value(re.compile(r"^kiln_[0-9a-f]{48}$"))
+        new_key = made.input_value()
+        mine = me(new_key)
+        check(mine.get("tenant") == "team-a" and mine["quotas"]["sandboxes"] == 2
+              and mine["quotas"]["sessionMemoryBytes"] == 768 << 20, f"the new key: {mine}")
+        row = keys.get_by_role("row").filter(has_text="team-a")
+        expect(row).to_contain_text("sandboxes 2")
+        page.screenshot(path=f"{SHOTS}/keys.png", full_page=True)
+
+        # A bad size is refused in the form, before any request.
+        key_id = mine["keyId"]
+        row.get_by_role("button", name=f"Edit the quotas of {key_id}").click()
+        field = page.locator(f"#{key_id}-sandboxes")
+        expect(field).to_have_value("2")
+        expect(page.locator(f"#{key_id}-sessionMemoryBytes")).to_have_value("768MiB")
+        page.locator(f"#{key_id}-workspaceBytes").fill("lots")
+        page.get_by_role("button", name="Save quotas").click()
+        expect(page.get_by_role("alert")).to_contain_text('Workspace storage: "lots" is not a size')
+        check(me(new_key)["quotas"]["sandboxes"] == 2, "nothing was sent")
+        page.locator(f"#{key_id}-workspaceBytes").fill("")
+        field.fill("5")
+        page.get_by_role("button", name="Save quotas").click()
+        expect(row).to_contain_text("sandboxes 5")
+        check(me(new_key)["quotas"]["sandboxes"] == 5, "the changed quota holds at once")
+
+        # Revoke asks again, then the key stops.
+        row.get_by_role("button", name=f"Revoke {key_id}").click()
+        row.get_by_role("button", name=f"Really revoke {key_id}").click()
+        expect(keys).not_to_contain_text("team-a")
+        check(me(new_key) == {"status": 401}, "a revoked key stops")
+        # The last admin key stays, with the server's reason.
+        page.get_by_role("row").filter(has_text="operator").get_by_role("button", name=re.compile("^Revoke ")).click()
+        page.get_by_role("row").filter(has_text="operator").get_by_role("button", name=re.compile("^Really revoke ")).click()
+        expect(page.get_by_role("alert")).to_contain_text("LAST_ADMIN_KEY")
+        page.set_viewport_size({"width": 390, "height": 844})
+        expect(page.get_by_role("button", name="Make key")).to_be_visible()
+        page.set_viewport_size({"width": 1280, "height": 900})
+        page.screenshot(path=f"{SHOTS}/account.png", full_page=True)
+        problems = [p for p in problems if "409" not in p]
+        check(not problems, f"console errors on the keys page: {problems}")
         browser.close()
 
 

@@ -155,13 +155,19 @@ pub async fn read_body(
 /// when the JSON does not fit `T` (`details.field` is the dotted path, when there is one).
 pub fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, HttpError> {
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+    // Structs only from objects: serde would fill one from an array by position.
+    let objects = crate::objects::Objects(&mut deserializer);
+    let value = serde_path_to_error::deserialize(objects).map_err(|error| {
         let path = error.path().to_string();
         let inner = error.into_inner();
-        if inner.is_data() {
-            invalid_request(&path, &inner)
-        } else {
-            HttpError::malformed_json(&inner)
+        if !inner.is_data() {
+            return HttpError::malformed_json(&inner);
+        }
+        // A struct is refused at its `[` before the rest is read: malformed JSON after it
+        // is still said to be malformed.
+        match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+            Ok(_) => invalid_request(&path, &inner),
+            Err(syntax) => HttpError::malformed_json(&syntax),
         }
     })?;
     deserializer

@@ -24,6 +24,7 @@
 
 pub mod error;
 pub mod json;
+pub mod objects;
 
 pub use error::{HttpError, RouterErrors, reshape_errors};
 pub use json::{Json, JsonObject};

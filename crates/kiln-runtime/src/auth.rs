@@ -40,6 +40,19 @@ pub struct KeyRecord {
     /// `allowOut` names hosts the operator did not list). Default: no, they only narrow it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub network_widen: bool,
+    /// Whether it may manage keys and see every tenant's usage (`/api/v1/keys`,
+    /// `/api/v1/tenants`). Its sandboxes are still only its own tenant's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub admin: bool,
+}
+
+/// What a new key may do beyond its tenant's sandboxes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KeyGrant {
+    /// See [`KeyRecord::network_widen`].
+    pub network_widen: bool,
+    /// See [`KeyRecord::admin`].
+    pub admin: bool,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -59,6 +72,9 @@ pub struct Caller {
     /// Whether its sandboxes' egress rules may widen the operator's allowlist (see
     /// [`KeyRecord::network_widen`]); the one user of a server without keys may.
     pub network_widen: bool,
+    /// Whether it is an admin key ([`KeyRecord::admin`]); never for a server without keys,
+    /// nor for anything acting by a sandbox's or a volume's own token.
+    pub admin: bool,
 }
 
 impl Caller {
@@ -69,6 +85,7 @@ impl Caller {
             key_id: LOCAL_TENANT.into(),
             quotas: QuotaOverrides::default(),
             network_widen: true,
+            admin: false,
         }
     }
 }
@@ -97,29 +114,42 @@ pub fn create_key(
     tenant: Option<&str>,
     quotas: QuotaOverrides,
 ) -> std::io::Result<(KeyRecord, String)> {
-    create_key_with(data_dir, name, tenant, quotas, false)
+    create_key_with(data_dir, name, tenant, quotas, KeyGrant::default())
 }
 
-/// As [`create_key`], and whether the key's sandboxes may widen the operator's network
-/// allowlist ([`KeyRecord::network_widen`]).
+/// Why a tenant name is refused, if it is.
+pub fn check_tenant_name(tenant: &str) -> Result<(), &'static str> {
+    if tenant.is_empty()
+        || tenant.len() > 64
+        || !tenant
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        return Err("a tenant name is 1 to 64 characters of A-Z, a-z, 0-9, - and _");
+    }
+    Ok(())
+}
+
+/// Why a key's name (a label for people) is refused, if it is.
+pub fn check_key_name(name: &str) -> Result<(), &'static str> {
+    if name.chars().count() > 128 || name.chars().any(char::is_control) {
+        return Err("a key's name is at most 128 characters, none of them control characters");
+    }
+    Ok(())
+}
+
+/// As [`create_key`], with what the key may do beyond its tenant's sandboxes.
 pub fn create_key_with(
     data_dir: &Path,
     name: &str,
     tenant: Option<&str>,
     quotas: QuotaOverrides,
-    network_widen: bool,
+    grant: KeyGrant,
 ) -> std::io::Result<(KeyRecord, String)> {
-    if let Some(tenant) = tenant
-        && (tenant.is_empty()
-            || tenant.len() > 64
-            || !tenant
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
-    {
-        return Err(std::io::Error::other(
-            "a tenant name is 1 to 64 characters of A-Z, a-z, 0-9, - and _",
-        ));
+    if let Some(tenant) = tenant {
+        check_tenant_name(tenant).map_err(std::io::Error::other)?;
     }
+    check_key_name(name).map_err(std::io::Error::other)?;
     std::fs::create_dir_all(data_dir)?;
     let path = keys_path(data_dir);
     let _lock = FileLock::acquire(&data_dir.join(".keys.lock"))?;
@@ -133,7 +163,8 @@ pub fn create_key_with(
         sha256: hash(&key),
         created_at: rfc3339(now_ms()),
         quotas,
-        network_widen,
+        network_widen: grant.network_widen,
+        admin: grant.admin,
     };
     file.keys.push(record.clone());
     store::write_json(&path, &file)?;
@@ -157,6 +188,23 @@ pub fn revoke_key(data_dir: &Path, id: &str) -> std::io::Result<bool> {
     }
     store::write_json(&path, &file)?;
     Ok(true)
+}
+
+/// Changes the keys on file under their lock: `change` sees every record and answers
+/// `Err` to leave the file as it was, `Ok` to write what it left.
+pub fn edit_keys<T, E>(
+    data_dir: &Path,
+    change: impl FnOnce(&mut Vec<KeyRecord>) -> Result<T, E>,
+) -> std::io::Result<Result<T, E>> {
+    std::fs::create_dir_all(data_dir)?;
+    let path = keys_path(data_dir);
+    let _lock = FileLock::acquire(&data_dir.join(".keys.lock"))?;
+    let mut file = load(&path)?;
+    let outcome = change(&mut file.keys);
+    if outcome.is_ok() {
+        store::write_json(&path, &file)?;
+    }
+    Ok(outcome)
 }
 
 struct FileLock(std::fs::File);
@@ -204,8 +252,14 @@ impl Auth {
                     key_id: format!("sandbox:{}", sandbox.id),
                     quotas: QuotaOverrides::default(),
                     network_widen: false,
+                    admin: false,
                 }),
-            },
+            }
+            // A sandbox's token acts for its key's tenant, never as an admin.
+            .map(|caller| Caller {
+                admin: false,
+                ..caller
+            }),
         }
     }
 }
@@ -259,6 +313,7 @@ impl KeyStore {
                         key_id: k.id,
                         quotas: k.quotas,
                         network_widen: k.network_widen,
+                        admin: k.admin,
                     },
                 )
             })

@@ -102,7 +102,7 @@ fn free_disk_bytes(dir: &std::path::Path) -> u64 {
 }
 
 /// A key's own quotas, where they differ from the server's defaults (stored in `keys.json`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct QuotaOverrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1225,6 +1225,15 @@ impl Registry {
         (page, next)
     }
 
+    /// The tenants that hold sandboxes now (for an admin's view of every tenant).
+    pub fn tenants(&self) -> std::collections::BTreeSet<String> {
+        self.lock()
+            .values()
+            .filter(|e| !e.deleted)
+            .map(|e| e.meta.tenant.clone())
+            .collect()
+    }
+
     /// What `tenant` holds now.
     pub fn usage(&self, tenant: &str) -> Usage {
         self.usage_of(&self.lock(), tenant)

@@ -1,6 +1,6 @@
 // The kiln console: one page over kiln's own API (/api/v1), nothing of its own on the server.
 // The API key lives in this tab's sessionStorage only. Pages by the URL's hash:
-// #/sandboxes, #/sandboxes/{id}, #/chat, #/workflows, #/workflows/{id}, #/login.
+// #/sandboxes, #/sandboxes/{id}, #/chat, #/workflows, #/workflows/{id}, #/account, #/login.
 import { html, render, useState, useEffect, useRef } from "./preact-htm.js";
 
 const KEY = "kiln.key";
@@ -607,6 +607,181 @@ function Workflow({ id }) {
   </section>`;
 }
 
+// ---------------------------------------------------------------- account: quotas, usage; keys for an admin key
+
+const QUOTAS = [
+  ["sandboxes", "Sandboxes"], ["sessions", "Sessions"], ["sessionMemoryBytes", "Session memory", true],
+  ["executions", "Executions at once"], ["workspaceBytes", "Workspace storage", true], ["volumes", "Volumes"],
+];
+const EDITABLE = [...QUOTAS, ["pausedBoxes", "Paused boxes"], ["cpuWeight", "CPU weight"]];
+
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${Number.isInteger(n) ? n : n.toFixed(1)} ${units[i]}`;
+}
+
+// Bytes as a size parseSize reads back exactly: 2GiB, 768MiB, 1000.
+function sizeText(n) {
+  for (const [unit, shift] of [["TiB", 40], ["GiB", 30], ["MiB", 20], ["KiB", 10]]) {
+    if (n >= 2 ** shift && n % 2 ** shift === 0) return `${n / 2 ** shift}${unit}`;
+  }
+  return String(n);
+}
+
+// "2GiB", "512 MiB", "1000": a number of bytes (as `kiln keys create --max-…` reads them).
+function parseSize(text) {
+  const m = /^\s*(\d+)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*$/i.exec(text);
+  if (!m) throw new Error(`"${text}" is not a size such as 512MiB or 2GiB`);
+  const shift = { "": 0, b: 0, k: 10, kb: 10, kib: 10, m: 20, mb: 20, mib: 20, g: 30, gb: 30, gib: 30, t: 40, tb: 40, tib: 40 }[(m[2] || "").toLowerCase()];
+  return Number(m[1]) * 2 ** shift;
+}
+
+function Usage({ quotas, usage, label }) {
+  return html`<table aria-label=${label}><thead><tr><th scope="col">Quota</th><th scope="col">In use</th><th scope="col">Limit</th><th scope="col"><span class="muted">Share</span></th></tr></thead>
+    <tbody>${QUOTAS.map(([field, name, isBytes]) => {
+      const show = (n) => (isBytes ? bytes(n) : String(n));
+      return html`<tr><th scope="row">${name}</th><td>${show(usage[field])}</td><td>${show(quotas[field])}</td>
+        <td><meter aria-label=${`${name} used`} min="0" max=${quotas[field] || 1} value=${usage[field]} high=${(quotas[field] || 1) * 0.8}></meter></td></tr>`;
+    })}</tbody></table>`;
+}
+
+// The key's own quotas as a form, as typed: blank is the server's.
+function QuotaFields({ prefix, texts, onInput }) {
+  return html`<div class="quota-fields">${EDITABLE.map(([field, name, isBytes]) => html`<div>
+    <label for=${`${prefix}-${field}`}>${name}</label>
+    <input id=${`${prefix}-${field}`} type="text" inputmode=${isBytes ? "text" : "numeric"} placeholder="server's"
+      value=${texts[field] || ""} onInput=${(e) => onInput({ ...texts, [field]: e.target.value })} /></div>`)}</div>`;
+}
+
+// A key's own quotas as the form shows them.
+function quotaTexts(quotas) {
+  const texts = {};
+  for (const [field, , isBytes] of EDITABLE) {
+    if (quotas[field] !== undefined) texts[field] = isBytes ? sizeText(quotas[field]) : String(quotas[field]);
+  }
+  return texts;
+}
+
+// The form's quotas as the API takes them; throws, naming the field, at a bad one.
+function parseQuotas(texts) {
+  const quotas = {};
+  for (const [field, name, isBytes] of EDITABLE) {
+    const text = (texts[field] || "").trim();
+    if (text === "") continue;
+    if (isBytes) {
+      try { quotas[field] = parseSize(text); } catch (err) { throw new Error(`${name}: ${err.message}`); }
+    } else if (/^\d+$/.test(text)) quotas[field] = Number(text);
+    else throw new Error(`${name}: "${text}" is not a whole number`);
+  }
+  return quotas;
+}
+
+function KeyRow({ k, onChange, onError }) {
+  const [editing, setEditing] = useState(false);
+  const [confirming, setConfirming] = useState(false);
+  const [texts, setTexts] = useState(() => quotaTexts(k.quotas));
+  const [problem, setProblem] = useState(null);
+  const save = async (e) => {
+    e.preventDefault();
+    let quotas;
+    try { quotas = parseQuotas(texts); setProblem(null); } catch (err) { return setProblem(err); }
+    try { await api(`/api/v1/keys/${k.id}`, { method: "PATCH", body: { quotas } }); setEditing(false); onChange(); } catch (err) { onError(err); }
+  };
+  const revoke = async () => {
+    try { await api(`/api/v1/keys/${k.id}`, { method: "DELETE" }); onChange(); } catch (err) { onError(err); setConfirming(false); }
+  };
+  const own = Object.entries(k.quotas).map(([f, v]) => `${f} ${/Bytes$/.test(f) ? bytes(v) : v}`).join(", ");
+  return html`<tr>
+    <td><code>${k.id}</code></td><td>${k.name}</td><td>${k.tenant}</td><td>${k.admin ? "admin" : ""}</td>
+    <td>${own || html`<span class="muted">the server's</span>`}
+      ${editing && html`<form onSubmit=${save} aria-label=${`Quotas of ${k.id}`}>
+        <${QuotaFields} prefix=${k.id} texts=${texts} onInput=${setTexts} />
+        <${Failure} error=${problem} />
+        <div class="row"><button class="primary" type="submit">Save quotas</button><button type="button" onClick=${() => setEditing(false)}>Close</button></div>
+      </form>`}</td>
+    <td><div class="row">
+      ${!editing && html`<button type="button" aria-label=${`Edit the quotas of ${k.id}`} onClick=${() => setEditing(true)}>Quotas</button>`}
+      ${confirming ? html`<button type="button" class="danger" aria-label=${`Really revoke ${k.id}`} onClick=${revoke}>Really revoke</button>
+          <button type="button" onClick=${() => setConfirming(false)}>Keep</button>`
+        : html`<button type="button" aria-label=${`Revoke ${k.id}`} onClick=${() => setConfirming(true)}>Revoke</button>`}
+    </div></td>
+  </tr>`;
+}
+
+function Keys() {
+  const [keys, setKeys] = useState(null);
+  const [tenants, setTenants] = useState(null);
+  const [error, setError] = useState(null);
+  const [made, setMade] = useState(null);
+  const [name, setName] = useState("");
+  const [tenant, setTenant] = useState("");
+  const [admin, setAdmin] = useState(false);
+  const [texts, setTexts] = useState({});
+  const load = async () => {
+    try {
+      setKeys((await api("/api/v1/keys")).keys);
+      setTenants(await api("/api/v1/tenants"));
+      setError(null);
+    } catch (err) { setError(err); }
+  };
+  useEffect(() => { load(); }, []);
+  const create = async (e) => {
+    e.preventDefault();
+    try {
+      const body = { name, admin, quotas: parseQuotas(texts) };
+      if (tenant.trim()) body.tenant = tenant.trim();
+      setMade(await api("/api/v1/keys", { method: "POST", body }));
+      setName(""); setTenant(""); setAdmin(false); setTexts({});
+      load();
+    } catch (err) { setError(err); }
+  };
+  return html`<section aria-labelledby="keys-title">
+    <h2 id="keys-title">Keys</h2>
+    <${Failure} error=${error} />
+    <form onSubmit=${create} aria-label="Make a key">
+      <h3>Make a key</h3>
+      <div class="row">
+        <div><label for="key-name">Name</label><input id="key-name" type="text" value=${name} maxlength="128" onInput=${(e) => setName(e.target.value)} /></div>
+        <div><label for="key-tenant">Tenant</label><input id="key-tenant" type="text" value=${tenant} placeholder="a new one" onInput=${(e) => setTenant(e.target.value)} /></div>
+        <div><label class="inline"><input type="checkbox" checked=${admin} onChange=${(e) => setAdmin(e.target.checked)} /> Admin key</label></div>
+      </div>
+      <details><summary>Its own quotas (blank: the server's)</summary><${QuotaFields} prefix="new" texts=${texts} onInput=${setTexts} /></details>
+      <button class="primary" type="submit">Make key</button>
+    </form>
+    ${made && html`<div class="notice" role="status">
+      <p>Key <code>${made.id}</code> for tenant <strong>${made.tenant}</strong>. Copy it now: only its hash is kept, it cannot be shown again.</p>
+      <label for="made-key">The new key</label>
+      <div class="row"><input id="made-key" type="text" readonly value=${made.key} onFocus=${(e) => e.target.select()} />
+        <button type="button" onClick=${() => navigator.clipboard && navigator.clipboard.writeText(made.key).catch(() => {})}>Copy</button>
+        <button type="button" onClick=${() => setMade(null)}>Done</button></div>
+    </div>`}
+    ${keys && html`<table aria-label="Keys"><thead><tr><th scope="col">Id</th><th scope="col">Name</th><th scope="col">Tenant</th><th scope="col">Role</th><th scope="col">Own quotas</th><th scope="col"><span class="muted">Actions</span></th></tr></thead>
+      <tbody>${keys.map((k) => html`<${KeyRow} key=${k.id + JSON.stringify(k.quotas)} k=${k} onChange=${load} onError=${setError} />`)}</tbody></table>`}
+    ${tenants && html`<h3>Tenants</h3>
+      <table aria-label="Tenants"><thead><tr><th scope="col">Tenant</th><th scope="col">Keys</th><th scope="col">Sandboxes</th><th scope="col">Sessions</th><th scope="col">Session memory</th><th scope="col">Storage</th></tr></thead>
+      <tbody>${tenants.tenants.map((t) => html`<tr><td>${t.tenant}</td><td>${t.keys.length}</td><td>${t.usage.sandboxes}</td><td>${t.usage.sessions}</td><td>${bytes(t.usage.sessionMemoryBytes)}</td><td>${bytes(t.usage.workspaceBytes)}</td></tr>`)}</tbody></table>
+      <p class="muted">The server's quotas for a key without its own: ${tenants.defaultQuotas.sandboxes} sandboxes, ${tenants.defaultQuotas.sessions} sessions, ${bytes(tenants.defaultQuotas.sessionMemoryBytes)} of session memory, ${tenants.defaultQuotas.executions} executions at once, ${bytes(tenants.defaultQuotas.workspaceBytes)} of storage.</p>`}
+  </section>`;
+}
+
+function Account() {
+  const [me, setMe] = useState(null);
+  const [error, setError] = useState(null);
+  useEffect(() => { api("/api/v1/me").then(setMe).catch(setError); }, []);
+  if (error) return html`<${Failure} error=${error} />`;
+  if (!me) return html`<p class="muted">Loading…</p>`;
+  return html`<section aria-labelledby="account-title">
+    <h2 id="account-title">Account</h2>
+    <p>${me.auth ? html`Key <code>${me.keyId}</code>${me.name ? ` (${me.name})` : ""}${me.admin ? ", an admin key," : ""} for tenant <strong>${me.tenant}</strong>.`
+      : html`This server runs without keys (<code>--no-auth</code>): one tenant, <strong>${me.tenant}</strong>, with the machine's capacity. Keys are made with <code>kiln keys create</code>.`}</p>
+    <h3>Usage and quotas</h3>
+    <${Usage} quotas=${me.quotas} usage=${me.usage} label="Usage and quotas" />
+  </section>
+  ${me.admin && html`<${Keys} />`}`;
+}
+
 // ---------------------------------------------------------------- shell
 
 function App() {
@@ -619,9 +794,10 @@ function App() {
   else if (page === "chat") body = html`<${Chat} />`;
   else if (page === "workflows" && id) body = html`<${Workflow} id=${decodeURIComponent(id)} />`;
   else if (page === "workflows") body = html`<${Workflows} />`;
+  else if (page === "account") body = html`<${Account} />`;
   else body = html`<${Sandboxes} />`;
   return html`<header><h1>kiln</h1>
-      <nav aria-label="Pages">${link("#/sandboxes", "Sandboxes")}${link("#/chat", "Chat")}${link("#/workflows", "Workflows")}</nav>
+      <nav aria-label="Pages">${link("#/sandboxes", "Sandboxes")}${link("#/chat", "Chat")}${link("#/workflows", "Workflows")}${link("#/account", "Account")}</nav>
       <span style="margin-left:auto">${key() ? html`<button type="button" onClick=${() => { sessionStorage.removeItem(KEY); location.hash = "#/login"; }}>Sign out</button>` : html`<a href="#/login">Sign in</a>`}</span>
     </header>
     <main>${body}</main>`;

@@ -18,6 +18,7 @@ pub mod console;
 pub mod e2b;
 pub mod error;
 pub mod gate;
+pub mod keys;
 pub mod mcp;
 pub mod openapi;
 pub mod preview;
@@ -80,6 +81,8 @@ pub struct AppState {
     pub preview_domain: Option<String>,
     /// Workflows and their templates.
     pub workflows: workflows::Workflows,
+    /// The data folder (`keys.json` for the admin routes).
+    pub data_dir: PathBuf,
 }
 
 /// Server settings.
@@ -178,6 +181,7 @@ impl AppState {
                 workflows::Templates::load(config.workflow_templates.as_deref())
                     .map_err(std::io::Error::other)?,
             ),
+            data_dir: config.data_dir.clone(),
         })
     }
 }
@@ -187,6 +191,13 @@ pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/chat", post(chat::chat))
         .route("/templates", get(templates::list))
+        .route("/me", get(keys::me))
+        .route("/keys", get(keys::list).post(keys::create))
+        .route(
+            "/keys/{key}",
+            axum::routing::patch(keys::update).delete(keys::revoke),
+        )
+        .route("/tenants", get(keys::tenants))
         .route("/sandboxes", get(v1::list).post(v1::create))
         .route("/sandboxes/{id}", get(v1::get).delete(v1::delete))
         .route("/sandboxes/{id}/renew", post(v1::renew))

@@ -268,7 +268,7 @@ pub struct Nothing {}
 
 /// Network rules given as JSON, checked.
 fn egress_of(value: Value) -> Result<kiln_core::net::Egress, RuntimeError> {
-    serde_json::from_value(value).map_err(|e| RuntimeError::InvalidOption {
+    kiln_http::objects::from_value(value).map_err(|e| RuntimeError::InvalidOption {
         message: format!("network_rules: {e}"),
     })
 }
@@ -678,7 +678,7 @@ impl KilnMcp {
         let rules = input.network_rules.map(egress_of).transpose()?;
         let mounts: Vec<kiln_runtime::volumes::VolumeMount> = match input.volume_mounts {
             Some(value) => {
-                serde_json::from_value(value).map_err(|e| RuntimeError::InvalidOption {
+                kiln_http::objects::from_value(value).map_err(|e| RuntimeError::InvalidOption {
                     message: format!("volume_mounts: {e}"),
                 })?
             }

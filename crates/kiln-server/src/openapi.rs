@@ -22,6 +22,7 @@ mod mcp;
         api::create, api::exec, api::get, api::delete,
         api::history, api::diff, api::rollback,
         crate::templates::list,
+        crate::keys::me, crate::keys::list, crate::keys::create, crate::keys::update, crate::keys::revoke, crate::keys::tenants,
         v1::list, v1::create, v1::get, v1::delete, v1::renew, v1::set_network,
         crate::snapshots::take, crate::snapshots::fork, crate::snapshots::list, crate::snapshots::get, crate::snapshots::delete,
         crate::workspaces::create, crate::workspaces::list, crate::workspaces::get, crate::workspaces::delete, crate::workspaces::start, crate::workspaces::stop, crate::workspaces::add_service, crate::workspaces::sql, crate::workspaces::preview, crate::workspaces::list_files, crate::workspaces::read_file, crate::workspaces::write_file, crate::workspaces::delete_file, crate::workspaces::history, crate::workspaces::collaborators,
@@ -42,6 +43,7 @@ mod mcp;
     tags(
         (name = "sandbox", description = "The published sandbox contract (stable shapes)."),
         (name = "history", description = "Git-versioned workspaces: history, diff, rollback."),
+        (name = "v1 keys", description = "Who the caller is, its quotas and usage (`/me`, any key); an admin key's keys and every tenant's usage."),
         (name = "v1 sandboxes", description = "Sandboxes: list, create, renew, delete."),
         (name = "v1 snapshots", description = "Snapshots and forks of Linux sandboxes: their files, history and (where CRIU can) running processes, copied on write where the file system can."),
         (name = "v1 workspaces", description = "Workspaces: long-lived Linux sandboxes with services (postgres, redis, mysql, nginx) and run_sql."),
@@ -246,6 +248,7 @@ fn name_and_secure(openapi: &mut utoipa::openapi::OpenApi) -> Vec<String> {
             ("get", &mut item.get),
             ("post", &mut item.post),
             ("put", &mut item.put),
+            ("patch", &mut item.patch),
             ("delete", &mut item.delete),
         ] {
             let Some(operation) = operation else { continue };

@@ -747,7 +747,7 @@ async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Calle
                     Message::Close(_) => break,
                     _ => continue,
                 };
-                match serde_json::from_str::<ClientMessage>(&text) {
+                match kiln_http::objects::from_str::<ClientMessage>(&text) {
                     Ok(ClientMessage::Exec(body)) => {
                         if events.is_some() {
                             let error = ApiError::new(StatusCode::CONFLICT, "SANDBOX_BUSY", "an execution is already running on this socket");

@@ -423,6 +423,8 @@ impl StoredCaller {
             key_id: self.key_id.clone(),
             quotas: self.quotas.clone(),
             network_widen: self.network_widen,
+            // A workflow's agents act for its tenant, never as an admin.
+            admin: false,
         }
     }
 }

@@ -140,6 +140,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         key_id: "bench".into(),
         quotas: Default::default(),
         network_widen: false,
+        admin: false,
     };
     let calls = 10;
     let limits = kiln_server::agent::AgentLimits {

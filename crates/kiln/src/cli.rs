@@ -336,6 +336,11 @@ pub enum KeysCommand {
         /// lists them. Without it, a sandbox's rules can only narrow the operator's list.
         #[arg(long)]
         network_widen: bool,
+        /// An admin key: it may also manage keys and see every tenant's usage and quotas
+        /// (`/api/v1/keys`, `/api/v1/tenants`, the console's Keys page). Its sandboxes are
+        /// still only its own tenant's.
+        #[arg(long)]
+        admin: bool,
     },
     /// List keys (ids, names, tenants; never the keys).
     List,

@@ -588,18 +588,23 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
             tenant,
             quotas,
             network_widen,
+            admin,
         } => {
             let (record, key) = kiln_runtime::auth::create_key_with(
                 dir,
                 &name,
                 tenant.as_deref(),
                 quotas.overrides(),
-                network_widen,
+                kiln_runtime::auth::KeyGrant {
+                    network_widen,
+                    admin,
+                },
             )
             .with_context(|| format!("cannot create a key in {}", dir.display()))?;
             println!("{key}");
             eprintln!(
-                "kiln: created key {} for tenant {}; it is shown once, only its hash is kept ({})",
+                "kiln: created {}key {} for tenant {}; it is shown once, only its hash is kept ({})",
+                if record.admin { "admin " } else { "" },
                 record.id,
                 record.tenant,
                 dir.join("keys.json").display()
@@ -615,8 +620,12 @@ fn keys(command: cli::KeysCommand, dir: &std::path::Path) -> anyhow::Result<Exit
             }
             for key in keys {
                 println!(
-                    "{}\t{}\t{}\t{}",
-                    key.id, key.tenant, key.created_at, key.name
+                    "{}\t{}\t{}\t{}{}",
+                    key.id,
+                    key.tenant,
+                    key.created_at,
+                    key.name,
+                    if key.admin { "\t(admin)" } else { "" }
                 );
             }
         }

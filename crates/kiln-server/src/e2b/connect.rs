@@ -142,7 +142,8 @@ fn message<T: DeserializeOwned>(json: &[u8]) -> Result<T, RpcError> {
     if json.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(RpcError::invalid("a message is a JSON object"));
     }
-    serde_json::from_slice(json).map_err(|e| RpcError::invalid(format!("malformed message: {e}")))
+    kiln_http::objects::from_slice(json)
+        .map_err(|e| RpcError::invalid(format!("malformed message: {e}")))
 }
 
 /// Every message of a client stream's body.

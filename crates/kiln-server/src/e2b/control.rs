@@ -138,7 +138,7 @@ pub(super) fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, Resp
     } else {
         body
     };
-    serde_json::from_slice(body).map_err(|e| {
+    kiln_http::objects::from_slice(body).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,
             format!("invalid request body: {e}"),

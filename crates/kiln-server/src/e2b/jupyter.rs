@@ -209,7 +209,7 @@ async fn create_context(
     let asked: NewContext = if body.iter().all(u8::is_ascii_whitespace) {
         NewContext::default()
     } else {
-        match serde_json::from_slice(&body) {
+        match kiln_http::objects::from_slice(&body) {
             Ok(asked) => asked,
             Err(e) => return text(StatusCode::BAD_REQUEST, format!("invalid body: {e}")),
         }
@@ -345,7 +345,7 @@ async fn execute(
     Extension(ctx): Extension<SandboxCtx>,
     body: Bytes,
 ) -> Response {
-    let asked: ExecuteRequest = match serde_json::from_slice(&body) {
+    let asked: ExecuteRequest = match kiln_http::objects::from_slice(&body) {
         Ok(asked) => asked,
         Err(e) => return text(StatusCode::BAD_REQUEST, format!("invalid body: {e}")),
     };

@@ -166,6 +166,7 @@ async fn authenticate(State(e2b): Shared, mut request: Request, next: Next) -> R
                 key_id: format!("volume:{}", record.id),
                 quotas: Default::default(),
                 network_widen: false,
+                admin: false,
             });
             request.extensions_mut().insert(record);
             next.run(request).await

@@ -9,6 +9,7 @@ mod egress;
 mod fork;
 mod interactive;
 mod issue32;
+mod keys;
 mod lifecycle;
 mod linux;
 mod rest;
