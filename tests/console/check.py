@@ -161,7 +161,16 @@ def without_keys(base):
         expect(page.get_by_role("heading", name="Sandboxes")).to_be_visible()
         # A Linux sandbox: its code runs in the box, and it has a terminal.
         page.get_by_label("Template").select_option("linux-python")
+        # Its resources, asked at create: the box has them.
+        page.get_by_text("Resources (blank: the template's)").click()
+        page.get_by_label("Memory (MiB)").fill("384")
+        page.get_by_label("vCPUs").fill("0.5")
+        page.get_by_label("Processes").fill("256")
         page.get_by_role("button", name="Create sandbox").click()
+        expect(page.get_by_test_id("resources")).to_contain_text("0.5 vCPU · 384 MiB memory · 1024 MiB disk · 256 processes")
+        with urllib.request.urlopen(f"{base}/api/v1/sandboxes/{sandbox_id(page)}") as r:
+            made = json.load(r)["resources"]
+            check(made == {"vcpus": 0.5, "memory_mb": 384, "disk_mb": 1024, "pids": 256}, f"the box's resources: {made}")
         page.get_by_role("button", name="Run (Ctrl+Enter)").click()
         expect(page.locator("pre.output")).to_have_text("hello from kiln\n", timeout=30000)
         with page.context.expect_page() as opened:
@@ -170,6 +179,16 @@ def without_keys(base):
         terminal.wait_for_load_state()
         check("/terminal/" in terminal.url, f"the terminal's page: {terminal.url}")
         check(terminal.evaluate("window.opener") is None, "the terminal page has no opener")
+        # A session in it: what is typed runs in the box, and its output comes back.
+        terminal.wait_for_function("window.kiln && window.kiln.state.writer", timeout=30000)
+        terminal.locator("#term").click()
+        terminal.keyboard.type("echo console-$((6*7)) in $PWD\n")
+        screen = """() => { const b = window.kiln.term.buffer.active; const lines = [];
+            for (let i = 0; i < b.length; i++) lines.push(b.getLine(i).translateToString(true));
+            return lines.join("\\n"); }"""
+        terminal.wait_for_function(f"({screen})().includes('console-42 in /workspace')", timeout=30000)
+        terminal.screenshot(path=f"{SHOTS}/terminal.png")
+        terminal.close()
         # A server in the box: its process and port show; the port's preview opens; End stops it.
         page.get_by_label("Language").select_option("bash")
         page.get_by_label("Code", exact=True).fill("mkdir -p site && echo '<h1>served</h1>' > site/index.html && cd site && (setsid python3 -m http.server 8000 >/dev/null 2>&1 &) && sleep 1 && echo started")
@@ -255,8 +274,15 @@ def run(base, key):
 
         # A sandbox: create, run code, see its output.
         page.get_by_label("Template").select_option("python")
+        page.get_by_text("Resources (blank: the template's)").click()
+        expect(page.get_by_label("vCPUs")).to_be_disabled()
+        page.get_by_label("Memory (MiB)").fill("lots")
+        page.get_by_role("button", name="Create sandbox").click()
+        expect(page.get_by_role("alert")).to_contain_text('memory_mb: "lots" is not a whole number')
+        page.get_by_label("Memory (MiB)").fill("256")
         page.get_by_role("button", name="Create sandbox").click()
         expect(page.get_by_role("heading", name="Run code")).to_be_visible()
+        expect(page.get_by_test_id("resources")).to_contain_text("256 MiB memory per run")
         page.get_by_label("Code", exact=True).fill("import sys\nfor i in range(3):\n    print('line', i)\nprint('oops', file=sys.stderr)")
         page.get_by_role("button", name="Run (Ctrl+Enter)").click()
         output = page.locator("pre.output")

@@ -160,11 +160,17 @@ pub fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, HttpError> {
     let value = serde_path_to_error::deserialize(objects).map_err(|error| {
         let path = error.path().to_string();
         let inner = error.into_inner();
-        if !inner.is_data() {
-            return HttpError::malformed_json(&inner);
+        // Whether the bytes are JSON at all, asked of the whole body: a struct is refused at
+        // its `[` before the rest is read, and serde_json calls an enum given `{}` a syntax
+        // error ("expected value") though the body is well-formed. Skimming JSON (serde's
+        // `IgnoredAny`) does not check strings' UTF-8, so that is checked first.
+        if let Err(utf8) = std::str::from_utf8(bytes) {
+            return HttpError::new(
+                StatusCode::BAD_REQUEST,
+                "MALFORMED_JSON",
+                format!("the body is not valid JSON: it is not UTF-8 ({utf8})"),
+            );
         }
-        // A struct is refused at its `[` before the rest is read: malformed JSON after it
-        // is still said to be malformed.
         match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
             Ok(_) => invalid_request(&path, &inner),
             Err(syntax) => HttpError::malformed_json(&syntax),
@@ -348,9 +354,32 @@ mod object_bodies {
             let refused = from_json_object::<Update>(body).unwrap_err();
             assert_eq!(refused.code(), "INVALID_REQUEST", "{body:?}");
         }
-        for body in [&b"["[..], b"{\"value\": "] {
+        // Not UTF-8 (a string with a stray byte, which a skim of the JSON does not check) is
+        // malformed, also when a struct was refused first (the fuzzer's find).
+        for body in [
+            &b"["[..],
+            b"{\"value\": ",
+            b"{\"s\xa2\x9epe\": {\"box\": [1, 2]}}",
+            b"{\"value\": \"v\", \"metadata\": [1], \"k\xa2\": 1}",
+        ] {
             let malformed = from_json_object::<Update>(body).unwrap_err();
             assert_eq!(malformed.code(), "MALFORMED_JSON", "{body:?}");
         }
+        // serde_json calls an enum given `{}` a syntax error; the body is JSON, so it is an
+        // invalid request (the fuzzer's second find).
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        enum Shape {
+            Plain,
+            Box { w: u32 },
+        }
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Shaped {
+            shape: Option<Shape>,
+        }
+        let refused = from_json_object::<Shaped>(br#"{"shape": {}}"#).unwrap_err();
+        assert_eq!(refused.code(), "INVALID_REQUEST", "{}", refused.message());
+        assert_eq!(refused.details()["field"], "shape");
     }
 }

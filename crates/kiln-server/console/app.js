@@ -121,12 +121,22 @@ function Login() {
 
 // ---------------------------------------------------------------- sandboxes
 
+// What a sandbox may be given at create: [field, label, Linux templates only, decimal].
+const RESOURCES = [
+  ["memory_mb", "Memory (MiB)", false, false], ["vcpus", "vCPUs", true, true],
+  ["disk_mb", "Disk (MiB)", true, false], ["pids", "Processes", true, false],
+  ["lifeMinutes", "Life (minutes)", false, false],
+];
+
 function Sandboxes() {
   const [list, setList] = useState(null);
   const [templates, setTemplates] = useState([]);
   const [template, setTemplate] = useState("python");
+  const [resources, setResources] = useState({});
   const [error, setError] = useState(null);
   const [busy, setBusy] = useState(false);
+  const chosen = templates.find((t) => t.id === template);
+  const live = chosen && chosen.lifecycle === "live";
   const load = async () => {
     try {
       const page = await api("/api/v1/sandboxes?limit=200");
@@ -142,7 +152,18 @@ function Sandboxes() {
     e.preventDefault();
     setBusy(true);
     try {
-      const made = await api("/api/v1/sandboxes", { method: "POST", body: { template } });
+      const body = { template };
+      const asked = {};
+      for (const [field, , linuxOnly, decimal] of RESOURCES) {
+        const text = (resources[field] || "").trim();
+        if (text === "" || (linuxOnly && !live)) continue;
+        const value = Number(text);
+        if (!(decimal ? value > 0 : Number.isInteger(value) && value > 0)) throw new Error(`${field}: "${text}" is not a ${decimal ? "positive number" : "whole number above 0"}`);
+        if (field === "lifeMinutes") body.timeoutMs = value * 60000;
+        else asked[field] = value;
+      }
+      if (Object.keys(asked).length) body.resources = asked;
+      const made = await api("/api/v1/sandboxes", { method: "POST", body });
       location.hash = `#/sandboxes/${made.containerId}`;
     } catch (err) { setError(err); }
     setBusy(false);
@@ -159,6 +180,12 @@ function Sandboxes() {
         </select></div>
       <button class="primary" type="submit" disabled=${busy}>${busy ? "Creating…" : "Create sandbox"}</button>
     </form>
+    <details><summary>Resources (blank: the template's)</summary>
+      <div class="quota-fields">${RESOURCES.map(([field, name, linuxOnly]) => html`<div>
+        <label for=${`res-${field}`}>${name}</label>
+        <input id=${`res-${field}`} type="text" inputmode="decimal" disabled=${linuxOnly && !live} placeholder=${linuxOnly && !live ? "Linux templates" : "template's"}
+          value=${resources[field] || ""} onInput=${(e) => setResources({ ...resources, [field]: e.target.value })} /></div>`)}</div>
+    </details>
     <${Failure} error=${error} />
     ${list === null ? html`<p class="muted">Loading…</p>` : list.length === 0 ? html`<p class="muted">No sandboxes yet.</p>` : html`
       <table><thead><tr><th scope="col">Sandbox</th><th scope="col">Template</th><th scope="col">Status</th><th scope="col">Runs</th><th scope="col">Created</th><th scope="col"><span class="muted">Actions</span></th></tr></thead>
@@ -397,6 +424,9 @@ function Sandbox({ id }) {
     <p><a href="#/sandboxes">← Sandboxes</a></p>
     <h2 id="sandbox-title">${sandbox.containerId}</h2>
     <p class="muted">${sandbox.templateDescription || sandbox.template} · ${sandbox.status} · expires ${new Date(sandbox.expiresAt).toLocaleString()}</p>
+    <p class="muted" data-testid="resources">${sandbox.resources
+      ? `${sandbox.resources.vcpus} vCPU · ${sandbox.resources.memory_mb} MiB memory · ${sandbox.resources.disk_mb} MiB disk · ${sandbox.resources.pids} processes`
+      : `${Math.round(sandbox.resourceUsage.memoryLimitBytes / 1048576)} MiB memory per run`} · ${sandbox.resourceUsage.executions} run(s)</p>
     <${Terminal} id=${id} capable=${Boolean(capabilities.terminals)} />
     <div class="grid">
       <${Run} sandbox=${sandbox} onRan=${() => setVersion((v) => v + 1)} />
