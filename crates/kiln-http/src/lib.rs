@@ -22,9 +22,11 @@
 //!     .layer(axum::middleware::from_fn_with_state(errors, reshape_errors));
 //! ```
 
+pub mod connect;
 pub mod error;
 pub mod json;
 pub mod objects;
+pub mod upload;
 
 pub use error::{HttpError, RouterErrors, reshape_errors};
 pub use json::{Json, JsonObject};

@@ -195,37 +195,56 @@ pub fn cli(n: usize, report: &mut Report) -> anyhow::Result<()> {
     let runs = (n / 10).max(10);
     let figure = process(kiln(PANDAS_CELL), runs)?;
     report.insert("cli_exec_python_data_pandas_process".into(), figure);
-    // The interpreter itself, not a shim in front of it (pyenv's is a shell script).
-    let python = Command::new("python3")
+    // The system's interpreter (Debian's /usr/bin/python3), as a user runs `python3` on a
+    // plain machine; else the one `python3` resolves to, itself rather than a shim in front
+    // of it (pyenv's is a shell script, and its interpreter imports more at start).
+    let resolved = Command::new("python3")
         .args(["-c", "import sys; print(sys.executable)"])
         .output()
         .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
         .unwrap_or_default();
-    let python = if python.is_empty() {
+    let system = "/usr/bin/python3";
+    let python = if std::path::Path::new(system).exists() {
+        system.to_owned()
+    } else if resolved.is_empty() {
         "python3".to_owned()
     } else {
-        python
+        resolved.clone()
     };
     report.insert("peer_python3".into(), json!(python));
     // As a user runs it: with its bytecode cache (an environment that sets
     // PYTHONDONTWRITEBYTECODE makes every start compile its site-packages' hooks again).
-    let python3 = |code: &str| {
-        let mut command = Command::new(&python);
+    let python3 = |interpreter: &str, code: &str| {
+        let mut command = Command::new(interpreter);
         command
             .args(["-c", code])
             .env_remove("PYTHONDONTWRITEBYTECODE");
         command
     };
-    let peers = [
-        ("peer_python3_print_process", "print(1+1)"),
-        ("peer_python3_pandas_process", PANDAS_CELL),
-    ];
-    for (name, code) in peers {
-        let figure = process(python3(code), runs).unwrap_or_else(
-            |e| json!({"skipped": format!("python3 -c could not run it here: {e:#}")}),
-        );
-        report.insert(name.into(), figure);
-    }
+    let figure = process(python3(&python, "print(1+1)"), runs)
+        .unwrap_or_else(|e| json!({"skipped": format!("python3 -c could not run it here: {e:#}")}));
+    report.insert("peer_python3_print_process".into(), figure);
+    // pandas where an interpreter has it: the system's, else the resolved one.
+    let with_pandas = [python.as_str(), resolved.as_str()]
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .find(|p| {
+            python3(p, "import pandas")
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .map(str::to_owned);
+    let figure = match &with_pandas {
+        Some(interpreter) => {
+            report.insert("peer_python3_pandas".into(), json!(interpreter));
+            process(python3(interpreter, PANDAS_CELL), runs).unwrap_or_else(
+                |e| json!({"skipped": format!("python3 -c could not run it here: {e:#}")}),
+            )
+        }
+        None => json!({"skipped": "no python3 here has pandas"}),
+    };
+    report.insert("peer_python3_pandas_process".into(), figure);
     // A sandboxed peer: python3 in a bubblewrap jail with every namespace unshared.
     let mut bwrap = Command::new("bwrap");
     bwrap

@@ -6,13 +6,13 @@
 
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
+use kiln_http::connect::frame;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
-/// The largest request message: 16 MiB (stdin and file data travel in RPCs).
-pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+pub use kiln_http::connect::{MAX_MESSAGE_BYTES, b64, int64};
 
 /// A Connect error: a code from the protocol's list and a message.
 #[derive(Debug, Clone)]
@@ -116,10 +116,11 @@ pub fn is_streaming(headers: &axum::http::HeaderMap) -> bool {
 /// Reads a request's message: the body itself (unary) or its first envelope (streaming).
 pub fn decode<T: DeserializeOwned>(body: &[u8], streaming: bool) -> Result<T, RpcError> {
     let json = if streaming {
-        let Some((flags, message, _)) = split_envelope(body)? else {
+        let Some(kiln_http::connect::Envelope { flags, message, .. }) = split_envelope(body)?
+        else {
             return Err(RpcError::invalid("the request holds no message"));
         };
-        if flags & 1 != 0 {
+        if flags & kiln_http::connect::COMPRESSED != 0 {
             return Err(RpcError::new(
                 "unimplemented",
                 "compressed messages are not supported; send them uncompressed",
@@ -149,9 +150,14 @@ fn message<T: DeserializeOwned>(json: &[u8]) -> Result<T, RpcError> {
 /// Every message of a client stream's body.
 pub fn decode_all<T: DeserializeOwned>(mut body: &[u8]) -> Result<Vec<T>, RpcError> {
     let mut all = Vec::new();
-    while let Some((flags, message, rest)) = split_envelope(body)? {
+    while let Some(kiln_http::connect::Envelope {
+        flags,
+        message,
+        rest,
+    }) = split_envelope(body)?
+    {
         body = rest;
-        if flags & 2 != 0 {
+        if flags & kiln_http::connect::END_STREAM != 0 {
             break;
         }
         all.push(self::message(if message.is_empty() {
@@ -163,29 +169,15 @@ pub fn decode_all<T: DeserializeOwned>(mut body: &[u8]) -> Result<Vec<T>, RpcErr
     Ok(all)
 }
 
-/// The first envelope of `body`: its flags, its message and what follows; `None` if empty.
-/// An envelope's flags, its message and what follows it.
-type Envelope<'a> = (u8, &'a [u8], &'a [u8]);
-
-fn split_envelope(body: &[u8]) -> Result<Option<Envelope<'_>>, RpcError> {
-    if body.is_empty() {
-        return Ok(None);
+fn split_envelope(body: &[u8]) -> Result<Option<kiln_http::connect::Envelope<'_>>, RpcError> {
+    use kiln_http::connect::EnvelopeError;
+    match kiln_http::connect::split_envelope(body) {
+        Ok(found) => Ok(found),
+        Err(e @ EnvelopeError::TooLarge(_)) => {
+            Err(RpcError::new("resource_exhausted", e.to_string()))
+        }
+        Err(e) => Err(RpcError::invalid(e.to_string())),
     }
-    if body.len() < 5 {
-        return Err(RpcError::invalid("a truncated envelope"));
-    }
-    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-    if len > MAX_MESSAGE_BYTES {
-        return Err(RpcError::new(
-            "resource_exhausted",
-            format!("a message of {len} bytes is larger than {MAX_MESSAGE_BYTES}"),
-        ));
-    }
-    let rest = &body[5..];
-    if rest.len() < len {
-        return Err(RpcError::invalid("a truncated envelope"));
-    }
-    Ok(Some((body[0], &rest[..len], &rest[len..])))
 }
 
 /// One enveloped message.
@@ -202,15 +194,7 @@ pub fn end_stream(error: Option<&RpcError>) -> Bytes {
         None => json!({}),
         Some(e) => json!({"error": e.body()}),
     };
-    frame(2, body.to_string().as_bytes())
-}
-
-fn frame(flags: u8, json: &[u8]) -> Bytes {
-    let mut out = BytesMut::with_capacity(5 + json.len());
-    out.put_u8(flags);
-    out.put_u32(json.len() as u32);
-    out.put_slice(json);
-    out.freeze()
+    frame(kiln_http::connect::END_STREAM, body.to_string().as_bytes())
 }
 
 /// A streaming response of `frames` (enveloped messages, then an end-stream).
@@ -230,49 +214,4 @@ pub fn stream_error(error: RpcError) -> Response {
     stream_response(futures::stream::once(
         async move { end_stream(Some(&error)) },
     ))
-}
-
-/// Proto3 JSON's int64: a string or a number.
-pub mod int64 {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(value: &u64, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&value.to_string())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Either {
-            Text(String),
-            Number(u64),
-        }
-        match Either::deserialize(d)? {
-            Either::Number(n) => Ok(n),
-            Either::Text(t) => t.parse().map_err(serde::de::Error::custom),
-        }
-    }
-}
-
-/// Proto3 JSON's bytes: standard base64 (padding optional, URL-safe accepted).
-pub mod b64 {
-    use base64::Engine;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(value: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(value))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        let text = String::deserialize(d)?;
-        let trimmed = text.trim_end_matches('=');
-        let config = base64::engine::GeneralPurposeConfig::new()
-            .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent);
-        let standard = base64::engine::GeneralPurpose::new(&base64::alphabet::STANDARD, config);
-        let url = base64::engine::GeneralPurpose::new(&base64::alphabet::URL_SAFE, config);
-        standard
-            .decode(trimmed)
-            .or_else(|_| url.decode(trimmed))
-            .map_err(serde::de::Error::custom)
-    }
 }

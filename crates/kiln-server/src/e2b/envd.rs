@@ -531,38 +531,25 @@ async fn upload_parts(
     path: Option<String>,
     body: axum::body::Body,
 ) -> Result<Vec<serde_json::Value>, Response> {
-    let malformed = |e: multer::Error| {
-        error(
-            StatusCode::BAD_REQUEST,
-            format!("malformed multipart body: {e}"),
-        )
-    };
-    let boundary = multer::parse_boundary(content_type).map_err(|_| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "the multipart body has no boundary",
-        )
-    })?;
-    let mut parts = multer::Multipart::new(body.into_data_stream(), boundary);
+    let mut parts = kiln_http::upload::Parts::new(
+        content_type,
+        body.into_data_stream(),
+        path,
+        MAX_UPLOAD_BYTES,
+    )
+    .map_err(upload_error)?;
     let mut written = Vec::new();
-    while let Some(mut part) = parts.next_field().await.map_err(malformed)? {
-        let name = part.file_name().map(str::to_owned).or_else(|| path.clone());
-        let Some(name) = name.filter(|p| !p.is_empty()) else {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                "each file part needs a file name (its path)",
-            ));
-        };
-        let mut data = Vec::new();
-        while let Some(chunk) = part.chunk().await.map_err(malformed)? {
-            if data.len() + chunk.len() > MAX_UPLOAD_BYTES {
-                return Err(too_large());
-            }
-            data.extend_from_slice(&chunk);
-        }
+    while let Some((name, data)) = parts.next_file().await.map_err(upload_error)? {
         written.push(write_one(e2b, ctx, &name, data).await?);
     }
     Ok(written)
+}
+
+fn upload_error(refused: kiln_http::upload::UploadError) -> Response {
+    match refused {
+        kiln_http::upload::UploadError::TooLarge => too_large(),
+        other => error(StatusCode::BAD_REQUEST, other.to_string()),
+    }
 }
 
 fn too_large() -> Response {
@@ -592,23 +579,7 @@ async fn read_body(body: axum::body::Body, gzip: bool) -> Result<Vec<u8>, Respon
         return Ok(raw);
     }
     tokio::task::spawn_blocking(move || {
-        use std::io::Read;
-        let mut out = Vec::new();
-        let decoder = flate2::read::GzDecoder::new(raw.as_slice());
-        // One byte past the limit tells a bomb from a file of exactly the limit.
-        decoder
-            .take(MAX_UPLOAD_BYTES as u64 + 1)
-            .read_to_end(&mut out)
-            .map_err(|e| {
-                error(
-                    StatusCode::BAD_REQUEST,
-                    format!("the gzip body is malformed: {e}"),
-                )
-            })?;
-        if out.len() > MAX_UPLOAD_BYTES {
-            return Err(too_large());
-        }
-        Ok(out)
+        kiln_http::upload::gunzip_limited(&raw, MAX_UPLOAD_BYTES).map_err(upload_error)
     })
     .await
     .map_err(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "decompression failed"))?
