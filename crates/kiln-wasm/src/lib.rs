@@ -43,4 +43,4 @@ pub use guest::{Door, DoorFuture, GrantError, MAX_DOOR_FRAME_BYTES};
 pub use output::{OutputChunk, StreamKind};
 pub use session::{Session, SessionOptions};
 pub use setup::{CacheDir, Progress, Quiet, SetupError};
-pub use warm::{PYTHON_DATA, PYTHON_DATA_WARM_UP, warm_up_of};
+pub use warm::{PYTHON_DATA, PYTHON_DATA_WARM_UP, imports_data_stack, warm_up_of};

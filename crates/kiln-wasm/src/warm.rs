@@ -39,9 +39,47 @@ use crate::python::{Origin, PythonGuest};
 use crate::qjs_exports::{Export, PatchError, Reader, add_exports, write_u32};
 use crate::setup::{PYTHON, Progress};
 
-/// The `python-data` template's warm-up: the data stack imported once, at setup.
-pub const PYTHON_DATA_WARM_UP: &str =
-    "import numpy, pandas, scipy, matplotlib\nimport matplotlib.pyplot\n";
+/// The `python-data` template's warm-up: the data stack imported once, at setup. The
+/// modules stay in `sys.modules`; no name is left bound, so code sees the globals a fresh
+/// interpreter has (a plain `python` one-shot that imports the stack starts from this image
+/// too, [`imports_data_stack`]).
+pub const PYTHON_DATA_WARM_UP: &str = "import numpy, pandas, scipy, matplotlib\nimport matplotlib.pyplot\ndel numpy, pandas, scipy, matplotlib\n";
+
+/// The packages whose import the `python-data` image has done (or made cheap: scikit-learn
+/// and seaborn are built on them).
+const DATA_STACK: &[&str] = &[
+    "numpy",
+    "pandas",
+    "scipy",
+    "matplotlib",
+    "sklearn",
+    "seaborn",
+];
+
+/// Whether Python `code` imports a package of the data stack at the start of one of its
+/// lines (`import pandas as pd`, `from sklearn.linear_model import …`, `import os, numpy`,
+/// indented or not). A guess that only picks where code starts: a wrong one costs time,
+/// never a different answer.
+pub fn imports_data_stack(code: &str) -> bool {
+    let top = |name: &str| {
+        let name = name.trim();
+        let module = name
+            .split(|c: char| c == '.' || c.is_whitespace())
+            .next()
+            .unwrap_or("");
+        DATA_STACK.contains(&module)
+    };
+    code.lines().any(|line| {
+        let line = line.trim_start();
+        if let Some(rest) = line.strip_prefix("import ") {
+            rest.split('#').next().unwrap_or("").split(',').any(top)
+        } else if let Some(rest) = line.strip_prefix("from ") {
+            rest.split_whitespace().next().is_some_and(top)
+        } else {
+            false
+        }
+    })
+}
 
 /// The template whose sandboxes start warm, and its warm-up.
 pub const PYTHON_DATA: &str = "python-data";
@@ -740,6 +778,30 @@ fn warm_turns(warm_up: &str) -> [(&str, &str); 3] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn data_stack_imports_are_found_where_code_starts_them() {
+        for code in [
+            "import pandas as pd\nprint(1)",
+            "import os, numpy as np",
+            "from sklearn.linear_model import LinearRegression",
+            "def f():\n    import matplotlib.pyplot as plt",
+            "import scipy.stats  # stats",
+            "x = 1\nfrom numpy import arange",
+        ] {
+            assert!(imports_data_stack(code), "{code}");
+        }
+        for code in [
+            "print('import pandas')",
+            "import numpyx",
+            "# import pandas",
+            "import os\nfrom pathlib import Path",
+            "pandas = 1",
+            "from . import numpy",
+        ] {
+            assert!(!imports_data_stack(code), "{code}");
+        }
+    }
 
     #[test]
     fn active_data_is_emptied_and_passive_data_kept() {

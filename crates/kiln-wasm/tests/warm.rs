@@ -362,3 +362,56 @@ async fn an_instance_made_long_before_its_one_shot_runs_under_the_one_shots_dead
     }
     Ok(())
 }
+
+/// Issue 39: a plain Python one-shot (no template) whose code imports the data stack starts
+/// from python-data's image, which shows as scipy already in `sys.modules` (pandas does not
+/// import it); its globals are a fresh interpreter's. With fuel, or a memory cap the image
+/// does not fit beside, it starts fresh as before; so does code that imports no such
+/// package.
+#[tokio::test]
+async fn a_plain_python_one_shot_that_imports_pandas_starts_from_the_warm_image() -> TestResult {
+    let engine = engine();
+    engine
+        .prepare_warm_oneshots(PYTHON_DATA_WARM_UP, &Quiet)
+        .await?;
+    let code = "import sys\nimport pandas as pd\n\
+                print(pd.DataFrame({'a': [1, 2, 3]}).a.sum(), 'scipy' in sys.modules, \
+                sorted(n for n in ('numpy', 'pandas', 'scipy', 'matplotlib') if n in globals()))";
+    let plain = ExecRequest::new(Language::Python, code);
+    let result = engine.execute(&plain).await?;
+    assert!(result.success(), "{}", result.stderr_text());
+    assert_eq!(
+        result.stdout_text(),
+        "6 True []\n",
+        "started warm, no name bound"
+    );
+
+    // A warm start counts no fuel: a run with a budget starts fresh.
+    let mut fueled = ExecRequest::new(Language::Python, code);
+    fueled.limits.fuel = Some(50_000_000_000);
+    let result = engine.execute(&fueled).await?;
+    assert!(result.success(), "{}", result.stderr_text());
+    assert_eq!(result.stdout_text(), "6 False []\n", "with fuel: fresh");
+
+    // A cap the image does not fit beside: fresh (and pandas still imports in it).
+    let image = std::fs::metadata(engine.warm_image_path(PYTHON_DATA_WARM_UP)?)?.len();
+    let mut small = ExecRequest::new(Language::Python, code);
+    small.limits.memory_bytes = image + (32 << 20);
+    let result = engine.execute(&small).await?;
+    assert_eq!(
+        result.stdout_text(),
+        "6 False []\n",
+        "{}",
+        result.stderr_text()
+    );
+
+    // Code that imports none of the stack starts fresh.
+    let result = engine
+        .execute(&ExecRequest::new(
+            Language::Python,
+            "import sys\nprint('pandas' in sys.modules)",
+        ))
+        .await?;
+    assert_eq!(result.stdout_text(), "False\n");
+    Ok(())
+}

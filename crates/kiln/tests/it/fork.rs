@@ -95,6 +95,14 @@ fn python_data_sandboxes_start_with_pandas_imported() -> TestResult {
     let plain = server.new_sandbox("python")?;
     let (_, ran) = server.exec(&plain, json!({ "code": PANDAS_IN }))?;
     assert_eq!(ran["stdout"], "False\n", "{ran}");
+    // Issue 39: a one-shot there that imports pandas starts from the image (scipy, which
+    // pandas does not import, is in sys.modules already), seeing no name the image bound; a
+    // session of the python template still starts fresh.
+    let warm = "import sys\nimport pandas as pd\nprint(pd.Series([1, 2]).sum(), 'scipy' in sys.modules, 'numpy' in dir())";
+    let (_, ran) = server.exec(&plain, json!({ "code": warm }))?;
+    assert_eq!(ran["stdout"], "3 True False\n", "{ran}");
+    let sid = session(&server, &plain, "python")?;
+    assert_eq!(turn(&server, &plain, &sid, warm)?, "3 False False\n");
     // The published contract's image names reach it too.
     let (status, created) = server.call(
         "POST",
