@@ -159,6 +159,9 @@ def without_keys(base):
         page.on("pageerror", lambda e: problems.append(str(e)))
         page.goto(base + "/console")
         expect(page.get_by_role("heading", name="Sandboxes")).to_be_visible()
+        # No keys to sign in with: the header says so instead of offering a sign-in.
+        expect(page.get_by_text("no keys (--no-auth)")).to_be_visible()
+        expect(page.get_by_role("link", name="Sign in")).to_have_count(0)
         # A Linux sandbox: its code runs in the box, and it has a terminal.
         page.get_by_label("Template").select_option("linux-python")
         # Its resources, asked at create: the box has them.

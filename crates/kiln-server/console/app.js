@@ -814,8 +814,21 @@ function Account() {
 
 // ---------------------------------------------------------------- shell
 
+// Whether this server asks for keys (`/api/v1/me` answers without one under --no-auth).
+function useKeysOff() {
+  const [off, setOff] = useState(false);
+  useEffect(() => {
+    fetch("/api/v1/me", { headers: key() ? { authorization: `Bearer ${key()}` } : {} })
+      .then((r) => (r.ok ? r.json() : null))
+      .then((me) => setOff(Boolean(me && me.auth === false)))
+      .catch(() => {});
+  }, []);
+  return off;
+}
+
 function App() {
   const hash = useHash();
+  const keysOff = useKeysOff();
   const [, page, id] = hash.split("/");
   const link = (to, label) => html`<a href=${to} aria-current=${hash.startsWith(to) ? "page" : undefined}>${label}</a>`;
   let body;
@@ -828,7 +841,8 @@ function App() {
   else body = html`<${Sandboxes} />`;
   return html`<header><h1>kiln</h1>
       <nav aria-label="Pages">${link("#/sandboxes", "Sandboxes")}${link("#/chat", "Chat")}${link("#/workflows", "Workflows")}${link("#/account", "Account")}</nav>
-      <span style="margin-left:auto">${key() ? html`<button type="button" onClick=${() => { sessionStorage.removeItem(KEY); location.hash = "#/login"; }}>Sign out</button>` : html`<a href="#/login">Sign in</a>`}</span>
+      <span style="margin-left:auto">${keysOff ? html`<span class="muted">no keys (--no-auth)</span>`
+        : key() ? html`<button type="button" onClick=${() => { sessionStorage.removeItem(KEY); location.hash = "#/login"; }}>Sign out</button>` : html`<a href="#/login">Sign in</a>`}</span>
     </header>
     <main>${body}</main>`;
 }
