@@ -256,6 +256,25 @@ fn admin_only(state: &AppState, caller: &Caller) -> Result<(), ApiError> {
 }
 
 fn check_quotas(quotas: &QuotaOverrides) -> Result<(), ApiError> {
+    // Counts and bytes are JSON's int64 (the API description says so): no more than that.
+    for (name, value) in [
+        ("sandboxes", quotas.sandboxes),
+        ("sessions", quotas.sessions),
+        ("sessionMemoryBytes", quotas.session_memory_bytes),
+        ("executions", quotas.executions),
+        ("workspaceBytes", quotas.workspace_bytes),
+        ("pausedBoxes", quotas.paused_boxes),
+        ("volumes", quotas.volumes),
+    ] {
+        if let Some(value) = value
+            && value > i64::MAX as u64
+        {
+            return Err(ApiError::bad_request(
+                "INVALID_QUOTA",
+                format!("{name} is at most {}, not {value}", i64::MAX),
+            ));
+        }
+    }
     if let Some(weight) = quotas.cpu_weight
         && !(1..=100).contains(&weight)
     {

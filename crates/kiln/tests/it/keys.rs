@@ -137,6 +137,10 @@ fn an_admin_key_manages_keys_and_quotas_that_hold_at_once() -> TestResult {
         (json!({"name": "n".repeat(129)}), "INVALID_NAME"),
         (json!({"quotas": {"cpuWeight": 0}}), "INVALID_QUOTA"),
         (json!({"quotas": {"cpuWeight": 101}}), "INVALID_QUOTA"),
+        (
+            json!({"quotas": {"sandboxes": 9_223_372_036_854_775_809_u64}}),
+            "INVALID_QUOTA",
+        ),
         (json!({"quotas": {"sandboxes": -1}}), "INVALID_REQUEST"),
         (json!({"quotas": {"gpus": 1}}), "INVALID_REQUEST"),
         // serde alone fills a struct from an array, by position.
