@@ -150,10 +150,6 @@ pub fn create_key_with(
         check_tenant_name(tenant).map_err(std::io::Error::other)?;
     }
     check_key_name(name).map_err(std::io::Error::other)?;
-    std::fs::create_dir_all(data_dir)?;
-    let path = keys_path(data_dir);
-    let _lock = FileLock::acquire(&data_dir.join(".keys.lock"))?;
-    let mut file = load(&path)?;
     let id = new_id("key_");
     let key = format!("kiln_{}", crate::sandbox::random_hex(24));
     let record = KeyRecord {
@@ -166,9 +162,13 @@ pub fn create_key_with(
         network_widen: grant.network_widen,
         admin: grant.admin,
     };
-    file.keys.push(record.clone());
-    store::write_json(&path, &file)?;
-    Ok((record, key))
+    match edit_keys(data_dir, |keys| {
+        keys.push(record.clone());
+        Ok::<_, std::convert::Infallible>(())
+    })? {
+        Ok(()) => Ok((record, key)),
+        Err(never) => match never {},
+    }
 }
 
 /// Every stored key record.
@@ -178,16 +178,16 @@ pub fn list_keys(data_dir: &Path) -> std::io::Result<Vec<KeyRecord>> {
 
 /// Removes the key with public id `id`; false when there is none.
 pub fn revoke_key(data_dir: &Path, id: &str) -> std::io::Result<bool> {
-    let path = keys_path(data_dir);
-    let _lock = FileLock::acquire(&data_dir.join(".keys.lock"))?;
-    let mut file = load(&path)?;
-    let before = file.keys.len();
-    file.keys.retain(|k| k.id != id);
-    if file.keys.len() == before {
-        return Ok(false);
-    }
-    store::write_json(&path, &file)?;
-    Ok(true)
+    let revoked = edit_keys(data_dir, |keys| {
+        let before = keys.len();
+        keys.retain(|k| k.id != id);
+        if keys.len() == before {
+            Err(())
+        } else {
+            Ok(())
+        }
+    })?;
+    Ok(revoked.is_ok())
 }
 
 /// Changes the keys on file under their lock: `change` sees every record and answers

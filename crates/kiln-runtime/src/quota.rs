@@ -13,7 +13,8 @@ use crate::error::RuntimeError;
 /// Two sets of defaults: [`Quotas::default`] for each key of a server with keys, and
 /// [`Quotas::whole_machine`] for the one tenant of a server without them (`--no-auth`: a
 /// laptop, one team), which gets what the machine has.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct Quotas {
     /// Live sandboxes. Default 1 000.
     pub sandboxes: u64,
@@ -147,8 +148,9 @@ impl Quotas {
     }
 }
 
-/// What one tenant holds now.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What one tenant holds now (measured as the quotas measure it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct Usage {
     pub sandboxes: u64,
     pub sessions: u64,

@@ -25,67 +25,19 @@ use crate::v1::{Shared, path_error};
 /// The most keys `keys.json` holds; each request after a change reads it whole.
 pub const MAX_KEYS: usize = 10_000;
 
-/// What a tenant may hold at once.
-#[derive(Debug, Clone, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct QuotaSet {
-    pub sandboxes: u64,
-    pub sessions: u64,
-    pub session_memory_bytes: u64,
-    pub executions: u64,
-    pub workspace_bytes: u64,
-    pub cpu_weight: u32,
-    pub paused_boxes: u64,
-    pub volumes: u64,
-}
-
-impl From<Quotas> for QuotaSet {
-    fn from(q: Quotas) -> QuotaSet {
-        QuotaSet {
-            sandboxes: q.sandboxes,
-            sessions: q.sessions,
-            session_memory_bytes: q.session_memory_bytes,
-            executions: q.executions,
-            workspace_bytes: q.workspace_bytes,
-            cpu_weight: q.cpu_weight,
-            paused_boxes: q.paused_boxes,
-            volumes: q.volumes,
-        }
-    }
-}
-
-/// What a tenant holds now (the quotas' counts, measured as the quotas measure them).
+/// What a tenant holds now: the quotas' counts, and its named volumes.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct UsageSet {
-    /// Live sandboxes.
-    pub sandboxes: u64,
-    /// Live sessions, all sandboxes together.
-    pub sessions: u64,
-    /// Memory the live sessions really use.
-    pub session_memory_bytes: u64,
-    /// Executions running now.
-    pub executions: u64,
-    /// Bytes in its workspaces, volumes and snapshots.
-    pub workspace_bytes: u64,
+    #[serde(flatten)]
+    pub usage: Usage,
     /// Named volumes.
     pub volumes: u64,
 }
 
 fn usage_of(state: &AppState, tenant: &str) -> UsageSet {
-    let Usage {
-        sandboxes,
-        sessions,
-        session_memory_bytes,
-        executions,
-        workspace_bytes,
-    } = state.runtime.registry.usage(tenant);
     UsageSet {
-        sandboxes,
-        sessions,
-        session_memory_bytes,
-        executions,
-        workspace_bytes,
+        usage: state.runtime.registry.usage(tenant),
         volumes: state.runtime.registry.volumes.list(tenant).len() as u64,
     }
 }
@@ -105,7 +57,7 @@ pub struct Me {
     /// Whether this server asks for keys (false under `--no-auth`).
     pub auth: bool,
     /// Its quotas: the server's, with its key's own where it has them.
-    pub quotas: QuotaSet,
+    pub quotas: Quotas,
     /// What its tenant holds now.
     pub usage: UsageSet,
 }
@@ -116,19 +68,16 @@ pub struct Me {
 pub async fn me(State(state): Shared, Extension(caller): Extension<Caller>) -> Json<Me> {
     let auth = matches!(state.auth, Auth::Keys(_));
     let name = if auth {
-        let dir = state.data_dir.clone();
-        let id = caller.key_id.clone();
-        tokio::task::spawn_blocking(move || auth::list_keys(&dir))
+        all_keys(&state)
             .await
             .ok()
-            .and_then(Result::ok)
-            .and_then(|keys| keys.into_iter().find(|k| k.id == id))
+            .and_then(|keys| keys.into_iter().find(|k| k.id == caller.key_id))
             .map(|k| k.name)
     } else {
         None
     };
     Json(Me {
-        quotas: state.runtime.quotas(&caller).into(),
+        quotas: state.runtime.quotas(&caller),
         usage: usage_of(&state, &caller.tenant),
         tenant: caller.tenant,
         key_id: caller.key_id,
@@ -154,12 +103,12 @@ pub struct KeyView {
     /// Its own quotas, where they differ from the server's.
     pub quotas: QuotaOverrides,
     /// The quotas it works under: the server's with its own applied.
-    pub effective_quotas: QuotaSet,
+    pub effective_quotas: Quotas,
 }
 
 fn view(state: &AppState, record: KeyRecord) -> KeyView {
     KeyView {
-        effective_quotas: state.runtime.quotas.with(&record.quotas).into(),
+        effective_quotas: state.runtime.quotas.with(&record.quotas),
         id: record.id,
         name: record.name,
         tenant: record.tenant,
@@ -233,7 +182,7 @@ pub struct TenantView {
 pub struct TenantList {
     pub tenants: Vec<TenantView>,
     /// The server's quotas, which each key has unless it has its own.
-    pub default_quotas: QuotaSet,
+    pub default_quotas: Quotas,
 }
 
 /// Lets only an admin key by; a server without keys has none to manage.
@@ -296,6 +245,12 @@ async fn on_file<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("cannot read or write keys.json: {e}")))?
 }
 
+/// Every key on file, read away from the async workers.
+async fn all_keys(state: &AppState) -> Result<Vec<KeyRecord>, ApiError> {
+    let dir = state.data_dir.clone();
+    on_file(move || auth::list_keys(&dir).map(Ok)).await
+}
+
 fn last_admin() -> ApiError {
     ApiError::new(
         StatusCode::CONFLICT,
@@ -316,8 +271,7 @@ pub async fn list(
     Extension(caller): Extension<Caller>,
 ) -> Result<Json<KeyList>, ApiError> {
     admin_only(&state, &caller)?;
-    let dir = state.data_dir.clone();
-    let keys = on_file(move || auth::list_keys(&dir).map(Ok)).await?;
+    let keys = all_keys(&state).await?;
     Ok(Json(KeyList {
         keys: keys.into_iter().map(|k| view(&state, k)).collect(),
     }))
@@ -483,8 +437,7 @@ pub async fn tenants(
     Extension(caller): Extension<Caller>,
 ) -> Result<Json<TenantList>, ApiError> {
     admin_only(&state, &caller)?;
-    let dir = state.data_dir.clone();
-    let keys = on_file(move || auth::list_keys(&dir).map(Ok)).await?;
+    let keys = all_keys(&state).await?;
     let mut by_tenant: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for key in keys {
         by_tenant.entry(key.tenant).or_default().push(key.id);
@@ -501,6 +454,6 @@ pub async fn tenants(
                 keys,
             })
             .collect(),
-        default_quotas: state.runtime.quotas.into(),
+        default_quotas: state.runtime.quotas,
     }))
 }
