@@ -419,6 +419,7 @@ pub const WEB_PORTS: [u16; 2] = [80, 443];
 /// `rules` set headers on HTTP(S) requests to named hosts, with `${secrets.NAME}` (or E2B's
 /// `${e2b.secrets.NAME}`) placeholders kiln's proxy fills from the tenant's secrets.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Egress {
@@ -440,6 +441,7 @@ pub struct Egress {
 
 /// One rule for a host.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct EgressRule {
@@ -449,6 +451,7 @@ pub struct EgressRule {
 
 /// What a rule does to a request.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Transform {

@@ -187,6 +187,7 @@ impl Default for Resources {
 /// The resources a create request asks for (seed 002's `vcpus`, `memory_mb`, `disk_mb`,
 /// `pids`); what it leaves out is the template's.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ResourceRequest {

@@ -26,6 +26,7 @@ pub mod connect;
 pub mod error;
 pub mod json;
 pub mod objects;
+pub mod stream;
 pub mod upload;
 
 pub use error::{HttpError, RouterErrors, reshape_errors};

@@ -193,7 +193,14 @@ def _safe_module(name):
     found = _MODULES.get(name)
     if found is None:
         real = __import__(name, fromlist=["_"]) if "." in name else __import__(name)
-        names = _CURATED.get(name) or [n for n in dir(real) if not n.startswith("_")]
+        # A module's own API: its curated names, else what it declares public (`__all__`),
+        # else its public names. Not everything it imported: statistics imports
+        # collections.namedtuple, which calls eval (plan_gate, the gate's fuzzer, found it).
+        names = (
+            _CURATED.get(name)
+            or getattr(real, "__all__", None)
+            or [n for n in dir(real) if not n.startswith("_")]
+        )
         values = {}
         for n in names:
             if f"{name}.{n}" in _CURATED:

@@ -20,7 +20,7 @@ mod errors;
 mod new_tenants;
 mod openapi;
 pub mod plans;
-mod python;
+pub mod python;
 mod sessions;
 
 use std::net::SocketAddr;
@@ -407,33 +407,6 @@ fn tenant_of(headers: &HeaderMap) -> Result<String, HttpError> {
     Ok("public".to_string())
 }
 
-/// Splits and decodes the path; refuses what no collection could be named by.
-fn segments(path: &str) -> Result<Vec<String>, HttpError> {
-    let bad = |why: &str| HttpError::new(StatusCode::BAD_REQUEST, "INVALID_PATH", why.to_string());
-    if path.len() > 2048 {
-        return Err(bad("the path is longer than 2048 bytes"));
-    }
-    let mut out = Vec::new();
-    for raw in path.split('/').filter(|s| !s.is_empty()) {
-        let decoded = percent_encoding::percent_decode_str(raw)
-            .decode_utf8()
-            .map_err(|_| bad("a path segment is not UTF-8 once decoded"))?;
-        if decoded.contains(['\0', '/']) || decoded.chars().any(char::is_control) {
-            return Err(bad(
-                "a path segment holds a control character or an encoded '/'",
-            ));
-        }
-        if decoded == "." || decoded == ".." {
-            return Err(bad("'.' and '..' are not path segments here"));
-        }
-        out.push(decoded.into_owned());
-    }
-    if out.len() > 32 {
-        return Err(bad("the path has more than 32 segments"));
-    }
-    Ok(out)
-}
-
 /// The query: each name with the list of its values.
 fn query_of(parts: &axum::http::request::Parts) -> serde_json::Map<String, Value> {
     let mut query: serde_json::Map<String, Value> = serde_json::Map::new();
@@ -546,7 +519,7 @@ async fn one(
     }
     let tenant = tenant_of(&parts.headers)?;
     trace.tenant.clone_from(&tenant);
-    let segments = segments(parts.uri.path())?;
+    let segments = plans::segments(parts.uri.path())?;
     // Refused from its declared length before it is read; a body without one is cut off
     // at the limit while it is read.
     let body = kiln_http::json::read_body(&parts.headers, body, app.config.max_body_bytes).await?;
@@ -898,11 +871,11 @@ mod tests {
 
     #[test]
     fn paths_split_and_refuse_hostile_segments() {
-        assert_eq!(segments("/members/").unwrap(), vec!["members"]);
-        assert_eq!(segments("/a%20b/1").unwrap(), vec!["a b", "1"]);
-        assert_eq!(segments("/").unwrap(), Vec::<String>::new());
+        assert_eq!(plans::segments("/members/").unwrap(), vec!["members"]);
+        assert_eq!(plans::segments("/a%20b/1").unwrap(), vec!["a b", "1"]);
+        assert_eq!(plans::segments("/").unwrap(), Vec::<String>::new());
         for bad in ["/a/%2F", "/a/%00", "/%2e%2e/x", "/a/%ff", &"/a".repeat(40)] {
-            assert!(segments(bad).is_err(), "{bad}");
+            assert!(plans::segments(bad).is_err(), "{bad}");
         }
     }
 

@@ -35,6 +35,7 @@ pub const MAX_ALLOWED_PORTS: usize = 64;
 /// What becomes of a sandbox and its box over time. Every field is optional; what a request
 /// leaves out is the server's default. The box's fields need a Linux template.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schema(example = json!({"idleTimeoutMs": 600000, "onIdle": "pause", "terminateAfterIdleMs": 86400000, "allowedPorts": [3000, 8080]}))]
 pub struct Lifecycle {
@@ -90,6 +91,7 @@ pub struct Lifecycle {
 
 /// What an idle box gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[serde(rename_all = "lowercase")]
 pub enum OnIdle {
     Pause,
@@ -99,6 +101,7 @@ pub enum OnIdle {
 
 /// What the end of a sandbox's fixed life does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[serde(rename_all = "lowercase")]
 pub enum OnTimeout {
     Kill,
@@ -107,6 +110,7 @@ pub enum OnTimeout {
 
 /// Seed 002's `PersistenceMode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[serde(rename_all = "lowercase")]
 pub enum Persistence {
     None,

@@ -61,6 +61,7 @@ struct Stored {
 
 /// A volume in a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VolumeMount {
     /// The volume, by id or name (kept as its id).

@@ -7,6 +7,7 @@
 //! The conversation is the caller's: messages in, messages out. The sandbox is named in the
 //! reply so the next request can continue in it.
 
+use kiln_http::stream::Utf8Carry;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -637,23 +638,39 @@ fn relay_output(
 ) -> (UnboundedSender<Chunk>, tokio::task::JoinHandle<()>) {
     let (chunks_tx, mut chunks_rx) = mpsc::unbounded_channel::<Chunk>();
     let relay = tokio::spawn(async move {
-        while let Some(chunk) = chunks_rx.recv().await {
+        let output = |stderr: bool, data: String| {
             let id = id.clone();
-            let event = match chunk.stream {
-                StreamKind::Display => match serde_json::from_slice(&chunk.data) {
-                    Ok(result) => AgentEvent::Display { id, result },
-                    Err(_) => continue,
-                },
-                StreamKind::Stderr => AgentEvent::Stderr {
-                    id,
-                    data: String::from_utf8_lossy(&chunk.data).into_owned(),
-                },
-                StreamKind::Stdout => AgentEvent::Stdout {
-                    id,
-                    data: String::from_utf8_lossy(&chunk.data).into_owned(),
-                },
+            if stderr {
+                AgentEvent::Stderr { id, data }
+            } else {
+                AgentEvent::Stdout { id, data }
+            }
+        };
+        // A character cut between two chunks arrives whole.
+        let (mut out, mut err) = (Utf8Carry::default(), Utf8Carry::default());
+        while let Some(chunk) = chunks_rx.recv().await {
+            let stderr = match chunk.stream {
+                StreamKind::Display => {
+                    if let Ok(result) = serde_json::from_slice(&chunk.data) {
+                        let _ = events.send(AgentEvent::Display {
+                            id: id.clone(),
+                            result,
+                        });
+                    }
+                    continue;
+                }
+                kind => kind == StreamKind::Stderr,
             };
-            let _ = events.send(event);
+            let text = if stderr { &mut err } else { &mut out }.push(&chunk.data);
+            if !text.is_empty() {
+                let _ = events.send(output(stderr, text));
+            }
+        }
+        for (stderr, carry) in [(false, &mut out), (true, &mut err)] {
+            let text = carry.finish();
+            if !text.is_empty() {
+                let _ = events.send(output(stderr, text));
+            }
         }
     });
     (chunks_tx, relay)

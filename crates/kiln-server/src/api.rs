@@ -27,6 +27,7 @@ type Shared = State<Arc<AppState>>;
 
 /// Create a sandbox.
 #[derive(Debug, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary, Serialize))]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"image": "python", "options": {"timeout": 600000, "memoryLimit": "512m"}}))]
 pub struct CreateBody {
@@ -42,6 +43,7 @@ pub struct CreateBody {
 
 /// Sandbox options.
 #[derive(Debug, Default, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary, Serialize))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct CreateOptions {
     /// Lifetime in milliseconds (default 30 minutes, at least 1 second, at most 24 hours).
@@ -72,6 +74,7 @@ pub struct CreateOptions {
 
 /// A CPU share, as a number or text (`0.5`, `"0.5"`).
 #[derive(Debug, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary, Serialize))]
 #[serde(untagged)]
 pub enum CpuLimit {
     Number(f64),
@@ -116,6 +119,47 @@ pub struct Created {
     pub expires_at: String,
 }
 
+/// Checks a create request and turns it into the spec of the sandbox to make: everything
+/// `POST /api/sandbox` checks before it makes anything. (The fuzz target `api_requests`
+/// calls it with requests built by `arbitrary`.)
+pub fn sandbox_spec(
+    catalogue: &kiln_core::template::Catalogue,
+    body: &CreateBody,
+) -> Result<SandboxSpec, ApiError> {
+    let options = &body.options;
+    if body.image.is_none() && options.template.is_none() {
+        return Err(ApiError::bad_request(
+            "INVALID_REQUEST",
+            "name the sandbox's image (`image`) or its template (`options.template`)",
+        ));
+    }
+    let image = SandboxSpec::named_image(
+        catalogue,
+        body.image.as_deref(),
+        options.template.as_deref(),
+        "python",
+    )?;
+    let spec = SandboxSpec::resolve(
+        catalogue,
+        &image,
+        options.timeout,
+        options.memory_limit.as_deref(),
+    )?
+    .with_network(catalogue, options.network.as_deref())?
+    .with_egress(
+        catalogue,
+        crate::v1::network_rules(options.network.as_deref(), options.network_rules.clone())?,
+    )?;
+    let mut asked = options.resources;
+    if let Some(cpu) = &options.cpu_limit
+        && spec.resources.is_some()
+    {
+        let asked = asked.get_or_insert_with(Default::default);
+        asked.vcpus = asked.vcpus.or(Some(cpu.value()?));
+    }
+    Ok(spec.with_resources(asked.as_ref(), options.memory_limit.is_some())?)
+}
+
 /// Create a sandbox with an empty, git-versioned workspace.
 #[utoipa::path(post, path = "/api/sandbox", tag = "sandbox", request_body = CreateBody,
     responses(
@@ -129,38 +173,7 @@ pub async fn create(
     body: Result<JsonBody<CreateBody>, HttpError>,
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
     let JsonBody(body) = body?;
-    let options = &body.options;
-    if body.image.is_none() && options.template.is_none() {
-        return Err(ApiError::bad_request(
-            "INVALID_REQUEST",
-            "name the sandbox's image (`image`) or its template (`options.template`)",
-        ));
-    }
-    let image = SandboxSpec::named_image(
-        state.runtime.catalogue(),
-        body.image.as_deref(),
-        options.template.as_deref(),
-        "python",
-    )?;
-    let spec = SandboxSpec::resolve(
-        state.runtime.catalogue(),
-        &image,
-        options.timeout,
-        options.memory_limit.as_deref(),
-    )?
-    .with_network(state.runtime.catalogue(), options.network.as_deref())?
-    .with_egress(
-        state.runtime.catalogue(),
-        crate::v1::network_rules(options.network.as_deref(), options.network_rules.clone())?,
-    )?;
-    let mut asked = options.resources;
-    if let Some(cpu) = &options.cpu_limit
-        && spec.resources.is_some()
-    {
-        let asked = asked.get_or_insert_with(Default::default);
-        asked.vcpus = asked.vcpus.or(Some(cpu.value()?));
-    }
-    let spec = spec.with_resources(asked.as_ref(), options.memory_limit.is_some())?;
+    let spec = sandbox_spec(state.runtime.catalogue(), &body)?;
     let sandbox = exec::create_sandbox(&state.runtime, &caller, spec).await?;
     Ok((
         StatusCode::CREATED,
@@ -183,6 +196,7 @@ pub async fn create(
 
 /// Run a command in a sandbox.
 #[derive(Debug, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary, Serialize))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schema(example = json!({"containerId": "sb_3f2a9c1b7d4e5f60718293a4", "files": {"main.py": "print(open('data/input.txt').read())", "data/input.txt": "hello"}, "command": ["python", "main.py"]}))]
 pub struct ExecBody {
@@ -237,7 +251,7 @@ pub struct ExecReply {
 }
 
 /// What a command asks to run.
-enum Program {
+pub enum Program {
     /// A workspace file, with its arguments (the runtime launches it as the backend needs).
     File(String, Vec<String>),
     Inline(String),
@@ -248,7 +262,7 @@ enum Program {
 /// A command for a code template, read by the runtime's one parser of command lines. A bare
 /// `-c CODE` / `-e CODE` runs as the code itself, which every backend runs; code with
 /// arguments or a module runs through the launcher that gives it CPython's `sys.argv`.
-fn parse_command(command: &[String], home: &str) -> Result<(Language, Program), ApiError> {
+pub fn parse_command(command: &[String], home: &str) -> Result<(Language, Program), ApiError> {
     let line = exec::parse_command_line(command).map_err(|e| {
         ApiError::bad_request(
             "UNSUPPORTED_COMMAND",

@@ -52,6 +52,7 @@ fn query_error(rejection: QueryRejection) -> ApiError {
 
 /// Create a sandbox.
 #[derive(Debug, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary, Serialize))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schema(example = json!({"language": "python", "timeoutMs": 600000, "memoryLimit": "512m"}))]
 pub struct NewSandbox {
@@ -149,34 +150,11 @@ pub async fn create(
             Json(SandboxInfo::from_view(&view).described(state.runtime.catalogue())),
         ));
     }
-    let image = kiln_runtime::sandbox::SandboxSpec::named_image(
-        state.runtime.catalogue(),
-        body.language.as_deref(),
-        body.template.as_deref(),
-        "python",
-    )?;
-    let spec = kiln_runtime::sandbox::SandboxSpec::resolve(
-        state.runtime.catalogue(),
-        &image,
-        body.timeout_ms,
-        body.memory_limit.as_deref(),
-    )?
-    .with_network(state.runtime.catalogue(), body.network.as_deref())?
-    .with_egress(
-        state.runtime.catalogue(),
-        network_rules(body.network.as_deref(), body.network_rules)?,
-    )?
-    .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?
-    .with_lifecycle(state.runtime.catalogue(), body.lifecycle.as_ref())?
-    .with_volumes(
+    let spec = sandbox_spec(
         state.runtime.catalogue(),
         &state.runtime.registry.volumes,
         &caller.tenant,
-        body.volume_mounts.as_deref().unwrap_or_default(),
-    )?
-    .with_public_previews(
-        state.runtime.catalogue(),
-        body.public_previews.unwrap_or(false),
+        body,
     )?;
     let id = exec::create_sandbox(&state.runtime, &caller, spec)
         .await?
@@ -186,6 +164,43 @@ pub async fn create(
         StatusCode::CREATED,
         Json(SandboxInfo::from_view(&view).described(state.runtime.catalogue())),
     ))
+}
+
+/// Checks a create request (one not made from a snapshot) and turns it into the spec of
+/// the sandbox to make: everything `POST /api/v1/sandboxes` checks before it makes anything.
+/// (The fuzz target `api_requests` calls it with requests built by `arbitrary`.)
+pub fn sandbox_spec(
+    catalogue: &kiln_core::template::Catalogue,
+    volumes: &kiln_runtime::volumes::Volumes,
+    tenant: &str,
+    body: NewSandbox,
+) -> Result<kiln_runtime::sandbox::SandboxSpec, ApiError> {
+    let image = kiln_runtime::sandbox::SandboxSpec::named_image(
+        catalogue,
+        body.language.as_deref(),
+        body.template.as_deref(),
+        "python",
+    )?;
+    Ok(kiln_runtime::sandbox::SandboxSpec::resolve(
+        catalogue,
+        &image,
+        body.timeout_ms,
+        body.memory_limit.as_deref(),
+    )?
+    .with_network(catalogue, body.network.as_deref())?
+    .with_egress(
+        catalogue,
+        network_rules(body.network.as_deref(), body.network_rules)?,
+    )?
+    .with_resources(body.resources.as_ref(), body.memory_limit.is_some())?
+    .with_lifecycle(catalogue, body.lifecycle.as_ref())?
+    .with_volumes(
+        catalogue,
+        volumes,
+        tenant,
+        body.volume_mounts.as_deref().unwrap_or_default(),
+    )?
+    .with_public_previews(catalogue, body.public_previews.unwrap_or(false))?)
 }
 
 /// Rules given with a network of `network` (`none` and rules contradict each other).
@@ -371,6 +386,7 @@ pub async fn renew(
 
 /// Run code.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary, Serialize))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schema(example = json!({"code": "import sys\nprint(sys.version)", "timeoutMs": 10000}))]
 pub struct Execute {
@@ -553,27 +569,6 @@ pub struct SseEvent {
     pub data: String,
 }
 
-/// Decodes chunks to text without splitting a UTF-8 sequence across two events.
-#[derive(Default)]
-struct Utf8Carry {
-    pending: Vec<u8>,
-}
-
-impl Utf8Carry {
-    fn push(&mut self, data: &[u8]) -> String {
-        self.pending.extend_from_slice(data);
-        let cut = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(_) => self.pending.len(),
-        };
-        let rest = self.pending.split_off(cut);
-        let text = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending = rest;
-        text
-    }
-}
-
 /// Events of a streamed execution, in order: `start`, any number of `stdout`/`stderr`, then
 /// `result` (an [`Execution`]) or `error` (an error body).
 enum StreamEvent {
@@ -632,7 +627,10 @@ fn start_streaming(
         if begun_rx.await.is_ok() {
             let _ = forward.send(StreamEvent::Start(exec_id));
         }
-        let (mut out, mut err) = (Utf8Carry::default(), Utf8Carry::default());
+        let (mut out, mut err) = (
+            kiln_http::stream::Utf8Carry::default(),
+            kiln_http::stream::Utf8Carry::default(),
+        );
         while let Some(chunk) = chunks_rx.recv().await {
             let stderr = match chunk.stream {
                 StreamKind::Display => {
@@ -645,6 +643,13 @@ fn start_streaming(
             };
             let carry = if stderr { &mut err } else { &mut out };
             let text = carry.push(&chunk.data);
+            if !text.is_empty() {
+                let _ = forward.send(StreamEvent::Output { stderr, text });
+            }
+        }
+        // A character the output's last bytes began and never finished.
+        for (stderr, carry) in [(false, &mut out), (true, &mut err)] {
+            let text = carry.finish();
             if !text.is_empty() {
                 let _ = forward.send(StreamEvent::Output { stderr, text });
             }
@@ -692,10 +697,10 @@ pub async fn execute_stream(
     let events = start_streaming(state, caller, id, spec);
     let stream = futures::stream::unfold(events, |mut events| async move {
         let event = events.recv().await?;
-        let sse = Event::default()
-            .event(event.name())
-            .data(event.json().to_string());
-        Some((Ok(sse), events))
+        Some((
+            Ok(kiln_http::stream::sse(event.name(), &event.json())),
+            events,
+        ))
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
@@ -729,13 +734,6 @@ enum ClientMessage {
     Cancel,
 }
 
-fn ws_json(kind: &str, mut value: serde_json::Value) -> Message {
-    if let Some(object) = value.as_object_mut() {
-        object.insert("type".into(), json!(kind));
-    }
-    Message::Text(value.to_string().into())
-}
-
 async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Caller, id: String) {
     let mut events: Option<mpsc::UnboundedReceiver<StreamEvent>> = None;
     loop {
@@ -751,13 +749,13 @@ async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Calle
                     Ok(ClientMessage::Exec(body)) => {
                         if events.is_some() {
                             let error = ApiError::new(StatusCode::CONFLICT, "SANDBOX_BUSY", "an execution is already running on this socket");
-                            let _ = socket.send(ws_json("error", StreamEvent::Error(error).json())).await;
+                            let _ = socket.send(kiln_http::stream::ws_text("error", StreamEvent::Error(error).json())).await;
                             continue;
                         }
                         match spec(&state, &caller, &id, *body) {
                             Ok(spec) => events = Some(start_streaming(state.clone(), caller.clone(), id.clone(), spec)),
                             Err(error) => {
-                                let _ = socket.send(ws_json("error", StreamEvent::Error(error).json())).await;
+                                let _ = socket.send(kiln_http::stream::ws_text("error", StreamEvent::Error(error).json())).await;
                             }
                         }
                     }
@@ -766,7 +764,7 @@ async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Calle
                     }
                     Err(e) => {
                         let error = ApiError::bad_request("MALFORMED_MESSAGE", format!("send {{\"type\": \"exec\", \"code\": ...}} or {{\"type\": \"cancel\"}}: {e}"));
-                        let _ = socket.send(ws_json("error", StreamEvent::Error(error).json())).await;
+                        let _ = socket.send(kiln_http::stream::ws_text("error", StreamEvent::Error(error).json())).await;
                     }
                 }
             }
@@ -776,7 +774,7 @@ async fn serve_socket(mut socket: WebSocket, state: Arc<AppState>, caller: Calle
                     continue;
                 };
                 let last = matches!(event, StreamEvent::Result(_) | StreamEvent::Error(_));
-                if socket.send(ws_json(event.name(), event.json())).await.is_err() {
+                if socket.send(kiln_http::stream::ws_text(event.name(), event.json())).await.is_err() {
                     break;
                 }
                 if last {

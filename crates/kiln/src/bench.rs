@@ -77,7 +77,7 @@ fn group(args: &BenchArgs, prefix: &str) -> bool {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
-    let cache = crate::config::cache_dir();
+    let cache = crate::cache::dir();
     let engine = WasmEngine::new(cache.clone())?;
     let progress = crate::progress::Bar::new();
     for language in Language::WASM {

@@ -90,7 +90,7 @@ pub(crate) fn run(args: &BenchArgs, n: usize, report: &mut Report) -> anyhow::Re
     // With QEMU and scripts/build-vm's kernel here, the same boxes run microVMs too.
     let mut with_vm = linux.clone();
     with_vm.vm = kiln_native::vm::find_qemu().is_some()
-        && kiln_native::vm::VmAssets::find(crate::config::cache_dir().root()).is_ok();
+        && kiln_native::vm::VmAssets::find(crate::cache::dir().root()).is_ok();
     let linux = &with_vm;
     let boxes = crate::linux_cmd::boxes(linux)?;
     let limits = BoxLimits {

@@ -101,7 +101,12 @@ impl FileConfig {
             }
             Err(e) => return Err(e).with_context(|| format!("could not read {}", path.display())),
         };
-        let table: toml::Table = toml::from_str(&text)
+        FileConfig::parse(&text, path)
+    }
+
+    /// A file's text, as read from `path`.
+    pub fn parse(text: &str, path: PathBuf) -> anyhow::Result<FileConfig> {
+        let table: toml::Table = toml::from_str(text)
             .with_context(|| format!("{} is not valid TOML", path.display()))?;
         Ok(FileConfig {
             path: Some(path),
@@ -207,13 +212,28 @@ fn set_default(
                 format!("{file}: {key:?} must be a string, number or true/false")
             })?],
         };
+    // A flag that takes one value takes one here: a list of two would keep one silently,
+    // and an empty one would take away its default (the fuzz target kiln_toml holds this).
+    let many = command
+        .find_subcommand(sub)
+        .and_then(|s| s.get_arguments().find(|a| a.get_id() == id))
+        .is_some_and(|a| {
+            matches!(a.get_action(), ArgAction::Append)
+                || a.get_num_args().is_some_and(|n| n.max_values() > 1)
+        });
+    if !many && values.len() != 1 {
+        bail!(
+            "{file}: {key:?} takes one value, not a list of {}",
+            values.len()
+        );
+    }
     let id = id.to_owned();
     Ok(command.mut_subcommand(sub, move |s| {
         s.mut_arg(id, move |a| {
-            if values.len() == 1 && !matches!(a.get_action(), ArgAction::Append) {
-                a.default_value(values[0].clone())
-            } else {
+            if many {
                 a.default_values(values)
+            } else {
+                a.default_value(values[0].clone())
             }
         })
     }))
@@ -237,9 +257,10 @@ fn secret(name: &str) -> bool {
         .any(|s| name.contains(s))
 }
 
-/// `kiln config COMMAND`: the effective settings of `sub`, as TOML with where each came from.
-pub fn show(file: &FileConfig, sub: &str) -> anyhow::Result<String> {
-    let (command, applied) = file.apply(<crate::cli::Cli as clap::CommandFactory>::command())?;
+/// `kiln config COMMAND`: the effective settings of `sub` of `cli` (kiln's command line), as
+/// TOML with where each came from.
+pub fn show(file: &FileConfig, cli: clap::Command, sub: &str) -> anyhow::Result<String> {
+    let (command, applied) = file.apply(cli.clone())?;
     let definition = command
         .find_subcommand(sub)
         .cloned()
@@ -257,7 +278,7 @@ pub fn show(file: &FileConfig, sub: &str) -> anyhow::Result<String> {
         "# kiln {sub}: flags > KILN_* environment > {source} > defaults\n[{sub}]\n"
     ));
     // In the order the command declares them (setting a default moves a flag to the end).
-    let order: Vec<String> = <crate::cli::Cli as clap::CommandFactory>::command()
+    let order: Vec<String> = cli
         .find_subcommand(sub)
         .map(|s| s.get_arguments().map(|a| a.get_id().to_string()).collect())
         .unwrap_or_default();
@@ -329,22 +350,4 @@ fn render(arg: &clap::Arg, matches: &ArgMatches, id: &str, redact: bool) -> Stri
     } else {
         raw.first().map_or_else(|| "\"\"".into(), |v| one(v))
     }
-}
-
-/// The runtime cache, read once from the environment: `KILN_CACHE_DIR` (if set and not
-/// empty, else `~/.cache/kiln`) and `KILN_PIP` (the pip command setup runs, split on spaces;
-/// default the first of `python3 -m pip`, `pip3`, `pip` that runs).
-pub fn cache_dir() -> kiln_wasm::CacheDir {
-    static CACHE: std::sync::OnceLock<kiln_wasm::CacheDir> = std::sync::OnceLock::new();
-    CACHE
-        .get_or_init(|| {
-            let set = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-            let root =
-                set("KILN_CACHE_DIR").map_or_else(kiln_wasm::CacheDir::default_root, PathBuf::from);
-            let pip = set("KILN_PIP")
-                .map(|words| words.split_whitespace().map(str::to_owned).collect())
-                .unwrap_or_default();
-            kiln_wasm::CacheDir::new(root).with_pip(pip)
-        })
-        .clone()
 }

@@ -60,7 +60,7 @@ pub fn on_path(name: &str) -> Option<std::path::PathBuf> {
 pub fn checks(linux: &LinuxArgs) -> Vec<Check> {
     let mut found = Vec::new();
     // WebAssembly: built in; its runtimes are fetched once into the cache.
-    let cache = crate::config::cache_dir();
+    let cache = crate::cache::dir();
     let missing: Vec<&str> = [
         ("python", &kiln_wasm::setup::PYTHON),
         ("javascript", &kiln_wasm::setup::JAVASCRIPT),
@@ -311,7 +311,7 @@ fn warm_pool(linux: &LinuxArgs) -> Check {
 /// The microVM tier: QEMU, the kernel scripts/build-vm fetches, and how VMs would be
 /// accelerated (KVM, or TCG and why).
 fn microvm(linux: &LinuxArgs) -> Check {
-    let cache = crate::config::cache_dir();
+    let cache = crate::cache::dir();
     let qemu = kiln_native::vm::find_qemu();
     let assets = kiln_native::vm::VmAssets::find(cache.root());
     let firecracker = on_path("firecracker").map_or(

@@ -18,7 +18,7 @@ use crate::cli::{ExecArgs, LinuxArgs};
 /// The template store in kiln's cache folder.
 pub fn store(linux: &LinuxArgs) -> Store {
     Store {
-        root: crate::config::cache_dir().root().join("templates"),
+        root: crate::cache::dir().root().join("templates"),
         mirror: linux
             .debian_mirror
             .clone()
@@ -89,7 +89,7 @@ pub fn boxes(linux: &LinuxArgs) -> anyhow::Result<Boxes> {
             "--vm runs QEMU in runc's jail, and runc is not installed (apt-get install runc)"
         );
         let tier = kiln_native::vm::VmTier::new(
-            crate::config::cache_dir().root(),
+            crate::cache::dir().root(),
             &agent,
             &linux.state_dir,
             &linux.vmm,
@@ -131,7 +131,7 @@ pub fn criu(linux: &LinuxArgs) -> Option<std::path::PathBuf> {
         Some(path) if path.as_os_str() == "none" || path.as_os_str().is_empty() => None,
         Some(path) => Some(path.clone()),
         None => {
-            let built = crate::config::cache_dir().root().join("tools/criu/criu");
+            let built = crate::cache::dir().root().join("tools/criu/criu");
             if built.is_file() {
                 return Some(built);
             }

@@ -15,6 +15,7 @@ mod bench_runner;
 mod bench_snapshots;
 mod bench_warm;
 mod bench_workspaces;
+mod cache;
 mod cli;
 mod config;
 mod doctor;
@@ -165,7 +166,10 @@ fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
 fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Config { command } => {
-            print!("{}", config::show(file, &command)?);
+            print!(
+                "{}",
+                config::show(file, <Cli as clap::CommandFactory>::command(), &command)?
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Exec(args)
@@ -294,7 +298,7 @@ fn python_script(
 const SCRIPT_GUEST: &str = "/script";
 
 fn setup(lang: Option<Language>, fuel: bool, prune: bool) -> anyhow::Result<ExitCode> {
-    let cache = crate::config::cache_dir();
+    let cache = crate::cache::dir();
     let progress = progress::Bar::new();
     let engine = WasmEngine::new(cache.clone())?;
     let languages = match lang {
@@ -335,7 +339,7 @@ fn setup(lang: Option<Language>, fuel: bool, prune: bool) -> anyhow::Result<Exit
 /// Fetches and compiles the runtimes here, once, before any worker needs them.
 fn prepare_runtimes() -> anyhow::Result<()> {
     let setup = WasmEngine::with_options(
-        crate::config::cache_dir(),
+        crate::cache::dir(),
         &kiln_wasm::EngineOptions {
             max_instances: 1,
             ready_instances: 0,
@@ -401,7 +405,7 @@ pub fn prepare_before_send(config: &mut kiln_executor::PoolConfig) {
                     ready_instances: 0,
                     ..kiln_wasm::EngineOptions::default()
                 };
-                let made = || WasmEngine::with_options(crate::config::cache_dir(), &options).ok();
+                let made = || WasmEngine::with_options(crate::cache::dir(), &options).ok();
                 let Some(engine) = engine.get_or_init(made) else {
                     return Ok(());
                 };
@@ -703,7 +707,7 @@ fn worker() -> anyhow::Result<ExitCode> {
     use kiln_executor::confine;
     // Confined before any thread starts (namespaces need one), filtered once loaded.
     let policy = confine::Policy::from_env();
-    let cache = crate::config::cache_dir();
+    let cache = crate::cache::dir();
     let mut writable = confine::writable_from_env();
     writable.push(cache.root().to_path_buf());
     confine::confine_isolate(policy, &writable)?;
@@ -759,7 +763,7 @@ fn exec(
         ready_instances: 0,
         ..kiln_wasm::EngineOptions::default()
     };
-    let engine = WasmEngine::with_options(crate::config::cache_dir(), &options)?;
+    let engine = WasmEngine::with_options(crate::cache::dir(), &options)?;
     let fuel = request.limits.fuel.is_some();
     match request.template.as_deref().and_then(kiln_wasm::warm_up_of) {
         // A warm template needs its image (built once) and the warm engine's module, not

@@ -134,7 +134,7 @@ pub fn run(args: RestArgs) -> anyhow::Result<std::process::ExitCode> {
     let dir = data_dir(args.data_dir)?;
     let planner = planner(args.planner)?;
     let setup = WasmEngine::with_options(
-        crate::config::cache_dir(),
+        crate::cache::dir(),
         &kiln_wasm::EngineOptions {
             max_instances: 1,
             ready_instances: 0,

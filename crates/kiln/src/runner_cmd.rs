@@ -68,7 +68,7 @@ pub fn run(args: RunnerArgs) -> anyhow::Result<ExitCode> {
     }
     // Fetch and compile the runtimes here, once, before any worker needs them.
     let setup = WasmEngine::with_options(
-        crate::config::cache_dir(),
+        crate::cache::dir(),
         &kiln_wasm::EngineOptions {
             max_instances: 1,
             ready_instances: 0,

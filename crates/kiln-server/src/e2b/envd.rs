@@ -160,7 +160,12 @@ pub(crate) fn signature_ok(sandbox: &Sandbox, query: &str, method: &axum::http::
 
 /// A sandbox path as a workspace path (`""`: the workspace itself), or why not.
 pub fn workspace_rel(sandbox: &Sandbox, path: &str) -> Result<String, RpcError> {
-    let home = sandbox.workspace_at.as_deref().unwrap_or(HOME);
+    rel_under(sandbox.workspace_at.as_deref().unwrap_or(HOME), path)
+}
+
+/// `path` (absolute, relative to `home`, or `~/…`) as a path under `home` (`""`: `home`
+/// itself), or why not. (The fuzz target `files_paths` calls it.)
+pub fn rel_under(home: &str, path: &str) -> Result<String, RpcError> {
     if path.contains('\0') || path.len() > 4096 {
         return Err(RpcError::invalid(
             "the path is longer than 4096 bytes or holds NUL",

@@ -1476,6 +1476,18 @@ fn bad_kiln_toml_files_get_one_clear_error() -> TestResult {
             "\"listen\" must be a string, number or true/false",
         ),
         ("[serve]\nrate-limit = \"lots\"\n", 2, "may come from"),
+        // A flag of one value given a list: before, the first was kept silently, and an
+        // empty list took the built-in default away (issue 40, the kiln_toml fuzz target).
+        (
+            "[serve]\nrate-limit = [1, 2]\n",
+            120,
+            "\"rate-limit\" takes one value, not a list of 2",
+        ),
+        (
+            "[serve]\nlisten = []\n",
+            120,
+            "\"listen\" takes one value, not a list of 0",
+        ),
     ] {
         std::fs::write(&file, content)?;
         let out = kiln()

@@ -485,6 +485,24 @@ fn escape_cases() -> Vec<Case> {
             "GET /alias",
         )
         .fails(500, "CODE_FAILED", "no attribute 'system'"),
+        // A module offers its own API (`__all__`), not what it imported: statistics'
+        // namedtuple calls eval (plan_gate, the gate's fuzzer, found it).
+        plain(
+            "get",
+            "stats",
+            "import statistics\nP = statistics.namedtuple('P', 'a b')\nREPLY = {'body': 1}",
+            "alice",
+            "GET /stats",
+        )
+        .fails(500, "CODE_FAILED", "no attribute 'namedtuple'"),
+        plain(
+            "get",
+            "mean",
+            "import statistics\nREPLY = {'body': statistics.mean([1, 2, 6])}",
+            "alice",
+            "GET /mean",
+        )
+        .ok(json!(3)),
     ]
 }
 

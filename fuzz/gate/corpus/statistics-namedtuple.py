@@ -1,0 +1,3 @@
+import statistics
+P = statistics.namedtuple('P', 'a b')
+REPLY = P(1, 2)
