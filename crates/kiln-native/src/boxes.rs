@@ -1738,8 +1738,8 @@ fn remove(runtime: &Path, runtime_root: &Path, id: &str, dir: &Path) {
     if !deleted {
         let _ = runc(&["delete", "--force", id]);
     }
-    // What the runtime left of the box's cgroup (empty by now).
-    Cgroups::detect().remove_empty(&cgroup_path(id));
+    // What the runtime left of the box's cgroup (empty by now, or in a moment).
+    Cgroups::detect().remove_empty(&cgroup_path(id), KILL_GRACE);
     if !unbridge(dir) {
         tracing::error!(dir = %dir.display(), "a box's bound folder is still mounted: its folder is left");
         return;
@@ -1769,7 +1769,7 @@ fn remove_stale_cgroups(cgroups: Cgroups) {
             .and_then(|m| m.modified())
             .is_ok_and(|made| made < hour_ago);
         if name.starts_with(ID_PREFIX) && old && cgroups.processes(&cgroup_path(&name)).is_empty() {
-            cgroups.remove_empty(&cgroup_path(&name));
+            cgroups.remove_empty(&cgroup_path(&name), Duration::ZERO);
         }
     }
 }

@@ -251,10 +251,24 @@ impl Cgroups {
 
     /// Removes the cgroup's folders that are empty (no processes, no children): what a
     /// container runtime left (runsc leaves its cgroups behind when its sandbox died
-    /// first). A cgroup still in use is left alone (the kernel refuses).
-    pub fn remove_empty(self, cgroup: &str) {
+    /// first). A cgroup still in use is left alone (the kernel refuses, for `wait` of retries).
+    pub fn remove_empty(self, cgroup: &str, wait: std::time::Duration) {
         for dir in self.dirs(cgroup) {
-            let _ = std::fs::remove_dir(&dir);
+            // A cgroup whose last tasks were just killed answers EBUSY until the kernel has
+            // released them (seen on v1's memory controller under load: the folder was left
+            // until the hourly sweep): retried for up to `wait`.
+            let deadline = std::time::Instant::now() + wait;
+            loop {
+                match std::fs::remove_dir(&dir) {
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY)
+                            && std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    }
+                    _ => break,
+                }
+            }
         }
     }
 

@@ -146,6 +146,20 @@ pub fn create_key_with(
     quotas: QuotaOverrides,
     grant: KeyGrant,
 ) -> std::io::Result<(KeyRecord, String)> {
+    create_key_within(data_dir, name, tenant, quotas, grant, usize::MAX)?
+        .ok_or_else(|| std::io::Error::other("the server holds its most keys"))
+}
+
+/// [`create_key_with`], unless `keys.json` already holds `max` keys (`None`): counted under
+/// the same lock as the write, so keys made at once never pass `max`.
+pub fn create_key_within(
+    data_dir: &Path,
+    name: &str,
+    tenant: Option<&str>,
+    quotas: QuotaOverrides,
+    grant: KeyGrant,
+    max: usize,
+) -> std::io::Result<Option<(KeyRecord, String)>> {
     if let Some(tenant) = tenant {
         check_tenant_name(tenant).map_err(std::io::Error::other)?;
     }
@@ -162,13 +176,14 @@ pub fn create_key_with(
         network_widen: grant.network_widen,
         admin: grant.admin,
     };
-    match edit_keys(data_dir, |keys| {
+    let made = edit_keys(data_dir, |keys| {
+        if keys.len() >= max {
+            return Err(());
+        }
         keys.push(record.clone());
-        Ok::<_, std::convert::Infallible>(())
-    })? {
-        Ok(()) => Ok((record, key)),
-        Err(never) => match never {},
-    }
+        Ok(())
+    })?;
+    Ok(made.ok().map(|()| (record, key)))
 }
 
 /// Every stored key record.
@@ -349,6 +364,36 @@ impl KeyStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Attack: many keys made at once against a cap. The count is taken under the lock that
+    /// writes, so the cap holds (before, it was counted first and written after).
+    #[test]
+    fn keys_made_at_once_never_pass_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let made: usize = std::thread::scope(|scope| {
+            let runs: Vec<_> = (0..12)
+                .map(|i| {
+                    let dir = dir.path();
+                    scope.spawn(move || {
+                        let name = format!("k{i}");
+                        create_key_within(
+                            dir,
+                            &name,
+                            None,
+                            QuotaOverrides::default(),
+                            KeyGrant::default(),
+                            5,
+                        )
+                        .unwrap()
+                        .is_some() as usize
+                    })
+                })
+                .collect();
+            runs.into_iter().map(|r| r.join().unwrap()).sum()
+        });
+        assert_eq!(made, 5);
+        assert_eq!(list_keys(dir.path()).unwrap().len(), 5);
+    }
 
     #[test]
     fn keys_are_stored_hashed_checked_and_revoked() {

@@ -763,6 +763,16 @@ pub struct Registry {
     pub snapshots: crate::snapshots::Snapshots,
     /// Workspaces: long-lived Linux sandboxes with services.
     pub workspaces: crate::workspaces::Workspaces,
+    /// Where sandboxes made and gone are told, when this server is a node of a cluster
+    /// ([`Registry::observe`]).
+    observer: Mutex<Option<tokio::sync::mpsc::UnboundedSender<DirectoryEvent>>>,
+}
+
+/// What the registry tells a cluster's directory (issue 38): a sandbox made here, or gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DirectoryEvent {
+    Placed { id: String, tenant: String },
+    Removed { id: String },
 }
 
 /// Random bytes as hex, from the kernel.
@@ -868,7 +878,30 @@ impl Registry {
             volumes,
             snapshots,
             workspaces,
+            observer: Mutex::default(),
         })
+    }
+
+    /// Tells `events` of every sandbox this registry holds, then of each one made or gone,
+    /// in order (a cluster node keeps the shared directory with it).
+    pub fn observe(&self, events: tokio::sync::mpsc::UnboundedSender<DirectoryEvent>) {
+        let sandboxes = self.lock();
+        for entry in sandboxes.values().filter(|e| !e.deleted) {
+            let _ = events.send(DirectoryEvent::Placed {
+                id: entry.meta.id.clone(),
+                tenant: entry.meta.tenant.clone(),
+            });
+        }
+        // Set while the sandboxes are locked: no change falls between the two.
+        *self.observer.lock().unwrap_or_else(|e| e.into_inner()) = Some(events);
+    }
+
+    /// Tells the observer, if any (called with the sandboxes locked, so events keep the
+    /// order of the changes).
+    fn tell(&self, event: DirectoryEvent) {
+        if let Some(events) = &*self.observer.lock().unwrap_or_else(|e| e.into_inner()) {
+            let _ = events.send(event);
+        }
     }
 
     /// The live sandboxes that mount volume `id`.
@@ -1074,6 +1107,10 @@ impl Registry {
                 writer: Arc::default(),
             },
         );
+        self.tell(DirectoryEvent::Placed {
+            id: meta.id.clone(),
+            tenant: meta.tenant.clone(),
+        });
         Ok(meta)
     }
 
@@ -1589,6 +1626,7 @@ impl Registry {
         std::fs::remove_file(entry.meta.meta_path())
             .map_err(|e| io_error("could not delete the sandbox", &e))?;
         let _ = store::sync_dir(&entry.meta.dir);
+        self.tell(DirectoryEvent::Removed { id: id.to_owned() });
         let removed = Removed {
             ids: vec![id.to_owned()],
             handles: entry
@@ -1638,6 +1676,9 @@ impl Registry {
                 .filter(|e| !e.meta.live_at(now) && e.running.is_none())
                 .map(|e| e.meta.id.clone())
                 .collect();
+            for id in &ids {
+                self.tell(DirectoryEvent::Removed { id: id.clone() });
+            }
             ids.iter().filter_map(|id| sandboxes.remove(id)).collect()
         };
         for kept in &removed.paused {

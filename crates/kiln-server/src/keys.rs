@@ -305,14 +305,18 @@ pub async fn create(
     };
     let dir = state.data_dir.clone();
     let (record, key) = on_file(move || {
-        if auth::list_keys(&dir)?.len() >= MAX_KEYS {
-            return Ok(Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "TOO_MANY_KEYS",
-                format!("this server holds its most keys ({MAX_KEYS}): revoke some first"),
-            )));
-        }
-        auth::create_key_with(&dir, &name, body.tenant.as_deref(), quotas, grant).map(Ok)
+        // Counted under the lock that writes the new key: keys made at once never pass it.
+        auth::create_key_within(&dir, &name, body.tenant.as_deref(), quotas, grant, MAX_KEYS).map(
+            |made| {
+                made.ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::CONFLICT,
+                        "TOO_MANY_KEYS",
+                        format!("this server holds its most keys ({MAX_KEYS}): revoke some first"),
+                    )
+                })
+            },
+        )
     })
     .await?;
     tracing::info!(key = %record.id, tenant = %record.tenant, admin = record.admin, by = %caller.key_id, "key made");

@@ -14,6 +14,7 @@ pub mod agent;
 pub mod api;
 pub mod boxes;
 pub mod chat;
+pub mod cluster;
 pub mod console;
 pub mod e2b;
 pub mod error;
@@ -83,6 +84,8 @@ pub struct AppState {
     pub workflows: workflows::Workflows,
     /// The data folder (`keys.json` for the admin routes).
     pub data_dir: PathBuf,
+    /// This server's part in a cluster (`--database`), once it has joined.
+    pub cluster: std::sync::OnceLock<Arc<cluster::Cluster>>,
 }
 
 /// Server settings.
@@ -125,6 +128,8 @@ pub struct ServerConfig {
     pub e2b: Option<(SocketAddr, e2b::E2bConfig)>,
     /// The isolation tiers as found at start (`/readyz`); empty: not reported.
     pub tiers: Vec<api::Tier>,
+    /// Join a cluster (`--database`); `None`: a server on its own.
+    pub cluster: Option<cluster::ClusterConfig>,
 }
 
 impl AppState {
@@ -182,6 +187,7 @@ impl AppState {
                     .map_err(std::io::Error::other)?,
             ),
             data_dir: config.data_dir.clone(),
+            cluster: std::sync::OnceLock::new(),
         })
     }
 }
@@ -192,6 +198,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/chat", post(chat::chat))
         .route("/templates", get(templates::list))
         .route("/me", get(keys::me))
+        .route("/cluster", get(cluster::view))
         .route("/keys", get(keys::list).post(keys::create))
         .route(
             "/keys/{key}",
@@ -358,6 +365,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .fallback(api::not_found)
         // Innermost first: each layer wraps those above it.
+        .layer(from_fn_with_state(state.clone(), cluster::elsewhere))
         .layer(from_fn_with_state(
             kiln_http::error::RouterErrors::new(MAX_BODY_BYTES),
             gate::json_errors,
@@ -378,6 +386,10 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// Runs the server until ctrl-c or SIGTERM; running requests finish first.
 pub async fn serve(config: ServerConfig, pools: Pools) -> std::io::Result<()> {
     let state = Arc::new(AppState::open(&config, pools)?);
+    if let Some(cluster) = &config.cluster {
+        let joined = cluster::join(cluster, state.runtime.clone()).await?;
+        let _ = state.cluster.set(joined);
+    }
     state.runtime.start_events();
     workflows::resume_all(&state);
     let ticking = state.clone();

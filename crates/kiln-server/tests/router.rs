@@ -53,6 +53,7 @@ fn app(auth: bool) -> App {
         max_life_ms: None,
         e2b: None,
         tiers: Vec::new(),
+        cluster: None,
         admission: Default::default(),
         worker_jail: Default::default(),
     };

@@ -124,6 +124,7 @@ async fn tool_round_trips(iterations: usize) -> anyhow::Result<Vec<f64>> {
         max_life_ms: None,
         e2b: None,
         tiers: Vec::new(),
+        cluster: None,
         admission: Default::default(),
         worker_jail: Default::default(),
         // Overhead, not quotas, is measured: every run keeps a session.

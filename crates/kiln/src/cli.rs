@@ -71,7 +71,7 @@ pub enum Command {
         linux: LinuxArgs,
     },
     /// Serve the platform HTTP API (sandboxes, exec, sessions, files, history; docs at /docs).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Serve MCP (Model Context Protocol) over stdin/stdout: run_python, run_javascript,
     /// sessions and file tools for any MCP client. Needs no LLM.
     Mcp {
@@ -181,6 +181,21 @@ pub struct ServeArgs {
     /// idles `lifecycle.terminateAfterIdleMs` (default 7 days), however long that is.
     #[arg(long, env = "KILN_MAX_SANDBOX_LIFE", value_parser = parse_life_ms)]
     pub max_sandbox_life: Option<u64>,
+    /// Be a node of a cluster whose state is in this Postgres (`postgres://user@host/db`):
+    /// the node joins with a lease it renews, and the nodes share the directory of their
+    /// sandboxes (see docs/cluster.md). Unset (the default): a server on its own.
+    #[arg(long, env = "KILN_DATABASE", value_name = "URL")]
+    pub database: Option<String>,
+    /// This node's id in the cluster (default: the host's name).
+    #[arg(long, env = "KILN_NODE_ID")]
+    pub node_id: Option<String>,
+    /// Where other nodes and clients reach this node (default: http:// and --listen).
+    #[arg(long, env = "KILN_ADVERTISE", value_name = "URL")]
+    pub advertise: Option<String>,
+    /// How long the node's lease lasts without renewal before the cluster declares it
+    /// lost with its sandboxes; it renews every third of it.
+    #[arg(long, env = "KILN_NODE_LEASE", default_value = "10s", value_parser = parse_duration_ms)]
+    pub node_lease: u64,
     /// Run a language's code in a template of your choice where a request names no sandbox
     /// (MCP's run tools, the chat agent, default sandboxes): `python=linux-python`,
     /// `javascript=linux-node`; repeatable. Default: the WebAssembly templates.

@@ -291,6 +291,11 @@ pub fn show(file: &FileConfig, cli: clap::Command, sub: &str) -> anyhow::Result<
             continue;
         }
         let line = match matches.value_source(id) {
+            // A list the file set to none (`public-host = []`; the fuzz target kiln_toml
+            // found it shown as unset).
+            None if applied.contains(&(sub.into(), id.into())) => {
+                format!("{long} = []  # kiln.toml")
+            }
             None => format!("# {long} = (unset)"),
             Some(origin) => {
                 let origin = match origin {

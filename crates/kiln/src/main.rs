@@ -207,7 +207,7 @@ fn run(cli: Cli, file: &config::FileConfig) -> anyhow::Result<ExitCode> {
         Command::Doctor { linux, json } => doctor::run(&linux, json),
         Command::Rest(args) => rest_cmd::run(args),
         Command::Runner(args) => runner_cmd::run(args),
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Mcp {
             data_dir: dir,
             workers,
@@ -434,6 +434,15 @@ pub fn prepare_before_send(config: &mut kiln_executor::PoolConfig) {
     config.before_send = Some(kiln_executor::BeforeSend(std::sync::Arc::new(work)));
 }
 
+/// This host's name (a node's default id).
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "kiln".into())
+}
+
 fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     prepare_runtimes()?;
     let data_dir = data_dir(args.data_dir.clone())?;
@@ -493,6 +502,18 @@ fn serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
             )
         }),
         tiers: doctor::tiers(&args.linux_args, args.linux),
+        cluster: args
+            .database
+            .clone()
+            .map(|database| kiln_server::cluster::ClusterConfig {
+                database,
+                node_id: args.node_id.clone().unwrap_or_else(host_name),
+                advertise: args
+                    .advertise
+                    .clone()
+                    .unwrap_or_else(|| format!("http://{}", args.listen)),
+                lease: std::time::Duration::from_millis(args.node_lease.max(1000)),
+            }),
     };
     let idle = kiln_native::backend::IdlePolicy {
         idle: std::time::Duration::from_millis(args.linux_args.box_idle),

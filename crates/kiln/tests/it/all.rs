@@ -1454,6 +1454,15 @@ fn settings_come_from_flags_then_environment_then_kiln_toml() -> TestResult {
         "{shown}"
     );
     assert!(!shown.contains("file-secret-token"), "{shown}");
+    // A list set to none is shown as the file's, not as unset (the kiln_toml fuzz target).
+    std::fs::write(dir.path().join("empty.toml"), "[serve]\npublic-host = []\n")?;
+    let empty = kiln()
+        .args(["--config"])
+        .arg(dir.path().join("empty.toml"))
+        .args(["config", "serve"])
+        .output()?;
+    let shown = text(&empty.stdout);
+    assert!(shown.contains("public-host = []  # kiln.toml"), "{shown}");
     Ok(())
 }
 

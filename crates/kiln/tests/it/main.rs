@@ -4,6 +4,7 @@
 
 mod all;
 mod chat;
+mod cluster;
 mod common;
 mod egress;
 mod fork;
