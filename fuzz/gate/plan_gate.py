@@ -13,8 +13,9 @@ Invariant (the differential): a plan that passes the gate reaches no refused cap
 Watched while it runs:
 - every audit event (sys.addaudithook): plan code raises none, except opening, listing
   and changing files inside the tenant's folder (safe_open and the store), `builtins.id`,
-  the standard library loading a module of its own lazily (the plan is not given it), and
-  typing compiling (never running) a string type argument into a forward reference;
+  the standard library loading a module of its own lazily (the plan is not given it),
+  typing compiling (never running) a string type argument into a forward reference, and
+  CPython reporting an exception raised in a plan's `__del__`;
 - every call of a builtin the gate refuses by name (sys.setprofile `c_call`): exec, eval,
   compile, __import__ (kiln's guarded import is not it), open, getattr, setattr, vars, ...;
 - what the plan leaves in its namespace and returns: never a real module, frame, code
@@ -106,8 +107,12 @@ def inside(path):
 
 
 lazy_imports = set()
-# Events that hand a plan nothing: id() (the standard library hashes objects by it).
-BENIGN_EVENTS = {"builtins.id"}
+# Events that hand a plan nothing: id() (the standard library hashes objects by it), and
+# CPython reporting an exception a plan's __del__ raised (sys.unraisablehook).
+BENIGN_EVENTS = {"builtins.id", "sys.unraisablehook"}
+# Set when the watch's own line budget stopped a plan: CPython then drops the trace
+# function, which raises sys.settrace (the watch's doing, not the plan's).
+budget_spent = False
 
 
 def forward_reference(frame):
@@ -139,7 +144,7 @@ def audit(event, args):
         return
     if event == "exec" and args and args[0] is running:
         return
-    if event in BENIGN_EVENTS:
+    if event in BENIGN_EVENTS or (event == "sys.settrace" and budget_spent):
         return
     if event in PATH_EVENTS:
         paths = [a for a in args[:2] if isinstance(a, (str, bytes))]
@@ -448,8 +453,10 @@ def run_plan(code, stats):
     lines = [0]
 
     def tracer(frame, event, arg):
+        global budget_spent
         lines[0] += 1
         if lines[0] > LINE_BUDGET:
+            budget_spent = True
             raise TimeoutError("the fuzzer's line budget")
         return tracer
 
@@ -461,8 +468,9 @@ def run_plan(code, stats):
     )
     del violations[:]
     scope = None
-    global running
+    global running, budget_spent
     running = compiled
+    budget_spent = False
     printed = io.StringIO()
     sys.settrace(tracer)
     sys.setprofile(profile)

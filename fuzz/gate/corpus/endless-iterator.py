@@ -1,0 +1,3 @@
+import itertools as e
+s = e.count()
+f = [[] for a in s]
