@@ -324,12 +324,22 @@ pub fn show(file: &FileConfig, cli: clap::Command, sub: &str) -> anyhow::Result<
     for (name, what) in ENVIRONMENT {
         let value = match std::env::var(name) {
             Ok(_) if secret(name) => format!("{name} = \"<redacted>\""),
-            Ok(v) => format!("{name} = {}", toml::Value::String(v)),
+            Ok(v) => format!("{name} = {}", one_line(&v)),
             Err(_) => format!("{name} unset"),
         };
         out.push_str(&format!("# {value}  ({what})\n"));
     }
     Ok(out)
+}
+
+/// Text as a TOML basic string on one line (a JSON string is one: `\n`, `\t`, `\"`, `\\`
+/// and `\uXXXX` are TOML's escapes too). toml's own writer picks a multi-line string for
+/// text with a line break, which split a setting over lines (the fuzz target kiln_toml).
+fn one_line(text: &str) -> String {
+    // JSON leaves DEL bare, which TOML does not take in a string.
+    serde_json::to_string(text)
+        .unwrap_or_else(|_| "\"\"".into())
+        .replace('\u{7f}', "\\u007f")
 }
 
 /// A value as TOML: numbers and booleans bare, everything else quoted, lists as arrays.
@@ -344,7 +354,7 @@ fn render(arg: &clap::Arg, matches: &ArgMatches, id: &str, redact: bool) -> Stri
         } else if v == "true" || v == "false" || v.parse::<i64>().is_ok() {
             v.to_string()
         } else {
-            toml::Value::String(v.to_string()).to_string()
+            one_line(v)
         }
     };
     if matches!(arg.get_action(), ArgAction::Append) {

@@ -1455,7 +1455,11 @@ fn settings_come_from_flags_then_environment_then_kiln_toml() -> TestResult {
     );
     assert!(!shown.contains("file-secret-token"), "{shown}");
     // A list set to none is shown as the file's, not as unset (the kiln_toml fuzz target).
-    std::fs::write(dir.path().join("empty.toml"), "[serve]\npublic-host = []\n")?;
+    // A value with a line break stays on its line (the fuzz target kiln_toml).
+    std::fs::write(
+        dir.path().join("empty.toml"),
+        "[serve]\npublic-host = []\nstate-dir = \"/run/a\\nb\"\n",
+    )?;
     let empty = kiln()
         .args(["--config"])
         .arg(dir.path().join("empty.toml"))
@@ -1463,6 +1467,10 @@ fn settings_come_from_flags_then_environment_then_kiln_toml() -> TestResult {
         .output()?;
     let shown = text(&empty.stdout);
     assert!(shown.contains("public-host = []  # kiln.toml"), "{shown}");
+    assert!(
+        shown.contains("state-dir = \"/run/a\\nb\"  # kiln.toml"),
+        "{shown}"
+    );
     Ok(())
 }
 
