@@ -42,6 +42,27 @@ impl Utf8Carry {
     }
 }
 
+/// A run's stdout and stderr, each decoded by its own [`Utf8Carry`].
+#[derive(Debug, Default)]
+pub struct OutputCarry {
+    out: Utf8Carry,
+    err: Utf8Carry,
+}
+
+impl OutputCarry {
+    /// The text of a chunk of stdout (or stderr), as [`Utf8Carry::push`].
+    pub fn push(&mut self, stderr: bool, data: &[u8]) -> String {
+        if stderr { &mut self.err } else { &mut self.out }.push(data)
+    }
+
+    /// At the run's end: what each stream still held, `(stderr, text)`, when not empty.
+    pub fn finish(&mut self) -> impl Iterator<Item = (bool, String)> {
+        [(false, self.out.finish()), (true, self.err.finish())]
+            .into_iter()
+            .filter(|(_, text)| !text.is_empty())
+    }
+}
+
 /// The length of the longest prefix that does not end inside a character that the next
 /// bytes could still complete. Invalid bytes before that point stay in the prefix (they
 /// decode to U+FFFD the same now as later).

@@ -7,7 +7,7 @@
 //! The conversation is the caller's: messages in, messages out. The sandbox is named in the
 //! reply so the next request can continue in it.
 
-use kiln_http::stream::Utf8Carry;
+use kiln_http::stream::OutputCarry;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -647,7 +647,7 @@ fn relay_output(
             }
         };
         // A character cut between two chunks arrives whole.
-        let (mut out, mut err) = (Utf8Carry::default(), Utf8Carry::default());
+        let mut carry = OutputCarry::default();
         while let Some(chunk) = chunks_rx.recv().await {
             let stderr = match chunk.stream {
                 StreamKind::Display => {
@@ -661,16 +661,13 @@ fn relay_output(
                 }
                 kind => kind == StreamKind::Stderr,
             };
-            let text = if stderr { &mut err } else { &mut out }.push(&chunk.data);
+            let text = carry.push(stderr, &chunk.data);
             if !text.is_empty() {
                 let _ = events.send(output(stderr, text));
             }
         }
-        for (stderr, carry) in [(false, &mut out), (true, &mut err)] {
-            let text = carry.finish();
-            if !text.is_empty() {
-                let _ = events.send(output(stderr, text));
-            }
+        for (stderr, text) in carry.finish() {
+            let _ = events.send(output(stderr, text));
         }
     });
     (chunks_tx, relay)

@@ -218,12 +218,8 @@ pub async fn view(
     State(state): State<Arc<AppState>>,
     axum::Extension(caller): axum::Extension<Caller>,
 ) -> Result<Json<ClusterView>, ApiError> {
-    if matches!(state.auth, kiln_runtime::auth::Auth::Keys(_)) && !caller.admin {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "ADMIN_ONLY",
-            "this needs an admin key (`kiln keys create --admin` on the server's machine)",
-        ));
+    if matches!(state.auth, kiln_runtime::auth::Auth::Keys(_)) {
+        crate::keys::require_admin(&caller)?;
     }
     let Some(cluster) = state.cluster.get() else {
         return Err(ApiError::new(

@@ -194,6 +194,11 @@ fn admin_only(state: &AppState, caller: &Caller) -> Result<(), ApiError> {
             "this server runs without keys (--no-auth): there are none to manage; make keys with `kiln keys create` and serve without --no-auth",
         ));
     }
+    require_admin(caller)
+}
+
+/// 403 `ADMIN_ONLY` unless the caller's key is an admin key.
+pub(crate) fn require_admin(caller: &Caller) -> Result<(), ApiError> {
     if !caller.admin {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,

@@ -627,10 +627,7 @@ fn start_streaming(
         if begun_rx.await.is_ok() {
             let _ = forward.send(StreamEvent::Start(exec_id));
         }
-        let (mut out, mut err) = (
-            kiln_http::stream::Utf8Carry::default(),
-            kiln_http::stream::Utf8Carry::default(),
-        );
+        let mut carry = kiln_http::stream::OutputCarry::default();
         while let Some(chunk) = chunks_rx.recv().await {
             let stderr = match chunk.stream {
                 StreamKind::Display => {
@@ -641,18 +638,14 @@ fn start_streaming(
                 }
                 kind => kind == StreamKind::Stderr,
             };
-            let carry = if stderr { &mut err } else { &mut out };
-            let text = carry.push(&chunk.data);
+            let text = carry.push(stderr, &chunk.data);
             if !text.is_empty() {
                 let _ = forward.send(StreamEvent::Output { stderr, text });
             }
         }
         // A character the output's last bytes began and never finished.
-        for (stderr, carry) in [(false, &mut out), (true, &mut err)] {
-            let text = carry.finish();
-            if !text.is_empty() {
-                let _ = forward.send(StreamEvent::Output { stderr, text });
-            }
+        for (stderr, text) in carry.finish() {
+            let _ = forward.send(StreamEvent::Output { stderr, text });
         }
     });
     tokio::spawn(async move {
